@@ -1,0 +1,37 @@
+"""Start torch.distributed (and DeepSpeed's comm layer over it) from the launcher's environment.
+
+Works under `deepspeed`, `torchrun`, `accelerate launch` (RANK/WORLD_SIZE/MASTER_ADDR set) and
+plain `python` (one rank: a local rendezvous is made up). NCCL on CUDA, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(timeout_minutes: float = 10.0) -> None:
+    """Initialise torch.distributed from the environment if needed, then DeepSpeed's comm."""
+    import deepspeed
+
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"] if os.environ["WORLD_SIZE"] == "1" else "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            from hybrid.testing import free_port
+            os.environ["MASTER_PORT"] = str(free_port())
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(default_backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
+    # Wraps the existing process group; DeepSpeed's grid and engine call deepspeed.comm.
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
+                               timeout=datetime.timedelta(minutes=timeout_minutes))

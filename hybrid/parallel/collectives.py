@@ -1,0 +1,78 @@
+"""Small device-agnostic collectives over an explicit process group.
+
+Each one is a no-op (or a plain view) when the group has one rank, so TP = 1 costs nothing.
+The device is whatever the tensor lives on: NCCL on CUDA, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    """Number of ranks in `group` (1 when distributed is not initialised)."""
+    if not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group=group)
+
+
+def group_rank(group) -> int:
+    """This rank's index inside `group` (0 when distributed is not initialised)."""
+    if not dist.is_initialized():
+        return 0
+    return dist.get_rank(group=group)
+
+
+def _all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
+    # torch >= 2.10 renamed all_gather_into_tensor; look it up at call time so tests can count it.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, tensor, group=group)
+
+
+def _reduce_scatter_single(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, tensor, group=group)
+
+
+def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce (sum by default) `tensor` over `group`, in place; returns it."""
+    if group_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def split_along_dim(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's contiguous chunk of `tensor` along `dim` (no communication)."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    if tensor.size(dim) % world != 0:
+        raise ValueError(f"dimension {dim} of size {tensor.size(dim)} does not divide over {world} ranks")
+    return tensor.chunk(world, dim=dim)[group_rank(group)].contiguous()
+
+
+def all_gather_along_dim(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate every rank's `tensor` along `dim`, in rank order."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    tensor = tensor.movedim(dim, 0).contiguous()
+    output = torch.empty((world * tensor.size(0),) + tuple(tensor.shape[1:]),
+                         dtype=tensor.dtype, device=tensor.device)
+    _all_gather_single(output, tensor, group)
+    return output.movedim(0, dim).contiguous()
+
+
+def reduce_scatter_along_dim(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum `tensor` over `group` and keep this rank's chunk along `dim`."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    tensor = tensor.movedim(dim, 0).contiguous()
+    if tensor.size(0) % world != 0:
+        raise ValueError(f"dimension {dim} of size {tensor.size(0)} does not divide over {world} ranks")
+    output = torch.empty((tensor.size(0) // world,) + tuple(tensor.shape[1:]),
+                         dtype=tensor.dtype, device=tensor.device)
+    _reduce_scatter_single(output, tensor, group)
+    return output.movedim(0, dim).contiguous()

@@ -1,0 +1,68 @@
+"""Cross-entropy over logits whose vocabulary dimension is split across TP ranks.
+
+The full-vocabulary logits are never gathered: each rank works on its `[..., V/tp]` slice and
+only per-token scalars cross ranks (one MAX all-reduce, one SUM all-reduce of the target logit
+and the softmax denominator together), as in Megatron-LM.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hybrid.parallel import collectives as C
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, ignore_index, vocab_size):
+        rank = C.group_rank(group)
+        part = logits.size(-1)
+        vocab_start = rank * part
+        ctx.logits_dtype = logits.dtype
+        logits = logits.float()
+        if vocab_size is not None and vocab_start + part > vocab_size:
+            # Padded vocabulary rows (Megatron's --make-vocab-size-divisible-by) take no part.
+            padded = torch.arange(vocab_start, vocab_start + part, device=logits.device) >= vocab_size
+            logits = logits.masked_fill(padded, float("-inf"))
+        logits_max = logits.max(dim=-1).values
+        C.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        ignored = target == ignore_index
+        local_target = target - vocab_start
+        outside = (local_target < 0) | (local_target >= part) | ignored
+        local_target = local_target.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = shifted.exp()
+        sums = torch.stack([target_logit, exp.sum(dim=-1)])  # one all-reduce for both
+        C.all_reduce(sums, group)
+        target_logit, sum_exp = sums[0], sums[1]
+
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside, ignored = ctx.saved_tensors
+        grad = softmax.clone()
+        flat = grad.view(-1, grad.size(-1))
+        rows = torch.arange(flat.size(0), device=grad.device)
+        flat[rows, local_target.view(-1)] -= (~outside).view(-1).to(grad.dtype)
+        grad.masked_fill_(ignored.unsqueeze(-1), 0.0)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
+                                 ignore_index: int = -100, vocab_size: Optional[int] = None) -> torch.Tensor:
+    """Per-token loss (fp32, shape of `target`) from TP-split logits `[..., V/tp]`.
+
+    Tokens whose label is `ignore_index` get loss 0 and gradient 0; vocabulary entries at or
+    beyond `vocab_size` (padding) are excluded from the softmax.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, target, group, ignore_index, vocab_size)

@@ -1,0 +1,193 @@
+"""Megatron-style tensor-parallel layers: vocab-parallel embedding, column- and row-parallel linear.
+
+Weights are created full-size on the CPU by an `init_method`, then sharded, so the same seed
+gives the same full weights at any TP degree (Megatron-LM's `--use-cpu-initialization`).
+Sharded parameters carry `tensor_model_parallel=True` (read by DeepSpeed's gradient-norm code),
+`partition_dim` and `partition_stride` (read by conversion and resharding).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybrid.parallel import collectives as C
+from hybrid.parallel import mappings as M
+
+InitMethod = Callable[[torch.Tensor], None]  # fills a full (unsharded) tensor in place
+
+
+def default_init(std: float = 0.02, seed: int = 0) -> InitMethod:
+    """Normal(0, std) from a private generator seeded by `seed`."""
+
+    def init(tensor: torch.Tensor) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            tensor.normal_(0.0, std, generator=generator)
+
+    return init
+
+
+def shard(full: torch.Tensor, dim: int, rank: int, world: int, stride: int = 1) -> torch.Tensor:
+    """This rank's shard of `full` along `dim`.
+
+    With `stride` > 1 the dimension holds `stride` stacked blocks (e.g. SwiGLU's [gate; up]) and
+    each rank takes its chunk of every block, so every rank holds matching gate/up columns.
+    """
+    if world == 1:
+        return full
+    if full.size(dim) % (world * stride) != 0:
+        raise ValueError(f"cannot shard dimension {dim} of size {full.size(dim)} into "
+                         f"{world} ranks x {stride} blocks")
+    blocks = full.chunk(stride, dim=dim)
+    return torch.cat([block.chunk(world, dim=dim)[rank] for block in blocks], dim=dim).contiguous()
+
+
+def unshard(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """Inverse of `shard`: the full tensor from every rank's shard, in rank order."""
+    if len(shards) == 1:
+        return shards[0]
+    pieces = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([torch.cat([p[b] for p in pieces], dim=dim) for b in range(stride)], dim=dim)
+
+
+def _make_parallel_param(full_shape, dim, stride, group, init_method, dtype, device) -> nn.Parameter:
+    full = torch.empty(full_shape, dtype=torch.float32)
+    init_method(full)
+    local = shard(full, dim, C.group_rank(group), C.group_size(group), stride)
+    param = nn.Parameter(local.to(dtype=dtype, device=device))
+    mark_tensor_parallel(param, dim, stride)
+    return param
+
+
+def mark_tensor_parallel(param: torch.Tensor, dim: int, stride: int = 1) -> None:
+    """Tag a TP-sharded parameter with the attributes DeepSpeed and our conversion read."""
+    param.tensor_model_parallel = True
+    param.model_parallel = True
+    param.partition_dim = dim
+    param.partition_stride = stride
+
+
+def mark_sequence_parallel(param: torch.Tensor) -> None:
+    """Tag a replicated parameter whose gradient is summed over TP under sequence parallelism."""
+    param.sequence_parallel = True
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary rows are split over TP ranks.
+
+    Each rank looks up the ids in its range (others give zeros) and the partial results are
+    summed: all-reduce, or with `reduce_scatter_embeddings` a reduce-scatter along dim 0 (the
+    sequence, for sequence parallelism; ids must then be `[s, b]`).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group, init_method: InitMethod,
+                 reduce_scatter_embeddings: bool = False, params_dtype=torch.float32, device=None):
+        super().__init__()
+        self.tp_group = tp_group
+        world = C.group_size(tp_group)
+        if num_embeddings % world != 0:
+            raise ValueError(f"vocabulary size {num_embeddings} does not divide over {world} TP ranks")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.rows_per_rank = num_embeddings // world
+        self.vocab_start = C.group_rank(tp_group) * self.rows_per_rank
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        self.weight = _make_parallel_param((num_embeddings, embedding_dim), 0, 1, tp_group,
+                                           init_method, params_dtype, device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if C.group_size(self.tp_group) > 1:
+            local_ids = ids - self.vocab_start
+            outside = (local_ids < 0) | (local_ids >= self.rows_per_rank)
+            local_ids = local_ids.masked_fill(outside, 0)
+            out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            out = F.embedding(ids, self.weight)
+        if self.reduce_scatter_embeddings:
+            return M.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+        return M.reduce_from_tp_region(out, self.tp_group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns (output features) over TP: each rank computes Y_i.
+
+    Input: full activations (`[s, b, h]`), or with `sequence_parallel` a sequence shard that is
+    all-gathered first (reduce-scattered back in backward). Output: this rank's slice of the
+    features, or the full output with `gather_output`.
+    """
+
+    def __init__(self, input_size: int, output_size: int, tp_group, init_method: InitMethod,
+                 bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
+                 skip_bias_add: bool = False, stride: int = 1, params_dtype=torch.float32, device=None):
+        super().__init__()
+        if gather_output and sequence_parallel:
+            raise ValueError("ColumnParallelLinear: gather_output is incompatible with sequence_parallel")
+        self.tp_group, self.gather_output = tp_group, gather_output
+        self.sequence_parallel, self.skip_bias_add = sequence_parallel, skip_bias_add
+        self.input_size, self.output_size = input_size, output_size
+        # [out, in] -> [out/tp, in]
+        self.weight = _make_parallel_param((output_size, input_size), 0, stride, tp_group,
+                                           init_method, params_dtype, device)
+        if bias:
+            self.bias = _make_parallel_param((output_size,), 0, stride, tp_group,
+                                             nn.init.zeros_, params_dtype, device)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor):
+        if self.sequence_parallel:
+            x = M.gather_from_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, h] -> [s, b, h]
+        else:
+            x = M.copy_to_tp_region(x, self.tp_group)
+        bias = None if self.skip_bias_add else self.bias
+        y = F.linear(x, self.weight, bias)  # [s, b, h] -> [s, b, out/tp]
+        if self.gather_output:
+            y = M.gather_from_tp_region(y, self.tp_group)
+        if self.skip_bias_add:
+            return y, self.bias
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows (input features) over TP: partial products are summed.
+
+    Input: this rank's slice of the features (`input_is_parallel`) or the full input, which is
+    then split. Output: all-reduced, or with `sequence_parallel` reduce-scattered along the
+    sequence. The bias is replicated and added after the reduction; under sequence parallelism
+    its gradient is summed over TP.
+    """
+
+    def __init__(self, input_size: int, output_size: int, tp_group, init_method: InitMethod,
+                 bias: bool = True, input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 skip_bias_add: bool = False, params_dtype=torch.float32, device=None):
+        super().__init__()
+        self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
+        self.sequence_parallel, self.skip_bias_add = sequence_parallel, skip_bias_add
+        self.input_size, self.output_size = input_size, output_size
+        # [out, in] -> [out, in/tp]
+        self.weight = _make_parallel_param((output_size, input_size), 1, 1, tp_group,
+                                           init_method, params_dtype, device)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
+            if sequence_parallel:
+                mark_sequence_parallel(self.bias)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor):
+        if not self.input_is_parallel:
+            x = M.scatter_to_tp_region(x, self.tp_group)
+        partial = F.linear(x, self.weight)  # [s, b, in/tp] -> [s, b, out] (partial sum)
+        if self.sequence_parallel:
+            y = M.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # -> [s/tp, b, out]
+        else:
+            y = M.reduce_from_tp_region(partial, self.tp_group)
+        bias = self.bias
+        if bias is not None and self.sequence_parallel:
+            bias = M.sync_replicated_grad(bias, self.tp_group)
+        if self.skip_bias_add:
+            return y, bias
+        return y if bias is None else y + bias

@@ -1,0 +1,131 @@
+"""Run a function on N CPU ranks (gloo) from pytest, and compare sharded results to references.
+
+Starting a process that imports torch and DeepSpeed takes seconds on a 2-core machine, so ranks
+are kept in a small pool per world size and reused across tests; every task runs on every rank
+of the pool. A task that fails on one rank while the others wait in a collective would hang, so
+a timeout kills the pool (it is rebuilt on the next call) and the failing rank's traceback is
+reported.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # report everything, including assertion failures
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """`world_size` worker processes joined in one gloo process group."""
+
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results),
+                                  daemon=True) for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        outputs: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(outputs) < self.world_size:
+            if any(not ok for ok, _ in outputs.values()):
+                deadline = min(deadline, time.monotonic() + 15)  # the others are likely stuck
+            try:
+                rank, ok, value = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
+                outputs[rank] = (ok, value)
+            except queue.Empty:
+                if time.monotonic() >= deadline or not all(p.is_alive() for p in self.procs):
+                    break
+        failures = {r: v for r, (ok, v) in outputs.items() if not ok}
+        missing = sorted(set(range(self.world_size)) - set(outputs))
+        if failures or missing:
+            self.close(force=True)
+            message = [f"{getattr(fn, '__name__', fn)} failed on {self.world_size} ranks"]
+            for rank, tb in sorted(failures.items()):
+                message.append(f"--- rank {rank} ---\n{tb}")
+            if missing:
+                message.append(f"ranks {missing} gave no result within {timeout:.0f}s "
+                               f"(hung in a collective or died)")
+            raise AssertionError("\n".join(message))
+        return [outputs[r][1] for r in range(self.world_size)]
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        if _POOLS.get(self.world_size) is self:
+            del _POOLS[self.world_size]
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 300, **kwargs) -> list[Any]:
+    """Call `fn(*args, **kwargs)` on each of `world_size` gloo ranks; return the results by rank.
+
+    `fn` must be importable (a module-level function). Raises AssertionError carrying every
+    failing rank's traceback.
+    """
+    pool = _POOLS.get(world_size)
+    if pool is None or not all(p.is_alive() for p in pool.procs):
+        pool = _POOLS[world_size] = RankPool(world_size)
+    return pool.run(fn, args, kwargs, timeout)
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in list(_POOLS.values()):
+        pool.close()
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-5, what: str = "") -> None:
+    """Max-abs-difference check that names the tensor and the difference."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    diff = (actual.detach().double() - expected.detach().double()).abs().max().item() if actual.numel() else 0.0
+    if not diff <= atol:
+        raise AssertionError(f"{what}: max abs diff {diff:.3e} > {atol:.1e}")

@@ -1,0 +1,131 @@
+"""Process groups for tensor x pipeline x data parallelism, built from DeepSpeed's own topology.
+
+The `Topology` wraps DeepSpeed's `PipeModelDataParallelTopology` (axes pipe, data, model:
+model/TP varies fastest, then DP, then PP, the rank order of Megatron-LM) and its
+`PipelineParallelGrid`. The grid is the `mpu` handed to `deepspeed.initialize` and to
+`deepspeed.checkpointing.configure`, so ZeRO partitions within the DP group only and
+activation checkpointing partitions over the TP group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+
+from hybrid.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of parallelism, validated against the world size before any group is built."""
+
+    world_size: int  # number of ranks in the job
+    tensor_parallel: int = 1  # --tensor-model-parallel-size
+    pipeline_parallel: int = 1  # --pipeline-model-parallel-size
+
+    def __post_init__(self):
+        for name, value in (("--tensor-model-parallel-size", self.tensor_parallel),
+                            ("--pipeline-model-parallel-size", self.pipeline_parallel)):
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}.")
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        if self.world_size % model_parallel != 0:
+            raise ConfigError(
+                f"world size {self.world_size} is not a multiple of --tensor-model-parallel-size "
+                f"({self.tensor_parallel}) x --pipeline-model-parallel-size ({self.pipeline_parallel}) "
+                f"= {model_parallel}; launch a multiple of {model_parallel} ranks or change the sizes.")
+
+    @property
+    def data_parallel(self) -> int:
+        """DP degree: what is left of the world after TP and PP."""
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
+
+
+class HybridGrid(PipelineParallelGrid):
+    """DeepSpeed's grid plus the Megatron-style TP accessors that `deepspeed.checkpointing` calls.
+
+    `PipelineParallelGrid` names the TP group the "slice" group and lacks
+    `get_tensor_model_parallel_group`; this adds it (and nothing else).
+    """
+
+    def get_tensor_model_parallel_group(self):
+        return self.get_slice_parallel_group()
+
+    def get_tensor_model_parallel_src_rank(self):
+        """Global rank of TP rank 0 in this rank's TP group (Megatron's mpu API)."""
+        return self.global_rank - self.get_tensor_model_parallel_rank()
+
+
+class Topology:
+    """This rank's place in the TP x PP x DP grid and the process groups for each axis.
+
+    Initialises `torch.distributed` from the environment if needed. Every rank must construct it (group
+    creation is collective). Nothing is stored in module globals: two topologies can
+    coexist in one process.
+    """
+
+    def __init__(self, tensor_parallel: int = 1, pipeline_parallel: int = 1):
+        from hybrid.distributed import init_distributed
+        init_distributed()  # no-op when already initialised; DeepSpeed's grid needs deepspeed.comm
+        self.dims = ParallelDims(dist.get_world_size(), tensor_parallel, pipeline_parallel)
+        self.ds_topology = PipeModelDataParallelTopology(
+            num_pp=self.dims.pipeline_parallel, num_mp=self.dims.tensor_parallel,
+            num_dp=self.dims.data_parallel)
+        self.grid = HybridGrid(topology=self.ds_topology)
+
+    # -- sizes and ranks -------------------------------------------------------------------
+    @property
+    def tp_world_size(self) -> int:
+        return self.dims.tensor_parallel
+
+    @property
+    def pp_world_size(self) -> int:
+        return self.dims.pipeline_parallel
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.dims.data_parallel
+
+    @property
+    def tp_rank(self) -> int:
+        return self.grid.get_tensor_model_parallel_rank()
+
+    @property
+    def pp_rank(self) -> int:
+        return self.grid.get_pipe_parallel_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.grid.get_data_parallel_rank()
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_world_size - 1
+
+    # -- groups ------------------------------------------------------------------------------
+    @property
+    def tp_group(self):
+        return self.grid.get_tensor_model_parallel_group()
+
+    @property
+    def pp_group(self):
+        return self.grid.get_pipe_parallel_group()
+
+    @property
+    def dp_group(self):
+        return self.grid.get_data_parallel_group()
+
+    @property
+    def mpu(self) -> HybridGrid:
+        """The object DeepSpeed calls `mpu`."""
+        return self.grid
+
+    def __repr__(self) -> str:
+        return (f"Topology(tp={self.tp_world_size}, pp={self.pp_world_size}, dp={self.dp_world_size}; "
+                f"rank tp={self.tp_rank} pp={self.pp_rank} dp={self.dp_rank})")

@@ -1,0 +1,52 @@
+"""The TP x PP x DP grid: Megatron rank order, DeepSpeed mpu API, clear errors."""
+
+import pytest
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+from hybrid.errors import ConfigError
+from hybrid.testing import run_on_ranks
+from hybrid.topology import ParallelDims
+
+
+def test_rank_order_is_tp_fastest_then_dp_then_pp():
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+    assert topo.get_axis_comm_lists("model") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert topo.get_axis_comm_lists("data") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert topo.get_axis_comm_lists("pipe") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_world_size_not_multiple_of_tp_times_pp_is_a_clear_error():
+    with pytest.raises(ConfigError, match=r"world size 6 .*--tensor-model-parallel-size \(4\)"):
+        ParallelDims(world_size=6, tensor_parallel=4)
+    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size"):
+        ParallelDims(world_size=4, tensor_parallel=1, pipeline_parallel=0)
+    assert ParallelDims(world_size=8, tensor_parallel=2, pipeline_parallel=2).data_parallel == 2
+
+
+def _describe(tp, pp):
+    import torch
+    import torch.distributed as dist
+    from hybrid.topology import Topology
+    topo = Topology(tensor_parallel=tp, pipeline_parallel=pp)
+    mpu = topo.mpu
+    # the group objects must contain the ranks the grid claims
+    t = torch.tensor([dist.get_rank()], dtype=torch.float32)
+    dist.all_reduce(t, group=topo.tp_group)
+    return dict(rank=dist.get_rank(), tp=topo.tp_rank, pp=topo.pp_rank, dp=topo.dp_rank,
+                dp_world=mpu.get_data_parallel_world_size(), tp_world=mpu.get_tensor_model_parallel_world_size(),
+                tp_sum=t.item(), first=topo.is_first_stage, last=topo.is_last_stage,
+                has_tp_group=mpu.get_tensor_model_parallel_group() is mpu.get_slice_parallel_group())
+
+
+def test_topology_groups_on_four_ranks_tp2_pp2():
+    out = run_on_ranks(_describe, 4, 2, 2)
+    assert [(o["tp"], o["pp"], o["dp"]) for o in out] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+    assert [o["tp_sum"] for o in out] == [1, 1, 5, 5]
+    assert [o["first"] for o in out] == [True, True, False, False]
+    assert all(o["has_tp_group"] and o["tp_world"] == 2 and o["dp_world"] == 1 for o in out)
+
+
+def test_topology_groups_on_four_ranks_tp2_dp2():
+    out = run_on_ranks(_describe, 4, 2, 1)
+    assert [(o["tp"], o["dp"]) for o in out] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert all(o["dp_world"] == 2 and o["first"] and o["last"] for o in out)
