@@ -52,7 +52,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax.clone()
         flat = grad.view(-1, grad.size(-1))
         rows = torch.arange(flat.size(0), device=grad.device)
-        flat[rows, local_target.view(-1)] -= (~outside).view(-1).to(grad.dtype)
+        flat[rows, local_target.reshape(-1)] -= (~outside).reshape(-1).to(grad.dtype)
         grad.masked_fill_(ignored.unsqueeze(-1), 0.0)
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None, None, None

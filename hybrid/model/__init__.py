@@ -1,0 +1,1 @@
+"""Config-free building blocks of the decoder-only transformer and the models made of them."""

@@ -1,0 +1,125 @@
+"""Causal self-attention: fused QKV (column-parallel), core attention backends, output (row-parallel).
+
+QKV layout, shared with Megatron-LM and our HF conversion: the fused output features are grouped
+per KV head (query group): for each group its `heads/groups` query heads, then its key head,
+then its value head. Splitting that dimension contiguously over TP keeps whole groups per rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybrid.model.init import normal_init, output_layer_std
+from hybrid.model.rotary import RotaryEmbedding, apply_rotary
+from hybrid.parallel import collectives as C
+from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from hybrid.parallel.random import fork_tp_rng
+
+try:  # optional GPU extra
+    from flash_attn import flash_attn_func
+except Exception:  # ImportError, or a broken CUDA build
+    flash_attn_func = None
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v with a causal mask and attention dropout; no parameters.
+
+    Backends: flash-attn (with `use_flash_attn`, when importable, on CUDA, fp16/bf16);
+    an explicit fp32-softmax path for `apply_query_key_layer_scaling` under fp16 (Megatron's
+    numerics: scores divided by an extra layer-number factor, restored inside the fp32 softmax);
+    otherwise torch's scaled_dot_product_attention.
+    """
+
+    def __init__(self, config, layer_number: int):
+        super().__init__()
+        self.dropout = config.attention_dropout
+        self.use_flash_attn = config.use_flash_attn
+        self.query_key_layer_scaling = config.apply_query_key_layer_scaling
+        self.layer_number = max(1, layer_number + 1)  # Megatron counts layers from 1
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    def backend(self, q: torch.Tensor) -> str:
+        if (self.use_flash_attn and flash_attn_func is not None and q.is_cuda
+                and q.dtype in (torch.float16, torch.bfloat16)):
+            return "flash"
+        if self.query_key_layer_scaling and q.dtype == torch.float16:
+            return "scaled_math"
+        return "sdpa"
+
+    def forward(self, q, k, v):
+        """q [s, b, nq, d], k/v [s, b, ng, d] -> context [s, b, nq*d]."""
+        s, b, nq, d = q.shape
+        dropout = self.dropout if self.training else 0.0
+        backend = self.backend(q)
+        with fork_tp_rng():  # heads are TP-sharded: dropout masks must differ per TP rank
+            if backend == "flash":  # flash-attn takes [b, s, heads, d] and handles GQA itself
+                out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                      dropout_p=dropout, softmax_scale=self.scale, causal=True)
+                return out.transpose(0, 1).reshape(s, b, nq * d)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, heads, s, d]
+            if k.size(1) != nq:  # GQA: each KV head serves its group's consecutive query heads
+                k = k.repeat_interleave(nq // k.size(1), dim=1)
+                v = v.repeat_interleave(nq // v.size(1), dim=1)
+            if backend == "scaled_math":
+                out = self._scaled_math(q, k, v, dropout)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.scale)
+        return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)  # [b, n, s, d] -> [s, b, n*d]
+
+    def _scaled_math(self, q, k, v, dropout):
+        coeff = float(self.layer_number)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (self.scale / coeff)  # fp16, kept small
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        probs = torch.softmax((scores.float() * coeff).masked_fill(causal, float("-inf")), dim=-1)
+        probs = F.dropout(probs, dropout).to(q.dtype)
+        return torch.matmul(probs, v)
+
+
+class SelfAttention(nn.Module):
+    """Fused QKV projection, optional RoPE, core attention, output projection: one TP all-reduce."""
+
+    def __init__(self, config, tp_group, layer_number: int, name: str):
+        super().__init__()
+        tp = C.group_size(tp_group)
+        self.config = config
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.groups_per_rank = config.num_query_groups // tp
+        self.head_dim = config.head_dim
+        qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * config.head_dim
+        self.qkv = ColumnParallelLinear(
+            config.hidden_size, qkv_size, tp_group,
+            normal_init(config.seed, f"{name}.qkv.weight", config.init_method_std),
+            bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
+            params_dtype=config.params_dtype)
+        self.core = CoreAttention(config, layer_number)
+        self.dense = RowParallelLinear(
+            config.num_attention_heads * config.head_dim, config.hidden_size, tp_group,
+            normal_init(config.seed, f"{name}.dense.weight",
+                        output_layer_std(config.init_method_std, config.num_layers)),
+            bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=config.sequence_parallel,
+            params_dtype=config.params_dtype)
+        self.rotary = (RotaryEmbedding(config.head_dim, config.rotary_base)
+                       if config.position_embedding_type == "rope" else None)
+        self.recompute_core = config.recompute_granularity == "selective"
+
+    def forward(self, x):
+        qkv = self.qkv(x)  # [s(/tp), b, h] -> [s, b, groups/tp * (heads_per_group + 2) * d]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.groups_per_rank, self.heads_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.head_dim)  # [s, b, nq/tp, d]
+        k, v = qkv[:, :, :, self.heads_per_group], qkv[:, :, :, self.heads_per_group + 1]  # [s, b, ng/tp, d]
+        if self.rotary is not None:
+            cos, sin = self.rotary(s, x.device)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            import deepspeed
+            # Selective recompute (Korthikanti et al. 2022): keep q, k, v; recompute the
+            # s x s scores, softmax and dropout in backward. DeepSpeed restores the RNG states.
+            context = deepspeed.checkpointing.checkpoint(self.core, q, k, v)
+        else:
+            context = self.core(q, k, v)
+        return self.dense(context)  # [s, b, nq/tp * d] -> [s(/tp), b, h]

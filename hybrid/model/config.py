@@ -1,0 +1,98 @@
+"""The transformer's shape and options, named as Megatron-LM's flags."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from hybrid.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only transformer: GPT-2 style by default, Llama style with the flags noted."""
+
+    num_layers: int = 2  # --num-layers
+    hidden_size: int = 64  # --hidden-size
+    num_attention_heads: int = 4  # --num-attention-heads
+    vocab_size: int = 1024  # tokenizer vocabulary (before padding)
+    max_position_embeddings: int = 128  # --max-position-embeddings (learned positions table size)
+    ffn_hidden_size: Optional[int] = None  # --ffn-hidden-size; default 4h (SwiGLU: 8h/3 rounded to 64)
+    num_query_groups: Optional[int] = None  # --num-query-groups (GQA); None = one group per head
+    position_embedding_type: str = "learned_absolute"  # --position-embedding-type learned_absolute|rope
+    rotary_base: float = 10000.0  # --rotary-base
+    normalization: str = "LayerNorm"  # --normalization LayerNorm|RMSNorm
+    norm_epsilon: float = 1e-5  # --norm-epsilon
+    swiglu: bool = False  # --swiglu (gated SiLU MLP instead of GeLU)
+    add_bias_linear: bool = True  # --disable-bias-linear sets False
+    untie_embeddings_and_output_weights: bool = False  # --untie-embeddings-and-output-weights
+    hidden_dropout: float = 0.1  # --hidden-dropout
+    attention_dropout: float = 0.1  # --attention-dropout
+    init_method_std: float = 0.02  # --init-method-std
+    make_vocab_size_divisible_by: int = 128  # --make-vocab-size-divisible-by
+    apply_query_key_layer_scaling: bool = False  # --apply-query-key-layer-scaling (fp16 numerics)
+    use_flash_attn: bool = False  # --use-flash-attn (used when importable on CUDA with fp16/bf16)
+    recompute_granularity: Optional[str] = None  # --recompute-granularity full|selective
+    recompute_method: str = "uniform"  # --recompute-method uniform|block
+    recompute_num_layers: int = 1  # --recompute-num-layers
+    sequence_parallel: bool = False  # --sequence-parallel
+    params_dtype: torch.dtype = torch.float32  # fp32, or bf16/fp16 with --bf16/--fp16
+    seed: int = 1234  # --seed: the full weights depend on it alone, not on the layout
+
+    def __post_init__(self):
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            if self.swiglu:  # Megatron-LM's default keeps the parameter count of a 4h GeLU MLP
+                self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64 or 4 * self.hidden_size
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vocabulary rounded up to a multiple of make-vocab-size-divisible-by x TP, as Megatron-LM."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def validate(self, tp: int = 1) -> None:
+        """Every shape rule, checked once before a model is built; errors name the flag."""
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ConfigError(f"--hidden-size {self.hidden_size} must be divisible by "
+                              f"--num-attention-heads {self.num_attention_heads}.")
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise ConfigError(f"--num-attention-heads {self.num_attention_heads} must be divisible by "
+                              f"--num-query-groups {self.num_query_groups}.")
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            raise ConfigError(f"--position-embedding-type must be learned_absolute or rope, "
+                              f"got {self.position_embedding_type!r}.")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ConfigError(f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}.")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ConfigError(f"--recompute-granularity must be full or selective, "
+                              f"got {self.recompute_granularity!r}.")
+        if self.recompute_method not in ("uniform", "block"):
+            raise ConfigError(f"--recompute-method must be uniform or block, got {self.recompute_method!r}.")
+        if self.position_embedding_type == "rope" and self.head_dim % 2 != 0:
+            raise ConfigError(f"rope needs an even head dimension; --hidden-size / --num-attention-heads "
+                              f"= {self.head_dim}.")
+        if tp > 1:
+            if self.num_attention_heads % tp != 0:
+                raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                                  f"--tensor-model-parallel-size {tp}.")
+            if self.num_query_groups % tp != 0:
+                raise ConfigError(f"--num-query-groups {self.num_query_groups} is not divisible by "
+                                  f"--tensor-model-parallel-size {tp}; use a TP size that divides it.")
+            if self.ffn_hidden_size % tp != 0:
+                raise ConfigError(f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
+                                  f"--tensor-model-parallel-size {tp}.")

@@ -1,0 +1,110 @@
+"""Input embedding (vocab-parallel words + learned positions) and the output head and LM loss."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybrid.model.init import normal_init, vocab_rows_init
+from hybrid.parallel import collectives as C
+from hybrid.parallel import mappings as M
+from hybrid.parallel.cross_entropy import vocab_parallel_cross_entropy
+from hybrid.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from hybrid.parallel.random import fork_tp_rng
+
+
+def _word_init(config):
+    return vocab_rows_init(normal_init(config.seed, "embedding.word_embeddings.weight", config.init_method_std),
+                           config.vocab_size)
+
+
+class Embedding(nn.Module):
+    """token ids [b, s] -> hidden [s, b, h] (with SP: this rank's sequence shard [s/tp, b, h])."""
+
+    def __init__(self, config, tp_group):
+        super().__init__()
+        self.config, self.tp_group = config, tp_group
+        padded_vocab = config.padded_vocab_size(C.group_size(tp_group))
+        self.word_embeddings = VocabParallelEmbedding(
+            padded_vocab, config.hidden_size, tp_group,
+            _word_init(config),
+            params_dtype=config.params_dtype)
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
+                                                    dtype=config.params_dtype)
+            full = torch.empty(self.position_embeddings.weight.shape)
+            normal_init(config.seed, "embedding.position_embeddings.weight", config.init_method_std)(full)
+            with torch.no_grad():
+                self.position_embeddings.weight.copy_(full)
+        else:
+            self.position_embeddings = None
+
+    def forward(self, input_ids):
+        if not torch.is_tensor(input_ids):  # pipeline stage 0 receives a tuple
+            input_ids = input_ids[0]
+        ids = input_ids.t()  # [b, s] -> [s, b]
+        hidden = self.word_embeddings(ids)  # [s, b, h], all-reduced over TP
+        if self.position_embeddings is not None:
+            positions = torch.arange(ids.size(0), device=ids.device)
+            hidden = hidden + self.position_embeddings(positions).unsqueeze(1)
+        p = self.config.hidden_dropout if self.training else 0.0
+        if self.config.sequence_parallel:
+            hidden = M.scatter_to_sequence_parallel_region(hidden, self.tp_group)  # -> [s/tp, b, h]
+            with fork_tp_rng():
+                return F.dropout(hidden, p)
+        return F.dropout(hidden, p)
+
+
+def parallel_logits(hidden, weight, tp_group, sequence_parallel: bool):
+    """hidden [s(/tp), b, h] x weight [V/tp, h] -> logits [s, b, V/tp] (the vocab stays split)."""
+    if sequence_parallel:
+        hidden = M.gather_from_sequence_parallel_region(hidden, tp_group)
+    else:
+        hidden = M.copy_to_tp_region(hidden, tp_group)
+    return F.linear(hidden, weight)
+
+
+class OutputHead(ColumnParallelLinear):
+    """Untied output projection (Llama style: --untie-embeddings-and-output-weights): logits stay
+    split over the vocabulary, [s(/tp), b, h] -> [s, b, V/tp]."""
+
+    def __init__(self, config, tp_group):
+        super().__init__(config.hidden_size, config.padded_vocab_size(C.group_size(tp_group)), tp_group,
+                         vocab_rows_init(normal_init(config.seed, "output_layer.weight", config.init_method_std),
+                                         config.vocab_size), bias=False,
+                         sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
+
+
+class TiedOutputEmbedding(nn.Module):
+    """The last pipeline stage's copy of the word embeddings, used as the output head.
+
+    DeepSpeed's TiedLayerSpec keeps it equal to stage 0's table and sums their gradients.
+    """
+
+    def __init__(self, config, tp_group):
+        super().__init__()
+        self.config, self.tp_group = config, tp_group
+        self.word_embeddings = VocabParallelEmbedding(
+            config.padded_vocab_size(C.group_size(tp_group)), config.hidden_size, tp_group,
+            _word_init(config),
+            params_dtype=config.params_dtype)
+
+    def forward(self, hidden):
+        return parallel_logits(hidden, self.word_embeddings.weight, self.tp_group, self.config.sequence_parallel)
+
+
+class LMLoss:
+    """Mean next-token loss over unmasked tokens, from TP-split logits; the pipeline's loss_fn."""
+
+    def __init__(self, tp_group, vocab_size: int):
+        self.tp_group, self.vocab_size = tp_group, vocab_size
+        self.__name__ = "LMLoss"
+
+    def __call__(self, logits, labels_and_mask):
+        labels, loss_mask = labels_and_mask if isinstance(labels_and_mask, (tuple, list)) else (labels_and_mask, None)
+        per_token = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, vocab_size=self.vocab_size)
+        if loss_mask is None:
+            return per_token.mean()
+        mask = loss_mask.t().float()
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)

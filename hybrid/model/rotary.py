@@ -1,0 +1,36 @@
+"""Rotary position embedding in the rotate-half layout (transformers' Llama, Megatron-core)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions 0..s-1, computed in fp32 and cached per length and device."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._cache = None
+
+    def forward(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [s, 1, 1, head_dim] (broadcast over batch and heads)."""
+        key = (seq_len, str(device))
+        if self._cache is None or self._cache[0] != key:
+            positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+            freqs = torch.outer(positions, self.inv_freq.to(device))  # [s, d/2]
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # [s, 1, 1, d]
+            self._cache = (key, emb.cos(), emb.sin())
+        return self._cache[1], self._cache[2]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` [s, b, heads, d] by the tables (no Python loop over positions or heads)."""
+    return (x * cos.to(x.dtype)) + (rotate_half(x) * sin.to(x.dtype))

@@ -1,0 +1,46 @@
+"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybrid.model.attention import SelfAttention
+from hybrid.model.mlp import MLP
+from hybrid.model.norms import build_norm
+from hybrid.parallel.random import fork_tp_rng
+
+
+def dropout_add(x, residual, p: float, training: bool, sequence_parallel: bool):
+    """residual + dropout(x). Under SP the activations are sequence shards, so the mask must
+    come from the per-TP-rank stream; otherwise it is the same on every TP rank."""
+    if not training or p == 0.0:
+        return residual + x
+    if sequence_parallel:
+        with fork_tp_rng():
+            return residual + F.dropout(x, p, True)
+    return residual + F.dropout(x, p, True)
+
+
+class TransformerLayer(nn.Module):
+    """A decoder layer on `[s, b, h]` (`[s/tp, b, h]` with sequence parallelism).
+
+    `layer_number` is global (0-based) so weights and names do not depend on the pipeline split.
+    """
+
+    def __init__(self, config, tp_group, layer_number: int):
+        super().__init__()
+        name = f"layers.{layer_number}"
+        self.layer_number = layer_number
+        self.config = config
+        self.input_norm = build_norm(config, tp_group)
+        self.attention = SelfAttention(config, tp_group, layer_number, f"{name}.attention")
+        self.post_attention_norm = build_norm(config, tp_group)
+        self.mlp = MLP(config, tp_group, f"{name}.mlp")
+
+    def forward(self, hidden):
+        c = self.config
+        hidden = dropout_add(self.attention(self.input_norm(hidden)), hidden, c.hidden_dropout,
+                             self.training, c.sequence_parallel)
+        return dropout_add(self.mlp(self.post_attention_norm(hidden)), hidden, c.hidden_dropout,
+                           self.training, c.sequence_parallel)

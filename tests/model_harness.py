@@ -1,0 +1,109 @@
+"""Shared helpers for model tests: tiny configs, a fixed batch, sharded runs and reassembly."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid.parallel.layers import unshard
+
+GPT2 = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=100, max_position_embeddings=32,
+            make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0, seed=7)
+LLAMA = dict(GPT2, position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,
+             add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=64,
+             rotary_base=10000.0)
+CONFIGS = {"gpt2": GPT2, "llama": LLAMA}
+
+
+def batch(batch_size=4, seq=16, vocab=100, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=g)
+    mask = torch.ones(batch_size, seq)
+    mask[::2, :3] = 0.0  # some masked positions, as many in every micro-batch
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask
+
+
+def reference(cfg: dict, data, **overrides):
+    """Loss, logits and gradients of the single-process model (no torch.distributed)."""
+    from hybrid.model.config import ModelConfig
+    from hybrid.model.gpt import GPTModel
+    model = GPTModel(ModelConfig(**dict(cfg, **overrides)))
+    ids, labels, mask = data
+    logits = model(ids)
+    loss = model(ids, labels, mask)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return loss.item(), logits.detach(), grads
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that keeps a copy of every gradient it is asked to apply (what DeepSpeed computed)."""
+
+    def step(self, closure=None):
+        self.recorded = {id(p): p.grad.detach().clone() for g in self.param_groups for p in g["params"]
+                         if p.grad is not None}
+        return super().step(closure)
+
+
+def sharded_run(cfg: dict, tp: int, pp: int, data, sequence_parallel=False, grad_acc=2, partition="parameters",
+                **overrides):
+    """On each rank: loss, this rank's logits shard (PP = 1), and canonical-named grad shards."""
+    from hybrid.model.config import ModelConfig
+    from hybrid.model.gpt import GPTModel, build_pipeline_model, canonical_parameters, pipeline_ds_config
+    from hybrid.parallel.random import model_parallel_seed
+    from hybrid.topology import Topology
+
+    topo = Topology(tensor_parallel=tp, pipeline_parallel=pp)
+    model_parallel_seed(1, topo.tp_rank)
+    config = ModelConfig(**dict(cfg, sequence_parallel=sequence_parallel, **overrides))
+    ids, labels, mask = data
+    logits = None
+    if pp == 1:
+        model = GPTModel(config, topo.tp_group)
+        logits = model(ids).detach()
+        loss = model(ids, labels, mask)
+        loss.backward()
+        params = canonical_parameters(model, config.num_layers)
+        grads = {n: p.grad for n, p in params.items()}
+        loss = loss.item()
+    else:
+        import deepspeed
+        module = build_pipeline_model(config, topo, partition_method=partition)
+        params = canonical_parameters(module, config.num_layers)
+        optimizer = RecordingSGD(module.parameters(), lr=0.0)
+        micro = ids.size(0) // grad_acc
+        engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config={
+            "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": grad_acc,
+            "steps_per_print": 10**9, "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0,
+            **pipeline_ds_config(config)})
+        micro_batches = [(ids[i:i + micro], (labels[i:i + micro], mask[i:i + micro]))
+                         for i in range(0, ids.size(0), micro)]
+        loss = engine.train_batch(data_iter=iter(micro_batches)).item()
+        grads = {n: optimizer.recorded[id(p)] for n, p in params.items()}
+    shards = {n: (grads[n].detach().clone(), getattr(params[n], "partition_dim", None),
+                  getattr(params[n], "partition_stride", 1)) for n in params}
+    return dict(tp_rank=topo.tp_rank, pp_rank=topo.pp_rank, loss=loss, logits=logits, grads=shards)
+
+
+def assemble_grads(results) -> dict:
+    """Full gradients from every rank's shards (TP shards joined, PP stages merged)."""
+    by_name: dict = {}
+    for r in results:
+        for name, (grad, dim, stride) in r["grads"].items():
+            by_name.setdefault(name, {})[r["tp_rank"]] = (grad, dim, stride)
+    full = {}
+    for name, shards in by_name.items():
+        grads = [shards[t][0] for t in sorted(shards)]
+        dim, stride = shards[0][1], shards[0][2]
+        full[name] = unshard(grads, dim, stride) if dim is not None else grads[0]
+    return full
+
+
+def compare_grads(full: dict, ref: dict, vocab: int, atol: float):
+    from hybrid.testing import assert_close
+    assert set(full) == set(ref), f"parameter names differ: {set(full) ^ set(ref)}"
+    for name in ref:
+        got, want = full[name], ref[name]
+        if name.endswith(("word_embeddings.weight", "output_layer.weight")):
+            assert got[vocab:].abs().max().item() == 0.0 if got.size(0) > vocab else True
+            got, want = got[:vocab], want[:vocab]
+        assert_close(got, want, atol, f"grad {name}")
