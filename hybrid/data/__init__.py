@@ -1,0 +1,1 @@
+"""Megatron-format token files, tokenizers, GPT samples, and the embedded default corpus."""

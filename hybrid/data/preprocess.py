@@ -1,0 +1,188 @@
+"""JSON lines -> Megatron `.bin/.idx` token files (the logic behind launch/preprocess_data.py).
+
+Lines are read in chunks by the main process, parsed and tokenized by `--workers` processes
+(each chunk is one `encode_batch` call, the tokenizer's fast path), and written in input order.
+Output goes to temporary names, renamed when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+
+from hybrid.data.indexed import IndexedDatasetBuilder, best_dtype
+from hybrid.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from hybrid.errors import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Tokenize JSON lines into Megatron .bin/.idx files.",
+                                allow_abbrev=False)
+    g = p.add_argument_group("input data")
+    g.add_argument("--input", required=True, help="JSON lines file, one document per line")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (one output per key)")
+    g.add_argument("--split-sentences", action="store_true", help="not supported (needs nltk); rejected")
+    g.add_argument("--keep-newlines", action="store_true", help="accepted for compatibility")
+    g.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed JSON lines")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_TYPES + ("HuggingFaceTokenizer",))
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-model", default=None, help="local HF tokenizer directory (HFTokenizer)")
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+    g.add_argument("--append-eod", action="store_true", help="append the end-of-document token")
+    g.add_argument("--lang", default="english", help="accepted for compatibility")
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
+    g.add_argument("--dataset-impl", default="mmap", choices=["mmap"], help="only mmap (Megatron's default)")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    g.add_argument("--partitions", type=int, default=1, choices=[1], help="accepted; only 1")
+    g.add_argument("--chunk-size", type=int, default=256, help="documents per worker task")
+    g.add_argument("--log-interval", type=int, default=10000, help="documents between progress lines")
+    return p
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer_kwargs: dict, keys: list[str], append_eod: bool, skip_bad: bool, dtype) -> None:
+    _WORKER.update(tokenizer=build_tokenizer(**tokenizer_kwargs), keys=keys, append_eod=append_eod,
+                   skip_bad=skip_bad, dtype=np.dtype(dtype))
+
+
+def _encode_chunk(task):
+    """(first line number, lines) -> per key (flat tokens, sizes), counts, or an error message."""
+    first_line, lines, path = task
+    w = _WORKER
+    texts = {k: [] for k in w["keys"]}
+    bad = empty = 0
+    for offset, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            if w["skip_bad"]:
+                bad += 1
+                continue
+            return None, f"{path}:{first_line + offset}: malformed JSON ({e}); fix the line or pass --skip-bad-lines."
+        for key in w["keys"]:
+            if key not in record:
+                return None, (f"{path}:{first_line + offset}: no key {key!r} (keys: {sorted(record)}); "
+                              f"choose keys with --json-keys.")
+            text = record[key]
+            if not isinstance(text, str):
+                return None, f"{path}:{first_line + offset}: value of {key!r} is {type(text).__name__}, not text."
+            texts[key].append(text)
+    out = {}
+    for key, batch in texts.items():
+        ids = w["tokenizer"].tokenize_batch(batch) if batch else []
+        sizes, flat = [], []
+        for doc in ids:
+            if not doc:
+                empty += 1
+                continue
+            if w["append_eod"]:
+                doc = list(doc) + [w["tokenizer"].eod]
+            flat.append(np.asarray(doc, dtype=w["dtype"]))
+            sizes.append(len(doc))
+        out[key] = (np.concatenate(flat) if flat else np.zeros(0, w["dtype"]), np.asarray(sizes, np.int64))
+    nbytes = sum(len(line) for line in lines)
+    return (out, bad, empty // max(1, len(w["keys"])), nbytes), None
+
+
+def _chunks(path: str, chunk_size: int):
+    with open(path, "r", encoding="utf-8") as f:
+        lines, first = [], 1
+        for number, line in enumerate(f, start=1):
+            lines.append(line)
+            if len(lines) == chunk_size:
+                yield first, lines, path
+                lines, first = [], number + 1
+        if lines:
+            yield first, lines, path
+
+
+def preprocess(args: argparse.Namespace, log=print) -> dict:
+    """Run the conversion; returns counts and throughput."""
+    if args.split_sentences:
+        raise ConfigError("--split-sentences is not supported (it needs nltk); preprocess whole documents.")
+    if not os.path.isfile(args.input):
+        raise ConfigError(f"--input {args.input}: no such file.")
+    if args.workers < 1 or args.chunk_size < 1:
+        raise ConfigError("--workers and --chunk-size must be >= 1.")
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    if not os.path.isdir(out_dir):
+        raise ConfigError(f"--output-prefix {args.output_prefix}: directory {out_dir} does not exist.")
+    tokenizer_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                            merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                            vocab_size=args.vocab_size)
+    tokenizer = build_tokenizer(**tokenizer_kwargs)  # fail fast, in this process, on bad tokenizer flags
+    dtype = best_dtype(tokenizer.vocab_size)
+    builders = {k: IndexedDatasetBuilder(f"{args.output_prefix}_{k}_document", dtype) for k in args.json_keys}
+    init = (tokenizer_kwargs, args.json_keys, args.append_eod, args.skip_bad_lines, np.dtype(dtype).str)
+    stats = dict(documents=0, skipped_bad_lines=0, skipped_empty=0, tokens=0, bytes=0)
+    start = time.perf_counter()
+    pool = None
+    try:
+        if args.workers > 1:
+            pool = mp.get_context("fork").Pool(args.workers, initializer=_init_worker, initargs=init)
+            results = pool.imap(_encode_chunk, _chunks(args.input, args.chunk_size))
+        else:
+            _init_worker(*init)
+            results = map(_encode_chunk, _chunks(args.input, args.chunk_size))
+        next_log = args.log_interval
+        for result, error in results:
+            if error:
+                raise ConfigError(error)
+            per_key, bad, empty, nbytes = result
+            for key, (flat, sizes) in per_key.items():
+                builders[key].add_encoded_chunk(flat, sizes)
+                stats["tokens"] += int(flat.size)
+            stats["documents"] += len(next(iter(per_key.values()))[1]) if per_key else 0
+            stats["skipped_bad_lines"] += bad
+            stats["skipped_empty"] += empty
+            stats["bytes"] += nbytes
+            if stats["documents"] >= next_log:
+                next_log += args.log_interval
+                elapsed = time.perf_counter() - start
+                log(f"processed {stats['documents']} documents ({stats['documents'] / elapsed:.0f} docs/s, "
+                    f"{stats['bytes'] / elapsed / 1e6:.2f} MB/s)")
+        if stats["documents"] == 0:
+            raise ConfigError(f"--input {args.input}: no non-empty documents found.")
+        for builder in builders.values():
+            builder.finalize()
+    except BaseException:
+        for builder in builders.values():
+            builder.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+    elapsed = time.perf_counter() - start
+    stats.update(seconds=elapsed, docs_per_s=stats["documents"] / elapsed, mb_per_s=stats["bytes"] / elapsed / 1e6)
+    log(f"done: {stats['documents']} documents, {stats['tokens']} tokens in {elapsed:.1f}s "
+        f"({stats['mb_per_s']:.2f} MB/s); skipped {stats['skipped_bad_lines']} malformed lines and "
+        f"{stats['skipped_empty']} empty documents; wrote "
+        + ", ".join(f"{b.prefix}.bin/.idx" for b in builders.values()))
+    return stats
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        preprocess(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
