@@ -18,7 +18,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
 from hybrid.model.embedding import Embedding, LMLoss, OutputHead, TiedOutputEmbedding, parallel_logits
-from hybrid.model.norms import LayerNorm, RMSNorm, build_norm
+from hybrid.model.norms import build_norm
 from hybrid.model.transformer import TransformerLayer
 from hybrid.parallel import collectives as C
 
@@ -115,22 +115,42 @@ def _resolve_partition(method: str, num_layers: int, pp: int) -> str:
     return "list:" + ",".join(map(str, counts))
 
 
+class FinalNormStage(nn.Module):
+    """The final norm as a pipeline layer; named `final_norm` like GPTModel's."""
+
+    def __init__(self, config: ModelConfig, tp_group):
+        super().__init__()
+        self.final_norm = build_norm(config, tp_group)
+
+    def forward(self, hidden):
+        return self.final_norm(hidden)
+
+
+class OutputHeadStage(nn.Module):
+    """The untied output head as a pipeline layer; named `output_layer` like GPTModel's."""
+
+    def __init__(self, config: ModelConfig, tp_group):
+        super().__init__()
+        self.output_layer = OutputHead(config, tp_group)
+
+    def forward(self, hidden):
+        return self.output_layer(hidden)
+
+
 def pipeline_layers(config: ModelConfig, tp_group) -> list:
     """LayerSpecs: embedding, transformer layers, final norm, output head (tied via TiedLayerSpec)."""
-    norm_cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
     specs = []
     if config.tied_embeddings:
         specs.append(TiedLayerSpec("embed", Embedding, config, tp_group, tied_weight_attr="word_embeddings.weight"))
     else:
         specs.append(LayerSpec(Embedding, config, tp_group))
     specs += [LayerSpec(TransformerLayer, config, tp_group, i) for i in range(config.num_layers)]
-    specs.append(LayerSpec(norm_cls, config.hidden_size, config.norm_epsilon, tp_group,
-                           config.sequence_parallel, config.params_dtype))
+    specs.append(LayerSpec(FinalNormStage, config, tp_group))
     if config.tied_embeddings:
         specs.append(TiedLayerSpec("embed", TiedOutputEmbedding, config, tp_group,
                                    tied_weight_attr="word_embeddings.weight"))
     else:
-        specs.append(LayerSpec(OutputHead, config, tp_group))
+        specs.append(LayerSpec(OutputHeadStage, config, tp_group))
     return specs
 
 
@@ -185,10 +205,8 @@ def canonical_parameters(model: nn.Module, num_layers: int) -> dict[str, nn.Para
             out["embedding." + rest] = param
         elif index <= num_layers:
             out[f"layers.{index - 1}.{rest}"] = param
-        elif index == num_layers + 1:
-            out["final_norm." + rest] = param
-        else:
-            out["output_layer." + rest] = param
+        else:  # FinalNormStage / OutputHeadStage carry the canonical names themselves
+            out[rest] = param
     return out
 
 

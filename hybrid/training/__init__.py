@@ -1,0 +1,1 @@
+"""The DeepSpeed-driven training loop, its schedule, checkpoints and logging."""

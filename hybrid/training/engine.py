@@ -1,0 +1,113 @@
+"""Model + optimizer + schedule handed to `deepspeed.initialize`, with the topology's grid as mpu."""
+
+from __future__ import annotations
+
+import re
+
+import deepspeed
+import torch.nn as nn
+
+from hybrid.config import RunConfig
+from hybrid.model.gpt import GPTModel, build_pipeline_model, canonical_parameters
+from hybrid.training.schedules import MegatronLRScheduler
+
+_NO_DECAY = re.compile(r"(^|\.)bias$|norm\.weight$|norm\.bias$")
+
+
+def build_model(run: RunConfig, topology) -> nn.Module:
+    """GPTModel (PP = 1) or the pipeline stages of this rank (PP > 1)."""
+    if run.pipeline_parallel == 1:
+        return GPTModel(run.model, topology.tp_group)
+    return build_pipeline_model(run.model, topology, run.pipeline_partition)
+
+
+def freeze(model: nn.Module, run: RunConfig) -> list[str]:
+    """Apply --freeze-layers / --freeze-embeddings: no gradient, hence no optimizer state."""
+    frozen = []
+    layers = {f"layers.{i}." for i in run.train.freeze_layers}
+    for name, param in canonical_parameters(model, run.model.num_layers).items():
+        if any(name.startswith(prefix) for prefix in layers) or (
+                run.train.freeze_embeddings and name.startswith("embedding.")):
+            param.requires_grad_(False)
+            frozen.append(name)
+    return frozen
+
+
+def param_groups(model: nn.Module, run: RunConfig) -> list[dict]:
+    """Weight decay on weights only: biases and norm weights get none (Megatron-LM's rule)."""
+    decay, no_decay = [], []
+    for name, param in canonical_parameters(model, run.model.num_layers).items():
+        if not param.requires_grad:
+            continue
+        (no_decay if _NO_DECAY.search(name) else decay).append(param)
+    groups = [{"params": decay, "weight_decay": run.train.weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return [g for g in groups if g["params"]]
+
+
+def build_engine(run: RunConfig, topology):
+    """-> (DeepSpeed engine, the model it wraps). PP > 1 gives DeepSpeed's PipelineEngine."""
+    model = build_model(run, topology)
+    freeze(model, run)
+    train = run.train
+
+    def scheduler(optimizer):
+        return MegatronLRScheduler(optimizer, train.lr, train.min_lr, train.lr_warmup_iters,
+                                   train.lr_decay_iters, train.lr_decay_style)
+
+    if run.model.recompute_granularity:
+        deepspeed.checkpointing.configure(topology.mpu, deepspeed_config=run.ds_config)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model, run), config=run.ds_config,
+        mpu=topology.mpu if run.pipeline_parallel == 1 else None,  # a PipelineModule brings its own grid
+        lr_scheduler=scheduler, dist_init_required=False)
+    if run.zero_stage == 0 and run.train.precision == "fp32":
+        _install_fp32_clipping(engine, topology)
+    if run.zero_stage == 3 and run.pipeline_parallel == 1 and run.model.tied_embeddings:
+        # The tied output head reads the embedding table outside the embedding's own forward.
+        deepspeed.zero.register_external_parameter(engine.module, engine.module.embedding.word_embeddings.weight)
+    return engine, model
+
+
+def _install_fp32_clipping(engine, topology) -> None:
+    """Replace DeepSpeed's fp32/ZeRO-0 gradient clipping with one that is exact for TP x PP.
+
+    DeepSpeed's `clip_grad_norm_` counts replicated parameters only on model-parallel rank 0 of
+    the whole TP x PP group, so on pipeline stages after the first their norms are left out, and
+    it discards the norm it computed. Here every TP-sharded gradient counts on its rank, each
+    replicated one once per stage (TP rank 0), the tied embedding once (first stage), summed over
+    the TP x PP group; the norm is kept for logging.
+    """
+    import math
+
+    import torch
+    import torch.distributed as dist
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    tied_copies = set()
+    if topology.pp_world_size > 1 and not topology.is_first_stage:
+        tied_copies = {id(p) for module in getattr(engine.module, "tied_modules", {}).values()
+                       for p in module.parameters()}
+
+    def clip_fp32_gradients():
+        grads, squares = [], []
+        for param in engine.module.parameters():
+            if param.grad is None:
+                continue
+            grads.append(param.grad)
+            counted = is_model_parallel_parameter(param) or topology.tp_rank == 0
+            if counted and id(param) not in tied_copies:
+                squares.append(param.grad.detach().float().pow(2).sum())
+        total = torch.stack(squares).sum() if squares else torch.zeros(())
+        model_group = topology.grid.get_model_parallel_group()
+        if dist.get_world_size(group=model_group) > 1:
+            dist.all_reduce(total, group=model_group)
+        norm = math.sqrt(total.item())
+        coefficient = engine.gradient_clipping() / (norm + 1e-6)
+        if coefficient < 1.0:
+            for grad in grads:
+                grad.mul_(coefficient)
+        engine._global_grad_norm = norm
+
+    engine.clip_fp32_gradients = clip_fp32_gradients

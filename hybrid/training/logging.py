@@ -1,0 +1,122 @@
+"""Rank-aware output: Megatron-style log lines, JSON lines, TensorBoard, wandb, a progress bar."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+
+def is_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def log(message: str, all_ranks: bool = False) -> None:
+    """Print on rank 0 (or every rank, prefixed with its number)."""
+    if all_ranks and dist.is_initialized():
+        print(f"[rank {dist.get_rank()}] {message}", flush=True)
+    elif is_rank_zero():
+        print(message, flush=True)
+
+
+def format_iteration(m: dict, train_iters: int) -> str:
+    """Megatron-LM's training log line."""
+    return (f" iteration {m['iteration']:8d}/{train_iters:8d} | consumed samples: {m['consumed_samples']:12d} | "
+            f"elapsed time per iteration (ms): {m['elapsed_ms_per_iter']:.1f} | learning rate: {m['lr']:.6E} | "
+            f"global batch size: {m['global_batch_size']:5d} | lm loss: {m['lm_loss']:.6E} | "
+            f"loss scale: {m['loss_scale']:.1f} | grad norm: {m['grad_norm']:.3f} | "
+            f"number of skipped iterations: {m['skipped_iterations']:3d} | "
+            f"number of nan iterations: {m['nan_iterations']:3d} | tokens per second: {m['tokens_per_s']:.1f} | "
+            f"TFLOPs per GPU: {m['tflops_per_gpu']:.3f} | ETA: {_eta(m, train_iters)}")
+
+
+def _eta(m: dict, train_iters: int) -> str:
+    seconds = int(m["elapsed_ms_per_iter"] / 1000.0 * max(0, train_iters - m["iteration"]))
+    return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class MetricsLogger:
+    """Where metrics go on rank 0: stdout lines, --log-json, --tensorboard-dir, --wandb-project."""
+
+    def __init__(self, train_iters: int, log_json: Optional[str] = None, tensorboard_dir: Optional[str] = None,
+                 wandb_project: Optional[str] = None, wandb_exp_name: Optional[str] = None,
+                 run_config: Optional[dict] = None, progress_bar: bool = True, start_iteration: int = 0):
+        self.active = is_rank_zero()
+        self.train_iters = train_iters
+        self.json_file = self.tensorboard = self.wandb_run = self.bar = None
+        if not self.active:
+            return
+        if log_json:
+            os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
+            self.json_file = open(log_json, "a", buffering=1)
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(log_dir=tensorboard_dir)
+        if wandb_project:
+            import wandb
+            os.environ.setdefault("WANDB_MODE", "offline")  # no network unless the user says so
+            self.wandb_run = wandb.init(project=wandb_project, name=wandb_exp_name, config=run_config,
+                                        dir=tensorboard_dir or os.getcwd())
+        if progress_bar and sys.stdout.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=train_iters, initial=start_iteration, unit="it", dynamic_ncols=True)
+
+    def iteration(self, metrics: dict, write_line: bool) -> None:
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{metrics['lm_loss']:.4f}")
+        if not write_line:
+            return
+        line = format_iteration(metrics, self.train_iters)
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+        self._record(metrics, metrics["iteration"], prefix="train")
+
+    def evaluation(self, metrics: dict) -> None:
+        if not self.active:
+            return
+        line = (f" validation loss at iteration {metrics['iteration']} | lm loss value: {metrics['lm_loss']:.6E} | "
+                f"lm loss PPL: {metrics['ppl']:.6E}")
+        (self.bar.write if self.bar is not None else print)(line)
+        self._record(dict(metrics, split="valid"), metrics["iteration"], prefix="valid")
+
+    def _record(self, metrics: dict, step: int, prefix: str) -> None:
+        if self.json_file is not None:
+            self.json_file.write(json.dumps(metrics) + "\n")
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "iteration"}
+        if self.tensorboard is not None:
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(f"{prefix}/{key}", value, step)
+            self.tensorboard.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log({f"{prefix}/{k}": v for k, v in scalars.items()}, step=step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.json_file is not None:
+            self.json_file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+class Timer:
+    """Wall-clock between calls to `lap()`."""
+
+    def __init__(self):
+        self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        elapsed, self.last = now - self.last, now
+        return elapsed
