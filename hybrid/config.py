@@ -77,6 +77,7 @@ def _add_training_args(p):
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None, help="stop after an iteration divisible by this")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--seed", type=int, default=1234)
@@ -160,6 +161,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of parallelism, validated against the world size before any group is built."""
+
+    world_size: int  # number of ranks in the job
+    tensor_parallel: int = 1  # --tensor-model-parallel-size
+    pipeline_parallel: int = 1  # --pipeline-model-parallel-size
+
+    def __post_init__(self):
+        for name, value in (("--tensor-model-parallel-size", self.tensor_parallel),
+                            ("--pipeline-model-parallel-size", self.pipeline_parallel)):
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}.")
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        if self.world_size % model_parallel != 0:
+            raise ConfigError(
+                f"world size {self.world_size} is not a multiple of --tensor-model-parallel-size "
+                f"({self.tensor_parallel}) x --pipeline-model-parallel-size ({self.pipeline_parallel}) "
+                f"= {model_parallel}; launch a multiple of {model_parallel} ranks or change the sizes.")
+
+    @property
+    def data_parallel(self) -> int:
+        """DP degree: what is left of the world after TP and PP."""
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
+
+
 @dataclass
 class TrainConfig:
     """Batching, schedule, optimizer, precision, data, checkpoints and logging of one run."""
@@ -195,6 +222,7 @@ class TrainConfig:
     wandb_project: Optional[str]  # --wandb-project
     wandb_exp_name: Optional[str]  # --wandb-exp-name
     num_workers: int  # --num-workers (DataLoader processes)
+    exit_interval: Optional[int]  # --exit-interval: stop (after saving) at an iteration divisible by it
     progress_bar: bool  # a progress bar when stdout is a terminal
     freeze_layers: list = field(default_factory=list)  # --freeze-layers, as layer numbers
     freeze_embeddings: bool = False  # --freeze-embeddings
@@ -397,11 +425,10 @@ def tokenizer_kwargs(args) -> dict:
 
 def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_size: int) -> RunConfig:
     """Validate the flags against each other, the DeepSpeed config and the world size."""
-    from hybrid.topology import ParallelDims
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    dims = ParallelDims(world_size, tp, pp)
-    dp = dims.data_parallel
     ds, ds_path = _load_ds_config(args)
+    stage = _zero_stage(args, ds, ds_path, pp)
+    dp = ParallelDims(world_size, tp, pp).data_parallel
     vocab_size = tokenizer_vocab_size
     if args.vocab_size and args.tokenizer_type != "NullTokenizer" and args.vocab_size < tokenizer_vocab_size:
         raise ConfigError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's vocabulary "
@@ -411,7 +438,6 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     micro, global_batch, gas = _batch_sizes(args, ds, ds_path, dp)
     precision = _precision(args, ds, ds_path)
     clip = _agree(ds, "gradient_clipping", "--clip-grad", args.clip_grad, ds_path, 1.0)
-    stage = _zero_stage(args, ds, ds_path, pp)
     optimizer = _optimizer_config(args, ds, ds_path, precision)
     train_iters = args.train_iters if args.train_iters is not None else 100
     if train_iters < 1:
@@ -434,7 +460,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
         save_interval=args.save_interval, finetune=args.finetune, no_load_optim=args.no_load_optim,
         no_load_rng=args.no_load_rng, log_interval=max(1, args.log_interval), log_json=args.log_json,
         tensorboard_dir=args.tensorboard_dir, wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
-        num_workers=args.num_workers, progress_bar=not args.no_progress_bar,
+        num_workers=args.num_workers, exit_interval=args.exit_interval, progress_bar=not args.no_progress_bar,
         freeze_layers=parse_layer_ranges(args.freeze_layers, args.num_layers),
         freeze_embeddings=args.freeze_embeddings)
     ds_config = _final_ds_config(ds, args, train, stage, optimizer, model)

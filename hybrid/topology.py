@@ -9,38 +9,10 @@ activation checkpointing partitions over the TP group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
 
-from hybrid.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """Degrees of parallelism, validated against the world size before any group is built."""
-
-    world_size: int  # number of ranks in the job
-    tensor_parallel: int = 1  # --tensor-model-parallel-size
-    pipeline_parallel: int = 1  # --pipeline-model-parallel-size
-
-    def __post_init__(self):
-        for name, value in (("--tensor-model-parallel-size", self.tensor_parallel),
-                            ("--pipeline-model-parallel-size", self.pipeline_parallel)):
-            if value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value}.")
-        model_parallel = self.tensor_parallel * self.pipeline_parallel
-        if self.world_size % model_parallel != 0:
-            raise ConfigError(
-                f"world size {self.world_size} is not a multiple of --tensor-model-parallel-size "
-                f"({self.tensor_parallel}) x --pipeline-model-parallel-size ({self.pipeline_parallel}) "
-                f"= {model_parallel}; launch a multiple of {model_parallel} ranks or change the sizes.")
-
-    @property
-    def data_parallel(self) -> int:
-        """DP degree: what is left of the world after TP and PP."""
-        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
+from hybrid.config import ParallelDims
 
 
 class HybridGrid(PipelineParallelGrid):

@@ -97,9 +97,9 @@ def load(engine, run: RunConfig) -> tuple[int, int]:
     """
     train = run.train
     load_dir = train.load
-    if not os.path.isdir(load_dir):
+    if not os.path.isdir(load_dir) and os.path.abspath(load_dir) != os.path.abspath(train.save or ""):
         raise ConfigError(f"--load {load_dir}: no such directory.")
-    tag = latest_tag(load_dir)
+    tag = latest_tag(load_dir) if os.path.isdir(load_dir) else None
     if tag is None:
         if train.finetune:
             raise ConfigError(f"--load {load_dir} --finetune: no checkpoint there (no '{LATEST}' file).")

@@ -128,6 +128,11 @@ class Trainer:
                 if t.save and t.save_interval and iteration % t.save_interval == 0:
                     checkpoint.save(self.engine, self.run, t.save, iteration, consumed)
                     last_saved = iteration
+                if t.exit_interval and iteration % t.exit_interval == 0:
+                    if t.save and last_saved != iteration:
+                        checkpoint.save(self.engine, self.run, t.save, iteration, consumed)
+                    log(f"exiting at iteration {iteration} (--exit-interval {t.exit_interval})")
+                    return iteration
                 timer.lap()  # evaluation and saving are not iteration time
             if not (t.eval_interval and iteration % t.eval_interval == 0):
                 self.evaluate(iteration, logger)
@@ -148,11 +153,12 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     """Parse flags, build everything, train. Returns the process exit code."""
     args = build_parser().parse_args(argv)
     from hybrid.data.tokenizer import build_tokenizer
+    tokenizer = build_tokenizer(**tokenizer_kwargs(args))
+    # Every flag is checked before DeepSpeed is imported or a process group exists.
+    run = build_run_config(args, int(os.environ.get("WORLD_SIZE", "1")), tokenizer.vocab_size)
     from hybrid.distributed import init_distributed
-    tokenizer = build_tokenizer(**tokenizer_kwargs(args))  # before any process group: errors come first
-    _quiet_deepspeed()
     init_distributed(args.distributed_timeout_minutes)
-    run = build_run_config(args, dist.get_world_size(), tokenizer.vocab_size)
+    _quiet_deepspeed()
     from hybrid.parallel.random import model_parallel_seed
     from hybrid.topology import Topology
     from hybrid.training import checkpoint

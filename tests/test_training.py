@@ -1,0 +1,158 @@
+"""launch/train.py: every layout and ZeRO stage gives the one-rank losses; resume is bitwise; errors are clean.
+
+fp32, fixed seed, a tiny GPT on the embedded corpus, 8 iterations of global batch 8 with clipping
+and a warmup+cosine schedule active. Each run is a real launcher process.
+"""
+
+import os
+
+import pytest
+
+from tests.launch_helpers import MERGES, VOCAB, copy_default_corpus, losses, read_log, run
+
+TINY = ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
+        "--max-position-embeddings", 16, "--micro-batch-size", 2, "--global-batch-size", 8, "--train-iters", 8,
+        "--lr", 1e-3, "--min-lr", 1e-4, "--lr-decay-style", "cosine", "--lr-warmup-iters", 2,
+        "--weight-decay", 0.01, "--clip-grad", 1.0, "--hidden-dropout", 0, "--attention-dropout", 0,
+        "--vocab-file", VOCAB, "--merge-file", MERGES, "--split", "98,2,0", "--make-vocab-size-divisible-by", 8,
+        "--seed", 7, "--log-interval", 1, "--eval-iters", 0, "--no-progress-bar"]
+REL_TOL = 1e-5
+
+LAYOUTS = {
+    "tp2": ("torchrun", 2, ["--tensor-model-parallel-size", 2]),
+    "tp2_sp": ("torchrun", 2, ["--tensor-model-parallel-size", 2, "--sequence-parallel"]),
+    "pp2": ("torchrun", 2, ["--pipeline-model-parallel-size", 2]),
+    "dp2_zero1_deepspeed_launcher": ("deepspeed", 2, ["--deepspeed", "ds_configs/zero1.json"]),
+    "dp2_zero2_accelerate_launcher": ("accelerate", 2, []),  # zero2 via launch/accelerate/zero2.yaml
+    "dp2_zero3": ("torchrun", 2, ["--deepspeed", "ds_configs/zero3.json"]),
+    "dp2_zero3_cpu_offload": ("torchrun", 2, ["--deepspeed", "ds_configs/zero3_offload.json"]),
+    "tp2_pp2": ("torchrun", 4, ["--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2]),
+    "tp2_dp2_zero1": ("torchrun", 4, ["--tensor-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json"]),
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return copy_default_corpus(str(tmp_path_factory.mktemp("data")))
+
+
+@pytest.fixture(scope="module")
+def runs(data, tmp_path_factory):
+    """Loss logs by layout name, each run once per module (the one-rank baseline first)."""
+    out_dir = tmp_path_factory.mktemp("runs")
+    cache = {}
+
+    def get(name, launcher="python", nproc=1, extra=()):
+        if name not in cache:
+            log = out_dir / f"{name}.jsonl"
+            run(launcher, nproc, TINY + ["--data-path", data, "--log-json", log, *extra])
+            cache[name] = read_log(log)
+        return cache[name]
+
+    return get
+
+
+def assert_same_losses(got, want, rel=REL_TOL):
+    assert len(got) == len(want) == 8
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert abs(g - w) <= rel * abs(w), f"iteration {i + 1}: {g!r} vs one rank {w!r}"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_losses_equal_one_rank(runs, layout):
+    base = [r["lm_loss"] for r in runs("one_rank")]
+    launcher, nproc, extra = LAYOUTS[layout]
+    got = runs(layout, launcher, nproc, extra)
+    assert_same_losses([r["lm_loss"] for r in got], base)
+    zero = {"dp2_zero1_deepspeed_launcher": 1, "dp2_zero2_accelerate_launcher": 2}.get(layout)
+    assert all(r["consumed_samples"] == 8 * r["iteration"] for r in got)
+    if zero is not None:  # the launcher's config really reached DeepSpeed (grad norms are reported)
+        assert all(r["grad_norm"] > 0 for r in got)
+
+
+def test_log_json_has_every_field_and_megatron_iteration_numbers(runs):
+    records = runs("one_rank")
+    assert [r["iteration"] for r in records] == list(range(1, 9))
+    for key in ("iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "loss_scale", "skipped_iterations",
+                "nan_iterations", "tokens_per_s", "tflops_per_gpu", "elapsed_ms_per_iter"):
+        assert key in records[0], key
+    # warmup 2 iterations from 0, then cosine decay to --min-lr over 8 (Megatron's schedule)
+    assert records[0]["lr"] == 0.0 and abs(records[2]["lr"] - 1e-3) < 1e-12
+    assert records[1]["lr"] == pytest.approx(5e-4)
+    assert records[0]["grad_norm"] > 1.0, "clipping must be active for these comparisons to cover it"
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_resume_4_plus_4_is_bitwise_equal_to_8_straight(runs, data, tmp_path, layout):
+    launcher, nproc, extra = LAYOUTS[layout]
+    straight = runs(layout, launcher, nproc, extra)
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    flags = TINY + ["--data-path", data, "--log-json", log, "--save", ckpt, "--save-interval", 4, *extra]
+    run(launcher, nproc, flags + ["--exit-interval", 4])
+    assert (ckpt / "latest").read_text() == "iter_0000004"
+    (ckpt / "iter_0000006").mkdir()  # as if a later save was killed half-way: 'latest' did not move
+    run(launcher, nproc, flags + ["--load", ckpt])
+    resumed = read_log(log)
+    assert [r["iteration"] for r in resumed] == list(range(1, 9))
+    assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in straight], "bitwise on CPU"
+    assert [r["consumed_samples"] for r in resumed] == [r["consumed_samples"] for r in straight]
+
+
+def test_tensorboard_and_wandb_offline_outputs(data, tmp_path):
+    tb = tmp_path / "tb"
+    run("python", 1, TINY + ["--data-path", data, "--train-iters", 2, "--tensorboard-dir", tb,
+                             "--wandb-project", "hybrid-test", "--wandb-exp-name", "tiny"])
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tb))
+    assert any("offline-run" in name for name in os.listdir(tb / "wandb"))
+
+
+def test_megatron_tutorial_script_runs_unchanged_but_for_the_script_name(tmp_path):
+    """The Megatron-LM README's GPT recipe (TP=2, PP=1, 24 layers scaled down, --fp16 dropped on CPU)."""
+    from hybrid.data.default import read_corpus
+    import json
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in read_corpus()[:300]))
+    run("python", 1, ["--input", corpus, "--output-prefix", tmp_path / "my-gpt2", "--vocab-file", VOCAB,
+                      "--dataset-impl", "mmap", "--tokenizer-type", "GPT2BPETokenizer", "--merge-file", MERGES,
+                      "--append-eod", "--workers", 2], script="launch/preprocess_data.py")
+    ckpt = tmp_path / "checkpoints" / "gpt2"
+    gpt_args = ["--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 1, "--num-layers", 24,
+                "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 32, "--max-position-embeddings", 32,
+                "--micro-batch-size", 2, "--global-batch-size", 4, "--lr", 0.00015, "--train-iters", 4,
+                "--lr-decay-iters", 3, "--lr-decay-style", "cosine", "--min-lr", 1.0e-5, "--weight-decay", 1e-2,
+                "--lr-warmup-fraction", .01, "--clip-grad", 1.0]
+    data_args = ["--data-path", tmp_path / "my-gpt2_text_document", "--vocab-file", VOCAB, "--merge-file", MERGES,
+                 "--split", "949,50,1"]
+    output_args = ["--log-interval", 1, "--save-interval", 2, "--eval-interval", 2, "--eval-iters", 1]
+    proc = run("torchrun", 2, gpt_args + data_args + output_args + ["--save", ckpt, "--load", ckpt,
+                                                                    "--use-distributed-optimizer"])
+    assert "iteration        4/       4" in proc.stdout and "validation loss at iteration 2" in proc.stdout
+    assert (ckpt / "latest").read_text() == "iter_0000004"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--global-batch-size", 6, "--micro-batch-size", 4], "--global-batch-size 6 is not a multiple of --micro-batch-size 4"),
+    (["--micro-batch-size", 3, "--deepspeed", "ds_configs/zero1_test_mb2.json"],
+     "--micro-batch-size 3 disagrees with \"train_micro_batch_size_per_gpu\": 2"),
+    (["--tensor-model-parallel-size", 2], "world size 1 is not a multiple of --tensor-model-parallel-size (2)"),
+    (["--data-path", "/nonexistent/corpus_text_document"], "/nonexistent/corpus_text_document.idx does not exist"),
+    (["--fp16"], "--fp16 needs a GPU"),
+    (["--pipeline-model-parallel-size", 2, "--deepspeed", "ds_configs/zero2.json"],
+     "DeepSpeed's pipeline engine supports ZeRO-0/1 only"),
+    (["--deepspeed_config", "/nonexistent.json"], "--deepspeed_config /nonexistent.json: no such file"),
+    (["--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt: no such directory"),
+])
+def test_user_mistakes_end_in_one_message_and_nonzero_exit(tmp_path, flags, message):
+    if "ds_configs/zero1_test_mb2.json" in flags:
+        cfg = tmp_path / "mb2.json"
+        cfg.write_text('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}')
+        flags = [cfg if f == "ds_configs/zero1_test_mb2.json" else f for f in flags]
+    base = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
+            "--train-iters", 1, "--vocab-file", VOCAB, "--merge-file", MERGES]
+    if "--data-path" not in flags:
+        base += ["--mock-data"]
+    proc = run("python", 1, base + flags, check=False, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
