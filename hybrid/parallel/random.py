@@ -55,11 +55,22 @@ def fork_tp_rng():
         yield
 
 
+def _numpy_state_to_tensors(state) -> tuple:
+    """numpy's RNG state with its key array as a tensor, so checkpoints load with weights_only=True."""
+    name, keys, pos, has_gauss, cached = state
+    return (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+
+
+def _numpy_state_from_tensors(state) -> tuple:
+    name, keys, pos, has_gauss, cached = state
+    return (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
+
+
 def get_rng_states() -> dict:
     """Every RNG state a resumed run needs to continue bit-identically."""
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": _numpy_state_to_tensors(np.random.get_state()),
         "torch": torch.get_rng_state(),
         "accelerator": get_accelerator().get_rng_state(),
         "tracker": {k: v.clone() for k, v in get_rng_tracker().get_states().items()},
@@ -69,7 +80,7 @@ def get_rng_states() -> dict:
 def set_rng_states(states: dict) -> None:
     """Restore states saved by `get_rng_states`."""
     random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
+    np.random.set_state(_numpy_state_from_tensors(states["numpy"]))
     torch.set_rng_state(states["torch"])
     get_accelerator().set_rng_state(states["accelerator"])
     get_rng_tracker().set_states({k: v.clone() for k, v in states["tracker"].items()})

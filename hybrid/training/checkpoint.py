@@ -92,8 +92,9 @@ def latest_tag(load_dir: str) -> Optional[str]:
 def load(engine, run: RunConfig) -> tuple[int, int]:
     """Load --load into the engine; returns (iteration, consumed samples) to continue from.
 
-    --finetune: weights only, fresh optimizer, schedule and counters. --no-load-optim: no
-    optimizer or schedule state. --no-load-rng: keep this run's seeds.
+    --finetune: weights only (from any TP/PP layout), fresh optimizer, schedule and counters.
+    --no-load-optim: no optimizer or schedule state. --no-load-rng: keep this run's seeds.
+    Checkpoints written by conversion hold weights only and load like --no-load-optim.
     """
     train = run.train
     load_dir = train.load
@@ -105,23 +106,66 @@ def load(engine, run: RunConfig) -> tuple[int, int]:
             raise ConfigError(f"--load {load_dir} --finetune: no checkpoint there (no '{LATEST}' file).")
         log(f"WARNING: no checkpoint found in {load_dir} (no '{LATEST}' file); training from scratch.")
         return 0, 0
-    weights_only = train.finetune or train.no_load_optim
+    meta = _read_meta(load_dir, tag)
+    if train.finetune or meta.get("weights_only"):
+        return _load_weights_only(engine, run, load_dir, tag, meta)
     try:
         path, client_state = engine.load_checkpoint(
-            load_dir, tag=tag, load_optimizer_states=not weights_only, load_lr_scheduler_states=not weights_only,
-            load_module_only=weights_only)
-    except (FileNotFoundError, RuntimeError, KeyError) as e:
+            load_dir, tag=tag, load_optimizer_states=not train.no_load_optim,
+            load_lr_scheduler_states=not train.no_load_optim, load_module_only=train.no_load_optim)
+    except (FileNotFoundError, RuntimeError, KeyError, AssertionError) as e:
         raise ConfigError(f"--load {load_dir}: could not load checkpoint {tag}: {e}. Was it saved with the same "
-                          f"--tensor-model-parallel-size/--pipeline-model-parallel-size? Reshard it with "
-                          f"conversion/checkpoint_util.py.") from None
+                          f"--tensor-model-parallel-size/--pipeline-model-parallel-size and ZeRO stage? Reshard "
+                          f"it with conversion/checkpoint_util.py, or load its weights with --finetune.") from None
     if path is None:
         raise ConfigError(f"--load {load_dir}: DeepSpeed could not load checkpoint {tag}.")
     client_state = client_state or {}
-    if train.finetune:
-        log(f"loaded weights from {load_dir}/{tag} for fine-tuning; optimizer, schedule and iteration start fresh")
-        return 0, 0
     if not train.no_load_rng and "rng_states" in client_state:
         set_rng_states(client_state["rng_states"])
     iteration = int(client_state.get("iteration", 0))
     log(f"loaded checkpoint {load_dir}/{tag} at iteration {iteration}")
     return iteration, int(client_state.get("consumed_samples", 0))
+
+
+def _read_meta(load_dir: str, tag: str) -> dict:
+    from hybrid.conversion.layout import _first_model_file, _load
+    meta = _load(_first_model_file(os.path.join(load_dir, tag)))
+    meta.pop("module", None)
+    return meta
+
+
+def load_full_state(model, state: dict, run: RunConfig, topology) -> None:
+    """Copy a full canonical state dict into this rank's (TP-sharded, possibly ZeRO-3) parameters."""
+    import deepspeed
+    import torch
+    from hybrid.conversion.layout import shard_for_rank
+    from hybrid.model.gpt import canonical_parameters
+    params = canonical_parameters(model, run.model.num_layers)
+    missing = sorted(set(params) - set(state))
+    if missing:
+        raise ConfigError(f"--load: the checkpoint lacks {missing[:5]} (a different model shape?).")
+    modifier = topology.grid.get_data_parallel_group_ranks()[0]  # ZeRO-3 re-partitions from here
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=modifier):
+        with torch.no_grad():
+            for name, param in params.items():
+                value = shard_for_rank(name, state[name], run.model, run.tensor_parallel, topology.tp_rank)
+                if tuple(value.shape) != tuple(param.shape):
+                    raise ConfigError(f"--load: {name} has shape {tuple(value.shape)} in the checkpoint but "
+                                      f"{tuple(param.shape)} in the model; check the model flags.")
+                param.copy_(value)
+
+
+def _load_weights_only(engine, run: RunConfig, load_dir: str, tag: str, meta: dict) -> tuple[int, int]:
+    """--finetune, or a converted checkpoint: weights from any layout, fresh optimizer and schedule."""
+    from hybrid.conversion.layout import read_hybrid
+    state, _ = read_hybrid(load_dir, tag)
+    load_full_state(engine.module, state, run, engine.hybrid_topology)
+    if hasattr(engine.optimizer, "refresh_fp32_params"):
+        engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights
+    if run.train.finetune:
+        log(f"loaded weights from {load_dir}/{tag} for fine-tuning; optimizer, schedule and iteration start fresh")
+        return 0, 0
+    iteration = int(meta.get("iteration", 0))
+    log(f"loaded weights of {load_dir}/{tag} (a converted checkpoint: weights only, the optimizer starts "
+        f"fresh) at iteration {iteration}")
+    return iteration, int(meta.get("consumed_samples", 0))

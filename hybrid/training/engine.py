@@ -62,6 +62,7 @@ def build_engine(run: RunConfig, topology):
         model=model, model_parameters=param_groups(model, run), config=run.ds_config,
         mpu=topology.mpu if run.pipeline_parallel == 1 else None,  # a PipelineModule brings its own grid
         lr_scheduler=scheduler, dist_init_required=False)
+    engine.hybrid_topology = topology
     if run.zero_stage == 0 and run.train.precision == "fp32":
         _install_fp32_clipping(engine, topology)
     if run.zero_stage == 3 and run.pipeline_parallel == 1 and run.model.tied_embeddings:

@@ -1,0 +1,23 @@
+"""Console entry points (pyproject [project.scripts]); the same functions the launch/ scripts call."""
+
+import sys
+
+
+def train_main() -> None:
+    from hybrid.training.loop import main
+    sys.exit(main())
+
+
+def preprocess_main() -> None:
+    from hybrid.data.preprocess import main
+    sys.exit(main())
+
+
+def convert_main() -> None:
+    from hybrid.conversion.checkpoint_util import main
+    sys.exit(main())
+
+
+def evaluate_main() -> None:
+    from hybrid.evaluation import main
+    sys.exit(main())

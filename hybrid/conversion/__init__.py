@@ -1,0 +1,1 @@
+"""Checkpoint conversion: HuggingFace adapters, hybrid TP x PP layouts, the checkpoint_util CLI."""

@@ -1,0 +1,100 @@
+"""One converter for every direction: hybrid <-> HuggingFace, and hybrid TP x PP resharding.
+
+Megatron-LM's checkpoint_util flags; --hf-convert is shorthand for --saver hf. Everything runs in
+one CPU process: the full model is assembled once (about one copy of the weights), then written
+shard by shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+from hybrid.errors import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hybrid.config import _Parser
+    p = _Parser(description="Convert checkpoints: hybrid <-> HuggingFace, and between TP/PP layouts.",
+                allow_abbrev=False)
+    p.add_argument("--model-type", default="GPT", choices=["GPT"])
+    p.add_argument("--loader", default="hybrid", choices=["hybrid", "hf", "megatron"],
+                   help="hybrid (alias megatron): a launch/train.py checkpoint; hf: a transformers directory")
+    p.add_argument("--saver", default="hybrid", choices=["hybrid", "hf", "megatron"])
+    p.add_argument("--hf-convert", action="store_true", help="shorthand for --saver hf")
+    p.add_argument("--load-dir", required=True)
+    p.add_argument("--save-dir", required=True)
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json, exported with the model")
+    p.add_argument("--merge-file", default=None, help="GPT-2 merges.txt, exported with the model")
+    p.add_argument("--tokenizer-model", default=None, help="a local HF tokenizer directory to export")
+    p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size for HF output")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
+                   help="vocabulary padding of the hybrid output (default: the source's, or 128)")
+    p.add_argument("--no-progress-bar", action="store_true")
+    return p
+
+
+def _progress(enabled: bool, what: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    def wrap(items):
+        return tqdm(items, desc=what, unit="tensor" if what != "shards" else "file", file=sys.stderr)
+    return wrap
+
+
+def _tokenizer(args, saved_args: dict):
+    """The tokenizer to ship with an HF export: flags first, else the one the run trained with."""
+    from hybrid.data.tokenizer import GPT2BPETokenizer, HFTokenizer
+    vocab, merges = args.vocab_file or saved_args.get("vocab_file"), args.merge_file or saved_args.get("merge_file")
+    model_dir = args.tokenizer_model or saved_args.get("tokenizer_model")
+    if args.tokenizer_model or (model_dir and not (args.vocab_file or args.merge_file)):
+        return HFTokenizer(model_dir).to_transformers()
+    if vocab and merges:
+        return GPT2BPETokenizer(vocab, merges).to_transformers()
+    if not saved_args:
+        return None
+    from hybrid.data import default as default_data  # the run trained with the embedded tokenizer
+    return GPT2BPETokenizer(str(default_data.VOCAB), str(default_data.MERGES)).to_transformers()
+
+
+def convert(args) -> str:
+    from hybrid.conversion.hf import read_hf_dir, write_hf_dir
+    from hybrid.conversion.layout import check_target_layout, read_hybrid, write_hybrid
+    saver = "hf" if args.hf_convert else ("hybrid" if args.saver == "megatron" else args.saver)
+    loader = "hybrid" if args.loader == "megatron" else args.loader
+    show = not args.no_progress_bar
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    if loader == "hf":
+        state, config, _ = read_hf_dir(args.load_dir, _progress(show, "shards"))
+        client_state = {"args": {}, "iteration": 0, "consumed_samples": 0}
+    else:
+        state, meta = read_hybrid(args.load_dir, progress=_progress(show, "reading"))
+        from hybrid.conversion.layout import model_config_from_summary
+        config = model_config_from_summary(meta["hybrid_config"])
+        client_state = {k: meta[k] for k in ("args", "iteration", "consumed_samples", "hybrid_config") if k in meta}
+    if args.make_vocab_size_divisible_by:
+        config.make_vocab_size_divisible_by = args.make_vocab_size_divisible_by
+    if saver == "hf":
+        tokenizer = _tokenizer(args, client_state.get("args") or {})
+        write_hf_dir(state, config, args.save_dir, tokenizer, args.max_shard_size, _progress(show, "writing"))
+        return f"wrote HuggingFace model to {args.save_dir}"
+    check_target_layout(config, tp, pp)
+    write_hybrid(state, config, tp, pp, args.save_dir, client_state, int(client_state.get("iteration", 0)),
+                 _progress(show, "writing"))
+    return f"wrote hybrid checkpoint (TP={tp}, PP={pp}) to {args.save_dir}"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        print(convert(args), file=sys.stderr)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

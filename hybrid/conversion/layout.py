@@ -1,0 +1,241 @@
+"""Hybrid checkpoints as full (unsharded) state dicts, and back to any TP x PP layout.
+
+Reading understands what `launch/train.py --save` writes through DeepSpeed: `mp_rank_XX` module
+files (PP = 1), per-layer `layer_NN-model_TT` files (PP > 1), and ZeRO-3's partitioned weights
+(consolidated from the fp32 partitions with DeepSpeed's zero_to_fp32). Writing produces the same
+DeepSpeed file layout for a target TP x PP, weights only (flagged `weights_only`, so training
+loads it with a fresh optimizer, as after --finetune or --no-load-optim).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import tempfile
+from typing import Optional
+
+import torch
+
+from hybrid.errors import ConfigError
+from hybrid.model.config import ModelConfig
+from hybrid.parallel.layers import shard, unshard
+
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def partition_rule(name: str, config: ModelConfig) -> Optional[tuple[int, int]]:
+    """(dim, stride) along which `name` is split over TP, or None if replicated.
+
+    Mirrors the layers: ColumnParallelLinear splits dim 0 (fc1 with stride 2 for SwiGLU's
+    [gate; up]), RowParallelLinear dim 1 of its weight, the vocabulary tables dim 0.
+    """
+    if name in VOCAB_PARAMS or re.search(r"attention\.qkv\.(weight|bias)$", name):
+        return 0, 1
+    if re.search(r"mlp\.fc1\.(weight|bias)$", name):
+        return 0, 2 if config.swiglu else 1
+    if re.search(r"(attention\.dense|mlp\.fc2)\.weight$", name):
+        return 1, 1
+    return None
+
+
+def model_config_from_summary(summary: dict) -> ModelConfig:
+    fields = dict(summary["model"])
+    fields.pop("params_dtype", None)
+    return ModelConfig(**fields)
+
+
+def _load(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"checkpoint file {path} is missing; the checkpoint is incomplete.")
+    return torch.load(path, map_location="cpu", weights_only=False)  # DeepSpeed's own files
+
+
+def resolve_tag(load_dir: str, tag: Optional[str] = None) -> str:
+    if tag is not None:
+        return tag
+    latest = os.path.join(load_dir, "latest")
+    if not os.path.isfile(latest):
+        raise ConfigError(f"--load-dir {load_dir}: no 'latest' file; not a hybrid checkpoint directory "
+                          f"(made by launch/train.py --save).")
+    with open(latest) as f:
+        return f.read().strip()
+
+
+def _first_model_file(ckpt: str) -> str:
+    for pattern in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if os.path.isfile(os.path.join(ckpt, pattern)):
+            return os.path.join(ckpt, pattern)
+    raise ConfigError(f"{ckpt}: no mp_rank_00 model states file; not a hybrid checkpoint.")
+
+
+def _pipeline_name(index: int, key: str, num_layers: int) -> Optional[str]:
+    """Canonical name of a parameter in pipeline layer file `index` (None: tied duplicate)."""
+    if index == 0:
+        return "embedding." + key
+    if index <= num_layers:
+        return f"layers.{index - 1}.{key}"
+    if key == "word_embeddings.weight":
+        return None  # the last stage's copy of the tied embedding
+    return key
+
+
+def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tuple[dict, dict]:
+    """-> (canonical full fp32 state dict with padded vocab rows removed, client state of rank 0)."""
+    tag = resolve_tag(load_dir, tag)
+    ckpt = os.path.join(load_dir, tag)
+    if not os.path.isdir(ckpt):
+        raise ConfigError(f"{ckpt}: no such checkpoint directory.")
+    meta = _load(_first_model_file(ckpt))
+    if "hybrid_config" not in meta:
+        raise ConfigError(f"{ckpt}: no hybrid_config in the checkpoint; it was not written by hybrid.")
+    config = model_config_from_summary(meta["hybrid_config"])
+    tp, pp = meta["hybrid_config"]["tensor_parallel"], meta["hybrid_config"]["pipeline_parallel"]
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    if pp > 1:
+        for path in sorted(glob.glob(os.path.join(ckpt, "layer_*-model_*-model_states.pt"))):
+            index, tp_rank = map(int, re.search(r"layer_(\d+)-model_(\d+)-", os.path.basename(path)).groups())
+            for key, value in _load(path).items():
+                name = _pipeline_name(index, key, config.num_layers)
+                if name is not None:
+                    shards.setdefault(name, {})[tp_rank] = value
+    elif os.path.basename(_first_model_file(ckpt)).startswith("zero_pp_rank"):
+        if tp > 1:
+            raise ConfigError(f"{ckpt}: ZeRO-3 checkpoints with TP = {tp} cannot be consolidated here (DeepSpeed's "
+                              f"zero_to_fp32 handles TP = 1 only); train ZeRO-3 runs at TP = 1 or use ZeRO-1/2.")
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        full = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag)
+        shards = {name: {0: value} for name, value in full.items()}
+    else:
+        for tp_rank in range(tp):
+            module = _load(os.path.join(ckpt, f"mp_rank_{tp_rank:02d}_model_states.pt"))["module"]
+            for name, value in module.items():
+                shards.setdefault(name, {})[tp_rank] = value
+    state = {}
+    items = progress(sorted(shards.items())) if progress else sorted(shards.items())
+    for name, by_rank in items:
+        pieces = [by_rank[r] for r in sorted(by_rank)]
+        rule = partition_rule(name, config)
+        if rule is not None and len(pieces) > 1:
+            if len(pieces) != tp:
+                raise ConfigError(f"{ckpt}: {name} has {len(pieces)} TP shards, expected {tp}.")
+            tensor = unshard(pieces, *rule)
+        else:
+            tensor = pieces[0]
+        if name in VOCAB_PARAMS:
+            tensor = tensor[: config.vocab_size]
+        state[name] = tensor.float().clone()
+    return state, meta
+
+
+def shard_for_rank(name: str, tensor: torch.Tensor, config: ModelConfig, tp: int, tp_rank: int) -> torch.Tensor:
+    """The TP shard of a full canonical tensor, vocabulary padded as the model at this TP pads it."""
+    if name in VOCAB_PARAMS:
+        padded = config.padded_vocab_size(tp)
+        if tensor.size(0) < padded:
+            tensor = torch.cat([tensor, tensor.new_zeros((padded - tensor.size(0),) + tuple(tensor.shape[1:]))])
+    rule = partition_rule(name, config)
+    if rule is None:
+        return tensor
+    return shard(tensor, rule[0], tp_rank, tp, rule[1])
+
+
+def check_target_layout(config: ModelConfig, tp: int, pp: int) -> None:
+    config.validate(tp)
+    if pp < 1 or pp > config.num_layers:
+        raise ConfigError(f"--target-pipeline-parallel-size {pp}: must be between 1 and --num-layers "
+                          f"{config.num_layers}.")
+
+
+def write_hybrid(state: dict, config: ModelConfig, tp: int, pp: int, save_dir: str, client_state: dict,
+                 iteration: int = 0, progress=None) -> str:
+    """Write `state` (canonical, full) as a hybrid checkpoint at TP x PP; atomic (temp dir + rename).
+
+    PP > 1 checkpoints hold one file per pipeline layer and TP rank, so launch/train.py can load them
+    with any --pipeline-partition.
+    """
+    import deepspeed
+    check_target_layout(config, tp, pp)
+    expected = _expected_names(config)
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise ConfigError(f"state dict does not fit the model: missing {sorted(missing)[:5]}, "
+                          f"unexpected {sorted(unexpected)[:5]}.")
+    tag = f"iter_{iteration:07d}"
+    parent = os.path.dirname(os.path.abspath(save_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    try:
+        ckpt = os.path.join(tmp, tag)
+        os.makedirs(ckpt)
+        summary = dict(client_state.get("hybrid_config") or {})
+        common = dict(client_state, iteration=iteration, weights_only=True, hybrid_config=dict(
+            summary, model=_model_summary(config), tensor_parallel=tp, pipeline_parallel=pp, data_parallel=1),
+            dp_world_size=1, mp_world_size=tp * pp, ds_version=deepspeed.__version__, global_steps=iteration,
+            skipped_steps=0, buffer_names=[], optimizer=None, lr_scheduler=None)
+        names = sorted(state)
+        if pp == 1:
+            for tp_rank in range(tp):
+                module = {n: shard_for_rank(n, state[n], config, tp, tp_rank).contiguous().clone() for n in
+                          (progress(names) if progress and tp_rank == 0 else names)}
+                torch.save(dict(common, module=module), os.path.join(ckpt, f"mp_rank_{tp_rank:02d}_model_states.pt"))
+        else:
+            _write_pipeline(state, config, tp, pp, ckpt, common, progress)
+        with open(os.path.join(tmp, "latest"), "w") as f:
+            f.write(tag)
+        with open(os.path.join(tmp, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+        if os.path.exists(save_dir):
+            if os.listdir(save_dir):
+                raise ConfigError(f"--save-dir {save_dir} exists and is not empty; choose a new directory.")
+            os.rmdir(save_dir)
+        os.replace(tmp, save_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tag
+
+
+def _write_pipeline(state, config, tp, pp, ckpt, common, progress):
+    last = config.num_layers + 2
+    files: dict[int, dict[str, str]] = {}  # spec index -> {local key: canonical name}
+    for name in state:
+        if name.startswith("embedding."):
+            files.setdefault(0, {})[name[len("embedding."):]] = name
+        elif name.startswith("layers."):
+            layer, key = name[len("layers."):].split(".", 1)
+            files.setdefault(int(layer) + 1, {})[key] = name
+        elif name.startswith("final_norm."):
+            files.setdefault(config.num_layers + 1, {})[name] = name
+        elif name == "output_layer.weight":
+            files.setdefault(last, {})[name] = name
+    if config.tied_embeddings:
+        files.setdefault(last, {})["word_embeddings.weight"] = "embedding.word_embeddings.weight"
+    indices = sorted(files)
+    for index in (progress(indices) if progress else indices):
+        for tp_rank in range(tp):
+            layer_state = {key: shard_for_rank(name, state[name], config, tp, tp_rank).contiguous().clone()
+                           for key, name in files[index].items()}
+            torch.save(layer_state, os.path.join(ckpt, f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt"))
+    for stage in range(pp):
+        for tp_rank in range(tp):
+            torch.save(dict(common, module=None),
+                       os.path.join(ckpt, f"mp_rank_{stage * tp + tp_rank:02d}_model_states.pt"))
+
+
+def _model_summary(config: ModelConfig) -> dict:
+    from dataclasses import asdict
+    summary = asdict(config)
+    summary["params_dtype"] = str(summary["params_dtype"])
+    return summary
+
+
+def _expected_names(config: ModelConfig) -> set:
+    """Canonical parameter names of a model with this config's structure (built tiny: names depend on
+    the layer count and options, not on the sizes)."""
+    import dataclasses
+    from hybrid.model.gpt import GPTModel
+    tiny = dataclasses.replace(config, hidden_size=2 * config.num_attention_heads, ffn_hidden_size=2, vocab_size=8,
+                               max_position_embeddings=2, make_vocab_size_divisible_by=1)
+    return set(dict(GPTModel(tiny).named_parameters()))

@@ -1,0 +1,136 @@
+"""launch/evaluate.py: mean LM loss of a checkpoint over the first windows of a dataset's token stream.
+
+Windows are consecutive and non-overlapping, S + 1 tokens each (S predictions), taken in order
+from the concatenation of the dataset's sequences: no shuffling, no sampling, so the same number
+comes out of `transformers` on the same windows. Runs at the checkpoint's TP x PP (world size a
+multiple of it; data-parallel ranks split the micro-batches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybrid.errors import ConfigError
+
+
+def build_parser():
+    from hybrid.config import _Parser
+    p = _Parser(description="Evaluate a hybrid checkpoint's LM loss on a dataset.", allow_abbrev=False)
+    p.add_argument("--load", required=True)
+    p.add_argument("--data-path", required=True, nargs="+")
+    p.add_argument("--seq-length", type=int, required=True)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--eval-iters", type=int, default=10)
+    p.add_argument("--log-json", default=None)
+    p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None)
+    return p
+
+
+def stream_windows(prefix: str, seq_length: int, count: int) -> np.ndarray:
+    """[count, seq_length + 1] consecutive non-overlapping windows of the concatenated tokens."""
+    from hybrid.data.indexed import IndexedDataset
+    data = IndexedDataset(prefix)
+    width = seq_length + 1
+    needed = count * width
+    if data.num_tokens < needed:
+        raise ConfigError(f"--data-path {prefix}: {data.num_tokens} tokens, but --eval-iters x --micro-batch-size "
+                          f"windows of --seq-length + 1 need {needed}.")
+    ends = np.cumsum(data.sizes.astype(np.int64))
+    last = int(np.searchsorted(ends, needed, side="left"))
+    tokens = np.concatenate([data.get(i) for i in range(last + 1)])[:needed].astype(np.int64)
+    return tokens.reshape(count, width)
+
+
+def evaluate(args) -> dict:
+    from hybrid.conversion.layout import model_config_from_summary, read_hybrid
+    from hybrid.distributed import init_distributed
+    from hybrid.training.checkpoint import _read_meta, latest_tag
+    if len(args.data_path) != 1:
+        raise ConfigError("--data-path: evaluate.py takes one dataset prefix (no blend weights).")
+    if not os.path.isdir(args.load) or latest_tag(args.load) is None:
+        raise ConfigError(f"--load {args.load}: no hybrid checkpoint there (no 'latest' file).")
+    meta = _read_meta(args.load, latest_tag(args.load))
+    config = model_config_from_summary(meta["hybrid_config"])
+    config.hidden_dropout = config.attention_dropout = 0.0
+    config.recompute_granularity = None
+    tp, pp = meta["hybrid_config"]["tensor_parallel"], meta["hybrid_config"]["pipeline_parallel"]
+    from hybrid.config import ParallelDims
+    dp = ParallelDims(int(os.environ.get("WORLD_SIZE", "1")), tp, pp).data_parallel
+    if args.eval_iters % dp:
+        raise ConfigError(f"--eval-iters {args.eval_iters} must be a multiple of the data-parallel size {dp}.")
+    if config.position_embedding_type == "learned_absolute" and args.seq_length > config.max_position_embeddings:
+        raise ConfigError(f"--seq-length {args.seq_length} exceeds the model's max positions "
+                          f"{config.max_position_embeddings}.")
+    windows = torch.from_numpy(stream_windows(args.data_path[0], args.seq_length,
+                                              args.eval_iters * args.micro_batch_size))
+    init_distributed()
+    from hybrid.topology import Topology
+    topology = Topology(tp, pp)
+    state, _ = read_hybrid(args.load)
+    mine = [windows[k * args.micro_batch_size:(k + 1) * args.micro_batch_size]
+            for k in range(args.eval_iters) if k % dp == topology.dp_rank]
+    batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous(), torch.ones(w.size(0), args.seq_length)) for w in mine]
+    losses = _pipeline_losses(config, topology, state, batches) if pp > 1 else _losses(config, topology, state, batches)
+    total = torch.tensor([sum(losses)], dtype=torch.float64)
+    if dp > 1:
+        dist.all_reduce(total, group=topology.dp_group)
+    result = {"lm_loss": total.item() / args.eval_iters, "tokens": args.eval_iters * args.micro_batch_size * args.seq_length}
+    return result
+
+
+class _Run:  # the few RunConfig fields load_full_state reads
+    def __init__(self, config, tp):
+        self.model, self.tensor_parallel = config, tp
+
+
+@torch.no_grad()
+def _losses(config, topology, state, batches) -> list[float]:
+    from hybrid.model.gpt import GPTModel
+    from hybrid.training.checkpoint import load_full_state
+    model = GPTModel(config, topology.tp_group).eval()
+    load_full_state(model, state, _Run(config, topology.tp_world_size), topology)
+    return [float(model(ids, labels, mask)) for ids, labels, mask in batches]
+
+
+def _pipeline_losses(config, topology, state, batches) -> list[float]:
+    import deepspeed
+    from hybrid.model.gpt import build_pipeline_model, pipeline_ds_config
+    from hybrid.training.checkpoint import load_full_state
+    module = build_pipeline_model(config, topology, "uniform")
+    load_full_state(module, state, _Run(config, topology.tp_world_size), topology)
+    engine, *_ = deepspeed.initialize(model=module, config={
+        "train_micro_batch_size_per_gpu": batches[0][0].size(0), "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9, **pipeline_ds_config(config)}, dist_init_required=False)
+    engine.eval()
+    losses = []
+    for ids, labels, mask in batches:
+        loss = engine.eval_batch(data_iter=iter([(ids, (labels, mask))]), reduce_output="avg", bcast_loss=True)
+        losses.append(float(loss))
+    return losses
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        result = evaluate(args)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(json.dumps(result), flush=True)
+            if args.log_json:
+                with open(args.log_json, "a") as f:
+                    f.write(json.dumps(result) + "\n")
+        code = 0
+    except ConfigError as e:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr)
+        code = 2
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return code
