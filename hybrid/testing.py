@@ -39,11 +39,24 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         if task is None:
             break
         fn, args, kwargs = task
+        groups_before = set(_process_groups())
         try:
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # report everything, including assertion failures
             results.put((rank, False, traceback.format_exc()))
+        # Each task's topology/engine creates process groups whose gloo threads keep polling;
+        # destroy them so idle pool ranks do not slow down everything that runs later.
+        for group in set(_process_groups()) - groups_before:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:
+                pass
     dist.destroy_process_group()
+
+
+def _process_groups():
+    import torch.distributed.distributed_c10d as c10d
+    return [g for g in c10d._world.pg_map if g is not c10d.GroupMember.WORLD]
 
 
 class RankPool:
@@ -117,7 +130,9 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 300, **k
 
 
 @atexit.register
-def _close_pools() -> None:
+def close_pools() -> None:
+    """Stop every pool (a test module's teardown calls this: idle ranks holding many gloo groups
+    still cost CPU that later tests need)."""
     for pool in list(_POOLS.values()):
         pool.close()
 

@@ -190,3 +190,16 @@ def _pp_too_large():
 def test_pipeline_larger_than_layers_is_a_clear_error():
     messages = run_on_ranks(_pp_too_large, 2)
     assert all(m and "--pipeline-model-parallel-size 2 is larger than --num-layers 1" in m for m in messages)
+
+
+def test_query_key_layer_scaling_math_equals_plain_attention():
+    """Megatron's fp16 path (scores / (sqrt(d) x layer), softmax in fp32 after x layer) is the same
+    function as plain attention; check it in fp32 on CPU (fp16 needs a GPU)."""
+    from hybrid.model.attention import CoreAttention
+    config = ModelConfig(**dict(CONFIGS["gpt2"], apply_query_key_layer_scaling=True))
+    core = CoreAttention(config, layer_number=5).eval()
+    q, k, v = (torch.randn(2, 4, 10, 8) for _ in range(3))
+    got = core._scaled_math(q, k, v, 0.0)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=core.scale)
+    assert_close(got, want, 1e-6, "query-key layer scaling")
+    assert core.backend(q.half()) == "scaled_math" and core.backend(q) == "sdpa"

@@ -96,6 +96,18 @@ def test_resume_4_plus_4_is_bitwise_equal_to_8_straight(runs, data, tmp_path, la
     assert [r["iteration"] for r in resumed] == list(range(1, 9))
     assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in straight], "bitwise on CPU"
     assert [r["consumed_samples"] for r in resumed] == [r["consumed_samples"] for r in straight]
+    import torch
+    saved = torch.load(ckpt / "iter_0000008" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert saved["universal_checkpoint_info"]["universal_checkpoint_version"] > 0
+    assert saved["iteration"] == 8 and saved["consumed_samples"] == 64
+
+
+def test_bf16_training_runs_close_to_fp32(runs):
+    fp32 = [r["lm_loss"] for r in runs("one_rank")]
+    bf16 = runs("bf16_zero1", "torchrun", 2, ["--bf16", "--deepspeed", "ds_configs/zero1_bf16.json"])
+    assert [r["loss_scale"] for r in bf16] == [1.0] * 8
+    for got, want in zip([r["lm_loss"] for r in bf16], fp32):
+        assert abs(got - want) <= 2e-2 * want
 
 
 def test_tensorboard_and_wandb_offline_outputs(data, tmp_path):
@@ -142,6 +154,7 @@ def test_megatron_tutorial_script_runs_unchanged_but_for_the_script_name(tmp_pat
      "DeepSpeed's pipeline engine supports ZeRO-0/1 only"),
     (["--deepspeed_config", "/nonexistent.json"], "--deepspeed_config /nonexistent.json: no such file"),
     (["--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt: no such directory"),
+    (["--vocab-size", 100], "--vocab-size 100 is smaller than the tokenizer's vocabulary (8192)"),
 ])
 def test_user_mistakes_end_in_one_message_and_nonzero_exit(tmp_path, flags, message):
     if "ds_configs/zero1_test_mb2.json" in flags:

@@ -113,8 +113,9 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
             for name, value in module.items():
                 shards.setdefault(name, {})[tp_rank] = value
     state = {}
-    items = progress(sorted(shards.items())) if progress else sorted(shards.items())
-    for name, by_rank in items:
+    names = sorted(shards)
+    for name in (progress(names) if progress else names):
+        by_rank = shards.pop(name)  # free the shards as the full tensor is built: ~one copy at a time
         pieces = [by_rank[r] for r in sorted(by_rank)]
         rule = partition_rule(name, config)
         if rule is not None and len(pieces) > 1:
