@@ -20,7 +20,7 @@ from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
 
 
-class _Parser(argparse.ArgumentParser):
+class FlagParser(argparse.ArgumentParser):
     """argparse whose errors are one line naming the flag (no usage dump), exit code 2."""
 
     def error(self, message):
@@ -154,7 +154,7 @@ def _add_deepspeed_args(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description="Train a GPT with Megatron-style parallelism on DeepSpeed.", allow_abbrev=False)
+    p = FlagParser(description="Train a GPT with Megatron-style parallelism on DeepSpeed.", allow_abbrev=False)
     for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_optimizer_args, _add_data_args,
                 _add_checkpoint_args, _add_logging_args, _add_deepspeed_args):
         add(p)
@@ -311,7 +311,7 @@ def _precision(args, ds: dict, ds_path) -> str:
     return precision
 
 
-def _optimizer_config(args, ds: dict, ds_path, precision) -> dict:
+def _optimizer_config(args, ds: dict, ds_path) -> dict:
     """The DeepSpeed "optimizer" section: the config's own, checked against the flags, or built
     from the flags (Megatron's Adam with decoupled weight decay)."""
     section = ds.get("optimizer")
@@ -438,7 +438,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     micro, global_batch, gas = _batch_sizes(args, ds, ds_path, dp)
     precision = _precision(args, ds, ds_path)
     clip = _agree(ds, "gradient_clipping", "--clip-grad", args.clip_grad, ds_path, 1.0)
-    optimizer = _optimizer_config(args, ds, ds_path, precision)
+    optimizer = _optimizer_config(args, ds, ds_path)
     train_iters = args.train_iters if args.train_iters is not None else 100
     if train_iters < 1:
         raise ConfigError(f"--train-iters must be >= 1, got {train_iters}.")

@@ -8,7 +8,6 @@ multiple of it; data-parallel ranks split the micro-batches).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,8 +21,8 @@ from hybrid.errors import ConfigError
 
 
 def build_parser():
-    from hybrid.config import _Parser
-    p = _Parser(description="Evaluate a hybrid checkpoint's LM loss on a dataset.", allow_abbrev=False)
+    from hybrid.config import FlagParser
+    p = FlagParser(description="Evaluate a hybrid checkpoint's LM loss on a dataset.", allow_abbrev=False)
     p.add_argument("--load", required=True)
     p.add_argument("--data-path", required=True, nargs="+")
     p.add_argument("--seq-length", type=int, required=True)
@@ -52,12 +51,12 @@ def stream_windows(prefix: str, seq_length: int, count: int) -> np.ndarray:
 def evaluate(args) -> dict:
     from hybrid.conversion.layout import model_config_from_summary, read_hybrid
     from hybrid.distributed import init_distributed
-    from hybrid.training.checkpoint import _read_meta, latest_tag
+    from hybrid.training.checkpoint import latest_tag, read_meta
     if len(args.data_path) != 1:
         raise ConfigError("--data-path: evaluate.py takes one dataset prefix (no blend weights).")
     if not os.path.isdir(args.load) or latest_tag(args.load) is None:
         raise ConfigError(f"--load {args.load}: no hybrid checkpoint there (no 'latest' file).")
-    meta = _read_meta(args.load, latest_tag(args.load))
+    meta = read_meta(args.load, latest_tag(args.load))
     config = model_config_from_summary(meta["hybrid_config"])
     config.hidden_dropout = config.attention_dropout = 0.0
     config.recompute_granularity = None
@@ -86,17 +85,12 @@ def evaluate(args) -> dict:
     return result
 
 
-class _Run:  # the few RunConfig fields load_full_state reads
-    def __init__(self, config, tp):
-        self.model, self.tensor_parallel = config, tp
-
-
 @torch.no_grad()
 def _losses(config, topology, state, batches) -> list[float]:
     from hybrid.model.gpt import GPTModel
     from hybrid.training.checkpoint import load_full_state
     model = GPTModel(config, topology.tp_group).eval()
-    load_full_state(model, state, _Run(config, topology.tp_world_size), topology)
+    load_full_state(model, state, config, topology)
     return [float(model(ids, labels, mask)) for ids, labels, mask in batches]
 
 
@@ -105,7 +99,7 @@ def _pipeline_losses(config, topology, state, batches) -> list[float]:
     from hybrid.model.gpt import build_pipeline_model, pipeline_ds_config
     from hybrid.training.checkpoint import load_full_state
     module = build_pipeline_model(config, topology, "uniform")
-    load_full_state(module, state, _Run(config, topology.tp_world_size), topology)
+    load_full_state(module, state, config, topology)
     engine, *_ = deepspeed.initialize(model=module, config={
         "train_micro_batch_size_per_gpu": batches[0][0].size(0), "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9, **pipeline_ds_config(config)}, dist_init_required=False)

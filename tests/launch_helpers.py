@@ -58,10 +58,6 @@ def read_log(path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def losses(path) -> list[float]:
-    return [r["lm_loss"] for r in read_log(path) if "split" not in r]
-
-
 def copy_default_corpus(directory) -> str:
     """The embedded corpus's token files in `directory` (index caches get written beside them)."""
     from hybrid.data.default import default_data_prefix

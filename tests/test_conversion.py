@@ -193,3 +193,16 @@ def test_bad_conversion_input_is_a_clear_error_with_no_output(tmp_path, case, me
                    check=False)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_conversion_partition_rules_agree_with_the_layers_attributes(family):
+    from hybrid.conversion.layout import partition_rule
+    from hybrid.model.config import ModelConfig
+    from hybrid.model.gpt import GPTModel
+    from tests.model_harness import CONFIGS
+    config = ModelConfig(**CONFIGS[family])
+    for name, param in GPTModel(config).named_parameters():
+        expected = (param.partition_dim, param.partition_stride) if getattr(param, "tensor_model_parallel", False) \
+            else None
+        assert partition_rule(name, config) == expected, name

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.launch_helpers import MERGES, VOCAB, copy_default_corpus, losses, read_log, run
+from tests.launch_helpers import MERGES, VOCAB, copy_default_corpus, read_log, run
 
 TINY = ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
         "--max-position-embeddings", 16, "--micro-batch-size", 2, "--global-batch-size", 8, "--train-iters", 8,

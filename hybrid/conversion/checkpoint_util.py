@@ -8,7 +8,6 @@ shard by shard.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Optional
 
@@ -16,8 +15,8 @@ from hybrid.errors import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hybrid.config import _Parser
-    p = _Parser(description="Convert checkpoints: hybrid <-> HuggingFace, and between TP/PP layouts.",
+    from hybrid.config import FlagParser
+    p = FlagParser(description="Convert checkpoints: hybrid <-> HuggingFace, and between TP/PP layouts.",
                 allow_abbrev=False)
     p.add_argument("--model-type", default="GPT", choices=["GPT"])
     p.add_argument("--loader", default="hybrid", choices=["hybrid", "hf", "megatron"],

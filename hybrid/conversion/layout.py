@@ -46,7 +46,8 @@ def model_config_from_summary(summary: dict) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def _load(path: str) -> dict:
+def load_file(path: str) -> dict:
+    """One DeepSpeed checkpoint file (it pickles Python objects, so not weights_only)."""
     if not os.path.isfile(path):
         raise ConfigError(f"checkpoint file {path} is missing; the checkpoint is incomplete.")
     return torch.load(path, map_location="cpu", weights_only=False)  # DeepSpeed's own files
@@ -63,7 +64,7 @@ def resolve_tag(load_dir: str, tag: Optional[str] = None) -> str:
         return f.read().strip()
 
 
-def _first_model_file(ckpt: str) -> str:
+def first_model_file(ckpt: str) -> str:
     for pattern in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         if os.path.isfile(os.path.join(ckpt, pattern)):
             return os.path.join(ckpt, pattern)
@@ -87,7 +88,7 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
     ckpt = os.path.join(load_dir, tag)
     if not os.path.isdir(ckpt):
         raise ConfigError(f"{ckpt}: no such checkpoint directory.")
-    meta = _load(_first_model_file(ckpt))
+    meta = load_file(first_model_file(ckpt))
     if "hybrid_config" not in meta:
         raise ConfigError(f"{ckpt}: no hybrid_config in the checkpoint; it was not written by hybrid.")
     config = model_config_from_summary(meta["hybrid_config"])
@@ -96,11 +97,11 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
     if pp > 1:
         for path in sorted(glob.glob(os.path.join(ckpt, "layer_*-model_*-model_states.pt"))):
             index, tp_rank = map(int, re.search(r"layer_(\d+)-model_(\d+)-", os.path.basename(path)).groups())
-            for key, value in _load(path).items():
+            for key, value in load_file(path).items():
                 name = _pipeline_name(index, key, config.num_layers)
                 if name is not None:
                     shards.setdefault(name, {})[tp_rank] = value
-    elif os.path.basename(_first_model_file(ckpt)).startswith("zero_pp_rank"):
+    elif os.path.basename(first_model_file(ckpt)).startswith("zero_pp_rank"):
         if tp > 1:
             raise ConfigError(f"{ckpt}: ZeRO-3 checkpoints with TP = {tp} cannot be consolidated here (DeepSpeed's "
                               f"zero_to_fp32 handles TP = 1 only); train ZeRO-3 runs at TP = 1 or use ZeRO-1/2.")
@@ -109,7 +110,7 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
         shards = {name: {0: value} for name, value in full.items()}
     else:
         for tp_rank in range(tp):
-            module = _load(os.path.join(ckpt, f"mp_rank_{tp_rank:02d}_model_states.pt"))["module"]
+            module = load_file(os.path.join(ckpt, f"mp_rank_{tp_rank:02d}_model_states.pt"))["module"]
             for name, value in module.items():
                 shards.setdefault(name, {})[tp_rank] = value
     state = {}

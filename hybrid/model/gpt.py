@@ -9,7 +9,6 @@ Canonical parameter names (shared by both forms, conversion and checkpoints):
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 import torch
 import torch.nn as nn

@@ -6,7 +6,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hybrid.parallel.layers import mark_sequence_parallel
 from hybrid.parallel.mappings import sync_replicated_grad
 
 
@@ -16,9 +15,6 @@ class _Norm(nn.Module):
         self.eps, self.tp_group, self.sequence_parallel = eps, tp_group, sequence_parallel
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype)) if bias else None
-        for p in self.parameters():
-            if sequence_parallel:
-                mark_sequence_parallel(p)
 
     def _params(self):
         """The weights as used in forward: with SP each rank sees a sequence shard, so the

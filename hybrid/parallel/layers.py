@@ -3,12 +3,12 @@
 Weights are created full-size on the CPU by an `init_method`, then sharded, so the same seed
 gives the same full weights at any TP degree (Megatron-LM's `--use-cpu-initialization`).
 Sharded parameters carry `tensor_model_parallel=True` (read by DeepSpeed's gradient-norm code),
-`partition_dim` and `partition_stride` (read by conversion and resharding).
+`partition_dim` and `partition_stride` (the conversion rules in hybrid.conversion.layout must agree).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -69,11 +69,6 @@ def mark_tensor_parallel(param: torch.Tensor, dim: int, stride: int = 1) -> None
     param.model_parallel = True
     param.partition_dim = dim
     param.partition_stride = stride
-
-
-def mark_sequence_parallel(param: torch.Tensor) -> None:
-    """Tag a replicated parameter whose gradient is summed over TP under sequence parallelism."""
-    param.sequence_parallel = True
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -172,8 +167,6 @@ class RowParallelLinear(nn.Module):
                                            init_method, params_dtype, device)
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
-            if sequence_parallel:
-                mark_sequence_parallel(self.bias)
         else:
             self.register_parameter("bias", None)
 

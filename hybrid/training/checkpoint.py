@@ -106,7 +106,7 @@ def load(engine, run: RunConfig) -> tuple[int, int]:
             raise ConfigError(f"--load {load_dir} --finetune: no checkpoint there (no '{LATEST}' file).")
         log(f"WARNING: no checkpoint found in {load_dir} (no '{LATEST}' file); training from scratch.")
         return 0, 0
-    meta = _read_meta(load_dir, tag)
+    meta = read_meta(load_dir, tag)
     if train.finetune or meta.get("weights_only"):
         return _load_weights_only(engine, run, load_dir, tag, meta)
     try:
@@ -127,20 +127,21 @@ def load(engine, run: RunConfig) -> tuple[int, int]:
     return iteration, int(client_state.get("consumed_samples", 0))
 
 
-def _read_meta(load_dir: str, tag: str) -> dict:
-    from hybrid.conversion.layout import _first_model_file, _load
-    meta = _load(_first_model_file(os.path.join(load_dir, tag)))
+def read_meta(load_dir: str, tag: str) -> dict:
+    """Client state and DeepSpeed metadata of a checkpoint (rank 0's model-states file, no weights)."""
+    from hybrid.conversion.layout import first_model_file, load_file
+    meta = load_file(first_model_file(os.path.join(load_dir, tag)))
     meta.pop("module", None)
     return meta
 
 
-def load_full_state(model, state: dict, run: RunConfig, topology) -> None:
+def load_full_state(model, state: dict, config, topology) -> None:
     """Copy a full canonical state dict into this rank's (TP-sharded, possibly ZeRO-3) parameters."""
     import deepspeed
     import torch
     from hybrid.conversion.layout import shard_for_rank
     from hybrid.model.gpt import canonical_parameters
-    params = canonical_parameters(model, run.model.num_layers)
+    params = canonical_parameters(model, config.num_layers)
     missing = sorted(set(params) - set(state))
     if missing:
         raise ConfigError(f"--load: the checkpoint lacks {missing[:5]} (a different model shape?).")
@@ -148,7 +149,7 @@ def load_full_state(model, state: dict, run: RunConfig, topology) -> None:
     with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=modifier):
         with torch.no_grad():
             for name, param in params.items():
-                value = shard_for_rank(name, state[name], run.model, run.tensor_parallel, topology.tp_rank)
+                value = shard_for_rank(name, state[name], config, topology.tp_world_size, topology.tp_rank)
                 if tuple(value.shape) != tuple(param.shape):
                     raise ConfigError(f"--load: {name} has shape {tuple(value.shape)} in the checkpoint but "
                                       f"{tuple(param.shape)} in the model; check the model flags.")
@@ -159,7 +160,7 @@ def _load_weights_only(engine, run: RunConfig, load_dir: str, tag: str, meta: di
     """--finetune, or a converted checkpoint: weights from any layout, fresh optimizer and schedule."""
     from hybrid.conversion.layout import read_hybrid
     state, _ = read_hybrid(load_dir, tag)
-    load_full_state(engine.module, state, run, engine.hybrid_topology)
+    load_full_state(engine.module, state, run.model, engine.hybrid_topology)
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights
     if run.train.finetune:
