@@ -13,19 +13,13 @@ import atexit
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable
 
 import torch
 
-
-def free_port() -> int:
-    """A TCP port on localhost that nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from hybrid.distributed import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
