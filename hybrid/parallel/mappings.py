@@ -92,11 +92,15 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """forward: identity; backward: all-reduce (the input of a column-parallel layer)."""
+    if C.group_size(group) == 1:  # no autograd node and no gradient copy at TP = 1
+        return x
     return _CopyToRegion.apply(x, group)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """forward: all-reduce; backward: identity (the output of a row-parallel layer)."""
+    if C.group_size(group) == 1:  # no copy of the activation at TP = 1
+        return x
     return _ReduceFromRegion.apply(x, group)
 
 
