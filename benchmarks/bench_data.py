@@ -5,7 +5,10 @@
 1. preprocessing: launch/preprocess_data.py's end-to-end throughput on a generated corpus,
    against the same tokenizer's raw `encode_batch` throughput on the same texts (target >= 0.7);
 2. sample reads: GPTDataset samples of seq-length 1024 per second, index look-ups only and full
-   token reads (target >= 100k/s for look-ups).
+   token reads (target >= 100k/s for look-ups);
+3. sample-index build: our vectorised build_sample_idx against megatron-core's C++ helper on the
+   same synthetic index (10M documents, ~1B tokens, seq 1024 by default): seconds and peak extra
+   memory of each, each measured in a forked child (skipped when megatron-core is absent).
 """
 
 from __future__ import annotations
@@ -70,12 +73,59 @@ def bench_reads(prefix: str, seq_length: int = 1024, reads: int = 200_000) -> di
     return {"index_lookups_per_s": lookups, "samples_read_per_s": full}
 
 
+def _measure_in_child(fn, *args) -> dict:
+    """Run fn(*args) in a forked child: its seconds and peak resident memory above its start."""
+    import multiprocessing as mp
+
+    def child(queue):
+        def rss_kb(field):
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) for line in f if line.startswith(field))
+        before = rss_kb("VmRSS:")
+        start = time.perf_counter()
+        out = fn(*args)
+        seconds = time.perf_counter() - start
+        queue.put({"seconds": seconds, "peak_extra_mb": (rss_kb("VmHWM:") - before) / 1024,
+                   "checksum": int(np.asarray(out, dtype=np.int64).sum())})
+
+    queue = mp.get_context("fork").Queue()
+    proc = mp.get_context("fork").Process(target=child, args=(queue,))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    return result
+
+
+def bench_index_build(num_docs: int, seq_length: int) -> dict:
+    from hybrid.data.gpt_dataset import build_sample_idx
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(1, 200, num_docs, dtype=np.int32)  # mean ~100 tokens: ~1B tokens for 10M docs
+    doc_idx = rng.permutation(num_docs).astype(np.int32)
+    tokens = int(sizes.sum(dtype=np.int64))
+    num_samples = (tokens - 1) // seq_length
+    ours = _measure_in_child(build_sample_idx, sizes, doc_idx, seq_length, num_samples)
+    result = {"index_documents": num_docs, "index_tokens": tokens, "index_samples": num_samples,
+              "ours_build_s": ours["seconds"], "ours_peak_extra_mb": ours["peak_extra_mb"]}
+    try:
+        from megatron.core.datasets import helpers
+    except ImportError:
+        result["megatron_core"] = "not installed (pip install megatron-core)"
+        return result
+    theirs = _measure_in_child(helpers.build_sample_idx, sizes, doc_idx, seq_length, 1, tokens, True, True)
+    result.update(megatron_core_build_s=theirs["seconds"], megatron_core_peak_extra_mb=theirs["peak_extra_mb"],
+                  build_time_vs_megatron_core=ours["seconds"] / theirs["seconds"],
+                  identical_to_megatron_core=ours["checksum"] == theirs["checksum"])
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=50.0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--index-documents", type=int, default=10_000_000)
     args = parser.parse_args()
+    index = bench_index_build(args.index_documents, 1024)
     with tempfile.TemporaryDirectory() as tmp:
         corpus = os.path.join(tmp, "corpus.jsonl")
         texts = make_corpus(corpus, args.mb)
@@ -96,6 +146,7 @@ def main() -> None:
         "preprocess_vs_raw_tokenizer": raw_seconds / stats["seconds"],
         "workers": args.workers,
         **reads,
+        **index,
     }
     print(json.dumps(result))
 

@@ -122,6 +122,20 @@ def _add_data_args(p):
     g.add_argument("--vocab-size", type=int, default=None)
     g.add_argument("--num-workers", type=int, default=0)
     g.add_argument("--data-impl", "--dataset-impl", dest="data_impl", default="mmap", choices=["mmap"])
+    g.add_argument("--train-data-path", nargs="+", default=None, help="the train split's own blend (all its documents)")
+    g.add_argument("--valid-data-path", nargs="+", default=None, help="the valid split's own blend")
+    g.add_argument("--test-data-path", nargs="+", default=None, help="the test split's own blend")
+    g.add_argument("--data-cache-path", default=None, help="directory for the sample-index cache (default: beside the data)")
+    g.add_argument("--mmap-bin-files", dest="mmap_bin_files", action="store_true", default=True,
+                   help="memory-map the .bin files (always done; accepted)")
+    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
+                   help="accepted: the .bin files are memory-mapped either way, which reads the same tokens")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss at positions whose input token is EOD")
+    g.add_argument("--reset-position-ids", action="store_true", help="refused: not supported")
+    g.add_argument("--reset-attention-mask", action="store_true", help="refused: not supported")
+    g.add_argument("--legacy-data-rules", action="store_true",
+                   help="split rounding and blended sample counts of Megatron-DeepSpeed / Megatron-LM before "
+                        "megatron-core (default: megatron-core's rules), to resume runs started there")
 
 
 def _add_checkpoint_args(p):
@@ -226,6 +240,10 @@ class TrainConfig:
     progress_bar: bool  # a progress bar when stdout is a terminal
     freeze_layers: list = field(default_factory=list)  # --freeze-layers, as layer numbers
     freeze_embeddings: bool = False  # --freeze-embeddings
+    split_data_paths: tuple = (None, None, None)  # --train/--valid/--test-data-path (each split's own blend)
+    data_cache_path: Optional[str] = None  # --data-cache-path: where sample indices are cached
+    legacy_data_rules: bool = False  # --legacy-data-rules: Megatron-DeepSpeed split rounding and blend counts
+    eod_mask_loss: bool = False  # --eod-mask-loss: positions whose input is EOD take no loss
 
 
 @dataclass
@@ -414,13 +432,30 @@ def tokenizer_kwargs(args) -> dict:
             tokenizer_type = "GPT2BPETokenizer"
     vocab_file, merge_file = args.vocab_file, args.merge_file
     if tokenizer_type == "GPT2BPETokenizer" and not vocab_file and not merge_file:
-        if args.data_path:
+        if args.data_path or args.train_data_path:
             raise ConfigError("--data-path needs its tokenizer: --vocab-file and --merge-file "
                               "(GPT2BPETokenizer), or --tokenizer-type HFTokenizer --tokenizer-model DIR.")
         from hybrid.data import default as default_data
         vocab_file, merge_file = str(default_data.VOCAB), str(default_data.MERGES)
     return dict(tokenizer_type=tokenizer_type, vocab_file=vocab_file, merge_file=merge_file,
                 tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+
+
+def _check_data_flags(args) -> None:
+    split_paths = [args.train_data_path, args.valid_data_path, args.test_data_path]
+    if args.data_path and args.mock_data:
+        raise ConfigError("--mock-data and --data-path are exclusive; give one.")
+    if any(split_paths) and (args.data_path or args.mock_data):
+        raise ConfigError("--train-data-path/--valid-data-path/--test-data-path give each split its own data; "
+                          "drop --data-path (and --split) or --mock-data.")
+    if any(split_paths) and not args.train_data_path:
+        raise ConfigError("--valid-data-path/--test-data-path without --train-data-path: give the training data too.")
+    for flag, value in (("--reset-position-ids", args.reset_position_ids),
+                        ("--reset-attention-mask", args.reset_attention_mask)):
+        if value:
+            raise ConfigError(f"{flag} is not supported: samples are packed documents attending causally across "
+                              f"EOD with continuous positions (Megatron's default). Drop {flag}; "
+                              f"--eod-mask-loss is supported.")
 
 
 def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_size: int) -> RunConfig:
@@ -446,8 +481,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     warmup = int(args.lr_warmup_fraction * decay_iters) if args.lr_warmup_fraction is not None else args.lr_warmup_iters
     if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
         raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters are exclusive; give one.")
-    if args.data_path and args.mock_data:
-        raise ConfigError("--mock-data and --data-path are exclusive; give one.")
+    _check_data_flags(args)
     if args.finetune and not args.load:
         raise ConfigError("--finetune needs --load CHECKPOINT_DIR.")
     train = TrainConfig(
@@ -462,7 +496,10 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
         tensorboard_dir=args.tensorboard_dir, wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
         num_workers=args.num_workers, exit_interval=args.exit_interval, progress_bar=not args.no_progress_bar,
         freeze_layers=parse_layer_ranges(args.freeze_layers, args.num_layers),
-        freeze_embeddings=args.freeze_embeddings)
+        freeze_embeddings=args.freeze_embeddings,
+        split_data_paths=(args.train_data_path, args.valid_data_path, args.test_data_path),
+        data_cache_path=args.data_cache_path, legacy_data_rules=args.legacy_data_rules,
+        eod_mask_loss=args.eod_mask_loss)
     ds_config = _final_ds_config(ds, args, train, stage, optimizer, model)
     return RunConfig(model=model, train=train, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
                      pipeline_partition=args.pipeline_partition, ds_config=ds_config,

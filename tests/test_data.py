@@ -142,6 +142,9 @@ def test_sample_index_matches_megatron_loop():
     for seq in (1, 7, 16, 64):
         num = (int(sizes.sum()) * 2 - 1) // seq
         assert np.array_equal(build_sample_idx(sizes, doc_idx, seq, num), _megatron_sample_idx(sizes, doc_idx, seq, num))
+        for chunk in (1, 3, 17):  # documents taken a few at a time: samples straddle chunk boundaries
+            assert np.array_equal(build_sample_idx(sizes, doc_idx, seq, num, chunk=chunk),
+                                  _megatron_sample_idx(sizes, doc_idx, seq, num))
 
 
 def test_split_ranges_as_megatron():

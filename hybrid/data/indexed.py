@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import struct
 from functools import cached_property
+from typing import Optional
 
 import numpy as np
 
@@ -65,12 +66,17 @@ class IndexedDatasetBuilder:
             self.sizes.append(array.size)
         self.doc_idx.append(len(self.sizes))
 
-    def add_encoded_chunk(self, flat_tokens: np.ndarray, sizes: np.ndarray) -> None:
-        """Many one-sequence documents at once: tokens back to back and their lengths."""
+    def add_encoded_chunk(self, flat_tokens: np.ndarray, sizes: np.ndarray,
+                          sequences_per_document: Optional[np.ndarray] = None) -> None:
+        """Many documents at once: tokens back to back, each sequence's length, and how many
+        sequences each document has (default: one each)."""
         self._bin.write(np.ascontiguousarray(flat_tokens, dtype=self.dtype).tobytes())
         start = len(self.sizes)
         self.sizes.extend(int(s) for s in sizes)
-        self.doc_idx.extend(range(start + 1, len(self.sizes) + 1))
+        if sequences_per_document is None:
+            self.doc_idx.extend(range(start + 1, len(self.sizes) + 1))
+        else:
+            self.doc_idx.extend(int(x) for x in start + np.cumsum(sequences_per_document))
 
     def finalize(self) -> None:
         self._bin.close()

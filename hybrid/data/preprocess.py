@@ -28,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, help="JSON lines file, one document per line")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (one output per key)")
-    g.add_argument("--split-sentences", action="store_true", help="not supported (needs nltk); rejected")
-    g.add_argument("--keep-newlines", action="store_true", help="accepted for compatibility")
+    g.add_argument("--split-sentences", action="store_true",
+                   help="one sequence per sentence (nltk's punkt), documents kept; writes <prefix>_<key>_sentence")
+    g.add_argument("--keep-newlines", action="store_true", help="with --split-sentences: newlines stay in sentences")
     g.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed JSON lines")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_TYPES + ("HuggingFaceTokenizer",))
@@ -53,9 +54,65 @@ def build_parser() -> argparse.ArgumentParser:
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_kwargs: dict, keys: list[str], append_eod: bool, skip_bad: bool, dtype) -> None:
+def sentence_splitter(lang: str = "english", keep_newlines: bool = False, log=None):
+    """nltk's punkt splitter as Megatron-LM's preprocess_data.py builds it: the trained `lang`
+    model when nltk's data has it (offline machines may not: then punkt's untrained defaults,
+    and a log line says so), with newlines treated as whitespace unless `keep_newlines`."""
+    try:
+        import nltk
+        from nltk.tokenize.punkt import PunktLanguageVars, PunktSentenceTokenizer
+    except ImportError:
+        raise ConfigError("--split-sentences needs nltk: pip install nltk (and, for Megatron's exact splits, "
+                          "python -m nltk.downloader punkt).") from None
+    try:
+        trained = nltk.data.load(f"tokenizers/punkt/{lang}.pickle")
+        params = trained._params
+    except (LookupError, OSError, ValueError):
+        params = None
+        if log:
+            log(f"nltk's punkt model for {lang!r} is not installed: splitting with punkt's untrained defaults "
+                f"(python -m nltk.downloader punkt gives Megatron's exact sentence boundaries)")
+    if keep_newlines:
+        return PunktSentenceTokenizer(params) if params else PunktSentenceTokenizer()
+
+    class NewlinesAreSpaces(PunktLanguageVars):
+        # as Megatron-LM: whitespace after a sentence end may be absent and may contain newlines
+        _period_context_fmt = r"""
+            \S*
+            %(SentEndChars)s
+            \s*
+            (?=(?P<after_tok>
+                %(NonWord)s
+                |
+                (?P<next_tok>\S+)
+            ))"""
+    return PunktSentenceTokenizer(params, lang_vars=NewlinesAreSpaces()) if params else \
+        PunktSentenceTokenizer(lang_vars=NewlinesAreSpaces())
+
+
+def _init_worker(tokenizer_kwargs: dict, keys: list[str], append_eod: bool, skip_bad: bool, dtype,
+                 split_sentences: bool = False, lang: str = "english", keep_newlines: bool = False) -> None:
     _WORKER.update(tokenizer=build_tokenizer(**tokenizer_kwargs), keys=keys, append_eod=append_eod,
-                   skip_bad=skip_bad, dtype=np.dtype(dtype))
+                   skip_bad=skip_bad, dtype=np.dtype(dtype),
+                   splitter=sentence_splitter(lang, keep_newlines) if split_sentences else None)
+
+
+def _encode_documents(texts: list[str]):
+    """Texts -> (per document, its list of token sequences), one sequence per document unless
+    sentences are split; EOD goes after a document's last sequence. Documents without tokens
+    come back as empty lists."""
+    w = _WORKER
+    splitter = w["splitter"]
+    pieces = [splitter.tokenize(t) for t in texts] if splitter else [[t] for t in texts]
+    flat = w["tokenizer"].tokenize_batch([p for doc in pieces for p in doc]) if texts else []
+    out, k = [], 0
+    for doc in pieces:
+        sequences = [list(ids) for ids in flat[k:k + len(doc)] if len(ids)]
+        k += len(doc)
+        if sequences and w["append_eod"]:
+            sequences[-1].append(w["tokenizer"].eod)
+        out.append(sequences)
+    return out
 
 
 def _encode_chunk(task):
@@ -86,17 +143,17 @@ def _encode_chunk(task):
             texts[key].append(text)
     out = {}
     for key, batch in texts.items():
-        ids = w["tokenizer"].tokenize_batch(batch) if batch else []
-        sizes, flat = [], []
-        for doc in ids:
-            if not doc:
+        sizes, flat, per_doc = [], [], []
+        for sequences in _encode_documents(batch):
+            if not sequences:
                 empty += 1
                 continue
-            if w["append_eod"]:
-                doc = list(doc) + [w["tokenizer"].eod]
-            flat.append(np.asarray(doc, dtype=w["dtype"]))
-            sizes.append(len(doc))
-        out[key] = (np.concatenate(flat) if flat else np.zeros(0, w["dtype"]), np.asarray(sizes, np.int64))
+            for seq in sequences:
+                flat.append(np.asarray(seq, dtype=w["dtype"]))
+                sizes.append(len(seq))
+            per_doc.append(len(sequences))
+        out[key] = (np.concatenate(flat) if flat else np.zeros(0, w["dtype"]), np.asarray(sizes, np.int64),
+                    np.asarray(per_doc, np.int64))
     nbytes = sum(len(line) for line in lines)
     return (out, bad, empty // max(1, len(w["keys"])), nbytes), None
 
@@ -116,7 +173,7 @@ def _chunks(path: str, chunk_size: int):
 def preprocess(args: argparse.Namespace, log=print) -> dict:
     """Run the conversion; returns counts and throughput."""
     if args.split_sentences:
-        raise ConfigError("--split-sentences is not supported (it needs nltk); preprocess whole documents.")
+        sentence_splitter(args.lang, args.keep_newlines, log)  # fail fast without nltk; say which model
     if not os.path.isfile(args.input):
         raise ConfigError(f"--input {args.input}: no such file.")
     if args.workers < 1 or args.chunk_size < 1:
@@ -129,8 +186,10 @@ def preprocess(args: argparse.Namespace, log=print) -> dict:
                             vocab_size=args.vocab_size)
     tokenizer = build_tokenizer(**tokenizer_kwargs)  # fail fast, in this process, on bad tokenizer flags
     dtype = best_dtype(tokenizer.vocab_size)
-    builders = {k: IndexedDatasetBuilder(f"{args.output_prefix}_{k}_document", dtype) for k in args.json_keys}
-    init = (tokenizer_kwargs, args.json_keys, args.append_eod, args.skip_bad_lines, np.dtype(dtype).str)
+    level = "sentence" if args.split_sentences else "document"  # Megatron-LM's output names
+    builders = {k: IndexedDatasetBuilder(f"{args.output_prefix}_{k}_{level}", dtype) for k in args.json_keys}
+    init = (tokenizer_kwargs, args.json_keys, args.append_eod, args.skip_bad_lines, np.dtype(dtype).str,
+            args.split_sentences, args.lang, args.keep_newlines)
     stats = dict(documents=0, skipped_bad_lines=0, skipped_empty=0, tokens=0, bytes=0)
     start = time.perf_counter()
     pool = None
@@ -146,10 +205,10 @@ def preprocess(args: argparse.Namespace, log=print) -> dict:
             if error:
                 raise ConfigError(error)
             per_key, bad, empty, nbytes = result
-            for key, (flat, sizes) in per_key.items():
-                builders[key].add_encoded_chunk(flat, sizes)
+            for key, (flat, sizes, per_doc) in per_key.items():
+                builders[key].add_encoded_chunk(flat, sizes, per_doc)
                 stats["tokens"] += int(flat.size)
-            stats["documents"] += len(next(iter(per_key.values()))[1]) if per_key else 0
+            stats["documents"] += len(next(iter(per_key.values()))[2]) if per_key else 0
             stats["skipped_bad_lines"] += bad
             stats["skipped_empty"] += empty
             stats["bytes"] += nbytes
