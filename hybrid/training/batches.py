@@ -8,8 +8,12 @@ resumed run continues with exactly the next samples (only `consumed_samples` is 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
+
+from hybrid.errors import ConfigError
 
 from hybrid.data.gpt_dataset import MockGPTDataset, build_train_valid_test_datasets
 
@@ -28,14 +32,19 @@ def build_datasets(train, vocab_size: int):
         return [MockGPTDataset(n, train.seq_length, vocab_size, train.seed + i) if n else None
                 for i, n in enumerate(counts)]
     data_path = train.data_path
-    if not data_path:
+    if not data_path and not any(train.split_data_paths or ()):
         from hybrid.data.default import default_data_prefix
         if not dist.is_initialized() or dist.get_rank() == 0:
             default_data_prefix()  # tokenize the embedded corpus once, on rank 0
         if dist.is_initialized():
             dist.barrier()
         data_path = [default_data_prefix()]
-    return build_train_valid_test_datasets(data_path, train.split, counts, train.seq_length, train.seed)
+    split_paths = None
+    if train.split_data_paths and any(train.split_data_paths):
+        split_paths = train.split_data_paths
+    return build_train_valid_test_datasets(data_path, train.split, counts, train.seq_length, train.seed,
+                                           cache_dir=train.data_cache_path, legacy=train.legacy_data_rules,
+                                           split_paths=split_paths)
 
 
 class MegatronSampler:
@@ -54,16 +63,37 @@ class MegatronSampler:
             start += step
 
 
-def collate(samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> input ids [b, s], labels [b, s] (next tokens), loss mask [b, s]."""
-    tokens = torch.stack([s["text"] for s in samples])
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), torch.ones(tokens.size(0), tokens.size(1) - 1)
+class Collator:
+    """Samples -> (input ids [b, s], labels [b, s], loss mask [b, s] or None).
+
+    The loss mask is materialised only when it is not all ones: with `eod_mask_loss`
+    (Megatron's --eod-mask-loss) positions whose input token is EOD are left out of the loss,
+    exactly as megatron-core's GPTDataset masks them.
+    """
+
+    def __init__(self, eod_token: Optional[int] = None, eod_mask_loss: bool = False):
+        if eod_mask_loss and eod_token is None:
+            raise ConfigError("--eod-mask-loss needs a tokenizer with an end-of-document token.")
+        self.eod_token, self.eod_mask_loss = eod_token, eod_mask_loss
+
+    def __call__(self, samples):
+        tokens = torch.stack([s["text"] for s in samples])
+        ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        mask = (ids != self.eod_token).float() if self.eod_mask_loss else None
+        return ids, labels, mask
+
+
+def to_device(batch, device: torch.device):
+    """The one place batches move to the model's device: host tensors (pinned by the loader when
+    the device is an accelerator) are copied with non_blocking=True; None stays None."""
+    return tuple(None if t is None else t.to(device, non_blocking=True) for t in batch)
 
 
 def micro_batches(dataset, consumed: int, micro: int, dp_rank: int, dp_size: int, num_workers: int,
-                  wrap: bool = False):
-    """An iterator of (ids, labels, loss_mask) micro-batches for this DP rank."""
+                  device: torch.device, wrap: bool = False, collator: Optional[Collator] = None):
+    """An iterator of (ids, labels, loss_mask) micro-batches for this DP rank, on `device`."""
     sampler = MegatronSampler(len(dataset), consumed, micro, dp_rank, dp_size, wrap)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                         collate_fn=collate, persistent_workers=num_workers > 0)
-    return iter(loader)
+                                         collate_fn=collator or Collator(), persistent_workers=num_workers > 0,
+                                         pin_memory=torch.device(device).type == "cuda")
+    return (to_device(batch, device) for batch in loader)

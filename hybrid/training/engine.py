@@ -80,8 +80,6 @@ def _install_fp32_clipping(engine, topology) -> None:
     replicated one once per stage (TP rank 0), the tied embedding once (first stage), summed over
     the TP x PP group; the norm is kept for logging.
     """
-    import math
-
     import torch
     import torch.distributed as dist
     from deepspeed.runtime.utils import is_model_parallel_parameter
@@ -100,15 +98,17 @@ def _install_fp32_clipping(engine, topology) -> None:
             counted = is_model_parallel_parameter(param) or topology.tp_rank == 0
             if counted and id(param) not in tied_copies:
                 squares.append(param.grad.detach().float().pow(2).sum())
-        total = torch.stack(squares).sum() if squares else torch.zeros(())
+        device = grads[0].device if grads else engine.device
+        total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
         model_group = topology.grid.get_model_parallel_group()
         if dist.get_world_size(group=model_group) > 1:
             dist.all_reduce(total, group=model_group)
-        norm = math.sqrt(total.item())
-        coefficient = engine.gradient_clipping() / (norm + 1e-6)
-        if coefficient < 1.0:
-            for grad in grads:
-                grad.mul_(coefficient)
+        # On the device, in float64, with no host sync: the factor is 1 when the norm is below the
+        # threshold (multiplying by exactly 1.0 leaves the gradients bitwise unchanged).
+        norm = total.double().sqrt()
+        coefficient = (engine.gradient_clipping() / (norm + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
         engine._global_grad_norm = norm
 
     engine.clip_fp32_gradients = clip_fp32_gradients

@@ -65,11 +65,15 @@ class MetricsLogger:
             from tqdm import tqdm
             self.bar = tqdm(total=train_iters, initial=start_iteration, unit="it", dynamic_ncols=True)
 
-    def iteration(self, metrics: dict, write_line: bool) -> None:
+    def advance(self) -> None:
+        """One more iteration done (the progress bar; no metric is read, so no host sync)."""
+        if self.active and self.bar is not None:
+            self.bar.update(1)
+
+    def iteration(self, metrics: dict, write_line: bool = True) -> None:
         if not self.active:
             return
         if self.bar is not None:
-            self.bar.update(1)
             self.bar.set_postfix(loss=f"{metrics['lm_loss']:.4f}")
         if not write_line:
             return

@@ -16,28 +16,37 @@ from hybrid.errors import ConfigError
 from hybrid.training.logging import MetricsLogger, Timer, log
 
 
-def _dp_mean(value: torch.Tensor, topology) -> float:
-    """Mean of a per-DP-rank scalar over the DP group."""
-    value = value.detach().float().reshape(1).clone()
+def _dp_mean(values: torch.Tensor, topology) -> torch.Tensor:
+    """Mean over the DP group of per-rank values (a device tensor; no host sync here)."""
+    values = values.detach().float().clone()
     if topology.dp_world_size > 1:
-        dist.all_reduce(value, group=topology.dp_group)
-        value /= topology.dp_world_size
-    return value.item()
+        dist.all_reduce(values, group=topology.dp_group)
+        values /= topology.dp_world_size
+    return values
 
 
 def _pipeline_batches(batches):
-    """(ids, labels, mask) -> DeepSpeed pipeline items (inputs, labels)."""
+    """(ids, labels, mask) -> DeepSpeed pipeline items (inputs, labels or (labels, mask))."""
     for ids, labels, mask in batches:
-        yield ids, (labels, mask)
+        yield ids, (labels if mask is None else (labels, mask))
 
 
 class Trainer:
-    """Runs iterations on a DeepSpeed engine (plain or pipeline) and reports Megatron-style metrics."""
+    """Runs iterations on a DeepSpeed engine (plain or pipeline) and reports Megatron-style metrics.
 
-    def __init__(self, run: RunConfig, topology, engine, datasets):
+    Per-iteration losses stay on the device; the host waits for them only at --log-interval
+    (and at evaluation/save), so the accelerator is never idle between iterations.
+    """
+
+    def __init__(self, run: RunConfig, topology, engine, datasets, eod_token: Optional[int] = None):
+        from hybrid.training.batches import Collator
         self.run, self.topology, self.engine = run, topology, engine
         self.train_ds, self.valid_ds, _ = datasets
         self.pipeline = run.pipeline_parallel > 1
+        self.collator = Collator(eod_token, run.train.eod_mask_loss)
+        self.device = torch.device(engine.device)
+        # the step is chosen once: DeepSpeed's pipeline schedule, or micro-steps on the plain engine
+        self.train_step = self._pipeline_step if self.pipeline else self._micro_steps
         self.skipped = 0
         self.nan_iterations = 0
         self.consumed_valid = 0
@@ -46,21 +55,31 @@ class Trainer:
         from hybrid.training.batches import micro_batches
         t = self.run.train
         it = micro_batches(dataset, consumed, t.micro_batch_size, self.topology.dp_rank,
-                           self.topology.dp_world_size, t.num_workers, wrap)
+                           self.topology.dp_world_size, t.num_workers, self.device, wrap, self.collator)
         return _pipeline_batches(it) if self.pipeline else it
 
-    def train_step(self, batches) -> float:
-        """One iteration (grad-accumulation micro-batches and one optimizer step); mean loss over DP."""
-        if self.pipeline:
-            return float(self.engine.train_batch(data_iter=batches).item())
-        losses = []
+    def _pipeline_step(self, batches) -> torch.Tensor:
+        """One iteration through DeepSpeed's 1F1B schedule; its loss is already the DP mean."""
+        return self.engine.train_batch(data_iter=batches).detach().float().reshape(())
+
+    def _micro_steps(self, batches) -> torch.Tensor:
+        """One iteration: grad-accumulation micro-steps (DeepSpeed steps the optimizer on the last);
+        this rank's mean loss, on the device."""
+        total = None
         for _ in range(self.run.train.grad_acc_steps):
             ids, labels, mask = next(batches)
             loss = self.engine(ids, labels, mask)
             self.engine.backward(loss)
             self.engine.step()
-            losses.append(loss.detach())
-        return _dp_mean(torch.stack(losses).mean(), self.topology)
+            total = loss.detach() if total is None else total + loss.detach()
+        return total / self.run.train.grad_acc_steps
+
+    def _interval_losses(self, losses: list) -> list[float]:
+        """The pending per-iteration losses as DP means: one collective and one host sync."""
+        stacked = torch.stack([loss.float().reshape(()) for loss in losses])
+        if not self.pipeline:
+            stacked = _dp_mean(stacked, self.topology)
+        return stacked.tolist()
 
     @torch.no_grad()
     def evaluate(self, iteration: int, logger: MetricsLogger) -> Optional[float]:
@@ -72,13 +91,14 @@ class Trainer:
         losses = []
         for _ in range(t.eval_iters):
             if self.pipeline:
-                losses.append(float(self.engine.eval_batch(data_iter=batches).item()))
+                losses.append(self.engine.eval_batch(data_iter=batches).detach().float().reshape(()))
             else:
-                step = [self.engine(*next(batches)) for _ in range(t.grad_acc_steps)]
-                losses.append(_dp_mean(torch.stack(step).mean(), self.topology))
+                steps = [self.engine(*next(batches)).detach().float() for _ in range(t.grad_acc_steps)]
+                losses.append(torch.stack(steps).mean())
         self.consumed_valid += t.eval_iters * t.global_batch_size
         self.engine.train()
-        loss = sum(losses) / len(losses)
+        values = self._interval_losses(losses)
+        loss = sum(values) / len(values)
         logger.evaluation({"iteration": iteration, "lm_loss": loss, "ppl": math.exp(min(20.0, loss))})
         return loss
 
@@ -86,6 +106,8 @@ class Trainer:
         from hybrid.training.flops import flops_per_iteration
         t, e = self.run.train, self.engine
         grad_norm = e.get_global_grad_norm() if hasattr(e, "get_global_grad_norm") else None
+        if isinstance(grad_norm, torch.Tensor):
+            grad_norm = grad_norm.item()  # logging only
         scale = getattr(e.optimizer, "cur_scale", None) or getattr(e.optimizer, "loss_scale", None) or 1.0
         tokens = t.global_batch_size * t.seq_length
         padded = self.run.model.padded_vocab_size(self.run.tensor_parallel)
@@ -99,6 +121,16 @@ class Trainer:
             "elapsed_ms_per_iter": seconds * 1000.0, "global_batch_size": t.global_batch_size,
         }
 
+    def _log(self, logger, pending, iteration, consumed, timer, earlier_seconds) -> None:
+        """Reduce the interval's losses (the one host sync) and write the log record; the interval's
+        time is read after the sync, so it holds all the device work of the interval."""
+        values = self._interval_losses([loss for loss, _ in pending])
+        seconds = earlier_seconds + timer.lap()
+        self.nan_iterations += sum(1 for v in values if not math.isfinite(v))
+        loss = sum(values) / len(values)
+        lr = pending[-1][1]
+        logger.iteration(self._metrics(iteration, consumed, loss, lr, seconds / len(pending)), write_line=True)
+
     def train(self, iteration: int, consumed: int) -> int:
         from hybrid.training import checkpoint
         t = self.run.train
@@ -107,7 +139,7 @@ class Trainer:
         self.consumed_valid = (iteration // t.eval_interval) * t.eval_iters * t.global_batch_size \
             if t.eval_interval else 0
         batches = self._batches(self.train_ds, consumed)
-        timer, last_saved = Timer(), None
+        timer, last_saved, pending, interval_seconds = Timer(), None, [], 0.0
         log(f"training from iteration {iteration} to {t.train_iters} "
             f"(TP={self.run.tensor_parallel}, PP={self.run.pipeline_parallel}, DP={self.run.data_parallel}, "
             f"ZeRO-{self.run.zero_stage}, {t.precision})")
@@ -115,20 +147,24 @@ class Trainer:
             while iteration < t.train_iters:
                 lr = self.engine.get_lr()[0]
                 skipped_before = getattr(self.engine, "skipped_steps", 0)
-                loss = self.train_step(batches)
+                pending.append((self.train_step(batches), lr))
                 iteration += 1
                 consumed += t.global_batch_size
                 self.skipped += getattr(self.engine, "skipped_steps", 0) - skipped_before
-                if not math.isfinite(loss):
-                    self.nan_iterations += 1
-                metrics = self._metrics(iteration, consumed, loss, lr, timer.lap())
-                logger.iteration(metrics, write_line=iteration % t.log_interval == 0 or iteration == t.train_iters)
+                logger.advance()
+                if iteration % t.log_interval == 0 or iteration == t.train_iters:
+                    self._log(logger, pending, iteration, consumed, timer, interval_seconds)
+                    pending, interval_seconds = [], 0.0
+                else:
+                    interval_seconds += timer.lap()
                 if t.eval_interval and iteration % t.eval_interval == 0:
                     self.evaluate(iteration, logger)
                 if t.save and t.save_interval and iteration % t.save_interval == 0:
                     checkpoint.save(self.engine, self.run, t.save, iteration, consumed)
                     last_saved = iteration
                 if t.exit_interval and iteration % t.exit_interval == 0:
+                    if pending:
+                        self._log(logger, pending, iteration, consumed, timer, interval_seconds)
                     if t.save and last_saved != iteration:
                         checkpoint.save(self.engine, self.run, t.save, iteration, consumed)
                     log(f"exiting at iteration {iteration} (--exit-interval {t.exit_interval})")
@@ -169,7 +205,7 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     datasets = build_datasets(run.train, tokenizer.vocab_size)
     engine, _ = build_engine(run, topology)
     iteration, consumed = checkpoint.load(engine, run) if run.train.load else (0, 0)
-    Trainer(run, topology, engine, datasets).train(iteration, consumed)
+    Trainer(run, topology, engine, datasets, getattr(tokenizer, "eod", None)).train(iteration, consumed)
     return 0
 
 
