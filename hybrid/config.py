@@ -90,6 +90,8 @@ def _add_training_args(p):
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--freeze-layers", default=None, help="layer ranges to freeze, e.g. 0-5,8")
     g.add_argument("--freeze-embeddings", action="store_true")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="compile each transformer layer with torch.compile (regional compilation); not with ZeRO-3")
 
 
 def _add_optimizer_args(p):
@@ -244,6 +246,7 @@ class TrainConfig:
     data_cache_path: Optional[str] = None  # --data-cache-path: where sample indices are cached
     legacy_data_rules: bool = False  # --legacy-data-rules: Megatron-DeepSpeed split rounding and blend counts
     eod_mask_loss: bool = False  # --eod-mask-loss: positions whose input is EOD take no loss
+    torch_compile: bool = False  # --torch-compile: each transformer layer compiled by torch.compile
 
 
 @dataclass
@@ -347,8 +350,11 @@ def _optimizer_config(args, ds: dict, ds_path) -> dict:
         return {"type": "SGD", "params": {"lr": lr, "momentum": args.sgd_momentum, "weight_decay": wd}}
     params = {"lr": lr, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_eps, "weight_decay": wd}
     offload = (ds.get("zero_optimization") or {}).get("offload_optimizer", {}).get("device", "none") != "none"
-    if not torch.cuda.is_available() and not offload:
-        params["torch_adam"] = True  # DeepSpeed's fused kernel is for GPUs; torch's AdamW on CPU
+    if not offload:
+        # torch's fused AdamW (CPU and CUDA kernels ship with torch) through DeepSpeed's torch_adam:
+        # as fast as DeepSpeed's FusedAdam on GPUs and never a JIT build that can fail at start-up.
+        # With optimizer offload DeepSpeed uses its CPU Adam. A config's own "optimizer" is kept.
+        params.update(torch_adam=True, fused=True)
     return {"type": "AdamW", "params": params}
 
 
@@ -472,6 +478,9 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     model = _model_config(args, vocab_size, tp)
     micro, global_batch, gas = _batch_sizes(args, ds, ds_path, dp)
     precision = _precision(args, ds, ds_path)
+    if args.use_flash_attn:
+        from hybrid.model.flash import check_flash_attn
+        check_flash_attn(torch.cuda.is_available(), precision)
     clip = _agree(ds, "gradient_clipping", "--clip-grad", args.clip_grad, ds_path, 1.0)
     optimizer = _optimizer_config(args, ds, ds_path)
     train_iters = args.train_iters if args.train_iters is not None else 100
@@ -499,7 +508,11 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
         freeze_embeddings=args.freeze_embeddings,
         split_data_paths=(args.train_data_path, args.valid_data_path, args.test_data_path),
         data_cache_path=args.data_cache_path, legacy_data_rules=args.legacy_data_rules,
-        eod_mask_loss=args.eod_mask_loss)
+        eod_mask_loss=args.eod_mask_loss, torch_compile=args.torch_compile)
+    if args.torch_compile and stage == 3:
+        raise ConfigError("--torch-compile with ZeRO-3 is not supported: ZeRO-3 gathers each layer's "
+                          "parameters in module hooks that torch.compile cannot trace. Use ZeRO-1/2 "
+                          "(ds_configs/zero1.json, zero2.json) with --torch-compile, or drop --torch-compile.")
     ds_config = _final_ds_config(ds, args, train, stage, optimizer, model)
     return RunConfig(model=model, train=train, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
                      pipeline_partition=args.pipeline_partition, ds_config=ds_config,

@@ -76,22 +76,33 @@ def evaluate(args) -> dict:
     state, _ = read_hybrid(args.load)
     mine = [windows[k * args.micro_batch_size:(k + 1) * args.micro_batch_size]
             for k in range(args.eval_iters) if k % dp == topology.dp_rank]
-    batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous(), torch.ones(w.size(0), args.seq_length)) for w in mine]
-    losses = _pipeline_losses(config, topology, state, batches) if pp > 1 else _losses(config, topology, state, batches)
-    total = torch.tensor([sum(losses)], dtype=torch.float64)
+    batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous(), None) for w in mine]  # every position counts
+    device = _device()
+    losses = (_pipeline_losses(config, topology, state, batches) if pp > 1
+              else _losses(config, topology, state, batches, device))
+    # summed on the device the backend communicates on (NCCL needs CUDA tensors), in fp32
+    total = torch.stack(losses).sum().reshape(1) if losses else torch.zeros(1, device=device)
     if dp > 1:
         dist.all_reduce(total, group=topology.dp_group)
-    result = {"lm_loss": total.item() / args.eval_iters, "tokens": args.eval_iters * args.micro_batch_size * args.seq_length}
-    return result
+    return {"lm_loss": total.item() / args.eval_iters,
+            "tokens": args.eval_iters * args.micro_batch_size * args.seq_length}
+
+
+def _device() -> torch.device:
+    """This rank's accelerator (DeepSpeed's choice: cuda:LOCAL_RANK on GPUs, else cpu)."""
+    from deepspeed.accelerator import get_accelerator
+    return torch.device(get_accelerator().current_device_name())
 
 
 @torch.no_grad()
-def _losses(config, topology, state, batches) -> list[float]:
+def _losses(config, topology, state, batches, device) -> list[torch.Tensor]:
     from hybrid.model.gpt import GPTModel
+    from hybrid.training.batches import to_device
     from hybrid.training.checkpoint import load_full_state
     model = GPTModel(config, topology.tp_group).eval()
     load_full_state(model, state, config, topology)
-    return [float(model(ids, labels, mask)) for ids, labels, mask in batches]
+    model.to(device)
+    return [model(*to_device(batch, device)).float() for batch in batches]
 
 
 def _pipeline_losses(config, topology, state, batches) -> list[float]:
@@ -104,10 +115,12 @@ def _pipeline_losses(config, topology, state, batches) -> list[float]:
         "train_micro_batch_size_per_gpu": batches[0][0].size(0), "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9, **pipeline_ds_config(config)}, dist_init_required=False)
     engine.eval()
+    from hybrid.training.batches import to_device
     losses = []
-    for ids, labels, mask in batches:
-        loss = engine.eval_batch(data_iter=iter([(ids, (labels, mask))]), reduce_output="avg", bcast_loss=True)
-        losses.append(float(loss))
+    for batch in batches:
+        ids, labels, _ = to_device(batch, engine.device)
+        loss = engine.eval_batch(data_iter=iter([(ids, labels)]), reduce_output="avg", bcast_loss=True)
+        losses.append(loss.detach().float().reshape(()))
     return losses
 
 

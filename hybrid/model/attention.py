@@ -13,17 +13,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hybrid.model.flash import flash_attn_func
 from hybrid.model.init import normal_init, output_layer_std
 from hybrid.model.rotary import RotaryEmbedding, apply_rotary
 from hybrid.parallel import collectives as C
 from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from hybrid.parallel.random import fork_tp_rng
-
-try:  # optional GPU extra
-    from flash_attn import flash_attn_func
-except Exception:  # ImportError, or a broken CUDA build
-    flash_attn_func = None
-
 
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v with a causal mask and attention dropout; no parameters.
@@ -52,22 +47,28 @@ class CoreAttention(nn.Module):
 
     def forward(self, q, k, v):
         """q [s, b, nq, d], k/v [s, b, ng, d] -> context [s, b, nq*d]."""
-        s, b, nq, d = q.shape
         dropout = self.dropout if self.training else 0.0
-        backend = self.backend(q)
+        if dropout == 0.0:  # no randomness: no RNG fork (it copies generator states on every call)
+            return self._attend(q, k, v, 0.0)
         with fork_tp_rng():  # heads are TP-sharded: dropout masks must differ per TP rank
-            if backend == "flash":  # flash-attn takes [b, s, heads, d] and handles GQA itself
-                out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                      dropout_p=dropout, softmax_scale=self.scale, causal=True)
-                return out.transpose(0, 1).reshape(s, b, nq * d)
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, heads, s, d]
+            return self._attend(q, k, v, dropout)
+
+    def _attend(self, q, k, v, dropout):
+        s, b, nq, d = q.shape
+        backend = self.backend(q)
+        if backend == "flash":  # flash-attn takes [b, s, heads, d] and handles GQA itself
+            out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                  dropout_p=dropout, softmax_scale=self.scale, causal=True)
+            return out.transpose(0, 1).reshape(s, b, nq * d)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, heads, s, d]
+        if backend == "scaled_math":
             if k.size(1) != nq:  # GQA: each KV head serves its group's consecutive query heads
                 k = k.repeat_interleave(nq // k.size(1), dim=1)
                 v = v.repeat_interleave(nq // v.size(1), dim=1)
-            if backend == "scaled_math":
-                out = self._scaled_math(q, k, v, dropout)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.scale)
+            out = self._scaled_math(q, k, v, dropout)
+        else:  # SDPA shares each KV head with its group's query heads itself (no K/V copies)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.scale,
+                                                 enable_gqa=k.size(1) != nq)
         return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)  # [b, n, s, d] -> [s, b, n*d]
 
     def _scaled_math(self, q, k, v, dropout):

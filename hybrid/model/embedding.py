@@ -51,13 +51,22 @@ class Embedding(nn.Module):
         p = self.config.hidden_dropout if self.training else 0.0
         if self.config.sequence_parallel:
             hidden = M.scatter_to_sequence_parallel_region(hidden, self.tp_group)  # -> [s/tp, b, h]
+            if p == 0.0:
+                return hidden
             with fork_tp_rng():
                 return F.dropout(hidden, p)
-        return F.dropout(hidden, p)
+        return F.dropout(hidden, p) if p > 0.0 else hidden
 
 
-def parallel_logits(hidden, weight, tp_group, sequence_parallel: bool):
-    """hidden [s(/tp), b, h] x weight [V/tp, h] -> logits [s, b, V/tp] (the vocab stays split)."""
+def parallel_logits(hidden, weight, tp_group, sequence_parallel: bool, vocab_size=None):
+    """hidden [s(/tp), b, h] x weight [V/tp, h] -> logits [s, b, V/tp] (the vocab stays split).
+
+    With `vocab_size` at TP = 1 (logits that only feed the loss) the padding rows of the table
+    are left out: logits [s, b, vocab_size], so the loss runs on whole-vocabulary logits with no
+    masking (padding rows get no gradient either way).
+    """
+    if vocab_size is not None and C.group_size(tp_group) == 1:
+        return F.linear(hidden, weight[:vocab_size])
     if sequence_parallel:
         hidden = M.gather_from_sequence_parallel_region(hidden, tp_group)
     else:
@@ -74,6 +83,13 @@ class OutputHead(ColumnParallelLinear):
                          vocab_rows_init(normal_init(config.seed, "output_layer.weight", config.init_method_std),
                                          config.vocab_size), bias=False,
                          sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
+        self.vocab_size = config.vocab_size
+
+    def loss_logits(self, hidden):
+        """Logits that only feed the loss (no padding columns at TP = 1; see parallel_logits)."""
+        if C.group_size(self.tp_group) == 1:
+            return F.linear(hidden, self.weight[:self.vocab_size])
+        return self(hidden)
 
 
 class TiedOutputEmbedding(nn.Module):
@@ -90,8 +106,9 @@ class TiedOutputEmbedding(nn.Module):
             _word_init(config),
             params_dtype=config.params_dtype)
 
-    def forward(self, hidden):
-        return parallel_logits(hidden, self.word_embeddings.weight, self.tp_group, self.config.sequence_parallel)
+    def forward(self, hidden):  # feeds the pipeline's loss_fn only
+        return parallel_logits(hidden, self.word_embeddings.weight, self.tp_group, self.config.sequence_parallel,
+                               self.config.vocab_size)
 
 
 class LMLoss:

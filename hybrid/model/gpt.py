@@ -73,12 +73,14 @@ class GPTModel(nn.Module):
         hidden = self.embedding(input_ids)  # [s(/tp), b, h]
         hidden = run_layers(list(self.layers), hidden, self.config, self.training)
         hidden = self.final_norm(hidden)
+        for_loss = labels is not None
         if self.output_layer is not None:
-            logits = self.output_layer(hidden)
+            logits = self.output_layer.loss_logits(hidden) if for_loss else self.output_layer(hidden)
         else:
             logits = parallel_logits(hidden, self.embedding.word_embeddings.weight, self.tp_group,
-                                     self.config.sequence_parallel)  # [s, b, V/tp]
-        if labels is None:
+                                     self.config.sequence_parallel,
+                                     self.config.vocab_size if for_loss else None)  # [s, b, V/tp]
+        if not for_loss:
             return logits.transpose(0, 1)
         return self.loss_fn(logits, (labels, loss_mask))
 
@@ -132,8 +134,8 @@ class OutputHeadStage(nn.Module):
         super().__init__()
         self.output_layer = OutputHead(config, tp_group)
 
-    def forward(self, hidden):
-        return self.output_layer(hidden)
+    def forward(self, hidden):  # feeds the pipeline's loss_fn only
+        return self.output_layer.loss_logits(hidden)
 
 
 def pipeline_layers(config: ModelConfig, tp_group) -> list:

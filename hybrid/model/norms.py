@@ -44,9 +44,9 @@ class RMSNorm(_Norm):
 
     def forward(self, x):
         weight, _ = self._params()
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x32.to(x.dtype)
+        # torch's fused kernel on fp32, then the scale in the input dtype (transformers' numerics)
+        normalized = F.rms_norm(x.float(), (x.size(-1),), eps=self.eps)
+        return weight * normalized.to(x.dtype)
 
 
 def build_norm(config, tp_group) -> nn.Module:

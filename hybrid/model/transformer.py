@@ -14,7 +14,7 @@ from hybrid.parallel.random import fork_tp_rng
 def dropout_add(x, residual, p: float, training: bool, sequence_parallel: bool):
     """residual + dropout(x). Under SP the activations are sequence shards, so the mask must
     come from the per-TP-rank stream; otherwise it is the same on every TP rank."""
-    if not training or p == 0.0:
+    if not training or p == 0.0:  # no dropout, hence no RNG fork
         return residual + x
     if sequence_parallel:
         with fork_tp_rng():

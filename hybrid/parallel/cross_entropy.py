@@ -58,11 +58,46 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 
+class _CrossEntropy(torch.autograd.Function):
+    """Cross-entropy over whole-vocabulary logits (TP = 1) from two fused kernels.
+
+    Forward: log_softmax gives the loss, softmax the probabilities kept for backward; backward
+    turns those probabilities into the gradient in place (p - onehot(target)) x grad. Neither
+    pass runs an elementwise exp over the [tokens, vocab] logits, which `F.cross_entropy`'s
+    backward does (on CPU that exp alone costs as much as both fused kernels together).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index):
+        ctx.logits_dtype = logits.dtype
+        logits = logits.float()
+        ignored = target == ignore_index
+        safe_target = target.masked_fill(ignored, 0).unsqueeze(-1)
+        buffer = torch.log_softmax(logits, dim=-1)
+        loss = -buffer.gather(-1, safe_target).squeeze(-1)
+        loss = loss.masked_fill(ignored, 0.0)
+        # softmax into the log-softmax buffer: one [tokens, vocab] allocation, not two
+        probs = torch.ops.aten._softmax.out(logits, -1, False, out=buffer)
+        ctx.save_for_backward(probs, safe_target, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        probs, safe_target, ignored = ctx.saved_tensors
+        grad = probs  # used once: reused in place (as Megatron-LM's cross-entropy does)
+        grad.scatter_add_(-1, safe_target, torch.full_like(safe_target, -1.0, dtype=grad.dtype))
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
                                  ignore_index: int = -100, vocab_size: Optional[int] = None) -> torch.Tensor:
     """Per-token loss (fp32, shape of `target`) from TP-split logits `[..., V/tp]`.
 
     Tokens whose label is `ignore_index` get loss 0 and gradient 0; vocabulary entries at or
-    beyond `vocab_size` (padding) are excluded from the softmax.
+    beyond `vocab_size` (padding) are excluded from the softmax. With the whole vocabulary on
+    this rank and no padding columns, the fused single-rank kernel is used.
     """
+    if C.group_size(group) == 1 and (vocab_size is None or logits.size(-1) == vocab_size):
+        return _CrossEntropy.apply(logits, target, ignore_index)
     return _VocabParallelCrossEntropy.apply(logits, target, group, ignore_index, vocab_size)

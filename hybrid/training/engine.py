@@ -2,23 +2,43 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import deepspeed
+import torch
 import torch.nn as nn
 
 from hybrid.config import RunConfig
+from hybrid.errors import ConfigError
 from hybrid.model.gpt import GPTModel, build_pipeline_model, canonical_parameters
+from hybrid.training.logging import log
 from hybrid.training.schedules import MegatronLRScheduler
 
 _NO_DECAY = re.compile(r"(^|\.)bias$|norm\.weight$|norm\.bias$")
 
 
 def build_model(run: RunConfig, topology) -> nn.Module:
-    """GPTModel (PP = 1) or the pipeline stages of this rank (PP > 1)."""
+    """GPTModel (PP = 1) or the pipeline stages of this rank (PP > 1); with --torch-compile each
+    transformer layer is compiled."""
     if run.pipeline_parallel == 1:
-        return GPTModel(run.model, topology.tp_group)
-    return build_pipeline_model(run.model, topology, run.pipeline_partition)
+        model = GPTModel(run.model, topology.tp_group)
+    else:
+        model = build_pipeline_model(run.model, topology, run.pipeline_partition)
+    if run.train.torch_compile:
+        compile_layers(model)
+    return model
+
+
+def compile_layers(model: nn.Module) -> int:
+    """Regional compilation (as torchtitan): `torch.compile` on every TransformerLayer, not on the
+    whole model, so the embedding, loss and DeepSpeed's hooks stay eager, identical layers share
+    one compiled graph, and compile time does not grow with depth. Returns the layer count."""
+    from hybrid.model.transformer import TransformerLayer
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    for layer in layers:
+        layer.compile()
+    return len(layers)
 
 
 def freeze(model: nn.Module, run: RunConfig) -> list[str]:
@@ -58,10 +78,16 @@ def build_engine(run: RunConfig, topology):
 
     if run.model.recompute_granularity:
         deepspeed.checkpointing.configure(topology.mpu, deepspeed_config=run.ds_config)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, run), config=run.ds_config,
-        mpu=topology.mpu if run.pipeline_parallel == 1 else None,  # a PipelineModule brings its own grid
-        lr_scheduler=scheduler, dist_init_required=False)
+    _sanitize_cuda_arch_list()
+    try:
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=param_groups(model, run), config=run.ds_config,
+            mpu=topology.mpu if run.pipeline_parallel == 1 else None,  # a PipelineModule brings its own grid
+            lr_scheduler=scheduler, dist_init_required=False)
+    except (RuntimeError, ValueError, OSError, ImportError) as error:
+        _raise_if_op_build_failed(error)
+        raise
+    log(f"optimizer: {describe_optimizer(engine)}")
     engine.hybrid_topology = topology
     if run.zero_stage == 0 and run.train.precision == "fp32":
         _install_fp32_clipping(engine, topology)
@@ -69,6 +95,43 @@ def build_engine(run: RunConfig, topology):
         # The tied output head reads the embedding table outside the embedding's own forward.
         deepspeed.zero.register_external_parameter(engine.module, engine.module.embedding.word_embeddings.weight)
     return engine, model
+
+
+def _sanitize_cuda_arch_list() -> None:
+    """DeepSpeed 0.19.8's op builder parses TORCH_CUDA_ARCH_LIST entries as `major.minor` ints and
+    dies on arch-specific entries such as `9.0a` (set by some CUDA images), before any JIT build
+    starts. The `a` features are not used by its kernels: drop the suffix for this process."""
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if value:
+        cleaned = re.sub(r"(\d+\.\d+)[af]\b", r"\1", value)
+        if cleaned != value:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = cleaned
+            log(f"TORCH_CUDA_ARCH_LIST {value!r} -> {cleaned!r} for DeepSpeed's op builder")
+
+
+def _raise_if_op_build_failed(error: BaseException) -> None:
+    """A DeepSpeed kernel that failed to JIT-build is one clear message, not a compiler traceback."""
+    text = f"{type(error).__name__}: {error}"
+    markers = ("Error building extension", "ninja", "nvcc", "op_builder", "compute_capability", "CUDA_HOME",
+               "invalid literal for int()")
+    if any(m in text for m in markers):
+        raise ConfigError(f"a DeepSpeed kernel failed to build ({text.splitlines()[0][:300]}). The optimizer named "
+                          f"in the DeepSpeed config needs it: remove the config's \"optimizer\" section so "
+                          f"torch's fused AdamW is used (no build), or add \"torch_adam\": true to its params; "
+                          f"for a build, set CUDA_HOME and TORCH_CUDA_ARCH_LIST (e.g. 9.0) to match the GPU.") \
+            from None
+
+
+def describe_optimizer(engine) -> str:
+    """Which Adam runs, for the log: torch fused/foreach/for-loop AdamW, DeepSpeed FusedAdam or CPU Adam."""
+    basic = getattr(engine, "basic_optimizer", None) or engine.optimizer
+    name = type(basic).__name__
+    defaults = getattr(basic, "defaults", {})
+    if isinstance(basic, torch.optim.Optimizer) and type(basic).__module__.startswith("torch.optim"):
+        kind = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "for-loop"
+        name = f"torch.optim.{name} ({kind})"
+    wrapper = type(engine.optimizer).__name__
+    return name if engine.optimizer is basic else f"{name} inside DeepSpeed's {wrapper}"
 
 
 def _install_fp32_clipping(engine, topology) -> None:

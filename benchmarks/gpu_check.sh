@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Every GPU path of hybrid on one CUDA GPU, in under 8 minutes; installs nothing.
+#
+#   bash benchmarks/gpu_check.sh            # results in $OUT (or ./gpu_check_out)
+#
+# Needs torch (CUDA build), transformers and an importable DeepSpeed (e.g. PYTHONPATH to a wheel
+# unpacked by shared/gpu's recipe). Runs: bf16 ZeRO-1 on the embedded corpus (saved), fp16 with
+# dynamic loss scaling (loss scale and skipped steps reported), flash-attn when installed,
+# --torch-compile, ZeRO-3, full and selective recompute, launch/evaluate.py on the bf16
+# checkpoint, its HF export loaded by transformers (loss compared), and
+# benchmarks/bench_vs_transformers.py --preset gpu. Each step's log and JSON lines go to $OUT;
+# $OUT/summary.json has one line per step (ok, seconds, last logged metrics).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_check_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+SUMMARY="$OUT/summary.json"
+: > "$SUMMARY"
+
+python - <<'EOF' > "$OUT/environment.json"
+import json, torch
+import deepspeed, transformers
+try:
+    import flash_attn
+    fa = flash_attn.__version__
+except Exception as e:
+    fa = f"not usable: {type(e).__name__}"
+print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                  "transformers": transformers.__version__, "flash_attn": fa}))
+EOF
+cat "$OUT/environment.json"
+
+# GPT-2 small shape, short runs: enough to exercise each path, not to train.
+MODEL="--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
+       --micro-batch-size 8 --global-batch-size 8 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 5 --lr-decay-style cosine
+       --clip-grad 1.0 --log-interval 5 --eval-interval 20 --eval-iters 2 --no-progress-bar"
+MOCK="--mock-data --tokenizer-type NullTokenizer --vocab-size 50257"
+
+step() {  # step NAME TIMEOUT_S COMMAND...
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    echo "=== $name"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    python - "$name" "$rc" "$((SECONDS - start))" "$OUT" >> "$SUMMARY" <<'EOF'
+import json, os, sys
+name, rc, seconds, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+record = {"step": name, "ok": rc == 0, "exit_code": rc, "seconds": seconds}
+path = os.path.join(out, f"{name}.jsonl")
+if os.path.exists(path):
+    lines = [json.loads(l) for l in open(path) if l.strip()]
+    train = [l for l in lines if "consumed_samples" in l]
+    if train:
+        last = train[-1]
+        record.update({k: last[k] for k in ("iteration", "lm_loss", "loss_scale", "skipped_iterations",
+                                            "tokens_per_s", "tflops_per_gpu") if k in last})
+    valid = [l for l in lines if l.get("split") == "valid"]
+    if valid:
+        record["valid_lm_loss"] = valid[-1]["lm_loss"]
+if rc != 0:
+    record["tail"] = open(os.path.join(out, f"{name}.log")).read()[-1500:]
+print(json.dumps(record))
+EOF
+    tail -n 1 "$SUMMARY"
+}
+
+step bf16_zero1_save 240 python launch/train.py $MODEL --bf16 --deepspeed ds_configs/zero1.json --train-iters 40 \
+    --save "$OUT/ckpt" --save-interval 40 --log-json "$OUT/bf16_zero1_save.jsonl"
+step fp16_dynamic_loss_scale 120 python launch/train.py $MODEL $MOCK --fp16 --train-iters 20 \
+    --log-interval 1 --log-json "$OUT/fp16_dynamic_loss_scale.jsonl"
+if python -c "import flash_attn" 2>/dev/null; then
+    step flash_attn 120 python launch/train.py $MODEL $MOCK --bf16 --use-flash-attn --train-iters 20 \
+        --log-json "$OUT/flash_attn.jsonl"
+else
+    echo '{"step": "flash_attn", "ok": null, "skipped": "flash-attn not installed"}' >> "$SUMMARY"
+fi
+step torch_compile 180 python launch/train.py $MODEL $MOCK --bf16 --torch-compile --train-iters 20 \
+    --log-json "$OUT/torch_compile.jsonl"
+step zero3 120 python launch/train.py $MODEL $MOCK --bf16 --deepspeed ds_configs/zero3.json --train-iters 20 \
+    --log-json "$OUT/zero3.jsonl"
+step recompute_full 120 python launch/train.py $MODEL $MOCK --bf16 --recompute-granularity full \
+    --recompute-method uniform --recompute-num-layers 1 --train-iters 20 --log-json "$OUT/recompute_full.jsonl"
+step recompute_selective 120 python launch/train.py $MODEL $MOCK --bf16 --recompute-granularity selective \
+    --train-iters 20 --log-json "$OUT/recompute_selective.jsonl"
+
+DATA=$(python -c "from hybrid.data.default import default_data_prefix; print(default_data_prefix())")
+step evaluate 120 python launch/evaluate.py --load "$OUT/ckpt" --data-path "$DATA" --seq-length 1024 \
+    --micro-batch-size 2 --eval-iters 4 --log-json "$OUT/evaluate.jsonl"
+step hf_export 120 python conversion/checkpoint_util.py --model-type GPT --load-dir "$OUT/ckpt" \
+    --save-dir "$OUT/hf" --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1 --hf-convert
+step hf_load_and_loss 120 python - "$OUT" "$DATA" <<'EOF'
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+from hybrid.evaluation import stream_windows
+out, data = sys.argv[1], sys.argv[2]
+model = AutoModelForCausalLM.from_pretrained(f"{out}/hf", torch_dtype=torch.float32).cuda().eval()
+windows = torch.from_numpy(stream_windows(data, 1024, 8)).cuda()
+with torch.no_grad():  # the same 8 windows launch/evaluate.py scored (4 iterations x micro-batch 2)
+    logits = torch.cat([model(input_ids=w[None, :-1]).logits for w in windows])
+loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), windows[:, 1:].reshape(-1))
+ours = json.loads(open(f"{out}/evaluate.jsonl").read().splitlines()[-1])["lm_loss"]
+print(json.dumps({"transformers_loss": loss.item(), "hybrid_evaluate_loss": ours,
+                  "relative_difference": abs(loss.item() - ours) / ours}))
+EOF
+step bench_vs_transformers 300 python benchmarks/bench_vs_transformers.py --preset gpu --rounds 3 --steps 5 \
+    --variants hybrid,hybrid_compiled,transformers_eager,transformers_compiled \
+    --json "$OUT/bench_vs_transformers.json" --chart "$OUT/bench_vs_transformers.png"
+echo "=== summary ($SUMMARY)"
+cat "$SUMMARY"
