@@ -35,14 +35,21 @@ def _add_model_args(p):
     g.add_argument("--ffn-hidden-size", type=int, default=None)
     g.add_argument("--seq-length", type=int, default=128)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    g.add_argument("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=["learned_absolute", "rope", "alibi"], help="learned_absolute | rope (alibi is refused)")
     g.add_argument("--use-rotary-position-embeddings", action="store_true", help="alias of --position-embedding-type rope")
     g.add_argument("--rotary-base", type=float, default=10000.0)
-    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--normalization", default="LayerNorm", type=_normalization, choices=["LayerNorm", "RMSNorm"],
+                   help="LayerNorm | RMSNorm (any case, as Megatron-DeepSpeed scripts write rmsnorm)")
     g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--num-key-value-heads", type=int, default=None,
+                   help="Megatron-DeepSpeed's spelling: --group-query-attention --num-query-groups N")
+    g.add_argument("--kv-channels", type=int, default=None, help="accepted when equal to hidden/heads (head dim)")
+    g.add_argument("--attention-backend", default=None, choices=["auto", "flash", "fused", "unfused", "local"],
+                   help="flash = --use-flash-attn; auto/fused/unfused/local = SDPA (torch picks its kernel)")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
@@ -56,6 +63,9 @@ def _add_model_args(p):
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--checkpoint-activations", action="store_true", help="alias: --recompute-granularity full")
     g.add_argument("--checkpoint-num-layers", type=int, default=None, help="alias of --recompute-num-layers")
+    g.add_argument("--recompute-activations", action="store_true", help="alias: --recompute-granularity selective")
+    g.add_argument("--activations-checkpoint-method", default=None, choices=["uniform", "block"],
+                   help="older Megatron: --recompute-granularity full --recompute-method METHOD")
 
 
 def _add_parallel_args(p):
@@ -63,7 +73,7 @@ def _add_parallel_args(p):
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--pipeline-partition", default="parameters",
+    g.add_argument("--pipeline-partition", "--pp-partition-method", dest="pipeline_partition", default="parameters",
                    help="parameters | uniform | comma-separated layers per stage (e.g. 3,5)")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="ZeRO-1 when the DeepSpeed config sets no stage")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"])
@@ -77,7 +87,14 @@ def _add_training_args(p):
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None, help="run length in samples (Megatron-LM)")
+    g.add_argument("--train-tokens", type=int, default=None,
+                   help="stop once this many tokens were consumed (Megatron-DeepSpeed)")
+    g.add_argument("--rampup-batch-size", nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="ramp the global batch linearly from START by INCREMENT over SAMPLES samples")
     g.add_argument("--exit-interval", type=int, default=None, help="stop after an iteration divisible by this")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save (with --save) and stop once the run has lasted this long")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--seed", type=int, default=1234)
@@ -103,6 +120,10 @@ def _add_optimizer_args(p):
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-decay-tokens", type=int, default=None, help="decay over tokens (Megatron-DeepSpeed)")
+    g.add_argument("--lr-warmup-tokens", type=int, default=None, help="warm up over tokens (Megatron-DeepSpeed)")
     g.add_argument("--weight-decay", type=float, default=None)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -117,12 +138,16 @@ def _add_data_args(p):
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--tokenizer-type", default=None,
-                   choices=["GPT2BPETokenizer", "HFTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+                   choices=["GPT2BPETokenizer", "HFTokenizer", "HuggingFaceTokenizer", "PretrainedFromHF",
+                            "NullTokenizer", "GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer"])
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
-    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--tokenizer-model", "--tokenizer-name-or-path", dest="tokenizer_model", default=None,
+                   help="a local HF tokenizer directory or a SentencePiece .model file")
     g.add_argument("--vocab-size", type=int, default=None)
     g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic"],
+                   help="single: Megatron's sequential pretraining sampler (cyclic is refused)")
     g.add_argument("--data-impl", "--dataset-impl", dest="data_impl", default="mmap", choices=["mmap"])
     g.add_argument("--train-data-path", nargs="+", default=None, help="the train split's own blend (all its documents)")
     g.add_argument("--valid-data-path", nargs="+", default=None, help="the valid split's own blend")
@@ -133,6 +158,9 @@ def _add_data_args(p):
     g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
                    help="accepted: the .bin files are memory-mapped either way, which reads the same tokens")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss at positions whose input token is EOD")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="accepted without --eod-mask-loss: every micro-batch has the same token count, so the "
+                        "per-token mean is the mean of micro-batch means hybrid computes")
     g.add_argument("--reset-position-ids", action="store_true", help="refused: not supported")
     g.add_argument("--reset-attention-mask", action="store_true", help="refused: not supported")
     g.add_argument("--legacy-data-rules", action="store_true",
@@ -148,6 +176,8 @@ def _add_checkpoint_args(p):
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model architecture and parallel sizes from the --load checkpoint")
     g.add_argument("--no-save-optim", action="store_true", help="accepted; DeepSpeed always saves it")
 
 
@@ -158,6 +188,9 @@ def _add_logging_args(p):
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--wandb-project", default=None)
     g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None, help="where wandb writes its files")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="log allocated/peak accelerator memory with each log line")
     g.add_argument("--no-progress-bar", action="store_true")
 
 
@@ -167,6 +200,8 @@ def _add_deepspeed_args(p):
                    help="use DeepSpeed (always on); may be followed by the config path")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None)
     g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="reduce gradients in bf16 (DeepSpeed's communication_data_type); needs --bf16")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,7 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_optimizer_args, _add_data_args,
                 _add_checkpoint_args, _add_logging_args, _add_deepspeed_args):
         add(p)
+    from hybrid.megatron_compat import add_compat_args
+    add_compat_args(p)
     return p
+
+
+def _normalization(value: str) -> str:
+    return {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(value.lower(), value)
 
 
 @dataclass(frozen=True)
@@ -215,8 +256,9 @@ class TrainConfig:
     lr: float  # --lr (peak)
     min_lr: float  # --min-lr
     lr_decay_style: str  # --lr-decay-style constant|linear|cosine
-    lr_decay_iters: int  # --lr-decay-iters (default --train-iters)
-    lr_warmup_iters: int  # --lr-warmup-iters, or --lr-warmup-fraction x --lr-decay-iters
+    lr_unit: str  # what the LR schedule counts: "samples" (Megatron-LM) or "tokens" (Megatron-DeepSpeed)
+    lr_decay_steps: int  # decay length in lr_unit (--lr-decay-iters/-samples/-tokens; default the run)
+    lr_warmup_steps: int  # warmup length in lr_unit (--lr-warmup-iters/-samples/-tokens/-fraction)
     weight_decay: float  # --weight-decay (not on biases and norm weights)
     clip_grad: float  # --clip-grad (0 disables)
     precision: str  # fp32 | bf16 | fp16
@@ -247,6 +289,12 @@ class TrainConfig:
     legacy_data_rules: bool = False  # --legacy-data-rules: Megatron-DeepSpeed split rounding and blend counts
     eod_mask_loss: bool = False  # --eod-mask-loss: positions whose input is EOD take no loss
     torch_compile: bool = False  # --torch-compile: each transformer layer compiled by torch.compile
+    train_samples: int = 0  # samples the training split provides (--train-samples, or iterations x batch)
+    train_tokens: Optional[int] = None  # --train-tokens: stop once this many tokens were consumed
+    rampup: Optional[object] = None  # hybrid.run_length.Rampup for --rampup-batch-size
+    exit_duration_in_mins: Optional[float] = None  # --exit-duration-in-mins: save and stop after this long
+    wandb_save_dir: Optional[str] = None  # --wandb-save-dir
+    log_memory: bool = False  # --log-memory-to-tensorboard
 
 
 @dataclass
@@ -431,7 +479,7 @@ def tokenizer_kwargs(args) -> dict:
         if args.vocab_file or args.merge_file:
             tokenizer_type = "GPT2BPETokenizer"
         elif args.tokenizer_model:
-            tokenizer_type = "HFTokenizer"
+            tokenizer_type = "GPTSentencePieceTokenizer" if args.tokenizer_model.endswith(".model") else "HFTokenizer"
         elif args.mock_data and args.vocab_size:
             tokenizer_type = "NullTokenizer"
         else:
@@ -464,8 +512,72 @@ def _check_data_flags(args) -> None:
                               f"--eod-mask-loss is supported.")
 
 
+def apply_megatron_aliases(args: argparse.Namespace) -> list[str]:
+    """Other Megatron spellings of supported settings -> ours; refused flags raise. Returns the
+    accepted compatibility flags (for the log)."""
+    from hybrid.megatron_compat import check_compat
+    accepted = check_compat(args)
+    if args.num_key_value_heads:
+        if args.num_query_groups and args.num_query_groups != args.num_key_value_heads:
+            raise ConfigError(f"--num-key-value-heads {args.num_key_value_heads} disagrees with --num-query-groups "
+                              f"{args.num_query_groups}; give one.")
+        args.num_query_groups, args.group_query_attention = args.num_key_value_heads, True
+    if args.recompute_activations and not args.recompute_granularity:
+        args.recompute_granularity = "selective"  # Megatron-LM: --recompute-activations = selective
+    if args.activations_checkpoint_method and not args.recompute_granularity:
+        args.recompute_granularity, args.recompute_method = "full", args.activations_checkpoint_method
+    if args.attention_backend == "flash":
+        args.use_flash_attn = True
+    if args.kv_channels and args.kv_channels * args.num_attention_heads != args.hidden_size:
+        raise ConfigError(f"--kv-channels {args.kv_channels}: only the head dimension --hidden-size / "
+                          f"--num-attention-heads = {args.hidden_size // args.num_attention_heads} is supported.")
+    if args.position_embedding_type == "alibi":
+        raise ConfigError("--position-embedding-type alibi is not supported: use learned_absolute or rope.")
+    if args.dataloader_type != "single":
+        raise ConfigError("--dataloader-type cyclic is not supported: samples are served in Megatron's "
+                          "sequential pretraining order (--dataloader-type single).")
+    if getattr(args, "compat_no_pipeline_parallel", None) and args.pipeline_model_parallel_size > 1:
+        raise ConfigError("--no-pipeline-parallel with --pipeline-model-parallel-size > 1: drop one of them.")
+    if args.calculate_per_token_loss and args.eod_mask_loss:
+        raise ConfigError("--calculate-per-token-loss with --eod-mask-loss is not supported (micro-batches then "
+                          "hold different token counts); drop one of them.")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        raise ConfigError("--grad-reduce-in-bf16 needs --bf16.")
+    return accepted
+
+
+# Megatron-LM's load_args_from_checkpoint: the architecture and parallel sizes a checkpoint fixes
+_CHECKPOINT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+                    "position_embedding_type", "use_rotary_position_embeddings", "rotary_base", "normalization",
+                    "norm_epsilon", "swiglu", "group_query_attention", "num_query_groups", "disable_bias_linear",
+                    "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
+                    "apply_query_key_layer_scaling", "tensor_model_parallel_size", "pipeline_model_parallel_size")
+
+
+def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
+    """--use-checkpoint-args: the saved run's architecture and parallel sizes replace the flags'."""
+    if not args.use_checkpoint_args:
+        return []
+    if not args.load:
+        raise ConfigError("--use-checkpoint-args needs --load CHECKPOINT_DIR.")
+    import os
+    latest = os.path.join(args.load, "latest")
+    if not os.path.isfile(latest):
+        raise ConfigError(f"--use-checkpoint-args: no checkpoint in --load {args.load} (no 'latest' file).")
+    from hybrid.training.checkpoint import latest_tag, read_meta
+    saved = read_meta(args.load, latest_tag(args.load)).get("args") or {}
+    changed = []
+    for key in _CHECKPOINT_ARGS:
+        if key in saved and getattr(args, key, None) != saved[key]:
+            setattr(args, key, saved[key])
+            changed.append(key)
+    return changed
+
+
 def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_size: int) -> RunConfig:
     """Validate the flags against each other, the DeepSpeed config and the world size."""
+    apply_checkpoint_args(args)
+    apply_megatron_aliases(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     ds, ds_path = _load_ds_config(args)
     stage = _zero_stage(args, ds, ds_path, pp)
@@ -483,20 +595,16 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
         check_flash_attn(torch.cuda.is_available(), precision)
     clip = _agree(ds, "gradient_clipping", "--clip-grad", args.clip_grad, ds_path, 1.0)
     optimizer = _optimizer_config(args, ds, ds_path)
-    train_iters = args.train_iters if args.train_iters is not None else 100
-    if train_iters < 1:
-        raise ConfigError(f"--train-iters must be >= 1, got {train_iters}.")
-    decay_iters = args.lr_decay_iters or train_iters
-    warmup = int(args.lr_warmup_fraction * decay_iters) if args.lr_warmup_fraction is not None else args.lr_warmup_iters
-    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
-        raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters are exclusive; give one.")
+    from hybrid.run_length import resolve_run_length
+    length = resolve_run_length(args, global_batch, micro * dp, args.seq_length)
     _check_data_flags(args)
     if args.finetune and not args.load:
         raise ConfigError("--finetune needs --load CHECKPOINT_DIR.")
     train = TrainConfig(
-        micro_batch_size=micro, global_batch_size=global_batch, grad_acc_steps=gas, train_iters=train_iters,
+        micro_batch_size=micro, global_batch_size=global_batch, grad_acc_steps=gas, train_iters=length.train_iters,
         seq_length=args.seq_length, lr=float(optimizer["params"]["lr"]), min_lr=args.min_lr,
-        lr_decay_style=args.lr_decay_style, lr_decay_iters=decay_iters, lr_warmup_iters=warmup,
+        lr_decay_style=args.lr_decay_style, lr_unit=length.lr_unit, lr_decay_steps=length.lr_decay_steps,
+        lr_warmup_steps=length.lr_warmup_steps,
         weight_decay=float(optimizer["params"].get("weight_decay", 0.0)), clip_grad=float(clip),
         precision=precision, seed=args.seed, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         data_path=args.data_path, split=args.split, mock_data=args.mock_data, save=args.save, load=args.load,
@@ -508,7 +616,12 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
         freeze_embeddings=args.freeze_embeddings,
         split_data_paths=(args.train_data_path, args.valid_data_path, args.test_data_path),
         data_cache_path=args.data_cache_path, legacy_data_rules=args.legacy_data_rules,
-        eod_mask_loss=args.eod_mask_loss, torch_compile=args.torch_compile)
+        eod_mask_loss=args.eod_mask_loss, torch_compile=args.torch_compile, train_samples=length.train_samples,
+        train_tokens=length.train_tokens, rampup=length.rampup, exit_duration_in_mins=args.exit_duration_in_mins,
+        wandb_save_dir=args.wandb_save_dir, log_memory=args.log_memory_to_tensorboard)
+    if length.rampup and pp > 1:
+        raise ConfigError("--rampup-batch-size with --pipeline-model-parallel-size > 1 is not supported (DeepSpeed's "
+                          "pipeline engine fixes its micro-batch count); use a constant --global-batch-size.")
     if args.torch_compile and stage == 3:
         raise ConfigError("--torch-compile with ZeRO-3 is not supported: ZeRO-3 gathers each layer's "
                           "parameters in module hooks that torch.compile cannot trace. Use ZeRO-1/2 "
@@ -535,6 +648,8 @@ def _final_ds_config(ds: dict, args, train: TrainConfig, stage: int, optimizer: 
     if train.precision == "bf16":
         out["bf16"] = dict(out.get("bf16") or {}, enabled=True)
         out.pop("fp16", None)
+        if args.grad_reduce_in_bf16:
+            out["communication_data_type"] = "bf16"
     elif train.precision == "fp16":
         fp16 = dict(out.get("fp16") or {}, enabled=True)
         if args.loss_scale is not None:

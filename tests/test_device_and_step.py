@@ -64,6 +64,9 @@ class RecordingEngine:
     def get_lr(self):
         return [0.1]
 
+    def gradient_accumulation_steps(self):
+        return self.gas
+
 
 class OneRank:
     dp_rank, dp_world_size = 0, 1

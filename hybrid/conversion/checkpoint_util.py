@@ -8,6 +8,7 @@ shard by shard.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -19,9 +20,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = FlagParser(description="Convert checkpoints: hybrid <-> HuggingFace, and between TP/PP layouts.",
                 allow_abbrev=False)
     p.add_argument("--model-type", default="GPT", choices=["GPT"])
-    p.add_argument("--loader", default="hybrid", choices=["hybrid", "hf", "megatron"],
-                   help="hybrid (alias megatron): a launch/train.py checkpoint; hf: a transformers directory")
-    p.add_argument("--saver", default="hybrid", choices=["hybrid", "hf", "megatron"])
+    p.add_argument("--loader", default="hybrid", type=_format_alias,
+                   choices=["hybrid", "hf"],
+                   help="hybrid (aliases megatron, mcore, core, legacy): a launch/train.py checkpoint; "
+                        "hf (aliases llama_mistral, llama2_hf, loader_llama2_hf): a transformers directory")
+    p.add_argument("--saver", default="hybrid", type=_format_alias, choices=["hybrid", "hf"])
+    p.add_argument("--checkpoint-type", default=None, choices=["hf", "meta"],
+                   help="with a Llama loader: hf (a transformers directory); meta (raw weights) is refused")
+    p.add_argument("--model-size", default=None, help="accepted: the model's shape is read from its config")
+    p.add_argument("--megatron-path", default=None, help="accepted: no Megatron-LM checkout is needed")
+    p.add_argument("--max-queue-size", type=int, default=None, help="accepted: no loader/saver queue is used")
+    p.add_argument("--loader-transformer-impl", "--saver-transformer-impl", dest="transformer_impl", default=None,
+                   choices=["local", "transformer_engine"], help="accepted: parameter names are hybrid's own")
+    p.add_argument("--bf16", "--fp16", dest="half", action="store_true",
+                   help="accepted: tensors keep the source's precision; training casts per its own flags")
     p.add_argument("--hf-convert", action="store_true", help="shorthand for --saver hf")
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True)
@@ -35,6 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vocabulary padding of the hybrid output (default: the source's, or 128)")
     p.add_argument("--no-progress-bar", action="store_true")
     return p
+
+
+def _format_alias(value: str) -> str:
+    """Megatron-LM's loader/saver names -> ours."""
+    if value in ("megatron", "mcore", "core", "legacy"):
+        return "hybrid"
+    if value in ("llama_mistral", "llama2_hf", "loader_llama2_hf", "llama2"):
+        return "hf"
+    return value
 
 
 def _progress(enabled: bool, what: str):
@@ -52,6 +73,9 @@ def _tokenizer(args, saved_args: dict):
     from hybrid.data.tokenizer import GPT2BPETokenizer, HFTokenizer
     vocab, merges = args.vocab_file or saved_args.get("vocab_file"), args.merge_file or saved_args.get("merge_file")
     model_dir = args.tokenizer_model or saved_args.get("tokenizer_model")
+    if model_dir and os.path.isfile(model_dir):  # a SentencePiece .model: transformers' Llama tokenizer
+        from transformers import LlamaTokenizer
+        return LlamaTokenizer(vocab_file=model_dir, legacy=False)
     if args.tokenizer_model or (model_dir and not (args.vocab_file or args.merge_file)):
         return HFTokenizer(model_dir).to_transformers()
     if vocab and merges:
@@ -65,8 +89,12 @@ def _tokenizer(args, saved_args: dict):
 def convert(args) -> str:
     from hybrid.conversion.hf import read_hf_dir, write_hf_dir
     from hybrid.conversion.layout import check_target_layout, read_hybrid, write_hybrid
-    saver = "hf" if args.hf_convert else ("hybrid" if args.saver == "megatron" else args.saver)
-    loader = "hybrid" if args.loader == "megatron" else args.loader
+    if args.checkpoint_type == "meta":
+        raise ConfigError("--checkpoint-type meta: Meta's raw Llama weights are not read; convert them to a "
+                          "transformers directory first (transformers' convert_llama_weights_to_hf), then use "
+                          "--loader hf (or llama_mistral) --checkpoint-type hf.")
+    saver = "hf" if args.hf_convert else args.saver
+    loader = args.loader
     show = not args.no_progress_bar
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     if loader == "hf":

@@ -2,7 +2,9 @@
 
 GPT2BPETokenizer: GPT-2-format vocab.json + merges.txt (byte-level BPE, GPT-2's pre-tokenizer);
 HFTokenizer: any local transformers tokenizer directory (--tokenizer-model);
-NullTokenizer: ids are given directly (--vocab-size N; the end-of-document id is N, as Megatron).
+NullTokenizer: ids are given directly (--vocab-size N; the end-of-document id is N, as Megatron);
+GPTSentencePieceTokenizer / SentencePieceTokenizer / Llama2Tokenizer: a SentencePiece `.model`
+file (--tokenizer-model), through the `sentencepiece` package, as Megatron-LM encodes with them.
 """
 
 from __future__ import annotations
@@ -129,7 +131,43 @@ class NullTokenizer(Tokenizer):
         return " ".join(str(int(i)) for i in ids)
 
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HFTokenizer", "NullTokenizer")
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model (Llama, Llama-2 and many Megatron-DeepSpeed runs).
+
+    GPTSentencePieceTokenizer / SentencePieceTokenizer encode text as the model's ids with no
+    added tokens; Llama2Tokenizer puts BOS first (Megatron-LM's `tokenize(text, bos=True)`).
+    EOD is the model's EOS id."""
+
+    def __init__(self, model_file: Optional[str], name: str = "GPTSentencePieceTokenizer"):
+        if not model_file or not os.path.isfile(model_file):
+            raise ConfigError(f"--tokenizer-type {name} needs --tokenizer-model FILE.model (a SentencePiece "
+                              f"model); got {model_file!r}.")
+        try:
+            import sentencepiece
+        except ImportError:
+            raise ConfigError(f"--tokenizer-type {name} needs the sentencepiece package: "
+                              f"pip install sentencepiece.") from None
+        self.name = name
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self.vocab_size = self._sp.vocab_size()
+        self.eod = self._sp.eos_id()
+        self.bos = self._sp.bos_id()
+        if self.eod < 0:
+            raise ConfigError(f"--tokenizer-model {model_file}: the SentencePiece model has no EOS piece "
+                              f"to end documents with.")
+
+    def tokenize_batch(self, texts):
+        ids = self._sp.encode(list(texts))
+        if self.name == "Llama2Tokenizer":
+            return [[self.bos] + list(x) for x in ids]
+        return [list(x) for x in ids]
+
+    def detokenize(self, ids) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+SENTENCEPIECE_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HFTokenizer", "NullTokenizer") + SENTENCEPIECE_TYPES
 
 
 def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
@@ -137,8 +175,10 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge
     """The tokenizer `--tokenizer-type` names, with a clear error for missing pieces."""
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
-    if tokenizer_type in ("HFTokenizer", "HuggingFaceTokenizer"):
+    if tokenizer_type in ("HFTokenizer", "HuggingFaceTokenizer", "PretrainedFromHF"):
         return HFTokenizer(tokenizer_model)
+    if tokenizer_type in SENTENCEPIECE_TYPES:
+        return SentencePieceTokenizer(tokenizer_model, tokenizer_type)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     raise ConfigError(f"--tokenizer-type {tokenizer_type!r} is not supported; use one of {', '.join(TOKENIZER_TYPES)}.")

@@ -21,7 +21,7 @@ from hybrid.data.gpt_dataset import MockGPTDataset, build_train_valid_test_datas
 def num_samples(train) -> list[int]:
     """Train, valid and test sample counts, as Megatron-LM computes them."""
     evals = (train.train_iters // train.eval_interval + 1) * train.eval_iters if train.eval_interval else 0
-    return [train.train_iters * train.global_batch_size, evals * train.global_batch_size,
+    return [train.train_samples or train.train_iters * train.global_batch_size, evals * train.global_batch_size,
             train.eval_iters * train.global_batch_size]
 
 

@@ -66,6 +66,11 @@ def param_groups(model: nn.Module, run: RunConfig) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def units_per_step(global_batch: int, seq_length: int, unit: str) -> int:
+    """How far one optimizer step moves the LR schedule: samples, or tokens."""
+    return global_batch * (seq_length if unit == "tokens" else 1)
+
+
 def build_engine(run: RunConfig, topology):
     """-> (DeepSpeed engine, the model it wraps). PP > 1 gives DeepSpeed's PipelineEngine."""
     model = build_model(run, topology)
@@ -73,8 +78,10 @@ def build_engine(run: RunConfig, topology):
     train = run.train
 
     def scheduler(optimizer):
-        return MegatronLRScheduler(optimizer, train.lr, train.min_lr, train.lr_warmup_iters,
-                                   train.lr_decay_iters, train.lr_decay_style)
+        first_batch = train.rampup.start if train.rampup else train.global_batch_size
+        return MegatronLRScheduler(optimizer, train.lr, train.min_lr, train.lr_warmup_steps, train.lr_decay_steps,
+                                   train.lr_decay_style, train.lr_unit,
+                                   units_per_step(first_batch, train.seq_length, train.lr_unit))
 
     if run.model.recompute_granularity:
         deepspeed.checkpointing.configure(topology.mpu, deepspeed_config=run.ds_config)

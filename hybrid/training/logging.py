@@ -44,7 +44,8 @@ class MetricsLogger:
 
     def __init__(self, train_iters: int, log_json: Optional[str] = None, tensorboard_dir: Optional[str] = None,
                  wandb_project: Optional[str] = None, wandb_exp_name: Optional[str] = None,
-                 run_config: Optional[dict] = None, progress_bar: bool = True, start_iteration: int = 0):
+                 run_config: Optional[dict] = None, progress_bar: bool = True, start_iteration: int = 0,
+                 wandb_save_dir: Optional[str] = None):
         self.active = is_rank_zero()
         self.train_iters = train_iters
         self.json_file = self.tensorboard = self.wandb_run = self.bar = None
@@ -59,8 +60,10 @@ class MetricsLogger:
         if wandb_project:
             import wandb
             os.environ.setdefault("WANDB_MODE", "offline")  # no network unless the user says so
+            if wandb_save_dir:
+                os.makedirs(wandb_save_dir, exist_ok=True)
             self.wandb_run = wandb.init(project=wandb_project, name=wandb_exp_name, config=run_config,
-                                        dir=tensorboard_dir or os.getcwd())
+                                        dir=wandb_save_dir or tensorboard_dir or os.getcwd())
         if progress_bar and sys.stdout.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=train_iters, initial=start_iteration, unit="it", dynamic_ncols=True)

@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import sys
+import time
 from typing import Optional
 
 import torch
@@ -50,6 +51,8 @@ class Trainer:
         self.skipped = 0
         self.nan_iterations = 0
         self.consumed_valid = 0
+        self.current_batch = None if run.train.rampup else run.train.global_batch_size
+        self.start_time = time.time()
 
     def _batches(self, dataset, consumed, wrap=False):
         from hybrid.training.batches import micro_batches
@@ -66,13 +69,14 @@ class Trainer:
         """One iteration: grad-accumulation micro-steps (DeepSpeed steps the optimizer on the last);
         this rank's mean loss, on the device."""
         total = None
-        for _ in range(self.run.train.grad_acc_steps):
+        steps = self.engine.gradient_accumulation_steps()  # changes under --rampup-batch-size
+        for _ in range(steps):
             ids, labels, mask = next(batches)
             loss = self.engine(ids, labels, mask)
             self.engine.backward(loss)
             self.engine.step()
             total = loss.detach() if total is None else total + loss.detach()
-        return total / self.run.train.grad_acc_steps
+        return total / steps
 
     def _interval_losses(self, losses: list) -> list[float]:
         """The pending per-iteration losses as DP means: one collective and one host sync."""
@@ -102,6 +106,29 @@ class Trainer:
         logger.evaluation({"iteration": iteration, "lm_loss": loss, "ppl": math.exp(min(20.0, loss))})
         return loss
 
+    def _batch_size_for(self, consumed: int) -> int:
+        """This iteration's global batch (--rampup-batch-size), applied to the engine and schedule."""
+        t = self.run.train
+        size = t.rampup.batch_size(consumed, t.global_batch_size) if t.rampup else t.global_batch_size
+        if size != self.current_batch:
+            from hybrid.training.engine import units_per_step
+            self.engine.set_train_batch_size(size)  # more or fewer micro-batches, same micro-batch size
+            self.engine.lr_scheduler.units_per_step = units_per_step(size, t.seq_length, t.lr_unit)
+            if self.current_batch is not None:
+                log(f"global batch size {self.current_batch} -> {size} after {consumed} samples")
+            self.current_batch = size
+        return size
+
+    def _out_of_time(self) -> bool:
+        """--exit-duration-in-mins: every rank stops at the same iteration (MAX over ranks)."""
+        minutes = self.run.train.exit_duration_in_mins
+        if not minutes:
+            return False
+        done = torch.tensor([float(time.time() - self.start_time > minutes * 60.0)], device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(done, op=dist.ReduceOp.MAX)
+        return bool(done.item())
+
     def _metrics(self, iteration, consumed, loss, lr, seconds) -> dict:
         from hybrid.training.flops import flops_per_iteration
         t, e = self.run.train, self.engine
@@ -109,16 +136,21 @@ class Trainer:
         if isinstance(grad_norm, torch.Tensor):
             grad_norm = grad_norm.item()  # logging only
         scale = getattr(e.optimizer, "cur_scale", None) or getattr(e.optimizer, "loss_scale", None) or 1.0
-        tokens = t.global_batch_size * t.seq_length
+        batch = self.current_batch or t.global_batch_size
+        tokens = batch * t.seq_length
         padded = self.run.model.padded_vocab_size(self.run.tensor_parallel)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        flops = flops_per_iteration(self.run.model, t.global_batch_size, t.seq_length, padded)
-        return {
+        flops = flops_per_iteration(self.run.model, batch, t.seq_length, padded)
+        memory = {}
+        if t.log_memory and self.device.type == "cuda":
+            memory = {"memory_allocated_gib": torch.cuda.memory_allocated(self.device) / 2**30,
+                      "memory_max_allocated_gib": torch.cuda.max_memory_allocated(self.device) / 2**30}
+        return {**memory,
             "iteration": iteration, "consumed_samples": consumed, "lm_loss": loss, "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "loss_scale": float(scale), "skipped_iterations": self.skipped, "nan_iterations": self.nan_iterations,
             "tokens_per_s": tokens / seconds, "tflops_per_gpu": flops / seconds / world / 1e12,
-            "elapsed_ms_per_iter": seconds * 1000.0, "global_batch_size": t.global_batch_size,
+            "elapsed_ms_per_iter": seconds * 1000.0, "global_batch_size": batch,
         }
 
     def _log(self, logger, pending, iteration, consumed, timer, earlier_seconds) -> None:
@@ -135,7 +167,7 @@ class Trainer:
         from hybrid.training import checkpoint
         t = self.run.train
         logger = MetricsLogger(t.train_iters, t.log_json, t.tensorboard_dir, t.wandb_project, t.wandb_exp_name,
-                               config_summary(self.run), t.progress_bar, iteration)
+                               config_summary(self.run), t.progress_bar, iteration, t.wandb_save_dir)
         self.consumed_valid = (iteration // t.eval_interval) * t.eval_iters * t.global_batch_size \
             if t.eval_interval else 0
         batches = self._batches(self.train_ds, consumed)
@@ -147,9 +179,10 @@ class Trainer:
             while iteration < t.train_iters:
                 lr = self.engine.get_lr()[0]
                 skipped_before = getattr(self.engine, "skipped_steps", 0)
+                batch_size = self._batch_size_for(consumed)
                 pending.append((self.train_step(batches), lr))
                 iteration += 1
-                consumed += t.global_batch_size
+                consumed += batch_size
                 self.skipped += getattr(self.engine, "skipped_steps", 0) - skipped_before
                 logger.advance()
                 if iteration % t.log_interval == 0 or iteration == t.train_iters:
@@ -162,12 +195,15 @@ class Trainer:
                 if t.save and t.save_interval and iteration % t.save_interval == 0:
                     checkpoint.save(self.engine, self.run, t.save, iteration, consumed)
                     last_saved = iteration
-                if t.exit_interval and iteration % t.exit_interval == 0:
+                out_of_time = self._out_of_time()
+                if out_of_time or (t.exit_interval and iteration % t.exit_interval == 0):
                     if pending:
                         self._log(logger, pending, iteration, consumed, timer, interval_seconds)
                     if t.save and last_saved != iteration:
                         checkpoint.save(self.engine, self.run, t.save, iteration, consumed)
-                    log(f"exiting at iteration {iteration} (--exit-interval {t.exit_interval})")
+                    reason = (f"--exit-duration-in-mins {t.exit_duration_in_mins}" if out_of_time
+                              else f"--exit-interval {t.exit_interval}")
+                    log(f"exiting at iteration {iteration} ({reason})")
                     return iteration
                 timer.lap()  # evaluation and saving are not iteration time
             if not (t.eval_interval and iteration % t.eval_interval == 0):

@@ -25,12 +25,19 @@ def megatron_lr(step: int, max_lr: float, min_lr: float, warmup_steps: int, deca
 
 
 class MegatronLRScheduler:
-    """A scheduler DeepSpeed can drive (`step()` after each optimizer step) and checkpoint."""
+    """A scheduler DeepSpeed can drive (`step()` after each optimizer step) and checkpoint.
 
-    def __init__(self, optimizer, max_lr, min_lr, warmup_steps, decay_steps, style):
+    As Megatron-LM's OptimizerParamScheduler it counts samples (or, for Megatron-DeepSpeed's
+    token-based flags, tokens): each optimizer step advances it by `units_per_step`, the global
+    batch (x sequence length), which the trainer updates when --rampup-batch-size changes it.
+    """
+
+    def __init__(self, optimizer, max_lr, min_lr, warmup_steps, decay_steps, style, unit: str = "samples",
+                 units_per_step: int = 1):
         self.optimizer = optimizer
         self.max_lr, self.min_lr, self.warmup_steps, self.decay_steps, self.style = (
             max_lr, min_lr, warmup_steps, decay_steps, style)
+        self.unit, self.units_per_step = unit, units_per_step
         self.num_steps = 0
         self._apply()
 
@@ -45,13 +52,20 @@ class MegatronLRScheduler:
         for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
             group["lr"] = lr
 
-    def step(self, increment: int = 1) -> None:
-        self.num_steps += increment
+    def step(self, increment=None) -> None:
+        self.num_steps += self.units_per_step if increment is None else increment
         self._apply()
 
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps}
+        return {"num_steps": self.num_steps, "unit": self.unit}
 
     def load_state_dict(self, state: dict) -> None:
-        self.num_steps = int(state["num_steps"])
+        if "unit" not in state:  # saved before schedules counted samples: its steps were iterations
+            self.num_steps = int(state["num_steps"]) * self.units_per_step
+        elif state["unit"] != self.unit:
+            from hybrid.errors import ConfigError
+            raise ConfigError(f"the checkpoint's LR schedule counts {state['unit']}, this run's flags count "
+                              f"{self.unit}; use the same --lr-*-tokens or --lr-*-samples/--lr-*-iters flags.")
+        else:
+            self.num_steps = int(state["num_steps"])
         self._apply()

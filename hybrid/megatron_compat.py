@@ -1,0 +1,165 @@
+"""Megatron-LM / Megatron-DeepSpeed flags that real run scripts carry and hybrid has no feature
+behind: each one is accepted (it asks for what hybrid already does, or is at its neutral value)
+or refused with one message naming the flag and why. Nothing is silently ignored; a flag that
+would change the numerics or the length of the run is never accepted unless hybrid does
+exactly that. The table is the README's compatibility table too (`markdown_table`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from hybrid.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class CompatFlag:
+    """One flag: how it is parsed, what is done with it, and why."""
+
+    name: str  # the flag as scripts spell it
+    treatment: str  # "accepted" | "neutral" (only its neutral value) | "refused"
+    why: str  # the reason (accepted: what hybrid does instead; refused: what to use)
+    nargs: Optional[str] = None  # argparse nargs: None (store_true), "?", "+", or "1" (one value)
+    neutral: Optional[str] = None  # for "neutral": the one value accepted
+
+
+_FLAGS = [
+    # kernels, fusions and overlap: hybrid's own kernels are used either way
+    CompatFlag("--use-mcore-models", "accepted", "hybrid's model is the only implementation"),
+    CompatFlag("--use-legacy-models", "refused", "hybrid has one model implementation; drop the flag"),
+    CompatFlag("--no-masked-softmax-fusion", "accepted", "no masked-softmax kernel is used (SDPA/flash-attn)"),
+    CompatFlag("--no-bias-gelu-fusion", "accepted", "bias+GeLU is one elementwise expression (fused only by --torch-compile)"),
+    CompatFlag("--no-bias-swiglu-fusion", "accepted", "SwiGLU is one elementwise expression"),
+    CompatFlag("--no-bias-dropout-fusion", "accepted", "bias+dropout+add is not fused"),
+    CompatFlag("--no-gradient-accumulation-fusion", "accepted", "gradients accumulate in DeepSpeed's buffers"),
+    CompatFlag("--no-async-tensor-model-parallel-allreduce", "accepted",
+               "TP all-reduces run synchronously in autograd"),
+    CompatFlag("--no-rope-fusion", "accepted", "RoPE is plain tensor arithmetic"),
+    CompatFlag("--no-persist-layer-norm", "accepted", "torch's layer_norm kernels are used"),
+    CompatFlag("--cross-entropy-loss-fusion", "accepted", "the single-rank cross-entropy is always fused"),
+    CompatFlag("--overlap-grad-reduce", "accepted", "DeepSpeed's ZeRO reduces gradients (overlap_comm in its config)"),
+    CompatFlag("--overlap-param-gather", "accepted", "DeepSpeed's ZeRO gathers parameters"),
+    CompatFlag("--no-query-key-layer-scaling", "accepted", "query-key layer scaling is off unless "
+               "--apply-query-key-layer-scaling"),
+    CompatFlag("--deepspeed-activation-checkpointing", "accepted",
+               "recompute always runs through deepspeed.checkpointing"),
+    CompatFlag("--no-create-attention-mask-in-dataloader", "accepted", "no attention mask is ever materialised"),
+    CompatFlag("--sync-tp-duplicated-parameters", "accepted",
+               "TP-replicated parameters get identical gradients by construction"),
+    CompatFlag("--abort-on-unmet-fused-kernel-constraints", "accepted", "no fused kernel has unmet constraints"),
+    CompatFlag("--override-opt_param-scheduler", "accepted",
+               "the LR schedule always comes from the flags; only its position is restored from a checkpoint"),
+    CompatFlag("--use-checkpoint-opt_param-scheduler", "refused",
+               "the LR schedule comes from the flags; give the same LR flags as the run that saved"),
+    CompatFlag("--manual-gc", "accepted", "Python's garbage collector is left as it is (no numerical effect)"),
+    CompatFlag("--empty-unused-memory-level", "accepted", "the allocator's cache is not emptied "
+               "(no numerical effect)", nargs="1"),
+    # logging and timing
+    CompatFlag("--log-throughput", "accepted", "tokens/s and TFLOP/s are always logged"),
+    CompatFlag("--tensorboard-queue-size", "accepted", "TensorBoard is flushed at every log line", nargs="1"),
+    CompatFlag("--log-timers-to-tensorboard", "accepted", "iteration time (elapsed_ms_per_iter) is logged"),
+    CompatFlag("--log-batch-size-to-tensorboard", "accepted", "global_batch_size is logged"),
+    CompatFlag("--log-validation-ppl-to-tensorboard", "accepted", "validation loss and PPL are logged"),
+    CompatFlag("--log-optimizer-states-to-tensorboard", "refused",
+               "optimizer-state statistics are not logged; drop the flag"),
+    CompatFlag("--log-num-zeros-in-grad", "refused", "not logged; drop the flag"),
+    CompatFlag("--log-params-norm", "refused", "not logged; drop the flag"),
+    CompatFlag("--timing-log-level", "accepted", "one iteration timer is logged", nargs="1"),
+    CompatFlag("--timing-log-option", "accepted", "one iteration timer is logged", nargs="1"),
+    CompatFlag("--valid-num-workers", "accepted", "evaluation reads samples in the main process", nargs="1"),
+    CompatFlag("--profile", "refused", "use torch.profiler or nsys around launch/train.py; drop the flag"),
+    CompatFlag("--profile-step-start", "refused", "see --profile", nargs="1"),
+    CompatFlag("--profile-step-end", "refused", "see --profile", nargs="1"),
+    CompatFlag("--codecarbon-dir", "refused", "CodeCarbon tracking is not built in; drop the flag", nargs="1"),
+    # parallel sizes hybrid has at their neutral value only
+    CompatFlag("--context-parallel-size", "neutral", "context parallelism is not implemented", nargs="1",
+               neutral="1"),
+    CompatFlag("--ds-sequence-parallel-size", "neutral", "DeepSpeed-Ulysses sequence parallelism is not "
+               "implemented (Megatron-style --sequence-parallel is)", nargs="1", neutral="1"),
+    CompatFlag("--expert-model-parallel-size", "neutral", "mixture-of-experts is not implemented", nargs="1",
+               neutral="1"),
+    CompatFlag("--num-experts", "refused", "mixture-of-experts is not implemented", nargs="1"),
+    CompatFlag("--rotary-percent", "neutral", "partial rotary embeddings are not implemented", nargs="1",
+               neutral="1.0"),
+    CompatFlag("--no-pipeline-parallel", "accepted", "with --pipeline-model-parallel-size 1 hybrid never builds "
+               "pipeline stages (with a larger size it is refused)"),
+    # numerics or features hybrid does not have
+    CompatFlag("--fp8-format", "refused", "fp8 training is not implemented; use --bf16", nargs="1"),
+    CompatFlag("--fp8-amax-history-len", "refused", "fp8 training is not implemented; use --bf16", nargs="1"),
+    CompatFlag("--fp8-amax-compute-algo", "refused", "fp8 training is not implemented; use --bf16", nargs="1"),
+    CompatFlag("--fp8-param-gather", "refused", "fp8 training is not implemented; use --bf16"),
+    CompatFlag("--fp8-recipe", "refused", "fp8 training is not implemented; use --bf16", nargs="1"),
+    CompatFlag("--transformer-impl", "neutral", "Transformer Engine is not used", nargs="1", neutral="local"),
+    CompatFlag("--apply-layernorm-1p", "refused", "zero-centred (1 + gamma) norms are not implemented"),
+    CompatFlag("--embed-layernorm", "refused", "a norm after the embedding (BLOOM) is not implemented"),
+    CompatFlag("--decoupled-lr", "refused", "a separate embedding/output learning rate is not implemented", nargs="1"),
+    CompatFlag("--decoupled-min-lr", "refused", "see --decoupled-lr", nargs="1"),
+    CompatFlag("--step-batch-size-schedule", "refused", "use --rampup-batch-size START INCREMENT SAMPLES (a linear "
+               "ramp) or a constant --global-batch-size", nargs="1"),
+    CompatFlag("--ckpt-format", "neutral", "checkpoints are DeepSpeed's (convert with "
+               "conversion/checkpoint_util.py)", nargs="1", neutral="torch"),
+    CompatFlag("--tiktoken-pattern", "refused", "the TikTokenizer is not supported; use HFTokenizer with a local "
+               "tokenizer directory", nargs="1"),
+    CompatFlag("--pad-vocab-size-to", "refused", "use --make-vocab-size-divisible-by", nargs="1"),
+    CompatFlag("--train-weighted-split-paths-path", "refused", "BigScience's split-path files are not read; use "
+               "--train-data-path/--valid-data-path with weights", nargs="1"),
+    CompatFlag("--valid-weighted-split-paths-path", "refused", "see --train-weighted-split-paths-path", nargs="1"),
+    CompatFlag("--cpu-optimizer", "refused", "use a DeepSpeed config with offload_optimizer "
+               "(ds_configs/zero1_offload.json)"),
+    CompatFlag("--kill-switch-path", "refused", "use --exit-duration-in-mins or --exit-interval", nargs="1"),
+]
+
+COMPAT_FLAGS = {f.name: f for f in _FLAGS}
+
+
+def add_compat_args(parser) -> None:
+    """Register every flag of the table, in its own --help group."""
+    group = parser.add_argument_group("Megatron-LM flags without a feature behind them (accepted or refused; "
+                                      "see README)")
+    for flag in _FLAGS:
+        dest = "compat_" + flag.name.lstrip("-").replace("-", "_")
+        help_text = f"{flag.treatment}: {flag.why}"
+        if flag.nargs is None:
+            group.add_argument(flag.name, dest=dest, action="store_true", default=None, help=help_text)
+        else:
+            group.add_argument(flag.name, dest=dest, default=None, help=help_text,
+                               nargs=None if flag.nargs == "1" else flag.nargs)
+
+
+def check_compat(args) -> list[str]:
+    """Raise one ConfigError naming every refused flag given (and every neutral-only flag at
+    another value), so a script is fixed in one pass; return the accepted ones, for the log."""
+    accepted, refused = [], []
+    for flag in _FLAGS:
+        value = getattr(args, "compat_" + flag.name.lstrip("-").replace("-", "_"), None)
+        if value is None:
+            continue
+        if flag.treatment == "refused":
+            refused.append(f"{flag.name} is not supported: {flag.why}.")
+        elif flag.treatment == "neutral" and str(value) != flag.neutral and \
+                _as_float(value) != _as_float(flag.neutral):
+            refused.append(f"{flag.name} {value} is not supported ({flag.why}); only {flag.name} "
+                           f"{flag.neutral} is accepted.")
+        else:
+            accepted.append(flag.name)
+    if refused:
+        raise ConfigError(refused[0] if len(refused) == 1 else
+                          f"{len(refused)} flags are not supported:\n  " + "\n  ".join(refused))
+    return accepted
+
+
+def _as_float(value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def markdown_table() -> str:
+    """The README table of these flags."""
+    rows = ["| flag | treatment | why |", "|---|---|---|"]
+    for flag in _FLAGS:
+        treatment = f"accepted at {flag.neutral} only" if flag.treatment == "neutral" else flag.treatment
+        rows.append(f"| `{flag.name}` | {treatment} | {flag.why} |")
+    return "\n".join(rows)
