@@ -202,3 +202,23 @@ def test_split_sentences_writes_one_sequence_per_sentence_grouped_by_document(tm
     for i, sentence in enumerate(sentences):
         want = tok.tokenize(sentence) + ([tok.eod] if i in last_of_doc else [])
         assert ours[i].tolist() == want == theirs[i].tolist()
+
+
+def test_split_data_paths_cache_path_and_eod_mask_loss_reach_training(tmp_path):
+    from tests.launch_helpers import copy_default_corpus, read_log, run
+    data = copy_default_corpus(str(tmp_path))
+    cache = tmp_path / "index_cache"
+    flags = ["--num-layers", 1, "--hidden-size", 32, "--num-attention-heads", 2, "--seq-length", 16,
+             "--micro-batch-size", 2, "--global-batch-size", 2, "--train-iters", 2, "--eval-interval", 2,
+             "--eval-iters", 1, "--log-interval", 1, "--no-progress-bar", "--vocab-file", default_data.VOCAB,
+             "--merge-file", default_data.MERGES, "--train-data-path", "0.5", data, "0.5", data,
+             "--valid-data-path", data, "--data-cache-path", cache, "--eod-mask-loss", "--log-json",
+             tmp_path / "log.jsonl"]
+    run("python", 1, flags)
+    records = read_log(tmp_path / "log.jsonl")
+    assert [r["iteration"] for r in records if "consumed_samples" in r] == [1, 2]
+    assert any(r.get("split") == "valid" for r in records)
+    cached = os.listdir(cache)
+    assert any("_train_indexmap_" in f for f in cached) and any("_valid_indexmap_" in f for f in cached)
+    proc = run("python", 1, flags + ["--reset-position-ids"], check=False)
+    assert proc.returncode == 2 and "--reset-position-ids is not supported" in proc.stderr

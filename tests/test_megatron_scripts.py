@@ -234,3 +234,19 @@ def test_megatron_conversion_flags_are_accepted(tmp_path):
                              "--save-dir", tmp_path / "out"], script="conversion/checkpoint_util.py", check=False)
     assert proc.returncode == 2 and "--checkpoint-type meta" in proc.stderr
     shutil.rmtree(tmp_path / "out", ignore_errors=True)
+
+
+COMMANDS = json.load(open(os.path.join(ROOT, "tests", "data", "megatron_run_scripts.json")))["commands"]
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_real_preprocessing_and_conversion_commands_parse(name, tmp_path):
+    from hybrid.conversion.checkpoint_util import build_parser as convert_parser
+    from hybrid.data.preprocess import build_parser as preprocess_parser
+    entry = COMMANDS[name]
+    values = {"JSONL": str(tmp_path / "c.jsonl"), "OUT": str(tmp_path / "out"), "HF_TOKENIZER": str(tmp_path),
+              "VOCAB": VOCAB, "MERGES": MERGES, "HF_DIR": str(tmp_path)}
+    argv = [a.format(**values) if "{" in a else a for a in entry["argv"]]
+    parser = preprocess_parser() if entry["tool"] == "preprocess" else convert_parser()
+    args = parser.parse_args(argv)
+    assert args.output_prefix if entry["tool"] == "preprocess" else args.loader == "hf"
