@@ -93,7 +93,10 @@ def micro_batches(dataset, consumed: int, micro: int, dp_rank: int, dp_size: int
                   device: torch.device, wrap: bool = False, collator: Optional[Collator] = None):
     """An iterator of (ids, labels, loss_mask) micro-batches for this DP rank, on `device`."""
     sampler = MegatronSampler(len(dataset), consumed, micro, dp_rank, dp_size, wrap)
+    # The loader gets its own generator: making an iterator draws a base seed from it, which from
+    # the global generator would shift every later dropout mask of a resumed run by one draw.
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=collator or Collator(), persistent_workers=num_workers > 0,
-                                         pin_memory=torch.device(device).type == "cuda")
+                                         pin_memory=torch.device(device).type == "cuda",
+                                         generator=torch.Generator().manual_seed(consumed))
     return (to_device(batch, device) for batch in loader)
