@@ -206,3 +206,25 @@ def test_conversion_partition_rules_agree_with_the_layers_attributes(family):
         expected = (param.partition_dim, param.partition_stride) if getattr(param, "tensor_model_parallel", False) \
             else None
         assert partition_rule(name, config) == expected, name
+
+
+def test_resharded_checkpoint_continues_the_lr_schedule_and_finetune_restarts_it(data, tmp_path):
+    """Weights-only loads: a pretraining run resumed from a converted checkpoint continues its LR
+    schedule at the loaded iteration; --finetune starts it at 0 (as Megatron-LM)."""
+    ckpt, resharded = tmp_path / "ckpt", tmp_path / "tp1"
+    flags = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
+             "--micro-batch-size", 2, "--global-batch-size", 4, "--train-iters", 6, "--lr", 1e-3, "--min-lr", 1e-4,
+             "--lr-decay-style", "cosine", "--lr-warmup-iters", 2, "--data-path", data, "--vocab-file", VOCAB,
+             "--merge-file", MERGES, "--split", "98,2,0", "--eval-iters", 0, "--log-interval", 1, "--no-progress-bar"]
+    straight = tmp_path / "straight.jsonl"
+    run("python", 1, flags + ["--log-json", straight])
+    run("torchrun", 2, flags + ["--tensor-model-parallel-size", 2, "--save", ckpt, "--exit-interval", 3])
+    convert("--load-dir", ckpt, "--save-dir", resharded, "--target-tensor-parallel-size", 1)
+    resumed, tuned = tmp_path / "resumed.jsonl", tmp_path / "tuned.jsonl"
+    run("python", 1, flags + ["--load", resharded, "--log-json", resumed])
+    want = [r["lr"] for r in read_log(straight)]
+    got = read_log(resumed)
+    assert [r["iteration"] for r in got] == [4, 5, 6]
+    assert [r["lr"] for r in got] == want[3:]
+    run("python", 1, flags + ["--load", resharded, "--finetune", "--train-iters", 3, "--log-json", tuned])
+    assert [r["lr"] for r in read_log(tuned)] == want[:3]

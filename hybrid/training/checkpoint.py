@@ -166,7 +166,12 @@ def _load_weights_only(engine, run: RunConfig, load_dir: str, tag: str, meta: di
     if run.train.finetune:
         log(f"loaded weights from {load_dir}/{tag} for fine-tuning; optimizer, schedule and iteration start fresh")
         return 0, 0
-    iteration = int(meta.get("iteration", 0))
+    iteration, consumed = int(meta.get("iteration", 0)), int(meta.get("consumed_samples", 0))
+    # a pretraining run resumed from weights only: the LR schedule continues where the run was
+    # (Megatron's scheduler position is the consumed samples, or tokens), only Adam starts fresh
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None and hasattr(scheduler, "set_position"):
+        scheduler.set_position(consumed * (run.train.seq_length if scheduler.unit == "tokens" else 1))
     log(f"loaded weights of {load_dir}/{tag} (a converted checkpoint: weights only, the optimizer starts "
-        f"fresh) at iteration {iteration}")
-    return iteration, int(meta.get("consumed_samples", 0))
+        f"fresh) at iteration {iteration}; the LR schedule continues from there")
+    return iteration, consumed

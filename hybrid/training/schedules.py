@@ -56,6 +56,11 @@ class MegatronLRScheduler:
         self.num_steps += self.units_per_step if increment is None else increment
         self._apply()
 
+    def set_position(self, num_steps: int) -> None:
+        """Move the schedule to `num_steps` units (a resume that restores no scheduler state)."""
+        self.num_steps = int(num_steps)
+        self._apply()
+
     def state_dict(self) -> dict:
         return {"num_steps": self.num_steps, "unit": self.unit}
 
