@@ -32,10 +32,14 @@ print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version_
 EOF
 cat "$OUT/environment.json"
 
-# GPT-2 small shape, short runs: enough to exercise each path, not to train.
-MODEL="--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
-       --micro-batch-size 8 --global-batch-size 8 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 5 --lr-decay-style cosine
-       --clip-grad 1.0 --log-interval 5 --eval-interval 20 --eval-iters 2 --no-progress-bar"
+# GPT-2 small shape, short runs: enough to exercise each path, not to train. GPU_CHECK_MODEL and
+# GPU_CHECK_BENCH override the model flags and the benchmark's (a CPU smoke test of this script uses both).
+SEQ=${GPU_CHECK_SEQ:-1024}
+MODEL=${GPU_CHECK_MODEL:-"--num-layers 12 --hidden-size 768 --num-attention-heads 12 --micro-batch-size 8
+       --global-batch-size 8"}
+MODEL="$MODEL --seq-length $SEQ --max-position-embeddings $SEQ --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 5
+       --lr-decay-style cosine --clip-grad 1.0 --log-interval 5 --eval-interval 20 --eval-iters 2 --no-progress-bar"
+BENCH=${GPU_CHECK_BENCH:-"--preset gpu --rounds 3 --steps 5"}
 MOCK="--mock-data --tokenizer-type NullTokenizer --vocab-size 50257"
 
 step() {  # step NAME TIMEOUT_S COMMAND...
@@ -59,6 +63,12 @@ if os.path.exists(path):
     valid = [l for l in lines if l.get("split") == "valid"]
     if valid:
         record["valid_lm_loss"] = valid[-1]["lm_loss"]
+    if lines and not train and not valid:
+        record["result"] = lines[-1]
+else:  # a step that prints one JSON line (the HF comparison)
+    last = (open(os.path.join(out, f"{name}.log")).read().strip().splitlines() or [""])[-1]
+    if last.startswith("{"):
+        record["result"] = json.loads(last)
 if rc != 0:
     record["tail"] = open(os.path.join(out, f"{name}.log")).read()[-1500:]
 print(json.dumps(record))
@@ -86,17 +96,18 @@ step recompute_selective 120 python launch/train.py $MODEL $MOCK --bf16 --recomp
     --train-iters 20 --log-json "$OUT/recompute_selective.jsonl"
 
 DATA=$(python -c "from hybrid.data.default import default_data_prefix; print(default_data_prefix())")
-step evaluate 120 python launch/evaluate.py --load "$OUT/ckpt" --data-path "$DATA" --seq-length 1024 \
+step evaluate 120 python launch/evaluate.py --load "$OUT/ckpt" --data-path "$DATA" --seq-length "$SEQ" \
     --micro-batch-size 2 --eval-iters 4 --log-json "$OUT/evaluate.jsonl"
 step hf_export 120 python conversion/checkpoint_util.py --model-type GPT --load-dir "$OUT/ckpt" \
     --save-dir "$OUT/hf" --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1 --hf-convert
-step hf_load_and_loss 120 python - "$OUT" "$DATA" <<'EOF'
+step hf_load_and_loss 120 python - "$OUT" "$DATA" "$SEQ" <<'EOF'
 import json, sys, torch
 from transformers import AutoModelForCausalLM
 from hybrid.evaluation import stream_windows
-out, data = sys.argv[1], sys.argv[2]
-model = AutoModelForCausalLM.from_pretrained(f"{out}/hf", torch_dtype=torch.float32).cuda().eval()
-windows = torch.from_numpy(stream_windows(data, 1024, 8)).cuda()
+out, data, seq = sys.argv[1], sys.argv[2], int(sys.argv[3])
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model = AutoModelForCausalLM.from_pretrained(f"{out}/hf", dtype=torch.float32).to(device).eval()
+windows = torch.from_numpy(stream_windows(data, seq, 8)).to(device)
 with torch.no_grad():  # the same 8 windows launch/evaluate.py scored (4 iterations x micro-batch 2)
     logits = torch.cat([model(input_ids=w[None, :-1]).logits for w in windows])
 loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), windows[:, 1:].reshape(-1))
@@ -104,7 +115,7 @@ ours = json.loads(open(f"{out}/evaluate.jsonl").read().splitlines()[-1])["lm_los
 print(json.dumps({"transformers_loss": loss.item(), "hybrid_evaluate_loss": ours,
                   "relative_difference": abs(loss.item() - ours) / ours}))
 EOF
-step bench_vs_transformers 300 python benchmarks/bench_vs_transformers.py --preset gpu --rounds 3 --steps 5 \
+step bench_vs_transformers 300 python benchmarks/bench_vs_transformers.py $BENCH \
     --variants hybrid,hybrid_compiled,transformers_eager,transformers_compiled \
     --json "$OUT/bench_vs_transformers.json" --chart "$OUT/bench_vs_transformers.png"
 echo "=== summary ($SUMMARY)"

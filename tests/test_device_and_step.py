@@ -180,3 +180,36 @@ def test_dropout_free_attention_does_not_fork_the_rng(monkeypatch):
     q = torch.randn(8, 2, 4, 8)
     core(q, q, q)
     assert calls == []
+
+
+def _zero3_construction_memory():
+    """Peak resident memory of building the model under ZeRO-3 at DP = 2, and the model's fp32 bytes."""
+    from hybrid.parallel.random import model_parallel_seed
+    from hybrid.topology import Topology
+    from hybrid.training.engine import build_model
+    flags = ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "64",
+             "--micro-batch-size", "1", "--global-batch-size", "2", "--mock-data", "--tokenizer-type",
+             "NullTokenizer", "--vocab-size", "8000", "--deepspeed", "ds_configs/zero3.json"]
+    os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = build_run_config(build_parser().parse_args(flags), 2, 8001)
+    topology = Topology(1, 1)
+    model_parallel_seed(1, 0)
+
+    def status(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current resident size
+    before = status("VmRSS:")
+    model = build_model(run, topology)
+    peak = status("VmHWM:") - before
+    full = sum(p.ds_numel for p in model.parameters()) * 4
+    local = sum(p.ds_tensor.numel() for p in model.parameters()) * 4
+    return peak, full, local
+
+
+def test_zero3_builds_each_rank_a_partition_not_the_whole_model():
+    for peak, full, local in run_on_ranks(_zero3_construction_memory, 2):
+        assert abs(local - full / 2) <= 0.01 * full, "each rank keeps half of the parameters"
+        # half the parameters plus the largest one's full tensor while it is initialised (measured: 0.66-0.73x)
+        assert peak < 0.85 * full, f"building the model peaked at {peak / 2**20:.0f} MiB of {full / 2**20:.0f} MiB"

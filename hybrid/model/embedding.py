@@ -31,12 +31,11 @@ class Embedding(nn.Module):
             _word_init(config),
             params_dtype=config.params_dtype)
         if config.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
-                                                    dtype=config.params_dtype)
-            full = torch.empty(self.position_embeddings.weight.shape)
+            # initialised before the module exists (ZeRO-3's zero.Init partitions it on construction)
+            full = torch.empty(config.max_position_embeddings, config.hidden_size, dtype=torch.float32)
             normal_init(config.seed, "embedding.position_embeddings.weight", config.init_method_std)(full)
-            with torch.no_grad():
-                self.position_embeddings.weight.copy_(full)
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
+                                                    _weight=full.to(config.params_dtype))
         else:
             self.position_embeddings = None
 

@@ -21,7 +21,13 @@ _NO_DECAY = re.compile(r"(^|\.)bias$|norm\.weight$|norm\.bias$")
 def build_model(run: RunConfig, topology) -> nn.Module:
     """GPTModel (PP = 1) or the pipeline stages of this rank (PP > 1); with --torch-compile each
     transformer layer is compiled."""
-    if run.pipeline_parallel == 1:
+    if run.pipeline_parallel == 1 and run.zero_stage == 3:
+        # ZeRO-3: each parameter is partitioned over the DP group as soon as its module is built,
+        # so no rank ever holds the whole model (the point of ZeRO-3 for models larger than a rank)
+        with deepspeed.zero.Init(config_dict_or_path=run.ds_config, mpu=topology.mpu,
+                                 data_parallel_group=topology.mpu.get_data_parallel_group()):
+            model = GPTModel(run.model, topology.tp_group)
+    elif run.pipeline_parallel == 1:
         model = GPTModel(run.model, topology.tp_group)
     else:
         model = build_pipeline_model(run.model, topology, run.pipeline_partition)
