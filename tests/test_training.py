@@ -188,3 +188,23 @@ def test_resume_with_dropout_is_bitwise_equal_to_straight(data, tmp_path, layout
     straight, resumed = read_log(straight_log), read_log(log)
     assert [r["iteration"] for r in resumed] == list(range(1, 9))
     assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in straight], "bitwise on CPU"
+
+
+def test_two_nodes_on_one_machine_train_together_tp_inside_dp_across(runs, data, tmp_path):
+    """Two `torchrun --nnodes 2 --node_rank {0,1}` invocations (2 ranks each): TP 2 inside a node,
+    DP 2 across the nodes; the losses are the one-rank losses."""
+    import subprocess
+    import sys
+    from hybrid.distributed import free_port
+    from tests.launch_helpers import env
+    port, log = str(free_port()), tmp_path / "nodes.jsonl"
+    flags = [str(f) for f in TINY + ["--data-path", data, "--tensor-model-parallel-size", 2, "--log-json", log]]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
+                               str(rank), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", port,
+                               os.path.join(os.path.dirname(os.path.dirname(__file__)), "launch", "train.py"), *flags],
+                              env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), outputs[0][-3000:] + outputs[1][-3000:]
+    assert "TP=2, PP=1, DP=2" in outputs[0]
+    assert_same_losses([r["lm_loss"] for r in read_log(log)], [r["lm_loss"] for r in runs("one_rank")])
