@@ -208,3 +208,24 @@ def test_two_nodes_on_one_machine_train_together_tp_inside_dp_across(runs, data,
     assert all(node.returncode == 0 for node in nodes), outputs[0][-3000:] + outputs[1][-3000:]
     assert "TP=2, PP=1, DP=2" in outputs[0]
     assert_same_losses([r["lm_loss"] for r in read_log(log)], [r["lm_loss"] for r in runs("one_rank")])
+
+
+def test_readme_main_command_trains_saves_exports_and_samples(tmp_path):
+    """The README's first command, at small scale (20 iterations, output in a temporary directory)."""
+    import shlex
+    import subprocess
+    from hybrid.distributed import free_port
+    from tests.launch_helpers import BIN, ROOT, env
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    line = readme.split("<!-- main-command -->")[1].split("```bash")[1].split("```")[0].strip()
+    command = shlex.split(line.split("&&")[-1])
+    assert command[:2] == ["deepspeed", "launch/train.py"], command
+    argv = [os.path.join(BIN, "deepspeed"), "--master_port", str(free_port()), *command[1:],
+            "--train-iters", "20", "--save", str(tmp_path / "default"), "--log-interval", "10", "--no-progress-bar"]
+    proc = subprocess.run(argv, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sample (transformers, from" in proc.stdout and "The Python" in proc.stdout
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "default" / "hf")
+    assert AutoTokenizer.from_pretrained(tmp_path / "default" / "hf")("def f():").input_ids
+    assert model.config.n_layer == 4 and (tmp_path / "default" / "latest").exists()

@@ -242,6 +242,8 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     engine, _ = build_engine(run, topology)
     iteration, consumed = checkpoint.load(engine, run) if run.train.load else (0, 0)
     Trainer(run, topology, engine, datasets, getattr(tokenizer, "eod", None)).train(iteration, consumed)
+    from hybrid.training.demo import finish
+    finish(run)
     return 0
 
 
