@@ -61,23 +61,30 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 class _CrossEntropy(torch.autograd.Function):
     """Cross-entropy over whole-vocabulary logits (TP = 1) from two fused kernels.
 
-    Forward: log_softmax gives the loss, softmax the probabilities kept for backward; backward
-    turns those probabilities into the gradient in place (p - onehot(target)) x grad. Neither
-    pass runs an elementwise exp over the [tokens, vocab] logits, which `F.cross_entropy`'s
-    backward does (on CPU that exp alone costs as much as both fused kernels together).
+    Forward: log_softmax gives the loss, softmax the probabilities kept for backward, both in the
+    logits' own memory; backward turns those probabilities into the gradient in place,
+    (p - onehot(target)) x grad. Neither pass runs an elementwise exp over the [tokens, vocab]
+    logits, which `F.cross_entropy`'s backward does (on CPU that exp alone costs as much as both
+    fused kernels together). The logits are consumed: callers must not read them afterwards
+    (a leaf tensor passed in directly is copied first).
     """
 
     @staticmethod
     def forward(ctx, logits, target, ignore_index):
         ctx.logits_dtype = logits.dtype
-        logits = logits.float()
+        work = logits.float()
+        if work is logits and logits.is_leaf:  # a caller's own tensor: never overwrite it
+            work = logits.clone()
+        # The logits feed nothing else (the output projection's backward keeps its input and
+        # weight, not its output), so they are overwritten in place: log-probabilities, then
+        # probabilities (softmax of log-probabilities equals softmax of logits). No new
+        # [tokens, vocab] tensor is allocated, which on CPU also saves its page faults.
         ignored = target == ignore_index
         safe_target = target.masked_fill(ignored, 0).unsqueeze(-1)
-        buffer = torch.log_softmax(logits, dim=-1)
-        loss = -buffer.gather(-1, safe_target).squeeze(-1)
+        log_probs = torch.ops.aten._log_softmax.out(work, -1, False, out=work)
+        loss = -log_probs.gather(-1, safe_target).squeeze(-1)
         loss = loss.masked_fill(ignored, 0.0)
-        # softmax into the log-softmax buffer: one [tokens, vocab] allocation, not two
-        probs = torch.ops.aten._softmax.out(logits, -1, False, out=buffer)
+        probs = torch.ops.aten._softmax.out(log_probs, -1, False, out=log_probs)
         ctx.save_for_backward(probs, safe_target, ignored)
         return loss
 
