@@ -132,7 +132,6 @@ def _timed(step, batch, steps, device) -> float:
 
 
 def bench_config(c: dict, device: torch.device, variants: list[str], rounds: int, steps: int) -> dict:
-    from hybrid.model.config import ModelConfig  # noqa: F401  (flops formula needs the model config)
     from hybrid.training.flops import flops_per_iteration
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, c["vocab"], (c["batch"], c["seq"] + 1), generator=generator)
@@ -168,13 +167,11 @@ def bench_config(c: dict, device: torch.device, variants: list[str], rounds: int
         out[name] = {"tokens_per_s": c["batch"] * c["seq"] / seconds, "step_ms": seconds * 1e3,
                      "model_tflops": tflops, "mfu": tflops / peak if peak else None,
                      "peak_memory_gib": peaks[name] / 2**30 if name in peaks else None}
-    base = out.get("transformers_eager")
     ratios = {}
     for name in variants:
         for ref in ("transformers_eager", "transformers_compiled"):
             if ref in out and name.startswith("hybrid"):
                 ratios[f"{name}_vs_{ref}"] = out[name]["tokens_per_s"] / out[ref]["tokens_per_s"]
-    del base
     return {"config": c, "results": out, "ratios": ratios}
 
 

@@ -591,7 +591,6 @@ def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
         return []
     if not args.load:
         raise ConfigError("--use-checkpoint-args needs --load CHECKPOINT_DIR.")
-    import os
     latest = os.path.join(args.load, "latest")
     if not os.path.isfile(latest):
         raise ConfigError(f"--use-checkpoint-args: no checkpoint in --load {args.load} (no 'latest' file).")
