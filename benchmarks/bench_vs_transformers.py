@@ -63,7 +63,8 @@ class HybridStep:
     """hybrid's own training step (the Trainer's) on a one-rank DeepSpeed engine."""
 
     def __init__(self, c: dict, device: torch.device, compile_layers: bool):
-        from hybrid.config import build_parser, build_run_config
+        from hybrid.config import build_run_config
+        from hybrid.flags import build_parser
         from hybrid.parallel.random import model_parallel_seed
         from hybrid.topology import Topology
         from hybrid.training.engine import build_engine

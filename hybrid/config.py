@@ -1,253 +1,24 @@
-"""Megatron-LM-named command-line flags -> typed configs, merged with the DeepSpeed JSON.
+"""Parsed flags -> the typed configuration of one run (ModelConfig, TrainConfig, RunConfig).
 
-Flags are grouped by concern (one argparse group and one dataclass each). Every check runs in
-`build_run_config`, once, before any model is built; a mistake raises ConfigError naming the
-flag (and the DeepSpeed config key where both are involved) and the fix.
+Every check runs in `build_run_config`, once, before any model is built or DeepSpeed is imported;
+a mistake raises ConfigError naming the flag (and the DeepSpeed config key where both are
+involved) and the fix. The flags themselves are in hybrid.flags, the merge with the DeepSpeed
+JSON in hybrid.ds_config, the parallel sizes in hybrid.topology.ParallelDims.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
 
+from hybrid import ds_config as dsc
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
-
-
-class FlagParser(argparse.ArgumentParser):
-    """argparse whose errors are one line naming the flag (no usage dump), exit code 2."""
-
-    def error(self, message):
-        raise ConfigError(f"{message} (see --help for the flags launch/train.py accepts)")
-
-
-def _add_model_args(p):
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=256)
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    g.add_argument("--position-embedding-type", default="learned_absolute",
-                   choices=["learned_absolute", "rope", "alibi"], help="learned_absolute | rope (alibi is refused)")
-    g.add_argument("--use-rotary-position-embeddings", action="store_true", help="alias of --position-embedding-type rope")
-    g.add_argument("--rotary-base", type=float, default=10000.0)
-    g.add_argument("--normalization", default="LayerNorm", type=_normalization, choices=["LayerNorm", "RMSNorm"],
-                   help="LayerNorm | RMSNorm (any case, as Megatron-DeepSpeed scripts write rmsnorm)")
-    g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=None)
-    g.add_argument("--num-key-value-heads", type=int, default=None,
-                   help="Megatron-DeepSpeed's spelling: --group-query-attention --num-query-groups N")
-    g.add_argument("--kv-channels", type=int, default=None, help="accepted when equal to hidden/heads (head dim)")
-    g.add_argument("--attention-backend", default=None, choices=["auto", "flash", "fused", "unfused", "local"],
-                   help="flash = --use-flash-attn; auto/fused/unfused/local = SDPA (torch picks its kernel)")
-    g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--apply-query-key-layer-scaling", action="store_true")
-    g.add_argument("--use-flash-attn", action="store_true")
-    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
-    g.add_argument("--recompute-method", default="uniform", choices=["uniform", "block"])
-    g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument("--checkpoint-activations", action="store_true", help="alias: --recompute-granularity full")
-    g.add_argument("--checkpoint-num-layers", type=int, default=None, help="alias of --recompute-num-layers")
-    g.add_argument("--recompute-activations", action="store_true", help="alias: --recompute-granularity selective")
-    g.add_argument("--activations-checkpoint-method", default=None, choices=["uniform", "block"],
-                   help="older Megatron: --recompute-granularity full --recompute-method METHOD")
-
-
-def _add_parallel_args(p):
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--pipeline-partition", "--pp-partition-method", dest="pipeline_partition", default="parameters",
-                   help="parameters | uniform | comma-separated layers per stage (e.g. 3,5)")
-    g.add_argument("--use-distributed-optimizer", action="store_true", help="ZeRO-1 when the DeepSpeed config sets no stage")
-    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"])
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
-    g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
-                   help="set by older launchers; the environment's LOCAL_RANK is used")
-
-
-def _add_training_args(p):
-    g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=None)
-    g.add_argument("--global-batch-size", type=int, default=None)
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--train-samples", type=int, default=None, help="run length in samples (Megatron-LM)")
-    g.add_argument("--train-tokens", type=int, default=None,
-                   help="stop once this many tokens were consumed (Megatron-DeepSpeed)")
-    g.add_argument("--rampup-batch-size", nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
-                   help="ramp the global batch linearly from START by INCREMENT over SAMPLES samples")
-    g.add_argument("--exit-interval", type=int, default=None, help="stop after an iteration divisible by this")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None,
-                   help="save (with --save) and stop once the run has lasted this long")
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=10)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (fp16); dynamic if unset")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
-    g.add_argument("--freeze-layers", default=None, help="layer ranges to freeze, e.g. 0-5,8")
-    g.add_argument("--freeze-embeddings", action="store_true")
-    g.add_argument("--torch-compile", action="store_true",
-                   help="compile each transformer layer with torch.compile (regional compilation); not with ZeRO-3")
-
-
-def _add_optimizer_args(p):
-    g = p.add_argument_group("optimizer and learning rate")
-    g.add_argument("--optimizer", default=None, choices=["adam", "sgd"])
-    g.add_argument("--lr", type=float, default=None)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="linear", choices=["constant", "linear", "cosine"])
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-samples", type=int, default=None)
-    g.add_argument("--lr-warmup-samples", type=int, default=0)
-    g.add_argument("--lr-decay-tokens", type=int, default=None, help="decay over tokens (Megatron-DeepSpeed)")
-    g.add_argument("--lr-warmup-tokens", type=int, default=None, help="warm up over tokens (Megatron-DeepSpeed)")
-    g.add_argument("--weight-decay", type=float, default=None)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--sgd-momentum", type=float, default=0.9)
-    g.add_argument("--clip-grad", type=float, default=None)
-
-
-def _add_data_args(p):
-    g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="+", default=None, help="prefix, or weight prefix weight prefix ...")
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--mock-data", action="store_true")
-    g.add_argument("--tokenizer-type", default=None,
-                   choices=["GPT2BPETokenizer", "HFTokenizer", "HuggingFaceTokenizer", "PretrainedFromHF",
-                            "NullTokenizer", "GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer"])
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--tokenizer-model", "--tokenizer-name-or-path", dest="tokenizer_model", default=None,
-                   help="a local HF tokenizer directory or a SentencePiece .model file")
-    g.add_argument("--vocab-size", type=int, default=None)
-    g.add_argument("--num-workers", type=int, default=0)
-    g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic"],
-                   help="single: Megatron's sequential pretraining sampler (cyclic is refused)")
-    g.add_argument("--data-impl", "--dataset-impl", dest="data_impl", default="mmap", choices=["mmap"])
-    g.add_argument("--train-data-path", nargs="+", default=None, help="the train split's own blend (all its documents)")
-    g.add_argument("--valid-data-path", nargs="+", default=None, help="the valid split's own blend")
-    g.add_argument("--test-data-path", nargs="+", default=None, help="the test split's own blend")
-    g.add_argument("--data-cache-path", default=None, help="directory for the sample-index cache (default: beside the data)")
-    g.add_argument("--mmap-bin-files", dest="mmap_bin_files", action="store_true", default=True,
-                   help="memory-map the .bin files (always done; accepted)")
-    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
-                   help="accepted: the .bin files are memory-mapped either way, which reads the same tokens")
-    g.add_argument("--eod-mask-loss", action="store_true", help="no loss at positions whose input token is EOD")
-    g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="accepted without --eod-mask-loss: every micro-batch has the same token count, so the "
-                        "per-token mean is the mean of micro-batch means hybrid computes")
-    g.add_argument("--reset-position-ids", action="store_true", help="refused: not supported")
-    g.add_argument("--reset-attention-mask", action="store_true", help="refused: not supported")
-    g.add_argument("--legacy-data-rules", action="store_true",
-                   help="split rounding and blended sample counts of Megatron-DeepSpeed / Megatron-LM before "
-                        "megatron-core (default: megatron-core's rules), to resume runs started there")
-
-
-def _add_checkpoint_args(p):
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--finetune", action="store_true")
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--use-checkpoint-args", action="store_true",
-                   help="take the model architecture and parallel sizes from the --load checkpoint")
-    g.add_argument("--no-save-optim", action="store_true", help="accepted; DeepSpeed always saves it")
-
-
-def _add_logging_args(p):
-    g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--log-json", default=None, help="rank 0 writes one JSON object per logged iteration")
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--wandb-project", default=None)
-    g.add_argument("--wandb-exp-name", default=None)
-    g.add_argument("--wandb-save-dir", default=None, help="where wandb writes its files")
-    g.add_argument("--log-memory-to-tensorboard", action="store_true",
-                   help="log allocated/peak accelerator memory with each log line")
-    g.add_argument("--no-progress-bar", action="store_true")
-    g.add_argument("--export-hf", default=None,
-                   help="after training, export the final --save checkpoint to this HuggingFace directory")
-    g.add_argument("--sample-prompt", default=None,
-                   help="after --export-hf, print a short continuation of this text generated by transformers")
-    g.add_argument("--no-demo", action="store_true",
-                   help="on the embedded default corpus: do not save to runs/default, export or print a sample")
-
-
-def _add_deepspeed_args(p):
-    g = p.add_argument_group("deepspeed")
-    g.add_argument("--deepspeed", nargs="?", const=True, default=None,
-                   help="use DeepSpeed (always on); may be followed by the config path")
-    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None)
-    g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
-    g.add_argument("--grad-reduce-in-bf16", action="store_true",
-                   help="reduce gradients in bf16 (DeepSpeed's communication_data_type); needs --bf16")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = FlagParser(description="Train a GPT with Megatron-style parallelism on DeepSpeed.", allow_abbrev=False)
-    for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_optimizer_args, _add_data_args,
-                _add_checkpoint_args, _add_logging_args, _add_deepspeed_args):
-        add(p)
-    from hybrid.megatron_compat import add_compat_args
-    add_compat_args(p)
-    return p
-
-
-def _normalization(value: str) -> str:
-    return {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(value.lower(), value)
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """Degrees of parallelism, validated against the world size before any group is built."""
-
-    world_size: int  # number of ranks in the job
-    tensor_parallel: int = 1  # --tensor-model-parallel-size
-    pipeline_parallel: int = 1  # --pipeline-model-parallel-size
-
-    def __post_init__(self):
-        for name, value in (("--tensor-model-parallel-size", self.tensor_parallel),
-                            ("--pipeline-model-parallel-size", self.pipeline_parallel)):
-            if value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value}.")
-        model_parallel = self.tensor_parallel * self.pipeline_parallel
-        if self.world_size % model_parallel != 0:
-            raise ConfigError(
-                f"world size {self.world_size} is not a multiple of --tensor-model-parallel-size "
-                f"({self.tensor_parallel}) x --pipeline-model-parallel-size ({self.pipeline_parallel}) "
-                f"= {model_parallel}; launch a multiple of {model_parallel} ranks or change the sizes.")
-
-    @property
-    def data_parallel(self) -> int:
-        """DP degree: what is left of the world after TP and PP."""
-        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
+from hybrid.topology import ParallelDims
 
 
 @dataclass
@@ -316,7 +87,6 @@ class RunConfig:
     data_parallel: int
     pipeline_partition: str
     ds_config: dict
-    tokenizer: dict  # build_tokenizer kwargs
     args: dict  # the parsed flags, saved in checkpoints
 
     @property
@@ -340,115 +110,6 @@ def parse_layer_ranges(spec: Optional[str], num_layers: int) -> list[int]:
     if bad:
         raise ConfigError(f"--freeze-layers {spec!r}: layers {sorted(bad)} are outside 0..{num_layers - 1}.")
     return sorted(layers)
-
-
-def _load_ds_config(args) -> tuple[dict, Optional[str]]:
-    path = args.deepspeed_config
-    if isinstance(args.deepspeed, str):
-        if path and path != args.deepspeed:
-            raise ConfigError(f"--deepspeed {args.deepspeed} and --deepspeed_config {path} name different files; give one.")
-        path = args.deepspeed
-    if path is None:
-        path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
-    if path is None:
-        return {}, None
-    if not os.path.isfile(path):
-        raise ConfigError(f"--deepspeed_config {path}: no such file (see ds_configs/ for ready-made ones).")
-    try:
-        with open(path) as f:
-            return json.load(f), path
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--deepspeed_config {path}: not valid JSON ({e}).") from None
-
-
-def _agree(ds: dict, key: str, flag: str, flag_value, ds_path: Optional[str], default=None, cast=float):
-    """One value set on the command line and/or in the DeepSpeed config: they must agree."""
-    config_value = ds.get(key)
-    if isinstance(config_value, str) and config_value == "auto":
-        config_value = None
-    if config_value is not None and flag_value is not None and cast(config_value) != cast(flag_value):
-        raise ConfigError(f"{flag} {flag_value} disagrees with \"{key}\": {config_value} in the DeepSpeed config "
-                          f"{ds_path}; make them equal or drop one.")
-    value = flag_value if flag_value is not None else config_value
-    return default if value is None else value
-
-
-def _precision(args, ds: dict, ds_path) -> str:
-    ds_fp16 = bool(ds.get("fp16", {}).get("enabled", False))
-    ds_bf16 = bool(ds.get("bf16", {}).get("enabled", False)) or bool(ds.get("bfloat16", {}).get("enabled", False))
-    if args.fp16 and args.bf16:
-        raise ConfigError("--fp16 and --bf16 are exclusive; pick one.")
-    if (args.fp16 and ds_bf16) or (args.bf16 and ds_fp16):
-        raise ConfigError(f"{'--fp16' if args.fp16 else '--bf16'} disagrees with the DeepSpeed config {ds_path}, "
-                          f"which enables {'bf16' if ds_bf16 else 'fp16'}; make them agree.")
-    precision = "fp16" if (args.fp16 or ds_fp16) else "bf16" if (args.bf16 or ds_bf16) else "fp32"
-    if precision == "fp16" and not torch.cuda.is_available():
-        raise ConfigError("--fp16 needs a GPU: DeepSpeed's CPU accelerator does not support fp16. "
-                          "Use --bf16, or drop --fp16 to train in fp32.")
-    return precision
-
-
-def _optimizer_config(args, ds: dict, ds_path) -> dict:
-    """The DeepSpeed "optimizer" section: the config's own, checked against the flags, or built
-    from the flags (Megatron's Adam with decoupled weight decay)."""
-    section = ds.get("optimizer")
-    if section:
-        params = section.get("params", {})
-        lr = _agree(params, "lr", "--lr", args.lr, ds_path)
-        wd = _agree(params, "weight_decay", "--weight-decay", args.weight_decay, ds_path, 0.01)
-        if args.optimizer and args.optimizer.lower() not in section.get("type", "").lower():
-            raise ConfigError(f"--optimizer {args.optimizer} disagrees with \"optimizer\": "
-                              f"{section.get('type')} in {ds_path}.")
-        return dict(section, params=dict(params, lr=lr, weight_decay=wd))
-    lr = args.lr if args.lr is not None else 3e-4
-    wd = args.weight_decay if args.weight_decay is not None else 0.01
-    if (args.optimizer or "adam") == "sgd":
-        return {"type": "SGD", "params": {"lr": lr, "momentum": args.sgd_momentum, "weight_decay": wd}}
-    params = {"lr": lr, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_eps, "weight_decay": wd}
-    offload = (ds.get("zero_optimization") or {}).get("offload_optimizer", {}).get("device", "none") != "none"
-    if not offload:
-        # torch's fused AdamW (CPU and CUDA kernels ship with torch) through DeepSpeed's torch_adam:
-        # as fast as DeepSpeed's FusedAdam on GPUs and never a JIT build that can fail at start-up.
-        # With optimizer offload DeepSpeed uses its CPU Adam. A config's own "optimizer" is kept.
-        params.update(torch_adam=True, fused=True)
-    return {"type": "AdamW", "params": params}
-
-
-def _batch_sizes(args, ds, ds_path, dp):
-    micro = _agree(ds, "train_micro_batch_size_per_gpu", "--micro-batch-size", args.micro_batch_size, ds_path,
-                   None, int)
-    global_batch = _agree(ds, "train_batch_size", "--global-batch-size", args.global_batch_size, ds_path, None, int)
-    gas_config = ds.get("gradient_accumulation_steps")
-    gas_config = None if gas_config == "auto" else gas_config
-    if micro is None:
-        micro = 4 if global_batch is None else max(1, global_batch // (dp * (gas_config or 1)))
-    if global_batch is None:
-        global_batch = micro * dp * (gas_config or 1)
-    micro, global_batch = int(micro), int(global_batch)
-    if micro < 1 or global_batch < 1 or global_batch % (micro * dp) != 0:
-        raise ConfigError(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro} x "
-                          f"data-parallel size {dp} = {micro * dp}; change one of them.")
-    gas = global_batch // (micro * dp)
-    if gas_config is not None and int(gas_config) != gas:
-        raise ConfigError(f"\"gradient_accumulation_steps\": {gas_config} in {ds_path} disagrees with "
-                          f"--global-batch-size {global_batch} / (--micro-batch-size {micro} x DP {dp}) = {gas}.")
-    return micro, global_batch, gas
-
-
-def _zero_stage(args, ds, ds_path, pp) -> int:
-    zero = ds.get("zero_optimization", {}) or {}
-    stage = zero.get("stage")
-    if args.zero_stage is not None:
-        stage = _agree(zero, "stage", "--zero-stage", args.zero_stage, ds_path, None, int)
-    if stage is None:
-        stage = 1 if args.use_distributed_optimizer else 0
-    stage = int(stage)
-    if pp > 1 and stage >= 2:
-        raise ConfigError(f"ZeRO stage {stage} (from {ds_path or '--zero-stage'}) with "
-                          f"--pipeline-model-parallel-size {pp}: DeepSpeed's pipeline engine supports ZeRO-0/1 "
-                          f"only. Use ds_configs/zero1.json (or zero1_offload.json) with pipeline parallelism, "
-                          f"or set --pipeline-model-parallel-size 1 for ZeRO-2/3.")
-    return stage
 
 
 def _model_config(args, vocab_size: int, tp: int) -> ModelConfig:
@@ -610,8 +271,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     apply_megatron_aliases(args)
     _demo_defaults(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    ds, ds_path = _load_ds_config(args)
-    stage = _zero_stage(args, ds, ds_path, pp)
+    ds, ds_path = dsc.load_ds_config(args)
+    stage = dsc.zero_stage(args, ds, ds_path, pp)
     dp = ParallelDims(world_size, tp, pp).data_parallel
     vocab_size = tokenizer_vocab_size
     if args.vocab_size and args.tokenizer_type != "NullTokenizer" and args.vocab_size < tokenizer_vocab_size:
@@ -619,13 +280,13 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
                           f"({tokenizer_vocab_size}); token ids would fall outside the embedding. Drop --vocab-size "
                           f"or use a matching tokenizer.")
     model = _model_config(args, vocab_size, tp)
-    micro, global_batch, gas = _batch_sizes(args, ds, ds_path, dp)
-    precision = _precision(args, ds, ds_path)
+    micro, global_batch, gas = dsc.batch_sizes(args, ds, ds_path, dp)
+    precision = dsc.precision_of(args, ds, ds_path)
     if args.use_flash_attn:
         from hybrid.model.flash import check_flash_attn
         check_flash_attn(torch.cuda.is_available(), precision)
-    clip = _agree(ds, "gradient_clipping", "--clip-grad", args.clip_grad, ds_path, 1.0)
-    optimizer = _optimizer_config(args, ds, ds_path)
+    clip = dsc.agree(ds, "gradient_clipping", "--clip-grad", args.clip_grad, ds_path, 1.0)
+    optimizer = dsc.optimizer_config(args, ds, ds_path)
     from hybrid.run_length import resolve_run_length
     length = resolve_run_length(args, global_batch, micro * dp, args.seq_length)
     _check_data_flags(args)
@@ -660,53 +321,14 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
         raise ConfigError("--torch-compile with ZeRO-3 is not supported: ZeRO-3 gathers each layer's "
                           "parameters in module hooks that torch.compile cannot trace. Use ZeRO-1/2 "
                           "(ds_configs/zero1.json, zero2.json) with --torch-compile, or drop --torch-compile.")
-    ds_config = _final_ds_config(ds, args, train, stage, optimizer, model)
+    ds_config = dsc.final_ds_config(ds, args, train, stage, optimizer, model)
     return RunConfig(model=model, train=train, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
                      pipeline_partition=args.pipeline_partition, ds_config=ds_config,
-                     tokenizer=tokenizer_kwargs(args), args=dict(vars(args)))
-
-
-def _final_ds_config(ds: dict, args, train: TrainConfig, stage: int, optimizer: dict, model: ModelConfig) -> dict:
-    out = json.loads(json.dumps(ds))  # deep copy
-    for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps"):
-        out.pop(key, None)
-    out.update(train_micro_batch_size_per_gpu=train.micro_batch_size, train_batch_size=train.global_batch_size,
-               gradient_accumulation_steps=train.grad_acc_steps, gradient_clipping=train.clip_grad,
-               optimizer=optimizer)
-    out.setdefault("steps_per_print", 10**9)
-    out.setdefault("wall_clock_breakdown", False)
-    zero = dict(out.get("zero_optimization") or {})
-    zero["stage"] = stage
-    out["zero_optimization"] = zero
-    out.pop("scheduler", None)  # the LR schedule comes from the Megatron flags (hybrid.training.schedules)
-    if train.precision == "bf16":
-        out["bf16"] = dict(out.get("bf16") or {}, enabled=True)
-        out.pop("fp16", None)
-        if args.grad_reduce_in_bf16:
-            out["communication_data_type"] = "bf16"
-    elif train.precision == "fp16":
-        fp16 = dict(out.get("fp16") or {}, enabled=True)
-        if args.loss_scale is not None:
-            fp16["loss_scale"] = args.loss_scale
-        fp16.setdefault("loss_scale", 0)
-        fp16.setdefault("initial_scale_power", int(math.log2(args.initial_loss_scale)))
-        fp16.setdefault("loss_scale_window", args.loss_scale_window)
-        fp16.setdefault("hysteresis", args.hysteresis)
-        fp16.setdefault("min_loss_scale", args.min_loss_scale)
-        out["fp16"] = fp16
-        out.pop("bf16", None)
-    else:
-        for key in ("fp16", "bf16", "bfloat16"):
-            out.pop(key, None)
-    if model.sequence_parallel and args.pipeline_model_parallel_size > 1:
-        from hybrid.model.gpt import pipeline_ds_config
-        out.update(pipeline_ds_config(model))
-    return out
+                     args=dict(vars(args)))
 
 
 def config_summary(run: RunConfig) -> dict:
     """A JSON-able record of the run's configuration (saved with checkpoints)."""
     model = asdict(run.model)
-    model["params_dtype"] = str(model["params_dtype"])
     return {"model": model, "train": asdict(run.train), "tensor_parallel": run.tensor_parallel,
             "pipeline_parallel": run.pipeline_parallel, "data_parallel": run.data_parallel}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -25,8 +26,20 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(timeout_minutes: float = 10.0) -> None:
-    """Initialise torch.distributed from the environment if needed, then DeepSpeed's comm."""
+def resolve_backend(requested: Optional[str]) -> str:
+    """--distributed-backend: gloo is honoured everywhere; nccl needs CUDA, so on a machine without
+    a GPU (a Megatron script's `--distributed-backend nccl` run on CPU ranks) gloo is used and
+    said, as DeepSpeed's CPU accelerator does."""
+    if requested == "nccl" and not torch.cuda.is_available():
+        if os.environ.get("RANK", "0") == "0":
+            print("--distributed-backend nccl: no CUDA device here, using gloo", flush=True)
+        return "gloo"
+    return requested or default_backend()
+
+
+def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = None) -> None:
+    """Initialise torch.distributed from the environment if needed (`backend`: --distributed-backend,
+    default nccl on CUDA, gloo on CPU), then DeepSpeed's comm."""
     import deepspeed
 
     if not dist.is_initialized():
@@ -38,7 +51,7 @@ def init_distributed(timeout_minutes: float = 10.0) -> None:
             os.environ["MASTER_PORT"] = str(free_port())
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(default_backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
+        dist.init_process_group(resolve_backend(backend), timeout=datetime.timedelta(minutes=timeout_minutes))
     # Wraps the existing process group; DeepSpeed's grid and engine call deepspeed.comm.
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
                                timeout=datetime.timedelta(minutes=timeout_minutes))

@@ -21,7 +21,7 @@ from hybrid.errors import ConfigError
 
 
 def build_parser():
-    from hybrid.config import FlagParser
+    from hybrid.flags import FlagParser
     p = FlagParser(description="Evaluate a hybrid checkpoint's LM loss on a dataset.", allow_abbrev=False)
     p.add_argument("--load", required=True)
     p.add_argument("--data-path", required=True, nargs="+")
@@ -61,7 +61,7 @@ def evaluate(args) -> dict:
     config.hidden_dropout = config.attention_dropout = 0.0
     config.recompute_granularity = None
     tp, pp = meta["hybrid_config"]["tensor_parallel"], meta["hybrid_config"]["pipeline_parallel"]
-    from hybrid.config import ParallelDims
+    from hybrid.topology import ParallelDims
     dp = ParallelDims(int(os.environ.get("WORLD_SIZE", "1")), tp, pp).data_parallel
     if args.eval_iters % dp:
         raise ConfigError(f"--eval-iters {args.eval_iters} must be a multiple of the data-parallel size {dp}.")

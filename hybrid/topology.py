@@ -9,25 +9,57 @@ activation checkpointing partitions over the TP group.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch.distributed as dist
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
 
-from hybrid.config import ParallelDims
+from hybrid.errors import ConfigError
 
 
-class HybridGrid(PipelineParallelGrid):
-    """DeepSpeed's grid plus the Megatron-style TP accessors that `deepspeed.checkpointing` calls.
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of parallelism, validated against the world size before any group is built."""
 
-    `PipelineParallelGrid` names the TP group the "slice" group and lacks
-    `get_tensor_model_parallel_group`; this adds it (and nothing else).
-    """
+    world_size: int  # number of ranks in the job
+    tensor_parallel: int = 1  # --tensor-model-parallel-size
+    pipeline_parallel: int = 1  # --pipeline-model-parallel-size
 
-    def get_tensor_model_parallel_group(self):
-        return self.get_slice_parallel_group()
+    def __post_init__(self):
+        for name, value in (("--tensor-model-parallel-size", self.tensor_parallel),
+                            ("--pipeline-model-parallel-size", self.pipeline_parallel)):
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}.")
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        if self.world_size % model_parallel != 0:
+            raise ConfigError(
+                f"world size {self.world_size} is not a multiple of --tensor-model-parallel-size "
+                f"({self.tensor_parallel}) x --pipeline-model-parallel-size ({self.pipeline_parallel}) "
+                f"= {model_parallel}; launch a multiple of {model_parallel} ranks or change the sizes.")
 
-    def get_tensor_model_parallel_src_rank(self):
-        """Global rank of TP rank 0 in this rank's TP group (Megatron's mpu API)."""
-        return self.global_rank - self.get_tensor_model_parallel_rank()
+    @property
+    def data_parallel(self) -> int:
+        """DP degree: what is left of the world after TP and PP."""
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
+
+
+@functools.cache
+def _grid_class():
+    """DeepSpeed's grid plus the Megatron-style TP accessors that `deepspeed.checkpointing` calls
+    (`PipelineParallelGrid` names the TP group the "slice" group and lacks
+    `get_tensor_model_parallel_group`). Made on first use, so that checking the parallel sizes
+    (ParallelDims, at flag-parsing time) does not import DeepSpeed."""
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
+    class HybridGrid(PipelineParallelGrid):
+        def get_tensor_model_parallel_group(self):
+            return self.get_slice_parallel_group()
+
+        def get_tensor_model_parallel_src_rank(self):
+            """Global rank of TP rank 0 in this rank's TP group (Megatron's mpu API)."""
+            return self.global_rank - self.get_tensor_model_parallel_rank()
+
+    return HybridGrid
 
 
 class Topology:
@@ -42,10 +74,11 @@ class Topology:
         from hybrid.distributed import init_distributed
         init_distributed()  # no-op when already initialised; DeepSpeed's grid needs deepspeed.comm
         self.dims = ParallelDims(dist.get_world_size(), tensor_parallel, pipeline_parallel)
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
         self.ds_topology = PipeModelDataParallelTopology(
             num_pp=self.dims.pipeline_parallel, num_mp=self.dims.tensor_parallel,
             num_dp=self.dims.data_parallel)
-        self.grid = HybridGrid(topology=self.ds_topology)
+        self.grid = _grid_class()(topology=self.ds_topology)
 
     # -- sizes and ranks -------------------------------------------------------------------
     @property
@@ -94,7 +127,7 @@ class Topology:
         return self.grid.get_data_parallel_group()
 
     @property
-    def mpu(self) -> HybridGrid:
+    def mpu(self):
         """The object DeepSpeed calls `mpu`."""
         return self.grid
 

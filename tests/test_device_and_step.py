@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from hybrid.config import build_parser, build_run_config
+from hybrid.config import build_run_config
+from hybrid.flags import build_parser
 from hybrid.data.gpt_dataset import MockGPTDataset
 from hybrid.testing import run_on_ranks
 from hybrid.training.loop import Trainer

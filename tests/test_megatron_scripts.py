@@ -11,7 +11,8 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from hybrid.config import build_parser, build_run_config
+from hybrid.config import build_run_config
+from hybrid.flags import build_parser
 from hybrid.errors import ConfigError
 from hybrid.megatron_compat import COMPAT_FLAGS
 from tests.launch_helpers import MERGES, ROOT, VOCAB, copy_default_corpus, read_log, run

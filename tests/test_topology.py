@@ -1,6 +1,7 @@
 """The TP x PP x DP grid: Megatron rank order, DeepSpeed mpu API, clear errors."""
 
 import pytest
+import torch
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from hybrid.errors import ConfigError
@@ -50,3 +51,13 @@ def test_topology_groups_on_four_ranks_tp2_dp2():
     out = run_on_ranks(_describe, 4, 2, 1)
     assert [(o["tp"], o["dp"]) for o in out] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert all(o["dp_world"] == 2 and o["first"] and o["last"] for o in out)
+
+
+def test_distributed_backend_flag_is_honoured(capsys, monkeypatch):
+    from hybrid.distributed import default_backend, resolve_backend
+    monkeypatch.setenv("RANK", "0")
+    assert resolve_backend("gloo") == "gloo"
+    assert resolve_backend(None) == default_backend()
+    if not torch.cuda.is_available():
+        assert resolve_backend("nccl") == "gloo"
+        assert "no CUDA device here, using gloo" in capsys.readouterr().out

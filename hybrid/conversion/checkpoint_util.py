@@ -16,7 +16,7 @@ from hybrid.errors import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hybrid.config import FlagParser
+    from hybrid.flags import FlagParser
     p = FlagParser(description="Convert checkpoints: hybrid <-> HuggingFace, and between TP/PP layouts.",
                 allow_abbrev=False)
     p.add_argument("--model-type", default="GPT", choices=["GPT"])

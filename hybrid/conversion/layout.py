@@ -42,7 +42,7 @@ def partition_rule(name: str, config: ModelConfig) -> Optional[tuple[int, int]]:
 
 def model_config_from_summary(summary: dict) -> ModelConfig:
     fields = dict(summary["model"])
-    fields.pop("params_dtype", None)
+    fields.pop("params_dtype", None)  # written by checkpoints before the setting was removed
     return ModelConfig(**fields)
 
 
@@ -229,7 +229,6 @@ def _write_pipeline(state, config, tp, pp, ckpt, common, progress):
 def _model_summary(config: ModelConfig) -> dict:
     from dataclasses import asdict
     summary = asdict(config)
-    summary["params_dtype"] = str(summary["params_dtype"])
     return summary
 
 

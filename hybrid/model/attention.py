@@ -94,15 +94,13 @@ class SelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, tp_group,
             normal_init(config.seed, f"{name}.qkv.weight", config.init_method_std),
-            bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-            params_dtype=config.params_dtype)
+            bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel)
         self.core = CoreAttention(config, layer_number)
         self.dense = RowParallelLinear(
             config.num_attention_heads * config.head_dim, config.hidden_size, tp_group,
             normal_init(config.seed, f"{name}.dense.weight",
                         output_layer_std(config.init_method_std, config.num_layers)),
-            bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=config.sequence_parallel,
-            params_dtype=config.params_dtype)
+            bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=config.sequence_parallel)
         self.rotary = (RotaryEmbedding(config.head_dim, config.rotary_base)
                        if config.position_embedding_type == "rope" else None)
         self.recompute_core = config.recompute_granularity == "selective"

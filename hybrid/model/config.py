@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 
 from hybrid.errors import ConfigError
 
@@ -39,7 +38,6 @@ class ModelConfig:
     recompute_method: str = "uniform"  # --recompute-method uniform|block
     recompute_num_layers: int = 1  # --recompute-num-layers
     sequence_parallel: bool = False  # --sequence-parallel
-    params_dtype: torch.dtype = torch.float32  # fp32, or bf16/fp16 with --bf16/--fp16
     seed: int = 1234  # --seed: the full weights depend on it alone, not on the layout
 
     def __post_init__(self):

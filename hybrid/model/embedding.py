@@ -28,14 +28,13 @@ class Embedding(nn.Module):
         padded_vocab = config.padded_vocab_size(C.group_size(tp_group))
         self.word_embeddings = VocabParallelEmbedding(
             padded_vocab, config.hidden_size, tp_group,
-            _word_init(config),
-            params_dtype=config.params_dtype)
+            _word_init(config))
         if config.position_embedding_type == "learned_absolute":
             # initialised before the module exists (ZeRO-3's zero.Init partitions it on construction)
             full = torch.empty(config.max_position_embeddings, config.hidden_size, dtype=torch.float32)
             normal_init(config.seed, "embedding.position_embeddings.weight", config.init_method_std)(full)
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
-                                                    _weight=full.to(config.params_dtype))
+                                                    _weight=full)
         else:
             self.position_embeddings = None
 
@@ -81,7 +80,7 @@ class OutputHead(ColumnParallelLinear):
         super().__init__(config.hidden_size, config.padded_vocab_size(C.group_size(tp_group)), tp_group,
                          vocab_rows_init(normal_init(config.seed, "output_layer.weight", config.init_method_std),
                                          config.vocab_size), bias=False,
-                         sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
+                         sequence_parallel=config.sequence_parallel)
         self.vocab_size = config.vocab_size
 
     def loss_logits(self, hidden):
@@ -102,8 +101,7 @@ class TiedOutputEmbedding(nn.Module):
         self.config, self.tp_group = config, tp_group
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size(C.group_size(tp_group)), config.hidden_size, tp_group,
-            _word_init(config),
-            params_dtype=config.params_dtype)
+            _word_init(config))
 
     def forward(self, hidden):  # feeds the pipeline's loss_fn only
         return parallel_logits(hidden, self.word_embeddings.weight, self.tp_group, self.config.sequence_parallel,

@@ -41,12 +41,11 @@ class MLP(nn.Module):
             config.hidden_size, up_size, tp_group,
             normal_init(config.seed, f"{name}.fc1.weight", config.init_method_std),
             bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel, skip_bias_add=True,
-            stride=2 if config.swiglu else 1, params_dtype=config.params_dtype)
+            stride=2 if config.swiglu else 1)
         self.fc2 = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, tp_group,
             normal_init(config.seed, f"{name}.fc2.weight", output_layer_std(config.init_method_std, config.num_layers)),
-            bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=config.sequence_parallel,
-            params_dtype=config.params_dtype)
+            bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=config.sequence_parallel)
 
     def forward(self, x):
         y, bias = self.fc1(x)  # [s(/tp), b, h] -> [s, b, up/tp]

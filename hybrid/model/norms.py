@@ -52,4 +52,4 @@ class RMSNorm(_Norm):
 def build_norm(config, tp_group) -> nn.Module:
     """The norm that `--normalization` names."""
     cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
-    return cls(config.hidden_size, config.norm_epsilon, tp_group, config.sequence_parallel, config.params_dtype)
+    return cls(config.hidden_size, config.norm_epsilon, tp_group, config.sequence_parallel)

@@ -1,0 +1,167 @@
+"""The DeepSpeed JSON merged with Megatron's flags: where both set a value they must agree (one
+message names the flag, the key and the file); what neither sets gets Megatron-LM's default; the
+result is the config dict handed to deepspeed.initialize."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Optional
+
+import torch
+
+from hybrid.errors import ConfigError
+
+
+def load_ds_config(args) -> tuple[dict, Optional[str]]:
+    """The DeepSpeed config named by --deepspeed PATH, --deepspeed_config or accelerate's environment."""
+    path = args.deepspeed_config
+    if isinstance(args.deepspeed, str):
+        if path and path != args.deepspeed:
+            raise ConfigError(f"--deepspeed {args.deepspeed} and --deepspeed_config {path} name different files; give one.")
+        path = args.deepspeed
+    if path is None:
+        path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+    if path is None:
+        return {}, None
+    if not os.path.isfile(path):
+        raise ConfigError(f"--deepspeed_config {path}: no such file (see ds_configs/ for ready-made ones).")
+    try:
+        with open(path) as f:
+            return json.load(f), path
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--deepspeed_config {path}: not valid JSON ({e}).") from None
+
+
+def agree(ds: dict, key: str, flag: str, flag_value, ds_path: Optional[str], default=None, cast=float):
+    """One value set on the command line and/or in the DeepSpeed config: they must agree."""
+    config_value = ds.get(key)
+    if isinstance(config_value, str) and config_value == "auto":
+        config_value = None
+    if config_value is not None and flag_value is not None and cast(config_value) != cast(flag_value):
+        raise ConfigError(f"{flag} {flag_value} disagrees with \"{key}\": {config_value} in the DeepSpeed config "
+                          f"{ds_path}; make them equal or drop one.")
+    value = flag_value if flag_value is not None else config_value
+    return default if value is None else value
+
+
+def precision_of(args, ds: dict, ds_path) -> str:
+    """fp32 | bf16 | fp16 from --fp16/--bf16 and the config's sections (which must agree)."""
+    ds_fp16 = bool(ds.get("fp16", {}).get("enabled", False))
+    ds_bf16 = bool(ds.get("bf16", {}).get("enabled", False)) or bool(ds.get("bfloat16", {}).get("enabled", False))
+    if args.fp16 and args.bf16:
+        raise ConfigError("--fp16 and --bf16 are exclusive; pick one.")
+    if (args.fp16 and ds_bf16) or (args.bf16 and ds_fp16):
+        raise ConfigError(f"{'--fp16' if args.fp16 else '--bf16'} disagrees with the DeepSpeed config {ds_path}, "
+                          f"which enables {'bf16' if ds_bf16 else 'fp16'}; make them agree.")
+    precision = "fp16" if (args.fp16 or ds_fp16) else "bf16" if (args.bf16 or ds_bf16) else "fp32"
+    if precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("--fp16 needs a GPU: DeepSpeed's CPU accelerator does not support fp16. "
+                          "Use --bf16, or drop --fp16 to train in fp32.")
+    return precision
+
+
+def optimizer_config(args, ds: dict, ds_path) -> dict:
+    """The DeepSpeed "optimizer" section: the config's own, checked against the flags, or built
+    from the flags (Megatron's Adam with decoupled weight decay)."""
+    section = ds.get("optimizer")
+    if section:
+        params = section.get("params", {})
+        lr = agree(params, "lr", "--lr", args.lr, ds_path)
+        wd = agree(params, "weight_decay", "--weight-decay", args.weight_decay, ds_path, 0.01)
+        if args.optimizer and args.optimizer.lower() not in section.get("type", "").lower():
+            raise ConfigError(f"--optimizer {args.optimizer} disagrees with \"optimizer\": "
+                              f"{section.get('type')} in {ds_path}.")
+        return dict(section, params=dict(params, lr=lr, weight_decay=wd))
+    lr = args.lr if args.lr is not None else 3e-4
+    wd = args.weight_decay if args.weight_decay is not None else 0.01
+    if (args.optimizer or "adam") == "sgd":
+        return {"type": "SGD", "params": {"lr": lr, "momentum": args.sgd_momentum, "weight_decay": wd}}
+    params = {"lr": lr, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_eps, "weight_decay": wd}
+    offload = (ds.get("zero_optimization") or {}).get("offload_optimizer", {}).get("device", "none") != "none"
+    if not offload:
+        # torch's fused AdamW (CPU and CUDA kernels ship with torch) through DeepSpeed's torch_adam:
+        # as fast as DeepSpeed's FusedAdam on GPUs and never a JIT build that can fail at start-up.
+        # With optimizer offload DeepSpeed uses its CPU Adam. A config's own "optimizer" is kept.
+        params.update(torch_adam=True, fused=True)
+    return {"type": "AdamW", "params": params}
+
+
+def batch_sizes(args, ds, ds_path, dp):
+    """(micro batch, global batch, gradient accumulation steps), consistent with the DP size."""
+    micro = agree(ds, "train_micro_batch_size_per_gpu", "--micro-batch-size", args.micro_batch_size, ds_path,
+                   None, int)
+    global_batch = agree(ds, "train_batch_size", "--global-batch-size", args.global_batch_size, ds_path, None, int)
+    gas_config = ds.get("gradient_accumulation_steps")
+    gas_config = None if gas_config == "auto" else gas_config
+    if micro is None:
+        micro = 4 if global_batch is None else max(1, global_batch // (dp * (gas_config or 1)))
+    if global_batch is None:
+        global_batch = micro * dp * (gas_config or 1)
+    micro, global_batch = int(micro), int(global_batch)
+    if micro < 1 or global_batch < 1 or global_batch % (micro * dp) != 0:
+        raise ConfigError(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro} x "
+                          f"data-parallel size {dp} = {micro * dp}; change one of them.")
+    gas = global_batch // (micro * dp)
+    if gas_config is not None and int(gas_config) != gas:
+        raise ConfigError(f"\"gradient_accumulation_steps\": {gas_config} in {ds_path} disagrees with "
+                          f"--global-batch-size {global_batch} / (--micro-batch-size {micro} x DP {dp}) = {gas}.")
+    return micro, global_batch, gas
+
+
+def zero_stage(args, ds, ds_path, pp) -> int:
+    """The ZeRO stage from the config, --zero-stage or --use-distributed-optimizer; 0/1 with PP."""
+    zero = ds.get("zero_optimization", {}) or {}
+    stage = zero.get("stage")
+    if args.zero_stage is not None:
+        stage = agree(zero, "stage", "--zero-stage", args.zero_stage, ds_path, None, int)
+    if stage is None:
+        stage = 1 if args.use_distributed_optimizer else 0
+    stage = int(stage)
+    if pp > 1 and stage >= 2:
+        raise ConfigError(f"ZeRO stage {stage} (from {ds_path or '--zero-stage'}) with "
+                          f"--pipeline-model-parallel-size {pp}: DeepSpeed's pipeline engine supports ZeRO-0/1 "
+                          f"only. Use ds_configs/zero1.json (or zero1_offload.json) with pipeline parallelism, "
+                          f"or set --pipeline-model-parallel-size 1 for ZeRO-2/3.")
+    return stage
+
+
+def final_ds_config(ds: dict, args, train, stage: int, optimizer: dict, model) -> dict:
+    """The config handed to deepspeed.initialize: batch sizes, clipping, optimizer, ZeRO stage and
+    precision as resolved (a DeepSpeed "scheduler" is dropped: the LR schedule is Megatron's)."""
+    out = json.loads(json.dumps(ds))  # deep copy
+    for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps"):
+        out.pop(key, None)
+    out.update(train_micro_batch_size_per_gpu=train.micro_batch_size, train_batch_size=train.global_batch_size,
+               gradient_accumulation_steps=train.grad_acc_steps, gradient_clipping=train.clip_grad,
+               optimizer=optimizer)
+    out.setdefault("steps_per_print", 10**9)
+    out.setdefault("wall_clock_breakdown", False)
+    zero = dict(out.get("zero_optimization") or {})
+    zero["stage"] = stage
+    out["zero_optimization"] = zero
+    out.pop("scheduler", None)  # the LR schedule comes from the Megatron flags (hybrid.training.schedules)
+    if train.precision == "bf16":
+        out["bf16"] = dict(out.get("bf16") or {}, enabled=True)
+        out.pop("fp16", None)
+        if args.grad_reduce_in_bf16:
+            out["communication_data_type"] = "bf16"
+    elif train.precision == "fp16":
+        fp16 = dict(out.get("fp16") or {}, enabled=True)
+        if args.loss_scale is not None:
+            fp16["loss_scale"] = args.loss_scale
+        fp16.setdefault("loss_scale", 0)
+        fp16.setdefault("initial_scale_power", int(math.log2(args.initial_loss_scale)))
+        fp16.setdefault("loss_scale_window", args.loss_scale_window)
+        fp16.setdefault("hysteresis", args.hysteresis)
+        fp16.setdefault("min_loss_scale", args.min_loss_scale)
+        out["fp16"] = fp16
+        out.pop("bf16", None)
+    else:
+        for key in ("fp16", "bf16", "bfloat16"):
+            out.pop(key, None)
+    if model.sequence_parallel and args.pipeline_model_parallel_size > 1:
+        from hybrid.model.gpt import pipeline_ds_config
+        out.update(pipeline_ds_config(model))
+    return out

@@ -1,0 +1,260 @@
+"""Megatron-LM's command-line flags, in Megatron-LM's --help groups (network size, regularization,
+training, initialization, learning rate, checkpointing, mixed precision, distributed, validation,
+data and dataloader, tokenizer, logging), plus DeepSpeed's and this project's own.
+
+Parsing only: what the flags mean together is checked in hybrid.config.build_run_config.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from hybrid.errors import ConfigError
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse whose errors are one line naming the flag (no usage dump), exit code 2."""
+
+    def error(self, message):
+        raise ConfigError(f"{message} (see --help for the flags launch/train.py accepts)")
+
+
+def _normalization(value: str) -> str:
+    return {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(value.lower(), value)
+
+
+
+def _add_network_size_args(p):
+    g = p.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=256)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=["learned_absolute", "rope", "alibi"], help="learned_absolute | rope (alibi is refused)")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true", help="alias of --position-embedding-type rope")
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--normalization", default="LayerNorm", type=_normalization, choices=["LayerNorm", "RMSNorm"],
+                   help="LayerNorm | RMSNorm (any case, as Megatron-DeepSpeed scripts write rmsnorm)")
+    g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--num-key-value-heads", type=int, default=None,
+                   help="Megatron-DeepSpeed's spelling: --group-query-attention --num-query-groups N")
+    g.add_argument("--kv-channels", type=int, default=None, help="accepted when equal to hidden/heads (head dim)")
+    g.add_argument("--attention-backend", default=None, choices=["auto", "flash", "fused", "unfused", "local"],
+                   help="flash = --use-flash-attn; auto/fused/unfused/local = SDPA (torch picks its kernel)")
+    g.add_argument("--use-flash-attn", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true")
+
+
+def _add_regularization_args(p):
+    g = p.add_argument_group("regularization")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=None)
+    g.add_argument("--clip-grad", type=float, default=None)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+
+
+def _add_training_args(p):
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--rampup-batch-size", nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="ramp the global batch linearly from START by INCREMENT over SAMPLES samples")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None, help="run length in samples (Megatron-LM)")
+    g.add_argument("--train-tokens", type=int, default=None,
+                   help="stop once this many tokens were consumed (Megatron-DeepSpeed)")
+    g.add_argument("--exit-interval", type=int, default=None, help="stop after an iteration divisible by this")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save (with --save) and stop once the run has lasted this long")
+    g.add_argument("--optimizer", default=None, choices=["adam", "sgd"])
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-method", default="uniform", choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--checkpoint-activations", action="store_true", help="alias: --recompute-granularity full")
+    g.add_argument("--checkpoint-num-layers", type=int, default=None, help="alias of --recompute-num-layers")
+    g.add_argument("--recompute-activations", action="store_true", help="alias: --recompute-granularity selective")
+    g.add_argument("--activations-checkpoint-method", default=None, choices=["uniform", "block"],
+                   help="older Megatron: --recompute-granularity full --recompute-method METHOD")
+    g.add_argument("--freeze-layers", default=None, help="layer ranges to freeze, e.g. 0-5,8")
+    g.add_argument("--freeze-embeddings", action="store_true")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="compile each transformer layer with torch.compile (regional compilation); not with ZeRO-3")
+
+
+def _add_initialization_args(p):
+    g = p.add_argument_group("initialization")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+
+
+def _add_learning_rate_args(p):
+    g = p.add_argument_group("learning rate")
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="linear", choices=["constant", "linear", "cosine"])
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-decay-tokens", type=int, default=None, help="decay over tokens (Megatron-DeepSpeed)")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-warmup-tokens", type=int, default=None, help="warm up over tokens (Megatron-DeepSpeed)")
+
+
+def _add_checkpointing_args(p):
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--finetune", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model architecture and parallel sizes from the --load checkpoint")
+    g.add_argument("--no-save-optim", action="store_true", help="accepted; DeepSpeed always saves it")
+
+
+def _add_mixed_precision_args(p):
+    g = p.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (fp16); dynamic if unset")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="reduce gradients in bf16 (DeepSpeed's communication_data_type); needs --bf16")
+
+
+def _add_distributed_args(p):
+    g = p.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--pipeline-partition", "--pp-partition-method", dest="pipeline_partition", default="parameters",
+                   help="parameters | uniform | comma-separated layers per stage (e.g. 3,5)")
+    g.add_argument("--use-distributed-optimizer", action="store_true", help="ZeRO-1 when the DeepSpeed config sets no stage")
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+                   help="default: nccl on CUDA, gloo on CPU")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+                   help="set by older launchers; the environment's LOCAL_RANK is used")
+
+
+def _add_validation_args(p):
+    g = p.add_argument_group("validation")
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=10)
+
+
+def _add_data_args(p):
+    g = p.add_argument_group("data and dataloader")
+    g.add_argument("--data-path", nargs="+", default=None, help="prefix, or weight prefix weight prefix ...")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--train-data-path", nargs="+", default=None, help="the train split's own blend (all its documents)")
+    g.add_argument("--valid-data-path", nargs="+", default=None, help="the valid split's own blend")
+    g.add_argument("--test-data-path", nargs="+", default=None, help="the test split's own blend")
+    g.add_argument("--data-cache-path", default=None, help="directory for the sample-index cache (default: beside the data)")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic"],
+                   help="single: Megatron's sequential pretraining sampler (cyclic is refused)")
+    g.add_argument("--data-impl", "--dataset-impl", dest="data_impl", default="mmap", choices=["mmap"])
+    g.add_argument("--mmap-bin-files", dest="mmap_bin_files", action="store_true", default=True,
+                   help="memory-map the .bin files (always done; accepted)")
+    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
+                   help="accepted: the .bin files are memory-mapped either way, which reads the same tokens")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss at positions whose input token is EOD")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="accepted without --eod-mask-loss: every micro-batch has the same token count, so the "
+                        "per-token mean is the mean of micro-batch means hybrid computes")
+    g.add_argument("--reset-position-ids", action="store_true", help="refused: not supported")
+    g.add_argument("--reset-attention-mask", action="store_true", help="refused: not supported")
+    g.add_argument("--legacy-data-rules", action="store_true",
+                   help="split rounding and blended sample counts of Megatron-DeepSpeed / Megatron-LM before "
+                        "megatron-core (default: megatron-core's rules), to resume runs started there")
+
+
+def _add_tokenizer_args(p):
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default=None,
+                   choices=["GPT2BPETokenizer", "HFTokenizer", "HuggingFaceTokenizer", "PretrainedFromHF",
+                            "NullTokenizer", "GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer"])
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-model", "--tokenizer-name-or-path", dest="tokenizer_model", default=None,
+                   help="a local HF tokenizer directory or a SentencePiece .model file")
+    g.add_argument("--vocab-size", type=int, default=None)
+
+
+def _add_logging_args(p):
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--log-json", default=None, help="rank 0 writes one JSON object per logged iteration")
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--wandb-project", default=None)
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None, help="where wandb writes its files")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="log allocated/peak accelerator memory with each log line")
+    g.add_argument("--no-progress-bar", action="store_true")
+
+
+def _add_deepspeed_args(p):
+    g = p.add_argument_group("deepspeed")
+    g.add_argument("--deepspeed", nargs="?", const=True, default=None,
+                   help="use DeepSpeed (always on); may be followed by the config path")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None)
+    g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
+
+
+def _add_after_training_args(p):
+    g = p.add_argument_group("after training (the embedded default runs all three)")
+    g.add_argument("--export-hf", default=None,
+                   help="after training, export the final --save checkpoint to this HuggingFace directory")
+    g.add_argument("--sample-prompt", default=None,
+                   help="after --export-hf, print a short continuation of this text generated by transformers")
+    g.add_argument("--no-demo", action="store_true",
+                   help="on the embedded default corpus: do not save to runs/default, export or print a sample")
+
+
+def _add_dry_run_args(p):
+    g = p.add_argument_group("memory estimate (nothing is built)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the memory per rank and pipeline stage (parameters, gradients, optimizer states, "
+                        "activations) as a table and JSON, then exit")
+    g.add_argument("--dry-run-world-size", type=int, default=None,
+                   help="plan for this many ranks (default: the launcher's WORLD_SIZE, else 1)")
+    g.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="with --dry-run: say whether the run fits in this much memory per GPU, and if not the "
+                        "smallest change that would")
+
+
+_GROUPS = (_add_network_size_args, _add_regularization_args, _add_training_args, _add_initialization_args,
+           _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args, _add_distributed_args,
+           _add_validation_args, _add_data_args, _add_tokenizer_args, _add_logging_args, _add_deepspeed_args,
+           _add_after_training_args, _add_dry_run_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag launch/train.py accepts, grouped as Megatron-LM's --help groups them."""
+    p = FlagParser(description="Train a GPT with Megatron-style parallelism on DeepSpeed.", allow_abbrev=False)
+    for add in _GROUPS:
+        add(p)
+    from hybrid.megatron_compat import add_compat_args
+    add_compat_args(p)
+    return p
