@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hybrid.config import RunConfig, build_parser, build_run_config, config_summary, tokenizer_kwargs
+from hybrid.config import RunConfig, build_run_config, config_summary, tokenizer_kwargs
+from hybrid.flags import build_parser
 from hybrid.errors import ConfigError
 from hybrid.training.logging import MetricsLogger, Timer, log
 
@@ -227,9 +228,15 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     from hybrid.data.tokenizer import build_tokenizer
     tokenizer = build_tokenizer(**tokenizer_kwargs(args))
     # Every flag is checked before DeepSpeed is imported or a process group exists.
-    run = build_run_config(args, int(os.environ.get("WORLD_SIZE", "1")), tokenizer.vocab_size)
+    world_size = args.dry_run_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    run = build_run_config(args, world_size, tokenizer.vocab_size)
+    if args.dry_run:  # the memory estimate: nothing built, no process group
+        from hybrid.dry_run import report
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(report(run, args.gpu_memory_gb), flush=True)
+        return 0
     from hybrid.distributed import init_distributed
-    init_distributed(args.distributed_timeout_minutes)
+    init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
     _quiet_deepspeed()
     from hybrid.parallel.random import model_parallel_seed
     from hybrid.topology import Topology

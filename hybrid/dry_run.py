@@ -1,0 +1,118 @@
+"""`launch/train.py --dry-run`: the memory estimate of a run, per rank and pipeline stage, as a
+table and as JSON, and with `--gpu-memory-gb` whether it fits and the smallest change that would.
+Nothing is built and no process group is started, so a 64-GPU run can be planned on a laptop
+(`--dry-run-world-size 64`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from typing import Optional
+
+from hybrid.config import RunConfig
+from hybrid.memory import GiB, MemoryPlan, ZeroSettings, estimate, format_table
+
+# CUDA context, allocator fragmentation and ZeRO's communication buckets are not in the estimate
+USABLE_FRACTION = 0.9
+
+
+def plan_from_run(run: RunConfig) -> MemoryPlan:
+    """The estimator's inputs from a validated run configuration."""
+    ds = run.ds_config
+    zero = ds.get("zero_optimization") or {}
+    offload = lambda key: (zero.get(key) or {}).get("device", "none") not in ("none", None)  # noqa: E731
+    grad_accum = (ds.get("data_types") or {}).get("grad_accum_dtype")
+    settings = ZeroSettings(stage=run.zero_stage, dp=run.data_parallel, precision=run.train.precision,
+                            offload_optimizer=offload("offload_optimizer"), offload_param=offload("offload_param"),
+                            persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 100_000)),
+                            fp32_grad_accumulation=grad_accum in ("fp32", "float32"))
+    return MemoryPlan(model=run.model, tp=run.tensor_parallel, pp=run.pipeline_parallel, dp=run.data_parallel,
+                      micro_batch=run.train.micro_batch_size, seq_length=run.train.seq_length,
+                      num_micro_batches=run.train.grad_acc_steps, zero=settings,
+                      recompute=run.model.recompute_granularity, partition=run.pipeline_partition)
+
+
+def peak_gib(plan: MemoryPlan) -> float:
+    return max(row["total"] for row in estimate(plan)) / GiB
+
+
+def _with_recompute(plan: MemoryPlan, granularity: str) -> MemoryPlan:
+    return replace(plan, recompute=granularity, model=replace(plan.model, recompute_granularity=granularity))
+
+
+def _candidates(plan: MemoryPlan):
+    """Single changes that lower memory, in the order a user would try them: recompute, ZeRO stage,
+    micro batch (global batch kept), optimizer offload, then more TP or PP (DP shrinks)."""
+    world = plan.tp * plan.pp * plan.dp
+    model = plan.model
+    if plan.recompute is None:
+        yield "--recompute-granularity selective", _with_recompute(plan, "selective")
+    if plan.recompute != "full":
+        yield "--recompute-granularity full", _with_recompute(plan, "full")
+    max_stage = 3 if plan.pp == 1 else 1
+    for stage in range(plan.zero.stage + 1, max_stage + 1):
+        yield f"ZeRO-{stage} (ds_configs/zero{stage}.json)", replace(plan, zero=replace(plan.zero, stage=stage))
+    micro = plan.micro_batch // 2
+    while micro >= 1:
+        factor = plan.micro_batch // micro
+        yield f"--micro-batch-size {micro}", replace(plan, micro_batch=micro,
+                                                     num_micro_batches=plan.num_micro_batches * factor)
+        micro //= 2
+    if plan.zero.stage >= 1 and not plan.zero.offload_optimizer:
+        yield ("optimizer offload (ds_configs/zero{}_offload.json)".format(plan.zero.stage),
+               replace(plan, zero=replace(plan.zero, offload_optimizer=True)))
+    tp = plan.tp * 2
+    if (world % (tp * plan.pp) == 0 and model.num_query_groups % tp == 0
+            and model.num_attention_heads % tp == 0):
+        dp = world // (tp * plan.pp)
+        yield f"--tensor-model-parallel-size {tp}", replace(plan, tp=tp, dp=dp, zero=replace(plan.zero, dp=dp))
+    pp = plan.pp * 2
+    if world % (plan.tp * pp) == 0 and model.num_layers >= pp and plan.zero.stage <= 1:
+        dp = world // (plan.tp * pp)
+        yield f"--pipeline-model-parallel-size {pp}", replace(plan, pp=pp, dp=dp, zero=replace(plan.zero, dp=dp))
+
+
+def advise(plan: MemoryPlan, gpu_memory_gb: float) -> dict:
+    """Whether the run fits in `gpu_memory_gb` GiB per device (90% of it usable) and, if not, the
+    first single change from `_candidates` that makes it fit."""
+    usable = gpu_memory_gb * USABLE_FRACTION
+    peak = peak_gib(plan)
+    result = {"gpu_memory_gb": gpu_memory_gb, "usable_gb": usable, "peak_gb": peak, "fits": peak <= usable,
+              "change": None, "peak_gb_after_change": None}
+    if result["fits"]:
+        return result
+    tried = []
+    for change, candidate in _candidates(plan):
+        candidate_peak = peak_gib(candidate)
+        tried.append({"change": change, "peak_gb": candidate_peak})
+        if candidate_peak <= usable:
+            result.update(change=change, peak_gb_after_change=candidate_peak)
+            break
+    result["tried"] = tried
+    return result
+
+
+def report(run: RunConfig, gpu_memory_gb: Optional[float]) -> str:
+    """The table, the advice and one line of JSON (`{"dry_run": ...}`)."""
+    plan = plan_from_run(run)
+    rows = estimate(plan)
+    lines = [format_table(rows, plan),
+             "activations: per micro-batch in flight x layers on the stage; parameters, gradients and optimizer "
+             "states as DeepSpeed allocates them; not included: CUDA context, allocator fragmentation, "
+             "communication buckets."]
+    advice = None
+    if gpu_memory_gb:
+        advice = advise(plan, gpu_memory_gb)
+        if advice["fits"]:
+            lines.append(f"fits: peak {advice['peak_gb']:.2f} GiB <= {advice['usable_gb']:.2f} GiB usable "
+                         f"of {gpu_memory_gb:g} GiB")
+        elif advice["change"]:
+            lines.append(f"does not fit: peak {advice['peak_gb']:.2f} GiB > {advice['usable_gb']:.2f} GiB usable of "
+                         f"{gpu_memory_gb:g} GiB; smallest change that fits: {advice['change']} "
+                         f"(peak {advice['peak_gb_after_change']:.2f} GiB)")
+        else:
+            lines.append(f"does not fit: peak {advice['peak_gb']:.2f} GiB > {advice['usable_gb']:.2f} GiB usable; no "
+                         f"single change fits: combine them (more TP/PP ranks, ZeRO-3, full recompute, micro batch 1)")
+    plan_json = asdict(plan)
+    lines.append(json.dumps({"dry_run": {"plan": plan_json, "stages": rows, "advice": advice}}, default=str))
+    return "\n".join(lines)

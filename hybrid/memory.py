@@ -1,0 +1,348 @@
+"""The dry-run memory estimator: bytes per rank of parameters, gradients, optimizer states and
+activations, for a layout (TP, PP, DP), a ZeRO stage, a precision and a recompute setting.
+
+Nothing is built: the parameter inventory is derived from the ModelConfig (a test checks it
+against the real model's parameters), the ZeRO byte counts follow DeepSpeed 0.19's own buffers
+(flat groups padded to 2 x DP elements for ZeRO-1/2, one partition of ceil(numel / DP) per
+parameter for ZeRO-3, fp32 master partitions, Adam moments on them; checked exactly on CPU),
+and the activation model lists the tensors each layer keeps for backward (checked within 10%
+against torch's saved-tensor hooks). `korthikanti_layer_bytes` is Korthikanti et al. 2022
+(Table 2), which `layer_activation_bytes(..., style="megatron")` reproduces term by term.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from hybrid.model.config import ModelConfig
+
+GiB = 1024**3
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+# --- parameters --------------------------------------------------------------------------------
+
+def parameter_inventory(config: ModelConfig, tp: int) -> dict[str, tuple[int, bool]]:
+    """Canonical name -> (elements on one TP rank, weight-decayed?), for the whole model.
+
+    The TP rules are those of hybrid.parallel.layers: vocabulary rows, QKV and fc1 output
+    features, dense and fc2 input features are split over TP; norms, position embeddings and
+    row-parallel biases are replicated."""
+    h, d = config.hidden_size, config.head_dim
+    qkv = (config.num_attention_heads + 2 * config.num_query_groups) * d
+    up = config.ffn_hidden_size * (2 if config.swiglu else 1)
+    bias, norm_bias = config.add_bias_linear, config.normalization == "LayerNorm"
+    out = {"embedding.word_embeddings.weight": (config.padded_vocab_size(tp) // tp * h, True)}
+    if config.position_embedding_type == "learned_absolute":
+        out["embedding.position_embeddings.weight"] = (config.max_position_embeddings * h, True)
+
+    def norm(prefix):
+        out[f"{prefix}.weight"] = (h, False)
+        if norm_bias:
+            out[f"{prefix}.bias"] = (h, False)
+
+    for i in range(config.num_layers):
+        p = f"layers.{i}"
+        norm(f"{p}.input_norm")
+        out[f"{p}.attention.qkv.weight"] = (qkv // tp * h, True)
+        out[f"{p}.attention.dense.weight"] = (h * (config.num_attention_heads * d // tp), True)
+        norm(f"{p}.post_attention_norm")
+        out[f"{p}.mlp.fc1.weight"] = (up // tp * h, True)
+        out[f"{p}.mlp.fc2.weight"] = (h * (config.ffn_hidden_size // tp), True)
+        if bias:
+            out[f"{p}.attention.qkv.bias"] = (qkv // tp, False)
+            out[f"{p}.attention.dense.bias"] = (h, False)
+            out[f"{p}.mlp.fc1.bias"] = (up // tp, False)
+            out[f"{p}.mlp.fc2.bias"] = (h, False)
+    norm("final_norm")
+    if config.untie_embeddings_and_output_weights:
+        out["output_layer.weight"] = (config.padded_vocab_size(tp) // tp * h, True)
+    return out
+
+
+def _pipeline_units(config: ModelConfig, inventory: dict) -> list[list[str]]:
+    """Parameter names per pipeline layer, in hybrid.model.gpt.pipeline_layers order: embedding,
+    transformer layers, final norm, output head (tied: a second copy of the word embeddings)."""
+    def names(prefix):
+        return [n for n in inventory if n.startswith(prefix)]
+    units = [names("embedding.")] + [names(f"layers.{i}.") for i in range(config.num_layers)]
+    units.append(names("final_norm."))
+    units.append(["output_layer.weight"] if config.untie_embeddings_and_output_weights
+                 else ["embedding.word_embeddings.weight"])
+    return units
+
+
+def stage_parameters(config: ModelConfig, tp: int, pp: int, partition: str = "parameters") -> list[dict]:
+    """Per pipeline stage: {name: (elements, decayed)} and the transformer layers it runs, split
+    as DeepSpeed's PipelineModule splits them (its own `partition_balanced` on parameter counts,
+    `type:TransformerLayer` for uniform, or an explicit list)."""
+    from deepspeed.runtime import utils as ds_utils
+
+    from hybrid.model.gpt import _resolve_partition
+    inventory = parameter_inventory(config, tp)
+    units = _pipeline_units(config, inventory)
+    if pp == 1:
+        return [{"params": inventory, "layers": list(range(config.num_layers))}]
+    method = _resolve_partition(partition, config.num_layers, pp)
+    if method == "parameters":
+        bounds = ds_utils.partition_balanced([sum(inventory[n][0] for n in u) for u in units], pp)
+    elif method.startswith("type:"):
+        weights = [0] + [1] * config.num_layers + [0, 0]
+        bounds = ds_utils.partition_balanced(weights, pp)
+    else:
+        counts = [int(x) for x in method.split(":", 1)[1].split(",")]
+        bounds = [0]
+        for count in counts:
+            bounds.append(bounds[-1] + count + (1 if len(bounds) == 1 else 0))
+        bounds[-1] = len(units)
+    stages = []
+    for s in range(pp):
+        names = [n for u in units[bounds[s]:bounds[s + 1]] for n in u]
+        layers = [i for i in range(config.num_layers) if bounds[s] <= i + 1 < bounds[s + 1]]
+        stages.append({"params": {n: inventory[n] for n in dict.fromkeys(names)}, "layers": layers})
+    return stages
+
+
+# --- ZeRO: parameters, gradients, optimizer states -----------------------------------------------
+
+@dataclass
+class ZeroSettings:
+    """What DeepSpeed's ZeRO does with one rank's parameters."""
+
+    stage: int = 0  # zero_optimization.stage
+    dp: int = 1  # data-parallel size (ZeRO partitions over it)
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    offload_optimizer: bool = False  # zero_optimization.offload_optimizer.device cpu/nvme
+    offload_param: bool = False  # zero_optimization.offload_param (ZeRO-3)
+    persistence_threshold: int = 100_000  # stage3_param_persistence_threshold (ZeRO-3)
+    fp32_grad_accumulation: bool = False  # data_types.grad_accum_dtype fp32 with bf16
+
+
+def model_state_bytes(groups: list[list[int]], zero: ZeroSettings) -> dict:
+    """Bytes of parameters, gradients and optimizer states (Adam) on one rank.
+
+    `groups`: the element counts of the trainable parameters in each optimizer parameter group
+    (decayed, not decayed), this rank's TP/PP share. Follows DeepSpeed 0.19: ZeRO-1/2 flatten
+    each group padded to a multiple of 2 x DP elements and keep a partition of 1/DP of it as
+    fp32 master weights with its Adam moments and gradients; ZeRO-3 partitions each parameter
+    on its own (ceil(numel / DP)) and keeps parameters below the persistence threshold whole;
+    the fused torch Adam keeps a 4-byte step per parameter it updates."""
+    e = _BYTES[zero.precision]
+    dp = zero.dp
+    sizes = [n for g in groups for n in g]
+    if zero.stage == 0:
+        numel = sum(sizes)
+        if zero.precision == "fp32":  # the torch optimizer itself: moments and a step per parameter
+            return dict(params=4 * numel, grads=4 * numel, optimizer=8 * numel + 4 * len(sizes), host_optimizer=0)
+        # bf16/fp16 without ZeRO: DeepSpeed's BF16_Optimizer / FP16_Optimizer keep fp32 master
+        # weights and fp32 gradients beside the low-precision model (one flat group each)
+        return dict(params=e * numel, grads=4 * numel, optimizer=12 * numel + 4 * len(groups), host_optimizer=0)
+    if zero.stage in (1, 2):
+        align = 2 * dp
+        padded = [math.ceil(sum(g) / align) * align for g in groups if g]
+        partitions = [p // dp for p in padded]
+        params = e * sum(padded)
+        grads = (4 if zero.fp32_grad_accumulation else e) * sum(partitions)
+    else:
+        partitions_per_param = [math.ceil(n / dp) for n in sizes]
+        partitions = [sum(math.ceil(n / dp) for n in g) for g in groups if g]
+        persistent = sum(n for n in sizes if n < zero.persistence_threshold)
+        params = 0 if zero.offload_param else e * (sum(partitions_per_param) + persistent)
+        grads = (4 if zero.fp32_grad_accumulation else e) * sum(partitions_per_param)
+    optimizer = 12 * sum(partitions) + 4 * len(partitions)  # fp32 master + exp_avg + exp_avg_sq, steps
+    if zero.offload_optimizer:
+        return dict(params=params, grads=grads, optimizer=0, host_optimizer=optimizer)
+    return dict(params=params, grads=grads, optimizer=optimizer, host_optimizer=0)
+
+
+# --- activations ---------------------------------------------------------------------------------
+
+@dataclass
+class ActivationSettings:
+    """What one micro-batch through one transformer layer keeps for backward."""
+
+    micro_batch: int
+    seq_length: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    precision: str = "bf16"
+    recompute: Optional[str] = None  # None | selective | full
+    attention_kernel: str = "flash"  # flash: SDPA flash/efficient kernels or flash-attn; math: s x s scores
+    mask_bytes: int = 1  # a dropout mask element: bool on CUDA; CPU keeps it in the activation dtype
+
+
+def attention_kernel_for(device_type: str, precision: str, dropout: float, config: ModelConfig) -> str:
+    """Which SDPA path torch takes: on CUDA the flash/efficient kernels (dropout included); on CPU
+    the flash kernel without dropout and the math path (s x s scores) with it; Megatron's
+    query-key layer scaling under fp16 is an explicit math path."""
+    if config.apply_query_key_layer_scaling and precision == "fp16":
+        return "math"
+    if device_type == "cpu" and dropout > 0:
+        return "math"
+    return "flash"
+
+
+def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: str = "hybrid") -> int:
+    """Bytes one transformer layer keeps for backward for one micro-batch on one TP rank.
+
+    style "hybrid": the tensors this code base's layer saves (LayerNorm inputs, the gathered
+    input of each column-parallel linear, the QKV output, attention output, MLP activations,
+    dropout masks); style "megatron": Korthikanti et al.'s accounting (every tensor a shard
+    under SP, Q and K saved apart from the QKV input)."""
+    s, b, h, t = act.seq_length, act.micro_batch, config.hidden_size, act.tp
+    e, m = _BYTES[act.precision], act.mask_bytes
+    sp = act.sequence_parallel and t > 1
+    sbh = s * b * h
+    shard = sbh // t if sp else sbh  # the residual stream: a sequence shard under SP
+    heads, d = config.num_attention_heads // t, config.head_dim
+    groups = config.num_query_groups // t
+    f = config.ffn_hidden_size // t
+    dropout = config.hidden_dropout > 0
+    attn_dropout = config.attention_dropout > 0
+    if act.recompute == "full":
+        return e * shard  # the layer's input; the rest is recomputed in backward
+    if style == "megatron":
+        return _megatron_layer_bytes(s, b, h, config.num_attention_heads, t, sp, act.recompute == "selective")
+    if config.normalization == "LayerNorm":  # its input, mean and rstd (fp32)
+        norm = e * shard + 2 * 4 * (shard // h)
+    else:  # RMSNorm in transformers' numerics: the fp32 input, rstd, and the normalised output
+        norm = 4 * shard + 4 * (shard // h) + e * shard
+    total = 2 * norm  # the input norm and the post-attention norm
+    total += 2 * e * sbh  # each column-parallel linear's (all-gathered) input: the norms' outputs
+    total += e * s * b * (heads + 2 * groups) * d  # QKV output (K and V are views of it)
+    if config.position_embedding_type == "rope":  # rotated Q and K are new tensors; cos/sin tables
+        total += e * s * b * (heads + groups) * d + 8 * s * d
+    elif heads != groups:  # GQA: the query heads are copied out of the per-group layout
+        total += e * s * b * heads * d
+    total += e * s * b * heads * d  # attention output = the dense layer's input
+    if act.recompute != "selective":
+        total += _core_attention_bytes(s, b, heads, d, e, m, act.attention_kernel, attn_dropout)
+    total += e * s * b * (4 * f if config.swiglu else 2 * f)  # GeLU: input, output; SwiGLU: fc1 out, silu, product
+    if dropout:
+        total += 2 * m * shard  # the two residual dropout masks
+    return total
+
+
+def _core_attention_bytes(s, b, heads, d, e, m, kernel, dropout) -> int:
+    if kernel == "flash":
+        return 4 * b * heads * s  # log-sum-exp per query (fp32); the output is counted by the caller
+    scores = b * heads * s * s
+    # math path: softmax output, dropout mask and dropped probabilities; a scaled Q copy
+    return (e + m + e) * scores + e * s * b * heads * d if dropout else e * scores + e * s * b * heads * d
+
+
+def _megatron_layer_bytes(s, b, h, a, t, sp, selective) -> int:
+    """Korthikanti et al.'s per-layer terms, fp16 (2 bytes) with 1-byte dropout masks."""
+    sbh = s * b * h
+    par = sbh // t  # tensors split over TP (heads / ffn), always
+    rep = par if sp else sbh  # tensors replicated over TP without SP, split with it
+    attention = 2 * rep + 4 * par + 2 * par + 2 * par + 1 * rep  # QKV in; Q, K; V; dense in; dropout mask
+    if not selective:
+        attention += (2 + 1 + 2) * a * s * s * b // t  # softmax out, its dropout mask, dropout out
+    mlp = 2 * rep + 8 * par + 8 * par + 1 * rep  # fc1 in; GeLU in; fc2 in; dropout mask
+    norms = 2 * 2 * rep
+    return attention + mlp + norms
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            recompute: Optional[str] = None) -> float:
+    """Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+    Models"), Table 2: activation bytes per transformer layer, in closed form."""
+    if recompute == "full":  # the layer's input (Table 2: 2sbh; a sequence shard under SP)
+        return 2 * s * b * h / (t if sp else 1)
+    if recompute == "selective":
+        return s * b * h * (34 / t if sp else 10 + 24 / t)
+    if sp:
+        return s * b * h / t * (34 + 5 * a * s / h)
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def in_flight_micro_batches(stage: int, pp: int, num_micro_batches: int, schedule: str = "1f1b") -> int:
+    """Micro-batches whose activations a stage holds at its peak: 1F1B warms up pp - stage."""
+    if pp == 1:
+        return 1
+    return min(pp - stage, num_micro_batches)
+
+
+# --- the whole plan ------------------------------------------------------------------------------
+
+@dataclass
+class MemoryPlan:
+    """Inputs of an estimate: the model, the layout and the training settings."""
+
+    model: ModelConfig
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    seq_length: int = 2048
+    num_micro_batches: int = 1  # gradient accumulation steps (pipeline micro-batches)
+    zero: ZeroSettings = field(default_factory=ZeroSettings)
+    recompute: Optional[str] = None
+    device_type: str = "cuda"
+    partition: str = "parameters"
+
+
+def estimate(plan: MemoryPlan) -> list[dict]:
+    """Per pipeline stage, the bytes one of its ranks holds (every TP and DP rank of a stage holds
+    the same amounts)."""
+    config = plan.model
+    precision = plan.zero.precision
+    kernel = attention_kernel_for(plan.device_type, precision, config.attention_dropout, config)
+    mask_bytes = 1 if plan.device_type == "cuda" else _BYTES[precision]
+    act = ActivationSettings(plan.micro_batch, plan.seq_length, plan.tp, config.sequence_parallel, precision,
+                             plan.recompute, kernel, mask_bytes)
+    rows = []
+    for stage, info in enumerate(stage_parameters(config, plan.tp, plan.pp, plan.partition)):
+        groups = [[n for n, decayed in info["params"].values() if decayed],
+                  [n for n, decayed in info["params"].values() if not decayed]]
+        states = model_state_bytes(groups, plan.zero)
+        per_layer = layer_activation_bytes(config, act)
+        layers = len(info["layers"])
+        in_flight = in_flight_micro_batches(stage, plan.pp, plan.num_micro_batches)
+        activations = per_layer * layers * in_flight
+        if plan.recompute == "full" and layers:  # backward rebuilds one chunk of layers at a time
+            chunk = min(layers, max(1, config.recompute_num_layers))
+            activations += chunk * layer_activation_bytes(config, ActivationSettings(**dict(asdict(act), recompute=None)))
+        activations += _embedding_and_head_bytes(config, act, stage, plan.pp) * in_flight
+        row = dict(stage=stage, layers=layers, parameters=sum(n for n, _ in info["params"].values()),
+                   in_flight_micro_batches=in_flight, activation_bytes_per_layer=per_layer,
+                   activations=activations, **states)
+        row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
+        rows.append(row)
+    return rows
+
+
+def _embedding_and_head_bytes(config: ModelConfig, act: ActivationSettings, stage: int, pp: int) -> int:
+    """The first stage's embedding output (and its dropout mask); the last stage's final norm input
+    and the logits the loss keeps (vocabulary shard, activation dtype plus fp32 softmax)."""
+    s, b, h, t = act.seq_length, act.micro_batch, config.hidden_size, act.tp
+    e = _BYTES[act.precision]
+    shard = s * b * h // (t if act.sequence_parallel and t > 1 else 1)
+    total = 0
+    if stage == 0:
+        total += e * shard + (act.mask_bytes * shard if config.hidden_dropout > 0 else 0)
+    if stage == pp - 1:
+        vocab = config.padded_vocab_size(t) // t
+        total += e * shard + e * s * b * h + (e + (4 if e != 4 else 0)) * s * b * vocab
+    return total
+
+
+def format_table(rows: list[dict], plan: MemoryPlan) -> str:
+    """The estimate as a table in GiB, one line per pipeline stage."""
+    z = plan.zero
+    head = (f"memory per rank (GiB): TP {plan.tp} x PP {plan.pp} x DP {plan.dp}, ZeRO-{z.stage}"
+            f"{' + optimizer offload' if z.offload_optimizer else ''}, {z.precision}, micro batch {plan.micro_batch}, "
+            f"seq {plan.seq_length}, recompute {plan.recompute or 'none'}"
+            f"{', SP' if plan.model.sequence_parallel else ''}")
+    cols = ("stage", "layers", "params", "grads", "optimizer", "activations", "total")
+    lines = [head, "  ".join(f"{c:>11}" for c in cols)]
+    for r in rows:
+        lines.append("  ".join([f"{r['stage']:>11}", f"{r['layers']:>11}"]
+                               + [f"{r[c] / GiB:>11.3f}" for c in cols[2:]]))
+    if any(r["host_optimizer"] for r in rows):
+        lines.append(f"host memory for the offloaded optimizer: {max(r['host_optimizer'] for r in rows) / GiB:.3f} GiB "
+                     f"per rank")
+    return "\n".join(lines)

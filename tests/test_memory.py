@@ -1,0 +1,261 @@
+"""The --dry-run memory estimator against reality: parameter, gradient and optimizer bytes equal
+DeepSpeed's own buffers exactly (fp32, DP = 2, ZeRO-0/1/2/3, on CPU ranks); activation bytes per
+layer within 10% of what torch's saved-tensor hooks see (no, selective, full recompute; TP 1 and
+TP 2 with and without SP; GPT-2 and Llama style); Korthikanti et al.'s Table 2 reproduced term by
+term; the parameter inventory equals the real model's parameters; `launch/train.py --dry-run`."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from hybrid import memory
+from hybrid.config import build_run_config
+from hybrid.flags import build_parser
+from hybrid.model.config import ModelConfig
+from hybrid.testing import run_on_ranks
+
+# hidden 34 / 1 layer: the no-decay group (510 elements) is not a multiple of 2 x DP, so the
+# estimate must reproduce DeepSpeed's padding
+TINY = ["--num-layers", "1", "--hidden-size", "34", "--num-attention-heads", "2", "--seq-length", "16",
+        "--micro-batch-size", "2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+        "--train-iters", "3", "--no-progress-bar", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def _bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _deepspeed_state_bytes(stage: int, ds_path: str) -> dict:
+    """One real step at DP = 2; the bytes of DeepSpeed 0.19's own buffers by category."""
+    from hybrid.topology import Topology
+    from hybrid.training.engine import build_engine
+    run = build_run_config(build_parser().parse_args(TINY + ["--deepspeed_config", ds_path]), 2, 100)
+    engine, model = build_engine(run, Topology(1, 1))
+    opt = engine.optimizer
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = engine(ids, ids, None)
+    engine.backward(loss)
+    if stage == 0:
+        grads = _bytes(p.grad for p in model.parameters())
+    elif stage in (1, 2):
+        grads = _bytes(t for group in opt.averaged_gradients.values() for t in group)
+    else:
+        grads = _bytes([opt.grad_partitions_flat_buffer])
+    engine.step()
+    inner = getattr(opt, "optimizer", opt)
+    states = _bytes(v for state in inner.state.values() for v in state.values() if torch.is_tensor(v))
+    if stage == 0:
+        params, master = _bytes(model.parameters()), 0
+    elif stage in (1, 2):
+        params, master = _bytes(opt.bit16_groups_flat), _bytes(opt.single_partition_of_fp32_groups)
+    else:
+        flat = opt.fp16_partitioned_groups_flat
+        persistent = [p for p in model.parameters() if p.ds_persist]
+        params = _bytes(flat) + sum(p.ds_numel * p.element_size() for p in persistent)
+        master = _bytes(opt.fp32_partitioned_groups_flat)
+        assert {t.data_ptr() for t in flat}.isdisjoint(t.data_ptr() for t in opt.fp32_partitioned_groups_flat)
+    groups = [[p.numel() if stage < 3 else p.ds_numel for p in g["params"]] for g in param_groups_of(engine)]
+    return dict(params=params, grads=grads, optimizer=states + master, groups=groups)
+
+
+def param_groups_of(engine):
+    opt = engine.optimizer
+    if hasattr(opt, "bit16_groups"):
+        return [{"params": g} for g in opt.bit16_groups]
+    if hasattr(opt, "fp16_groups"):
+        return [{"params": g} for g in opt.fp16_groups]
+    return opt.param_groups
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_state_bytes_equal_deepspeeds_buffers_at_dp2(stage, tmp_path):
+    config = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 50000,
+                                    "stage3_param_persistence_threshold": 1000}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    measured = run_on_ranks(_deepspeed_state_bytes, 2, stage, str(path))[0]
+    args = build_parser().parse_args(TINY)
+    run = build_run_config(args, 2, 100)
+    inventory = memory.parameter_inventory(run.model, 1)
+    groups = [[n for n, decayed in inventory.values() if decayed], [n for n, decayed in inventory.values() if not decayed]]
+    assert sorted(map(sorted, groups)) == sorted(map(sorted, measured["groups"]))
+    if stage in (1, 2):
+        assert sum(groups[1]) % 4 != 0, "the test model must exercise DeepSpeed's partition padding"
+    estimate = memory.model_state_bytes(groups, memory.ZeroSettings(stage=stage, dp=2, persistence_threshold=1000))
+    for key in ("params", "grads", "optimizer"):
+        assert estimate[key] == measured[key], (key, estimate, measured)
+
+
+def _model_config(style: str, dropout: float, recompute, sequence_parallel=False) -> ModelConfig:
+    common = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
+                  hidden_dropout=dropout, attention_dropout=dropout, recompute_granularity=recompute,
+                  sequence_parallel=sequence_parallel)
+    if style == "llama":
+        common.update(normalization="RMSNorm", swiglu=True, num_query_groups=2, position_embedding_type="rope",
+                      add_bias_linear=False)
+    return ModelConfig(**common)
+
+
+def _measured_layer_bytes(config: ModelConfig, tp_group, seq: int, batch: int, dtype=torch.float32) -> float:
+    """Bytes kept for backward per layer by two layers (one micro-batch): what the saved-tensor
+    hooks see, plus the inputs DeepSpeed's checkpoint function keeps as attributes of its
+    autograd context (invisible to the hooks). Parameters are not activations."""
+    import deepspeed
+
+    from hybrid.model.gpt import run_layers
+    from hybrid.model.transformer import TransformerLayer
+    from hybrid.parallel import collectives as C
+    layers = [TransformerLayer(config, tp_group, i).to(dtype).train() for i in range(config.num_layers)]
+    params = {p.untyped_storage().data_ptr() for layer in layers for p in layer.parameters()}
+    kept = {}
+
+    def record(t):
+        if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    checkpoint = deepspeed.checkpointing.checkpoint
+
+    def recording_checkpoint(fn, *args):
+        for a in args:
+            record(a)
+        return checkpoint(fn, *args)
+
+    rows = seq // C.group_size(tp_group) if config.sequence_parallel else seq
+    x = torch.randn(rows, batch, config.hidden_size, dtype=dtype, requires_grad=True)
+    deepspeed.checkpointing.checkpoint = recording_checkpoint
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
+            run_layers(layers, x, config, training=True)
+    finally:
+        deepspeed.checkpointing.checkpoint = checkpoint
+    return sum(kept.values()) / config.num_layers
+
+
+def _estimated_layer_bytes(config: ModelConfig, tp: int, seq: int, batch: int, precision="fp32") -> int:
+    kernel = memory.attention_kernel_for("cpu", precision, config.attention_dropout, config)
+    act = memory.ActivationSettings(batch, seq, tp, config.sequence_parallel, precision, config.recompute_granularity,
+                                    kernel, mask_bytes=memory._BYTES[precision])  # CPU keeps masks in that dtype
+    return memory.layer_activation_bytes(config, act)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("recompute", [None, "selective", "full"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_layer_activation_bytes_within_10pct_of_saved_tensors(style, recompute, dropout):
+    config = _model_config(style, dropout, recompute)
+    measured = _measured_layer_bytes(config, None, seq=64, batch=2)
+    estimated = _estimated_layer_bytes(config, 1, seq=64, batch=2)
+    assert abs(estimated - measured) <= 0.10 * measured, (estimated, measured)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("recompute", [None, "selective"])
+def test_layer_activation_bytes_in_bf16(style, recompute):
+    config = _model_config(style, 0.0, recompute)
+    measured = _measured_layer_bytes(config, None, seq=64, batch=2, dtype=torch.bfloat16)
+    estimated = _estimated_layer_bytes(config, 1, seq=64, batch=2, precision="bf16")
+    assert abs(estimated - measured) <= 0.10 * measured, (estimated, measured)
+
+
+def _tp2_cases():
+    from hybrid.topology import Topology
+    topology = Topology(2, 1)
+    out = []
+    for style in ("gpt2", "llama"):
+        for sp in (False, True):
+            for recompute in (None, "selective", "full"):
+                config = _model_config(style, 0.1, recompute, sequence_parallel=sp)
+                out.append((style, sp, recompute, _measured_layer_bytes(config, topology.tp_group, 64, 2),
+                            _estimated_layer_bytes(config, 2, 64, 2)))
+    return out
+
+
+def test_layer_activation_bytes_at_tp2_with_and_without_sp():
+    for style, sp, recompute, measured, estimated in run_on_ranks(_tp2_cases, 2)[0]:
+        assert abs(estimated - measured) <= 0.10 * measured, (style, sp, recompute, estimated, measured)
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (8, False), (8, True)])
+@pytest.mark.parametrize("recompute", [None, "selective", "full"])
+def test_megatron_accounting_reproduces_korthikanti_table2(tp, sp, recompute):
+    # GPT-3 175B's layer (h 12288, 96 heads, s 2048, micro batch 1) and a small one
+    for s, b, h, a in ((2048, 1, 12288, 96), (1024, 4, 2048, 16)):
+        config = ModelConfig(num_layers=1, hidden_size=h, num_attention_heads=a, vocab_size=1000,
+                             max_position_embeddings=s, sequence_parallel=sp)
+        act = memory.ActivationSettings(b, s, tp, sp, "bf16", recompute, "math", mask_bytes=1)
+        assert memory.layer_activation_bytes(config, act, style="megatron") == pytest.approx(
+            memory.korthikanti_layer_bytes(s, b, h, a, tp, sp, recompute), rel=1e-12)
+
+
+def test_korthikanti_gpt3_figure():
+    # the paper's section 4: GPT-3 175B, no parallelism, sbh(34 + 5as/h) = 34 + 80 per sbh
+    s, b, h, a = 2048, 1, 12288, 96
+    assert memory.korthikanti_layer_bytes(s, b, h, a) / (s * b * h) == pytest.approx(34 + 5 * 96 * 2048 / 12288)
+    assert memory.korthikanti_layer_bytes(s, b, h, a, 8, True, "selective") / (s * b * h) == pytest.approx(34 / 8)
+
+
+def _real_stage_parameters(config_kwargs: dict, tp: int, pp: int, partition: str) -> dict:
+    from hybrid.model.gpt import GPTModel, build_pipeline_model, canonical_parameters
+    from hybrid.topology import Topology
+    topology = Topology(tp, pp)
+    config = ModelConfig(**config_kwargs)
+    model = GPTModel(config, topology.tp_group) if pp == 1 else build_pipeline_model(config, topology, partition)
+    params = canonical_parameters(model, config.num_layers)
+    return {"stage": topology.pp_rank, "params": {n: p.numel() for n, p in params.items()}}
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("tp,pp,partition", [(1, 1, "parameters"), (2, 1, "parameters"), (1, 2, "parameters"),
+                                             (1, 2, "uniform"), (1, 2, "1,4")])
+def test_parameter_inventory_equals_the_real_model_per_rank_and_stage(style, tp, pp, partition):
+    kwargs = dict(num_layers=5, hidden_size=64, num_attention_heads=4, vocab_size=1000, max_position_embeddings=32)
+    if style == "llama":
+        kwargs.update(normalization="RMSNorm", swiglu=True, num_query_groups=2, position_embedding_type="rope",
+                      add_bias_linear=False, untie_embeddings_and_output_weights=True)
+    stages = memory.stage_parameters(ModelConfig(**kwargs), tp, pp, partition)
+    for real in run_on_ranks(_real_stage_parameters, tp * pp, kwargs, tp, pp, partition):
+        estimated = {n: numel for n, (numel, _) in stages[real["stage"]]["params"].items()}
+        assert estimated == real["params"]
+
+
+def _train(*flags):
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, os.path.join(root, "launch", "train.py"), *flags], capture_output=True,
+                          text=True, cwd=root, timeout=300, env=dict(os.environ, WORLD_SIZE="1", RANK="0"))
+
+
+BIG = ["--dry-run", "--no-demo", "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+       "--seq-length", "2048", "--micro-batch-size", "8", "--global-batch-size", "256", "--bf16",
+       "--dry-run-world-size", "16", "--deepspeed", "ds_configs/zero1.json"]
+
+
+def test_dry_run_prints_table_and_json_and_advice_that_fits():
+    result = _train(*BIG, "--gpu-memory-gb", "16")
+    assert result.returncode == 0, result.stderr
+    assert "memory per rank (GiB): TP 1 x PP 1 x DP 16, ZeRO-1, bf16" in result.stdout
+    report = json.loads(result.stdout.strip().splitlines()[-1])["dry_run"]
+    advice = report["advice"]
+    assert not advice["fits"] and advice["change"], advice
+    # the suggested change, applied: the dry run now says it fits, with the peak the advice gave
+    change = advice["change"].split()
+    assert change[0].startswith("--"), advice
+    after = _train(*BIG, "--gpu-memory-gb", "16", *change)
+    assert after.returncode == 0, after.stderr
+    advice_after = json.loads(after.stdout.strip().splitlines()[-1])["dry_run"]["advice"]
+    assert advice_after["fits"] and advice_after["peak_gb"] == pytest.approx(advice["peak_gb_after_change"])
+    # the stage rows carry every byte count, and a PP 2 plan has two stages, the first holding more in flight
+    pp = json.loads(_train(*BIG, "--pipeline-model-parallel-size", "2").stdout.strip().splitlines()[-1])
+    stages = pp["dry_run"]["stages"]
+    assert [s["in_flight_micro_batches"] for s in stages] == [2, 1]
+    assert all(s["total"] == s["params"] + s["grads"] + s["optimizer"] + s["activations"] for s in stages)
+
+
+def test_dry_run_bad_flag_is_one_message():
+    result = _train(*BIG, "--tensor-model-parallel-size", "3")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--tensor-model-parallel-size" in result.stderr
