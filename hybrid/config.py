@@ -74,6 +74,7 @@ class TrainConfig:
     export_hf: Optional[str] = None  # --export-hf: HF directory written from the final checkpoint
     sample_prompt: Optional[str] = None  # --sample-prompt: text continued by transformers from the export
     log_memory: bool = False  # --log-memory-to-tensorboard
+    universal_checkpoint: bool = False  # --universal-checkpoint: --load a universal checkpoint, any layout
 
 
 @dataclass
@@ -252,11 +253,11 @@ def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
         return []
     if not args.load:
         raise ConfigError("--use-checkpoint-args needs --load CHECKPOINT_DIR.")
-    latest = os.path.join(args.load, "latest")
-    if not os.path.isfile(latest):
+    from hybrid.checkpoint_format import read_meta, read_tag
+    tag = read_tag(args.load) if os.path.isdir(args.load) else None
+    if tag is None:
         raise ConfigError(f"--use-checkpoint-args: no checkpoint in --load {args.load} (no 'latest' file).")
-    from hybrid.training.checkpoint import latest_tag, read_meta
-    saved = read_meta(args.load, latest_tag(args.load)).get("args") or {}
+    saved = read_meta(args.load, tag).get("args") or {}
     changed = []
     for key in _CHECKPOINT_ARGS:
         if key in saved and getattr(args, key, None) != saved[key]:
@@ -292,6 +293,9 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     _check_data_flags(args)
     if args.finetune and not args.load:
         raise ConfigError("--finetune needs --load CHECKPOINT_DIR.")
+    if args.universal_checkpoint and (not args.load or args.finetune):
+        raise ConfigError("--universal-checkpoint needs --load CHECKPOINT_DIR (and loads the optimizer: not with "
+                          "--finetune, which loads weights from any layout by itself).")
     train = TrainConfig(
         micro_batch_size=micro, global_batch_size=global_batch, grad_acc_steps=gas, train_iters=length.train_iters,
         seq_length=args.seq_length, lr=float(optimizer["params"]["lr"]), min_lr=args.min_lr,
@@ -311,7 +315,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
         eod_mask_loss=args.eod_mask_loss, torch_compile=args.torch_compile, train_samples=length.train_samples,
         train_tokens=length.train_tokens, rampup=length.rampup, exit_duration_in_mins=args.exit_duration_in_mins,
         wandb_save_dir=args.wandb_save_dir, log_memory=args.log_memory_to_tensorboard,
-        export_hf=args.export_hf, sample_prompt=args.sample_prompt)
+        export_hf=args.export_hf, sample_prompt=args.sample_prompt, universal_checkpoint=args.universal_checkpoint or bool(
+            (ds.get("checkpoint") or {}).get("load_universal")))
     if train.export_hf and not train.save:
         raise ConfigError("--export-hf needs --save (the checkpoint it exports).")
     if length.rampup and pp > 1:

@@ -141,6 +141,8 @@ def final_ds_config(ds: dict, args, train, stage: int, optimizer: dict, model) -
     zero = dict(out.get("zero_optimization") or {})
     zero["stage"] = stage
     out["zero_optimization"] = zero
+    if train.universal_checkpoint:  # DeepSpeed's switch for loading universal checkpoints
+        out["checkpoint"] = dict(out.get("checkpoint") or {}, load_universal=True)
     out.pop("scheduler", None)  # the LR schedule comes from the Megatron flags (hybrid.training.schedules)
     if train.precision == "bf16":
         out["bf16"] = dict(out.get("bf16") or {}, enabled=True)

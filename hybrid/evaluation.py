@@ -49,14 +49,14 @@ def stream_windows(prefix: str, seq_length: int, count: int) -> np.ndarray:
 
 
 def evaluate(args) -> dict:
-    from hybrid.conversion.layout import model_config_from_summary, read_hybrid
+    from hybrid.checkpoint_format import model_config_from_summary, read_meta, read_tag
+    from hybrid.conversion.layout import read_hybrid
     from hybrid.distributed import init_distributed
-    from hybrid.training.checkpoint import latest_tag, read_meta
     if len(args.data_path) != 1:
         raise ConfigError("--data-path: evaluate.py takes one dataset prefix (no blend weights).")
-    if not os.path.isdir(args.load) or latest_tag(args.load) is None:
+    if not os.path.isdir(args.load) or read_tag(args.load) is None:
         raise ConfigError(f"--load {args.load}: no hybrid checkpoint there (no 'latest' file).")
-    meta = read_meta(args.load, latest_tag(args.load))
+    meta = read_meta(args.load, read_tag(args.load))
     config = model_config_from_summary(meta["hybrid_config"])
     config.hidden_dropout = config.attention_dropout = 0.0
     config.recompute_granularity = None

@@ -122,6 +122,9 @@ def _add_checkpointing_args(p):
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--universal-checkpoint", action="store_true",
+                   help="load the --load directory's universal checkpoint (made by conversion/checkpoint_util.py "
+                        "--saver universal) at any TP/PP/DP/ZeRO layout, with optimizer state (Megatron-DeepSpeed)")
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model architecture and parallel sizes from the --load checkpoint")
     g.add_argument("--no-save-optim", action="store_true", help="accepted; DeepSpeed always saves it")

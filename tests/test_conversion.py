@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hybrid.conversion.layout import read_hybrid
+from hybrid.testing import run_on_ranks
 from tests.launch_helpers import MERGES, VOCAB, copy_default_corpus, read_log, run
 
 VOCAB_SIZE = 8192  # the embedded tokenizer's
@@ -196,16 +197,38 @@ def test_bad_conversion_input_is_a_clear_error_with_no_output(tmp_path, case, me
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_conversion_partition_rules_agree_with_the_layers_attributes(family):
-    from hybrid.conversion.layout import partition_rule
+def test_tp_layout_is_read_from_the_layers_and_shards_each_parameter_as_the_model_does(family):
+    """The one TP layout (hybrid.checkpoint_format.tp_layout, from the parameters' attributes) splits a
+    full model's weights into exactly the shards a TP = 2 model builds on each rank."""
+    from hybrid.checkpoint_format import tp_layout
     from hybrid.model.config import ModelConfig
-    from hybrid.model.gpt import GPTModel
     from tests.model_harness import CONFIGS
     config = ModelConfig(**CONFIGS[family])
-    for name, param in GPTModel(config).named_parameters():
-        expected = (param.partition_dim, param.partition_stride) if getattr(param, "tensor_model_parallel", False) \
-            else None
-        assert partition_rule(name, config) == expected, name
+    layout = tp_layout(config)
+    assert layout["layers.0.attention.dense.weight"].dim == 1 and layout["layers.0.attention.qkv.weight"].dim == 0
+    assert layout["embedding.word_embeddings.weight"].vocab_padded
+    assert layout["layers.0.mlp.fc1.weight"].stride == (2 if config.swiglu else 1)
+    assert layout["final_norm.weight"].dim is None
+    from hybrid.model.gpt import GPTModel
+    full = {n: p.detach() for n, p in GPTModel(ModelConfig(**CONFIGS[family])).named_parameters()}
+    assert all(run_on_ranks(_tp2_shards_match_layout, 2, CONFIGS[family], full))
+
+
+def _tp2_shards_match_layout(config_kwargs, full):
+    import torch
+    from hybrid.conversion.layout import shard_for_rank
+    from hybrid.model.config import ModelConfig
+    from hybrid.model.gpt import GPTModel
+    from hybrid.topology import Topology
+    topology = Topology(2, 1)
+    config = ModelConfig(**config_kwargs)
+    for name, param in GPTModel(config, topology.tp_group).named_parameters():  # weights depend on names only
+        value = full[name]
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            value = value[: config.vocab_size]
+        torch.testing.assert_close(shard_for_rank(name, value, config, 2, topology.tp_rank), param.detach(),
+                                   rtol=0, atol=0, msg=name)
+    return True
 
 
 def test_resharded_checkpoint_continues_the_lr_schedule_and_finetune_restarts_it(data, tmp_path):

@@ -24,7 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["hybrid", "hf"],
                    help="hybrid (aliases megatron, mcore, core, legacy): a launch/train.py checkpoint; "
                         "hf (aliases llama_mistral, llama2_hf, loader_llama2_hf): a transformers directory")
-    p.add_argument("--saver", default="hybrid", type=_format_alias, choices=["hybrid", "hf"])
+    p.add_argument("--saver", default="hybrid", type=_format_alias, choices=["hybrid", "hf", "universal"],
+                   help="hybrid: weights at --target-*-parallel-size; hf: a transformers directory; universal: "
+                        "DeepSpeed's universal checkpoint of --load-dir's last checkpoint, written beside it (with "
+                        "optimizer state; launch/train.py --load DIR --universal-checkpoint resumes it at any layout)")
     p.add_argument("--checkpoint-type", default=None, choices=["hf", "meta"],
                    help="with a Llama loader: hf (a transformers directory); meta (raw weights) is refused")
     p.add_argument("--model-size", default=None, help="accepted: the model's shape is read from its config")
@@ -36,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted: tensors keep the source's precision; training casts per its own flags")
     p.add_argument("--hf-convert", action="store_true", help="shorthand for --saver hf")
     p.add_argument("--load-dir", required=True)
-    p.add_argument("--save-dir", required=True)
+    p.add_argument("--save-dir", default=None, help="output directory (not with --saver universal)")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     p.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json, exported with the model")
@@ -95,6 +98,10 @@ def convert(args) -> str:
                           "--loader hf (or llama_mistral) --checkpoint-type hf.")
     saver = "hf" if args.hf_convert else args.saver
     loader = args.loader
+    if saver == "universal":
+        return _universal(args)
+    if not args.save_dir:
+        raise ConfigError(f"--saver {saver} needs --save-dir DIR.")
     show = not args.no_progress_bar
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     if loader == "hf":
@@ -102,7 +109,7 @@ def convert(args) -> str:
         client_state = {"args": {}, "iteration": 0, "consumed_samples": 0}
     else:
         state, meta = read_hybrid(args.load_dir, progress=_progress(show, "reading"))
-        from hybrid.conversion.layout import model_config_from_summary
+        from hybrid.checkpoint_format import model_config_from_summary
         config = model_config_from_summary(meta["hybrid_config"])
         client_state = {k: meta[k] for k in ("args", "iteration", "consumed_samples", "hybrid_config") if k in meta}
     if args.make_vocab_size_divisible_by:
@@ -115,6 +122,17 @@ def convert(args) -> str:
     write_hybrid(state, config, tp, pp, args.save_dir, client_state, int(client_state.get("iteration", 0)),
                  _progress(show, "writing"))
     return f"wrote hybrid checkpoint (TP={tp}, PP={pp}) to {args.save_dir}"
+
+
+def _universal(args) -> str:
+    """Universal checkpoint of --load-dir's latest checkpoint, beside it (DeepSpeed's layout)."""
+    from hybrid.conversion.layout import resolve_tag
+    from hybrid.conversion.universal import to_universal
+    if args.loader != "hybrid" or args.save_dir:
+        raise ConfigError("--saver universal converts a launch/train.py checkpoint in place (--load-dir DIR, no "
+                          "--save-dir): the universal checkpoint is written beside it as DIR/<tag>_universal.")
+    tag = to_universal(args.load_dir, resolve_tag(args.load_dir), log=lambda m: print(m, file=sys.stderr))
+    return f"wrote universal checkpoint {os.path.join(args.load_dir, tag)} ('latest_universal' points at it)"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

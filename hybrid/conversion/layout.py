@@ -18,68 +18,32 @@ from typing import Optional
 
 import torch
 
+from hybrid.checkpoint_format import (LATEST, MEGATRON_LATEST, canonical_name, first_model_file, layer_file,  # noqa: F401
+                                      load_file, model_config_from_summary, model_file, model_summary,
+                                      pipeline_index, tag_for, tp_layout)
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
 from hybrid.parallel.layers import shard, unshard
 
-VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
-
-
-def partition_rule(name: str, config: ModelConfig) -> Optional[tuple[int, int]]:
-    """(dim, stride) along which `name` is split over TP, or None if replicated.
-
-    Mirrors the layers: ColumnParallelLinear splits dim 0 (fc1 with stride 2 for SwiGLU's
-    [gate; up]), RowParallelLinear dim 1 of its weight, the vocabulary tables dim 0.
-    """
-    if name in VOCAB_PARAMS or re.search(r"attention\.qkv\.(weight|bias)$", name):
-        return 0, 1
-    if re.search(r"mlp\.fc1\.(weight|bias)$", name):
-        return 0, 2 if config.swiglu else 1
-    if re.search(r"(attention\.dense|mlp\.fc2)\.weight$", name):
-        return 1, 1
-    return None
-
-
-def model_config_from_summary(summary: dict) -> ModelConfig:
-    fields = dict(summary["model"])
-    fields.pop("params_dtype", None)  # written by checkpoints before the setting was removed
-    return ModelConfig(**fields)
-
-
-def load_file(path: str) -> dict:
-    """One DeepSpeed checkpoint file (it pickles Python objects, so not weights_only)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"checkpoint file {path} is missing; the checkpoint is incomplete.")
-    return torch.load(path, map_location="cpu", weights_only=False)  # DeepSpeed's own files
+__all__ = ["read_hybrid", "write_hybrid", "shard_for_rank", "partition_rule", "model_config_from_summary",
+           "resolve_tag", "check_target_layout"]
 
 
 def resolve_tag(load_dir: str, tag: Optional[str] = None) -> str:
+    """`tag`, or the one `latest` names."""
     if tag is not None:
         return tag
-    latest = os.path.join(load_dir, "latest")
+    latest = os.path.join(load_dir, LATEST)
     if not os.path.isfile(latest):
         raise ConfigError(f"--load-dir {load_dir}: no 'latest' file; not a hybrid checkpoint directory "
                           f"(made by launch/train.py --save).")
     with open(latest) as f:
         return f.read().strip()
 
-
-def first_model_file(ckpt: str) -> str:
-    for pattern in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
-        if os.path.isfile(os.path.join(ckpt, pattern)):
-            return os.path.join(ckpt, pattern)
-    raise ConfigError(f"{ckpt}: no mp_rank_00 model states file; not a hybrid checkpoint.")
-
-
-def _pipeline_name(index: int, key: str, num_layers: int) -> Optional[str]:
-    """Canonical name of a parameter in pipeline layer file `index` (None: tied duplicate)."""
-    if index == 0:
-        return "embedding." + key
-    if index <= num_layers:
-        return f"layers.{index - 1}.{key}"
-    if key == "word_embeddings.weight":
-        return None  # the last stage's copy of the tied embedding
-    return key
+def partition_rule(name: str, config: ModelConfig) -> Optional[tuple[int, int]]:
+    """(dim, stride) along which `name` is split over TP, or None if replicated (from tp_layout)."""
+    rule = tp_layout(config)[name]
+    return None if rule.dim is None else (rule.dim, rule.stride)
 
 
 def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tuple[dict, dict]:
@@ -98,22 +62,24 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
         for path in sorted(glob.glob(os.path.join(ckpt, "layer_*-model_*-model_states.pt"))):
             index, tp_rank = map(int, re.search(r"layer_(\d+)-model_(\d+)-", os.path.basename(path)).groups())
             for key, value in load_file(path).items():
-                name = _pipeline_name(index, key, config.num_layers)
+                name = canonical_name(f"{index}.{key}", config.num_layers)
                 if name is not None:
                     shards.setdefault(name, {})[tp_rank] = value
     elif os.path.basename(first_model_file(ckpt)).startswith("zero_pp_rank"):
-        if tp > 1:
-            raise ConfigError(f"{ckpt}: ZeRO-3 checkpoints with TP = {tp} cannot be consolidated here (DeepSpeed's "
-                              f"zero_to_fp32 handles TP = 1 only); train ZeRO-3 runs at TP = 1 or use ZeRO-1/2.")
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        full = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag)
+        if tp > 1:  # DeepSpeed's zero_to_fp32 handles TP = 1 only; its ds_to_universal merges TP too
+            from hybrid.conversion.universal import read_fp32_state
+            full = read_fp32_state(ckpt, config)
+        else:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+            full = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag)
         shards = {name: {0: value} for name, value in full.items()}
     else:
         for tp_rank in range(tp):
-            module = load_file(os.path.join(ckpt, f"mp_rank_{tp_rank:02d}_model_states.pt"))["module"]
+            module = load_file(os.path.join(ckpt, model_file(tp_rank)))["module"]
             for name, value in module.items():
                 shards.setdefault(name, {})[tp_rank] = value
     state = {}
+    layout = tp_layout(config)
     names = sorted(shards)
     for name in (progress(names) if progress else names):
         by_rank = shards.pop(name)  # free the shards as the full tensor is built: ~one copy at a time
@@ -125,7 +91,7 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
             tensor = unshard(pieces, *rule)
         else:
             tensor = pieces[0]
-        if name in VOCAB_PARAMS:
+        if layout[name].vocab_padded:
             tensor = tensor[: config.vocab_size]
         state[name] = tensor.float().clone()
     return state, meta
@@ -133,7 +99,7 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
 
 def shard_for_rank(name: str, tensor: torch.Tensor, config: ModelConfig, tp: int, tp_rank: int) -> torch.Tensor:
     """The TP shard of a full canonical tensor, vocabulary padded as the model at this TP pads it."""
-    if name in VOCAB_PARAMS:
+    if tp_layout(config)[name].vocab_padded:
         padded = config.padded_vocab_size(tp)
         if tensor.size(0) < padded:
             tensor = torch.cat([tensor, tensor.new_zeros((padded - tensor.size(0),) + tuple(tensor.shape[1:]))])
@@ -164,7 +130,7 @@ def write_hybrid(state: dict, config: ModelConfig, tp: int, pp: int, save_dir: s
     if missing or unexpected:
         raise ConfigError(f"state dict does not fit the model: missing {sorted(missing)[:5]}, "
                           f"unexpected {sorted(unexpected)[:5]}.")
-    tag = f"iter_{iteration:07d}"
+    tag = tag_for(iteration)
     parent = os.path.dirname(os.path.abspath(save_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
@@ -173,7 +139,7 @@ def write_hybrid(state: dict, config: ModelConfig, tp: int, pp: int, save_dir: s
         os.makedirs(ckpt)
         summary = dict(client_state.get("hybrid_config") or {})
         common = dict(client_state, iteration=iteration, weights_only=True, hybrid_config=dict(
-            summary, model=_model_summary(config), tensor_parallel=tp, pipeline_parallel=pp, data_parallel=1),
+            summary, model=model_summary(config), tensor_parallel=tp, pipeline_parallel=pp, data_parallel=1),
             dp_world_size=1, mp_world_size=tp * pp, ds_version=deepspeed.__version__, global_steps=iteration,
             skipped_steps=0, buffer_names=[], optimizer=None, lr_scheduler=None)
         names = sorted(state)
@@ -181,12 +147,12 @@ def write_hybrid(state: dict, config: ModelConfig, tp: int, pp: int, save_dir: s
             for tp_rank in range(tp):
                 module = {n: shard_for_rank(n, state[n], config, tp, tp_rank).contiguous().clone() for n in
                           (progress(names) if progress and tp_rank == 0 else names)}
-                torch.save(dict(common, module=module), os.path.join(ckpt, f"mp_rank_{tp_rank:02d}_model_states.pt"))
+                torch.save(dict(common, module=module), os.path.join(ckpt, model_file(tp_rank)))
         else:
             _write_pipeline(state, config, tp, pp, ckpt, common, progress)
-        with open(os.path.join(tmp, "latest"), "w") as f:
+        with open(os.path.join(tmp, LATEST), "w") as f:
             f.write(tag)
-        with open(os.path.join(tmp, "latest_checkpointed_iteration.txt"), "w") as f:
+        with open(os.path.join(tmp, MEGATRON_LATEST), "w") as f:
             f.write(str(iteration))
         if os.path.exists(save_dir):
             if os.listdir(save_dir):
@@ -200,43 +166,23 @@ def write_hybrid(state: dict, config: ModelConfig, tp: int, pp: int, save_dir: s
 
 
 def _write_pipeline(state, config, tp, pp, ckpt, common, progress):
-    last = config.num_layers + 2
-    files: dict[int, dict[str, str]] = {}  # spec index -> {local key: canonical name}
+    files: dict[int, dict[str, str]] = {}  # LayerSpec index -> {key in that layer: canonical name}
     for name in state:
-        if name.startswith("embedding."):
-            files.setdefault(0, {})[name[len("embedding."):]] = name
-        elif name.startswith("layers."):
-            layer, key = name[len("layers."):].split(".", 1)
-            files.setdefault(int(layer) + 1, {})[key] = name
-        elif name.startswith("final_norm."):
-            files.setdefault(config.num_layers + 1, {})[name] = name
-        elif name == "output_layer.weight":
-            files.setdefault(last, {})[name] = name
-    if config.tied_embeddings:
-        files.setdefault(last, {})["word_embeddings.weight"] = "embedding.word_embeddings.weight"
+        index, key = pipeline_index(name, config)
+        files.setdefault(index, {})[key] = name
+    if config.tied_embeddings:  # the last stage's copy of the word embeddings
+        files.setdefault(config.num_layers + 2, {})["word_embeddings.weight"] = "embedding.word_embeddings.weight"
     indices = sorted(files)
     for index in (progress(indices) if progress else indices):
         for tp_rank in range(tp):
             layer_state = {key: shard_for_rank(name, state[name], config, tp, tp_rank).contiguous().clone()
                            for key, name in files[index].items()}
-            torch.save(layer_state, os.path.join(ckpt, f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt"))
+            torch.save(layer_state, os.path.join(ckpt, layer_file(index, tp_rank)))
     for stage in range(pp):
         for tp_rank in range(tp):
-            torch.save(dict(common, module=None),
-                       os.path.join(ckpt, f"mp_rank_{stage * tp + tp_rank:02d}_model_states.pt"))
-
-
-def _model_summary(config: ModelConfig) -> dict:
-    from dataclasses import asdict
-    summary = asdict(config)
-    return summary
+            torch.save(dict(common, module=None), os.path.join(ckpt, model_file(tp_rank, stage, tp)))
 
 
 def _expected_names(config: ModelConfig) -> set:
-    """Canonical parameter names of a model with this config's structure (built tiny: names depend on
-    the layer count and options, not on the sizes)."""
-    import dataclasses
-    from hybrid.model.gpt import GPTModel
-    tiny = dataclasses.replace(config, hidden_size=2 * config.num_attention_heads, ffn_hidden_size=2, vocab_size=8,
-                               max_position_embeddings=2, make_vocab_size_divisible_by=1)
-    return set(dict(GPTModel(tiny).named_parameters()))
+    """Canonical parameter names of a model with this config's structure."""
+    return set(tp_layout(config))

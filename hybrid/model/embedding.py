@@ -81,6 +81,7 @@ class OutputHead(ColumnParallelLinear):
                          vocab_rows_init(normal_init(config.seed, "output_layer.weight", config.init_method_std),
                                          config.vocab_size), bias=False,
                          sequence_parallel=config.sequence_parallel)
+        self.weight.vocab_padded = True  # rows are the (padded) vocabulary, as the embedding's
         self.vocab_size = config.vocab_size
 
     def loss_logits(self, hidden):

@@ -8,7 +8,6 @@ Canonical parameter names (shared by both forms, conversion and checkpoints):
 
 from __future__ import annotations
 
-import re
 
 import torch
 import torch.nn as nn
@@ -188,27 +187,12 @@ def _recomputed(forward):
     return wrapped
 
 
-_PIPE_NAME = re.compile(r"^(\d+)\.(.*)$")
-
-
 def canonical_parameters(model: nn.Module, num_layers: int) -> dict[str, nn.Parameter]:
     """This rank's parameters under their canonical names, for GPTModel or a pipeline stage."""
     if not isinstance(model, PipelineModule):
         return dict(model.named_parameters())
-    out = {}
-    for name, param in model.named_parameters():
-        if name.startswith("tied_modules.embed."):
-            out["embedding." + name[len("tied_modules.embed."):]] = param
-            continue
-        index, rest = _PIPE_NAME.match(name).groups()
-        index = int(index)
-        if index == 0:
-            out["embedding." + rest] = param
-        elif index <= num_layers:
-            out[f"layers.{index - 1}.{rest}"] = param
-        else:  # FinalNormStage / OutputHeadStage carry the canonical names themselves
-            out[rest] = param
-    return out
+    from hybrid.checkpoint_format import canonical_name
+    return {canonical_name(name, num_layers): param for name, param in model.named_parameters()}
 
 
 def pipeline_ds_config(config: ModelConfig) -> dict:

@@ -10,16 +10,27 @@ import torch
 import torch.distributed as dist
 
 
+class _SingleRank:
+    """A group of this rank alone that needs no torch.distributed call: a model built with it is the
+    one-rank (TP = 1) model even inside a distributed job (None would mean the whole world)."""
+
+    def __repr__(self) -> str:
+        return "SINGLE_RANK"
+
+
+SINGLE_RANK = _SingleRank()
+
+
 def group_size(group) -> int:
-    """Number of ranks in `group` (1 when distributed is not initialised)."""
-    if not dist.is_initialized():
+    """Number of ranks in `group` (1 for SINGLE_RANK or when distributed is not initialised)."""
+    if group is SINGLE_RANK or not dist.is_initialized():
         return 1
     return dist.get_world_size(group=group)
 
 
 def group_rank(group) -> int:
-    """This rank's index inside `group` (0 when distributed is not initialised)."""
-    if not dist.is_initialized():
+    """This rank's index inside `group` (0 for SINGLE_RANK or when distributed is not initialised)."""
+    if group is SINGLE_RANK or not dist.is_initialized():
         return 0
     return dist.get_rank(group=group)
 

@@ -92,6 +92,7 @@ class VocabParallelEmbedding(nn.Module):
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
         self.weight = _make_parallel_param((num_embeddings, embedding_dim), 0, 1, tp_group,
                                            init_method, params_dtype, device)
+        self.weight.vocab_padded = True  # rows are the vocabulary (padded per TP degree by the model)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if C.group_size(self.tp_group) > 1:

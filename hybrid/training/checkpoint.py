@@ -14,44 +14,14 @@ from typing import Optional
 
 import torch.distributed as dist
 from deepspeed.checkpoint import constants as ds_constants
+from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
+from hybrid.checkpoint_format import (LATEST, LATEST_UNIVERSAL, MEGATRON_LATEST, read_meta, read_tag, tag_for,
+                                      universal_checkpoint_info, write_atomic)
 from hybrid.config import RunConfig, config_summary
 from hybrid.errors import ConfigError
 from hybrid.parallel.random import get_rng_states, set_rng_states
 from hybrid.training.logging import log
-
-LATEST = "latest"
-MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
-
-
-def tag_for(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
-
-
-def universal_checkpoint_info(run: RunConfig) -> dict:
-    """How each parameter is laid out over TP, in DeepSpeed's universal-checkpoint vocabulary."""
-    c = ds_constants
-    info = {
-        c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-        c.VOCABULARY_PARAMETER_PATTERNS: [r".*word_embeddings\.weight$", r".*output_layer\.weight$"],
-        c.TP_REPLICATED_PARAMETER_PATTERNS: [r".*norm\.weight$", r".*norm\.bias$", r".*position_embeddings\.weight$",
-                                             r".*attention\.dense\.bias$", r".*mlp\.fc2\.bias$"],
-        c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [r".*attention\.dense\.weight$", r".*mlp\.fc2\.weight$"],
-        c.PARAMETER_TO_AVERAGE_PATTERNS: [],
-    }
-    if run.model.swiglu:  # fc1 holds [gate; up], each split over TP
-        info[c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0] = [r".*mlp\.fc1\.weight$", r".*mlp\.fc1\.bias$"]
-    return info
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
 
 def save(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples: int) -> str:
     """Save through DeepSpeed, then point `latest` at it."""
@@ -62,15 +32,16 @@ def save(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples
         "args": run.args,
         "hybrid_config": config_summary(run),
         "rng_states": get_rng_states(),
-        ds_constants.UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(run),
+        ds_constants.UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(run.model, run.tensor_parallel,
+                                                                          run.pipeline_parallel > 1),
     }
     os.makedirs(save_dir, exist_ok=True)
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
     if dist.is_initialized():
         dist.barrier()  # every rank's files are written before the pointer moves
     if not dist.is_initialized() or dist.get_rank() == 0:
-        _write_atomic(os.path.join(save_dir, LATEST), tag)
-        _write_atomic(os.path.join(save_dir, MEGATRON_LATEST), str(iteration))
+        write_atomic(os.path.join(save_dir, LATEST), tag)
+        write_atomic(os.path.join(save_dir, MEGATRON_LATEST), str(iteration))
     if dist.is_initialized():
         dist.barrier()
     log(f"saved checkpoint {tag} to {save_dir}")
@@ -78,15 +49,7 @@ def save(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples
 
 
 def latest_tag(load_dir: str) -> Optional[str]:
-    path = os.path.join(load_dir, LATEST)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        tag = f.read().strip()
-    if not os.path.isdir(os.path.join(load_dir, tag)):
-        raise ConfigError(f"--load {load_dir}: 'latest' names {tag!r}, which does not exist; the checkpoint "
-                          f"directory is incomplete.")
-    return tag
+    return read_tag(load_dir, LATEST)
 
 
 def load(engine, run: RunConfig) -> tuple[int, int]:
@@ -106,33 +69,79 @@ def load(engine, run: RunConfig) -> tuple[int, int]:
             raise ConfigError(f"--load {load_dir} --finetune: no checkpoint there (no '{LATEST}' file).")
         log(f"WARNING: no checkpoint found in {load_dir} (no '{LATEST}' file); training from scratch.")
         return 0, 0
+    if train.universal_checkpoint:
+        return _load_universal(engine, run, load_dir)
     meta = read_meta(load_dir, tag)
     if train.finetune or meta.get("weights_only"):
         return _load_weights_only(engine, run, load_dir, tag, meta)
+    check_same_layout(meta, run, load_dir, tag)
     try:
         path, client_state = engine.load_checkpoint(
             load_dir, tag=tag, load_optimizer_states=not train.no_load_optim,
             load_lr_scheduler_states=not train.no_load_optim, load_module_only=train.no_load_optim)
-    except (FileNotFoundError, RuntimeError, KeyError, AssertionError) as e:
-        raise ConfigError(f"--load {load_dir}: could not load checkpoint {tag}: {e}. Was it saved with the same "
-                          f"--tensor-model-parallel-size/--pipeline-model-parallel-size and ZeRO stage? Reshard "
-                          f"it with conversion/checkpoint_util.py, or load its weights with --finetune.") from None
+    except (FileNotFoundError, RuntimeError, KeyError, AssertionError, ValueError, ZeRORuntimeException) as e:
+        raise ConfigError(f"--load {load_dir}: could not load checkpoint {tag}: {e}. To load it anyway, "
+                          f"{_fix_command(load_dir)}.") from None
     if path is None:
         raise ConfigError(f"--load {load_dir}: DeepSpeed could not load checkpoint {tag}.")
+    iteration, consumed = _restore_client_state(client_state, train)
+    log(f"loaded checkpoint {load_dir}/{tag} at iteration {iteration}")
+    return iteration, consumed
+
+
+def _restore_client_state(client_state: Optional[dict], train) -> tuple[int, int]:
     client_state = client_state or {}
     if not train.no_load_rng and "rng_states" in client_state:
         set_rng_states(client_state["rng_states"])
-    iteration = int(client_state.get("iteration", 0))
-    log(f"loaded checkpoint {load_dir}/{tag} at iteration {iteration}")
-    return iteration, int(client_state.get("consumed_samples", 0))
+    return int(client_state.get("iteration", 0)), int(client_state.get("consumed_samples", 0))
 
 
-def read_meta(load_dir: str, tag: str) -> dict:
-    """Client state and DeepSpeed metadata of a checkpoint (rank 0's model-states file, no weights)."""
-    from hybrid.conversion.layout import first_model_file, load_file
-    meta = load_file(first_model_file(os.path.join(load_dir, tag)))
-    meta.pop("module", None)
-    return meta
+def _fix_command(load_dir: str) -> str:
+    return (f"make a universal checkpoint of it (python conversion/checkpoint_util.py --saver universal "
+            f"--load-dir {load_dir}) and add --universal-checkpoint, which keeps the optimizer state; or load "
+            f"its weights only with --finetune")
+
+
+def check_same_layout(meta: dict, run: RunConfig, load_dir: str, tag: str) -> None:
+    """A plain (non-universal) load needs the saved TP, PP, and, with ZeRO optimizer state, DP and
+    ZeRO stage: one message names what differs and the command that fixes it."""
+    saved = meta.get("hybrid_config") or {}
+    saved_stage = int(((meta.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
+    differences = [f"{what} {saved[key]} (this run: {now})" for what, key, now in (
+        ("--tensor-model-parallel-size", "tensor_parallel", run.tensor_parallel),
+        ("--pipeline-model-parallel-size", "pipeline_parallel", run.pipeline_parallel)) if saved.get(key, now) != now]
+    if not run.train.no_load_optim:
+        if saved_stage != run.zero_stage:
+            differences.append(f"ZeRO stage {saved_stage} (this run: {run.zero_stage})")
+        elif saved_stage > 0 and saved.get("data_parallel", run.data_parallel) != run.data_parallel:
+            differences.append(f"data-parallel size {saved['data_parallel']} (this run: {run.data_parallel}; ZeRO "
+                               f"partitions the optimizer state over it)")
+    if differences:
+        raise ConfigError(f"--load {load_dir}: checkpoint {tag} was saved with {'; '.join(differences)}. To resume "
+                          f"at this layout, {_fix_command(load_dir)}.")
+
+
+def _load_universal(engine, run: RunConfig, load_dir: str) -> tuple[int, int]:
+    """--universal-checkpoint: DeepSpeed loads the per-parameter fp32 weights and Adam moments and
+    slices them for this rank's TP/PP/DP position (its `load_universal` mode)."""
+    tag = read_tag(load_dir, LATEST_UNIVERSAL)
+    if tag is None:
+        raise ConfigError(f"--load {load_dir} --universal-checkpoint: no universal checkpoint there (no "
+                          f"'{LATEST_UNIVERSAL}' file). Make one from its last checkpoint with: python "
+                          f"conversion/checkpoint_util.py --saver universal --load-dir {load_dir}")
+    from hybrid.training import deepspeed_fixes
+    deepspeed_fixes.use_canonical_param_names(engine, run.model.num_layers)
+    try:
+        path, client_state = engine.load_checkpoint(load_dir, tag=tag)
+    except (FileNotFoundError, RuntimeError, KeyError, AssertionError, ValueError) as e:
+        raise ConfigError(f"--load {load_dir} --universal-checkpoint: could not load {tag}: {e}") from None
+    if path is None:
+        raise ConfigError(f"--load {load_dir}: DeepSpeed could not load universal checkpoint {tag}.")
+    if run.zero_stage == 3:
+        deepspeed_fixes.repair_zero3_universal_load(engine, os.path.join(load_dir, tag))
+    iteration, consumed = _restore_client_state(client_state, run.train)
+    log(f"loaded universal checkpoint {load_dir}/{tag} at iteration {iteration}")
+    return iteration, consumed
 
 
 def load_full_state(model, state: dict, config, topology) -> None:

@@ -1,0 +1,197 @@
+"""The checkpoint format, declared once and used by training, conversion and evaluation alike.
+
+- Files: DeepSpeed's (`mp_rank_XX_model_states.pt`; `layer_NN-model_TT-model_states.pt` for pipeline
+  stages; ZeRO's `*_optim_states.pt`), a tag per iteration (`iter_0000100`), and pointer files
+  (`latest`, Megatron's `latest_checkpointed_iteration.txt`, `latest_universal`) replaced atomically.
+- Parameter layout: each parameter's canonical name, its tensor-parallel split and its name inside a
+  DeepSpeed PipelineModule. The TP split is read from the layers' own attributes (`partition_dim`,
+  `partition_stride`, `vocab_padded`, set where each parameter is made), not restated here;
+  checkpoint partitioning, DeepSpeed's `universal_checkpoint_info` and conversion all derive from it.
+- Pipeline names: PipelineModule names a layer by its index in the full LayerSpec list (embedding 0,
+  transformer layer i at i + 1, final norm L + 1, head L + 2) whatever the stage split; a tied
+  embedding lives under `tied_modules.embed.` on the first and last stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+from typing import Optional
+
+import torch
+
+from hybrid.errors import ConfigError
+from hybrid.model.config import ModelConfig
+
+LATEST = "latest"
+LATEST_UNIVERSAL = "latest_universal"  # Megatron-DeepSpeed's pointer to a universal checkpoint
+MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
+UNIVERSAL_SUFFIX = "_universal"
+TIED_PREFIX = "tied_modules.embed."
+
+
+def tag_for(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write a small file under a temporary name, then rename it into place."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_tag(load_dir: str, pointer: str = LATEST) -> Optional[str]:
+    """The tag a pointer file names (None without the file); the tag's directory must exist."""
+    path = os.path.join(load_dir, pointer)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        tag = f.read().strip()
+    if not os.path.isdir(os.path.join(load_dir, tag)):
+        raise ConfigError(f"--load {load_dir}: '{pointer}' names {tag!r}, which does not exist; the checkpoint "
+                          f"directory is incomplete.")
+    return tag
+
+
+def model_file(tp_rank: int, pp_rank: int = 0, tp: int = 1) -> str:
+    return f"mp_rank_{pp_rank * tp + tp_rank:02d}_model_states.pt"
+
+
+def layer_file(index: int, tp_rank: int) -> str:
+    return f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt"
+
+
+def load_file(path: str) -> dict:
+    """One DeepSpeed checkpoint file (DeepSpeed pickles Python objects in them, so not weights_only)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"checkpoint file {path} is missing; the checkpoint is incomplete.")
+    return torch.load(path, map_location="cpu", weights_only=False)  # DeepSpeed's own files
+
+
+def first_model_file(ckpt: str) -> str:
+    for name in (model_file(0), "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if os.path.isfile(os.path.join(ckpt, name)):
+            return os.path.join(ckpt, name)
+    raise ConfigError(f"{ckpt}: no mp_rank_00 model states file; not a checkpoint written by launch/train.py --save.")
+
+
+def read_meta(load_dir: str, tag: str) -> dict:
+    """Client state and DeepSpeed metadata of a checkpoint (rank 0's model-states file, weights dropped)."""
+    meta = load_file(first_model_file(os.path.join(load_dir, tag)))
+    meta.pop("module", None)
+    return meta
+
+
+def model_summary(config: ModelConfig) -> dict:
+    return dataclasses.asdict(config)
+
+
+def model_config_from_summary(summary: dict) -> ModelConfig:
+    fields = dict(summary["model"])
+    fields.pop("params_dtype", None)  # written by checkpoints before the setting was removed
+    return ModelConfig(**fields)
+
+
+# --- parameter layout --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TPRule:
+    """How one parameter is split over TP ranks (read from the parameter's attributes)."""
+
+    dim: Optional[int]  # the split dimension; None: replicated on every TP rank
+    stride: int = 1  # 2: [gate; up] halves each split (SwiGLU's fc1)
+    vocab_padded: bool = False  # vocabulary rows, padded to a multiple of make-vocab-size-divisible-by x TP
+
+
+def tp_layout(config: ModelConfig) -> dict[str, TPRule]:
+    """Canonical name -> TPRule for every parameter of a model with this config."""
+    return dict(_tp_layout(json.dumps(dataclasses.asdict(config), sort_keys=True)))
+
+
+@functools.lru_cache(maxsize=16)
+def _tp_layout(config_json: str) -> tuple:
+    from hybrid.model.gpt import GPTModel
+    config = ModelConfig(**json.loads(config_json))
+    # a tiny model of the same structure (names and layers depend on the options, not the sizes)
+    tiny = dataclasses.replace(config, hidden_size=2 * config.num_attention_heads, ffn_hidden_size=2, vocab_size=8,
+                               max_position_embeddings=2, make_vocab_size_divisible_by=1)
+    from hybrid.parallel.collectives import SINGLE_RANK
+    rules = []
+    for name, param in GPTModel(tiny, SINGLE_RANK).named_parameters():
+        split = getattr(param, "tensor_model_parallel", False)
+        rules.append((name, TPRule(param.partition_dim if split else None, getattr(param, "partition_stride", 1),
+                                   getattr(param, "vocab_padded", False))))
+    return tuple(rules)
+
+
+def pipeline_index(name: str, config: ModelConfig) -> tuple[int, str]:
+    """(LayerSpec index, name inside that layer) of a canonical parameter name."""
+    if name.startswith("embedding."):
+        return 0, name[len("embedding."):]
+    if name.startswith("layers."):
+        layer, key = name[len("layers."):].split(".", 1)
+        return int(layer) + 1, key
+    if name.startswith("final_norm."):
+        return config.num_layers + 1, name
+    return config.num_layers + 2, name  # output_layer.weight
+
+
+def pipeline_name(name: str, config: ModelConfig) -> str:
+    """The name PipelineModule.named_parameters() gives a canonical parameter."""
+    if config.tied_embeddings and name.startswith("embedding."):
+        return TIED_PREFIX + name[len("embedding."):]
+    index, key = pipeline_index(name, config)
+    return f"{index}.{key}"
+
+
+_PIPE_NAME = re.compile(r"^(\d+)\.(.*)$")
+
+
+def canonical_name(name: str, num_layers: int) -> Optional[str]:
+    """Canonical name of a pipeline parameter name (also of a layer file's key, given as
+    `index.key`); None for the last stage's copy of a tied embedding in its layer file."""
+    if name.startswith(TIED_PREFIX):
+        return "embedding." + name[len(TIED_PREFIX):]
+    match = _PIPE_NAME.match(name)
+    if match is None:
+        return name  # already canonical (PP = 1)
+    index, key = int(match.group(1)), match.group(2)
+    if index == 0:
+        return "embedding." + key
+    if index <= num_layers:
+        return f"layers.{index - 1}.{key}"
+    if key == "word_embeddings.weight":
+        return None
+    return key
+
+
+def universal_checkpoint_info(config: ModelConfig, tp: int, pipeline: bool) -> dict:
+    """DeepSpeed's `universal_checkpoint_info` for this model: one exact pattern per parameter (in
+    the names DeepSpeed's files use: pipeline names when `pipeline`), derived from tp_layout, so
+    `ds_to_universal` in strict mode finds every pattern used."""
+    from deepspeed.checkpoint import constants as c
+    groups = {c.VOCABULARY_PARAMETER_PATTERNS: [], c.TP_REPLICATED_PARAMETER_PATTERNS: [],
+              c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [], c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: []}
+    for name, rule in tp_layout(config).items():
+        pattern = "^" + re.escape(pipeline_name(name, config) if pipeline else name) + "$"
+        if rule.vocab_padded:
+            groups[c.VOCABULARY_PARAMETER_PATTERNS].append(pattern)
+        elif rule.dim is None:
+            groups[c.TP_REPLICATED_PARAMETER_PATTERNS].append(pattern)
+        elif rule.dim == 1:
+            groups[c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS].append(pattern)
+        elif rule.stride == 2:
+            groups[c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0].append(pattern)
+        # column-parallel (dim 0, stride 1) is DeepSpeed's default: concatenated along dim 0
+    info = {c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+            c.ORIGINAL_VOCAB_SIZE: config.vocab_size, c.PADDED_VOCAB_SIZE: config.padded_vocab_size(tp),
+            c.PARAMETER_TO_AVERAGE_PATTERNS: []}
+    info.update({key: patterns for key, patterns in groups.items() if patterns})
+    return info
