@@ -27,38 +27,30 @@ _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 def parameter_inventory(config: ModelConfig, tp: int) -> dict[str, tuple[int, bool]]:
     """Canonical name -> (elements on one TP rank, weight-decayed?), for the whole model.
 
-    The TP rules are those of hybrid.parallel.layers: vocabulary rows, QKV and fc1 output
-    features, dense and fc2 input features are split over TP; norms, position embeddings and
-    row-parallel biases are replicated."""
+    Full shapes follow from the config; how each is split over TP comes from the one TP layout
+    (hybrid.checkpoint_format.tp_layout, read from the layers' attributes); biases and norm weights
+    take no weight decay (hybrid.training.engine's rule)."""
+    from hybrid.checkpoint_format import tp_layout
     h, d = config.hidden_size, config.head_dim
-    qkv = (config.num_attention_heads + 2 * config.num_query_groups) * d
-    up = config.ffn_hidden_size * (2 if config.swiglu else 1)
-    bias, norm_bias = config.add_bias_linear, config.normalization == "LayerNorm"
-    out = {"embedding.word_embeddings.weight": (config.padded_vocab_size(tp) // tp * h, True)}
-    if config.position_embedding_type == "learned_absolute":
-        out["embedding.position_embeddings.weight"] = (config.max_position_embeddings * h, True)
-
-    def norm(prefix):
-        out[f"{prefix}.weight"] = (h, False)
-        if norm_bias:
-            out[f"{prefix}.bias"] = (h, False)
-
-    for i in range(config.num_layers):
-        p = f"layers.{i}"
-        norm(f"{p}.input_norm")
-        out[f"{p}.attention.qkv.weight"] = (qkv // tp * h, True)
-        out[f"{p}.attention.dense.weight"] = (h * (config.num_attention_heads * d // tp), True)
-        norm(f"{p}.post_attention_norm")
-        out[f"{p}.mlp.fc1.weight"] = (up // tp * h, True)
-        out[f"{p}.mlp.fc2.weight"] = (h * (config.ffn_hidden_size // tp), True)
-        if bias:
-            out[f"{p}.attention.qkv.bias"] = (qkv // tp, False)
-            out[f"{p}.attention.dense.bias"] = (h, False)
-            out[f"{p}.mlp.fc1.bias"] = (up // tp, False)
-            out[f"{p}.mlp.fc2.bias"] = (h, False)
-    norm("final_norm")
-    if config.untie_embeddings_and_output_weights:
-        out["output_layer.weight"] = (config.padded_vocab_size(tp) // tp * h, True)
+    full = {"embedding.position_embeddings.weight": config.max_position_embeddings * h,
+            "attention.qkv": (config.num_attention_heads + 2 * config.num_query_groups) * d,
+            "attention.dense": h, "mlp.fc1": config.ffn_hidden_size * (2 if config.swiglu else 1), "mlp.fc2": h}
+    inputs = {"attention.qkv": h, "attention.dense": config.num_attention_heads * d, "mlp.fc1": h,
+              "mlp.fc2": config.ffn_hidden_size}
+    out = {}
+    for name, rule in tp_layout(config).items():
+        if rule.vocab_padded:  # vocabulary rows padded for this TP degree, then split
+            out[name] = (config.padded_vocab_size(tp) // tp * h, True)
+            continue
+        if name in full:
+            numel = full[name]
+        elif name.endswith("norm.weight") or name.endswith("norm.bias"):
+            numel = h
+        else:
+            module = ".".join(name.split(".")[2:4])  # layers.{i}.attention.qkv.weight -> attention.qkv
+            numel = full[module] * (inputs[module] if name.endswith(".weight") else 1)
+        decayed = not (name.endswith(".bias") or "norm." in name)
+        out[name] = (numel // tp if rule.dim is not None else numel, decayed)
     return out
 
 

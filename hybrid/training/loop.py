@@ -254,13 +254,19 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
+ERROR_GRACE_SECONDS = 3.0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point: a user's mistake ends in one message and exit code 2, not a traceback."""
     try:
         code = run_training(argv)
     except ConfigError as e:
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:  # every rank meets the same error; launchers kill the others when one exits: let rank 0 print
+            time.sleep(ERROR_GRACE_SECONDS)
         code = 2
     if dist.is_initialized():
         dist.destroy_process_group()
