@@ -266,6 +266,18 @@ def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
     return changed
 
 
+def _check_universal(train: TrainConfig, stage: int, tp: int) -> None:
+    if not train.universal_checkpoint:
+        return
+    if stage == 0 and train.precision == "fp32":
+        raise ConfigError("--universal-checkpoint needs a ZeRO optimizer (DeepSpeed loads universal checkpoints into "
+                          "ZeRO-1/2/3): add --deepspeed ds_configs/zero1.json.")
+    if stage == 3 and tp > 1:
+        raise ConfigError("--universal-checkpoint with ZeRO-3 at --tensor-model-parallel-size > 1 is not supported: "
+                          "DeepSpeed 0.19's ZeRO-3 universal load does not split tensors over TP. Resume with "
+                          "ZeRO-1/2 at this TP (ds_configs/zero1.json), or with ZeRO-3 at TP 1.")
+
+
 def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_size: int) -> RunConfig:
     """Validate the flags against each other, the DeepSpeed config and the world size."""
     apply_checkpoint_args(args)
@@ -326,6 +338,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
         raise ConfigError("--torch-compile with ZeRO-3 is not supported: ZeRO-3 gathers each layer's "
                           "parameters in module hooks that torch.compile cannot trace. Use ZeRO-1/2 "
                           "(ds_configs/zero1.json, zero2.json) with --torch-compile, or drop --torch-compile.")
+    _check_universal(train, stage, tp)
     ds_config = dsc.final_ds_config(ds, args, train, stage, optimizer, model)
     return RunConfig(model=model, train=train, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
                      pipeline_partition=args.pipeline_partition, ds_config=ds_config,

@@ -24,6 +24,13 @@ CASES = {
     "dp2_zero2_to_tp2_zero1": (("torchrun", 2, ["--deepspeed", "ds_configs/zero2.json"]),
                                ("torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed",
                                                 "ds_configs/zero1.json"])),
+    "dp2_zero3_to_tp2_zero1": (("torchrun", 2, ["--deepspeed", "ds_configs/zero3.json"]),
+                               ("torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed",
+                                                "ds_configs/zero1.json"])),
+    "tp2_zero1_to_dp2_zero3_padded_vocab": (
+        ("torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json",
+                         "--make-vocab-size-divisible-by", 60]),
+        ("torchrun", 2, ["--deepspeed", "ds_configs/zero3.json", "--make-vocab-size-divisible-by", 60])),
     "pp2_to_pp1_untied": (("torchrun", 2, ["--pipeline-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json",
                                            *UNTIED]),
                           ("python", 1, ["--deepspeed", "ds_configs/zero1.json", *UNTIED])),
@@ -98,8 +105,14 @@ def test_plain_load_at_another_layout_is_one_message_naming_the_difference_and_t
         # one message, no Python traceback from hybrid's code (torchrun adds its own launcher traceback)
         assert "--saver universal --load-dir" in proc.stderr
         assert not re.search(r'File "[^"]*/hybrid/[^"]*\.py"', proc.stderr), proc.stderr[-3000:]
-    proc = run("python", 1, TINY + ["--data-path", data, "--load", ckpt, "--universal-checkpoint"], check=False)
-    assert proc.returncode == 2 and "no universal checkpoint there" in proc.stderr
+    for nproc, flags, expected in (
+            (1, [], "--universal-checkpoint needs a ZeRO optimizer"),
+            (1, ["--deepspeed", "ds_configs/zero1.json"], "no universal checkpoint there"),
+            (2, ["--tensor-model-parallel-size", 2, "--deepspeed", "ds_configs/zero3.json"],
+             "ZeRO-3 at --tensor-model-parallel-size > 1 is not supported")):
+        proc = run("torchrun" if nproc > 1 else "python", nproc,
+                   TINY + ["--data-path", data, "--load", ckpt, "--universal-checkpoint", *flags], check=False)
+        assert proc.returncode != 0 and expected in proc.stderr, proc.stderr[-2000:]
 
 
 def test_zero3_checkpoint_at_tp2_converts_to_huggingface_with_the_one_rank_weights(data, tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -52,6 +53,87 @@ def convert(ckpt: str, out_dir: str, config, log=print) -> None:
         canonical = canonical_name(name, config.num_layers)
         if canonical is not None and canonical != name:
             os.replace(os.path.join(zero, name), os.path.join(zero, canonical))
+    _normalize(zero, config, _param_shapes(out_dir, config))
+    _alias_model_files(out_dir)
+
+
+def _param_shapes(out_dir: str, config) -> dict:
+    """Canonical name -> shape, from the model-states files' `param_shapes` (ZeRO-3's universal files
+    hold flat tensors)."""
+    shapes = {}
+    for name in os.listdir(out_dir):
+        if name.endswith("_model_states.pt"):
+            groups = torch.load(os.path.join(out_dir, name), map_location="cpu", weights_only=False).get("param_shapes")
+            for group in groups or []:
+                for param, shape in group.items():
+                    shapes.setdefault(canonical_name(param, config.num_layers), tuple(shape))
+            break
+    return shapes
+
+
+def _alias_model_files(out_dir: str) -> None:
+    """DeepSpeed reads a universal checkpoint's metadata (client state, LR scheduler) from the
+    model-states file its target stage expects: `mp_rank_XX_...` for ZeRO-1/2, `zero_pp_rank_0_mp_rank_XX_...`
+    for ZeRO-3; ds_to_universal copies only the source's kind. Link the other name to it."""
+    import re
+    for name in os.listdir(out_dir):
+        plain = re.fullmatch(r"mp_rank_(\d+)_model_states\.pt", name)
+        zero3 = re.fullmatch(r"zero_pp_rank_0_mp_rank_(\d+)_model_states\.pt", name)
+        other = (f"zero_pp_rank_0_mp_rank_{plain.group(1)}_model_states.pt" if plain else
+                 f"mp_rank_{zero3.group(1)}_model_states.pt" if zero3 else None)
+        if other and not os.path.exists(os.path.join(out_dir, other)):
+            try:
+                os.link(os.path.join(out_dir, name), os.path.join(out_dir, other))
+            except OSError:
+                shutil.copy2(os.path.join(out_dir, name), os.path.join(out_dir, other))
+
+
+def _normalize(zero: str, config, shapes: dict) -> None:
+    """One layout for universal checkpoints from any ZeRO stage, loadable by any stage: DeepSpeed
+    0.19 writes ZeRO-3's per-parameter files as bare tensors without a step, keeps vocabulary padding,
+    and its global optimizer file differs per stage (ZeRO-1/2 loads read `param_groups` and
+    `ds_version`, ZeRO-3 loads read `optimizer_state_dict`). Here every file is DeepSpeed's
+    ZeRO-1/2 dict form (`param`, `cat_dim`, `vocab_tensor`), vocabulary rows are padded as at TP = 1
+    (ZeRO-1/2 loads pad further for their TP; ZeRO-3 loads at TP = 1 take them as they are), each
+    parameter has its `step`, and the global file carries both stages' keys."""
+    import deepspeed
+    from deepspeed.checkpoint import constants as c
+
+    from hybrid.checkpoint_format import tp_layout
+    path = os.path.join(zero, "optimizer_state.pt")
+    optim = torch.load(path, map_location="cpu", weights_only=False)
+    nested = optim.get("optimizer_state_dict") or {}
+    state = nested.get("state") or {}
+    step = next((s["step"] for s in state.values() if "step" in s), None)
+    padded = config.padded_vocab_size(1)
+    for name, rule in tp_layout(config).items():
+        folder = os.path.join(zero, name)
+        if not os.path.isdir(folder):
+            continue
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            file = os.path.join(folder, f"{key}.pt")
+            value = torch.load(file, map_location="cpu", weights_only=False)
+            entry = dict(value) if isinstance(value, dict) else {c.PARAM: value}
+            shape = shapes.get(name)
+            if entry[c.PARAM].dim() == 1 and shape and len(shape) > 1 and entry[c.PARAM].numel() == math.prod(shape):
+                entry[c.PARAM] = entry[c.PARAM].view(shape)  # ZeRO-3 writes flat tensors
+            entry.setdefault(c.CAT_DIM, rule.dim or 0)
+            if rule.stride == 2:
+                entry.setdefault(c.PARAM_N_SUB_PARAMS, 2)
+            if rule.vocab_padded:
+                tensor = entry[c.PARAM][: config.vocab_size]
+                entry[c.PARAM] = torch.cat([tensor, tensor.new_zeros((padded - tensor.size(0),) + tensor.shape[1:])])
+                entry[c.VOCAB_TENSOR] = True
+            torch.save(entry, file)
+        step_file = os.path.join(folder, "step.pt")
+        if os.path.isfile(step_file):
+            step = torch.load(step_file, map_location="cpu", weights_only=False) if step is None else step
+        elif step is not None:
+            torch.save(step, step_file)
+    optim.pop("fp32_flat_groups", None)  # ZeRO-3's copy of every weight, already in the per-parameter files
+    optim.setdefault(c.DS_VERSION, deepspeed.__version__)
+    optim["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": optim["param_groups"]}
+    torch.save(optim, path)
 
 
 def to_universal(load_dir: str, tag: str, log=print) -> str:

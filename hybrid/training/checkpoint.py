@@ -134,7 +134,7 @@ def _load_universal(engine, run: RunConfig, load_dir: str) -> tuple[int, int]:
     try:
         path, client_state = engine.load_checkpoint(load_dir, tag=tag)
     except (FileNotFoundError, RuntimeError, KeyError, AssertionError, ValueError) as e:
-        raise ConfigError(f"--load {load_dir} --universal-checkpoint: could not load {tag}: {e}") from None
+        raise ConfigError(f"--load {load_dir} --universal-checkpoint: could not load {tag}: {type(e).__name__}: {e}") from None
     if path is None:
         raise ConfigError(f"--load {load_dir}: DeepSpeed could not load universal checkpoint {tag}.")
     if run.zero_stage == 3:
