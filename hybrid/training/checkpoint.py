@@ -140,7 +140,9 @@ def _load_universal(engine, run: RunConfig, load_dir: str) -> tuple[int, int]:
     if run.zero_stage == 3:
         deepspeed_fixes.repair_zero3_universal_load(engine, os.path.join(load_dir, tag))
     iteration, consumed = _restore_client_state(client_state, run.train)
-    log(f"loaded universal checkpoint {load_dir}/{tag} at iteration {iteration}")
+    decays = ", ".join(f"{group['weight_decay']:g}" for group in engine.optimizer.param_groups)
+    log(f"loaded universal checkpoint {load_dir}/{tag} at iteration {iteration} (weight decay per parameter "
+        f"group: {decays})")
     return iteration, consumed
 
 
