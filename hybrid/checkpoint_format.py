@@ -31,6 +31,7 @@ LATEST_UNIVERSAL = "latest_universal"  # Megatron-DeepSpeed's pointer to a unive
 MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
 UNIVERSAL_SUFFIX = "_universal"
 TIED_PREFIX = "tied_modules.embed."
+OPTIMIZER_PARAM_NAMES = "optimizer_param_names"  # client state: canonical names in optimizer order (no ZeRO)
 
 
 def tag_for(iteration: int) -> str:

@@ -31,6 +31,11 @@ CASES = {
         ("torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json",
                          "--make-vocab-size-divisible-by", 60]),
         ("torchrun", 2, ["--deepspeed", "ds_configs/zero3.json", "--make-vocab-size-divisible-by", 60])),
+    # no ZeRO (fp32): converted here, DeepSpeed's tool reads ZeRO partitions only
+    "pp2_zero0_to_pp1_zero1": (("torchrun", 2, ["--pipeline-model-parallel-size", 2]),
+                               ("python", 1, ["--deepspeed", "ds_configs/zero1.json"])),
+    "tp2_zero0_to_dp2_zero2": (("torchrun", 2, ["--tensor-model-parallel-size", 2]),
+                               ("torchrun", 2, ["--deepspeed", "ds_configs/zero2.json"])),
     "pp2_to_pp1_untied": (("torchrun", 2, ["--pipeline-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json",
                                            *UNTIED]),
                           ("python", 1, ["--deepspeed", "ds_configs/zero1.json", *UNTIED])),

@@ -78,6 +78,11 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
             module = load_file(os.path.join(ckpt, model_file(tp_rank)))["module"]
             for name, value in module.items():
                 shards.setdefault(name, {})[tp_rank] = value
+    return merge_shards(shards, config, tp, ckpt, progress), meta
+
+
+def merge_shards(shards: dict, config: ModelConfig, tp: int, ckpt: str = "", progress=None) -> dict:
+    """{canonical name: {tp_rank: shard}} -> full fp32 tensors, vocabulary padding removed."""
     state = {}
     layout = tp_layout(config)
     names = sorted(shards)
@@ -94,7 +99,7 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
         if layout[name].vocab_padded:
             tensor = tensor[: config.vocab_size]
         state[name] = tensor.float().clone()
-    return state, meta
+    return state
 
 
 def shard_for_rank(name: str, tensor: torch.Tensor, config: ModelConfig, tp: int, tp_rank: int) -> torch.Tensor:

@@ -29,17 +29,23 @@ UNIVERSAL_INFO = "hybrid_universal.json"  # what the universal checkpoint was ma
 
 
 def _check_convertible(ckpt: str) -> None:
-    if not glob.glob(os.path.join(ckpt, "*optim_states.pt")):
-        raise ConfigError(f"{ckpt} holds no ZeRO optimizer files (a ZeRO-0 fp32 run): DeepSpeed's universal "
-                          f"checkpoints are made from ZeRO-1/2/3 (or bf16) optimizer partitions. Train with "
-                          f"ds_configs/zero1.json, or reshard the weights only with conversion/checkpoint_util.py "
-                          f"--target-tensor-parallel-size N --target-pipeline-parallel-size M.")
+    if not glob.glob(os.path.join(ckpt, "*optim_states.pt")) and not _is_zero0(ckpt):
+        raise ConfigError(f"{ckpt} holds no ZeRO optimizer partitions and no record of which parameter each "
+                          f"optimizer state belongs to (a checkpoint without ZeRO written by an older hybrid): "
+                          f"resume it once at its own layout and save again, or reshard its weights only with "
+                          f"conversion/checkpoint_util.py --target-tensor-parallel-size N "
+                          f"--target-pipeline-parallel-size M.")
 
 
 def convert(ckpt: str, out_dir: str, config, log=print) -> None:
     """DeepSpeed's ds_to_universal (strict mode) from `ckpt` into the new directory `out_dir`, then the
     parameter directories renamed to canonical names."""
     _check_convertible(ckpt)
+    if _is_zero0(ckpt):
+        log(f"converting {ckpt} (no ZeRO: its optimizer state is by parameter) into DeepSpeed's universal layout")
+        _zero0_to_universal(ckpt, out_dir, config)
+        _alias_model_files(out_dir)
+        return
     log(f"converting {ckpt} with DeepSpeed's ds_to_universal (strict)")
     proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", ckpt,
                            "--output_folder", out_dir, "--num_extract_workers", "1", "--num_merge_workers", "1"],
@@ -134,6 +140,61 @@ def _normalize(zero: str, config, shapes: dict) -> None:
     optim.setdefault(c.DS_VERSION, deepspeed.__version__)
     optim["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": optim["param_groups"]}
     torch.save(optim, path)
+
+
+def _is_zero0(ckpt: str) -> bool:
+    """A checkpoint without ZeRO whose optimizer state is indexed by parameter (fp32, written with
+    the canonical name of each position)."""
+    from hybrid.checkpoint_format import OPTIMIZER_PARAM_NAMES, first_model_file, load_file
+    if glob.glob(os.path.join(ckpt, "*optim_states.pt")):
+        return False
+    meta = load_file(first_model_file(ckpt))
+    return bool(meta.get(OPTIMIZER_PARAM_NAMES)) and isinstance(meta.get("optimizer"), dict)
+
+
+def _zero0_to_universal(ckpt: str, out_dir: str, config) -> None:
+    """What ds_to_universal does for ZeRO partitions, written here for the one case it does not
+    read (DeepSpeed has no universal conversion without ZeRO): each TP/PP rank's torch optimizer
+    state (position-indexed, names recorded at save time) and weights, merged over TP into one
+    directory per parameter in DeepSpeed's universal layout."""
+    from deepspeed.checkpoint import constants as c
+
+    from hybrid.checkpoint_format import OPTIMIZER_PARAM_NAMES, load_file, model_file
+    from hybrid.conversion.layout import merge_shards, read_hybrid
+    load_dir, tag = os.path.split(ckpt.rstrip(os.sep))
+    weights, meta = read_hybrid(load_dir, tag)
+    tp, pp = meta["hybrid_config"]["tensor_parallel"], meta["hybrid_config"]["pipeline_parallel"]
+    moments = {"exp_avg": {}, "exp_avg_sq": {}}
+    steps, param_groups = {}, None
+    os.makedirs(out_dir, exist_ok=True)
+    for stage in range(pp):
+        for tp_rank in range(tp):
+            path = os.path.join(ckpt, model_file(tp_rank, stage, tp))
+            rank_state = load_file(path)
+            shutil.copy2(path, out_dir)
+            optimizer, names = rank_state["optimizer"], rank_state[OPTIMIZER_PARAM_NAMES]
+            param_groups = param_groups or [{k: v for k, v in g.items() if k != "params"} for g in optimizer["param_groups"]]
+            for group, group_names in zip(optimizer["param_groups"], names):
+                for index, name in zip(group["params"], group_names):
+                    state = optimizer["state"].get(index, {})
+                    for key in moments:
+                        if key in state:  # a tied embedding's two copies hold the same moments: keep one
+                            moments[key].setdefault(name, {}).setdefault(tp_rank, state[key])
+                    if "step" in state:
+                        steps.setdefault(name, state["step"])
+    zero = os.path.join(out_dir, "zero")
+    full_moments = {key: merge_shards(by_name, config, tp, ckpt) for key, by_name in moments.items()}
+    for name, weight in weights.items():
+        os.makedirs(os.path.join(zero, name))
+        for key, tensor in (("fp32", weight), *((k, full_moments[k].get(name)) for k in moments)):
+            if tensor is not None:
+                torch.save({c.PARAM: tensor}, os.path.join(zero, name, f"{key}.pt"))
+        if name in steps:
+            torch.save(steps[name], os.path.join(zero, name, "step.pt"))
+    groups = [dict(g, params=[i]) for i, g in enumerate(param_groups or [])]
+    torch.save({"param_groups": groups, "clip_grad": meta.get("ds_config", {}).get("gradient_clipping", 0.0)},
+               os.path.join(zero, "optimizer_state.pt"))
+    _normalize(zero, config, {})
 
 
 def to_universal(load_dir: str, tag: str, log=print) -> str:

@@ -16,12 +16,23 @@ import torch.distributed as dist
 from deepspeed.checkpoint import constants as ds_constants
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
-from hybrid.checkpoint_format import (LATEST, LATEST_UNIVERSAL, MEGATRON_LATEST, read_meta, read_tag, tag_for,
+from hybrid.checkpoint_format import (LATEST, LATEST_UNIVERSAL, MEGATRON_LATEST, OPTIMIZER_PARAM_NAMES, read_meta,
+                                      read_tag, tag_for,
                                       universal_checkpoint_info, write_atomic)
 from hybrid.config import RunConfig, config_summary
 from hybrid.errors import ConfigError
 from hybrid.parallel.random import get_rng_states, set_rng_states
 from hybrid.training.logging import log
+
+def optimizer_param_names(engine, run: RunConfig) -> Optional[list]:
+    """Without ZeRO, the optimizer's state is indexed by parameter position; record each position's
+    canonical name so the checkpoint can be made universal (hybrid.conversion.universal)."""
+    if run.zero_stage != 0 or run.train.precision != "fp32":
+        return None
+    from hybrid.model.gpt import canonical_parameters
+    names = {id(p): name for name, p in canonical_parameters(engine.module, run.model.num_layers).items()}
+    return [[names[id(p)] for p in group["params"]] for group in engine.optimizer.param_groups]
+
 
 def save(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples: int) -> str:
     """Save through DeepSpeed, then point `latest` at it."""
@@ -34,6 +45,7 @@ def save(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples
         "rng_states": get_rng_states(),
         ds_constants.UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(run.model, run.tensor_parallel,
                                                                           run.pipeline_parallel > 1),
+        OPTIMIZER_PARAM_NAMES: optimizer_param_names(engine, run),
     }
     os.makedirs(save_dir, exist_ok=True)
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
