@@ -17,8 +17,6 @@ UNTIED = ["--untie-embeddings-and-output-weights"]
 CASES = {
     "tp2_to_tp1_dp2": (("torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json"]),
                        ("torchrun", 2, ["--deepspeed", "ds_configs/zero1.json"])),
-    "dp2_to_dp1_zero1": (("deepspeed", 2, ["--deepspeed", "ds_configs/zero1.json"]),
-                         ("python", 1, ["--deepspeed", "ds_configs/zero1.json"])),
     "dp2_to_dp1_zero3": (("torchrun", 2, ["--deepspeed", "ds_configs/zero3.json"]),
                          ("python", 1, ["--deepspeed", "ds_configs/zero3.json"])),
     "dp2_zero2_to_tp2_zero1": (("torchrun", 2, ["--deepspeed", "ds_configs/zero2.json"]),
