@@ -269,5 +269,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             time.sleep(ERROR_GRACE_SECONDS)
         code = 2
     if dist.is_initialized():
+        if code == 0:
+            # every rank has finished its last collective and send before any rank tears its groups
+            # down (a rank destroying its gloo groups while a peer still talks to it can abort)
+            dist.barrier()
         dist.destroy_process_group()
     return code
