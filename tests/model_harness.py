@@ -107,3 +107,34 @@ def compare_grads(full: dict, ref: dict, vocab: int, atol: float):
             assert got[vocab:].abs().max().item() == 0.0 if got.size(0) > vocab else True
             got, want = got[:vocab], want[:vocab]
         assert_close(got, want, atol, f"grad {name}")
+
+
+def scheduled_run(cfg: dict, tp: int, pp: int, data, schedule: str, virtual: int, micro_batches: int = 4,
+                  sequence_parallel=False, **overrides):
+    """One iteration through a torch.distributed.pipelining schedule (DeepSpeed engine, ZeRO-0,
+    lr 0): this rank's loss and canonical-named gradient shards, as `sharded_run` returns them."""
+    import deepspeed
+    from hybrid.model.config import ModelConfig
+    from hybrid.model.gpt import canonical_parameters
+    from hybrid.parallel.random import model_parallel_seed
+    from hybrid.topology import Topology
+    from hybrid.training.pipelining import TorchPipelineStep, build_rank_model
+
+    topo = Topology(tensor_parallel=tp, pipeline_parallel=pp)
+    model_parallel_seed(1, topo.tp_rank)
+    config = ModelConfig(**dict(cfg, sequence_parallel=sequence_parallel, **overrides))
+    model = build_rank_model(config, topo, schedule, virtual)
+    params = canonical_parameters(model, config.num_layers)
+    optimizer = RecordingSGD(model.parameters(), lr=0.0)
+    ids, labels, mask = data
+    micro = ids.size(0) // micro_batches
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, mpu=topo.mpu, config={
+        "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": micro_batches,
+        "steps_per_print": 10**9, "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0})
+    step = TorchPipelineStep(engine, model, topo, schedule, micro_batches, torch.device("cpu"))
+    batches = iter([(ids[i:i + micro], labels[i:i + micro], mask[i:i + micro]) for i in range(0, ids.size(0), micro)])
+    loss = step.reduce_losses(step.train_step(batches).reshape(1)).item()
+    grads = {n: optimizer.recorded[id(p)] for n, p in params.items()}
+    shards = {n: (grads[n].detach().clone(), getattr(params[n], "partition_dim", None),
+                  getattr(params[n], "partition_stride", 1)) for n in params}
+    return dict(tp_rank=topo.tp_rank, pp_rank=topo.pp_rank, loss=loss, logits=None, grads=shards)

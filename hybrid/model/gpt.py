@@ -188,9 +188,12 @@ def _recomputed(forward):
 
 
 def canonical_parameters(model: nn.Module, num_layers: int) -> dict[str, nn.Parameter]:
-    """This rank's parameters under their canonical names, for GPTModel or a pipeline stage."""
+    """This rank's parameters under their canonical names, for GPTModel, a DeepSpeed pipeline stage
+    or a rank's virtual stages (whose copy of a tied embedding is the embedding's)."""
     if not isinstance(model, PipelineModule):
-        return dict(model.named_parameters())
+        from hybrid.model.virtual_stages import TIED_COPY
+        return {"embedding." + name[len(TIED_COPY) + 1:] if name.startswith(TIED_COPY + ".") else name: param
+                for name, param in model.named_parameters()}
     from hybrid.checkpoint_format import canonical_name
     return {canonical_name(name, num_layers): param for name, param in model.named_parameters()}
 
