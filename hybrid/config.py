@@ -89,6 +89,8 @@ class RunConfig:
     pipeline_partition: str
     ds_config: dict
     args: dict  # the parsed flags, saved in checkpoints
+    pipeline_schedule: str = "1f1b"  # --pipeline-schedule: DeepSpeed's engine, or a torch.distributed.pipelining one
+    virtual_stages: int = 1  # virtual pipeline stages per rank
 
     @property
     def zero_stage(self) -> int:
@@ -339,14 +341,18 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
                           "parameters in module hooks that torch.compile cannot trace. Use ZeRO-1/2 "
                           "(ds_configs/zero1.json, zero2.json) with --torch-compile, or drop --torch-compile.")
     _check_universal(train, stage, tp)
+    from hybrid.pipeline_plan import check_schedule_options, resolve_virtual_stages
+    schedule, virtual = resolve_virtual_stages(args, model.num_layers, pp)
+    check_schedule_options(schedule, stage, precision, model.recompute_granularity, gas, pp)
     ds_config = dsc.final_ds_config(ds, args, train, stage, optimizer, model)
     return RunConfig(model=model, train=train, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
                      pipeline_partition=args.pipeline_partition, ds_config=ds_config,
-                     args=dict(vars(args)))
+                     args=dict(vars(args)), pipeline_schedule=schedule, virtual_stages=virtual)
 
 
 def config_summary(run: RunConfig) -> dict:
     """A JSON-able record of the run's configuration (saved with checkpoints)."""
     model = asdict(run.model)
     return {"model": model, "train": asdict(run.train), "tensor_parallel": run.tensor_parallel,
-            "pipeline_parallel": run.pipeline_parallel, "data_parallel": run.data_parallel}
+            "pipeline_parallel": run.pipeline_parallel, "data_parallel": run.data_parallel,
+            "pipeline_schedule": run.pipeline_schedule, "virtual_stages": run.virtual_stages}

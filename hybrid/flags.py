@@ -150,6 +150,17 @@ def _add_distributed_args(p):
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--pipeline-partition", "--pp-partition-method", dest="pipeline_partition", default="parameters",
                    help="parameters | uniform | comma-separated layers per stage (e.g. 3,5)")
+    g.add_argument("--pipeline-schedule", default=None,
+                   choices=["1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"],
+                   help="1f1b: DeepSpeed's pipeline engine, one stage per rank (default). The others run in "
+                        "torch.distributed.pipelining with DeepSpeed's optimizer: interleaved-1f1b (Megatron's "
+                        "virtual stages; default when virtual stages are set), zero-bubble (interleaved, each "
+                        "backward split into input- and weight-gradient steps), zbv (zero-bubble V: 2 stages per "
+                        "rank, first and last on rank 0), dualpipev (DeepSeek's DualPipe on a V)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="layers in each virtual stage; virtual stages per rank = num-layers / (PP x this)")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="virtual pipeline stages per rank (current Megatron-LM's spelling of the setting above)")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="ZeRO-1 when the DeepSpeed config sets no stage")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="default: nccl on CUDA, gloo on CPU")

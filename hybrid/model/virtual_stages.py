@@ -1,14 +1,9 @@
 """The model cut into virtual pipeline stages, for the schedules of `torch.distributed.pipelining`.
 
-With v virtual stages per pipeline rank the model has S = PP x v stages of equal layer counts
-(Megatron-LM's interleaving: stage s holds layers [s L/S, (s+1) L/S)); the embedding goes with
-stage 0, the final norm and output head with stage S - 1. Two placements:
-
-- loop (interleaved 1F1B, interleaved zero-bubble): stage s runs on pipeline rank s mod PP, so the
-  first and last stages are on ranks 0 and PP - 1 (a tied embedding is two copies whose gradients
-  are summed, as DeepSpeed's TiedLayerSpec does);
-- V (ZB-V, DualPipeV; v = 2): stage s runs on rank s for s < PP and on rank 2 PP - 1 - s after, so
-  rank 0 holds both ends and a tied embedding is one parameter used twice.
+The stage plan (which layers, which rank, loop or V placement) is hybrid.pipeline_plan's. With the
+loop placement a tied embedding is two copies, on the ranks of the first and last stages, whose
+gradients are summed (as DeepSpeed's TiedLayerSpec does); with the V placement rank 0 holds both
+ends and the table is one parameter used twice.
 
 A rank's parameters live in one `PipelineRankModel` under their canonical names (`embedding.*`,
 `layers.{i}.*`, `final_norm.*`, `output_layer.weight`), so checkpoints, conversion and the
@@ -17,55 +12,15 @@ optimizer's parameter names are those of GPTModel; the stages are views onto its
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch.nn as nn
 
-from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
 from hybrid.model.embedding import Embedding, OutputHead, TiedOutputEmbedding, parallel_logits
 from hybrid.model.norms import build_norm
 from hybrid.model.transformer import TransformerLayer
+from hybrid.pipeline_plan import StagePlan
 
-V_SHAPED = ("zbv", "dualpipev")
 TIED_COPY = "tied_output"  # the last stage's copy of a tied embedding (loop placement, PP > 1)
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """One virtual stage: where it runs and what it holds."""
-
-    index: int
-    rank: int
-    layers: range
-    first: bool
-    last: bool
-
-
-def stage_rank(index: int, pp: int, v_shaped: bool) -> int:
-    """The pipeline rank that runs virtual stage `index` (torch.distributed.pipelining's placement)."""
-    if not v_shaped:
-        return index % pp
-    return index if index < pp else 2 * pp - 1 - index
-
-
-def plan_stages(num_layers: int, pp: int, virtual: int, schedule: str) -> list[StagePlan]:
-    """All S = pp x virtual stages, checked: every stage gets the same whole number of layers."""
-    stages = pp * virtual
-    if schedule in V_SHAPED and virtual != 2:
-        raise ConfigError(f"--pipeline-schedule {schedule} runs exactly 2 virtual stages per pipeline rank "
-                          f"(a V: down the ranks and back); set --num-virtual-stages-per-pipeline-rank 2 or "
-                          f"--num-layers-per-virtual-pipeline-stage {max(1, num_layers // (2 * pp))}.")
-    if num_layers % stages != 0:
-        fits = [v for v in range(1, num_layers // pp + 1) if num_layers % (pp * v) == 0]
-        raise ConfigError(f"--num-layers {num_layers} does not split into {pp} pipeline ranks x {virtual} virtual "
-                          f"stages = {stages} stages of equal size (each stage needs the same number of layers); "
-                          f"use --num-virtual-stages-per-pipeline-rank one of {fits}, or a --num-layers that is a "
-                          f"multiple of {stages}.")
-    per = num_layers // stages
-    v_shaped = schedule in V_SHAPED
-    return [StagePlan(s, stage_rank(s, pp, v_shaped), range(s * per, (s + 1) * per), s == 0, s == stages - 1)
-            for s in range(stages)]
 
 
 class PipelineRankModel(nn.Module):

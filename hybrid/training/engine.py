@@ -19,7 +19,8 @@ _NO_DECAY = re.compile(r"(^|\.)bias$|norm\.weight$|norm\.bias$")
 
 
 def build_model(run: RunConfig, topology) -> nn.Module:
-    """GPTModel (PP = 1) or the pipeline stages of this rank (PP > 1); with --torch-compile each
+    """GPTModel (PP = 1), DeepSpeed's pipeline stages of this rank (PP > 1, 1F1B) or its virtual
+    stages (the torch.distributed.pipelining schedules); with --torch-compile each
     transformer layer is compiled."""
     if run.pipeline_parallel == 1 and run.zero_stage == 3:
         # ZeRO-3: each parameter is partitioned over the DP group as soon as its module is built,
@@ -29,6 +30,9 @@ def build_model(run: RunConfig, topology) -> nn.Module:
             model = GPTModel(run.model, topology.tp_group)
     elif run.pipeline_parallel == 1:
         model = GPTModel(run.model, topology.tp_group)
+    elif run.pipeline_schedule != "1f1b":  # torch.distributed.pipelining runs this rank's virtual stages
+        from hybrid.training.pipelining import build_rank_model
+        model = build_rank_model(run.model, topology, run.pipeline_schedule, run.virtual_stages)
     else:
         model = build_pipeline_model(run.model, topology, run.pipeline_partition)
     if run.train.torch_compile:
@@ -95,7 +99,8 @@ def build_engine(run: RunConfig, topology):
     try:
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, run), config=run.ds_config,
-            mpu=topology.mpu if run.pipeline_parallel == 1 else None,  # a PipelineModule brings its own grid
+            # a PipelineModule brings its own grid
+            mpu=None if run.pipeline_parallel > 1 and run.pipeline_schedule == "1f1b" else topology.mpu,
             lr_scheduler=scheduler, dist_init_required=False)
     except (RuntimeError, ValueError, OSError, ImportError) as error:
         _raise_if_op_build_failed(error)
@@ -160,10 +165,9 @@ def _install_fp32_clipping(engine, topology) -> None:
     import torch.distributed as dist
     from deepspeed.runtime.utils import is_model_parallel_parameter
 
-    tied_copies = set()
-    if topology.pp_world_size > 1 and not topology.is_first_stage:
-        tied_copies = {id(p) for module in getattr(engine.module, "tied_modules", {}).values()
-                       for p in module.parameters()}
+    # a tied embedding's copies on later pipeline stages, which DeepSpeed marks ds_pipe_replicated
+    # (TiedLayerSpec; our virtual stages mark theirs the same way)
+    tied_copies = {id(p) for p in engine.module.parameters() if getattr(p, "ds_pipe_replicated", False)}
 
     def clip_fp32_gradients():
         grads, squares = [], []

@@ -47,13 +47,29 @@ class Trainer:
         self.pipeline = run.pipeline_parallel > 1
         self.collator = Collator(eod_token, run.train.eod_mask_loss)
         self.device = torch.device(engine.device)
-        # the step is chosen once: DeepSpeed's pipeline schedule, or micro-steps on the plain engine
-        self.train_step = self._pipeline_step if self.pipeline else self._micro_steps
+        # the step is chosen once: DeepSpeed's pipeline schedule, a torch.distributed.pipelining
+        # schedule, or micro-steps on the plain engine
+        self.torch_pipeline = None
+        if self.pipeline and run.pipeline_schedule != "1f1b":
+            from hybrid.training.pipelining import TorchPipelineStep
+            self.torch_pipeline = TorchPipelineStep(engine, engine.module, topology, run.pipeline_schedule,
+                                                    run.train.grad_acc_steps, self.device)
+            self.pipeline = False  # plain (ids, labels, mask) micro-batches
+            self.train_step = self.torch_pipeline.train_step
+        else:
+            self.train_step = self._pipeline_step if self.pipeline else self._micro_steps
         self.skipped = 0
         self.nan_iterations = 0
         self.consumed_valid = 0
         self.current_batch = None if run.train.rampup else run.train.global_batch_size
         self.start_time = time.time()
+
+    def _schedule_note(self) -> str:
+        run = self.run
+        if run.pipeline_parallel == 1:
+            return ""
+        virtual = f", {run.virtual_stages} virtual stages per rank" if run.virtual_stages > 1 else ""
+        return f" {run.pipeline_schedule}{virtual}"
 
     def _batches(self, dataset, consumed, wrap=False):
         from hybrid.training.batches import micro_batches
@@ -82,7 +98,9 @@ class Trainer:
     def _interval_losses(self, losses: list) -> list[float]:
         """The pending per-iteration losses as DP means: one collective and one host sync."""
         stacked = torch.stack([loss.float().reshape(()) for loss in losses])
-        if not self.pipeline:
+        if self.torch_pipeline is not None:
+            stacked = self.torch_pipeline.reduce_losses(stacked)
+        elif not self.pipeline:
             stacked = _dp_mean(stacked, self.topology)
         return stacked.tolist()
 
@@ -95,7 +113,9 @@ class Trainer:
         batches = self._batches(self.valid_ds, self.consumed_valid, wrap=True)
         losses = []
         for _ in range(t.eval_iters):
-            if self.pipeline:
+            if self.torch_pipeline is not None:
+                losses.append(self.torch_pipeline.eval_step(batches))
+            elif self.pipeline:
                 losses.append(self.engine.eval_batch(data_iter=batches).detach().float().reshape(()))
             else:
                 steps = [self.engine(*next(batches)).detach().float() for _ in range(t.grad_acc_steps)]
@@ -174,7 +194,8 @@ class Trainer:
         batches = self._batches(self.train_ds, consumed)
         timer, last_saved, pending, interval_seconds = Timer(), None, [], 0.0
         log(f"training from iteration {iteration} to {t.train_iters} "
-            f"(TP={self.run.tensor_parallel}, PP={self.run.pipeline_parallel}, DP={self.run.data_parallel}, "
+            f"(TP={self.run.tensor_parallel}, PP={self.run.pipeline_parallel}{self._schedule_note()}, "
+            f"DP={self.run.data_parallel}, "
             f"ZeRO-{self.run.zero_stage}, {t.precision})")
         try:
             while iteration < t.train_iters:
