@@ -173,10 +173,11 @@ def canonical_name(name: str, num_layers: int) -> Optional[str]:
     return key
 
 
-def universal_checkpoint_info(config: ModelConfig, tp: int, pipeline: bool) -> dict:
+def universal_checkpoint_info(config: ModelConfig, tp: int, pipeline: bool, tied_copy: Optional[str] = None) -> dict:
     """DeepSpeed's `universal_checkpoint_info` for this model: one exact pattern per parameter (in
     the names DeepSpeed's files use: pipeline names when `pipeline`), derived from tp_layout, so
-    `ds_to_universal` in strict mode finds every pattern used."""
+    `ds_to_universal` in strict mode finds every pattern used. `tied_copy`: the name of a second copy
+    of the tied embedding table (virtual pipeline stages), a vocabulary parameter too."""
     from deepspeed.checkpoint import constants as c
     groups = {c.VOCABULARY_PARAMETER_PATTERNS: [], c.TP_REPLICATED_PARAMETER_PATTERNS: [],
               c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [], c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: []}
@@ -191,6 +192,8 @@ def universal_checkpoint_info(config: ModelConfig, tp: int, pipeline: bool) -> d
         elif rule.stride == 2:
             groups[c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0].append(pattern)
         # column-parallel (dim 0, stride 1) is DeepSpeed's default: concatenated along dim 0
+    if tied_copy is not None:
+        groups[c.VOCABULARY_PARAMETER_PATTERNS].append("^" + re.escape(tied_copy) + "$")
     info = {c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
             c.ORIGINAL_VOCAB_SIZE: config.vocab_size, c.PADDED_VOCAB_SIZE: config.padded_vocab_size(tp),
             c.PARAMETER_TO_AVERAGE_PATTERNS: []}

@@ -131,7 +131,8 @@ def scheduled_run(cfg: dict, tp: int, pp: int, data, schedule: str, virtual: int
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, mpu=topo.mpu, config={
         "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": micro_batches,
         "steps_per_print": 10**9, "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0})
-    step = TorchPipelineStep(engine, model, topo, schedule, micro_batches, torch.device("cpu"))
+    step = TorchPipelineStep(engine, model, topo, schedule, micro_batches, torch.device("cpu"), micro,
+                             ids.size(1))
     batches = iter([(ids[i:i + micro], labels[i:i + micro], mask[i:i + micro]) for i in range(0, ids.size(0), micro)])
     loss = step.reduce_losses(step.train_step(batches).reshape(1)).item()
     grads = {n: optimizer.recorded[id(p)] for n, p in params.items()}

@@ -58,8 +58,19 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
     config = model_config_from_summary(meta["hybrid_config"])
     tp, pp = meta["hybrid_config"]["tensor_parallel"], meta["hybrid_config"]["pipeline_parallel"]
     shards: dict[str, dict[int, torch.Tensor]] = {}
-    if pp > 1:
-        for path in sorted(glob.glob(os.path.join(ckpt, "layer_*-model_*-model_states.pt"))):
+    layer_files = sorted(glob.glob(os.path.join(ckpt, "layer_*-model_*-model_states.pt")))
+    if pp > 1 and not layer_files and not os.path.basename(first_model_file(ckpt)).startswith("zero_pp_rank"):
+        # virtual pipeline stages (torch.distributed.pipelining schedules): one model file per TP x PP
+        # rank, parameters under canonical names; a tied table's second copy is the embedding's
+        expected = set(tp_layout(config))
+        for stage in range(pp):
+            for tp_rank in range(tp):
+                module = load_file(os.path.join(ckpt, model_file(tp_rank, stage, tp)))["module"]
+                for name, value in module.items():
+                    if name in expected:
+                        shards.setdefault(name, {})[tp_rank] = value
+    elif pp > 1:
+        for path in layer_files:
             index, tp_rank = map(int, re.search(r"layer_(\d+)-model_(\d+)-", os.path.basename(path)).groups())
             for key, value in load_file(path).items():
                 name = canonical_name(f"{index}.{key}", config.num_layers)

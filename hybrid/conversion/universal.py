@@ -59,8 +59,23 @@ def convert(ckpt: str, out_dir: str, config, log=print) -> None:
         canonical = canonical_name(name, config.num_layers)
         if canonical is not None and canonical != name:
             os.replace(os.path.join(zero, name), os.path.join(zero, canonical))
+    _drop_tied_copy(zero)
     _normalize(zero, config, _param_shapes(out_dir, config))
     _alias_model_files(out_dir)
+
+
+def _drop_tied_copy(zero: str) -> None:
+    """Virtual pipeline stages keep a second copy of a tied embedding table on the last stage's rank;
+    it received the same summed gradients and updates as the first, so its weights and Adam moments
+    are the embedding's: keep one, under the canonical name."""
+    from hybrid.model.virtual_stages import TIED_COPY
+    copy = os.path.join(zero, f"{TIED_COPY}.word_embeddings.weight")
+    if os.path.isdir(copy):
+        original = os.path.join(zero, "embedding.word_embeddings.weight")
+        if os.path.isdir(original):
+            shutil.rmtree(copy)
+        else:
+            os.replace(copy, original)
 
 
 def _param_shapes(out_dir: str, config) -> dict:

@@ -34,6 +34,26 @@ def optimizer_param_names(engine, run: RunConfig) -> Optional[list]:
     return [[names[id(p)] for p in group["params"]] for group in engine.optimizer.param_groups]
 
 
+def _stage_layout(schedule: str, virtual: int) -> str:
+    """Which layers each pipeline rank holds: schedules that place stages alike load each other's
+    checkpoints (interleaved 1F1B and zero-bubble at the same v; ZB-V and DualPipeV)."""
+    from hybrid.pipeline_plan import V_SHAPED
+    if schedule == "1f1b":
+        return "of DeepSpeed's 1F1B engine (--pipeline-schedule 1f1b)"
+    placement = "in a V (--pipeline-schedule zbv/dualpipev)" if schedule in V_SHAPED else "in a loop"
+    return f"{virtual} virtual per rank, {placement}"
+
+
+def _universal_info(run: RunConfig) -> dict:
+    """DeepSpeed's pipeline engine names parameters by layer index; the virtual stages (and PP = 1)
+    by canonical name, plus the last stage's copy of a tied table."""
+    deepspeed_pipeline = run.pipeline_parallel > 1 and run.pipeline_schedule == "1f1b"
+    from hybrid.model.virtual_stages import TIED_COPY
+    tied_copy = (f"{TIED_COPY}.word_embeddings.weight" if run.pipeline_parallel > 1 and not deepspeed_pipeline
+                 and run.model.tied_embeddings else None)
+    return universal_checkpoint_info(run.model, run.tensor_parallel, deepspeed_pipeline, tied_copy)
+
+
 def save(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples: int) -> str:
     """Save through DeepSpeed, then point `latest` at it."""
     tag = tag_for(iteration)
@@ -43,8 +63,7 @@ def save(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples
         "args": run.args,
         "hybrid_config": config_summary(run),
         "rng_states": get_rng_states(),
-        ds_constants.UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(run.model, run.tensor_parallel,
-                                                                          run.pipeline_parallel > 1),
+        ds_constants.UNIVERSAL_CHECKPOINT_INFO: _universal_info(run),
         OPTIMIZER_PARAM_NAMES: optimizer_param_names(engine, run),
     }
     os.makedirs(save_dir, exist_ok=True)
@@ -122,6 +141,11 @@ def check_same_layout(meta: dict, run: RunConfig, load_dir: str, tag: str) -> No
     differences = [f"{what} {saved[key]} (this run: {now})" for what, key, now in (
         ("--tensor-model-parallel-size", "tensor_parallel", run.tensor_parallel),
         ("--pipeline-model-parallel-size", "pipeline_parallel", run.pipeline_parallel)) if saved.get(key, now) != now]
+    if run.pipeline_parallel > 1 and saved.get("pipeline_parallel") == run.pipeline_parallel:
+        before = _stage_layout(saved.get("pipeline_schedule", "1f1b"), saved.get("virtual_stages", 1))
+        now = _stage_layout(run.pipeline_schedule, run.virtual_stages)
+        if before != now:
+            differences.append(f"pipeline stages {before} (this run: {now})")
     if not run.train.no_load_optim:
         if saved_stage != run.zero_stage:
             differences.append(f"ZeRO stage {saved_stage} (this run: {run.zero_stage})")

@@ -53,7 +53,8 @@ class Trainer:
         if self.pipeline and run.pipeline_schedule != "1f1b":
             from hybrid.training.pipelining import TorchPipelineStep
             self.torch_pipeline = TorchPipelineStep(engine, engine.module, topology, run.pipeline_schedule,
-                                                    run.train.grad_acc_steps, self.device)
+                                                    run.train.grad_acc_steps, self.device,
+                                                    run.train.micro_batch_size, run.train.seq_length)
             self.pipeline = False  # plain (ids, labels, mask) micro-batches
             self.train_step = self.torch_pipeline.train_step
         else:

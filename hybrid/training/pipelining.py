@@ -36,7 +36,8 @@ def _pack_target(labels, mask):
 class TorchPipelineStep:
     """One training iteration (and evaluation) through a torch.distributed.pipelining schedule."""
 
-    def __init__(self, engine, model: PipelineRankModel, topology, schedule: str, micro_batches: int, device):
+    def __init__(self, engine, model: PipelineRankModel, topology, schedule: str, micro_batches: int, device,
+                 micro_batch: int, seq_length: int):
         from torch.distributed.pipelining import PipelineStage
         from hybrid.model.embedding import LMLoss
         self.engine, self.model, self.topology, self.device = engine, model, topology, device
@@ -44,7 +45,9 @@ class TorchPipelineStep:
         self.micro_batches = micro_batches
         num_stages = len(plan_stages(model.config.num_layers, topology.pp_world_size,
                                      len(model.stages), schedule))
-        self.stages = [PipelineStage(stage, stage.plan.index, num_stages, device, group=topology.pp_group)
+        self.stages = [PipelineStage(stage, stage.plan.index, num_stages, device, group=topology.pp_group,
+                                     input_args=self._input_meta(stage, micro_batch, seq_length),
+                                     output_args=self._output_meta(stage, micro_batch, seq_length))
                        for stage in model.stages]
         self.has_first = any(s.first for s in model.stages)
         self.has_last = any(s.last for s in model.stages)
@@ -70,6 +73,31 @@ class TorchPipelineStep:
         last_pp_rank = next(p.rank for p in plan_stages(model.config.num_layers, topology.pp_world_size,
                                                         len(model.stages), schedule) if p.last)
         self.loss_src = dist.get_global_rank(topology.pp_group, last_pp_rank)
+
+    # The shapes each stage receives and sends, given to PipelineStage up front. Without them
+    # PyTorch infers them by running every stage's forward and backward once on the first step,
+    # which draws from the dropout RNG: a resumed run would then differ from an uninterrupted one.
+    def _activation_dtype(self):
+        return next(self.model.parameters()).dtype
+
+    def _hidden_meta(self, micro_batch: int, seq_length: int):
+        config, tp = self.model.config, self.topology.tp_world_size
+        seq = seq_length // tp if config.sequence_parallel else seq_length
+        return torch.empty(seq, micro_batch, config.hidden_size, dtype=self._activation_dtype(), device="meta",
+                           requires_grad=True)
+
+    def _input_meta(self, stage, micro_batch: int, seq_length: int):
+        if stage.first:
+            return torch.empty(micro_batch, seq_length, dtype=torch.long, device="meta")
+        return self._hidden_meta(micro_batch, seq_length)
+
+    def _output_meta(self, stage, micro_batch: int, seq_length: int):
+        if not stage.last:
+            return self._hidden_meta(micro_batch, seq_length)
+        config, tp = self.model.config, self.topology.tp_world_size
+        vocab = config.vocab_size if tp == 1 else config.padded_vocab_size(tp) // tp  # see parallel_logits
+        return torch.empty(seq_length, micro_batch, vocab, dtype=self._activation_dtype(), device="meta",
+                           requires_grad=True)
 
     def _tied_embedding_group(self):
         """Loop placement with tied embeddings: a group per (TP, DP) position of the ranks holding
