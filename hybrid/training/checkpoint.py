@@ -39,9 +39,9 @@ def _stage_layout(schedule: str, virtual: int) -> str:
     checkpoints (interleaved 1F1B and zero-bubble at the same v; ZB-V and DualPipeV)."""
     from hybrid.pipeline_plan import V_SHAPED
     if schedule == "1f1b":
-        return "of DeepSpeed's 1F1B engine (--pipeline-schedule 1f1b)"
-    placement = "in a V (--pipeline-schedule zbv/dualpipev)" if schedule in V_SHAPED else "in a loop"
-    return f"{virtual} virtual per rank, {placement}"
+        return "one per rank (DeepSpeed's 1F1B engine)"
+    placement = "V" if schedule in V_SHAPED else "loop"
+    return f"{virtual} virtual per rank, {placement} placement (--pipeline-schedule {schedule})"
 
 
 def _universal_info(run: RunConfig) -> dict:
@@ -145,7 +145,7 @@ def check_same_layout(meta: dict, run: RunConfig, load_dir: str, tag: str) -> No
         before = _stage_layout(saved.get("pipeline_schedule", "1f1b"), saved.get("virtual_stages", 1))
         now = _stage_layout(run.pipeline_schedule, run.virtual_stages)
         if before != now:
-            differences.append(f"pipeline stages {before} (this run: {now})")
+            differences.append(f"pipeline stages: {before} (this run: {now})")
     if not run.train.no_load_optim:
         if saved_stage != run.zero_stage:
             differences.append(f"ZeRO stage {saved_stage} (this run: {run.zero_stage})")
