@@ -122,8 +122,10 @@ def zero_stage(args, ds, ds_path, pp) -> int:
     if pp > 1 and stage >= 2:
         raise ConfigError(f"ZeRO stage {stage} (from {ds_path or '--zero-stage'}) with "
                           f"--pipeline-model-parallel-size {pp}: DeepSpeed's pipeline engine supports ZeRO-0/1 "
-                          f"only. Use ds_configs/zero1.json (or zero1_offload.json) with pipeline parallelism, "
-                          f"or set --pipeline-model-parallel-size 1 for ZeRO-2/3.")
+                          f"only, and with the other --pipeline-schedule choices DeepSpeed's ZeRO-2/3 gradient "
+                          f"hooks, which reduce each gradient once per backward pass, meet a parameter's backward "
+                          f"once per micro-batch. Use ds_configs/zero1.json (or zero1_offload.json) with pipeline "
+                          f"parallelism, or set --pipeline-model-parallel-size 1 for ZeRO-2/3.")
     return stage
 
 

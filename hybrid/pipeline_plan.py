@@ -64,14 +64,10 @@ def resolve_virtual_stages(args, num_layers: int, pp: int) -> tuple[str, int]:
 
 def check_schedule_options(schedule: str, zero_stage: int, precision: str, recompute: str | None,
                            micro_batches: int, pp: int) -> None:
-    """What the torch schedules support here, refused with the reason before anything is built."""
+    """What the torch schedules support here, refused with the reason before anything is built
+    (ZeRO-2/3 with any pipeline is refused earlier, by hybrid.ds_config.zero_stage)."""
     if schedule == "1f1b":
         return
-    if zero_stage >= 2:
-        raise ConfigError(f"--pipeline-schedule {schedule} with ZeRO stage {zero_stage}: ZeRO-2/3 reduce each gradient "
-                          f"in hooks as autograd produces it, which the pipeline's per-micro-batch (and split) "
-                          f"backward passes do not fit yet. Use ZeRO-1 (ds_configs/zero1.json), which partitions "
-                          f"the optimizer state over DP.")
     if precision == "fp16":
         raise ConfigError(f"--pipeline-schedule {schedule} with --fp16: the torch schedules run the backward "
                           f"themselves, without DeepSpeed's loss scaling. Use --bf16.")
