@@ -41,6 +41,18 @@ CASES = {
         ("torchrun", 4, ["--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2, "--deepspeed",
                          "ds_configs/zero1.json"]),
         ("torchrun", 4, ["--pipeline-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json"])),
+    # virtual pipeline stages (torch.distributed.pipelining schedules) to and from other layouts
+    "interleaved_pp2_v2_to_pp1": (
+        ("torchrun", 2, ["--pipeline-model-parallel-size", 2, "--num-virtual-stages-per-pipeline-rank", 2,
+                         "--deepspeed", "ds_configs/zero1.json"]),
+        ("python", 1, ["--deepspeed", "ds_configs/zero1.json"])),
+    "tp2_to_zbv_pp2": (("torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json"]),
+                       ("torchrun", 2, ["--pipeline-model-parallel-size", 2, "--pipeline-schedule", "zbv",
+                                        "--deepspeed", "ds_configs/zero1.json"])),
+    "deepspeed_1f1b_pp2_to_interleaved_pp2_dp2": (
+        ("torchrun", 2, ["--pipeline-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json"]),
+        ("torchrun", 4, ["--pipeline-model-parallel-size", 2, "--num-virtual-stages-per-pipeline-rank", 2,
+                         "--deepspeed", "ds_configs/zero1.json"])),
 }
 
 

@@ -1,0 +1,175 @@
+"""Interleaved 1F1B, zero-bubble, ZB-V and DualPipeV (torch.distributed.pipelining) with DeepSpeed's
+optimizer: the same mathematics as one rank.
+
+- one iteration on CPU ranks: loss and every gradient equal the single-process model's (1e-5);
+- launch/train.py, 8 iterations with clipping and a warmup+cosine schedule: losses equal the one-rank
+  run within 1e-5 relative (fp32, dropout off), at PP 2 with v = 2 (with and without ZeRO-1, DP 2),
+  TP 2 x PP 2 with SP, zero-bubble, ZB-V (tied table on one rank), DualPipeV (untied);
+- resume with dropout on is bitwise; flags that cannot work end in one message.
+"""
+
+import argparse
+import os
+
+import pytest
+
+from hybrid.errors import ConfigError
+from hybrid.testing import run_on_ranks
+from tests.launch_helpers import ROOT, read_log, run
+from tests.model_harness import CONFIGS, assemble_grads, batch, compare_grads, reference, scheduled_run
+from tests.test_training import DROPOUT, TINY, assert_same_losses
+
+PP2 = ["--pipeline-model-parallel-size", 2]
+ZERO1 = ["--deepspeed", "ds_configs/zero1.json"]
+UNTIED = ["--untie-embeddings-and-output-weights"]
+
+
+@pytest.mark.parametrize("model, schedule, virtual, tp, sp", [
+    ("gpt2", "interleaved-1f1b", 2, 1, False),  # tied: table copies on ranks 0 and 1, gradients summed
+    ("gpt2", "zero-bubble", 2, 1, False),
+    ("llama", "zbv", 2, 1, False),
+    ("gpt2", "dualpipev", 2, 1, False),  # tied table used by stages 0 and 3, both on rank 0
+    ("llama", "interleaved-1f1b", 2, 2, True),
+])
+def test_one_iteration_loss_and_gradients_equal_one_rank(model, schedule, virtual, tp, sp):
+    cfg = CONFIGS[model]
+    data = batch(8, 16)
+    ref_loss, _, ref_grads = reference(cfg, data)
+    results = run_on_ranks(scheduled_run, tp * 2, cfg, tp, 2, data, schedule, virtual, micro_batches=4,
+                           sequence_parallel=sp, timeout=240)
+    for r in results:
+        assert abs(r["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), (r["loss"], ref_loss)
+    compare_grads(assemble_grads(results), ref_grads, cfg["vocab_size"], atol=1e-5)
+
+
+LAYOUTS = {
+    "pp2_v2": (2, PP2 + ["--num-virtual-stages-per-pipeline-rank", 2]),
+    "pp2_dp2_zero1_v2": (4, PP2 + ["--num-layers-per-virtual-pipeline-stage", 1, *ZERO1]),
+    "tp2_pp2_sp_v2_zero1": (4, PP2 + ["--tensor-model-parallel-size", 2, "--sequence-parallel",
+                                      "--num-virtual-stages-per-pipeline-rank", 2, *ZERO1]),
+    "zero_bubble_pp2": (2, PP2 + ["--pipeline-schedule", "zero-bubble", "--num-virtual-stages-per-pipeline-rank", 2]),
+    "zbv_pp2_zero1": (2, PP2 + ["--pipeline-schedule", "zbv", *ZERO1]),
+    "dualpipev_pp2_untied": (2, PP2 + ["--pipeline-schedule", "dualpipev", *UNTIED]),
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from tests.launch_helpers import copy_default_corpus
+    return copy_default_corpus(str(tmp_path_factory.mktemp("data")))
+
+
+@pytest.fixture(scope="module")
+def baseline(data, tmp_path_factory):
+    out, cache = tmp_path_factory.mktemp("baseline"), {}
+
+    def get(untied: bool):
+        if untied not in cache:
+            log = out / f"untied{untied}.jsonl"
+            run("python", 1, TINY + ["--data-path", data, "--log-json", log, *(UNTIED if untied else [])])
+            cache[untied] = [r["lm_loss"] for r in read_log(log)]
+        return cache[untied]
+
+    return get
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_training_losses_equal_one_rank(layout, data, baseline, tmp_path):
+    nproc, flags = LAYOUTS[layout]
+    log = tmp_path / "log.jsonl"
+    proc = run("torchrun", nproc, TINY + ["--data-path", data, "--log-json", log, *flags])
+    records = read_log(log)
+    assert_same_losses([r["lm_loss"] for r in records], baseline(UNTIED[0] in flags))
+    assert all(r["consumed_samples"] == 8 * r["iteration"] for r in records)
+    assert all(r["grad_norm"] > 0 for r in records)
+    schedule = "interleaved-1f1b" if "--pipeline-schedule" not in flags else flags[flags.index("--pipeline-schedule") + 1]
+    assert f"PP=2 {schedule}" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("flags", [PP2 + ["--num-virtual-stages-per-pipeline-rank", 2, *ZERO1],
+                                   PP2 + ["--pipeline-schedule", "zbv"]], ids=["interleaved_zero1", "zbv"])
+def test_resume_with_dropout_is_bitwise_equal_to_straight(flags, data, tmp_path):
+    """The stage shapes are given to PyTorch up front: its shape inference would otherwise run a
+    forward on the first step after a resume and draw from the dropout RNG."""
+    base = TINY + DROPOUT + ["--data-path", data, *flags]
+    straight_log, log, ckpt = tmp_path / "straight.jsonl", tmp_path / "log.jsonl", tmp_path / "ckpt"
+    run("torchrun", 2, base + ["--log-json", straight_log])
+    run("torchrun", 2, base + ["--log-json", log, "--save", ckpt, "--exit-interval", 4])
+    run("torchrun", 2, base + ["--log-json", log, "--save", ckpt, "--load", ckpt])
+    straight, resumed = read_log(straight_log), read_log(log)
+    assert [r["iteration"] for r in resumed] == list(range(1, 9))
+    assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in straight], "bitwise on CPU"
+
+
+def _flags(*extra, layers=4, pp=2):
+    from hybrid.flags import build_parser
+    from tests.launch_helpers import MERGES, VOCAB
+    argv = ["--num-layers", str(layers), "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--train-iters", "2", "--lr", "1e-3", "--vocab-file", VOCAB, "--merge-file", MERGES, "--mock-data",
+            "--pipeline-model-parallel-size", str(pp), *map(str, extra)]
+    return build_parser().parse_args(argv)
+
+
+def _build(args: argparse.Namespace, world_size: int = 2):
+    from hybrid.config import build_run_config
+    return build_run_config(args, world_size, 8192)
+
+
+def test_flags_resolve_megatron_spellings():
+    run_config = _build(_flags("--num-layers-per-virtual-pipeline-stage", 1, layers=8))
+    assert (run_config.pipeline_schedule, run_config.virtual_stages) == ("interleaved-1f1b", 4)
+    run_config = _build(_flags("--num-virtual-stages-per-pipeline-rank", 2))
+    assert (run_config.pipeline_schedule, run_config.virtual_stages) == ("interleaved-1f1b", 2)
+    run_config = _build(_flags("--pipeline-schedule", "zbv"))
+    assert (run_config.pipeline_schedule, run_config.virtual_stages) == ("zbv", 2)
+    assert _build(_flags()).pipeline_schedule == "1f1b"  # DeepSpeed's engine stays the default
+
+
+@pytest.mark.parametrize("extra, layers, message", [
+    (["--num-virtual-stages-per-pipeline-rank", 3], 4,
+     "--num-layers 4 does not split into 2 pipeline ranks x 3 virtual stages = 6 stages"),
+    (["--num-layers-per-virtual-pipeline-stage", 3], 4, "--num-layers 4 must be a multiple of"),
+    (["--pipeline-schedule", "zbv", "--num-virtual-stages-per-pipeline-rank", 4], 8, "runs exactly 2 virtual stages"),
+    (["--pipeline-schedule", "1f1b", "--num-virtual-stages-per-pipeline-rank", 2], 4,
+     "use --pipeline-schedule interleaved-1f1b"),
+    (["--pipeline-schedule", "interleaved-1f1b"], 4, "needs 2 or more virtual stages"),
+    (["--pipeline-schedule", "zbv", "--deepspeed", os.path.join(ROOT, "ds_configs", "zero2.json")], 4, "ZeRO stage 2"),
+    (["--pipeline-schedule", "zbv", "--bf16"], 4, "needs ZeRO-1"),
+    (["--pipeline-schedule", "zero-bubble", "--recompute-granularity", "full", "--recompute-method", "uniform"], 4,
+     "a backward split into input- and weight-gradient steps"),
+    (["--pipeline-schedule", "zbv", "--global-batch-size", 2], 4, "at least as many micro-batches"),
+])
+def test_flags_that_cannot_work_are_refused_with_the_fix(extra, layers, message):
+    with pytest.raises(ConfigError, match=".*") as error:
+        _build(_flags(*extra, layers=layers))
+    assert message in str(error.value), str(error.value)
+
+
+def test_bad_schedule_flags_end_in_one_message_and_exit_2(data):
+    proc = run("torchrun", 2, TINY + ["--data-path", data, *PP2, "--num-virtual-stages-per-pipeline-rank", 3],
+               check=False)
+    assert proc.returncode != 0
+    assert "error: --num-layers 4 does not split into 2 pipeline ranks x 3 virtual stages" in proc.stderr
+
+
+def test_plain_load_across_stage_layouts_names_the_difference_and_weights_convert(data, tmp_path):
+    """A checkpoint of virtual stages: its weights read back (conversion's reader) equal a one-rank
+    run's; a plain --load with DeepSpeed's 1F1B engine is one message with the fix."""
+    from hybrid.conversion.layout import read_hybrid
+    from hybrid.testing import assert_close
+    one, staged = tmp_path / "one", tmp_path / "staged"
+    short = ["--data-path", data, "--train-iters", 2]
+    run("python", 1, TINY + short + ["--save", one])
+    run("torchrun", 2, TINY + short + ["--save", staged, *PP2, "--num-virtual-stages-per-pipeline-rank", 2])
+    want, _ = read_hybrid(str(one))
+    got, meta = read_hybrid(str(staged))
+    assert set(got) == set(want)
+    for name in want:
+        assert_close(got[name], want[name], 1e-6, name)
+    assert meta["hybrid_config"]["pipeline_schedule"] == "interleaved-1f1b"
+    proc = run("torchrun", 2, TINY + short + ["--load", staged, *PP2], check=False)
+    assert proc.returncode != 0
+    assert ("pipeline stages: 2 virtual per rank, loop placement (--pipeline-schedule interleaved-1f1b) (this run: "
+            "one per rank (DeepSpeed's 1F1B engine))") in proc.stderr, proc.stderr[-2000:]
+    assert "--saver universal" in proc.stderr
