@@ -29,7 +29,8 @@ def plan_from_run(run: RunConfig) -> MemoryPlan:
     return MemoryPlan(model=run.model, tp=run.tensor_parallel, pp=run.pipeline_parallel, dp=run.data_parallel,
                       micro_batch=run.train.micro_batch_size, seq_length=run.train.seq_length,
                       num_micro_batches=run.train.grad_acc_steps, zero=settings,
-                      recompute=run.model.recompute_granularity, partition=run.pipeline_partition)
+                      recompute=run.model.recompute_granularity, partition=run.pipeline_partition,
+                      schedule=run.pipeline_schedule, virtual=run.virtual_stages)
 
 
 def peak_gib(plan: MemoryPlan) -> float:
@@ -45,9 +46,11 @@ def _candidates(plan: MemoryPlan):
     micro batch (global batch kept), optimizer offload, then more TP or PP (DP shrinks)."""
     world = plan.tp * plan.pp * plan.dp
     model = plan.model
-    if plan.recompute is None:
+    from hybrid.pipeline_plan import SPLIT_BACKWARD
+    split_backward = plan.pp > 1 and plan.schedule in SPLIT_BACKWARD  # refuses recompute
+    if plan.recompute is None and not split_backward:
         yield "--recompute-granularity selective", _with_recompute(plan, "selective")
-    if plan.recompute != "full":
+    if plan.recompute != "full" and not split_backward:
         yield "--recompute-granularity full", _with_recompute(plan, "full")
     max_stage = 3 if plan.pp == 1 else 1
     for stage in range(plan.zero.stage + 1, max_stage + 1):
@@ -67,7 +70,8 @@ def _candidates(plan: MemoryPlan):
         dp = world // (tp * plan.pp)
         yield f"--tensor-model-parallel-size {tp}", replace(plan, tp=tp, dp=dp, zero=replace(plan.zero, dp=dp))
     pp = plan.pp * 2
-    if world % (plan.tp * pp) == 0 and model.num_layers >= pp and plan.zero.stage <= 1:
+    stages_fit = model.num_layers % (pp * plan.virtual) == 0 if plan.schedule != "1f1b" else model.num_layers >= pp
+    if world % (plan.tp * pp) == 0 and stages_fit and plan.zero.stage <= 1:
         dp = world // (plan.tp * pp)
         yield f"--pipeline-model-parallel-size {pp}", replace(plan, pp=pp, dp=dp, zero=replace(plan.zero, dp=dp))
 

@@ -66,17 +66,22 @@ def _pipeline_units(config: ModelConfig, inventory: dict) -> list[list[str]]:
     return units
 
 
-def stage_parameters(config: ModelConfig, tp: int, pp: int, partition: str = "parameters") -> list[dict]:
-    """Per pipeline stage: {name: (elements, decayed)} and the transformer layers it runs, split
-    as DeepSpeed's PipelineModule splits them (its own `partition_balanced` on parameter counts,
-    `type:TransformerLayer` for uniform, or an explicit list)."""
+def stage_parameters(config: ModelConfig, tp: int, pp: int, partition: str = "parameters",
+                     schedule: str = "1f1b", virtual: int = 1) -> list[dict]:
+    """Per pipeline rank: {name: (elements, decayed)}, the transformer layers it runs and whether it
+    holds the embedding (`first`) and the final norm and head (`last`). DeepSpeed's 1F1B engine splits
+    as its PipelineModule does (its own `partition_balanced` on parameter counts,
+    `type:TransformerLayer` for uniform, or an explicit list); the torch.distributed.pipelining
+    schedules as hybrid.pipeline_plan places their virtual stages."""
     from deepspeed.runtime import utils as ds_utils
 
     from hybrid.model.gpt import _resolve_partition
     inventory = parameter_inventory(config, tp)
     units = _pipeline_units(config, inventory)
     if pp == 1:
-        return [{"params": inventory, "layers": list(range(config.num_layers))}]
+        return [{"params": inventory, "layers": list(range(config.num_layers)), "first": True, "last": True}]
+    if schedule != "1f1b":
+        return _virtual_stage_parameters(config, inventory, units, pp, schedule, virtual)
     method = _resolve_partition(partition, config.num_layers, pp)
     if method == "parameters":
         bounds = ds_utils.partition_balanced([sum(inventory[n][0] for n in u) for u in units], pp)
@@ -93,8 +98,26 @@ def stage_parameters(config: ModelConfig, tp: int, pp: int, partition: str = "pa
     for s in range(pp):
         names = [n for u in units[bounds[s]:bounds[s + 1]] for n in u]
         layers = [i for i in range(config.num_layers) if bounds[s] <= i + 1 < bounds[s + 1]]
-        stages.append({"params": {n: inventory[n] for n in dict.fromkeys(names)}, "layers": layers})
+        stages.append({"params": {n: inventory[n] for n in dict.fromkeys(names)}, "layers": layers,
+                       "first": s == 0, "last": s == pp - 1})
     return stages
+
+
+def _virtual_stage_parameters(config, inventory, units, pp, schedule, virtual) -> list[dict]:
+    """Each rank's virtual stages (hybrid.model.virtual_stages.PipelineRankModel): its layers, the
+    embedding with stage 0, final norm and head with the last stage (a tied table once per rank)."""
+    from hybrid.pipeline_plan import plan_stages
+    plans = plan_stages(config.num_layers, pp, virtual, schedule)
+    ranks = []
+    for rank in range(pp):
+        mine = [p for p in plans if p.rank == rank]
+        first, last = any(p.first for p in mine), any(p.last for p in mine)
+        chosen = (units[0] if first else []) + [n for p in mine for i in p.layers for n in units[i + 1]]
+        if last:
+            chosen += units[-2] + units[-1]
+        ranks.append({"params": {n: inventory[n] for n in dict.fromkeys(chosen)},
+                      "layers": sorted(i for p in mine for i in p.layers), "first": first, "last": last})
+    return ranks
 
 
 # --- ZeRO: parameters, gradients, optimizer states -----------------------------------------------
@@ -251,11 +274,25 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
     return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
 
 
-def in_flight_micro_batches(stage: int, pp: int, num_micro_batches: int, schedule: str = "1f1b") -> int:
-    """Micro-batches whose activations a stage holds at its peak: 1F1B warms up pp - stage."""
+def in_flight_micro_batches(stage: int, pp: int, num_micro_batches: int, schedule: str = "1f1b",
+                            virtual: int = 1) -> float:
+    """Micro-batches (through all of a rank's layers) whose activations pipeline rank `stage` holds
+    at its peak. 1F1B warms up pp - stage. Interleaved 1F1B (torch's, as Megatron's) warms up
+    (v-1) pp + 2 (pp-1-stage) virtual-stage micro-batches, each 1/v of the rank's layers: rank 0 holds
+    pp + (pp-1)/v (Narayanan et al. 2021). Zero-bubble keeps each activation until its weight gradient:
+    torch's interleaved zero-bubble and ZB-V hold pp (Qi et al. 2024), DualPipeV pp + 1/2 (DeepSeek-V3's
+    PP + 1 half-size chunks), on every rank once there are as many micro-batches. Each figure equals the
+    peak measured by benchmarks/pipeline_bubble.py and the peak of the schedule's own action order."""
     if pp == 1:
         return 1
-    return min(pp - stage, num_micro_batches)
+    m = num_micro_batches
+    if schedule == "interleaved-1f1b":
+        return min(virtual * m, (virtual - 1) * pp + 2 * (pp - 1 - stage) + 1) / virtual
+    if schedule in ("zero-bubble", "zbv"):
+        return min(pp, m)
+    if schedule == "dualpipev":
+        return min(pp + 0.5, m)
+    return min(pp - stage, m)
 
 
 # --- the whole plan ------------------------------------------------------------------------------
@@ -275,6 +312,8 @@ class MemoryPlan:
     recompute: Optional[str] = None
     device_type: str = "cuda"
     partition: str = "parameters"
+    schedule: str = "1f1b"  # --pipeline-schedule
+    virtual: int = 1  # virtual pipeline stages per rank
 
 
 def estimate(plan: MemoryPlan) -> list[dict]:
@@ -287,18 +326,19 @@ def estimate(plan: MemoryPlan) -> list[dict]:
     act = ActivationSettings(plan.micro_batch, plan.seq_length, plan.tp, config.sequence_parallel, precision,
                              plan.recompute, kernel, mask_bytes)
     rows = []
-    for stage, info in enumerate(stage_parameters(config, plan.tp, plan.pp, plan.partition)):
+    for stage, info in enumerate(stage_parameters(config, plan.tp, plan.pp, plan.partition, plan.schedule,
+                                                  plan.virtual)):
         groups = [[n for n, decayed in info["params"].values() if decayed],
                   [n for n, decayed in info["params"].values() if not decayed]]
         states = model_state_bytes(groups, plan.zero)
         per_layer = layer_activation_bytes(config, act)
         layers = len(info["layers"])
-        in_flight = in_flight_micro_batches(stage, plan.pp, plan.num_micro_batches)
-        activations = per_layer * layers * in_flight
+        in_flight = in_flight_micro_batches(stage, plan.pp, plan.num_micro_batches, plan.schedule, plan.virtual)
+        activations = int(per_layer * layers * in_flight)
         if plan.recompute == "full" and layers:  # backward rebuilds one chunk of layers at a time
             chunk = min(layers, max(1, config.recompute_num_layers))
             activations += chunk * layer_activation_bytes(config, ActivationSettings(**dict(asdict(act), recompute=None)))
-        activations += _embedding_and_head_bytes(config, act, stage, plan.pp) * in_flight
+        activations += int(_embedding_and_head_bytes(config, act, info["first"], info["last"]) * in_flight)
         row = dict(stage=stage, layers=layers, parameters=sum(n for n, _ in info["params"].values()),
                    in_flight_micro_batches=in_flight, activation_bytes_per_layer=per_layer,
                    activations=activations, **states)
@@ -307,16 +347,16 @@ def estimate(plan: MemoryPlan) -> list[dict]:
     return rows
 
 
-def _embedding_and_head_bytes(config: ModelConfig, act: ActivationSettings, stage: int, pp: int) -> int:
+def _embedding_and_head_bytes(config: ModelConfig, act: ActivationSettings, first: bool, last: bool) -> int:
     """The first stage's embedding output (and its dropout mask); the last stage's final norm input
     and the logits the loss keeps (vocabulary shard, activation dtype plus fp32 softmax)."""
     s, b, h, t = act.seq_length, act.micro_batch, config.hidden_size, act.tp
     e = _BYTES[act.precision]
     shard = s * b * h // (t if act.sequence_parallel and t > 1 else 1)
     total = 0
-    if stage == 0:
+    if first:
         total += e * shard + (act.mask_bytes * shard if config.hidden_dropout > 0 else 0)
-    if stage == pp - 1:
+    if last:
         vocab = config.padded_vocab_size(t) // t
         total += e * shard + e * s * b * h + (e + (4 if e != 4 else 0)) * s * b * vocab
     return total
@@ -328,7 +368,8 @@ def format_table(rows: list[dict], plan: MemoryPlan) -> str:
     head = (f"memory per rank (GiB): TP {plan.tp} x PP {plan.pp} x DP {plan.dp}, ZeRO-{z.stage}"
             f"{' + optimizer offload' if z.offload_optimizer else ''}, {z.precision}, micro batch {plan.micro_batch}, "
             f"seq {plan.seq_length}, recompute {plan.recompute or 'none'}"
-            f"{', SP' if plan.model.sequence_parallel else ''}")
+            f"{', SP' if plan.model.sequence_parallel else ''}"
+            f"{f', {plan.schedule} x {plan.virtual} virtual stages' if plan.pp > 1 and plan.schedule != '1f1b' else ''}")
     cols = ("stage", "layers", "params", "grads", "optimizer", "activations", "total")
     lines = [head, "  ".join(f"{c:>11}" for c in cols)]
     for r in rows:

@@ -79,6 +79,10 @@ def check_schedule_options(schedule: str, zero_stage: int, precision: str, recom
                           f"reruns the forward inside one backward, which a backward split into input- and "
                           f"weight-gradient steps cannot do. Use --pipeline-schedule interleaved-1f1b with "
                           f"recompute, or drop --recompute-granularity.")
+    if schedule == "dualpipev" and micro_batches < 2 * pp:
+        raise ConfigError(f"--pipeline-schedule dualpipev needs at least as many micro-batches per iteration as "
+                          f"stages (2 x {pp}); this run has {micro_batches} (--global-batch-size / "
+                          f"(--micro-batch-size x data-parallel size)). Raise --global-batch-size.")
     if micro_batches < pp:
         raise ConfigError(f"--pipeline-schedule {schedule} needs at least as many micro-batches per iteration as "
                           f"pipeline ranks ({pp}); this run has {micro_batches} (--global-batch-size / "

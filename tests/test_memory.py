@@ -221,6 +221,64 @@ def test_parameter_inventory_equals_the_real_model_per_rank_and_stage(style, tp,
         assert estimated == real["params"]
 
 
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("schedule,virtual", [("interleaved-1f1b", 2), ("zero-bubble", 1), ("zbv", 2)])
+def test_parameter_inventory_equals_each_ranks_virtual_stages(style, schedule, virtual):
+    """The estimator's per-rank parameters for the torch.distributed.pipelining schedules equal what
+    PipelineRankModel builds on each of 2 pipeline ranks (tied tables: a copy on the last stage's
+    rank in a loop, one table on rank 0 in a V)."""
+    from hybrid.model.gpt import canonical_parameters
+    from hybrid.model.virtual_stages import PipelineRankModel
+    from hybrid.parallel.collectives import SINGLE_RANK
+    from hybrid.pipeline_plan import plan_stages
+    kwargs = dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=1000, max_position_embeddings=32)
+    if style == "llama":
+        kwargs.update(normalization="RMSNorm", swiglu=True, num_query_groups=2, position_embedding_type="rope",
+                      add_bias_linear=False, untie_embeddings_and_output_weights=True)
+    config = ModelConfig(**kwargs)
+    ranks = memory.stage_parameters(config, 1, 2, schedule=schedule, virtual=virtual)
+    plans = plan_stages(4, 2, virtual, schedule)
+    for rank in range(2):
+        real = canonical_parameters(PipelineRankModel(config, SINGLE_RANK, plans, rank), config.num_layers)
+        estimated = {n: numel for n, (numel, _) in ranks[rank]["params"].items()}
+        assert estimated == {n: p.numel() for n, p in real.items()}
+        assert ranks[rank]["layers"] == sorted(i for p in plans if p.rank == rank for i in p.layers)
+
+
+def test_in_flight_micro_batches_equal_the_measured_peak_of_every_schedule():
+    """benchmarks/pipeline_bubble.py measured, for PP 2 and 4, every schedule and 4-32 micro-batches, the
+    live activations of each rank (benchmarks/results/pipeline_bubble_cpu.jsonl): the estimator's
+    in-flight figure equals each rank's peak for 1F1B and interleaved 1F1B, and the largest over ranks
+    (the rank that sets the memory needed) for the zero-bubble schedules."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "benchmarks", "results", "pipeline_bubble_cpu.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    checked = 0
+    for r in records:
+        if "skipped" in r:
+            continue
+        name = "1f1b" if r["schedule"] == "torch-1f1b" else r["schedule"]
+        p, m, v = r["pp"], r["micro_batches"], r["virtual_stages"]
+        estimated = [memory.in_flight_micro_batches(rank, p, m, name, v) for rank in range(p)]
+        if name in ("1f1b", "interleaved-1f1b"):
+            assert estimated == r["peak_activations_per_rank"], r
+        else:
+            assert max(estimated) == r["peak_activations"], r
+        assert r["peak_activations"] == r["planned_activations"], r  # the schedule's own action order
+        checked += 1
+    assert checked >= 40
+
+
+def test_dry_run_of_virtual_stages_counts_their_activations():
+    flags = [*BIG, "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
+    result = _train(*flags)
+    assert result.returncode == 0, result.stderr
+    assert "interleaved-1f1b x 2 virtual stages" in result.stdout
+    stages = json.loads(result.stdout.strip().splitlines()[-1])["dry_run"]["stages"]
+    assert [s["in_flight_micro_batches"] for s in stages] == [2.5, 1.5]  # p + (p-1)/v on rank 0
+    assert [s["layers"] for s in stages] == [12, 12]
+
+
 def _train(*flags):
     import subprocess
     import sys

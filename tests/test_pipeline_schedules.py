@@ -173,3 +173,26 @@ def test_plain_load_across_stage_layouts_names_the_difference_and_weights_conver
     assert ("pipeline stages: 2 virtual per rank, loop placement (--pipeline-schedule interleaved-1f1b) (this run: "
             "one per rank (DeepSpeed's 1F1B engine))") in proc.stderr, proc.stderr[-2000:]
     assert "--saver universal" in proc.stderr
+
+
+def test_bubble_benchmark_measures_each_ranks_activations_as_planned(tmp_path, capsys):
+    """benchmarks/pipeline_bubble.py (small: PP 2, 4 micro-batches): every schedule's measured peak of
+    live activations per rank equals its own action order's and the estimator's; records are JSON."""
+    import json
+    import sys
+    sys.path.insert(0, ROOT)
+    from benchmarks import pipeline_bubble
+    from hybrid import memory
+    out = tmp_path / "records.jsonl"
+    assert pipeline_bubble.main(["--pp", "2", "--micro-batches", "4", "--layer-ms", "2", "--steps", "1",
+                                 "--json-out", str(out), "--png", str(tmp_path / "chart.png")]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["schedule"] for r in records] == list(pipeline_bubble.SCHEDULES)
+    for r in records:
+        assert r["peak_activations"] == r["planned_activations"], r
+        name = "1f1b" if r["schedule"] == "torch-1f1b" else r["schedule"]
+        estimated = [memory.in_flight_micro_batches(rank, 2, 4, name, r["virtual_stages"]) for rank in range(2)]
+        assert max(estimated) == r["peak_activations"], r
+        assert 0.0 <= r["idle_fraction"] < 1.0 and r["busy_over_expected"] >= 1.0, r
+    assert (tmp_path / "chart.png").stat().st_size > 10_000
+    assert '"benchmark": "pipeline_bubble_summary"' in capsys.readouterr().out
