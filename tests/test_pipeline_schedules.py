@@ -22,6 +22,7 @@ from tests.test_training import DROPOUT, TINY, assert_same_losses
 PP2 = ["--pipeline-model-parallel-size", 2]
 ZERO1 = ["--deepspeed", "ds_configs/zero1.json"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
+EVAL = ["--eval-iters", 2, "--eval-interval", 4]
 
 
 @pytest.mark.parametrize("model, schedule, virtual, tp, sp", [
@@ -66,8 +67,8 @@ def baseline(data, tmp_path_factory):
     def get(untied: bool):
         if untied not in cache:
             log = out / f"untied{untied}.jsonl"
-            run("python", 1, TINY + ["--data-path", data, "--log-json", log, *(UNTIED if untied else [])])
-            cache[untied] = [r["lm_loss"] for r in read_log(log)]
+            run("python", 1, TINY + EVAL + ["--data-path", data, "--log-json", log, *(UNTIED if untied else [])])
+            cache[untied] = read_log(log)
         return cache[untied]
 
     return get
@@ -77,9 +78,15 @@ def baseline(data, tmp_path_factory):
 def test_training_losses_equal_one_rank(layout, data, baseline, tmp_path):
     nproc, flags = LAYOUTS[layout]
     log = tmp_path / "log.jsonl"
-    proc = run("torchrun", nproc, TINY + ["--data-path", data, "--log-json", log, *flags])
-    records = read_log(log)
-    assert_same_losses([r["lm_loss"] for r in records], baseline(UNTIED[0] in flags))
+    proc = run("torchrun", nproc, TINY + EVAL + ["--data-path", data, "--log-json", log, *flags])
+    records = [r for r in read_log(log) if "consumed_samples" in r]
+    want = baseline(UNTIED[0] in flags)
+    assert_same_losses([r["lm_loss"] for r in records], [r["lm_loss"] for r in want if "consumed_samples" in r])
+    # evaluation (forward only through the same virtual stages) at iterations 4 and 8
+    evaluations = [r["lm_loss"] for r in read_log(log) if "consumed_samples" not in r]
+    expected = [r["lm_loss"] for r in want if "consumed_samples" not in r]
+    assert len(evaluations) == len(expected) == 2
+    assert all(abs(g - w) <= 1e-5 * abs(w) for g, w in zip(evaluations, expected)), (evaluations, expected)
     assert all(r["consumed_samples"] == 8 * r["iteration"] for r in records)
     assert all(r["grad_norm"] > 0 for r in records)
     schedule = "interleaved-1f1b" if "--pipeline-schedule" not in flags else flags[flags.index("--pipeline-schedule") + 1]

@@ -65,6 +65,8 @@ class TorchPipelineStep:
                 labels, mask = target[:, :seq], target[:, seq:].to(logits.dtype)
             return lm_loss(logits, (labels, mask)) / micro_batches
 
+        self.loss_fn = loss_fn
+        self.plans = plan_stages(model.config.num_layers, topology.pp_world_size, len(model.stages), schedule)
         self.schedule = schedule_class(schedule)(self.stages, n_microbatches=micro_batches, loss_fn=loss_fn,
                                                  scale_grads=False)
         self.tie_group = self._tied_embedding_group()
@@ -148,9 +150,34 @@ class TorchPipelineStep:
 
     @torch.no_grad()
     def eval_step(self, batches) -> torch.Tensor:
+        """Forward only, every micro-batch through the virtual stages in order; returns the mean loss on
+        the loss rank. Written here because torch 2.13's `schedule.eval()` runs the backward actions of
+        its V-shaped schedules ("can't steal_bwd_input if this stage doesn't have backward"); each
+        rank runs its stages in stage order and sends asynchronously, so no rank waits on a later one."""
         ids, target = self._batch(batches)
-        losses: list = []
-        self._run(self.schedule.eval, ids, target, losses)
+        ids, target = ids.chunk(self.micro_batches), target.chunk(self.micro_batches)
+        group, sends, local, losses = self.topology.pp_group, [], {}, []
+        rank_of = {p.index: p.rank for p in self.plans}
+        for stage in sorted(self.model.stages, key=lambda st: st.plan.index):
+            index = stage.plan.index
+            for mb in range(self.micro_batches):
+                if stage.first:
+                    hidden = ids[mb]
+                elif rank_of[index - 1] == self.topology.pp_rank:
+                    hidden = local.pop((index, mb))
+                else:
+                    hidden = torch.empty(self._hidden_meta(ids[0].size(0), ids[0].size(1)).shape,
+                                         dtype=self._activation_dtype(), device=self.device)
+                    dist.irecv(hidden, group=group, group_src=rank_of[index - 1]).wait()
+                out = stage(hidden)
+                if stage.last:
+                    losses.append(self.loss_fn(out, target[mb]))
+                elif rank_of[index + 1] == self.topology.pp_rank:
+                    local[(index + 1, mb)] = out
+                else:
+                    sends.append(dist.isend(out.contiguous(), group=group, group_dst=rank_of[index + 1]))
+        for work in sends:
+            work.wait()
         return self._sum(losses)
 
     def reduce_losses(self, stacked: torch.Tensor) -> torch.Tensor:
