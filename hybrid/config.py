@@ -343,7 +343,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     _check_universal(train, stage, tp)
     from hybrid.pipeline_plan import check_schedule_options, resolve_virtual_stages
     schedule, virtual = resolve_virtual_stages(args, model.num_layers, pp)
-    check_schedule_options(schedule, stage, precision, model.recompute_granularity, gas, pp)
+    check_schedule_options(schedule, stage, precision, model.recompute_granularity, gas, pp, args.torch_compile)
     ds_config = dsc.final_ds_config(ds, args, train, stage, optimizer, model)
     return RunConfig(model=model, train=train, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
                      pipeline_partition=args.pipeline_partition, ds_config=ds_config,

@@ -63,7 +63,7 @@ def resolve_virtual_stages(args, num_layers: int, pp: int) -> tuple[str, int]:
 
 
 def check_schedule_options(schedule: str, zero_stage: int, precision: str, recompute: str | None,
-                           micro_batches: int, pp: int) -> None:
+                           micro_batches: int, pp: int, torch_compile: bool = False) -> None:
     """What the torch schedules support here, refused with the reason before anything is built
     (ZeRO-2/3 with any pipeline is refused earlier, by hybrid.ds_config.zero_stage)."""
     if schedule == "1f1b":
@@ -79,6 +79,14 @@ def check_schedule_options(schedule: str, zero_stage: int, precision: str, recom
                           f"reruns the forward inside one backward, which a backward split into input- and "
                           f"weight-gradient steps cannot do. Use --pipeline-schedule interleaved-1f1b with "
                           f"recompute, or drop --recompute-granularity.")
+    if torch_compile and schedule in SPLIT_BACKWARD:
+        # tried: each compiled layer's backward is one graph computing input and weight gradients
+        # together; run in two parts over a retained graph its gradients came out wrong (losses off by
+        # 1e-3 after two steps with torch._functorch.config.donated_buffer=False, an error without)
+        raise ConfigError(f"--torch-compile with --pipeline-schedule {schedule}: a compiled layer's backward is "
+                          f"one graph, which a backward split into input- and weight-gradient steps cannot run "
+                          f"in two parts. Use --pipeline-schedule interleaved-1f1b with --torch-compile, or drop "
+                          f"--torch-compile.")
     if schedule == "dualpipev" and micro_batches < 2 * pp:
         raise ConfigError(f"--pipeline-schedule dualpipev needs at least as many micro-batches per iteration as "
                           f"stages (2 x {pp}); this run has {micro_batches} (--global-batch-size / "

@@ -2,9 +2,10 @@
 optimizer: the same mathematics as one rank.
 
 - one iteration on CPU ranks: loss and every gradient equal the single-process model's (1e-5);
-- launch/train.py, 8 iterations with clipping and a warmup+cosine schedule: losses equal the one-rank
-  run within 1e-5 relative (fp32, dropout off), at PP 2 with v = 2 (with and without ZeRO-1, DP 2),
-  TP 2 x PP 2 with SP, zero-bubble, ZB-V (tied table on one rank), DualPipeV (untied);
+- launch/train.py, 8 iterations with clipping and a warmup+cosine schedule: losses and evaluation
+  losses equal the one-rank run within 1e-5 relative (fp32, dropout off), at PP 2 with v = 2 (without
+  ZeRO and compiled; ZeRO-1 at DP 2), TP 2 x PP 2 with SP, zero-bubble, ZB-V (tied table on one
+  rank), DualPipeV (untied);
 - resume with dropout on is bitwise; flags that cannot work end in one message.
 """
 
@@ -44,7 +45,7 @@ def test_one_iteration_loss_and_gradients_equal_one_rank(model, schedule, virtua
 
 
 LAYOUTS = {
-    "pp2_v2": (2, PP2 + ["--num-virtual-stages-per-pipeline-rank", 2]),
+    "pp2_v2_compiled": (2, PP2 + ["--num-virtual-stages-per-pipeline-rank", 2, "--torch-compile"]),
     "pp2_dp2_zero1_v2": (4, PP2 + ["--num-layers-per-virtual-pipeline-stage", 1, *ZERO1]),
     "tp2_pp2_sp_v2_zero1": (4, PP2 + ["--tensor-model-parallel-size", 2, "--sequence-parallel",
                                       "--num-virtual-stages-per-pipeline-rank", 2, *ZERO1]),
@@ -146,6 +147,8 @@ def test_flags_resolve_megatron_spellings():
     (["--pipeline-schedule", "zero-bubble", "--recompute-granularity", "full", "--recompute-method", "uniform"], 4,
      "a backward split into input- and weight-gradient steps"),
     (["--pipeline-schedule", "zbv", "--global-batch-size", 2], 4, "at least as many micro-batches"),
+    (["--pipeline-schedule", "dualpipev", "--global-batch-size", 6], 4, "dualpipev needs at least as many"),
+    (["--pipeline-schedule", "zero-bubble", "--torch-compile"], 4, "a compiled layer's backward is one graph"),
 ])
 def test_flags_that_cannot_work_are_refused_with_the_fix(extra, layers, message):
     with pytest.raises(ConfigError, match=".*") as error:
