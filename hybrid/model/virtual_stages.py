@@ -50,7 +50,7 @@ class PipelineRankModel(nn.Module):
 
     def tied_weight(self):
         """This rank's copy of a tied embedding table that another rank also holds (loop placement)."""
-        if not self.config.tied_embeddings or (self.embedding is not None and self.tied_output is not None):
+        if not self.config.tied_embeddings:
             return None
         if self.tied_output is not None:
             return self.tied_output.word_embeddings.weight
@@ -62,7 +62,8 @@ class PipelineRankModel(nn.Module):
         """final-normed hidden -> logits that feed the loss (TP-split over the vocabulary)."""
         if self.output_layer is not None:
             return self.output_layer.loss_logits(hidden)
-        weight = (self.tied_output or self.embedding).word_embeddings.weight
+        table = self.tied_output if self.tied_output is not None else self.embedding
+        weight = table.word_embeddings.weight
         return parallel_logits(hidden, weight, self.tp_group, self.config.sequence_parallel, self.config.vocab_size)
 
 
@@ -76,7 +77,8 @@ class VirtualStage(nn.Module):
         self.embedding = owner.embedding if plan.first else None
         self.layers = nn.ModuleList(owner.layers[str(i)] for i in plan.layers)
         self.final_norm = owner.final_norm if plan.last else None
-        self.head = owner.output_layer or owner.tied_output if plan.last else None
+        head = owner.output_layer if owner.output_layer is not None else owner.tied_output
+        self.head = head if plan.last else None
         object.__setattr__(self, "_owner", owner)  # not a child: no second path to the same parameters
         if plan.last and owner.config.tied_embeddings and owner.tied_output is None:
             # V placement: the table is the embedding's, used a second time here; name it a child so

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from hybrid.model.virtual_stages import PipelineRankModel
 from hybrid.pipeline_plan import TORCH_SCHEDULES, V_SHAPED, plan_stages
 
+
 def schedule_class(name: str):
     import torch.distributed.pipelining.schedules as schedules
     return getattr(schedules, TORCH_SCHEDULES[name])
@@ -43,21 +44,18 @@ class TorchPipelineStep:
         self.engine, self.model, self.topology, self.device = engine, model, topology, device
         self.schedule_name = schedule
         self.micro_batches = micro_batches
-        num_stages = len(plan_stages(model.config.num_layers, topology.pp_world_size,
-                                     len(model.stages), schedule))
-        self.stages = [PipelineStage(stage, stage.plan.index, num_stages, device, group=topology.pp_group,
+        self.plans = plan_stages(model.config.num_layers, topology.pp_world_size, len(model.stages), schedule)
+        self.stages = [PipelineStage(stage, stage.plan.index, len(self.plans), device, group=topology.pp_group,
                                      input_args=self._input_meta(stage, micro_batch, seq_length),
                                      output_args=self._output_meta(stage, micro_batch, seq_length))
                        for stage in model.stages]
         self.has_first = any(s.first for s in model.stages)
         self.has_last = any(s.last for s in model.stages)
         lm_loss = LMLoss(topology.tp_group, model.config.vocab_size)
-        seq = None
 
         def loss_fn(logits, target):
             # the mean over micro-batches is taken here (scale_grads=False), as DeepSpeed divides
             # each micro-batch's loss by the accumulation steps
-            nonlocal seq
             if target.size(1) == logits.size(0):
                 labels, mask = target, None
             else:
@@ -66,14 +64,12 @@ class TorchPipelineStep:
             return lm_loss(logits, (labels, mask)) / micro_batches
 
         self.loss_fn = loss_fn
-        self.plans = plan_stages(model.config.num_layers, topology.pp_world_size, len(model.stages), schedule)
         self.schedule = schedule_class(schedule)(self.stages, n_microbatches=micro_batches, loss_fn=loss_fn,
                                                  scale_grads=False)
         self.tie_group = self._tied_embedding_group()
         engine.set_gradient_accumulation_boundary(True)  # every engine.step() below is one optimizer step
         # the rank that computes the loss (last virtual stage), as a global rank in this PP group
-        last_pp_rank = next(p.rank for p in plan_stages(model.config.num_layers, topology.pp_world_size,
-                                                        len(model.stages), schedule) if p.last)
+        last_pp_rank = next(p.rank for p in self.plans if p.last)
         self.loss_src = dist.get_global_rank(topology.pp_group, last_pp_rank)
 
     # The shapes each stage receives and sends, given to PipelineStage up front. Without them
