@@ -14,11 +14,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import os
 import re
+import shutil
+import tempfile
 from typing import Optional
 
 import torch
@@ -46,6 +49,26 @@ def write_atomic(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str, replace: bool = False, flag: str = "--save-dir"):
+    """Yield a new temporary directory beside `target`; when the block completes it is renamed to
+    `target`, so readers see a complete directory or none (on any error it is removed). An existing
+    `target` must be empty unless `replace`; `flag` names it in that error."""
+    parent = os.path.dirname(os.path.abspath(target))
+    os.makedirs(parent, exist_ok=True)
+    if not replace and os.path.isdir(target) and os.listdir(target):
+        raise ConfigError(f"{flag} {target} exists and is not empty; choose a new directory.")
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    try:
+        yield tmp
+        if os.path.isdir(target):
+            shutil.rmtree(target)  # empty, or replaced on purpose
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def read_tag(load_dir: str, pointer: str = LATEST) -> Optional[str]:

@@ -6,6 +6,7 @@ locally; nothing comes from a hub.
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,3 +252,24 @@ def test_resharded_checkpoint_continues_the_lr_schedule_and_finetune_restarts_it
     assert [r["lr"] for r in got] == want[3:]
     run("python", 1, flags + ["--load", resharded, "--finetune", "--train-iters", 3, "--log-json", tuned])
     assert [r["lr"] for r in read_log(tuned)] == want[:3]
+
+
+def test_converted_outputs_appear_complete_or_not_at_all(tmp_path):
+    """hybrid.checkpoint_format.atomic_directory, used by the HF, resharding and universal writers."""
+    from hybrid.checkpoint_format import atomic_directory
+    from hybrid.errors import ConfigError
+    target = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with atomic_directory(str(target)) as tmp:
+            (Path(tmp) / "half.safetensors").write_text("x")
+            raise RuntimeError("interrupted")
+    assert list(tmp_path.iterdir()) == []  # neither the target nor the temporary directory
+    with atomic_directory(str(target)) as tmp:
+        (Path(tmp) / "model.safetensors").write_text("1")
+    assert (target / "model.safetensors").read_text() == "1"
+    with pytest.raises(ConfigError, match="--save-dir .* exists and is not empty"):
+        with atomic_directory(str(target)):
+            pass
+    with atomic_directory(str(target), replace=True) as tmp:
+        (Path(tmp) / "model.safetensors").write_text("2")
+    assert [p.name for p in target.iterdir()] == ["model.safetensors"] and (target / "model.safetensors").read_text() == "2"

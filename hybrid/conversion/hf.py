@@ -290,23 +290,18 @@ def write_hf_dir(state: dict, config: ModelConfig, save_dir: str, tokenizer=None
                  progress: Callable = None) -> None:
     """Canonical full state -> HF directory (config, safetensors shards + index, generation config,
     tokenizer), written to a temporary directory and renamed when complete."""
-    import shutil
-    import tempfile
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
     from transformers import GenerationConfig
+
+    from hybrid.checkpoint_format import atomic_directory
     adapter = adapter_for_model(config)
     hf_state = adapter.to_hf(state)
     ids = {}
     if tokenizer is not None:
         ids = {"bos_token_id": tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
                "eos_token_id": tokenizer.eos_token_id}
-    parent = os.path.dirname(os.path.abspath(save_dir))
-    os.makedirs(parent, exist_ok=True)
-    if os.path.exists(save_dir) and os.listdir(save_dir):
-        raise ConfigError(f"--save-dir {save_dir} exists and is not empty; choose a new directory.")
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
-    try:
+    with atomic_directory(save_dir) as tmp:
         adapter.hf_config(ids).save_pretrained(tmp)
         GenerationConfig(**ids).save_pretrained(tmp)
         split = split_torch_state_dict_into_shards(hf_state, filename_pattern="model{suffix}.safetensors",
@@ -320,9 +315,3 @@ def write_hf_dir(state: dict, config: ModelConfig, save_dir: str, tokenizer=None
                 json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if os.path.exists(save_dir):
-            os.rmdir(save_dir)
-        os.replace(tmp, save_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -12,15 +12,13 @@ from __future__ import annotations
 import glob
 import os
 import re
-import shutil
-import tempfile
 from typing import Optional
 
 import torch
 
-from hybrid.checkpoint_format import (LATEST, MEGATRON_LATEST, canonical_name, first_model_file, layer_file,  # noqa: F401
-                                      load_file, model_config_from_summary, model_file, model_summary,
-                                      pipeline_index, tag_for, tp_layout)
+from hybrid.checkpoint_format import (LATEST, MEGATRON_LATEST, atomic_directory, canonical_name,  # noqa: F401
+                                      first_model_file, layer_file, load_file, model_config_from_summary,
+                                      model_file, model_summary, pipeline_index, tag_for, tp_layout)
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
 from hybrid.parallel.layers import shard, unshard
@@ -147,10 +145,7 @@ def write_hybrid(state: dict, config: ModelConfig, tp: int, pp: int, save_dir: s
         raise ConfigError(f"state dict does not fit the model: missing {sorted(missing)[:5]}, "
                           f"unexpected {sorted(unexpected)[:5]}.")
     tag = tag_for(iteration)
-    parent = os.path.dirname(os.path.abspath(save_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
-    try:
+    with atomic_directory(save_dir) as tmp:
         ckpt = os.path.join(tmp, tag)
         os.makedirs(ckpt)
         summary = dict(client_state.get("hybrid_config") or {})
@@ -170,14 +165,6 @@ def write_hybrid(state: dict, config: ModelConfig, tp: int, pp: int, save_dir: s
             f.write(tag)
         with open(os.path.join(tmp, MEGATRON_LATEST), "w") as f:
             f.write(str(iteration))
-        if os.path.exists(save_dir):
-            if os.listdir(save_dir):
-                raise ConfigError(f"--save-dir {save_dir} exists and is not empty; choose a new directory.")
-            os.rmdir(save_dir)
-        os.replace(tmp, save_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return tag
 
 

@@ -21,8 +21,8 @@ from typing import Optional
 
 import torch
 
-from hybrid.checkpoint_format import (LATEST_UNIVERSAL, UNIVERSAL_SUFFIX, canonical_name, model_config_from_summary,
-                                      read_meta, write_atomic)
+from hybrid.checkpoint_format import (LATEST_UNIVERSAL, UNIVERSAL_SUFFIX, atomic_directory, canonical_name,
+                                      model_config_from_summary, read_meta, write_atomic)
 from hybrid.errors import ConfigError
 
 UNIVERSAL_INFO = "hybrid_universal.json"  # what the universal checkpoint was made from
@@ -219,20 +219,13 @@ def to_universal(load_dir: str, tag: str, log=print) -> str:
     config = model_config_from_summary(meta["hybrid_config"])
     out_tag = tag + UNIVERSAL_SUFFIX
     target = os.path.join(load_dir, out_tag)
-    tmp = tempfile.mkdtemp(prefix=".tmp-universal-", dir=load_dir)
-    try:
+    with atomic_directory(target, replace=True) as tmp:  # a new conversion of the same tag replaces the old
         convert(os.path.join(load_dir, tag), tmp, config, log)
         hybrid = meta["hybrid_config"]
         with open(os.path.join(tmp, UNIVERSAL_INFO), "w") as f:
             json.dump({"source_tag": tag, "tensor_parallel": hybrid["tensor_parallel"],
                        "pipeline_parallel": hybrid["pipeline_parallel"], "data_parallel": hybrid["data_parallel"],
                        "iteration": meta.get("iteration")}, f)
-        if os.path.exists(target):
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     write_atomic(os.path.join(load_dir, LATEST_UNIVERSAL), out_tag)
     log(f"wrote universal checkpoint {target}; resume at any layout with --load {load_dir} --universal-checkpoint")
     return out_tag
