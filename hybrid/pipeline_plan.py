@@ -28,6 +28,7 @@ TORCH_SCHEDULES = {
 }
 SCHEDULE_NAMES = ("1f1b", *TORCH_SCHEDULES)
 SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # backward split into input- and weight-gradient steps
+V_SHAPED = ("zbv", "dualpipev")  # first and last stage on rank 0
 
 
 def resolve_virtual_stages(args, num_layers: int, pp: int) -> tuple[str, int]:
@@ -75,10 +76,12 @@ def check_schedule_options(schedule: str, zero_stage: int, precision: str, recom
         raise ConfigError(f"--pipeline-schedule {schedule} with --bf16 needs ZeRO-1 (ds_configs/zero1.json): "
                           f"DeepSpeed's bf16 optimizer without ZeRO accumulates gradients in its own backward.")
     if recompute and schedule in SPLIT_BACKWARD:
+        # tried (full and selective): DeepSpeed's reentrant checkpoint raises "Checkpointing is not
+        # compatible with .grad()" in the input-gradient step, which uses torch.autograd.grad
         raise ConfigError(f"--recompute-granularity with --pipeline-schedule {schedule}: activation recompute "
-                          f"reruns the forward inside one backward, which a backward split into input- and "
-                          f"weight-gradient steps cannot do. Use --pipeline-schedule interleaved-1f1b with "
-                          f"recompute, or drop --recompute-granularity.")
+                          f"(DeepSpeed's reentrant checkpoint) cannot run inside a backward split into input- and "
+                          f"weight-gradient steps (torch.autograd.grad). Use --pipeline-schedule interleaved-1f1b "
+                          f"with recompute, or drop --recompute-granularity.")
     if torch_compile and schedule in SPLIT_BACKWARD:
         # tried: each compiled layer's backward is one graph computing input and weight gradients
         # together; run in two parts over a retained graph its gradients came out wrong (losses off by
@@ -96,8 +99,6 @@ def check_schedule_options(schedule: str, zero_stage: int, precision: str, recom
                           f"pipeline ranks ({pp}); this run has {micro_batches} (--global-batch-size / "
                           f"(--micro-batch-size x data-parallel size)). Raise --global-batch-size.")
 
-
-V_SHAPED = ("zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
