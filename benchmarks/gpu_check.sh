@@ -8,7 +8,8 @@
 # dynamic loss scaling (loss scale and skipped steps reported), flash-attn when installed,
 # --torch-compile, ZeRO-3, full and selective recompute, launch/evaluate.py on the bf16
 # checkpoint, its HF export loaded by transformers (loss compared), and
-# benchmarks/bench_vs_transformers.py --preset gpu. Each step's log and JSON lines go to $OUT;
+# benchmarks/bench_vs_transformers.py --preset gpu; with 2+ GPUs, every --pipeline-schedule at PP 2.
+# Each step's log and JSON lines go to $OUT;
 # $OUT/summary.json has one line per step (ok, seconds, last logged metrics).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -115,6 +116,18 @@ ours = json.loads(open(f"{out}/evaluate.jsonl").read().splitlines()[-1])["lm_los
 print(json.dumps({"transformers_loss": loss.item(), "hybrid_evaluate_loss": ours,
                   "relative_difference": abs(loss.item() - ours) / ours}))
 EOF
+# Pipeline schedules need 2+ GPUs (one rank per GPU): each runs PP 2 with ZeRO-1, bf16, 8 micro-batches.
+if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    for schedule in 1f1b interleaved-1f1b zero-bubble zbv dualpipev; do
+        virtual=""
+        case $schedule in interleaved-1f1b|zero-bubble) virtual="--num-virtual-stages-per-pipeline-rank 2";; esac
+        step "pp2_$schedule" 180 python -m torch.distributed.run --nproc_per_node 2 launch/train.py $MODEL $MOCK \
+            --bf16 --deepspeed ds_configs/zero1.json --pipeline-model-parallel-size 2 --pipeline-schedule $schedule \
+            $virtual --global-batch-size 64 --train-iters 20 --log-json "$OUT/pp2_$schedule.jsonl"
+    done
+else
+    echo '{"step": "pipeline_schedules", "ok": null, "skipped": "needs 2 or more GPUs"}' >> "$SUMMARY"
+fi
 step bench_vs_transformers 300 python benchmarks/bench_vs_transformers.py $BENCH \
     --variants hybrid,hybrid_compiled,transformers_eager,transformers_compiled \
     --json "$OUT/bench_vs_transformers.json" --chart "$OUT/bench_vs_transformers.png"
