@@ -93,6 +93,16 @@ class RunConfig:
     virtual_stages: int = 1  # virtual pipeline stages per rank
 
     @property
+    def deepspeed_pipeline(self) -> bool:
+        """Pipeline stages run by DeepSpeed's PipelineEngine (PP > 1, --pipeline-schedule 1f1b)."""
+        return self.pipeline_parallel > 1 and self.pipeline_schedule == "1f1b"
+
+    @property
+    def virtual_pipeline(self) -> bool:
+        """Virtual stages run by a torch.distributed.pipelining schedule (PP > 1, any other schedule)."""
+        return self.pipeline_parallel > 1 and self.pipeline_schedule != "1f1b"
+
+    @property
     def zero_stage(self) -> int:
         return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
 

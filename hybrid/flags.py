@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from hybrid.errors import ConfigError
+from hybrid.pipeline_plan import SCHEDULE_NAMES
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -151,7 +152,7 @@ def _add_distributed_args(p):
     g.add_argument("--pipeline-partition", "--pp-partition-method", dest="pipeline_partition", default="parameters",
                    help="parameters | uniform | comma-separated layers per stage (e.g. 3,5)")
     g.add_argument("--pipeline-schedule", default=None,
-                   choices=["1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"],
+                   choices=SCHEDULE_NAMES,
                    help="1f1b: DeepSpeed's pipeline engine, one stage per rank (default). The others run in "
                         "torch.distributed.pipelining with DeepSpeed's optimizer: interleaved-1f1b (Megatron's "
                         "virtual stages; default when virtual stages are set), zero-bubble (interleaved, each "

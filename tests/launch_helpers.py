@@ -53,6 +53,21 @@ def run(launcher: str, nproc: int, flags: list[str], script: str = "launch/train
     return proc
 
 
+def one_rank_runs(data: str, out_dir, base_flags: list, untied_flags: list):
+    """`get(untied)` -> the log records of the uninterrupted one-rank run of `base_flags`, with or
+    without `untied_flags`, each run once (the baseline a module's layouts are compared with)."""
+    cache = {}
+
+    def get(untied: bool):
+        if untied not in cache:
+            log = out_dir / f"untied{untied}.jsonl"
+            run("python", 1, base_flags + ["--data-path", data, "--log-json", log, *(untied_flags if untied else [])])
+            cache[untied] = read_log(log)
+        return cache[untied]
+
+    return get
+
+
 def read_log(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f]

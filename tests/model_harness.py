@@ -79,6 +79,11 @@ def sharded_run(cfg: dict, tp: int, pp: int, data, sequence_parallel=False, grad
                          for i in range(0, ids.size(0), micro)]
         loss = engine.train_batch(data_iter=iter(micro_batches)).item()
         grads = {n: optimizer.recorded[id(p)] for n, p in params.items()}
+    return _result(topo, loss, logits, params, grads)
+
+
+def _result(topo, loss, logits, params, grads) -> dict:
+    """What a sharded run returns: loss, logits shard and canonical-named gradient shards with their TP split."""
     shards = {n: (grads[n].detach().clone(), getattr(params[n], "partition_dim", None),
                   getattr(params[n], "partition_stride", 1)) for n in params}
     return dict(tp_rank=topo.tp_rank, pp_rank=topo.pp_rank, loss=loss, logits=logits, grads=shards)
@@ -136,6 +141,4 @@ def scheduled_run(cfg: dict, tp: int, pp: int, data, schedule: str, virtual: int
     batches = iter([(ids[i:i + micro], labels[i:i + micro], mask[i:i + micro]) for i in range(0, ids.size(0), micro)])
     loss = step.reduce_losses(step.train_step(batches).reshape(1)).item()
     grads = {n: optimizer.recorded[id(p)] for n, p in params.items()}
-    shards = {n: (grads[n].detach().clone(), getattr(params[n], "partition_dim", None),
-                  getattr(params[n], "partition_stride", 1)) for n in params}
-    return dict(tp_rank=topo.tp_rank, pp_rank=topo.pp_rank, loss=loss, logits=None, grads=shards)
+    return _result(topo, loss, None, params, grads)

@@ -16,7 +16,7 @@ import pytest
 
 from hybrid.errors import ConfigError
 from hybrid.testing import run_on_ranks
-from tests.launch_helpers import ROOT, read_log, run
+from tests.launch_helpers import ROOT, one_rank_runs, read_log, run
 from tests.model_harness import CONFIGS, assemble_grads, batch, compare_grads, reference, scheduled_run
 from tests.test_training import DROPOUT, TINY, assert_same_losses
 
@@ -63,16 +63,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(data, tmp_path_factory):
-    out, cache = tmp_path_factory.mktemp("baseline"), {}
-
-    def get(untied: bool):
-        if untied not in cache:
-            log = out / f"untied{untied}.jsonl"
-            run("python", 1, TINY + EVAL + ["--data-path", data, "--log-json", log, *(UNTIED if untied else [])])
-            cache[untied] = read_log(log)
-        return cache[untied]
-
-    return get
+    return one_rank_runs(data, tmp_path_factory.mktemp("baseline"), TINY + EVAL, UNTIED)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.launch_helpers import read_log, run
+from tests.launch_helpers import one_rank_runs, read_log, run
 from tests.test_training import TINY, assert_same_losses
 
 UNTIED = ["--untie-embeddings-and-output-weights"]
@@ -59,16 +59,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def baseline(data, tmp_path_factory):
     """The uninterrupted one-rank losses, tied and untied."""
-    out, cache = tmp_path_factory.mktemp("baseline"), {}
-
-    def get(untied: bool):
-        if untied not in cache:
-            log = out / f"untied{untied}.jsonl"
-            run("python", 1, TINY + ["--data-path", data, "--log-json", log, *(UNTIED if untied else [])])
-            cache[untied] = read_log(log)
-        return cache[untied]
-
-    return get
+    return one_rank_runs(data, tmp_path_factory.mktemp("baseline"), TINY, UNTIED)
 
 
 @pytest.fixture(scope="module")

@@ -68,8 +68,8 @@ def _drop_tied_copy(zero: str) -> None:
     """Virtual pipeline stages keep a second copy of a tied embedding table on the last stage's rank;
     it received the same summed gradients and updates as the first, so its weights and Adam moments
     are the embedding's: keep one, under the canonical name."""
-    from hybrid.model.virtual_stages import TIED_COPY
-    copy = os.path.join(zero, f"{TIED_COPY}.word_embeddings.weight")
+    from hybrid.model.virtual_stages import TIED_COPY_WEIGHT
+    copy = os.path.join(zero, TIED_COPY_WEIGHT)
     if os.path.isdir(copy):
         original = os.path.join(zero, "embedding.word_embeddings.weight")
         if os.path.isdir(original):

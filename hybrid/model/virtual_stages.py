@@ -21,6 +21,7 @@ from hybrid.model.transformer import TransformerLayer
 from hybrid.pipeline_plan import StagePlan
 
 TIED_COPY = "tied_output"  # the last stage's copy of a tied embedding (loop placement, PP > 1)
+TIED_COPY_WEIGHT = f"{TIED_COPY}.word_embeddings.weight"
 
 
 class PipelineRankModel(nn.Module):

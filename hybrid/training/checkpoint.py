@@ -47,11 +47,9 @@ def _stage_layout(schedule: str, virtual: int) -> str:
 def _universal_info(run: RunConfig) -> dict:
     """DeepSpeed's pipeline engine names parameters by layer index; the virtual stages (and PP = 1)
     by canonical name, plus the last stage's copy of a tied table."""
-    deepspeed_pipeline = run.pipeline_parallel > 1 and run.pipeline_schedule == "1f1b"
-    from hybrid.model.virtual_stages import TIED_COPY
-    tied_copy = (f"{TIED_COPY}.word_embeddings.weight" if run.pipeline_parallel > 1 and not deepspeed_pipeline
-                 and run.model.tied_embeddings else None)
-    return universal_checkpoint_info(run.model, run.tensor_parallel, deepspeed_pipeline, tied_copy)
+    from hybrid.model.virtual_stages import TIED_COPY_WEIGHT
+    tied_copy = TIED_COPY_WEIGHT if run.virtual_pipeline and run.model.tied_embeddings else None
+    return universal_checkpoint_info(run.model, run.tensor_parallel, run.deepspeed_pipeline, tied_copy)
 
 
 def save(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples: int) -> str:

@@ -30,7 +30,7 @@ def build_model(run: RunConfig, topology) -> nn.Module:
             model = GPTModel(run.model, topology.tp_group)
     elif run.pipeline_parallel == 1:
         model = GPTModel(run.model, topology.tp_group)
-    elif run.pipeline_schedule != "1f1b":  # torch.distributed.pipelining runs this rank's virtual stages
+    elif run.virtual_pipeline:  # torch.distributed.pipelining runs this rank's virtual stages
         from hybrid.training.pipelining import build_rank_model
         model = build_rank_model(run.model, topology, run.pipeline_schedule, run.virtual_stages)
     else:
@@ -100,7 +100,7 @@ def build_engine(run: RunConfig, topology):
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, run), config=run.ds_config,
             # a PipelineModule brings its own grid
-            mpu=None if run.pipeline_parallel > 1 and run.pipeline_schedule == "1f1b" else topology.mpu,
+            mpu=None if run.deepspeed_pipeline else topology.mpu,
             lr_scheduler=scheduler, dist_init_required=False)
     except (RuntimeError, ValueError, OSError, ImportError) as error:
         _raise_if_op_build_failed(error)

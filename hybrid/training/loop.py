@@ -44,18 +44,17 @@ class Trainer:
         from hybrid.training.batches import Collator
         self.run, self.topology, self.engine = run, topology, engine
         self.train_ds, self.valid_ds, _ = datasets
-        self.pipeline = run.pipeline_parallel > 1
+        self.pipeline = run.deepspeed_pipeline
         self.collator = Collator(eod_token, run.train.eod_mask_loss)
         self.device = torch.device(engine.device)
         # the step is chosen once: DeepSpeed's pipeline schedule, a torch.distributed.pipelining
         # schedule, or micro-steps on the plain engine
         self.torch_pipeline = None
-        if self.pipeline and run.pipeline_schedule != "1f1b":
+        if run.virtual_pipeline:  # takes plain (ids, labels, mask) micro-batches
             from hybrid.training.pipelining import TorchPipelineStep
             self.torch_pipeline = TorchPipelineStep(engine, engine.module, topology, run.pipeline_schedule,
                                                     run.train.grad_acc_steps, self.device,
                                                     run.train.micro_batch_size, run.train.seq_length)
-            self.pipeline = False  # plain (ids, labels, mask) micro-batches
             self.train_step = self.torch_pipeline.train_step
         else:
             self.train_step = self._pipeline_step if self.pipeline else self._micro_steps
