@@ -3,13 +3,10 @@
 - Files: DeepSpeed's (`mp_rank_XX_model_states.pt`; `layer_NN-model_TT-model_states.pt` for pipeline
   stages; ZeRO's `*_optim_states.pt`), a tag per iteration (`iter_0000100`), and pointer files
   (`latest`, Megatron's `latest_checkpointed_iteration.txt`, `latest_universal`) replaced atomically.
-- Parameter layout: each parameter's canonical name, its tensor-parallel split and its name inside a
-  DeepSpeed PipelineModule. The TP split is read from the layers' own attributes (`partition_dim`,
+- Parameter layout: each parameter's tensor-parallel split (names: hybrid.model.naming). The TP split is read from the layers' own attributes (`partition_dim`,
   `partition_stride`, `vocab_padded`, set where each parameter is made), not restated here;
   checkpoint partitioning, DeepSpeed's `universal_checkpoint_info` and conversion all derive from it.
-- Pipeline names: PipelineModule names a layer by its index in the full LayerSpec list (embedding 0,
-  transformer layer i at i + 1, final norm L + 1, head L + 2) whatever the stage split; a tied
-  embedding lives under `tied_modules.embed.` on the first and last stages.
+- Client state: what hybrid adds to DeepSpeed's files (`ClientState`), written and read only through it.
 """
 
 from __future__ import annotations
@@ -28,13 +25,12 @@ import torch
 
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
+from hybrid.model.naming import pipeline_name
 
 LATEST = "latest"
 LATEST_UNIVERSAL = "latest_universal"  # Megatron-DeepSpeed's pointer to a universal checkpoint
 MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
 UNIVERSAL_SUFFIX = "_universal"
-TIED_PREFIX = "tied_modules.embed."
-OPTIMIZER_PARAM_NAMES = "optimizer_param_names"  # client state: canonical names in optimizer order (no ZeRO)
 
 
 def tag_for(iteration: int) -> str:
@@ -113,6 +109,78 @@ def read_meta(load_dir: str, tag: str) -> dict:
     return meta
 
 
+@dataclasses.dataclass
+class ClientState:
+    """What hybrid adds to DeepSpeed's checkpoint files (DeepSpeed's `client_state`, stored beside its
+    own keys in every model-states file), declared once: training writes it at each save, conversion
+    when it writes weights, and every reader goes through `ClientState.from_meta`."""
+
+    iteration: int = 0  # iterations done
+    consumed_samples: int = 0  # the sampler's position (hybrid.training.batches)
+    hybrid_config: dict = dataclasses.field(default_factory=dict)  # hybrid.config.config_summary: model, layout
+    args: dict = dataclasses.field(default_factory=dict)  # the parsed flags (--use-checkpoint-args)
+    rng_states: Optional[dict] = None  # every RNG stream (hybrid.parallel.random.get_rng_states)
+    universal_checkpoint_info: Optional[dict] = None  # DeepSpeed's patterns for ds_to_universal
+    optimizer_param_names: Optional[list] = None  # canonical names in optimizer order (no ZeRO only)
+    weights_only: bool = False  # written by conversion: weights, no optimizer state
+
+    def to_dict(self) -> dict:
+        """The client state handed to DeepSpeed's save_checkpoint."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_meta(cls, meta: Optional[dict]) -> "ClientState":
+        """From a model-states file's contents (or DeepSpeed's returned client state); DeepSpeed's own
+        keys are left out. Checkpoints that predate `zero_stage` in hybrid_config take it from
+        DeepSpeed's recorded config."""
+        meta = meta or {}
+        state = cls(**{f.name: meta[f.name] for f in dataclasses.fields(cls) if meta.get(f.name) is not None})
+        state.hybrid_config = dict(state.hybrid_config)
+        if "zero_stage" not in state.hybrid_config:
+            stage = ((meta.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0)
+            state.hybrid_config["zero_stage"] = int(stage)
+        return state
+
+    # the layout the checkpoint was written at
+    def layout(self, key: str, default=None):
+        return self.hybrid_config.get(key, default)
+
+    @property
+    def tensor_parallel(self) -> int:
+        return int(self.layout("tensor_parallel", 1))
+
+    @property
+    def pipeline_parallel(self) -> int:
+        return int(self.layout("pipeline_parallel", 1))
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.layout("zero_stage", 0))
+
+    @property
+    def storage(self) -> str:
+        """How the weights are stored: "module" (one mp_rank file per TP rank), "zero3" (ZeRO-3
+        partitions), "layer_files" (DeepSpeed's pipeline engine, and conversion at PP > 1: one file per
+        layer and TP rank) or "virtual_stages" (one file per TP x PP rank, canonical names)."""
+        if self.pipeline_parallel > 1:
+            if self.weights_only or self.layout("pipeline_schedule", "1f1b") == "1f1b":
+                return "layer_files"
+            return "virtual_stages"
+        if self.zero_stage == 3 and not self.weights_only:
+            return "zero3"
+        return "module"
+
+    def model_config(self) -> ModelConfig:
+        if "model" not in self.hybrid_config:
+            raise ConfigError("the checkpoint has no hybrid_config; it was not written by hybrid.")
+        return model_config_from_summary(self.hybrid_config)
+
+
+def read_client_state(load_dir: str, tag: str) -> ClientState:
+    """The client state of checkpoint `load_dir/tag` (from rank 0's model-states file)."""
+    return ClientState.from_meta(read_meta(load_dir, tag))
+
+
 def model_summary(config: ModelConfig) -> dict:
     return dataclasses.asdict(config)
 
@@ -142,58 +210,17 @@ def tp_layout(config: ModelConfig) -> dict[str, TPRule]:
 @functools.lru_cache(maxsize=16)
 def _tp_layout(config_json: str) -> tuple:
     from hybrid.model.gpt import GPTModel
+    from hybrid.parallel.groups import ParallelGroups
     config = ModelConfig(**json.loads(config_json))
     # a tiny model of the same structure (names and layers depend on the options, not the sizes)
     tiny = dataclasses.replace(config, hidden_size=2 * config.num_attention_heads, ffn_hidden_size=2, vocab_size=8,
                                max_position_embeddings=2, make_vocab_size_divisible_by=1)
-    from hybrid.parallel.collectives import SINGLE_RANK
     rules = []
-    for name, param in GPTModel(tiny, SINGLE_RANK).named_parameters():
+    for name, param in GPTModel(tiny, ParallelGroups.single()).named_parameters():
         split = getattr(param, "tensor_model_parallel", False)
         rules.append((name, TPRule(param.partition_dim if split else None, getattr(param, "partition_stride", 1),
                                    getattr(param, "vocab_padded", False))))
     return tuple(rules)
-
-
-def pipeline_index(name: str, config: ModelConfig) -> tuple[int, str]:
-    """(LayerSpec index, name inside that layer) of a canonical parameter name."""
-    if name.startswith("embedding."):
-        return 0, name[len("embedding."):]
-    if name.startswith("layers."):
-        layer, key = name[len("layers."):].split(".", 1)
-        return int(layer) + 1, key
-    if name.startswith("final_norm."):
-        return config.num_layers + 1, name
-    return config.num_layers + 2, name  # output_layer.weight
-
-
-def pipeline_name(name: str, config: ModelConfig) -> str:
-    """The name PipelineModule.named_parameters() gives a canonical parameter."""
-    if config.tied_embeddings and name.startswith("embedding."):
-        return TIED_PREFIX + name[len("embedding."):]
-    index, key = pipeline_index(name, config)
-    return f"{index}.{key}"
-
-
-_PIPE_NAME = re.compile(r"^(\d+)\.(.*)$")
-
-
-def canonical_name(name: str, num_layers: int) -> Optional[str]:
-    """Canonical name of a pipeline parameter name (also of a layer file's key, given as
-    `index.key`); None for the last stage's copy of a tied embedding in its layer file."""
-    if name.startswith(TIED_PREFIX):
-        return "embedding." + name[len(TIED_PREFIX):]
-    match = _PIPE_NAME.match(name)
-    if match is None:
-        return name  # already canonical (PP = 1)
-    index, key = int(match.group(1)), match.group(2)
-    if index == 0:
-        return "embedding." + key
-    if index <= num_layers:
-        return f"layers.{index - 1}.{key}"
-    if key == "word_embeddings.weight":
-        return None
-    return key
 
 
 def universal_checkpoint_info(config: ModelConfig, tp: int, pipeline: bool, tied_copy: Optional[str] = None) -> dict:
@@ -205,7 +232,8 @@ def universal_checkpoint_info(config: ModelConfig, tp: int, pipeline: bool, tied
     groups = {c.VOCABULARY_PARAMETER_PATTERNS: [], c.TP_REPLICATED_PARAMETER_PATTERNS: [],
               c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [], c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: []}
     for name, rule in tp_layout(config).items():
-        pattern = "^" + re.escape(pipeline_name(name, config) if pipeline else name) + "$"
+        pattern = "^" + re.escape(pipeline_name(name, config.num_layers, config.tied_embeddings) if pipeline
+                                  else name) + "$"
         if rule.vocab_padded:
             groups[c.VOCABULARY_PARAMETER_PATTERNS].append(pattern)
         elif rule.dim is None:

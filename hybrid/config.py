@@ -75,6 +75,7 @@ class TrainConfig:
     sample_prompt: Optional[str] = None  # --sample-prompt: text continued by transformers from the export
     log_memory: bool = False  # --log-memory-to-tensorboard
     universal_checkpoint: bool = False  # --universal-checkpoint: --load a universal checkpoint, any layout
+    per_token_loss: bool = False  # --calculate-per-token-loss: the iteration's loss is its valid tokens' mean
 
 
 @dataclass
@@ -186,12 +187,6 @@ def _check_data_flags(args) -> None:
                           "drop --data-path (and --split) or --mock-data.")
     if any(split_paths) and not args.train_data_path:
         raise ConfigError("--valid-data-path/--test-data-path without --train-data-path: give the training data too.")
-    for flag, value in (("--reset-position-ids", args.reset_position_ids),
-                        ("--reset-attention-mask", args.reset_attention_mask)):
-        if value:
-            raise ConfigError(f"{flag} is not supported: samples are packed documents attending causally across "
-                              f"EOD with continuous positions (Megatron's default). Drop {flag}; "
-                              f"--eod-mask-loss is supported.")
 
 
 DEMO_DIR = os.path.join("runs", "default")
@@ -233,19 +228,8 @@ def apply_megatron_aliases(args: argparse.Namespace) -> list[str]:
         args.recompute_granularity, args.recompute_method = "full", args.activations_checkpoint_method
     if args.attention_backend == "flash":
         args.use_flash_attn = True
-    if args.kv_channels and args.kv_channels * args.num_attention_heads != args.hidden_size:
-        raise ConfigError(f"--kv-channels {args.kv_channels}: only the head dimension --hidden-size / "
-                          f"--num-attention-heads = {args.hidden_size // args.num_attention_heads} is supported.")
-    if args.position_embedding_type == "alibi":
-        raise ConfigError("--position-embedding-type alibi is not supported: use learned_absolute or rope.")
-    if args.dataloader_type != "single":
-        raise ConfigError("--dataloader-type cyclic is not supported: samples are served in Megatron's "
-                          "sequential pretraining order (--dataloader-type single).")
     if getattr(args, "compat_no_pipeline_parallel", None) and args.pipeline_model_parallel_size > 1:
         raise ConfigError("--no-pipeline-parallel with --pipeline-model-parallel-size > 1: drop one of them.")
-    if args.calculate_per_token_loss and args.eod_mask_loss:
-        raise ConfigError("--calculate-per-token-loss with --eod-mask-loss is not supported (micro-batches then "
-                          "hold different token counts); drop one of them.")
     if args.grad_reduce_in_bf16 and not args.bf16:
         raise ConfigError("--grad-reduce-in-bf16 needs --bf16.")
     return accepted
@@ -265,29 +249,17 @@ def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
         return []
     if not args.load:
         raise ConfigError("--use-checkpoint-args needs --load CHECKPOINT_DIR.")
-    from hybrid.checkpoint_format import read_meta, read_tag
+    from hybrid.checkpoint_format import read_client_state, read_tag
     tag = read_tag(args.load) if os.path.isdir(args.load) else None
     if tag is None:
         raise ConfigError(f"--use-checkpoint-args: no checkpoint in --load {args.load} (no 'latest' file).")
-    saved = read_meta(args.load, tag).get("args") or {}
+    saved = read_client_state(args.load, tag).args
     changed = []
     for key in _CHECKPOINT_ARGS:
         if key in saved and getattr(args, key, None) != saved[key]:
             setattr(args, key, saved[key])
             changed.append(key)
     return changed
-
-
-def _check_universal(train: TrainConfig, stage: int, tp: int) -> None:
-    if not train.universal_checkpoint:
-        return
-    if stage == 0 and train.precision == "fp32":
-        raise ConfigError("--universal-checkpoint needs a ZeRO optimizer (DeepSpeed loads universal checkpoints into "
-                          "ZeRO-1/2/3): add --deepspeed ds_configs/zero1.json.")
-    if stage == 3 and tp > 1:
-        raise ConfigError("--universal-checkpoint with ZeRO-3 at --tensor-model-parallel-size > 1 is not supported: "
-                          "DeepSpeed 0.19's ZeRO-3 universal load does not split tensors over TP. Resume with "
-                          "ZeRO-1/2 at this TP (ds_configs/zero1.json), or with ZeRO-3 at TP 1.")
 
 
 def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_size: int) -> RunConfig:
@@ -336,24 +308,20 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
         freeze_embeddings=args.freeze_embeddings,
         split_data_paths=(args.train_data_path, args.valid_data_path, args.test_data_path),
         data_cache_path=args.data_cache_path, legacy_data_rules=args.legacy_data_rules,
-        eod_mask_loss=args.eod_mask_loss, torch_compile=args.torch_compile, train_samples=length.train_samples,
+        eod_mask_loss=args.eod_mask_loss, per_token_loss=args.calculate_per_token_loss, torch_compile=args.torch_compile, train_samples=length.train_samples,
         train_tokens=length.train_tokens, rampup=length.rampup, exit_duration_in_mins=args.exit_duration_in_mins,
         wandb_save_dir=args.wandb_save_dir, log_memory=args.log_memory_to_tensorboard,
         export_hf=args.export_hf, sample_prompt=args.sample_prompt, universal_checkpoint=args.universal_checkpoint or bool(
             (ds.get("checkpoint") or {}).get("load_universal")))
     if train.export_hf and not train.save:
         raise ConfigError("--export-hf needs --save (the checkpoint it exports).")
-    if length.rampup and pp > 1:
-        raise ConfigError("--rampup-batch-size with --pipeline-model-parallel-size > 1 is not supported (DeepSpeed's "
-                          "pipeline engine fixes its micro-batch count); use a constant --global-batch-size.")
-    if args.torch_compile and stage == 3:
-        raise ConfigError("--torch-compile with ZeRO-3 is not supported: ZeRO-3 gathers each layer's "
-                          "parameters in module hooks that torch.compile cannot trace. Use ZeRO-1/2 "
-                          "(ds_configs/zero1.json, zero2.json) with --torch-compile, or drop --torch-compile.")
-    _check_universal(train, stage, tp)
-    from hybrid.pipeline_plan import check_schedule_options, resolve_virtual_stages
+    from hybrid.pipeline_plan import resolve_virtual_stages
     schedule, virtual = resolve_virtual_stages(args, model.num_layers, pp)
-    check_schedule_options(schedule, stage, precision, model.recompute_granularity, gas, pp, args.torch_compile)
+    from hybrid.capabilities import Setup, check
+    check(Setup(pp=pp, tp=tp, schedule=schedule, zero_stage=stage, precision=precision,
+                recompute=model.recompute_granularity, torch_compile=args.torch_compile, micro_batches=gas,
+                rampup=bool(length.rampup), universal_checkpoint=train.universal_checkpoint,
+                accelerator=dsc.accelerator_kind(), zero_source=ds_path or "--zero-stage"))
     ds_config = dsc.final_ds_config(ds, args, train, stage, optimizer, model)
     return RunConfig(model=model, train=train, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
                      pipeline_partition=args.pipeline_partition, ds_config=ds_config,
@@ -365,4 +333,5 @@ def config_summary(run: RunConfig) -> dict:
     model = asdict(run.model)
     return {"model": model, "train": asdict(run.train), "tensor_parallel": run.tensor_parallel,
             "pipeline_parallel": run.pipeline_parallel, "data_parallel": run.data_parallel,
-            "pipeline_schedule": run.pipeline_schedule, "virtual_stages": run.virtual_stages}
+            "pipeline_schedule": run.pipeline_schedule, "virtual_stages": run.virtual_stages,
+            "zero_stage": run.zero_stage}

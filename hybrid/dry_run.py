@@ -41,19 +41,41 @@ def _with_recompute(plan: MemoryPlan, granularity: str) -> MemoryPlan:
     return replace(plan, recompute=granularity, model=replace(plan.model, recompute_granularity=granularity))
 
 
-def _candidates(plan: MemoryPlan):
+def _setup(plan: MemoryPlan):
+    """The capability table's view of a plan (hybrid.capabilities)."""
+    from hybrid.capabilities import Setup
+    return Setup(pp=plan.pp, tp=plan.tp, schedule=plan.schedule, zero_stage=plan.zero.stage,
+                 precision=plan.zero.precision, recompute=plan.recompute, micro_batches=plan.num_micro_batches)
+
+
+def _fits_model(plan: MemoryPlan) -> bool:
+    """The model's shape rules at the plan's TP (heads, query groups, ffn divisible by TP)."""
+    from hybrid.errors import ConfigError
+    try:
+        plan.model.validate(plan.tp)
+    except ConfigError:
+        return False
+    return not (plan.model.sequence_parallel and plan.seq_length % plan.tp)
+
+
+def _resized(plan: MemoryPlan, tp: int, pp: int) -> MemoryPlan:
+    """The same world and global batch at another TP x PP: DP shrinks, so each DP rank runs more
+    micro-batches of the same size."""
+    world = plan.tp * plan.pp * plan.dp
+    dp = world // (tp * pp)
+    return replace(plan, tp=tp, pp=pp, dp=dp, zero=replace(plan.zero, dp=dp),
+                   num_micro_batches=plan.num_micro_batches * plan.dp // dp)
+
+
+def _proposals(plan: MemoryPlan):
     """Single changes that lower memory, in the order a user would try them: recompute, ZeRO stage,
     micro batch (global batch kept), optimizer offload, then more TP or PP (DP shrinks)."""
     world = plan.tp * plan.pp * plan.dp
-    model = plan.model
-    from hybrid.pipeline_plan import SPLIT_BACKWARD
-    split_backward = plan.pp > 1 and plan.schedule in SPLIT_BACKWARD  # refuses recompute
-    if plan.recompute is None and not split_backward:
+    if plan.recompute is None:
         yield "--recompute-granularity selective", _with_recompute(plan, "selective")
-    if plan.recompute != "full" and not split_backward:
+    if plan.recompute != "full":
         yield "--recompute-granularity full", _with_recompute(plan, "full")
-    max_stage = 3 if plan.pp == 1 else 1
-    for stage in range(plan.zero.stage + 1, max_stage + 1):
+    for stage in range(plan.zero.stage + 1, 4):
         yield f"ZeRO-{stage} (ds_configs/zero{stage}.json)", replace(plan, zero=replace(plan.zero, stage=stage))
     micro = plan.micro_batch // 2
     while micro >= 1:
@@ -64,16 +86,21 @@ def _candidates(plan: MemoryPlan):
     if plan.zero.stage >= 1 and not plan.zero.offload_optimizer:
         yield ("optimizer offload (ds_configs/zero{}_offload.json)".format(plan.zero.stage),
                replace(plan, zero=replace(plan.zero, offload_optimizer=True)))
-    tp = plan.tp * 2
-    if (world % (tp * plan.pp) == 0 and model.num_query_groups % tp == 0
-            and model.num_attention_heads % tp == 0):
-        dp = world // (tp * plan.pp)
-        yield f"--tensor-model-parallel-size {tp}", replace(plan, tp=tp, dp=dp, zero=replace(plan.zero, dp=dp))
+    if world % (plan.tp * 2 * plan.pp) == 0:
+        yield f"--tensor-model-parallel-size {plan.tp * 2}", _resized(plan, plan.tp * 2, plan.pp)
     pp = plan.pp * 2
-    stages_fit = model.num_layers % (pp * plan.virtual) == 0 if plan.schedule != "1f1b" else model.num_layers >= pp
-    if world % (plan.tp * pp) == 0 and stages_fit and plan.zero.stage <= 1:
-        dp = world // (plan.tp * pp)
-        yield f"--pipeline-model-parallel-size {pp}", replace(plan, pp=pp, dp=dp, zero=replace(plan.zero, dp=dp))
+    stages_fit = (plan.model.num_layers % (pp * plan.virtual) == 0 if plan.schedule != "1f1b"
+                  else plan.model.num_layers >= pp)
+    if world % (plan.tp * pp) == 0 and stages_fit:
+        yield f"--pipeline-model-parallel-size {pp}", _resized(plan, plan.tp, pp)
+
+
+def _candidates(plan: MemoryPlan):
+    """The proposals the capability table allows and the model's shape rules accept."""
+    from hybrid.capabilities import allowed
+    for change, candidate in _proposals(plan):
+        if allowed(_setup(candidate)) and _fits_model(candidate):
+            yield change, candidate
 
 
 def advise(plan: MemoryPlan, gpu_memory_gb: float) -> dict:

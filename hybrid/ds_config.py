@@ -56,10 +56,14 @@ def precision_of(args, ds: dict, ds_path) -> str:
         raise ConfigError(f"{'--fp16' if args.fp16 else '--bf16'} disagrees with the DeepSpeed config {ds_path}, "
                           f"which enables {'bf16' if ds_bf16 else 'fp16'}; make them agree.")
     precision = "fp16" if (args.fp16 or ds_fp16) else "bf16" if (args.bf16 or ds_bf16) else "fp32"
-    if precision == "fp16" and not torch.cuda.is_available():
-        raise ConfigError("--fp16 needs a GPU: DeepSpeed's CPU accelerator does not support fp16. "
-                          "Use --bf16, or drop --fp16 to train in fp32.")
+    from hybrid.capabilities import Setup, check
+    check(Setup(precision=precision, accelerator=accelerator_kind()), only=("fp16-cpu",))
     return precision
+
+
+def accelerator_kind() -> str:
+    """"cuda" where a GPU is visible, else "cpu" (DeepSpeed picks its accelerator the same way)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def optimizer_config(args, ds: dict, ds_path) -> dict:
@@ -119,13 +123,8 @@ def zero_stage(args, ds, ds_path, pp) -> int:
     if stage is None:
         stage = 1 if args.use_distributed_optimizer else 0
     stage = int(stage)
-    if pp > 1 and stage >= 2:
-        raise ConfigError(f"ZeRO stage {stage} (from {ds_path or '--zero-stage'}) with "
-                          f"--pipeline-model-parallel-size {pp}: DeepSpeed's pipeline engine supports ZeRO-0/1 "
-                          f"only, and with the other --pipeline-schedule choices DeepSpeed's ZeRO-2/3 gradient "
-                          f"hooks, which reduce each gradient once per backward pass, meet a parameter's backward "
-                          f"once per micro-batch. Use ds_configs/zero1.json (or zero1_offload.json) with pipeline "
-                          f"parallelism, or set --pipeline-model-parallel-size 1 for ZeRO-2/3.")
+    from hybrid.capabilities import Setup, check
+    check(Setup(pp=pp, zero_stage=stage, zero_source=ds_path or "--zero-stage"), only=("zero23-pipeline",))
     return stage
 
 
@@ -166,6 +165,18 @@ def final_ds_config(ds: dict, args, train, stage: int, optimizer: dict, model) -
         for key in ("fp16", "bf16", "bfloat16"):
             out.pop(key, None)
     if model.sequence_parallel and args.pipeline_model_parallel_size > 1:
-        from hybrid.model.gpt import pipeline_ds_config
         out.update(pipeline_ds_config(model))
     return out
+
+
+def pipeline_ds_config(config) -> dict:
+    """The DeepSpeed "pipeline" settings this model needs.
+
+    DeepSpeed's pipeline engine by default splits each activation sent between stages over the
+    TP group and all-gathers it on arrival, assuming activations are identical on TP ranks.
+    Under sequence parallelism each TP rank holds a different sequence shard, so that would mix
+    shards from different ranks: turn it off.
+    """
+    if config.sequence_parallel:
+        return {"pipeline": {"pipe_partitioned": False, "grad_partitioned": False}}
+    return {}

@@ -49,18 +49,18 @@ def stream_windows(prefix: str, seq_length: int, count: int) -> np.ndarray:
 
 
 def evaluate(args) -> dict:
-    from hybrid.checkpoint_format import model_config_from_summary, read_meta, read_tag
+    from hybrid.checkpoint_format import read_client_state, read_tag
     from hybrid.conversion.layout import read_hybrid
     from hybrid.distributed import init_distributed
     if len(args.data_path) != 1:
         raise ConfigError("--data-path: evaluate.py takes one dataset prefix (no blend weights).")
     if not os.path.isdir(args.load) or read_tag(args.load) is None:
         raise ConfigError(f"--load {args.load}: no hybrid checkpoint there (no 'latest' file).")
-    meta = read_meta(args.load, read_tag(args.load))
-    config = model_config_from_summary(meta["hybrid_config"])
+    saved = read_client_state(args.load, read_tag(args.load))
+    config = saved.model_config()
     config.hidden_dropout = config.attention_dropout = 0.0
     config.recompute_granularity = None
-    tp, pp = meta["hybrid_config"]["tensor_parallel"], meta["hybrid_config"]["pipeline_parallel"]
+    tp, pp = saved.tensor_parallel, saved.pipeline_parallel
     from hybrid.topology import ParallelDims
     dp = ParallelDims(int(os.environ.get("WORLD_SIZE", "1")), tp, pp).data_parallel
     if args.eval_iters % dp:
@@ -76,7 +76,7 @@ def evaluate(args) -> dict:
     state, _ = read_hybrid(args.load)
     mine = [windows[k * args.micro_batch_size:(k + 1) * args.micro_batch_size]
             for k in range(args.eval_iters) if k % dp == topology.dp_rank]
-    batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous(), None) for w in mine]  # every position counts
+    batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in mine]  # every position counts
     device = _device()
     losses = (_pipeline_losses(config, topology, state, batches) if pp > 1
               else _losses(config, topology, state, batches, device))
@@ -99,7 +99,7 @@ def _losses(config, topology, state, batches, device) -> list[torch.Tensor]:
     from hybrid.model.gpt import GPTModel
     from hybrid.training.batches import to_device
     from hybrid.training.checkpoint import load_full_state
-    model = GPTModel(config, topology.tp_group).eval()
+    model = GPTModel(config, topology.groups).eval()
     load_full_state(model, state, config, topology)
     model.to(device)
     return [model(*to_device(batch, device)).float() for batch in batches]
@@ -107,8 +107,9 @@ def _losses(config, topology, state, batches, device) -> list[torch.Tensor]:
 
 def _pipeline_losses(config, topology, state, batches) -> list[float]:
     import deepspeed
-    from hybrid.model.gpt import build_pipeline_model, pipeline_ds_config
+    from hybrid.ds_config import pipeline_ds_config
     from hybrid.training.checkpoint import load_full_state
+    from hybrid.training.engine import build_pipeline_model
     module = build_pipeline_model(config, topology, "uniform")
     load_full_state(module, state, config, topology)
     engine, *_ = deepspeed.initialize(model=module, config={
@@ -118,8 +119,8 @@ def _pipeline_losses(config, topology, state, batches) -> list[float]:
     from hybrid.training.batches import to_device
     losses = []
     for batch in batches:
-        ids, labels, _ = to_device(batch, engine.device)
-        loss = engine.eval_batch(data_iter=iter([(ids, labels)]), reduce_output="avg", bcast_loss=True)
+        loss = engine.eval_batch(data_iter=iter([to_device(batch, engine.device)]), reduce_output="avg",
+                                 bcast_loss=True)
         losses.append(loss.detach().float().reshape(()))
     return losses
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from hybrid.errors import ConfigError
-from hybrid.pipeline_plan import SCHEDULE_NAMES
+from hybrid.capabilities import SCHEDULE_NAMES
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -186,8 +186,6 @@ def _add_data_args(p):
     g.add_argument("--data-cache-path", default=None, help="directory for the sample-index cache (default: beside the data)")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--num-workers", type=int, default=0)
-    g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic"],
-                   help="single: Megatron's sequential pretraining sampler (cyclic is refused)")
     g.add_argument("--data-impl", "--dataset-impl", dest="data_impl", default="mmap", choices=["mmap"])
     g.add_argument("--mmap-bin-files", dest="mmap_bin_files", action="store_true", default=True,
                    help="memory-map the .bin files (always done; accepted)")
@@ -195,10 +193,8 @@ def _add_data_args(p):
                    help="accepted: the .bin files are memory-mapped either way, which reads the same tokens")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss at positions whose input token is EOD")
     g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="accepted without --eod-mask-loss: every micro-batch has the same token count, so the "
-                        "per-token mean is the mean of micro-batch means hybrid computes")
-    g.add_argument("--reset-position-ids", action="store_true", help="refused: not supported")
-    g.add_argument("--reset-attention-mask", action="store_true", help="refused: not supported")
+                   help="the iteration's loss is the mean over every valid token of the global batch (default: "
+                        "the mean of each micro-batch's token mean; equal unless --eod-mask-loss masks tokens)")
     g.add_argument("--legacy-data-rules", action="store_true",
                    help="split rounding and blended sample counts of Megatron-DeepSpeed / Megatron-LM before "
                         "megatron-core (default: megatron-core's rules), to resume runs started there")

@@ -8,7 +8,7 @@ exactly that. The table is the README's compatibility table too (`markdown_table
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from hybrid.errors import ConfigError
 
@@ -108,6 +108,34 @@ _FLAGS = [
     CompatFlag("--cpu-optimizer", "refused", "use a DeepSpeed config with offload_optimizer "
                "(ds_configs/zero1_offload.json)"),
     CompatFlag("--kill-switch-path", "refused", "use --exit-duration-in-mins or --exit-interval", nargs="1"),
+    # data
+    CompatFlag("--reset-position-ids", "refused", "samples are packed documents with continuous positions "
+               "across EOD (Megatron's default); drop the flag (--eod-mask-loss is supported)"),
+    CompatFlag("--reset-attention-mask", "refused", "samples are packed documents attending causally across EOD "
+               "(Megatron's default); drop the flag (--eod-mask-loss is supported)"),
+    CompatFlag("--dataloader-type", "neutral", "samples are served in Megatron's sequential pretraining order "
+               "(cyclic is not implemented)", nargs="1", neutral="single"),
+]
+
+
+@dataclass(frozen=True)
+class ValueRule:
+    """A flag hybrid has, accepted at some values only."""
+
+    name: str  # the flag
+    accepted: str  # which values, for the README
+    refuses: Callable  # args -> bool
+    message: Callable  # args -> the error
+
+
+VALUE_RULES = [
+    ValueRule("--kv-channels", "accepted when equal to --hidden-size / --num-attention-heads (the head dimension)",
+              lambda a: bool(a.kv_channels) and a.kv_channels * a.num_attention_heads != a.hidden_size,
+              lambda a: f"--kv-channels {a.kv_channels}: only the head dimension --hidden-size / "
+                        f"--num-attention-heads = {a.hidden_size // a.num_attention_heads} is supported."),
+    ValueRule("--position-embedding-type", "learned_absolute or rope (alibi is not implemented)",
+              lambda a: a.position_embedding_type == "alibi",
+              lambda a: "--position-embedding-type alibi is not supported: use learned_absolute or rope."),
 ]
 
 COMPAT_FLAGS = {f.name: f for f in _FLAGS}
@@ -143,6 +171,7 @@ def check_compat(args) -> list[str]:
                            f"{flag.neutral} is accepted.")
         else:
             accepted.append(flag.name)
+    refused += [rule.message(args) for rule in VALUE_RULES if rule.refuses(args)]
     if refused:
         raise ConfigError(refused[0] if len(refused) == 1 else
                           f"{len(refused)} flags are not supported:\n  " + "\n  ".join(refused))
@@ -162,4 +191,5 @@ def markdown_table() -> str:
     for flag in _FLAGS:
         treatment = f"accepted at {flag.neutral} only" if flag.treatment == "neutral" else flag.treatment
         rows.append(f"| `{flag.name}` | {treatment} | {flag.why} |")
+    rows += [f"| `{rule.name}` | {rule.accepted} | a flag hybrid has, at these values |" for rule in VALUE_RULES]
     return "\n".join(rows)

@@ -75,25 +75,21 @@ def stage_parameters(config: ModelConfig, tp: int, pp: int, partition: str = "pa
     schedules as hybrid.pipeline_plan places their virtual stages."""
     from deepspeed.runtime import utils as ds_utils
 
-    from hybrid.model.gpt import _resolve_partition
+    from hybrid.pipeline_plan import list_partition_bounds, resolve_partition
     inventory = parameter_inventory(config, tp)
     units = _pipeline_units(config, inventory)
     if pp == 1:
         return [{"params": inventory, "layers": list(range(config.num_layers)), "first": True, "last": True}]
     if schedule != "1f1b":
         return _virtual_stage_parameters(config, inventory, units, pp, schedule, virtual)
-    method = _resolve_partition(partition, config.num_layers, pp)
+    method = resolve_partition(partition, config.num_layers, pp)
     if method == "parameters":
         bounds = ds_utils.partition_balanced([sum(inventory[n][0] for n in u) for u in units], pp)
     elif method.startswith("type:"):
         weights = [0] + [1] * config.num_layers + [0, 0]
         bounds = ds_utils.partition_balanced(weights, pp)
     else:
-        counts = [int(x) for x in method.split(":", 1)[1].split(",")]
-        bounds = [0]
-        for count in counts:
-            bounds.append(bounds[-1] + count + (1 if len(bounds) == 1 else 0))
-        bounds[-1] = len(units)
+        bounds = list_partition_bounds(method, len(units))
     stages = []
     for s in range(pp):
         names = [n for u in units[bounds[s]:bounds[s + 1]] for n in u]

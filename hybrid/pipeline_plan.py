@@ -19,16 +19,7 @@ from dataclasses import dataclass
 
 from hybrid.errors import ConfigError
 
-# --pipeline-schedule name -> torch.distributed.pipelining class ("1f1b" is DeepSpeed's engine)
-TORCH_SCHEDULES = {
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "zero-bubble": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
-SCHEDULE_NAMES = ("1f1b", *TORCH_SCHEDULES)
-SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # backward split into input- and weight-gradient steps
-V_SHAPED = ("zbv", "dualpipev")  # first and last stage on rank 0
+from hybrid.capabilities import V_SHAPED  # the schedules' names and kinds are declared there
 
 
 def resolve_virtual_stages(args, num_layers: int, pp: int) -> tuple[str, int]:
@@ -63,42 +54,31 @@ def resolve_virtual_stages(args, num_layers: int, pp: int) -> tuple[str, int]:
     return schedule, virtual
 
 
-def check_schedule_options(schedule: str, zero_stage: int, precision: str, recompute: str | None,
-                           micro_batches: int, pp: int, torch_compile: bool = False) -> None:
-    """What the torch schedules support here, refused with the reason before anything is built
-    (ZeRO-2/3 with any pipeline is refused earlier, by hybrid.ds_config.zero_stage)."""
-    if schedule == "1f1b":
-        return
-    if precision == "fp16":
-        raise ConfigError(f"--pipeline-schedule {schedule} with --fp16: the torch schedules run the backward "
-                          f"themselves, without DeepSpeed's loss scaling. Use --bf16.")
-    if precision == "bf16" and zero_stage == 0:
-        raise ConfigError(f"--pipeline-schedule {schedule} with --bf16 needs ZeRO-1 (ds_configs/zero1.json): "
-                          f"DeepSpeed's bf16 optimizer without ZeRO accumulates gradients in its own backward.")
-    if recompute and schedule in SPLIT_BACKWARD:
-        # tried (full and selective): DeepSpeed's reentrant checkpoint raises "Checkpointing is not
-        # compatible with .grad()" in the input-gradient step, which uses torch.autograd.grad
-        raise ConfigError(f"--recompute-granularity with --pipeline-schedule {schedule}: activation recompute "
-                          f"(DeepSpeed's reentrant checkpoint) cannot run inside a backward split into input- and "
-                          f"weight-gradient steps (torch.autograd.grad). Use --pipeline-schedule interleaved-1f1b "
-                          f"with recompute, or drop --recompute-granularity.")
-    if torch_compile and schedule in SPLIT_BACKWARD:
-        # tried: each compiled layer's backward is one graph computing input and weight gradients
-        # together; run in two parts over a retained graph its gradients came out wrong (losses off by
-        # 1e-3 after two steps with torch._functorch.config.donated_buffer=False, an error without)
-        raise ConfigError(f"--torch-compile with --pipeline-schedule {schedule}: a compiled layer's backward is "
-                          f"one graph, which a backward split into input- and weight-gradient steps cannot run "
-                          f"in two parts. Use --pipeline-schedule interleaved-1f1b with --torch-compile, or drop "
-                          f"--torch-compile.")
-    if schedule == "dualpipev" and micro_batches < 2 * pp:
-        raise ConfigError(f"--pipeline-schedule dualpipev needs at least as many micro-batches per iteration as "
-                          f"stages (2 x {pp}); this run has {micro_batches} (--global-batch-size / "
-                          f"(--micro-batch-size x data-parallel size)). Raise --global-batch-size.")
-    if micro_batches < pp:
-        raise ConfigError(f"--pipeline-schedule {schedule} needs at least as many micro-batches per iteration as "
-                          f"pipeline ranks ({pp}); this run has {micro_batches} (--global-batch-size / "
-                          f"(--micro-batch-size x data-parallel size)). Raise --global-batch-size.")
+def resolve_partition(method: str, num_layers: int, pp: int) -> str:
+    """--pipeline-partition -> DeepSpeed's PipelineModule `partition_method` (uniform counts transformer
+    layers; an explicit list `3,5` becomes `list:3,5`, checked against --num-layers)."""
+    if method in ("parameters", "uniform"):
+        return method if method == "parameters" else "type:TransformerLayer"
+    if method.startswith("type:"):
+        return method
+    counts = [int(x) for x in method.replace("list:", "").split(",")]
+    if len(counts) != pp or sum(counts) != num_layers or min(counts) < 1:
+        raise ConfigError(f"--pipeline-partition {method!r}: expected {pp} positive layer counts "
+                          f"summing to --num-layers {num_layers}, e.g. "
+                          f"{','.join([str(num_layers // pp)] * pp)}.")
+    return "list:" + ",".join(map(str, counts))
 
+
+def list_partition_bounds(method: str, num_units: int) -> list[int]:
+    """Stage boundaries over the pipeline's layer list (embedding, transformer layers, final norm,
+    head) for `list:3,5`: 3 transformer layers on stage 0 (with the embedding), 5 on stage 1 (with the
+    final norm and head)."""
+    counts = [int(x) for x in method.split(":", 1)[1].split(",")]
+    bounds = [0]
+    for count in counts:
+        bounds.append(bounds[-1] + count + (1 if len(bounds) == 1 else 0))
+    bounds[-1] = num_units
+    return bounds
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,9 @@
 """Process groups for tensor x pipeline x data parallelism, built from DeepSpeed's own topology.
 
+Rank order (Megatron-LM's): TP varies fastest, then (context parallel, size 1 for now), then DP, then
+PP; experts (size 1 for now) would split the DP ranks. `Topology.groups` is what layers receive
+(hybrid.parallel.groups.ParallelGroups: sizes, ranks and groups of every axis).
+
 The `Topology` wraps DeepSpeed's `PipeModelDataParallelTopology` (axes pipe, data, model:
 model/TP varies fastest, then DP, then PP, the rank order of Megatron-LM) and its
 `PipelineParallelGrid`. The grid is the `mpu` handed to `deepspeed.initialize` and to
@@ -24,12 +28,19 @@ class ParallelDims:
     world_size: int  # number of ranks in the job
     tensor_parallel: int = 1  # --tensor-model-parallel-size
     pipeline_parallel: int = 1  # --pipeline-model-parallel-size
+    context_parallel: int = 1  # --context-parallel-size (declared; only 1 is built so far)
+    expert_parallel: int = 1  # --expert-model-parallel-size, inside DP (declared; only 1 is built so far)
 
     def __post_init__(self):
         for name, value in (("--tensor-model-parallel-size", self.tensor_parallel),
-                            ("--pipeline-model-parallel-size", self.pipeline_parallel)):
+                            ("--pipeline-model-parallel-size", self.pipeline_parallel),
+                            ("--context-parallel-size", self.context_parallel),
+                            ("--expert-model-parallel-size", self.expert_parallel)):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}.")
+        if self.context_parallel > 1:
+            raise ConfigError(f"--context-parallel-size {self.context_parallel}: context parallelism is not "
+                              f"built yet; use --context-parallel-size 1.")
         model_parallel = self.tensor_parallel * self.pipeline_parallel
         if self.world_size % model_parallel != 0:
             raise ConfigError(
@@ -37,10 +48,14 @@ class ParallelDims:
                 f"({self.tensor_parallel}) x --pipeline-model-parallel-size ({self.pipeline_parallel}) "
                 f"= {model_parallel}; launch a multiple of {model_parallel} ranks or change the sizes.")
 
+        if self.data_parallel % self.expert_parallel != 0:
+            raise ConfigError(f"--expert-model-parallel-size {self.expert_parallel} does not divide the "
+                              f"data-parallel size {self.data_parallel} (experts are split inside DP).")
+
     @property
     def data_parallel(self) -> int:
-        """DP degree: what is left of the world after TP and PP."""
-        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
+        """DP degree: what is left of the world after TP, CP and PP."""
+        return self.world_size // (self.tensor_parallel * self.context_parallel * self.pipeline_parallel)
 
 
 @functools.cache
@@ -79,6 +94,12 @@ class Topology:
             num_pp=self.dims.pipeline_parallel, num_mp=self.dims.tensor_parallel,
             num_dp=self.dims.data_parallel)
         self.grid = _grid_class()(topology=self.ds_topology)
+        from hybrid.parallel.groups import Axis, ParallelGroups
+        # what the layers communicate over; context and expert axes stay at size 1 until used
+        self.groups = ParallelGroups(
+            tp=Axis.of(self.grid.get_tensor_model_parallel_group()),
+            dp=Axis.of(self.grid.get_data_parallel_group()),
+            pp=Axis.of(self.grid.get_pipe_parallel_group()))
 
     # -- sizes and ranks -------------------------------------------------------------------
     @property

@@ -12,5 +12,5 @@ import pytest  # noqa: E402
 @pytest.fixture(autouse=True, scope="module")
 def _close_rank_pools_after_each_module():
     yield
-    from hybrid.testing import close_pools
+    from tests.rank_pool import close_pools
     close_pools()

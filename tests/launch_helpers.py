@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 
-from hybrid.testing import free_port
+from hybrid.distributed import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from hybrid.parallel.cross_entropy import IGNORE_INDEX
+
 mcore = pytest.importorskip("megatron.core.datasets.gpt_dataset",
                             reason="megatron-core is not installed (pip install megatron-core)")
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
@@ -155,13 +157,15 @@ def test_eod_mask_loss_equals_megatron_core(tmp_path):
     ours = build_train_valid_test_datasets([prefix], "1", [50, 0, 0], 16, 1, cache_dir=str(tmp_path / "c"))[0]
     core = _core_datasets(tmp_path, 16, 1, [50, 0, 0], blend=([prefix], None), split="1", eod_mask_loss=True)[0]
     collate = Collator(eod_token=EOD, eod_mask_loss=True)
-    ids, labels, mask = collate([ours[i] for i in range(8)])
+    ids, labels = collate([ours[i] for i in range(8)])
     theirs = [core[i] for i in range(8)]
     assert torch.equal(ids, torch.stack([t["tokens"] for t in theirs]))
-    assert torch.equal(labels, torch.stack([t["labels"] for t in theirs]))
-    assert torch.equal(mask, torch.stack([t["loss_mask"] for t in theirs]))
+    # megatron-core's loss mask is ours as IGNORE_INDEX in the labels; the other labels are theirs
+    mask = torch.stack([t["loss_mask"] for t in theirs])
+    assert torch.equal(labels, torch.stack([t["labels"] for t in theirs]).masked_fill(mask == 0, IGNORE_INDEX))
     assert (mask == 0).any(), "the corpus has EOD tokens inside samples"
-    assert Collator()([ours[0]])[2] is None, "without --eod-mask-loss no all-ones mask is materialised"
+    plain_ids, plain_labels = Collator()([ours[0]])
+    assert not (plain_labels == IGNORE_INDEX).any(), "without --eod-mask-loss every position takes loss"
 
 
 def test_megatron_core_reads_what_preprocess_data_writes(tmp_path):

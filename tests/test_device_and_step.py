@@ -11,7 +11,7 @@ import torch
 from hybrid.config import build_run_config
 from hybrid.flags import build_parser
 from hybrid.data.gpt_dataset import MockGPTDataset
-from hybrid.testing import run_on_ranks
+from tests.rank_pool import run_on_ranks
 from hybrid.training.loop import Trainer
 from tests.launch_helpers import read_log, run
 
@@ -26,7 +26,9 @@ class RecordingEngine:
     device of every tensor the trainer hands it (plain or pipeline engine API)."""
 
     def __init__(self):
+        from types import SimpleNamespace
         self.device, self.seen, self.optimizer = META, [], None
+        self.module = SimpleNamespace(loss_fn=SimpleNamespace(token_scale=None))  # what the steps set
 
     def _record(self, *tensors):
         for t in tensors:
@@ -35,8 +37,8 @@ class RecordingEngine:
             elif t is not None:
                 self.seen.append(t.device)
 
-    def __call__(self, ids, labels, mask):
-        self._record(ids, labels, mask)
+    def __call__(self, ids, labels):
+        self._record(ids, labels)
         return torch.tensor(2.0)
 
     def _pipeline(self, data_iter, steps):
@@ -82,13 +84,13 @@ def test_training_and_evaluation_batches_reach_the_engine_device(pipeline, tmp_p
     engine.gas = run.train.grad_acc_steps
     datasets = [MockGPTDataset(64, 16, 64, seed) for seed in (1, 2, 3)]
     Trainer(run, OneRank(), engine, datasets, eod_token=63).train(0, 0)
-    # 3 iterations x 2 micro-batches x (ids, labels, mask) + final evaluation 2 x 2 x 3
-    assert len(engine.seen) == 3 * 2 * 3 + 2 * 2 * 3
+    # 3 iterations x 2 micro-batches x (ids, labels) + final evaluation 2 x 2 x 2
+    assert len(engine.seen) == 3 * 2 * 2 + 2 * 2 * 2
     assert set(engine.seen) == {META}, f"tensors left on the host: {engine.seen}"
     assert [r["iteration"] for r in read_log(run.train.log_json) if "consumed_samples" in r] == [3]
 
 
-def _count_host_syncs(iterations):
+def _count_host_syncs(iterations, extra=()):
     """Build a real one-rank engine and count host syncs made from hybrid's own code during
     training iterations (no logging) and then at the log point."""
     import inspect
@@ -96,7 +98,7 @@ def _count_host_syncs(iterations):
     from hybrid.parallel.random import model_parallel_seed
     from hybrid.topology import Topology
     from hybrid.training.engine import build_engine
-    run = build_run_config(build_parser().parse_args(SMALL + ["--clip-grad", "0.5"]), 1, 64)
+    run = build_run_config(build_parser().parse_args(SMALL + ["--clip-grad", "0.5", *extra]), 1, 64)
     topology = Topology(1, 1)
     model_parallel_seed(1, 0)
     engine, _ = build_engine(run, topology)
@@ -117,7 +119,7 @@ def _count_host_syncs(iterations):
     for name in originals:
         setattr(torch.Tensor, name, recording(name))
     try:
-        losses = [trainer.train_step(batches) for _ in range(iterations)]
+        losses = [trainer.step.train(batches) for _ in range(iterations)]
         during = list(syncs)
         values = trainer._interval_losses(losses)
     finally:
@@ -127,8 +129,9 @@ def _count_host_syncs(iterations):
     return during, syncs[len(during):], values, float(clipped_norm)
 
 
-def test_training_iterations_make_no_host_sync_until_logged():
-    during, at_log, values, grad_norm = run_on_ranks(_count_host_syncs, 1, 3)[0]
+@pytest.mark.parametrize("extra", [[], ["--calculate-per-token-loss"]], ids=["micro_batch_mean", "per_token"])
+def test_training_iterations_make_no_host_sync_until_logged(extra):
+    during, at_log, values, grad_norm = run_on_ranks(_count_host_syncs, 1, 3, extra)[0]
     assert during == [], f"host syncs inside training iterations: {during}"
     assert len(at_log) == 1 and len(values) == 3, at_log  # one transfer for the whole interval
     assert all(v > 0 for v in values) and grad_norm > 0

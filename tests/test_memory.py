@@ -14,7 +14,7 @@ from hybrid import memory
 from hybrid.config import build_run_config
 from hybrid.flags import build_parser
 from hybrid.model.config import ModelConfig
-from hybrid.testing import run_on_ranks
+from tests.rank_pool import run_on_ranks
 
 # hidden 34 / 1 layer: the no-decay group (510 elements) is not a multiple of 2 x DP, so the
 # estimate must reproduce DeepSpeed's padding
@@ -35,7 +35,7 @@ def _deepspeed_state_bytes(stage: int, ds_path: str) -> dict:
     engine, model = build_engine(run, Topology(1, 1))
     opt = engine.optimizer
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    loss = engine(ids, ids, None)
+    loss = engine(ids, ids)
     engine.backward(loss)
     if stage == 0:
         grads = _bytes(p.grad for p in model.parameters())
@@ -98,16 +98,17 @@ def _model_config(style: str, dropout: float, recompute, sequence_parallel=False
     return ModelConfig(**common)
 
 
-def _measured_layer_bytes(config: ModelConfig, tp_group, seq: int, batch: int, dtype=torch.float32) -> float:
+def _measured_layer_bytes(config: ModelConfig, groups, seq: int, batch: int, dtype=torch.float32) -> float:
     """Bytes kept for backward per layer by two layers (one micro-batch): what the saved-tensor
     hooks see, plus the inputs DeepSpeed's checkpoint function keeps as attributes of its
     autograd context (invisible to the hooks). Parameters are not activations."""
     import deepspeed
 
-    from hybrid.model.gpt import run_layers
+    from hybrid.model.recompute import run_layers
     from hybrid.model.transformer import TransformerLayer
-    from hybrid.parallel import collectives as C
-    layers = [TransformerLayer(config, tp_group, i).to(dtype).train() for i in range(config.num_layers)]
+    from hybrid.parallel.groups import as_groups
+    groups = as_groups(groups)
+    layers = [TransformerLayer(config, groups, i).to(dtype).train() for i in range(config.num_layers)]
     params = {p.untyped_storage().data_ptr() for layer in layers for p in layer.parameters()}
     kept = {}
 
@@ -123,7 +124,7 @@ def _measured_layer_bytes(config: ModelConfig, tp_group, seq: int, batch: int, d
             record(a)
         return checkpoint(fn, *args)
 
-    rows = seq // C.group_size(tp_group) if config.sequence_parallel else seq
+    rows = seq // groups.tp_size if config.sequence_parallel else seq
     x = torch.randn(rows, batch, config.hidden_size, dtype=dtype, requires_grad=True)
     deepspeed.checkpointing.checkpoint = recording_checkpoint
     try:
@@ -168,7 +169,7 @@ def _tp2_cases():
         for sp in (False, True):
             for recompute in (None, "selective", "full"):
                 config = _model_config(style, 0.1, recompute, sequence_parallel=sp)
-                out.append((style, sp, recompute, _measured_layer_bytes(config, topology.tp_group, 64, 2),
+                out.append((style, sp, recompute, _measured_layer_bytes(config, topology.groups, 64, 2),
                             _estimated_layer_bytes(config, 2, 64, 2)))
     return out
 
@@ -198,13 +199,24 @@ def test_korthikanti_gpt3_figure():
 
 
 def _real_stage_parameters(config_kwargs: dict, tp: int, pp: int, partition: str) -> dict:
-    from hybrid.model.gpt import GPTModel, build_pipeline_model, canonical_parameters
+    """On a rank of a real TP x PP topology: its stage and canonical parameter sizes."""
+    from hybrid.model.naming import canonical_parameters
     from hybrid.topology import Topology
+    from hybrid.training.engine import build_pipeline_model
     topology = Topology(tp, pp)
     config = ModelConfig(**config_kwargs)
-    model = GPTModel(config, topology.tp_group) if pp == 1 else build_pipeline_model(config, topology, partition)
-    params = canonical_parameters(model, config.num_layers)
+    params = canonical_parameters(build_pipeline_model(config, topology, partition), config.num_layers)
     return {"stage": topology.pp_rank, "params": {n: p.numel() for n, p in params.items()}}
+
+
+def _shapes_only_parameters(config_kwargs: dict, tp: int) -> list[dict]:
+    """PP = 1: every TP rank's parameter sizes, built in this process for shapes only (no ranks)."""
+    from hybrid.model.gpt import GPTModel
+    from hybrid.model.naming import canonical_parameters
+    from hybrid.parallel.groups import ParallelGroups
+    config = ModelConfig(**config_kwargs)
+    return [{"stage": 0, "params": {n: p.numel() for n, p in canonical_parameters(
+        GPTModel(config, ParallelGroups.shapes_only(tp, rank)), config.num_layers).items()}} for rank in range(tp)]
 
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
@@ -216,7 +228,9 @@ def test_parameter_inventory_equals_the_real_model_per_rank_and_stage(style, tp,
         kwargs.update(normalization="RMSNorm", swiglu=True, num_query_groups=2, position_embedding_type="rope",
                       add_bias_linear=False, untie_embeddings_and_output_weights=True)
     stages = memory.stage_parameters(ModelConfig(**kwargs), tp, pp, partition)
-    for real in run_on_ranks(_real_stage_parameters, tp * pp, kwargs, tp, pp, partition):
+    reals = (_shapes_only_parameters(kwargs, tp) if pp == 1 else
+             run_on_ranks(_real_stage_parameters, tp * pp, kwargs, tp, pp, partition))
+    for real in reals:
         estimated = {n: numel for n, (numel, _) in stages[real["stage"]]["params"].items()}
         assert estimated == real["params"]
 
@@ -227,9 +241,9 @@ def test_parameter_inventory_equals_each_ranks_virtual_stages(style, schedule, v
     """The estimator's per-rank parameters for the torch.distributed.pipelining schedules equal what
     PipelineRankModel builds on each of 2 pipeline ranks (tied tables: a copy on the last stage's
     rank in a loop, one table on rank 0 in a V)."""
-    from hybrid.model.gpt import canonical_parameters
+    from hybrid.model.naming import canonical_parameters
     from hybrid.model.virtual_stages import PipelineRankModel
-    from hybrid.parallel.collectives import SINGLE_RANK
+    from hybrid.parallel.groups import ParallelGroups
     from hybrid.pipeline_plan import plan_stages
     kwargs = dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=1000, max_position_embeddings=32)
     if style == "llama":
@@ -239,7 +253,7 @@ def test_parameter_inventory_equals_each_ranks_virtual_stages(style, schedule, v
     ranks = memory.stage_parameters(config, 1, 2, schedule=schedule, virtual=virtual)
     plans = plan_stages(4, 2, virtual, schedule)
     for rank in range(2):
-        real = canonical_parameters(PipelineRankModel(config, SINGLE_RANK, plans, rank), config.num_layers)
+        real = canonical_parameters(PipelineRankModel(config, ParallelGroups.single(), plans, rank), config.num_layers)
         estimated = {n: numel for n, (numel, _) in ranks[rank]["params"].items()}
         assert estimated == {n: p.numel() for n, p in real.items()}
         assert ranks[rank]["layers"] == sorted(i for p in plans if p.rank == rank for i in p.layers)

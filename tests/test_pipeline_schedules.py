@@ -15,7 +15,7 @@ import os
 import pytest
 
 from hybrid.errors import ConfigError
-from hybrid.testing import run_on_ranks
+from tests.rank_pool import run_on_ranks
 from tests.launch_helpers import ROOT, one_rank_runs, read_log, run
 from tests.model_harness import CONFIGS, assemble_grads, batch, compare_grads, reference, scheduled_run
 from tests.test_training import DROPOUT, TINY, assert_same_losses
@@ -161,7 +161,7 @@ def test_plain_load_across_stage_layouts_names_the_difference_and_weights_conver
     """A checkpoint of virtual stages: its weights read back (conversion's reader) equal a one-rank
     run's; a plain --load with DeepSpeed's 1F1B engine is one message with the fix."""
     from hybrid.conversion.layout import read_hybrid
-    from hybrid.testing import assert_close
+    from tests.rank_pool import assert_close
     one, staged = tmp_path / "one", tmp_path / "staged"
     short = ["--data-path", data, "--train-iters", 2]
     run("python", 1, TINY + short + ["--save", one])

@@ -5,7 +5,7 @@ import torch
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from hybrid.errors import ConfigError
-from hybrid.testing import run_on_ranks
+from tests.rank_pool import run_on_ranks
 from hybrid.topology import ParallelDims
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybrid.testing import assert_close, run_on_ranks
+from tests.rank_pool import assert_close, run_on_ranks
 
 ATOL = 1e-5
 S, B, H, OUT, VOCAB = 8, 2, 16, 24, 64
@@ -23,7 +23,7 @@ def _check_column(tp, sequence_parallel, gather_output):
     from hybrid.parallel.layers import ColumnParallelLinear, default_init
     topo = _setup(tp)
     rank = topo.tp_rank
-    layer = ColumnParallelLinear(H, OUT, topo.tp_group, default_init(seed=1), bias=True,
+    layer = ColumnParallelLinear(H, OUT, topo.groups, default_init(seed=1), bias=True,
                                  gather_output=gather_output, sequence_parallel=sequence_parallel)
     with torch.no_grad():
         layer.bias.copy_(layer.bias + 0.1 * (rank + 1))  # non-zero bias, known per shard
@@ -54,7 +54,7 @@ def _check_row(tp, sequence_parallel, input_is_parallel):
     from hybrid.parallel.layers import RowParallelLinear, default_init
     topo = _setup(tp)
     rank = topo.tp_rank
-    layer = RowParallelLinear(H, OUT, topo.tp_group, default_init(seed=4), bias=True,
+    layer = RowParallelLinear(H, OUT, topo.groups, default_init(seed=4), bias=True,
                               input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel)
     with torch.no_grad():
         layer.bias.fill_(0.3)
@@ -87,7 +87,7 @@ def _check_embedding(tp, sequence_parallel):
     from hybrid.parallel.layers import VocabParallelEmbedding, default_init
     topo = _setup(tp)
     rank = topo.tp_rank
-    emb = VocabParallelEmbedding(VOCAB, H, topo.tp_group, default_init(seed=7),
+    emb = VocabParallelEmbedding(VOCAB, H, topo.groups, default_init(seed=7),
                                  reduce_scatter_embeddings=sequence_parallel)
     full_w = torch.empty(VOCAB, H)
     default_init(seed=7)(full_w)
@@ -165,8 +165,8 @@ def _count_pair_collectives(tp, sequence_parallel, row_bias):
     import torch.distributed as dist
     from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear, default_init
     topo = _setup(tp)
-    col = ColumnParallelLinear(H, OUT, topo.tp_group, default_init(seed=1), sequence_parallel=sequence_parallel)
-    row = RowParallelLinear(OUT, H, topo.tp_group, default_init(seed=2), bias=row_bias,
+    col = ColumnParallelLinear(H, OUT, topo.groups, default_init(seed=1), sequence_parallel=sequence_parallel)
+    row = RowParallelLinear(OUT, H, topo.groups, default_init(seed=2), bias=row_bias,
                             sequence_parallel=sequence_parallel)
     counts = {}
     names = ["all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",

@@ -104,23 +104,24 @@ def convert(args) -> str:
         raise ConfigError(f"--saver {saver} needs --save-dir DIR.")
     show = not args.no_progress_bar
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    from hybrid.checkpoint_format import ClientState
     if loader == "hf":
         state, config, _ = read_hf_dir(args.load_dir, _progress(show, "shards"))
-        client_state = {"args": {}, "iteration": 0, "consumed_samples": 0}
+        client_state = ClientState()
     else:
         state, meta = read_hybrid(args.load_dir, progress=_progress(show, "reading"))
-        from hybrid.checkpoint_format import model_config_from_summary
-        config = model_config_from_summary(meta["hybrid_config"])
-        client_state = {k: meta[k] for k in ("args", "iteration", "consumed_samples", "hybrid_config") if k in meta}
+        saved = ClientState.from_meta(meta)
+        config = saved.model_config()
+        client_state = ClientState(iteration=saved.iteration, consumed_samples=saved.consumed_samples,
+                                   args=saved.args, hybrid_config=saved.hybrid_config)
     if args.make_vocab_size_divisible_by:
         config.make_vocab_size_divisible_by = args.make_vocab_size_divisible_by
     if saver == "hf":
-        tokenizer = _tokenizer(args, client_state.get("args") or {})
+        tokenizer = _tokenizer(args, client_state.args)
         write_hf_dir(state, config, args.save_dir, tokenizer, args.max_shard_size, _progress(show, "writing"))
         return f"wrote HuggingFace model to {args.save_dir}"
     check_target_layout(config, tp, pp)
-    write_hybrid(state, config, tp, pp, args.save_dir, client_state, int(client_state.get("iteration", 0)),
-                 _progress(show, "writing"))
+    write_hybrid(state, config, tp, pp, args.save_dir, client_state, _progress(show, "writing"))
     return f"wrote hybrid checkpoint (TP={tp}, PP={pp}) to {args.save_dir}"
 
 

@@ -16,9 +16,11 @@ from typing import Optional
 
 import torch
 
-from hybrid.checkpoint_format import (LATEST, MEGATRON_LATEST, atomic_directory, canonical_name,  # noqa: F401
+from hybrid.checkpoint_format import (LATEST, MEGATRON_LATEST, ClientState, atomic_directory,  # noqa: F401
                                       first_model_file, layer_file, load_file, model_config_from_summary,
-                                      model_file, model_summary, pipeline_index, tag_for, tp_layout)
+                                      model_file, model_summary, tag_for, tp_layout)
+from hybrid.conversion.ds_universal import read_fp32_state
+from hybrid.model.naming import EMBEDDING_WEIGHT, canonical_name, pipeline_index
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
 from hybrid.parallel.layers import shard, unshard
@@ -45,21 +47,23 @@ def partition_rule(name: str, config: ModelConfig) -> Optional[tuple[int, int]]:
 
 
 def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tuple[dict, dict]:
-    """-> (canonical full fp32 state dict with padded vocab rows removed, client state of rank 0)."""
+    """-> (canonical full fp32 state dict with padded vocab rows removed, rank 0's model-states file
+    without its weights). How the weights are stored comes from the recorded client state."""
     tag = resolve_tag(load_dir, tag)
     ckpt = os.path.join(load_dir, tag)
     if not os.path.isdir(ckpt):
         raise ConfigError(f"{ckpt}: no such checkpoint directory.")
     meta = load_file(first_model_file(ckpt))
-    if "hybrid_config" not in meta:
+    meta.pop("module", None)
+    saved = ClientState.from_meta(meta)
+    if "model" not in saved.hybrid_config:
         raise ConfigError(f"{ckpt}: no hybrid_config in the checkpoint; it was not written by hybrid.")
-    config = model_config_from_summary(meta["hybrid_config"])
-    tp, pp = meta["hybrid_config"]["tensor_parallel"], meta["hybrid_config"]["pipeline_parallel"]
+    config = saved.model_config()
+    tp, pp = saved.tensor_parallel, saved.pipeline_parallel
     shards: dict[str, dict[int, torch.Tensor]] = {}
-    layer_files = sorted(glob.glob(os.path.join(ckpt, "layer_*-model_*-model_states.pt")))
-    if pp > 1 and not layer_files and not os.path.basename(first_model_file(ckpt)).startswith("zero_pp_rank"):
-        # virtual pipeline stages (torch.distributed.pipelining schedules): one model file per TP x PP
-        # rank, parameters under canonical names; a tied table's second copy is the embedding's
+    if saved.storage == "virtual_stages":
+        # torch.distributed.pipelining schedules: one model file per TP x PP rank, parameters under
+        # canonical names; a tied table's second copy is the embedding's
         expected = set(tp_layout(config))
         for stage in range(pp):
             for tp_rank in range(tp):
@@ -67,16 +71,15 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
                 for name, value in module.items():
                     if name in expected:
                         shards.setdefault(name, {})[tp_rank] = value
-    elif pp > 1:
-        for path in layer_files:
+    elif saved.storage == "layer_files":
+        for path in sorted(glob.glob(os.path.join(ckpt, "layer_*-model_*-model_states.pt"))):
             index, tp_rank = map(int, re.search(r"layer_(\d+)-model_(\d+)-", os.path.basename(path)).groups())
             for key, value in load_file(path).items():
                 name = canonical_name(f"{index}.{key}", config.num_layers)
                 if name is not None:
                     shards.setdefault(name, {})[tp_rank] = value
-    elif os.path.basename(first_model_file(ckpt)).startswith("zero_pp_rank"):
+    elif saved.storage == "zero3":
         if tp > 1:  # DeepSpeed's zero_to_fp32 handles TP = 1 only; its ds_to_universal merges TP too
-            from hybrid.conversion.universal import read_fp32_state
             full = read_fp32_state(ckpt, config)
         else:
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -130,8 +133,8 @@ def check_target_layout(config: ModelConfig, tp: int, pp: int) -> None:
                           f"{config.num_layers}.")
 
 
-def write_hybrid(state: dict, config: ModelConfig, tp: int, pp: int, save_dir: str, client_state: dict,
-                 iteration: int = 0, progress=None) -> str:
+def write_hybrid(state: dict, config: ModelConfig, tp: int, pp: int, save_dir: str, client_state: ClientState,
+                 progress=None) -> str:
     """Write `state` (canonical, full) as a hybrid checkpoint at TP x PP; atomic (temp dir + rename).
 
     PP > 1 checkpoints hold one file per pipeline layer and TP rank, so launch/train.py can load them
@@ -144,15 +147,19 @@ def write_hybrid(state: dict, config: ModelConfig, tp: int, pp: int, save_dir: s
     if missing or unexpected:
         raise ConfigError(f"state dict does not fit the model: missing {sorted(missing)[:5]}, "
                           f"unexpected {sorted(unexpected)[:5]}.")
+    iteration = int(client_state.iteration)
     tag = tag_for(iteration)
     with atomic_directory(save_dir) as tmp:
         ckpt = os.path.join(tmp, tag)
         os.makedirs(ckpt)
-        summary = dict(client_state.get("hybrid_config") or {})
-        common = dict(client_state, iteration=iteration, weights_only=True, hybrid_config=dict(
-            summary, model=model_summary(config), tensor_parallel=tp, pipeline_parallel=pp, data_parallel=1),
-            dp_world_size=1, mp_world_size=tp * pp, ds_version=deepspeed.__version__, global_steps=iteration,
-            skipped_steps=0, buffer_names=[], optimizer=None, lr_scheduler=None)
+        # weights only, stored as DeepSpeed's PP = 1 engine or its pipeline engine stores them
+        written = ClientState(iteration=iteration, consumed_samples=client_state.consumed_samples,
+                              args=client_state.args, weights_only=True, hybrid_config=dict(
+                                  client_state.hybrid_config, model=model_summary(config), tensor_parallel=tp,
+                                  pipeline_parallel=pp, data_parallel=1, pipeline_schedule="1f1b",
+                                  virtual_stages=1, zero_stage=0))
+        common = dict(written.to_dict(), dp_world_size=1, mp_world_size=tp * pp, ds_version=deepspeed.__version__,
+                      global_steps=iteration, skipped_steps=0, buffer_names=[], optimizer=None, lr_scheduler=None)
         names = sorted(state)
         if pp == 1:
             for tp_rank in range(tp):
@@ -171,10 +178,10 @@ def write_hybrid(state: dict, config: ModelConfig, tp: int, pp: int, save_dir: s
 def _write_pipeline(state, config, tp, pp, ckpt, common, progress):
     files: dict[int, dict[str, str]] = {}  # LayerSpec index -> {key in that layer: canonical name}
     for name in state:
-        index, key = pipeline_index(name, config)
+        index, key = pipeline_index(name, config.num_layers)
         files.setdefault(index, {})[key] = name
     if config.tied_embeddings:  # the last stage's copy of the word embeddings
-        files.setdefault(config.num_layers + 2, {})["word_embeddings.weight"] = "embedding.word_embeddings.weight"
+        files.setdefault(config.num_layers + 2, {})["word_embeddings.weight"] = EMBEDDING_WEIGHT
     indices = sorted(files)
     for index in (progress(indices) if progress else indices):
         for tp_rank in range(tp):

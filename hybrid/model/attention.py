@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from hybrid.model.flash import flash_attn_func
 from hybrid.model.init import normal_init, output_layer_std
 from hybrid.model.rotary import RotaryEmbedding, apply_rotary
-from hybrid.parallel import collectives as C
+from hybrid.parallel.groups import as_groups
 from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from hybrid.parallel.random import fork_tp_rng
 
@@ -83,21 +83,22 @@ class CoreAttention(nn.Module):
 class SelfAttention(nn.Module):
     """Fused QKV projection, optional RoPE, core attention, output projection: one TP all-reduce."""
 
-    def __init__(self, config, tp_group, layer_number: int, name: str):
+    def __init__(self, config, groups, layer_number: int, name: str):
         super().__init__()
-        tp = C.group_size(tp_group)
+        groups = as_groups(groups)
+        tp = groups.tp_size
         self.config = config
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.groups_per_rank = config.num_query_groups // tp
         self.head_dim = config.head_dim
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * config.head_dim
         self.qkv = ColumnParallelLinear(
-            config.hidden_size, qkv_size, tp_group,
+            config.hidden_size, qkv_size, groups,
             normal_init(config.seed, f"{name}.qkv.weight", config.init_method_std),
             bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel)
         self.core = CoreAttention(config, layer_number)
         self.dense = RowParallelLinear(
-            config.num_attention_heads * config.head_dim, config.hidden_size, tp_group,
+            config.num_attention_heads * config.head_dim, config.hidden_size, groups,
             normal_init(config.seed, f"{name}.dense.weight",
                         output_layer_std(config.init_method_std, config.num_layers)),
             bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=config.sequence_parallel)

@@ -9,6 +9,8 @@ from typing import Optional
 
 from hybrid.errors import ConfigError
 
+MLP_TYPES = ("dense",)  # the feed-forward blocks hybrid.model.mlp.build_mlp can build
+
 
 @dataclass
 class ModelConfig:
@@ -39,6 +41,7 @@ class ModelConfig:
     recompute_num_layers: int = 1  # --recompute-num-layers
     sequence_parallel: bool = False  # --sequence-parallel
     seed: int = 1234  # --seed: the full weights depend on it alone, not on the layout
+    mlp_type: str = "dense"  # each layer's feed-forward block (hybrid.model.mlp.build_mlp)
 
     def __post_init__(self):
         if self.num_query_groups is None:
@@ -79,6 +82,8 @@ class ModelConfig:
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ConfigError(f"--recompute-granularity must be full or selective, "
                               f"got {self.recompute_granularity!r}.")
+        if self.mlp_type not in MLP_TYPES:
+            raise ConfigError(f"feed-forward block {self.mlp_type!r} is not one of {', '.join(MLP_TYPES)}.")
         if self.recompute_method not in ("uniform", "block"):
             raise ConfigError(f"--recompute-method must be uniform or block, got {self.recompute_method!r}.")
         if self.position_embedding_type == "rope" and self.head_dim % 2 != 0:

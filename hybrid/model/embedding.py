@@ -7,9 +7,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.model.init import normal_init, vocab_rows_init
-from hybrid.parallel import collectives as C
 from hybrid.parallel import mappings as M
-from hybrid.parallel.cross_entropy import vocab_parallel_cross_entropy
+from hybrid.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from hybrid.parallel.groups import as_groups
 from hybrid.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from hybrid.parallel.random import fork_tp_rng
 
@@ -22,13 +22,12 @@ def _word_init(config):
 class Embedding(nn.Module):
     """token ids [b, s] -> hidden [s, b, h] (with SP: this rank's sequence shard [s/tp, b, h])."""
 
-    def __init__(self, config, tp_group):
+    def __init__(self, config, groups):
         super().__init__()
-        self.config, self.tp_group = config, tp_group
-        padded_vocab = config.padded_vocab_size(C.group_size(tp_group))
+        groups = as_groups(groups)
+        self.config, self.tp_group = config, groups.tp_group
         self.word_embeddings = VocabParallelEmbedding(
-            padded_vocab, config.hidden_size, tp_group,
-            _word_init(config))
+            config.padded_vocab_size(groups.tp_size), config.hidden_size, groups, _word_init(config))
         if config.position_embedding_type == "learned_absolute":
             # initialised before the module exists (ZeRO-3's zero.Init partitions it on construction)
             full = torch.empty(config.max_position_embeddings, config.hidden_size, dtype=torch.float32)
@@ -39,8 +38,6 @@ class Embedding(nn.Module):
             self.position_embeddings = None
 
     def forward(self, input_ids):
-        if not torch.is_tensor(input_ids):  # pipeline stage 0 receives a tuple
-            input_ids = input_ids[0]
         ids = input_ids.t()  # [b, s] -> [s, b]
         hidden = self.word_embeddings(ids)  # [s, b, h], all-reduced over TP
         if self.position_embeddings is not None:
@@ -56,19 +53,20 @@ class Embedding(nn.Module):
         return F.dropout(hidden, p) if p > 0.0 else hidden
 
 
-def parallel_logits(hidden, weight, tp_group, sequence_parallel: bool, vocab_size=None):
+def parallel_logits(hidden, weight, groups, sequence_parallel: bool, vocab_size=None):
     """hidden [s(/tp), b, h] x weight [V/tp, h] -> logits [s, b, V/tp] (the vocab stays split).
 
     With `vocab_size` at TP = 1 (logits that only feed the loss) the padding rows of the table
     are left out: logits [s, b, vocab_size], so the loss runs on whole-vocabulary logits with no
     masking (padding rows get no gradient either way).
     """
-    if vocab_size is not None and C.group_size(tp_group) == 1:
+    groups = as_groups(groups)
+    if vocab_size is not None and groups.tp_size == 1:
         return F.linear(hidden, weight[:vocab_size])
     if sequence_parallel:
-        hidden = M.gather_from_sequence_parallel_region(hidden, tp_group)
+        hidden = M.gather_from_sequence_parallel_region(hidden, groups.tp_group)
     else:
-        hidden = M.copy_to_tp_region(hidden, tp_group)
+        hidden = M.copy_to_tp_region(hidden, groups.tp_group)
     return F.linear(hidden, weight)
 
 
@@ -76,8 +74,9 @@ class OutputHead(ColumnParallelLinear):
     """Untied output projection (Llama style: --untie-embeddings-and-output-weights): logits stay
     split over the vocabulary, [s(/tp), b, h] -> [s, b, V/tp]."""
 
-    def __init__(self, config, tp_group):
-        super().__init__(config.hidden_size, config.padded_vocab_size(C.group_size(tp_group)), tp_group,
+    def __init__(self, config, groups):
+        groups = as_groups(groups)
+        super().__init__(config.hidden_size, config.padded_vocab_size(groups.tp_size), groups,
                          vocab_rows_init(normal_init(config.seed, "output_layer.weight", config.init_method_std),
                                          config.vocab_size), bias=False,
                          sequence_parallel=config.sequence_parallel)
@@ -86,7 +85,7 @@ class OutputHead(ColumnParallelLinear):
 
     def loss_logits(self, hidden):
         """Logits that only feed the loss (no padding columns at TP = 1; see parallel_logits)."""
-        if C.group_size(self.tp_group) == 1:
+        if self.groups.tp_size == 1:
             return F.linear(hidden, self.weight[:self.vocab_size])
         return self(hidden)
 
@@ -97,29 +96,32 @@ class TiedOutputEmbedding(nn.Module):
     DeepSpeed's TiedLayerSpec keeps it equal to stage 0's table and sums their gradients.
     """
 
-    def __init__(self, config, tp_group):
+    def __init__(self, config, groups):
         super().__init__()
-        self.config, self.tp_group = config, tp_group
+        self.config, self.groups = config, as_groups(groups)
         self.word_embeddings = VocabParallelEmbedding(
-            config.padded_vocab_size(C.group_size(tp_group)), config.hidden_size, tp_group,
-            _word_init(config))
+            config.padded_vocab_size(self.groups.tp_size), config.hidden_size, self.groups, _word_init(config))
 
     def forward(self, hidden):  # feeds the pipeline's loss_fn only
-        return parallel_logits(hidden, self.word_embeddings.weight, self.tp_group, self.config.sequence_parallel,
+        return parallel_logits(hidden, self.word_embeddings.weight, self.groups, self.config.sequence_parallel,
                                self.config.vocab_size)
 
 
 class LMLoss:
-    """Mean next-token loss over unmasked tokens, from TP-split logits; the pipeline's loss_fn."""
+    """Next-token loss of one micro-batch from TP-split logits [s, b, V/tp] and labels [b, s], in which
+    positions that take no loss hold IGNORE_INDEX: the sum over valid tokens / their count (the mean
+    over the micro-batch's valid tokens). Every step (plain engine, DeepSpeed's pipeline as its
+    loss_fn, the torch schedules) calls it with the same two arguments."""
 
-    def __init__(self, tp_group, vocab_size: int):
-        self.tp_group, self.vocab_size = tp_group, vocab_size
+    def __init__(self, groups, vocab_size: int):
+        self.groups, self.vocab_size = as_groups(groups), vocab_size
+        self.token_scale = None  # --calculate-per-token-loss: set per iteration (hybrid.training.steps)
         self.__name__ = "LMLoss"
 
-    def __call__(self, logits, labels_and_mask):
-        labels, loss_mask = labels_and_mask if isinstance(labels_and_mask, (tuple, list)) else (labels_and_mask, None)
-        per_token = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, vocab_size=self.vocab_size)
-        if loss_mask is None:
-            return per_token.mean()
-        mask = loss_mask.t().float()
-        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    def __call__(self, logits, labels):
+        labels = labels.t()  # [b, s] -> [s, b], as the logits
+        per_token = vocab_parallel_cross_entropy(logits, labels, self.groups.tp_group, vocab_size=self.vocab_size)
+        if self.token_scale is not None:  # the token sum, scaled to the iteration's token count
+            return per_token.sum() * self.token_scale
+        valid = (labels != IGNORE_INDEX).sum()  # on the device: no host sync
+        return per_token.sum() / valid.clamp(min=1)

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hybrid.model.config import MLP_TYPES
 from hybrid.model.init import normal_init, output_layer_std
 from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -33,20 +34,31 @@ def swiglu(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
 class MLP(nn.Module):
     """h -> ffn (or 2 x ffn for SwiGLU, sharded with stride 2 so gate/up columns match) -> h."""
 
-    def __init__(self, config, tp_group, name: str):
+    def __init__(self, config, groups, name: str):
         super().__init__()
         self.activation = swiglu if config.swiglu else bias_gelu
         up_size = config.ffn_hidden_size * (2 if config.swiglu else 1)
         self.fc1 = ColumnParallelLinear(
-            config.hidden_size, up_size, tp_group,
+            config.hidden_size, up_size, groups,
             normal_init(config.seed, f"{name}.fc1.weight", config.init_method_std),
             bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel, skip_bias_add=True,
             stride=2 if config.swiglu else 1)
         self.fc2 = RowParallelLinear(
-            config.ffn_hidden_size, config.hidden_size, tp_group,
+            config.ffn_hidden_size, config.hidden_size, groups,
             normal_init(config.seed, f"{name}.fc2.weight", output_layer_std(config.init_method_std, config.num_layers)),
             bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=config.sequence_parallel)
 
     def forward(self, x):
         y, bias = self.fc1(x)  # [s(/tp), b, h] -> [s, b, up/tp]
         return self.fc2(self.activation(y, bias))  # -> [s(/tp), b, h]
+
+
+# --- the layer's feed-forward block, chosen by the config -----------------------------------------
+
+MLP_BUILDERS = {"dense": MLP}  # ModelConfig.mlp_type -> the block's class (a mixture of experts plugs in here)
+assert set(MLP_BUILDERS) == set(MLP_TYPES), "hybrid.model.config.MLP_TYPES names the builders here"
+
+
+def build_mlp(config, groups, name: str) -> nn.Module:
+    """The feed-forward block of the layer named `name` (`layers.{i}.mlp`), as the config chooses."""
+    return MLP_BUILDERS[config.mlp_type](config, groups, name)

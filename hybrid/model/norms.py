@@ -6,13 +6,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hybrid.parallel.groups import as_groups
 from hybrid.parallel.mappings import sync_replicated_grad
 
 
 class _Norm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, tp_group, sequence_parallel: bool, bias: bool, dtype):
+    def __init__(self, hidden_size: int, eps: float, groups, sequence_parallel: bool, bias: bool, dtype):
         super().__init__()
-        self.eps, self.tp_group, self.sequence_parallel = eps, tp_group, sequence_parallel
+        self.eps, self.tp_group, self.sequence_parallel = eps, as_groups(groups).tp_group, sequence_parallel
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype)) if bias else None
 
@@ -28,8 +29,8 @@ class _Norm(nn.Module):
 class LayerNorm(_Norm):
     """LayerNorm over the last (hidden) dimension, with weight and bias."""
 
-    def __init__(self, hidden_size, eps=1e-5, tp_group=None, sequence_parallel=False, dtype=torch.float32):
-        super().__init__(hidden_size, eps, tp_group, sequence_parallel, True, dtype)
+    def __init__(self, hidden_size, eps=1e-5, groups=None, sequence_parallel=False, dtype=torch.float32):
+        super().__init__(hidden_size, eps, groups, sequence_parallel, True, dtype)
 
     def forward(self, x):
         weight, bias = self._params()
@@ -39,8 +40,8 @@ class LayerNorm(_Norm):
 class RMSNorm(_Norm):
     """RMSNorm as transformers' Llama computes it: normalise in fp32, scale in the input dtype."""
 
-    def __init__(self, hidden_size, eps=1e-5, tp_group=None, sequence_parallel=False, dtype=torch.float32):
-        super().__init__(hidden_size, eps, tp_group, sequence_parallel, False, dtype)
+    def __init__(self, hidden_size, eps=1e-5, groups=None, sequence_parallel=False, dtype=torch.float32):
+        super().__init__(hidden_size, eps, groups, sequence_parallel, False, dtype)
 
     def forward(self, x):
         weight, _ = self._params()
@@ -49,7 +50,7 @@ class RMSNorm(_Norm):
         return weight * normalized.to(x.dtype)
 
 
-def build_norm(config, tp_group) -> nn.Module:
+def build_norm(config, groups) -> nn.Module:
     """The norm that `--normalization` names."""
     cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
-    return cls(config.hidden_size, config.norm_epsilon, tp_group, config.sequence_parallel)
+    return cls(config.hidden_size, config.norm_epsilon, groups, config.sequence_parallel)

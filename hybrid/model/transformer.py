@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.model.attention import SelfAttention
-from hybrid.model.mlp import MLP
+from hybrid.model.mlp import build_mlp
 from hybrid.model.norms import build_norm
+from hybrid.model.recompute import checkpoint
 from hybrid.parallel.random import fork_tp_rng
 
 
@@ -26,19 +28,27 @@ class TransformerLayer(nn.Module):
     """A decoder layer on `[s, b, h]` (`[s/tp, b, h]` with sequence parallelism).
 
     `layer_number` is global (0-based) so weights and names do not depend on the pipeline split.
+    `recompute_whole`: the layer recomputes itself in backward (full recompute, block method, where
+    the caller cannot wrap it: DeepSpeed's pipeline engine calls each layer itself).
     """
 
-    def __init__(self, config, tp_group, layer_number: int):
+    def __init__(self, config, groups, layer_number: int):
         super().__init__()
         name = f"layers.{layer_number}"
         self.layer_number = layer_number
         self.config = config
-        self.input_norm = build_norm(config, tp_group)
-        self.attention = SelfAttention(config, tp_group, layer_number, f"{name}.attention")
-        self.post_attention_norm = build_norm(config, tp_group)
-        self.mlp = MLP(config, tp_group, f"{name}.mlp")
+        self.recompute_whole = False
+        self.input_norm = build_norm(config, groups)
+        self.attention = SelfAttention(config, groups, layer_number, f"{name}.attention")
+        self.post_attention_norm = build_norm(config, groups)
+        self.mlp = build_mlp(config, groups, f"{name}.mlp")
 
     def forward(self, hidden):
+        if self.recompute_whole and self.training and torch.is_grad_enabled():
+            return checkpoint(self._forward, hidden)
+        return self._forward(hidden)
+
+    def _forward(self, hidden):
         c = self.config
         hidden = dropout_add(self.attention(self.input_norm(hidden)), hidden, c.hidden_dropout,
                              self.training, c.sequence_parallel)

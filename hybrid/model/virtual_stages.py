@@ -16,35 +16,38 @@ import torch.nn as nn
 
 from hybrid.model.config import ModelConfig
 from hybrid.model.embedding import Embedding, OutputHead, TiedOutputEmbedding, parallel_logits
+from hybrid.model.naming import TIED_COPY
 from hybrid.model.norms import build_norm
+from hybrid.model.recompute import run_layers
 from hybrid.model.transformer import TransformerLayer
+from hybrid.parallel.groups import as_groups
 from hybrid.pipeline_plan import StagePlan
 
-TIED_COPY = "tied_output"  # the last stage's copy of a tied embedding (loop placement, PP > 1)
-TIED_COPY_WEIGHT = f"{TIED_COPY}.word_embeddings.weight"
+assert TIED_COPY == "tied_output"  # the attribute below
 
 
 class PipelineRankModel(nn.Module):
     """Every parameter one pipeline rank holds, under canonical names, and its virtual stages."""
 
-    def __init__(self, config: ModelConfig, tp_group, plans: list[StagePlan], pp_rank: int):
+    def __init__(self, config: ModelConfig, groups, plans: list[StagePlan], pp_rank: int):
         super().__init__()
-        self.config, self.tp_group = config, tp_group
+        self.groups = groups = as_groups(groups)
+        self.config = config
         self.plans = [p for p in plans if p.rank == pp_rank]
         holds_first = any(p.first for p in self.plans)
         holds_last = any(p.last for p in self.plans)
-        self.embedding = Embedding(config, tp_group) if holds_first else None
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, tp_group, i)
+        self.embedding = Embedding(config, groups) if holds_first else None
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, groups, i)
                                      for p in self.plans for i in p.layers})
-        self.final_norm = build_norm(config, tp_group) if holds_last else None
+        self.final_norm = build_norm(config, groups) if holds_last else None
         self.output_layer = None
         self.tied_output = None
         if holds_last and not config.tied_embeddings:
-            self.output_layer = OutputHead(config, tp_group)
+            self.output_layer = OutputHead(config, groups)
         elif holds_last and not holds_first:
             # DeepSpeed skips parameters marked ds_pipe_replicated when it computes the gradient
             # norm, so the tied table counts once (as for its own TiedLayerSpec copies)
-            self.tied_output = TiedOutputEmbedding(config, tp_group)
+            self.tied_output = TiedOutputEmbedding(config, groups)
             self.tied_output.word_embeddings.weight.ds_pipe_replicated = True
         # plain list: the stages are views, not a second registration of the same parameters
         self.stages = [VirtualStage(self, plan) for plan in self.plans]
@@ -65,7 +68,7 @@ class PipelineRankModel(nn.Module):
             return self.output_layer.loss_logits(hidden)
         table = self.tied_output if self.tied_output is not None else self.embedding
         weight = table.word_embeddings.weight
-        return parallel_logits(hidden, weight, self.tp_group, self.config.sequence_parallel, self.config.vocab_size)
+        return parallel_logits(hidden, weight, self.groups, self.config.sequence_parallel, self.config.vocab_size)
 
 
 class VirtualStage(nn.Module):
@@ -87,7 +90,6 @@ class VirtualStage(nn.Module):
             self.head = owner.embedding
 
     def forward(self, hidden):
-        from hybrid.model.gpt import run_layers
         owner = self._owner
         if self.first:
             hidden = self.embedding(hidden)

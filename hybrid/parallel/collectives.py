@@ -21,8 +21,26 @@ class _SingleRank:
 SINGLE_RANK = _SingleRank()
 
 
+class _ShapesOnly:
+    """A group stand-in for models built only to read shapes and names (ParallelGroups.shapes_only):
+    any collective over it raises."""
+
+    def __repr__(self) -> str:
+        return "SHAPES_ONLY"
+
+
+SHAPES_ONLY = _ShapesOnly()
+
+
+def _refuse_shapes_only(group) -> None:
+    if group is SHAPES_ONLY:
+        raise RuntimeError("this model was built with ParallelGroups.shapes_only() (for shapes and names): it "
+                           "cannot communicate; build it with a topology's groups to run it")
+
+
 def group_size(group) -> int:
     """Number of ranks in `group` (1 for SINGLE_RANK or when distributed is not initialised)."""
+    _refuse_shapes_only(group)
     if group is SINGLE_RANK or not dist.is_initialized():
         return 1
     return dist.get_world_size(group=group)
@@ -30,6 +48,7 @@ def group_size(group) -> int:
 
 def group_rank(group) -> int:
     """This rank's index inside `group` (0 for SINGLE_RANK or when distributed is not initialised)."""
+    _refuse_shapes_only(group)
     if group is SINGLE_RANK or not dist.is_initialized():
         return 0
     return dist.get_rank(group=group)

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from hybrid.parallel import collectives as C
 
+IGNORE_INDEX = -100  # a label that takes no loss (masked positions), as torch's and transformers' losses
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -98,7 +100,7 @@ class _CrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
-                                 ignore_index: int = -100, vocab_size: Optional[int] = None) -> torch.Tensor:
+                                 ignore_index: int = IGNORE_INDEX, vocab_size: Optional[int] = None) -> torch.Tensor:
     """Per-token loss (fp32, shape of `target`) from TP-split logits `[..., V/tp]`.
 
     Tokens whose label is `ignore_index` get loss 0 and gradient 0; vocabulary entries at or

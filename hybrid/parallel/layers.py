@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hybrid.parallel import collectives as C
 from hybrid.parallel import mappings as M
+from hybrid.parallel.groups import ParallelGroups, as_groups
 
 InitMethod = Callable[[torch.Tensor], None]  # fills a full (unsharded) tensor in place
 
@@ -54,10 +54,10 @@ def unshard(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tens
     return torch.cat([torch.cat([p[b] for p in pieces], dim=dim) for b in range(stride)], dim=dim)
 
 
-def _make_parallel_param(full_shape, dim, stride, group, init_method, dtype, device) -> nn.Parameter:
+def _make_parallel_param(full_shape, dim, stride, groups: ParallelGroups, init_method, dtype, device) -> nn.Parameter:
     full = torch.empty(full_shape, dtype=torch.float32)
     init_method(full)
-    local = shard(full, dim, C.group_rank(group), C.group_size(group), stride)
+    local = shard(full, dim, groups.tp_rank, groups.tp_size, stride)
     param = nn.Parameter(local.to(dtype=dtype, device=device))
     mark_tensor_parallel(param, dim, stride)
     return param
@@ -79,23 +79,24 @@ class VocabParallelEmbedding(nn.Module):
     sequence, for sequence parallelism; ids must then be `[s, b]`).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group, init_method: InitMethod,
+    def __init__(self, num_embeddings: int, embedding_dim: int, groups: ParallelGroups, init_method: InitMethod,
                  reduce_scatter_embeddings: bool = False, params_dtype=torch.float32, device=None):
         super().__init__()
-        self.tp_group = tp_group
-        world = C.group_size(tp_group)
+        self.groups = groups = as_groups(groups)
+        self.tp_group = groups.tp_group
+        world = groups.tp_size
         if num_embeddings % world != 0:
             raise ValueError(f"vocabulary size {num_embeddings} does not divide over {world} TP ranks")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.rows_per_rank = num_embeddings // world
-        self.vocab_start = C.group_rank(tp_group) * self.rows_per_rank
+        self.vocab_start = groups.tp_rank * self.rows_per_rank
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
-        self.weight = _make_parallel_param((num_embeddings, embedding_dim), 0, 1, tp_group,
+        self.weight = _make_parallel_param((num_embeddings, embedding_dim), 0, 1, groups,
                                            init_method, params_dtype, device)
         self.weight.vocab_padded = True  # rows are the vocabulary (padded per TP degree by the model)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if C.group_size(self.tp_group) > 1:
+        if self.groups.tp_size > 1:
             local_ids = ids - self.vocab_start
             outside = (local_ids < 0) | (local_ids >= self.rows_per_rank)
             local_ids = local_ids.masked_fill(outside, 0)
@@ -115,20 +116,21 @@ class ColumnParallelLinear(nn.Module):
     features, or the full output with `gather_output`.
     """
 
-    def __init__(self, input_size: int, output_size: int, tp_group, init_method: InitMethod,
+    def __init__(self, input_size: int, output_size: int, groups: ParallelGroups, init_method: InitMethod,
                  bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
                  skip_bias_add: bool = False, stride: int = 1, params_dtype=torch.float32, device=None):
         super().__init__()
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output is incompatible with sequence_parallel")
-        self.tp_group, self.gather_output = tp_group, gather_output
+        self.groups = groups = as_groups(groups)
+        self.tp_group, self.gather_output = groups.tp_group, gather_output
         self.sequence_parallel, self.skip_bias_add = sequence_parallel, skip_bias_add
         self.input_size, self.output_size = input_size, output_size
         # [out, in] -> [out/tp, in]
-        self.weight = _make_parallel_param((output_size, input_size), 0, stride, tp_group,
+        self.weight = _make_parallel_param((output_size, input_size), 0, stride, groups,
                                            init_method, params_dtype, device)
         if bias:
-            self.bias = _make_parallel_param((output_size,), 0, stride, tp_group,
+            self.bias = _make_parallel_param((output_size,), 0, stride, groups,
                                              nn.init.zeros_, params_dtype, device)
         else:
             self.register_parameter("bias", None)
@@ -156,15 +158,16 @@ class RowParallelLinear(nn.Module):
     its gradient is summed over TP.
     """
 
-    def __init__(self, input_size: int, output_size: int, tp_group, init_method: InitMethod,
+    def __init__(self, input_size: int, output_size: int, groups: ParallelGroups, init_method: InitMethod,
                  bias: bool = True, input_is_parallel: bool = True, sequence_parallel: bool = False,
                  skip_bias_add: bool = False, params_dtype=torch.float32, device=None):
         super().__init__()
-        self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
+        self.groups = groups = as_groups(groups)
+        self.tp_group, self.input_is_parallel = groups.tp_group, input_is_parallel
         self.sequence_parallel, self.skip_bias_add = sequence_parallel, skip_bias_add
         self.input_size, self.output_size = input_size, output_size
         # [out, in] -> [out, in/tp]
-        self.weight = _make_parallel_param((output_size, input_size), 1, 1, tp_group,
+        self.weight = _make_parallel_param((output_size, input_size), 1, 1, groups,
                                            init_method, params_dtype, device)
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))

@@ -20,7 +20,9 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
-MODEL_PARALLEL_RNG = ds_checkpointing._MODEL_PARALLEL_RNG_TRACKER_NAME
+# our name for the per-TP-rank stream in the tracker (DeepSpeed's own choice of name, so checkpoints'
+# rng_states keep their key; every fork names it, nothing relies on DeepSpeed's default)
+MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_SEED_OFFSET = 2718  # Megatron-LM's offset between the data-parallel and TP seeds
 
 

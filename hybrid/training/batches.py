@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.errors import ConfigError
+from hybrid.parallel.cross_entropy import IGNORE_INDEX
 
 from hybrid.data.gpt_dataset import MockGPTDataset, build_train_valid_test_datasets
 
@@ -64,11 +65,10 @@ class MegatronSampler:
 
 
 class Collator:
-    """Samples -> (input ids [b, s], labels [b, s], loss mask [b, s] or None).
+    """Samples -> (input ids [b, s], labels [b, s]): the one batch encoding of every step.
 
-    The loss mask is materialised only when it is not all ones: with `eod_mask_loss`
-    (Megatron's --eod-mask-loss) positions whose input token is EOD are left out of the loss,
-    exactly as megatron-core's GPTDataset masks them.
+    Positions that take no loss hold IGNORE_INDEX in the labels: with `eod_mask_loss` (Megatron's
+    --eod-mask-loss) those whose input token is EOD, exactly as megatron-core's GPTDataset masks them.
     """
 
     def __init__(self, eod_token: Optional[int] = None, eod_mask_loss: bool = False):
@@ -79,19 +79,20 @@ class Collator:
     def __call__(self, samples):
         tokens = torch.stack([s["text"] for s in samples])
         ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        mask = (ids != self.eod_token).float() if self.eod_mask_loss else None
-        return ids, labels, mask
+        if self.eod_mask_loss:
+            labels = labels.masked_fill(ids == self.eod_token, IGNORE_INDEX)
+        return ids, labels
 
 
 def to_device(batch, device: torch.device):
     """The one place batches move to the model's device: host tensors (pinned by the loader when
-    the device is an accelerator) are copied with non_blocking=True; None stays None."""
-    return tuple(None if t is None else t.to(device, non_blocking=True) for t in batch)
+    the device is an accelerator) are copied with non_blocking=True."""
+    return tuple(t.to(device, non_blocking=True) for t in batch)
 
 
 def micro_batches(dataset, consumed: int, micro: int, dp_rank: int, dp_size: int, num_workers: int,
                   device: torch.device, wrap: bool = False, collator: Optional[Collator] = None):
-    """An iterator of (ids, labels, loss_mask) micro-batches for this DP rank, on `device`."""
+    """An iterator of (ids, labels) micro-batches for this DP rank, on `device`."""
     sampler = MegatronSampler(len(dataset), consumed, micro, dp_rank, dp_size, wrap)
     # The loader gets its own generator: making an iterator draws a base seed from it, which from
     # the global generator would shift every later dropout mask of a resumed run by one draw.

@@ -13,12 +13,10 @@ import os
 from typing import Optional
 
 import torch.distributed as dist
-from deepspeed.checkpoint import constants as ds_constants
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
-from hybrid.checkpoint_format import (LATEST, LATEST_UNIVERSAL, MEGATRON_LATEST, OPTIMIZER_PARAM_NAMES, read_meta,
-                                      read_tag, tag_for,
-                                      universal_checkpoint_info, write_atomic)
+from hybrid.checkpoint_format import (LATEST, LATEST_UNIVERSAL, MEGATRON_LATEST, ClientState, read_client_state,
+                                      read_tag, tag_for, universal_checkpoint_info, write_atomic)
 from hybrid.config import RunConfig, config_summary
 from hybrid.errors import ConfigError
 from hybrid.parallel.random import get_rng_states, set_rng_states
@@ -29,25 +27,15 @@ def optimizer_param_names(engine, run: RunConfig) -> Optional[list]:
     canonical name so the checkpoint can be made universal (hybrid.conversion.universal)."""
     if run.zero_stage != 0 or run.train.precision != "fp32":
         return None
-    from hybrid.model.gpt import canonical_parameters
+    from hybrid.model.naming import canonical_parameters
     names = {id(p): name for name, p in canonical_parameters(engine.module, run.model.num_layers).items()}
     return [[names[id(p)] for p in group["params"]] for group in engine.optimizer.param_groups]
-
-
-def _stage_layout(schedule: str, virtual: int) -> str:
-    """Which layers each pipeline rank holds: schedules that place stages alike load each other's
-    checkpoints (interleaved 1F1B and zero-bubble at the same v; ZB-V and DualPipeV)."""
-    from hybrid.pipeline_plan import V_SHAPED
-    if schedule == "1f1b":
-        return "one per rank (DeepSpeed's 1F1B engine)"
-    placement = "V" if schedule in V_SHAPED else "loop"
-    return f"{virtual} virtual per rank, {placement} placement (--pipeline-schedule {schedule})"
 
 
 def _universal_info(run: RunConfig) -> dict:
     """DeepSpeed's pipeline engine names parameters by layer index; the virtual stages (and PP = 1)
     by canonical name, plus the last stage's copy of a tied table."""
-    from hybrid.model.virtual_stages import TIED_COPY_WEIGHT
+    from hybrid.model.naming import TIED_COPY_WEIGHT
     tied_copy = TIED_COPY_WEIGHT if run.virtual_pipeline and run.model.tied_embeddings else None
     return universal_checkpoint_info(run.model, run.tensor_parallel, run.deepspeed_pipeline, tied_copy)
 
@@ -55,17 +43,12 @@ def _universal_info(run: RunConfig) -> dict:
 def save(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples: int) -> str:
     """Save through DeepSpeed, then point `latest` at it."""
     tag = tag_for(iteration)
-    client_state = {
-        "iteration": iteration,
-        "consumed_samples": consumed_samples,
-        "args": run.args,
-        "hybrid_config": config_summary(run),
-        "rng_states": get_rng_states(),
-        ds_constants.UNIVERSAL_CHECKPOINT_INFO: _universal_info(run),
-        OPTIMIZER_PARAM_NAMES: optimizer_param_names(engine, run),
-    }
+    client_state = ClientState(iteration=iteration, consumed_samples=consumed_samples, args=run.args,
+                               hybrid_config=config_summary(run), rng_states=get_rng_states(),
+                               universal_checkpoint_info=_universal_info(run),
+                               optimizer_param_names=optimizer_param_names(engine, run))
     os.makedirs(save_dir, exist_ok=True)
-    engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+    engine.save_checkpoint(save_dir, tag=tag, client_state=client_state.to_dict(), save_latest=False)
     if dist.is_initialized():
         dist.barrier()  # every rank's files are written before the pointer moves
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -81,7 +64,7 @@ def latest_tag(load_dir: str) -> Optional[str]:
     return read_tag(load_dir, LATEST)
 
 
-def load(engine, run: RunConfig) -> tuple[int, int]:
+def load(engine, run: RunConfig, topology) -> tuple[int, int]:
     """Load --load into the engine; returns (iteration, consumed samples) to continue from.
 
     --finetune: weights only (from any TP/PP layout), fresh optimizer, schedule and counters.
@@ -100,10 +83,10 @@ def load(engine, run: RunConfig) -> tuple[int, int]:
         return 0, 0
     if train.universal_checkpoint:
         return _load_universal(engine, run, load_dir)
-    meta = read_meta(load_dir, tag)
-    if train.finetune or meta.get("weights_only"):
-        return _load_weights_only(engine, run, load_dir, tag, meta)
-    check_same_layout(meta, run, load_dir, tag)
+    saved = read_client_state(load_dir, tag)
+    if train.finetune or saved.weights_only:
+        return _load_weights_only(engine, run, topology, load_dir, tag, saved)
+    check_same_layout(saved, run, load_dir, tag)
     try:
         path, client_state = engine.load_checkpoint(
             load_dir, tag=tag, load_optimizer_states=not train.no_load_optim,
@@ -119,10 +102,10 @@ def load(engine, run: RunConfig) -> tuple[int, int]:
 
 
 def _restore_client_state(client_state: Optional[dict], train) -> tuple[int, int]:
-    client_state = client_state or {}
-    if not train.no_load_rng and "rng_states" in client_state:
-        set_rng_states(client_state["rng_states"])
-    return int(client_state.get("iteration", 0)), int(client_state.get("consumed_samples", 0))
+    state = ClientState.from_meta(client_state)
+    if not train.no_load_rng and state.rng_states is not None:
+        set_rng_states(state.rng_states)
+    return int(state.iteration), int(state.consumed_samples)
 
 
 def _fix_command(load_dir: str) -> str:
@@ -131,17 +114,18 @@ def _fix_command(load_dir: str) -> str:
             f"its weights only with --finetune")
 
 
-def check_same_layout(meta: dict, run: RunConfig, load_dir: str, tag: str) -> None:
+def check_same_layout(state: ClientState, run: RunConfig, load_dir: str, tag: str) -> None:
     """A plain (non-universal) load needs the saved TP, PP, and, with ZeRO optimizer state, DP and
     ZeRO stage: one message names what differs and the command that fixes it."""
-    saved = meta.get("hybrid_config") or {}
-    saved_stage = int(((meta.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
+    saved = state.hybrid_config
+    saved_stage = state.zero_stage
     differences = [f"{what} {saved[key]} (this run: {now})" for what, key, now in (
         ("--tensor-model-parallel-size", "tensor_parallel", run.tensor_parallel),
         ("--pipeline-model-parallel-size", "pipeline_parallel", run.pipeline_parallel)) if saved.get(key, now) != now]
     if run.pipeline_parallel > 1 and saved.get("pipeline_parallel") == run.pipeline_parallel:
-        before = _stage_layout(saved.get("pipeline_schedule", "1f1b"), saved.get("virtual_stages", 1))
-        now = _stage_layout(run.pipeline_schedule, run.virtual_stages)
+        from hybrid.capabilities import stage_placement
+        before = stage_placement(saved.get("pipeline_schedule", "1f1b"), saved.get("virtual_stages", 1))
+        now = stage_placement(run.pipeline_schedule, run.virtual_stages)
         if before != now:
             differences.append(f"pipeline stages: {before} (this run: {now})")
     if not run.train.no_load_optim:
@@ -185,7 +169,7 @@ def load_full_state(model, state: dict, config, topology) -> None:
     import deepspeed
     import torch
     from hybrid.conversion.layout import shard_for_rank
-    from hybrid.model.gpt import canonical_parameters
+    from hybrid.model.naming import canonical_parameters
     params = canonical_parameters(model, config.num_layers)
     missing = sorted(set(params) - set(state))
     if missing:
@@ -201,17 +185,18 @@ def load_full_state(model, state: dict, config, topology) -> None:
                 param.copy_(value)
 
 
-def _load_weights_only(engine, run: RunConfig, load_dir: str, tag: str, meta: dict) -> tuple[int, int]:
+def _load_weights_only(engine, run: RunConfig, topology, load_dir: str, tag: str,
+                       saved: ClientState) -> tuple[int, int]:
     """--finetune, or a converted checkpoint: weights from any layout, fresh optimizer and schedule."""
     from hybrid.conversion.layout import read_hybrid
     state, _ = read_hybrid(load_dir, tag)
-    load_full_state(engine.module, state, run.model, engine.hybrid_topology)
+    load_full_state(engine.module, state, run.model, topology)
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights
     if run.train.finetune:
         log(f"loaded weights from {load_dir}/{tag} for fine-tuning; optimizer, schedule and iteration start fresh")
         return 0, 0
-    iteration, consumed = int(meta.get("iteration", 0)), int(meta.get("consumed_samples", 0))
+    iteration, consumed = int(saved.iteration), int(saved.consumed_samples)
     # a pretraining run resumed from weights only: the LR schedule continues where the run was
     # (Megatron's scheduler position is the consumed samples, or tokens), only Adam starts fresh
     scheduler = getattr(engine, "lr_scheduler", None)

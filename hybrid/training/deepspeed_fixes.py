@@ -1,19 +1,102 @@
-"""The only places hybrid touches DeepSpeed internals, each for a stated reason and DeepSpeed version,
-each covered by a test that fails if DeepSpeed changes (tests/test_universal_checkpoint.py)."""
+"""The only places hybrid touches DeepSpeed (or torch) internals or replaces a method of a DeepSpeed
+object, each with the DeepSpeed version it was written against (0.19.8) and the reason, each covered
+by tests/test_deepspeed_fixes.py, which fails loudly if DeepSpeed changes what is relied on.
+`RELIED_ON` lists those internals; the test checks each still exists."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+from deepspeed.pipe import PipelineModule
 
+from hybrid.pipeline_plan import list_partition_bounds
+
+# (module, attribute path) of every DeepSpeed internal used below
+# (module, attribute path, a text its source must contain)
+RELIED_ON = [
+    ("deepspeed.runtime.pipe.module", "PipelineModule._partition_layers", "def _partition_layers(self, method"),
+    ("deepspeed.runtime.pipe.module", "PipelineModule._set_bounds", "def _set_bounds(self, start=None, stop=None)"),
+    ("deepspeed.runtime.pipe.module", "PipelineModule.__init__", "self._partition_layers(method=partition_method)"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine._take_model_step", "self.clip_fp32_gradients()"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.get_global_grad_norm", "self._global_grad_norm"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.__init__", "self.param_names = param_names"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.__init__", "self.param_names = param_names"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
+     "param_groups"),
+]
+
+
+# --- explicit pipeline partitions ---------------------------------------------------------------
+
+class ListPartitionPipelineModule(PipelineModule):
+    """DeepSpeed's PipelineModule plus an explicit partition: `partition_method="list:3,5"` gives 3
+    transformer layers to stage 0 and 5 to stage 1 (embedding with the first stage, final norm and head
+    with the last). DeepSpeed 0.19 has no such method and no public hook for one: this overrides its
+    private `_partition_layers` and calls its `_set_bounds`, reading `_topo` and `_layer_specs` (set in
+    PipelineModule.__init__ before partitioning)."""
+
+    def _partition_layers(self, method="uniform"):
+        if not method.lower().startswith("list:"):
+            return super()._partition_layers(method)
+        self.parts = list_partition_bounds(method, len(self._layer_specs))
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+
+# --- exact fp32 gradient clipping for TP x PP (ZeRO-0) ------------------------------------------
+
+def install_fp32_clipping(engine, topology) -> None:
+    """Replace DeepSpeed's fp32/ZeRO-0 gradient clipping with one that is exact for TP x PP.
+
+    DeepSpeed 0.19's `DeepSpeedEngine.clip_fp32_gradients` (called from `_take_model_step` when
+    neither ZeRO nor bf16/fp16 wraps the optimizer) counts replicated parameters only on
+    model-parallel rank 0 of the whole TP x PP group, so on pipeline stages after the first their norms
+    are left out, and it discards the norm it computed. Here every TP-sharded gradient counts on its
+    rank, each replicated one once per stage (TP rank 0), the tied embedding once (first stage), summed
+    over the TP x PP group; the norm is stored where `get_global_grad_norm()` reads it (the private
+    `_global_grad_norm`) for logging. The engine method is replaced on this engine object only.
+    """
+    import torch.distributed as dist
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    # a tied embedding's copies on later pipeline stages, which DeepSpeed marks ds_pipe_replicated
+    # (TiedLayerSpec; our virtual stages mark theirs the same way)
+    tied_copies = {id(p) for p in engine.module.parameters() if getattr(p, "ds_pipe_replicated", False)}
+    model_group = topology.grid.get_model_parallel_group()
+
+    def clip_fp32_gradients():
+        grads, squares = [], []
+        for param in engine.module.parameters():
+            if param.grad is None:
+                continue
+            grads.append(param.grad)
+            counted = is_model_parallel_parameter(param) or topology.tp_rank == 0
+            if counted and id(param) not in tied_copies:
+                squares.append(param.grad.detach().float().pow(2).sum())
+        device = grads[0].device if grads else engine.device
+        total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+        if dist.get_world_size(group=model_group) > 1:
+            dist.all_reduce(total, group=model_group)
+        # On the device, in float64, with no host sync: the factor is 1 when the norm is below the
+        # threshold (multiplying by exactly 1.0 leaves the gradients bitwise unchanged).
+        norm = total.double().sqrt()
+        coefficient = (engine.gradient_clipping() / (norm + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+        engine._global_grad_norm = norm
+
+    engine.clip_fp32_gradients = clip_fp32_gradients
+
+
+# --- universal checkpoints ----------------------------------------------------------------------
 
 def use_canonical_param_names(engine, num_layers: int) -> None:
     """Universal checkpoints made here keep each parameter under its canonical name; DeepSpeed 0.19's
     ZeRO optimizers look a parameter's directory up as `optimizer.param_names[param]`, which the
     engine fills from `module.named_parameters()` (pipeline stages: `3.attention...`,
     `tied_modules.embed...`). Point those at the canonical names so any PP loads any PP."""
-    from hybrid.model.gpt import canonical_parameters
+    from hybrid.model.naming import canonical_parameters
     optimizer = engine.optimizer
     names = getattr(optimizer, "param_names", None)
     if not isinstance(names, dict):

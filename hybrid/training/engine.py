@@ -11,7 +11,13 @@ import torch.nn as nn
 
 from hybrid.config import RunConfig
 from hybrid.errors import ConfigError
-from hybrid.model.gpt import GPTModel, build_pipeline_model, canonical_parameters
+from hybrid.model.config import ModelConfig
+from hybrid.model.gpt import GPTModel, pipeline_layers
+from hybrid.model.embedding import LMLoss
+from hybrid.model.naming import canonical_parameters
+from hybrid.model.transformer import TransformerLayer
+from hybrid.pipeline_plan import resolve_partition
+from hybrid.training.deepspeed_fixes import ListPartitionPipelineModule, install_fp32_clipping
 from hybrid.training.logging import log
 from hybrid.training.schedules import MegatronLRScheduler
 
@@ -27,9 +33,9 @@ def build_model(run: RunConfig, topology) -> nn.Module:
         # so no rank ever holds the whole model (the point of ZeRO-3 for models larger than a rank)
         with deepspeed.zero.Init(config_dict_or_path=run.ds_config, mpu=topology.mpu,
                                  data_parallel_group=topology.mpu.get_data_parallel_group()):
-            model = GPTModel(run.model, topology.tp_group)
+            model = GPTModel(run.model, topology.groups)
     elif run.pipeline_parallel == 1:
-        model = GPTModel(run.model, topology.tp_group)
+        model = GPTModel(run.model, topology.groups)
     elif run.virtual_pipeline:  # torch.distributed.pipelining runs this rank's virtual stages
         from hybrid.training.pipelining import build_rank_model
         model = build_rank_model(run.model, topology, run.pipeline_schedule, run.virtual_stages)
@@ -40,11 +46,35 @@ def build_model(run: RunConfig, topology) -> nn.Module:
     return model
 
 
+def build_pipeline_model(config: ModelConfig, topology, partition_method: str = "parameters"):
+    """The model as DeepSpeed pipeline stages over `topology` (PP > 1), run by its 1F1B schedule."""
+    pp = topology.pp_world_size
+    if pp < 2:
+        raise ValueError("build_pipeline_model needs PP > 1; use GPTModel for PP = 1")
+    if config.num_layers < pp:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers "
+                          f"{config.num_layers}: every stage needs at least one layer.")
+    config.validate(topology.tp_world_size)
+    full_uniform = config.recompute_granularity == "full" and config.recompute_method == "uniform"
+    module = ListPartitionPipelineModule(
+        layers=pipeline_layers(config, topology.groups),
+        loss_fn=LMLoss(topology.groups, config.vocab_size),
+        topology=topology.ds_topology,
+        partition_method=resolve_partition(partition_method, config.num_layers, pp),
+        activation_checkpoint_interval=max(1, config.recompute_num_layers) if full_uniform else 0,
+        checkpointable_layers=["TransformerLayer"],
+    )
+    if config.recompute_granularity == "full" and config.recompute_method == "block":
+        stage_layers = [f for f in module.forward_funcs if isinstance(f, TransformerLayer)]
+        for layer in stage_layers[: config.recompute_num_layers]:
+            layer.recompute_whole = True
+    return module
+
+
 def compile_layers(model: nn.Module) -> int:
     """Regional compilation (as torchtitan): `torch.compile` on every TransformerLayer, not on the
     whole model, so the embedding, loss and DeepSpeed's hooks stay eager, identical layers share
     one compiled graph, and compile time does not grow with depth. Returns the layer count."""
-    from hybrid.model.transformer import TransformerLayer
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
         layer.compile()
@@ -106,9 +136,8 @@ def build_engine(run: RunConfig, topology):
         _raise_if_op_build_failed(error)
         raise
     log(f"optimizer: {describe_optimizer(engine)}")
-    engine.hybrid_topology = topology
     if run.zero_stage == 0 and run.train.precision == "fp32":
-        _install_fp32_clipping(engine, topology)
+        install_fp32_clipping(engine, topology)
     if run.zero_stage == 3 and run.pipeline_parallel == 1 and run.model.tied_embeddings:
         # The tied output head reads the embedding table outside the embedding's own forward.
         deepspeed.zero.register_external_parameter(engine.module, engine.module.embedding.word_embeddings.weight)
@@ -150,45 +179,3 @@ def describe_optimizer(engine) -> str:
         name = f"torch.optim.{name} ({kind})"
     wrapper = type(engine.optimizer).__name__
     return name if engine.optimizer is basic else f"{name} inside DeepSpeed's {wrapper}"
-
-
-def _install_fp32_clipping(engine, topology) -> None:
-    """Replace DeepSpeed's fp32/ZeRO-0 gradient clipping with one that is exact for TP x PP.
-
-    DeepSpeed's `clip_grad_norm_` counts replicated parameters only on model-parallel rank 0 of
-    the whole TP x PP group, so on pipeline stages after the first their norms are left out, and
-    it discards the norm it computed. Here every TP-sharded gradient counts on its rank, each
-    replicated one once per stage (TP rank 0), the tied embedding once (first stage), summed over
-    the TP x PP group; the norm is kept for logging.
-    """
-    import torch
-    import torch.distributed as dist
-    from deepspeed.runtime.utils import is_model_parallel_parameter
-
-    # a tied embedding's copies on later pipeline stages, which DeepSpeed marks ds_pipe_replicated
-    # (TiedLayerSpec; our virtual stages mark theirs the same way)
-    tied_copies = {id(p) for p in engine.module.parameters() if getattr(p, "ds_pipe_replicated", False)}
-
-    def clip_fp32_gradients():
-        grads, squares = [], []
-        for param in engine.module.parameters():
-            if param.grad is None:
-                continue
-            grads.append(param.grad)
-            counted = is_model_parallel_parameter(param) or topology.tp_rank == 0
-            if counted and id(param) not in tied_copies:
-                squares.append(param.grad.detach().float().pow(2).sum())
-        device = grads[0].device if grads else engine.device
-        total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
-        model_group = topology.grid.get_model_parallel_group()
-        if dist.get_world_size(group=model_group) > 1:
-            dist.all_reduce(total, group=model_group)
-        # On the device, in float64, with no host sync: the factor is 1 when the norm is below the
-        # threshold (multiplying by exactly 1.0 leaves the gradients bitwise unchanged).
-        norm = total.double().sqrt()
-        coefficient = (engine.gradient_clipping() / (norm + 1e-6)).clamp(max=1.0)
-        for grad in grads:
-            grad.mul_(coefficient.to(grad.dtype))
-        engine._global_grad_norm = norm
-
-    engine.clip_fp32_gradients = clip_fp32_gradients

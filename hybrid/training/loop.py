@@ -18,21 +18,6 @@ from hybrid.errors import ConfigError
 from hybrid.training.logging import MetricsLogger, Timer, log
 
 
-def _dp_mean(values: torch.Tensor, topology) -> torch.Tensor:
-    """Mean over the DP group of per-rank values (a device tensor; no host sync here)."""
-    values = values.detach().float().clone()
-    if topology.dp_world_size > 1:
-        dist.all_reduce(values, group=topology.dp_group)
-        values /= topology.dp_world_size
-    return values
-
-
-def _pipeline_batches(batches):
-    """(ids, labels, mask) -> DeepSpeed pipeline items (inputs, labels or (labels, mask))."""
-    for ids, labels, mask in batches:
-        yield ids, (labels if mask is None else (labels, mask))
-
-
 class Trainer:
     """Runs iterations on a DeepSpeed engine (plain or pipeline) and reports Megatron-style metrics.
 
@@ -42,22 +27,14 @@ class Trainer:
 
     def __init__(self, run: RunConfig, topology, engine, datasets, eod_token: Optional[int] = None):
         from hybrid.training.batches import Collator
+        from hybrid.training.steps import build_step
         self.run, self.topology, self.engine = run, topology, engine
         self.train_ds, self.valid_ds, _ = datasets
-        self.pipeline = run.deepspeed_pipeline
         self.collator = Collator(eod_token, run.train.eod_mask_loss)
         self.device = torch.device(engine.device)
-        # the step is chosen once: DeepSpeed's pipeline schedule, a torch.distributed.pipelining
-        # schedule, or micro-steps on the plain engine
-        self.torch_pipeline = None
-        if run.virtual_pipeline:  # takes plain (ids, labels, mask) micro-batches
-            from hybrid.training.pipelining import TorchPipelineStep
-            self.torch_pipeline = TorchPipelineStep(engine, engine.module, topology, run.pipeline_schedule,
-                                                    run.train.grad_acc_steps, self.device,
-                                                    run.train.micro_batch_size, run.train.seq_length)
-            self.train_step = self.torch_pipeline.train_step
-        else:
-            self.train_step = self._pipeline_step if self.pipeline else self._micro_steps
+        # chosen once: DeepSpeed's pipeline schedule, a torch.distributed.pipelining schedule, or
+        # micro-steps on the plain engine; all take the same (ids, labels) micro-batches
+        self.step = build_step(run, topology, engine)
         self.skipped = 0
         self.nan_iterations = 0
         self.consumed_valid = 0
@@ -74,35 +51,12 @@ class Trainer:
     def _batches(self, dataset, consumed, wrap=False):
         from hybrid.training.batches import micro_batches
         t = self.run.train
-        it = micro_batches(dataset, consumed, t.micro_batch_size, self.topology.dp_rank,
-                           self.topology.dp_world_size, t.num_workers, self.device, wrap, self.collator)
-        return _pipeline_batches(it) if self.pipeline else it
-
-    def _pipeline_step(self, batches) -> torch.Tensor:
-        """One iteration through DeepSpeed's 1F1B schedule; its loss is already the DP mean."""
-        return self.engine.train_batch(data_iter=batches).detach().float().reshape(())
-
-    def _micro_steps(self, batches) -> torch.Tensor:
-        """One iteration: grad-accumulation micro-steps (DeepSpeed steps the optimizer on the last);
-        this rank's mean loss, on the device."""
-        total = None
-        steps = self.engine.gradient_accumulation_steps()  # changes under --rampup-batch-size
-        for _ in range(steps):
-            ids, labels, mask = next(batches)
-            loss = self.engine(ids, labels, mask)
-            self.engine.backward(loss)
-            self.engine.step()
-            total = loss.detach() if total is None else total + loss.detach()
-        return total / steps
+        return micro_batches(dataset, consumed, t.micro_batch_size, self.topology.dp_rank,
+                             self.topology.dp_world_size, t.num_workers, self.device, wrap, self.collator)
 
     def _interval_losses(self, losses: list) -> list[float]:
         """The pending per-iteration losses as DP means: one collective and one host sync."""
-        stacked = torch.stack([loss.float().reshape(()) for loss in losses])
-        if self.torch_pipeline is not None:
-            stacked = self.torch_pipeline.reduce_losses(stacked)
-        elif not self.pipeline:
-            stacked = _dp_mean(stacked, self.topology)
-        return stacked.tolist()
+        return self.step.reduce(torch.stack([loss.float().reshape(()) for loss in losses])).tolist()
 
     @torch.no_grad()
     def evaluate(self, iteration: int, logger: MetricsLogger) -> Optional[float]:
@@ -111,15 +65,7 @@ class Trainer:
             return None
         self.engine.eval()
         batches = self._batches(self.valid_ds, self.consumed_valid, wrap=True)
-        losses = []
-        for _ in range(t.eval_iters):
-            if self.torch_pipeline is not None:
-                losses.append(self.torch_pipeline.eval_step(batches))
-            elif self.pipeline:
-                losses.append(self.engine.eval_batch(data_iter=batches).detach().float().reshape(()))
-            else:
-                steps = [self.engine(*next(batches)).detach().float() for _ in range(t.grad_acc_steps)]
-                losses.append(torch.stack(steps).mean())
+        losses = [self.step.evaluate(batches) for _ in range(t.eval_iters)]
         self.consumed_valid += t.eval_iters * t.global_batch_size
         self.engine.train()
         values = self._interval_losses(losses)
@@ -202,7 +148,7 @@ class Trainer:
                 lr = self.engine.get_lr()[0]
                 skipped_before = getattr(self.engine, "skipped_steps", 0)
                 batch_size = self._batch_size_for(consumed)
-                pending.append((self.train_step(batches), lr))
+                pending.append((self.step.train(batches), lr))
                 iteration += 1
                 consumed += batch_size
                 self.skipped += getattr(self.engine, "skipped_steps", 0) - skipped_before
@@ -268,7 +214,7 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     model_parallel_seed(run.train.seed, topology.tp_rank)
     datasets = build_datasets(run.train, tokenizer.vocab_size)
     engine, _ = build_engine(run, topology)
-    iteration, consumed = checkpoint.load(engine, run) if run.train.load else (0, 0)
+    iteration, consumed = checkpoint.load(engine, run, topology) if run.train.load else (0, 0)
     Trainer(run, topology, engine, datasets, getattr(tokenizer, "eod", None)).train(iteration, consumed)
     from hybrid.training.demo import finish
     finish(run)

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from hybrid.model.virtual_stages import PipelineRankModel
-from hybrid.pipeline_plan import TORCH_SCHEDULES, V_SHAPED, plan_stages
+from hybrid.capabilities import TORCH_SCHEDULES, V_SHAPED
+from hybrid.pipeline_plan import plan_stages
 
 
 def schedule_class(name: str):
@@ -26,21 +27,18 @@ def schedule_class(name: str):
 def build_rank_model(config, topology, schedule: str, virtual: int) -> PipelineRankModel:
     plans = plan_stages(config.num_layers, topology.pp_world_size, virtual, schedule)
     config.validate(topology.tp_world_size)
-    return PipelineRankModel(config, topology.tp_group, plans, topology.pp_rank)
-
-
-def _pack_target(labels, mask):
-    """Labels and loss mask as one tensor the schedule can split per micro-batch ([b, 2s])."""
-    return labels if mask is None else torch.cat([labels, mask.to(labels.dtype)], dim=1)
+    return PipelineRankModel(config, topology.groups, plans, topology.pp_rank)
 
 
 class TorchPipelineStep:
-    """One training iteration (and evaluation) through a torch.distributed.pipelining schedule."""
+    """One training iteration (and evaluation) through a torch.distributed.pipelining schedule; the
+    step interface of hybrid.training.steps."""
 
     def __init__(self, engine, model: PipelineRankModel, topology, schedule: str, micro_batches: int, device,
-                 micro_batch: int, seq_length: int):
+                 micro_batch: int, seq_length: int, per_token: bool = False):
         from torch.distributed.pipelining import PipelineStage
         from hybrid.model.embedding import LMLoss
+        from hybrid.training.steps import PerTokenScale
         self.engine, self.model, self.topology, self.device = engine, model, topology, device
         self.schedule_name = schedule
         self.micro_batches = micro_batches
@@ -51,17 +49,13 @@ class TorchPipelineStep:
                        for stage in model.stages]
         self.has_first = any(s.first for s in model.stages)
         self.has_last = any(s.last for s in model.stages)
-        lm_loss = LMLoss(topology.tp_group, model.config.vocab_size)
+        self.lm_loss = lm_loss = LMLoss(topology.groups, model.config.vocab_size)
+        self.per_token = PerTokenScale(topology, device) if per_token else None
 
-        def loss_fn(logits, target):
+        def loss_fn(logits, labels):
             # the mean over micro-batches is taken here (scale_grads=False), as DeepSpeed divides
             # each micro-batch's loss by the accumulation steps
-            if target.size(1) == logits.size(0):
-                labels, mask = target, None
-            else:
-                seq = target.size(1) // 2
-                labels, mask = target[:, :seq], target[:, seq:].to(logits.dtype)
-            return lm_loss(logits, (labels, mask)) / micro_batches
+            return lm_loss(logits, labels) / micro_batches
 
         self.loss_fn = loss_fn
         self.schedule = schedule_class(schedule)(self.stages, n_microbatches=micro_batches, loss_fn=loss_fn,
@@ -112,17 +106,15 @@ class TorchPipelineStep:
 
     def _batch(self, batches):
         parts = [next(batches) for _ in range(self.micro_batches)]
-        ids = torch.cat([p[0] for p in parts])
-        masks = [p[2] for p in parts]
-        target = _pack_target(torch.cat([p[1] for p in parts]), None if masks[0] is None else torch.cat(masks))
-        return ids, target
+        self.lm_loss.token_scale = self.per_token(parts) if self.per_token else None
+        return torch.cat([ids for ids, _ in parts]), torch.cat([labels for _, labels in parts])
 
     def _run(self, method, ids, target, losses):
         args = (ids,) if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
         return method(*args, **kwargs)
 
-    def train_step(self, batches) -> torch.Tensor:
+    def train(self, batches) -> torch.Tensor:
         """Forward and backward of every micro-batch, tied-table and DP gradient reduction, one optimizer
         step. Returns this iteration's mean loss on the loss rank (zero elsewhere; see reduce_losses)."""
         ids, target = self._batch(batches)
@@ -145,7 +137,7 @@ class TorchPipelineStep:
         return torch.stack([loss.detach().float().reshape(()) for loss in losses]).sum()
 
     @torch.no_grad()
-    def eval_step(self, batches) -> torch.Tensor:
+    def evaluate(self, batches) -> torch.Tensor:
         """Forward only, every micro-batch through the virtual stages in order; returns the mean loss on
         the loss rank. Written here because torch 2.13's `schedule.eval()` runs the backward actions of
         its V-shaped schedules ("can't steal_bwd_input if this stage doesn't have backward"); each
@@ -176,7 +168,7 @@ class TorchPipelineStep:
             work.wait()
         return self._sum(losses)
 
-    def reduce_losses(self, stacked: torch.Tensor) -> torch.Tensor:
+    def reduce(self, stacked: torch.Tensor) -> torch.Tensor:
         """Per-iteration losses from the loss rank to its whole pipeline, then the DP mean."""
         if self.topology.pp_world_size > 1:
             dist.broadcast(stacked, src=self.loss_src, group=self.topology.pp_group)

@@ -1,0 +1,179 @@
+"""What combines with what, declared once: every refused combination of schedule x ZeRO stage x
+precision x recompute x compile x parallel axes x checkpoint options, with its reason and fix.
+
+Flag checking (hybrid.config, hybrid.ds_config), the dry-run advisor (hybrid.dry_run: it only proposes
+changes this table allows), the checkpoint checks (hybrid.training.checkpoint) and the README (its
+table is `markdown_table()`, checked by a test) all read this module. Flags without a feature behind
+them are the other table (hybrid.megatron_compat). Pure: no DeepSpeed, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from hybrid.errors import ConfigError
+
+# --pipeline-schedule name -> torch.distributed.pipelining class ("1f1b" is DeepSpeed's engine)
+TORCH_SCHEDULES = {
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zero-bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+SCHEDULE_NAMES = ("1f1b", *TORCH_SCHEDULES)
+SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # backward split into input- and weight-gradient steps
+V_SHAPED = ("zbv", "dualpipev")  # first and last stage on rank 0
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The settings a rule looks at, known from the flags before anything is built."""
+
+    pp: int = 1  # --pipeline-model-parallel-size
+    tp: int = 1  # --tensor-model-parallel-size
+    schedule: str = "1f1b"  # --pipeline-schedule
+    zero_stage: int = 0  # zero_optimization.stage
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    recompute: Optional[str] = None  # --recompute-granularity
+    torch_compile: bool = False  # --torch-compile
+    micro_batches: int = 1  # micro-batches per iteration per DP rank
+    rampup: bool = False  # --rampup-batch-size
+    universal_checkpoint: bool = False  # --universal-checkpoint
+    accelerator: str = "cuda"  # "cpu" where DeepSpeed's accelerator is the CPU
+    zero_source: str = "--zero-stage"  # where the ZeRO stage came from (named in messages)
+
+    @property
+    def torch_schedule(self) -> bool:
+        return self.pp > 1 and self.schedule != "1f1b"
+
+    @property
+    def split_backward(self) -> bool:
+        return self.pp > 1 and self.schedule in SPLIT_BACKWARD
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One refused combination."""
+
+    name: str  # a short identifier
+    combination: str  # what is refused, for the README
+    why: str  # the reason, for the README (what was tried where it was)
+    refuses: Callable[[Setup], bool]
+    message: Callable[[Setup], str]  # the error: names the flags and the fix
+
+
+RULES = [
+    Rule("zero23-pipeline", "ZeRO-2/3 with pipeline parallelism (any schedule)",
+         "DeepSpeed's pipeline engine supports ZeRO-0/1 only; with the torch schedules DeepSpeed's ZeRO-2 gradient "
+         "hooks, which reduce each gradient once per backward pass, meet a parameter's backward once per "
+         "micro-batch (tried: 'Gradient computed twice for this partition')",
+         lambda s: s.pp > 1 and s.zero_stage >= 2,
+         lambda s: f"ZeRO stage {s.zero_stage} (from {s.zero_source}) with --pipeline-model-parallel-size {s.pp}: "
+                   f"DeepSpeed's pipeline engine supports ZeRO-0/1 only, and with the other --pipeline-schedule "
+                   f"choices DeepSpeed's ZeRO-2/3 gradient hooks, which reduce each gradient once per backward pass, "
+                   f"meet a parameter's backward once per micro-batch. Use ds_configs/zero1.json (or "
+                   f"zero1_offload.json) with pipeline parallelism, or set --pipeline-model-parallel-size 1 for "
+                   f"ZeRO-2/3."),
+    Rule("fp16-cpu", "--fp16 on a CPU", "DeepSpeed's CPU accelerator does not support fp16",
+         lambda s: s.precision == "fp16" and s.accelerator == "cpu",
+         lambda s: "--fp16 needs a GPU: DeepSpeed's CPU accelerator does not support fp16. Use --bf16, or drop --fp16 "
+                   "to train in fp32."),
+    Rule("fp16-torch-schedule", "--fp16 with interleaved/zero-bubble/ZB-V/DualPipeV",
+         "the torch schedules run the backward themselves, without DeepSpeed's loss scaling",
+         lambda s: s.torch_schedule and s.precision == "fp16",
+         lambda s: f"--pipeline-schedule {s.schedule} with --fp16: the torch schedules run the backward themselves, "
+                   f"without DeepSpeed's loss scaling. Use --bf16."),
+    Rule("bf16-zero0-torch-schedule", "--bf16 without ZeRO with interleaved/zero-bubble/ZB-V/DualPipeV",
+         "DeepSpeed's bf16 optimizer without ZeRO accumulates gradients in its own backward",
+         lambda s: s.torch_schedule and s.precision == "bf16" and s.zero_stage == 0,
+         lambda s: f"--pipeline-schedule {s.schedule} with --bf16 needs ZeRO-1 (ds_configs/zero1.json): DeepSpeed's "
+                   f"bf16 optimizer without ZeRO accumulates gradients in its own backward."),
+    Rule("recompute-split-backward", "activation recompute with zero-bubble/ZB-V/DualPipeV",
+         "tried (full and selective): DeepSpeed's reentrant checkpoint raises 'Checkpointing is not compatible "
+         "with .grad()' in the input-gradient step, which uses torch.autograd.grad",
+         lambda s: s.split_backward and bool(s.recompute),
+         lambda s: f"--recompute-granularity with --pipeline-schedule {s.schedule}: activation recompute "
+                   f"(DeepSpeed's reentrant checkpoint) cannot run inside a backward split into input- and "
+                   f"weight-gradient steps (torch.autograd.grad). Use --pipeline-schedule interleaved-1f1b with "
+                   f"recompute, or drop --recompute-granularity."),
+    Rule("compile-split-backward", "--torch-compile with zero-bubble/ZB-V/DualPipeV",
+         "tried: a compiled layer's backward is one graph computing input and weight gradients together; run in "
+         "two parts its gradients came out wrong (losses off by 1e-3 after two steps)",
+         lambda s: s.split_backward and s.torch_compile,
+         lambda s: f"--torch-compile with --pipeline-schedule {s.schedule}: a compiled layer's backward is one "
+                   f"graph, which a backward split into input- and weight-gradient steps cannot run in two parts. "
+                   f"Use --pipeline-schedule interleaved-1f1b with --torch-compile, or drop --torch-compile."),
+    Rule("dualpipev-micro-batches", "DualPipeV with fewer than 2 x PP micro-batches",
+         "its schedule needs as many micro-batches as stages",
+         lambda s: s.torch_schedule and s.schedule == "dualpipev" and s.micro_batches < 2 * s.pp,
+         lambda s: f"--pipeline-schedule dualpipev needs at least as many micro-batches per iteration as stages "
+                   f"(2 x {s.pp}); this run has {s.micro_batches} (--global-batch-size / (--micro-batch-size x "
+                   f"data-parallel size)). Raise --global-batch-size."),
+    Rule("torch-schedule-micro-batches", "a torch schedule with fewer micro-batches than PP",
+         "torch.distributed.pipelining needs at least one micro-batch per pipeline rank",
+         lambda s: s.torch_schedule and s.micro_batches < s.pp,
+         lambda s: f"--pipeline-schedule {s.schedule} needs at least as many micro-batches per iteration as "
+                   f"pipeline ranks ({s.pp}); this run has {s.micro_batches} (--global-batch-size / "
+                   f"(--micro-batch-size x data-parallel size)). Raise --global-batch-size."),
+    Rule("compile-zero3", "--torch-compile with ZeRO-3",
+         "ZeRO-3 gathers each layer's parameters in module hooks that torch.compile cannot trace",
+         lambda s: s.torch_compile and s.zero_stage == 3,
+         lambda s: "--torch-compile with ZeRO-3 is not supported: ZeRO-3 gathers each layer's parameters in module "
+                   "hooks that torch.compile cannot trace. Use ZeRO-1/2 (ds_configs/zero1.json, zero2.json) with "
+                   "--torch-compile, or drop --torch-compile."),
+    Rule("rampup-pipeline", "--rampup-batch-size with pipeline parallelism",
+         "the pipeline schedules fix their micro-batch count when they are built",
+         lambda s: s.rampup and s.pp > 1,
+         lambda s: "--rampup-batch-size with --pipeline-model-parallel-size > 1 is not supported (DeepSpeed's "
+                   "pipeline engine fixes its micro-batch count); use a constant --global-batch-size."),
+    Rule("universal-zero0-fp32", "--universal-checkpoint without ZeRO in fp32",
+         "DeepSpeed loads universal checkpoints into its ZeRO-1/2/3 optimizers only",
+         lambda s: s.universal_checkpoint and s.zero_stage == 0 and s.precision == "fp32",
+         lambda s: "--universal-checkpoint needs a ZeRO optimizer (DeepSpeed loads universal checkpoints into "
+                   "ZeRO-1/2/3): add --deepspeed ds_configs/zero1.json."),
+    Rule("universal-zero3-tp", "--universal-checkpoint with ZeRO-3 at TP > 1",
+         "DeepSpeed 0.19's ZeRO-3 universal load does not split tensors over TP",
+         lambda s: s.universal_checkpoint and s.zero_stage == 3 and s.tp > 1,
+         lambda s: "--universal-checkpoint with ZeRO-3 at --tensor-model-parallel-size > 1 is not supported: "
+                   "DeepSpeed 0.19's ZeRO-3 universal load does not split tensors over TP. Resume with ZeRO-1/2 at "
+                   "this TP (ds_configs/zero1.json), or with ZeRO-3 at TP 1."),
+]
+RULES_BY_NAME = {rule.name: rule for rule in RULES}
+
+
+def refusals(setup: Setup, only: Optional[tuple] = None) -> list[Rule]:
+    """Every rule (of `only`, if given) that refuses this setup, in table order."""
+    return [rule for rule in RULES if (only is None or rule.name in only) and rule.refuses(setup)]
+
+
+def check(setup: Setup, only: Optional[tuple] = None) -> None:
+    """Raise ConfigError with the first refusal's message."""
+    refused = refusals(setup, only)
+    if refused:
+        raise ConfigError(refused[0].message(setup))
+
+
+def allowed(setup: Setup) -> bool:
+    return not refusals(setup)
+
+
+def max_zero_stage(pp: int) -> int:
+    """The highest ZeRO stage allowed at this PP (from the rules)."""
+    return max(stage for stage in range(4) if not refusals(Setup(pp=pp, zero_stage=stage), ("zero23-pipeline",)))
+
+
+def stage_placement(schedule: str, virtual: int) -> str:
+    """Which layers each pipeline rank holds; checkpoints load plainly between runs with the same
+    placement (interleaved 1F1B and zero-bubble at the same v; ZB-V and DualPipeV)."""
+    if schedule == "1f1b":
+        return "one per rank (DeepSpeed's 1F1B engine)"
+    placement = "V" if schedule in V_SHAPED else "loop"
+    return f"{virtual} virtual per rank, {placement} placement (--pipeline-schedule {schedule})"
+
+
+def markdown_table() -> str:
+    """The README's table of refused combinations."""
+    rows = ["| refused combination | why |", "|---|---|"]
+    rows += [f"| {rule.combination} | {rule.why} |" for rule in RULES]
+    return "\n".join(rows)

@@ -1,0 +1,163 @@
+"""DeepSpeed's universal checkpoint layout (one directory per parameter with its full fp32 weights and
+Adam moments), as DeepSpeed's own `ds_to_universal` writes it, made loadable at any layout:
+parameter directories under canonical names (hybrid.model.naming), one file form for every ZeRO
+stage, and the model-states files under both stages' names. The lower layer of universal checkpoints:
+it reads checkpoint files and runs DeepSpeed's tool, and never reads a hybrid checkpoint as a whole
+(that is hybrid.conversion.layout, which uses `read_fp32_state` from here).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Optional
+
+import torch
+
+from hybrid.errors import ConfigError
+from hybrid.model.naming import EMBEDDING_WEIGHT, TIED_COPY_WEIGHT, canonical_name
+
+UNIVERSAL_INFO = "hybrid_universal.json"  # what the universal checkpoint was made from
+
+
+def run_ds_to_universal(ckpt: str, out_dir: str, config, log=print) -> None:
+    """DeepSpeed's ds_to_universal (strict mode) from the ZeRO checkpoint `ckpt` into the new directory
+    `out_dir`, then the parameter directories renamed to canonical names and normalised."""
+    log(f"converting {ckpt} with DeepSpeed's ds_to_universal (strict)")
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", ckpt,
+                           "--output_folder", out_dir, "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ConfigError(f"DeepSpeed's ds_to_universal failed on {ckpt}:\n{proc.stderr.strip()[-3000:]}")
+    zero = os.path.join(out_dir, "zero")
+    for name in sorted(os.listdir(zero)):
+        if not os.path.isdir(os.path.join(zero, name)):
+            continue  # optimizer_state.pt
+        canonical = canonical_name(name, config.num_layers)
+        if canonical is not None and canonical != name:
+            os.replace(os.path.join(zero, name), os.path.join(zero, canonical))
+    drop_tied_copy(zero)
+    normalize(zero, config, _param_shapes(out_dir, config))
+    alias_model_files(out_dir)
+
+
+def drop_tied_copy(zero: str) -> None:
+    """Virtual pipeline stages keep a second copy of a tied embedding table on the last stage's rank;
+    it received the same summed gradients and updates as the first, so its weights and Adam moments
+    are the embedding's: keep one, under the canonical name."""
+    copy = os.path.join(zero, TIED_COPY_WEIGHT)
+    if os.path.isdir(copy):
+        original = os.path.join(zero, EMBEDDING_WEIGHT)
+        if os.path.isdir(original):
+            shutil.rmtree(copy)
+        else:
+            os.replace(copy, original)
+
+
+def _param_shapes(out_dir: str, config) -> dict:
+    """Canonical name -> shape, from the model-states files' `param_shapes` (ZeRO-3's universal files
+    hold flat tensors)."""
+    shapes = {}
+    for name in os.listdir(out_dir):
+        if name.endswith("_model_states.pt"):
+            groups = torch.load(os.path.join(out_dir, name), map_location="cpu", weights_only=False).get("param_shapes")
+            for group in groups or []:
+                for param, shape in group.items():
+                    shapes.setdefault(canonical_name(param, config.num_layers), tuple(shape))
+            break
+    return shapes
+
+
+def alias_model_files(out_dir: str) -> None:
+    """DeepSpeed reads a universal checkpoint's metadata (client state, LR scheduler) from the
+    model-states file its target stage expects: `mp_rank_XX_...` for ZeRO-1/2, `zero_pp_rank_0_mp_rank_XX_...`
+    for ZeRO-3; ds_to_universal copies only the source's kind. Link the other name to it."""
+    import re
+    for name in os.listdir(out_dir):
+        plain = re.fullmatch(r"mp_rank_(\d+)_model_states\.pt", name)
+        zero3 = re.fullmatch(r"zero_pp_rank_0_mp_rank_(\d+)_model_states\.pt", name)
+        other = (f"zero_pp_rank_0_mp_rank_{plain.group(1)}_model_states.pt" if plain else
+                 f"mp_rank_{zero3.group(1)}_model_states.pt" if zero3 else None)
+        if other and not os.path.exists(os.path.join(out_dir, other)):
+            try:
+                os.link(os.path.join(out_dir, name), os.path.join(out_dir, other))
+            except OSError:
+                shutil.copy2(os.path.join(out_dir, name), os.path.join(out_dir, other))
+
+
+def normalize(zero: str, config, shapes: dict) -> None:
+    """One layout for universal checkpoints from any ZeRO stage, loadable by any stage: DeepSpeed
+    0.19 writes ZeRO-3's per-parameter files as bare tensors without a step, keeps vocabulary padding,
+    and its global optimizer file differs per stage (ZeRO-1/2 loads read `param_groups` and
+    `ds_version`, ZeRO-3 loads read `optimizer_state_dict`). Here every file is DeepSpeed's
+    ZeRO-1/2 dict form (`param`, `cat_dim`, `vocab_tensor`), vocabulary rows are padded as at TP = 1
+    (ZeRO-1/2 loads pad further for their TP; ZeRO-3 loads at TP = 1 take them as they are), each
+    parameter has its `step`, and the global file carries both stages' keys."""
+    import deepspeed
+    from deepspeed.checkpoint import constants as c
+
+    from hybrid.checkpoint_format import tp_layout
+    path = os.path.join(zero, "optimizer_state.pt")
+    optim = torch.load(path, map_location="cpu", weights_only=False)
+    nested = optim.get("optimizer_state_dict") or {}
+    state = nested.get("state") or {}
+    step = next((s["step"] for s in state.values() if "step" in s), None)
+    padded = config.padded_vocab_size(1)
+    for name, rule in tp_layout(config).items():
+        folder = os.path.join(zero, name)
+        if not os.path.isdir(folder):
+            continue
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            file = os.path.join(folder, f"{key}.pt")
+            value = torch.load(file, map_location="cpu", weights_only=False)
+            entry = dict(value) if isinstance(value, dict) else {c.PARAM: value}
+            shape = shapes.get(name)
+            if entry[c.PARAM].dim() == 1 and shape and len(shape) > 1 and entry[c.PARAM].numel() == math.prod(shape):
+                entry[c.PARAM] = entry[c.PARAM].view(shape)  # ZeRO-3 writes flat tensors
+            entry.setdefault(c.CAT_DIM, rule.dim or 0)
+            if rule.stride == 2:
+                entry.setdefault(c.PARAM_N_SUB_PARAMS, 2)
+            if rule.vocab_padded:
+                tensor = entry[c.PARAM][: config.vocab_size]
+                entry[c.PARAM] = torch.cat([tensor, tensor.new_zeros((padded - tensor.size(0),) + tensor.shape[1:])])
+                entry[c.VOCAB_TENSOR] = True
+            torch.save(entry, file)
+        step_file = os.path.join(folder, "step.pt")
+        if os.path.isfile(step_file):
+            step = torch.load(step_file, map_location="cpu", weights_only=False) if step is None else step
+        elif step is not None:
+            torch.save(step, step_file)
+    optim.pop("fp32_flat_groups", None)  # ZeRO-3's copy of every weight, already in the per-parameter files
+    optim.setdefault(c.DS_VERSION, deepspeed.__version__)
+    optim["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": optim["param_groups"]}
+    torch.save(optim, path)
+
+
+def read_fp32_state(ckpt: str, config) -> dict:
+    """Full canonical fp32 weights of any ZeRO checkpoint (ZeRO-3 at any TP included), through a
+    universal conversion in a temporary directory."""
+    tmp = tempfile.mkdtemp(prefix=".tmp-consolidate-")
+    try:
+        run_ds_to_universal(ckpt, os.path.join(tmp, "universal"), config, log=lambda message: None)
+        zero = os.path.join(tmp, "universal", "zero")
+        state = {}
+        for name in os.listdir(zero):
+            path = os.path.join(zero, name, "fp32.pt")
+            if os.path.isfile(path):
+                state[name] = torch.load(path, map_location="cpu", weights_only=False)["param"]
+        return state
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def universal_source(load_dir: str, tag: str) -> Optional[dict]:
+    path = os.path.join(load_dir, tag, UNIVERSAL_INFO)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,75 @@
+"""Parameter names, declared once: the canonical names every form of the model shares, and the names
+the other forms give the same parameters.
+
+Canonical names (GPTModel's, used by checkpoints, conversion and the optimizer's parameter names):
+  embedding.word_embeddings.weight, embedding.position_embeddings.weight,
+  layers.{i}.{input_norm,post_attention_norm}.{weight,bias}, layers.{i}.attention.{qkv,dense}.{weight,bias},
+  layers.{i}.mlp.{fc1,fc2}.{weight,bias}, final_norm.{weight,bias}, output_layer.weight (untied only).
+
+Other forms:
+- DeepSpeed's PipelineModule names a layer by its index in the full LayerSpec list (embedding 0,
+  transformer layer i at i + 1, final norm L + 1, head L + 2) whatever the stage split; a tied
+  embedding lives under `tied_modules.embed.` on the first and last stages.
+- Virtual pipeline stages (hybrid.model.virtual_stages) use canonical names, plus `tied_output.` for the
+  last stage's copy of a tied table (loop placement).
+
+Pure: no torch.distributed, no DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+TIED_PREFIX = "tied_modules.embed."  # DeepSpeed's TiedLayerSpec("embed", ...) parameters
+TIED_COPY = "tied_output"  # the last virtual stage's copy of a tied embedding (loop placement, PP > 1)
+TIED_COPY_WEIGHT = f"{TIED_COPY}.word_embeddings.weight"
+EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
+
+_PIPE_NAME = re.compile(r"^(\d+)\.(.*)$")
+
+
+def pipeline_index(name: str, num_layers: int) -> tuple[int, str]:
+    """(LayerSpec index, name inside that layer) of a canonical parameter name."""
+    if name.startswith("embedding."):
+        return 0, name[len("embedding."):]
+    if name.startswith("layers."):
+        layer, key = name[len("layers."):].split(".", 1)
+        return int(layer) + 1, key
+    if name.startswith("final_norm."):
+        return num_layers + 1, name
+    return num_layers + 2, name  # output_layer.weight
+
+
+def pipeline_name(name: str, num_layers: int, tied_embeddings: bool) -> str:
+    """The name PipelineModule.named_parameters() gives a canonical parameter."""
+    if tied_embeddings and name.startswith("embedding."):
+        return TIED_PREFIX + name[len("embedding."):]
+    index, key = pipeline_index(name, num_layers)
+    return f"{index}.{key}"
+
+
+def canonical_name(name: str, num_layers: int) -> Optional[str]:
+    """Canonical name of any form's parameter name (also of a DeepSpeed layer file's key, given as
+    `index.key`); None for the last stage's copy of a tied embedding in its layer file."""
+    if name.startswith(TIED_PREFIX):
+        return "embedding." + name[len(TIED_PREFIX):]
+    if name.startswith(TIED_COPY + "."):
+        return "embedding." + name[len(TIED_COPY) + 1:]
+    match = _PIPE_NAME.match(name)
+    if match is None:
+        return name  # already canonical
+    index, key = int(match.group(1)), match.group(2)
+    if index == 0:
+        return "embedding." + key
+    if index <= num_layers:
+        return f"layers.{index - 1}.{key}"
+    if key == "word_embeddings.weight":
+        return None
+    return key
+
+
+def canonical_parameters(model, num_layers: int) -> dict:
+    """This rank's parameters under their canonical names, for GPTModel, a DeepSpeed pipeline stage
+    or a rank's virtual stages (whose copy of a tied embedding is the embedding's)."""
+    return {canonical_name(name, num_layers): param for name, param in model.named_parameters()}

@@ -1,0 +1,40 @@
+"""Full activation recompute of transformer layers, through `deepspeed.checkpointing` (which restores
+the TP RNG tracker's states, so recomputed dropout masks equal the original ones)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def checkpoint(fn, *args):
+    """Run `fn(*args)` keeping only its inputs; recompute it in backward (DeepSpeed's checkpoint)."""
+    import deepspeed
+    return deepspeed.checkpointing.checkpoint(fn, *args)
+
+
+class LayerChunk:
+    """Runs consecutive layers; the unit that full recompute checkpoints."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def __call__(self, hidden):
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return hidden
+
+
+def run_layers(layers, hidden, config, training: bool):
+    """Apply `layers`, with full activation recompute as `--recompute-*` asks (Megatron-LM):
+    uniform: chunks of `recompute_num_layers` layers are recomputed as units;
+    block: the first `recompute_num_layers` layers are recomputed, the rest are not."""
+    if config.recompute_granularity != "full" or not (training and torch.is_grad_enabled()):
+        return LayerChunk(layers)(hidden)
+    n = max(1, config.recompute_num_layers)
+    if config.recompute_method == "uniform":
+        for start in range(0, len(layers), n):
+            hidden = checkpoint(LayerChunk(layers[start:start + n]), hidden)
+        return hidden
+    for index, layer in enumerate(layers):
+        hidden = checkpoint(layer, hidden) if index < n else layer(hidden)
+    return hidden

@@ -1,0 +1,155 @@
+"""The capability table is the one source: flag checks raise its messages, the dry-run advisor only
+proposes what it allows, and the README's tables are generated from it (and from the compat table)."""
+
+import os
+
+import pytest
+
+from hybrid import capabilities, megatron_compat
+from hybrid.capabilities import RULES, Setup
+from hybrid.config import build_run_config
+from hybrid.errors import ConfigError
+from hybrid.flags import build_parser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
+        "--micro-batch-size", 1, "--global-batch-size", 4, "--train-iters", 2, "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", 64]
+PP2 = ["--pipeline-model-parallel-size", 2]
+
+# one command line per rule that the rule (and no earlier one) refuses: (flags, world size)
+EXAMPLES = {
+    "zero23-pipeline": (PP2 + ["--zero-stage", 2], 2),
+    "fp16-cpu": (["--fp16"], 1),
+    "fp16-torch-schedule": None,  # needs CUDA (fp16 is refused on CPU first); checked on a Setup below
+    "bf16-zero0-torch-schedule": (PP2 + ["--pipeline-schedule", "zbv", "--bf16"], 2),
+    "recompute-split-backward": (PP2 + ["--pipeline-schedule", "zbv", "--recompute-granularity", "full"], 2),
+    "compile-split-backward": (PP2 + ["--pipeline-schedule", "zero-bubble", "--torch-compile"], 2),
+    "dualpipev-micro-batches": (PP2 + ["--pipeline-schedule", "dualpipev", "--global-batch-size", 2], 2),
+    "torch-schedule-micro-batches": (PP2 + ["--pipeline-schedule", "zbv", "--global-batch-size", 1], 2),
+    "compile-zero3": (["--torch-compile", "--zero-stage", 3], 1),
+    "rampup-pipeline": (PP2 + ["--rampup-batch-size", 2, 2, 8, "--global-batch-size", 4], 2),
+    "universal-zero0-fp32": (["--universal-checkpoint", "--load", "/tmp"], 1),
+    "universal-zero3-tp": (["--universal-checkpoint", "--load", "/tmp", "--zero-stage", 3,
+                            "--tensor-model-parallel-size", 2], 2),
+}
+
+
+def _argv(flags):
+    base = list(BASE)
+    if "--rampup-batch-size" in flags:  # a sample-based run length, as Megatron-LM needs for a ramp
+        i = base.index("--train-iters")
+        base[i:i + 2] = ["--train-samples", 64]
+    return [str(f) for f in base + flags]
+
+
+def _build(flags, world):
+    return build_run_config(build_parser().parse_args(_argv(flags)), world, 64)
+
+
+def test_every_rule_has_an_example():
+    assert set(EXAMPLES) == {rule.name for rule in RULES}
+
+
+@pytest.mark.parametrize("rule", [r for r in RULES if EXAMPLES[r.name] is not None], ids=lambda r: r.name)
+def test_flag_checks_raise_the_tables_message(rule):
+    """The rule's own message (replaced here by a marker) is what flag checking raises: the checks read
+    the table, they do not restate it."""
+    flags, world = EXAMPLES[rule.name]
+    with pytest.raises(ConfigError) as real:
+        _build(flags, world)
+    original = rule.message
+    object.__setattr__(rule, "message", lambda setup: f"RULE {rule.name}")  # Rule is frozen
+    try:
+        with pytest.raises(ConfigError) as marked:
+            _build(flags, world)
+    finally:
+        object.__setattr__(rule, "message", original)
+    assert str(marked.value) == f"RULE {rule.name}", str(real.value)
+    assert str(real.value) == original(_setup_of(flags, world)) or str(real.value).startswith(
+        original(_setup_of(flags, world)).split(":")[0])
+
+
+def _setup_of(flags, world):
+    """A Setup close to the one the flags describe (for the message text only)."""
+    args = build_parser().parse_args(_argv(flags))
+    pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+    return Setup(pp=pp, tp=tp, schedule=args.pipeline_schedule or "1f1b", zero_stage=args.zero_stage or 0,
+                 precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+                 micro_batches=args.global_batch_size // (args.micro_batch_size * (world // (pp * tp))),
+                 zero_source="--zero-stage")
+
+
+def test_the_same_flags_without_the_conflict_build():
+    _build(PP2 + ["--pipeline-schedule", "zbv"], 2)  # ZB-V itself is fine: the rules above refuse combinations
+    _build(PP2 + ["--zero-stage", 1], 2)
+    _build(["--torch-compile", "--zero-stage", 2], 1)
+
+
+def test_fp16_with_a_torch_schedule_is_refused_on_a_gpu_setup():
+    setup = Setup(pp=2, schedule="interleaved-1f1b", precision="fp16", zero_stage=1, micro_batches=4)
+    assert [r.name for r in capabilities.refusals(setup)] == ["fp16-torch-schedule"]
+    assert capabilities.refusals(Setup(pp=2, schedule="1f1b", precision="fp16", micro_batches=4)) == []
+
+
+def test_max_zero_stage_and_stage_placement_come_from_the_table():
+    assert capabilities.max_zero_stage(1) == 3 and capabilities.max_zero_stage(2) == 1
+    assert capabilities.stage_placement("zbv", 2) == capabilities.stage_placement("zbv", 2)
+    assert capabilities.stage_placement("zero-bubble", 2) != capabilities.stage_placement("zbv", 2)
+
+
+def _readme_block(marker: str) -> str:
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    return readme.split(f"<!-- {marker} -->\n", 1)[1].split(f"\n<!-- /{marker} -->", 1)[0]
+
+
+def test_readme_capability_table_is_generated_from_the_table():
+    assert _readme_block("capability-table") == capabilities.markdown_table()
+
+
+def test_readme_flag_table_is_generated_from_the_compat_table():
+    assert _readme_block("compat-table") == megatron_compat.markdown_table()
+
+
+def test_value_rules_refuse_with_the_flag_named():
+    with pytest.raises(ConfigError, match="--kv-channels 16: only the head dimension"):
+        _build(["--kv-channels", 16], 1)
+    with pytest.raises(ConfigError, match="--position-embedding-type alibi is not supported"):
+        _build(["--position-embedding-type", "alibi"], 1)
+    with pytest.raises(ConfigError, match="--dataloader-type cyclic is not supported"):
+        _build(["--dataloader-type", "cyclic"], 1)
+    _build(["--kv-channels", 8, "--dataloader-type", "single"], 1)
+
+
+# --- the dry-run advisor proposes only what the table and the model's shape rules allow ---------------
+
+def _plan(**overrides):
+    from hybrid.memory import MemoryPlan, ZeroSettings
+    from hybrid.model.config import ModelConfig
+    model = ModelConfig(**dict(dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=1000,
+                                    max_position_embeddings=64, ffn_hidden_size=96), **overrides.pop("model", {})))
+    return MemoryPlan(model=model, **dict(dict(tp=1, pp=1, dp=4, micro_batch=2, seq_length=64, num_micro_batches=2,
+                                               zero=ZeroSettings(stage=1, dp=4)), **overrides))
+
+
+def test_advisor_skips_a_tp_the_ffn_does_not_divide_and_keeps_the_global_batch():
+    from hybrid.dry_run import _candidates, _proposals
+    plan = _plan(model=dict(ffn_hidden_size=98))
+    changes = dict(_candidates(plan))
+    assert "--tensor-model-parallel-size 2" in changes
+    tp2 = changes["--tensor-model-parallel-size 2"]
+    assert (tp2.dp, tp2.num_micro_batches, tp2.micro_batch) == (2, 4, 2), "global batch 2 x 2 x 4 kept"
+    odd = _plan(model=dict(ffn_hidden_size=99))
+    assert "--tensor-model-parallel-size 2" in dict(_proposals(odd))
+    assert "--tensor-model-parallel-size 2" not in dict(_candidates(odd)), "ffn 99 does not split over TP 2"
+    pp2 = changes["--pipeline-model-parallel-size 2"]
+    assert (pp2.dp, pp2.num_micro_batches) == (2, 4)
+
+
+def test_advisor_never_proposes_what_the_table_refuses():
+    from hybrid.dry_run import _candidates, _setup
+    plan = _plan(pp=2, dp=2, schedule="zbv", virtual=2, num_micro_batches=4, zero=_plan().zero.__class__(stage=1, dp=2))
+    changes = dict(_candidates(plan))
+    assert not any(c.startswith("--recompute") for c in changes), "recompute is refused with ZB-V"
+    assert not any(c.startswith("ZeRO-2") or c.startswith("ZeRO-3") for c in changes), "ZeRO-2/3 refused with PP"
+    assert all(capabilities.allowed(_setup(candidate)) for candidate in changes.values())
