@@ -38,7 +38,7 @@ class TorchPipelineStep:
                  micro_batch: int, seq_length: int, per_token: bool = False):
         from torch.distributed.pipelining import PipelineStage
         from hybrid.model.embedding import LMLoss
-        from hybrid.training.steps import PerTokenScale
+        from hybrid.training.reduction import PerTokenScale
         self.engine, self.model, self.topology, self.device = engine, model, topology, device
         self.schedule_name = schedule
         self.micro_batches = micro_batches
