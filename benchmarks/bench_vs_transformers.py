@@ -78,7 +78,7 @@ class HybridStep:
 
     def __call__(self, batch):
         ids, labels = batch
-        return self.trainer.train_step(iter([(ids, labels, None)]))
+        return self.trainer.step.train(iter([(ids, labels)]))
 
 
 class TransformersStep:

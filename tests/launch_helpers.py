@@ -53,19 +53,25 @@ def run(launcher: str, nproc: int, flags: list[str], script: str = "launch/train
     return proc
 
 
-def one_rank_runs(data: str, out_dir, base_flags: list, untied_flags: list):
+_ONE_RANK: dict = {}  # flags -> log records, for the whole test run
+
+
+def one_rank(flags: list) -> list[dict]:
+    """The log records of the one-rank run of `flags` (a baseline), run once per test run whichever
+    modules ask for it."""
+    key = tuple(map(str, flags))
+    if key not in _ONE_RANK:
+        import tempfile
+        log = os.path.join(tempfile.mkdtemp(prefix="hybrid-baseline-"), "log.jsonl")
+        run("python", 1, list(flags) + ["--log-json", log])
+        _ONE_RANK[key] = read_log(log)
+    return _ONE_RANK[key]
+
+
+def one_rank_runs(data: str, base_flags: list, untied_flags: list):
     """`get(untied)` -> the log records of the uninterrupted one-rank run of `base_flags`, with or
-    without `untied_flags`, each run once (the baseline a module's layouts are compared with)."""
-    cache = {}
-
-    def get(untied: bool):
-        if untied not in cache:
-            log = out_dir / f"untied{untied}.jsonl"
-            run("python", 1, base_flags + ["--data-path", data, "--log-json", log, *(untied_flags if untied else [])])
-            cache[untied] = read_log(log)
-        return cache[untied]
-
-    return get
+    without `untied_flags` (the baseline a module's layouts are compared with)."""
+    return lambda untied: one_rank(base_flags + ["--data-path", data, *(untied_flags if untied else [])])
 
 
 def read_log(path) -> list[dict]:

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from hybrid.conversion.layout import read_hybrid
-from tests.rank_pool import run_on_ranks
-from tests.launch_helpers import MERGES, VOCAB, copy_default_corpus, read_log, run
+from tests.launch_helpers import MERGES, VOCAB, read_log, run
 
 VOCAB_SIZE = 8192  # the embedded tokenizer's
 
@@ -45,11 +44,6 @@ def make_llama(path):
 
 
 MAKERS = {"gpt2": make_gpt2, "llama": make_llama}
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return copy_default_corpus(str(tmp_path_factory.mktemp("data")))
 
 
 def convert(*flags, check=True):

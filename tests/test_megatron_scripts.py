@@ -159,11 +159,6 @@ def _records(tmp_path, name, flags, launcher="python", nproc=1, data=None):
     return [r for r in read_log(log) if "consumed_samples" in r]
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return copy_default_corpus(str(tmp_path_factory.mktemp("data")))
-
-
 def test_sample_and_token_schedules_equal_the_iteration_schedule(tmp_path, data):
     iters = _records(tmp_path, "iters", ["--train-iters", 6, "--lr-warmup-iters", 2, "--lr-decay-iters", 5], data=data)
     samples = _records(tmp_path, "samples", ["--train-samples", 24, "--lr-warmup-samples", 8,

@@ -2,18 +2,28 @@
 
 import pytest
 import torch
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from hybrid.errors import ConfigError
 from tests.rank_pool import run_on_ranks
 from hybrid.topology import ParallelDims
 
 
-def test_rank_order_is_tp_fastest_then_dp_then_pp():
-    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
-    assert topo.get_axis_comm_lists("model") == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert topo.get_axis_comm_lists("data") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert topo.get_axis_comm_lists("pipe") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+def test_parallel_groups_carry_sizes_and_build_shapes_without_ranks():
+    """A TP-2 rank's shards are built in one process (ParallelGroups.shapes_only); their collectives refuse."""
+    from hybrid.model.config import ModelConfig
+    from hybrid.model.gpt import GPTModel
+    from hybrid.parallel.groups import ParallelGroups
+    from tests.model_harness import CONFIGS
+    groups = ParallelGroups.shapes_only(tp=2, tp_rank=1)
+    assert (groups.tp_size, groups.tp_rank, groups.cp.size, groups.ep.size) == (2, 1, 1, 1)
+    model = GPTModel(ModelConfig(**CONFIGS["llama"]), groups)
+    assert model.layers[0].attention.qkv.weight.shape[0] == (4 + 2 * 2) * 8 // 2  # (heads + 2 groups) x d / TP
+    with pytest.raises(RuntimeError, match="shapes_only"):
+        model(torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ConfigError, match="--context-parallel-size 2"):
+        ParallelDims(world_size=4, context_parallel=2)
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size 3 does not divide"):
+        ParallelDims(world_size=4, expert_parallel=3)
 
 
 def test_world_size_not_multiple_of_tp_times_pp_is_a_clear_error():
@@ -57,7 +67,7 @@ def test_distributed_backend_flag_is_honoured(capsys, monkeypatch):
     from hybrid.distributed import default_backend, resolve_backend
     monkeypatch.setenv("RANK", "0")
     assert resolve_backend("gloo") == "gloo"
-    assert resolve_backend(None) == default_backend()
+    assert resolve_backend(None) == ("nccl" if torch.cuda.is_available() else "gloo") == default_backend()
     if not torch.cuda.is_available():
         assert resolve_backend("nccl") == "gloo"
         assert "no CUDA device here, using gloo" in capsys.readouterr().out

@@ -59,13 +59,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def baseline(data, tmp_path_factory):
     """The uninterrupted one-rank losses, tied and untied."""
-    return one_rank_runs(data, tmp_path_factory.mktemp("baseline"), TINY, UNTIED)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    from tests.launch_helpers import copy_default_corpus
-    return copy_default_corpus(str(tmp_path_factory.mktemp("data")))
+    return one_rank_runs(data, TINY, UNTIED)
 
 
 def _save_4(data, ckpt, launcher, nproc, flags, log):
@@ -78,13 +72,33 @@ def _to_universal(ckpt):
                script="conversion/checkpoint_util.py")
 
 
+@pytest.fixture(scope="module")
+def universal_sources(data, tmp_path_factory):
+    """`get(launcher, ranks, flags)` -> (checkpoint directory saved at iteration 4 and made universal, its
+    log of iterations 1-4); each source layout saved and converted once for every case that starts from it
+    (the resumed runs only read it)."""
+    cache = {}
+
+    def get(launcher, nproc, flags):
+        key = (launcher, nproc, tuple(map(str, flags)))
+        if key not in cache:
+            directory = tmp_path_factory.mktemp("source")
+            ckpt, log = directory / "ckpt", directory / "log.jsonl"
+            _save_4(data, ckpt, launcher, nproc, flags, log)
+            _to_universal(ckpt)
+            cache[key] = ckpt, log.read_text()
+        return cache[key]
+
+    return get
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_universal_checkpoint_resumes_at_another_layout_with_the_uninterrupted_losses(case, data, baseline,
-                                                                                    tmp_path):
+                                                                                    universal_sources, tmp_path):
     (src_launcher, src_n, src_flags), (dst_launcher, dst_n, dst_flags) = CASES[case]
-    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    _save_4(data, ckpt, src_launcher, src_n, src_flags, log)
-    _to_universal(ckpt)
+    ckpt, source_log = universal_sources(src_launcher, src_n, src_flags)
+    log = tmp_path / "log.jsonl"
+    log.write_text(source_log)  # iterations 1-4 as the source run logged them
     assert (ckpt / "latest_universal").read_text() == "iter_0000004_universal"
     assert (ckpt / "iter_0000004_universal" / "zero" / "layers.3.attention.qkv.weight" / "exp_avg.pt").exists()
     proc = run(dst_launcher, dst_n, TINY + ["--data-path", data, "--load", ckpt, "--universal-checkpoint",

@@ -18,7 +18,7 @@ import torch
 
 from hybrid.checkpoint_format import (LATEST, MEGATRON_LATEST, ClientState, atomic_directory,  # noqa: F401
                                       first_model_file, layer_file, load_file, model_config_from_summary,
-                                      model_file, model_summary, tag_for, tp_layout)
+                                      model_file, model_summary, read_tag, tag_for, tp_layout)
 from hybrid.conversion.ds_universal import read_fp32_state
 from hybrid.model.naming import EMBEDDING_WEIGHT, canonical_name, pipeline_index
 from hybrid.errors import ConfigError
@@ -33,12 +33,12 @@ def resolve_tag(load_dir: str, tag: Optional[str] = None) -> str:
     """`tag`, or the one `latest` names."""
     if tag is not None:
         return tag
-    latest = os.path.join(load_dir, LATEST)
-    if not os.path.isfile(latest):
+    latest = read_tag(load_dir, LATEST)
+    if latest is None:
         raise ConfigError(f"--load-dir {load_dir}: no 'latest' file; not a hybrid checkpoint directory "
                           f"(made by launch/train.py --save).")
-    with open(latest) as f:
-        return f.read().strip()
+    return latest
+
 
 def partition_rule(name: str, config: ModelConfig) -> Optional[tuple[int, int]]:
     """(dim, stride) along which `name` is split over TP, or None if replicated (from tp_layout)."""
