@@ -40,6 +40,8 @@ class Setup:
     micro_batches: int = 1  # micro-batches per iteration per DP rank
     rampup: bool = False  # --rampup-batch-size
     universal_checkpoint: bool = False  # --universal-checkpoint
+    flash_attn: bool = False  # --use-flash-attn
+    grad_reduce_bf16: bool = False  # --grad-reduce-in-bf16
     accelerator: str = "cuda"  # "cpu" where DeepSpeed's accelerator is the CPU
     zero_source: str = "--zero-stage"  # where the ZeRO stage came from (named in messages)
 
@@ -138,6 +140,21 @@ RULES = [
          lambda s: "--universal-checkpoint with ZeRO-3 at --tensor-model-parallel-size > 1 is not supported: "
                    "DeepSpeed 0.19's ZeRO-3 universal load does not split tensors over TP. Resume with ZeRO-1/2 at "
                    "this TP (ds_configs/zero1.json), or with ZeRO-3 at TP 1."),
+]
+RULES += [
+    Rule("flash-attn-cpu", "--use-flash-attn without a CUDA GPU", "flash-attn's kernels are CUDA kernels",
+         lambda s: s.flash_attn and s.accelerator != "cuda",
+         lambda s: "--use-flash-attn needs a CUDA GPU; drop --use-flash-attn to use torch's "
+                   "scaled_dot_product_attention (SDPA, the default), or install it on a CUDA machine: "
+                   "pip install -e '.[gpu]' (flash-attn)."),
+    Rule("flash-attn-fp32", "--use-flash-attn in fp32", "flash-attn has no fp32 kernels",
+         lambda s: s.flash_attn and s.precision == "fp32",
+         lambda s: "--use-flash-attn needs --bf16 or --fp16 (flash-attn has no fp32 kernels); add one, or drop "
+                   "--use-flash-attn for SDPA."),
+    Rule("grad-reduce-bf16-precision", "--grad-reduce-in-bf16 without --bf16",
+         "gradients are reduced in the training precision's type (DeepSpeed's communication_data_type)",
+         lambda s: s.grad_reduce_bf16 and s.precision != "bf16",
+         lambda s: "--grad-reduce-in-bf16 needs --bf16."),
 ]
 RULES_BY_NAME = {rule.name: rule for rule in RULES}
 

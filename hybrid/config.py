@@ -13,7 +13,6 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-import torch
 
 from hybrid import ds_config as dsc
 from hybrid.errors import ConfigError
@@ -230,8 +229,6 @@ def apply_megatron_aliases(args: argparse.Namespace) -> list[str]:
         args.use_flash_attn = True
     if getattr(args, "compat_no_pipeline_parallel", None) and args.pipeline_model_parallel_size > 1:
         raise ConfigError("--no-pipeline-parallel with --pipeline-model-parallel-size > 1: drop one of them.")
-    if args.grad_reduce_in_bf16 and not args.bf16:
-        raise ConfigError("--grad-reduce-in-bf16 needs --bf16.")
     return accepted
 
 
@@ -280,8 +277,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     micro, global_batch, gas = dsc.batch_sizes(args, ds, ds_path, dp)
     precision = dsc.precision_of(args, ds, ds_path)
     if args.use_flash_attn:
-        from hybrid.model.flash import check_flash_attn
-        check_flash_attn(torch.cuda.is_available(), precision)
+        from hybrid.model.flash import check_flash_attn_installed
+        check_flash_attn_installed()
     clip = dsc.agree(ds, "gradient_clipping", "--clip-grad", args.clip_grad, ds_path, 1.0)
     optimizer = dsc.optimizer_config(args, ds, ds_path)
     from hybrid.run_length import resolve_run_length
@@ -321,6 +318,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     check(Setup(pp=pp, tp=tp, schedule=schedule, zero_stage=stage, precision=precision,
                 recompute=model.recompute_granularity, torch_compile=args.torch_compile, micro_batches=gas,
                 rampup=bool(length.rampup), universal_checkpoint=train.universal_checkpoint,
+                flash_attn=bool(args.use_flash_attn), grad_reduce_bf16=bool(args.grad_reduce_in_bf16),
                 accelerator=dsc.accelerator_kind(), zero_source=ds_path or "--zero-stage"))
     ds_config = dsc.final_ds_config(ds, args, train, stage, optimizer, model)
     return RunConfig(model=model, train=train, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,

@@ -32,6 +32,9 @@ EXAMPLES = {
     "universal-zero0-fp32": (["--universal-checkpoint", "--load", "/tmp"], 1),
     "universal-zero3-tp": (["--universal-checkpoint", "--load", "/tmp", "--zero-stage", 3,
                             "--tensor-model-parallel-size", 2], 2),
+    "flash-attn-cpu": None,  # flash-attn is not installable here: its absence is refused first; Setup below
+    "flash-attn-fp32": None,
+    "grad-reduce-bf16-precision": (["--grad-reduce-in-bf16"], 1),
 }
 
 
@@ -90,6 +93,13 @@ def test_fp16_with_a_torch_schedule_is_refused_on_a_gpu_setup():
     setup = Setup(pp=2, schedule="interleaved-1f1b", precision="fp16", zero_stage=1, micro_batches=4)
     assert [r.name for r in capabilities.refusals(setup)] == ["fp16-torch-schedule"]
     assert capabilities.refusals(Setup(pp=2, schedule="1f1b", precision="fp16", micro_batches=4)) == []
+
+
+def test_flash_attn_needs_a_gpu_and_half_precision():
+    assert [r.name for r in capabilities.refusals(Setup(flash_attn=True, accelerator="cpu", precision="bf16"))] == \
+        ["flash-attn-cpu"]
+    assert [r.name for r in capabilities.refusals(Setup(flash_attn=True))] == ["flash-attn-fp32"]
+    assert capabilities.allowed(Setup(flash_attn=True, precision="bf16"))
 
 
 def test_max_zero_stage_and_stage_placement_come_from_the_table():

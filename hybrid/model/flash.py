@@ -13,16 +13,12 @@ except Exception as _error:  # ImportError, or a broken CUDA build
     FLASH_ATTN_ERROR = f"{type(_error).__name__}: {_error}"
 
 
-def check_flash_attn(device_is_cuda: bool, precision: str) -> None:
+def check_flash_attn_installed() -> None:
     """--use-flash-attn must get flash-attn, never a silent fallback (as Megatron-LM): raise a
-    ConfigError naming the cause, the default backend (SDPA) and how to install it."""
+    ConfigError naming the cause, the default backend (SDPA) and how to install it. (Its device and
+    precision needs are rules of hybrid.capabilities.)"""
     from hybrid.errors import ConfigError
-    fix = ("drop --use-flash-attn to use torch's scaled_dot_product_attention (SDPA, the default), "
-           "or install it on a CUDA machine: pip install -e '.[gpu]' (flash-attn)")
     if flash_attn_func is None:
-        raise ConfigError(f"--use-flash-attn: flash-attn is not usable here ({FLASH_ATTN_ERROR}); {fix}.")
-    if not device_is_cuda:
-        raise ConfigError(f"--use-flash-attn needs a CUDA GPU; {fix}.")
-    if precision not in ("bf16", "fp16"):
-        raise ConfigError("--use-flash-attn needs --bf16 or --fp16 (flash-attn has no fp32 kernels); add one, "
-                          "or drop --use-flash-attn for SDPA.")
+        raise ConfigError(f"--use-flash-attn: flash-attn is not usable here ({FLASH_ATTN_ERROR}); drop "
+                          f"--use-flash-attn to use torch's scaled_dot_product_attention (SDPA, the default), or "
+                          f"install it on a CUDA machine: pip install -e '.[gpu]' (flash-attn).")
