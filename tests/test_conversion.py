@@ -47,8 +47,15 @@ MAKERS = {"gpt2": make_gpt2, "llama": make_llama}
 
 
 def convert(*flags, check=True):
+    """conversion/checkpoint_util.py with these flags. Successful conversions run in this process (the
+    script's own main, no interpreter start-up per call); `check=False` launches the script, to see its
+    exit status and error output as a user does."""
+    if check:
+        from hybrid.conversion.checkpoint_util import main
+        assert main([str(f) for f in flags] + ["--no-progress-bar"]) == 0, flags
+        return None
     return run("python", 1, list(flags) + ["--no-progress-bar"], script="conversion/checkpoint_util.py",
-               check=check, timeout=300)
+               check=False, timeout=300)
 
 
 def hf_windows_loss(model, prefix, seq, count):

@@ -38,6 +38,8 @@ def run_ds_to_universal(ckpt: str, out_dir: str, config, log=print) -> None:
     for name in sorted(os.listdir(zero)):
         if not os.path.isdir(os.path.join(zero, name)):
             continue  # optimizer_state.pt
+        if name == TIED_COPY_WEIGHT:
+            continue  # the second copy of a tied table: drop_tied_copy keeps one of the two
         canonical = canonical_name(name, config.num_layers)
         if canonical is not None and canonical != name:
             os.replace(os.path.join(zero, name), os.path.join(zero, canonical))
