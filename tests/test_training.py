@@ -157,7 +157,7 @@ RESUME_LAYOUTS = dict(LAYOUTS, one_rank=("python", 1, []),
 RESUME_LAYOUTS.pop("tp2_dp2_zero1")  # its parts are covered: TP 2 and DP 2 with ZeRO-1
 
 
-@pytest.mark.parametrize("layout", ["one_rank", "tp2", "tp2_sp", "pp2", "dp2_zero1_deepspeed_launcher",
+@pytest.mark.parametrize("layout", ["one_rank", "tp2_sp", "pp2", "dp2_zero1_deepspeed_launcher",
                                     "dp2_zero2_accelerate_launcher", "dp2_zero3", "dp2_zero3_cpu_offload", "tp2_pp2",
                                     "interleaved_pp2_zero1", "zbv_pp2"])
 def test_resume_with_dropout_is_bitwise_equal_to_straight(data, tmp_path, layout):
