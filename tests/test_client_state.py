@@ -1,0 +1,31 @@
+"""ClientState: the one owner of what hybrid adds to DeepSpeed's checkpoint files."""
+
+from hybrid.checkpoint_format import ClientState
+
+
+def test_round_trip_leaves_deepspeeds_own_keys_out():
+    state = ClientState(iteration=3, consumed_samples=24, hybrid_config={"tensor_parallel": 2, "zero_stage": 1},
+                        args={"lr": 1e-3}, optimizer_param_names=[["a"]])
+    meta = dict(state.to_dict(), module={"w": 1}, ds_config={"zero_optimization": {"stage": 3}}, global_steps=3)
+    again = ClientState.from_meta(meta)
+    assert again == state
+    assert set(state.to_dict()) == {"iteration", "consumed_samples", "hybrid_config", "args", "rng_states",
+                                    "universal_checkpoint_info", "optimizer_param_names", "weights_only"}
+
+
+def test_storage_is_chosen_from_the_recorded_layout():
+    def storage(weights_only=False, **layout):
+        return ClientState(hybrid_config=layout, weights_only=weights_only).storage
+    assert storage(pipeline_parallel=1, zero_stage=1) == "module"
+    assert storage(pipeline_parallel=1, zero_stage=3) == "zero3"
+    assert storage(pipeline_parallel=1, zero_stage=3, weights_only=True) == "module"
+    assert storage(pipeline_parallel=2, pipeline_schedule="1f1b") == "layer_files"
+    assert storage(pipeline_parallel=2, pipeline_schedule="zbv") == "virtual_stages"
+    assert storage(pipeline_parallel=2, pipeline_schedule="zbv", weights_only=True) == "layer_files"
+
+
+def test_checkpoints_from_before_zero_stage_was_recorded_take_it_from_deepspeeds_config():
+    old = {"iteration": 4, "hybrid_config": {"tensor_parallel": 1, "pipeline_parallel": 1},
+           "ds_config": {"zero_optimization": {"stage": 3}}}
+    state = ClientState.from_meta(old)
+    assert state.zero_stage == 3 and state.storage == "zero3" and state.iteration == 4
