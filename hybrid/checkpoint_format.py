@@ -88,11 +88,72 @@ def layer_file(index: int, tp_rank: int) -> str:
     return f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt"
 
 
+# The only classes DeepSpeed 0.19.8 pickles into the checkpoints hybrid writes (found by loading every
+# file of ZeRO-0/1/2/3, offload, bf16, pipeline, virtual-stage and universal checkpoints with
+# weights_only=True), plus fp16's dynamic loss scaler (GPU runs). Each is rebuilt from its fields
+# without running code of the file's choosing. Every load in hybrid's processes uses this list
+# (hybrid.training.deepspeed_fixes.install_safe_torch_load covers DeepSpeed's own loads).
+SAFE_CHECKPOINT_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+def safe_checkpoint_classes() -> list:
+    import importlib
+    classes = []
+    for path in SAFE_CHECKPOINT_CLASSES:
+        module, _, name = path.rpartition(".")
+        classes.append(getattr(importlib.import_module(module), name))
+    return classes
+
+
+UNSAFE_FLAG = "--allow-unsafe-checkpoint-load"  # restores full unpickling, for files one trusts
+_LOADS = {"unsafe": False}  # this process's choice (set once by the entry point)
+
+
+def set_unsafe_loads(allowed: bool) -> None:
+    _LOADS["unsafe"] = bool(allowed)
+
+
+def unsafe_loads_allowed() -> bool:
+    """Whether this process was started with UNSAFE_FLAG (child tools inherit the choice)."""
+    return _LOADS["unsafe"]
+
+
+class UnsafeCheckpointError(ConfigError):
+    """A file asked to unpickle something outside the allow-list (code could have run)."""
+
+
+def refusal(path, error) -> UnsafeCheckpointError:
+    """The error for a file whose unpickling was refused: the file, the class, the way out."""
+    text = str(error)
+    refused = text.split("GLOBAL ", 1)[1].split()[0] if "GLOBAL " in text else text.splitlines()[0][:200]
+    name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else getattr(path, "name", repr(path))
+    return UnsafeCheckpointError(f"{name}: refused to unpickle {refused} (not one of the classes checkpoints "
+                                 f"hold; loading it could run code from the file). If you trust this file, add "
+                                 f"{UNSAFE_FLAG}.")
+
+
+def safe_load(path: str):
+    """torch.load with weights_only=True and the allow-list: no code from the file runs."""
+    import pickle
+    # added for the process, not in torch's safe_globals context manager: its exit removes the classes
+    # again, also for the process-wide allow-list hybrid.training.deepspeed_fixes installs
+    torch.serialization.add_safe_globals(safe_checkpoint_classes())
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not unsafe_loads_allowed())
+    except pickle.UnpicklingError as error:
+        raise refusal(path, error) from None
+
+
 def load_file(path: str) -> dict:
-    """One DeepSpeed checkpoint file (DeepSpeed pickles Python objects in them, so not weights_only)."""
+    """One DeepSpeed checkpoint file (safe_load), or a clear error when it is missing."""
     if not os.path.isfile(path):
         raise ConfigError(f"checkpoint file {path} is missing; the checkpoint is incomplete.")
-    return torch.load(path, map_location="cpu", weights_only=False)  # DeepSpeed's own files
+    return safe_load(path)
 
 
 def first_model_file(ckpt: str) -> str:

@@ -24,6 +24,8 @@ def build_parser():
     from hybrid.flags import FlagParser
     p = FlagParser(description="Evaluate a hybrid checkpoint's LM loss on a dataset.", allow_abbrev=False)
     p.add_argument("--load", required=True)
+    p.add_argument("--allow-unsafe-checkpoint-load", action="store_true",
+                   help="UNSAFE: unpickle checkpoint files fully (runs any code they hold); only for files you trust")
     p.add_argument("--data-path", required=True, nargs="+")
     p.add_argument("--seq-length", type=int, required=True)
     p.add_argument("--micro-batch-size", type=int, default=1)
@@ -128,6 +130,8 @@ def _pipeline_losses(config, topology, state, batches) -> list[float]:
 def main(argv: Optional[list[str]] = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        from hybrid.training.deepspeed_fixes import install_safe_torch_load
+        install_safe_torch_load(args.allow_unsafe_checkpoint_load)
         result = evaluate(args)
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(json.dumps(result), flush=True)

@@ -123,6 +123,9 @@ def _add_checkpointing_args(p):
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--allow-unsafe-checkpoint-load", action="store_true",
+                   help="UNSAFE: unpickle checkpoint files fully, which runs any code they hold; only for files "
+                        "you trust (by default every file is read with weights_only=True and an allow-list)")
     g.add_argument("--universal-checkpoint", action="store_true",
                    help="load the --load directory's universal checkpoint (made by conversion/checkpoint_util.py "
                         "--saver universal) at any TP/PP/DP/ZeRO layout, with optimizer state (Megatron-DeepSpeed)")

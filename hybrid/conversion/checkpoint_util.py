@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                    help="vocabulary padding of the hybrid output (default: the source's, or 128)")
     p.add_argument("--no-progress-bar", action="store_true")
+    p.add_argument("--allow-unsafe-checkpoint-load", action="store_true",
+                   help="UNSAFE: unpickle input files fully (runs any code they hold); only for files you trust")
     return p
 
 
@@ -139,6 +141,8 @@ def _universal(args) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        from hybrid.training.deepspeed_fixes import install_safe_torch_load
+        install_safe_torch_load(args.allow_unsafe_checkpoint_load)
         print(convert(args), file=sys.stderr)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from hybrid.checkpoint_format import safe_load, unsafe_loads_allowed
 from hybrid.errors import ConfigError
 from hybrid.model.naming import EMBEDDING_WEIGHT, TIED_COPY_WEIGHT, canonical_name
 
@@ -29,10 +30,17 @@ def run_ds_to_universal(ckpt: str, out_dir: str, config, log=print) -> None:
     """DeepSpeed's ds_to_universal (strict mode) from the ZeRO checkpoint `ckpt` into the new directory
     `out_dir`, then the parameter directories renamed to canonical names and normalised."""
     log(f"converting {ckpt} with DeepSpeed's ds_to_universal (strict)")
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", ckpt,
-                           "--output_folder", out_dir, "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                          capture_output=True, text=True)
+    # DeepSpeed's tool, in a process whose every torch.load is weights-only with the allow-list
+    # (hybrid.training.deepspeed_fixes.install_safe_torch_load): it reads the checkpoint's files
+    allow_unsafe = unsafe_loads_allowed()
+    script = ("import runpy; from hybrid.training.deepspeed_fixes import install_safe_torch_load; "
+              f"install_safe_torch_load({bool(allow_unsafe)}); "
+              "runpy.run_module('deepspeed.checkpoint.ds_to_universal', run_name='__main__', alter_sys=True)")
+    proc = subprocess.run([sys.executable, "-c", script, "--input_folder", ckpt, "--output_folder", out_dir,
+                           "--num_extract_workers", "1", "--num_merge_workers", "1"], capture_output=True, text=True)
     if proc.returncode != 0:
+        if "refused to unpickle" in proc.stderr:
+            raise ConfigError(proc.stderr.strip().splitlines()[-1].split("Error: ", 1)[-1])
         raise ConfigError(f"DeepSpeed's ds_to_universal failed on {ckpt}:\n{proc.stderr.strip()[-3000:]}")
     zero = os.path.join(out_dir, "zero")
     for name in sorted(os.listdir(zero)):
@@ -67,7 +75,7 @@ def _param_shapes(out_dir: str, config) -> dict:
     shapes = {}
     for name in os.listdir(out_dir):
         if name.endswith("_model_states.pt"):
-            groups = torch.load(os.path.join(out_dir, name), map_location="cpu", weights_only=False).get("param_shapes")
+            groups = safe_load(os.path.join(out_dir, name)).get("param_shapes")
             for group in groups or []:
                 for param, shape in group.items():
                     shapes.setdefault(canonical_name(param, config.num_layers), tuple(shape))
@@ -105,7 +113,7 @@ def normalize(zero: str, config, shapes: dict) -> None:
 
     from hybrid.checkpoint_format import tp_layout
     path = os.path.join(zero, "optimizer_state.pt")
-    optim = torch.load(path, map_location="cpu", weights_only=False)
+    optim = safe_load(path)
     nested = optim.get("optimizer_state_dict") or {}
     state = nested.get("state") or {}
     step = next((s["step"] for s in state.values() if "step" in s), None)
@@ -116,7 +124,7 @@ def normalize(zero: str, config, shapes: dict) -> None:
             continue
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
             file = os.path.join(folder, f"{key}.pt")
-            value = torch.load(file, map_location="cpu", weights_only=False)
+            value = safe_load(file)
             entry = dict(value) if isinstance(value, dict) else {c.PARAM: value}
             shape = shapes.get(name)
             if entry[c.PARAM].dim() == 1 and shape and len(shape) > 1 and entry[c.PARAM].numel() == math.prod(shape):
@@ -131,7 +139,7 @@ def normalize(zero: str, config, shapes: dict) -> None:
             torch.save(entry, file)
         step_file = os.path.join(folder, "step.pt")
         if os.path.isfile(step_file):
-            step = torch.load(step_file, map_location="cpu", weights_only=False) if step is None else step
+            step = safe_load(step_file) if step is None else step
         elif step is not None:
             torch.save(step, step_file)
     optim.pop("fp32_flat_groups", None)  # ZeRO-3's copy of every weight, already in the per-parameter files
@@ -151,7 +159,7 @@ def read_fp32_state(ckpt: str, config) -> dict:
         for name in os.listdir(zero):
             path = os.path.join(zero, name, "fp32.pt")
             if os.path.isfile(path):
-                state[name] = torch.load(path, map_location="cpu", weights_only=False)["param"]
+                state[name] = safe_load(path)["param"]
         return state
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -274,7 +274,8 @@ def load_hf_weights(path: str, progress=None) -> dict:
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
-        return torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        from hybrid.checkpoint_format import safe_load
+        return safe_load(os.path.join(path, "pytorch_model.bin"))
     else:
         raise ConfigError(f"--load-dir {path}: no model.safetensors, sharded index or pytorch_model.bin.")
     state = {}

@@ -15,8 +15,8 @@ from typing import Optional
 import torch.distributed as dist
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
-from hybrid.checkpoint_format import (LATEST, LATEST_UNIVERSAL, MEGATRON_LATEST, ClientState, read_client_state,
-                                      read_tag, tag_for, universal_checkpoint_info, write_atomic)
+from hybrid.checkpoint_format import (LATEST, LATEST_UNIVERSAL, MEGATRON_LATEST, ClientState, UnsafeCheckpointError,
+                                      read_client_state, read_tag, tag_for, universal_checkpoint_info, write_atomic)
 from hybrid.config import RunConfig, config_summary
 from hybrid.errors import ConfigError
 from hybrid.parallel.random import get_rng_states, set_rng_states
@@ -91,6 +91,8 @@ def load(engine, run: RunConfig, topology) -> tuple[int, int]:
         path, client_state = engine.load_checkpoint(
             load_dir, tag=tag, load_optimizer_states=not train.no_load_optim,
             load_lr_scheduler_states=not train.no_load_optim, load_module_only=train.no_load_optim)
+    except UnsafeCheckpointError:
+        raise
     except (FileNotFoundError, RuntimeError, KeyError, AssertionError, ValueError, ZeRORuntimeException) as e:
         raise ConfigError(f"--load {load_dir}: could not load checkpoint {tag}: {e}. To load it anyway, "
                           f"{_fix_command(load_dir)}.") from None
@@ -151,6 +153,8 @@ def _load_universal(engine, run: RunConfig, load_dir: str) -> tuple[int, int]:
     deepspeed_fixes.use_canonical_param_names(engine, run.model.num_layers)
     try:
         path, client_state = engine.load_checkpoint(load_dir, tag=tag)
+    except UnsafeCheckpointError:
+        raise
     except (FileNotFoundError, RuntimeError, KeyError, AssertionError, ValueError) as e:
         raise ConfigError(f"--load {load_dir} --universal-checkpoint: could not load {tag}: {type(e).__name__}: {e}") from None
     if path is None:

@@ -27,6 +27,41 @@ RELIED_ON = [
 ]
 
 
+# --- no code from checkpoint files ---------------------------------------------------------------
+
+_ORIGINAL_TORCH_LOAD = torch.load
+
+
+def install_safe_torch_load(allow_unsafe: bool = False) -> None:
+    """Make every `torch.load` of this process (hybrid's, DeepSpeed's `load_checkpoint`, its ZeRO and
+    universal-checkpoint loaders, zero_to_fp32, transformers') unpickle with `weights_only=True` and the
+    allow-list of hybrid.checkpoint_format, whatever the caller passes: DeepSpeed 0.19 calls `torch.load(..., weights_only=False)`
+    in 20-odd places and has no hook for all of them (its checkpoint engine covers only some), so
+    `torch.load` itself is replaced. A refused file raises UnsafeCheckpointError naming the file and
+    the class. `allow_unsafe` (hybrid.checkpoint_format.UNSAFE_FLAG) restores full unpickling, for files one trusts. Also sets
+    TORCH_FORCE_WEIGHTS_ONLY_LOAD for child processes that do not install this (DeepSpeed's tools)."""
+    import pickle
+
+    from hybrid.checkpoint_format import set_unsafe_loads
+    set_unsafe_loads(allow_unsafe)
+    if allow_unsafe:
+        torch.load = _ORIGINAL_TORCH_LOAD
+        os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        return
+    from hybrid.checkpoint_format import refusal, safe_checkpoint_classes
+    torch.serialization.add_safe_globals(safe_checkpoint_classes())
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+
+    def safe_load(f, *args, weights_only=None, **kwargs):
+        try:
+            return _ORIGINAL_TORCH_LOAD(f, *args, weights_only=True, **kwargs)
+        except pickle.UnpicklingError as error:
+            raise refusal(f, error) from None
+
+    safe_load.__doc__ = _ORIGINAL_TORCH_LOAD.__doc__
+    torch.load = safe_load
+
+
 # --- explicit pipeline partitions ---------------------------------------------------------------
 
 class ListPartitionPipelineModule(PipelineModule):
@@ -118,8 +153,8 @@ def repair_zero3_universal_load(engine, universal_dir: str) -> None:
     for state in inner.state.values():
         if torch.is_tensor(state.get("step")):
             state["step"] = state["step"].clone()
-    saved = torch.load(os.path.join(universal_dir, "zero", "optimizer_state.pt"), map_location="cpu",
-                       weights_only=False)["optimizer_state_dict"]["param_groups"]
+    from hybrid.checkpoint_format import safe_load
+    saved = safe_load(os.path.join(universal_dir, "zero", "optimizer_state.pt"))["optimizer_state_dict"]["param_groups"]
     if len(saved) != len(inner.param_groups):
         raise RuntimeError(f"universal checkpoint {universal_dir} has {len(saved)} optimizer parameter groups, "
                            f"this run {len(inner.param_groups)}")

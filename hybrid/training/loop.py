@@ -192,6 +192,8 @@ def _quiet_deepspeed() -> None:
 def run_training(argv: Optional[list[str]] = None) -> int:
     """Parse flags, build everything, train. Returns the process exit code."""
     args = build_parser().parse_args(argv)
+    from hybrid.training.deepspeed_fixes import install_safe_torch_load
+    install_safe_torch_load(args.allow_unsafe_checkpoint_load)  # before anything reads a file
     from hybrid.data.tokenizer import build_tokenizer
     tokenizer = build_tokenizer(**tokenizer_kwargs(args))
     # Every flag is checked before DeepSpeed is imported or a process group exists.
