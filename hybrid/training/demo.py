@@ -31,11 +31,16 @@ def export_hf(save_dir: str, export_dir: str) -> None:
 
 
 def sample(export_dir: str, prompt: str, seed: int, max_new_tokens: int = 48) -> str:
-    """A continuation of `prompt` by transformers' generate() on the exported model (top-k sampling)."""
+    """A continuation of `prompt` by transformers' generate() on the exported model (top-k sampling),
+    kept within the model's positions (the prompt is cut from the left if it alone would fill them)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(export_dir)
     model = AutoModelForCausalLM.from_pretrained(export_dir).eval()
     ids = tokenizer(prompt, return_tensors="pt").input_ids
+    positions = max_positions(model.config)
+    if positions is not None:
+        ids = ids[:, -max(1, positions // 2):] if ids.size(1) >= positions else ids
+        max_new_tokens = max(0, min(max_new_tokens, positions - ids.size(1)))
     torch.manual_seed(seed)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, top_k=40, temperature=0.8,
@@ -43,17 +48,40 @@ def sample(export_dir: str, prompt: str, seed: int, max_new_tokens: int = 48) ->
     return tokenizer.decode(out[0, ids.size(1):], skip_special_tokens=True)
 
 
-def finish(run) -> None:
-    """After training: rank 0 exports and samples while the other ranks wait."""
+def max_positions(config):
+    """The longest sequence the model takes (learned position tables end there), or None."""
+    for key in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+EXPORT_FAILED = 3  # the run's exit status when training and its checkpoint are complete but export/sample failed
+
+
+def finish(run) -> int:
+    """After training: rank 0 exports and samples while the other ranks wait. This step is optional: a
+    failure is one line (the checkpoint stays as saved) and the exit status EXPORT_FAILED, never a crash
+    that takes the other ranks down. Returns the exit status."""
     t = run.train
     if not t.export_hf:
-        return
+        return 0
     if dist.is_initialized():
         dist.barrier()
+    status = 0
     if not dist.is_initialized() or dist.get_rank() == 0:
-        export_hf(t.save, t.export_hf)
-        if t.sample_prompt:
-            text = sample(t.export_hf, t.sample_prompt, t.seed)
-            log(f"sample (transformers, from {t.export_hf}):\n{t.sample_prompt}{text}")
+        try:
+            export_hf(t.save, t.export_hf)
+            if t.sample_prompt:
+                text = sample(t.export_hf, t.sample_prompt, t.seed)
+                log(f"sample (transformers, from {t.export_hf}):\n{t.sample_prompt}{text}")
+        except Exception as error:  # optional: report it, keep the run's result
+            reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+            log(f"WARNING: the HuggingFace export or sample after training failed ({reason}); the checkpoint in "
+                f"{t.save} is complete (convert it with conversion/checkpoint_util.py --hf-convert); exit status "
+                f"{EXPORT_FAILED}")
+            status = EXPORT_FAILED
     if dist.is_initialized():
         dist.barrier()
+    return status

@@ -219,8 +219,7 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     iteration, consumed = checkpoint.load(engine, run, topology) if run.train.load else (0, 0)
     Trainer(run, topology, engine, datasets, getattr(tokenizer, "eod", None)).train(iteration, consumed)
     from hybrid.training.demo import finish
-    finish(run)
-    return 0
+    return finish(run)
 
 
 ERROR_GRACE_SECONDS = 3.0
@@ -238,7 +237,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             time.sleep(ERROR_GRACE_SECONDS)
         code = 2
     if dist.is_initialized():
-        if code == 0:
+        if code != 2:  # 0, or the export failure of rank 0 alone (hybrid.training.demo.EXPORT_FAILED)
             # every rank has finished its last collective and send before any rank tears its groups
             # down (a rank destroying its gloo groups while a peer still talks to it can abort)
             dist.barrier()

@@ -1,0 +1,34 @@
+"""The main job's export-and-sample step never breaks a finished run: the sample stays within the model's
+positions, and a failed export is one line, the checkpoint kept, exit status EXPORT_FAILED."""
+
+import os
+from types import SimpleNamespace
+
+from hybrid.training.demo import EXPORT_FAILED, finish
+from tests.launch_helpers import run
+
+
+def test_tp2_run_with_32_positions_exports_and_samples_within_them(tmp_path):
+    """The case that crashed: the main job at TP 2 with --seq-length 32 --max-position-embeddings 32 (the
+    sample ran past the 32-position table and rank 1 died on a closed connection)."""
+    save = tmp_path / "default"
+    proc = run("torchrun", 2, ["--tensor-model-parallel-size", 2, "--seq-length", 32, "--max-position-embeddings", 32,
+                               "--train-iters", 2, "--micro-batch-size", 2, "--save", save, "--no-progress-bar"])
+    assert "sample (transformers, from" in proc.stdout, proc.stdout[-2000:]
+    from transformers import AutoConfig
+    assert AutoConfig.from_pretrained(save / "hf").n_positions == 32
+
+
+def test_a_failed_export_is_one_line_and_exit_status_3_and_the_checkpoint_stays(tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / "latest").write_text("iter_0000002")
+    train = SimpleNamespace(export_hf=str(tmp_path / "no" / "such" / "file.txt" / "hf"), save=str(save),
+                            sample_prompt="The", seed=1)
+    (tmp_path / "no" / "such").mkdir(parents=True)
+    (tmp_path / "no" / "such" / "file.txt").write_text("a file where the export directory's parent should be")
+    assert finish(SimpleNamespace(train=train)) == EXPORT_FAILED == 3
+    out = capsys.readouterr()
+    lines = [line for line in (out.out + out.err).splitlines() if "WARNING" in line]
+    assert len(lines) == 1 and "export or sample after training failed" in lines[0], out
+    assert os.path.exists(save / "latest")
