@@ -75,6 +75,7 @@ class TrainConfig:
     log_memory: bool = False  # --log-memory-to-tensorboard
     universal_checkpoint: bool = False  # --universal-checkpoint: --load a universal checkpoint, any layout
     per_token_loss: bool = False  # --calculate-per-token-loss: the iteration's loss is its valid tokens' mean
+    check_nan: bool = True  # --check-for-nan-in-loss-and-grad: stop at the first non-finite loss or grad norm
 
 
 @dataclass
@@ -305,7 +306,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
         freeze_embeddings=args.freeze_embeddings,
         split_data_paths=(args.train_data_path, args.valid_data_path, args.test_data_path),
         data_cache_path=args.data_cache_path, legacy_data_rules=args.legacy_data_rules,
-        eod_mask_loss=args.eod_mask_loss, per_token_loss=args.calculate_per_token_loss, torch_compile=args.torch_compile, train_samples=length.train_samples,
+        eod_mask_loss=args.eod_mask_loss, per_token_loss=args.calculate_per_token_loss,
+        check_nan=args.check_for_nan_in_loss_and_grad, torch_compile=args.torch_compile, train_samples=length.train_samples,
         train_tokens=length.train_tokens, rampup=length.rampup, exit_duration_in_mins=args.exit_duration_in_mins,
         wandb_save_dir=args.wandb_save_dir, log_memory=args.log_memory_to_tensorboard,
         export_hf=args.export_hf, sample_prompt=args.sample_prompt, universal_checkpoint=args.universal_checkpoint or bool(

@@ -218,6 +218,11 @@ def _add_tokenizer_args(p):
 def _add_logging_args(p):
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
+                   default=True, help="stop at the first non-finite loss or gradient norm (the default, as Megatron-LM): "
+                   "read on the device and checked at each log and before each save; no update is applied from it")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", help="train on through non-finite losses (DeepSpeed skips those steps)")
     g.add_argument("--log-json", default=None, help="rank 0 writes one JSON object per logged iteration")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--wandb-project", default=None)

@@ -119,9 +119,10 @@ def _count_host_syncs(iterations, extra=()):
     for name in originals:
         setattr(torch.Tensor, name, recording(name))
     try:
-        losses = [trainer.step.train(batches) for _ in range(iterations)]
+        # as the training loop: the step, then the device-side finiteness of its gradient norm
+        pending = [(trainer.step.train(batches), trainer._norm_finite()) for _ in range(iterations)]
         during = list(syncs)
-        values = trainer._interval_losses(losses)
+        values = trainer._interval_losses([loss for loss, _ in pending], [ok for _, ok in pending])[:iterations]
     finally:
         for name, method in originals.items():
             setattr(torch.Tensor, name, method)

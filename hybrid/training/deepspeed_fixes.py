@@ -124,6 +124,32 @@ def install_fp32_clipping(engine, topology) -> None:
     engine.clip_fp32_gradients = clip_fp32_gradients
 
 
+def skip_non_finite_steps(engine) -> None:
+    """No update from a non-finite gradient, without a host sync, where DeepSpeed 0.19 does not skip it
+    itself: its ZeRO optimizers and fp16/bf16 wrappers check for overflow and skip the step, but without
+    ZeRO in fp32 `_take_model_step` steps the torch optimizer whatever the gradients hold. A step pre-hook
+    (torch's public API) on that optimizer computes the gradients' total norm on the device and, for
+    torch's fused Adam(W), sets `found_inf` (the attribute torch's GradScaler uses), so the fused kernel
+    leaves parameters and moments untouched; other optimizers get the gradients zeroed instead."""
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise RuntimeError(f"DeepSpeed wrapped the fp32 optimizer in {type(optimizer).__name__} (DeepSpeed changed?)")
+    fused = bool(optimizer.defaults.get("fused"))
+
+    def before_step(opt, args, kwargs):
+        grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return
+        finite = torch.isfinite(torch.nn.utils.get_total_norm(grads))
+        if fused:
+            opt.found_inf = (~finite).to(torch.float32)
+        else:
+            for grad in grads:
+                grad.nan_to_num_(0.0, 0.0, 0.0).mul_(finite)
+
+    optimizer.register_step_pre_hook(before_step)
+
+
 # --- universal checkpoints ----------------------------------------------------------------------
 
 def use_canonical_param_names(engine, num_layers: int) -> None:

@@ -40,6 +40,8 @@ class Trainer:
         self.consumed_valid = 0
         self.current_batch = None if run.train.rampup else run.train.global_batch_size
         self.start_time = time.time()
+        self.last_saved_tag = None  # the newest checkpoint this run saved (named when it stops on a NaN)
+        self._skipped_at_last_log = 0
 
     def _schedule_note(self) -> str:
         run = self.run
@@ -54,9 +56,66 @@ class Trainer:
         return micro_batches(dataset, consumed, t.micro_batch_size, self.topology.dp_rank,
                              self.topology.dp_world_size, t.num_workers, self.device, wrap, self.collator)
 
-    def _interval_losses(self, losses: list) -> list[float]:
-        """The pending per-iteration losses as DP means: one collective and one host sync."""
-        return self.step.reduce(torch.stack([loss.float().reshape(()) for loss in losses])).tolist()
+    def _interval_losses(self, losses: list, norm_flags: Optional[list] = None) -> list[float]:
+        """The pending per-iteration losses as DP means (and, given, their gradient norms' finiteness):
+        one collective and one host sync."""
+        stacked = self.step.reduce(torch.stack([loss.float().reshape(()) for loss in losses]))
+        if norm_flags is not None:  # global norms: the same on every rank, no reduction
+            flags = torch.stack([torch.as_tensor(f, device=stacked.device).float().reshape(()) for f in norm_flags])
+            stacked = torch.cat([stacked, flags])
+        return stacked.tolist()
+
+    def _norm_finite(self):
+        """Whether this iteration's gradient norm is finite, on the device (True where DeepSpeed keeps no
+        norm, and under fp16, whose overflow steps DeepSpeed's loss scaling skips)."""
+        if not self.run.train.check_nan or self.run.train.precision == "fp16":
+            return True
+        norm = self.engine.get_global_grad_norm() if hasattr(self.engine, "get_global_grad_norm") else None
+        if norm is None:
+            return True
+        return torch.isfinite(norm) if torch.is_tensor(norm) else math.isfinite(float(norm))
+
+    def _check_finite(self, pending, values=None) -> list[float]:
+        """--check-for-nan-in-loss-and-grad, at a log or before a save: the first iteration whose loss or
+        gradient norm is not finite stops the run (every rank reads the same reduced values). Returns the
+        losses."""
+        if values is None:
+            values = self._interval_losses([p[0] for p in pending], [p[2] for p in pending])
+        losses, norms_ok = values[:len(pending)], values[len(pending):]
+        if not self.run.train.check_nan:
+            return losses
+        for (_, _, _, iteration), loss, norm_ok in zip(pending, losses, norms_ok):
+            if not math.isfinite(loss) or not norm_ok:
+                self._stop_non_finite(iteration, loss if not math.isfinite(loss) else None)
+        return losses
+
+    def _stop_non_finite(self, iteration: int, loss: Optional[float]) -> None:
+        from hybrid.errors import NonFiniteError
+        t = self.run.train
+        what = f"the loss is {loss}" if loss is not None else "the gradient norm is not finite"
+        last = (f"the last good checkpoint is {t.save}/{self.last_saved_tag}" if self.last_saved_tag
+                else "no checkpoint was saved by this run" + (f" (it started from --load {t.load})" if t.load else ""))
+        raise NonFiniteError(
+            f"iteration {iteration}: {what}; stopping (--check-for-nan-in-loss-and-grad) with nothing saved after it. "
+            f"{last[0].upper() + last[1:]}. Try a lower --lr (now {t.lr:g}), a longer warmup (--lr-warmup-iters)"
+            f"{'' if t.clip_grad else ', --clip-grad 1.0'}{', --bf16 instead of --fp16' if t.precision == 'fp16' else ''}"
+            f", or look at the data of that iteration; resume from that checkpoint with --load. To train on "
+            f"regardless, add --no-check-for-nan-in-loss-and-grad.")
+
+    def _check_loss_scale(self) -> None:
+        """fp16: DeepSpeed skips overflowing steps and lowers the scale; once the scale sits at its minimum
+        and steps are still skipped, the run has collapsed: stop."""
+        t = self.run.train
+        if not t.check_nan or t.precision != "fp16":
+            return
+        scale = getattr(self.engine.optimizer, "cur_scale", None)
+        minimum = float((self.run.ds_config.get("fp16") or {}).get("min_loss_scale", 1.0))
+        if scale is not None and float(scale) <= minimum and self.skipped > self._skipped_at_last_log:
+            from hybrid.errors import NonFiniteError
+            raise NonFiniteError(f"the fp16 loss scale has collapsed to its minimum ({float(scale):g}, min_loss_scale) "
+                                 f"and steps are still skipped for overflow; stopping. Try --bf16, a lower --lr, "
+                                 f"or --clip-grad 1.0.")
+        self._skipped_at_last_log = self.skipped
 
     @torch.no_grad()
     def evaluate(self, iteration: int, logger: MetricsLogger) -> Optional[float]:
@@ -123,15 +182,23 @@ class Trainer:
     def _log(self, logger, pending, iteration, consumed, timer, earlier_seconds) -> None:
         """Reduce the interval's losses (the one host sync) and write the log record; the interval's
         time is read after the sync, so it holds all the device work of the interval."""
-        values = self._interval_losses([loss for loss, _ in pending])
+        values = self._check_finite(pending)
+        self._check_loss_scale()
         seconds = earlier_seconds + timer.lap()
         self.nan_iterations += sum(1 for v in values if not math.isfinite(v))
         loss = sum(values) / len(values)
         lr = pending[-1][1]
         logger.iteration(self._metrics(iteration, consumed, loss, lr, seconds / len(pending)), write_line=True)
 
-    def train(self, iteration: int, consumed: int) -> int:
+    def _save(self, pending, iteration: int, consumed: int) -> None:
+        """A checkpoint, never of weights reached through a non-finite loss or gradient: the iterations not
+        yet logged are checked first (every rank saves at the same iteration, so all take part)."""
         from hybrid.training import checkpoint
+        if pending and self.run.train.check_nan:
+            self._check_finite(pending)
+        self.last_saved_tag = checkpoint.save(self.engine, self.run, self.run.train.save, iteration, consumed)
+
+    def train(self, iteration: int, consumed: int) -> int:
         t = self.run.train
         logger = MetricsLogger(t.train_iters, t.log_json, t.tensorboard_dir, t.wandb_project, t.wandb_exp_name,
                                config_summary(self.run), t.progress_bar, iteration, t.wandb_save_dir)
@@ -148,7 +215,7 @@ class Trainer:
                 lr = self.engine.get_lr()[0]
                 skipped_before = getattr(self.engine, "skipped_steps", 0)
                 batch_size = self._batch_size_for(consumed)
-                pending.append((self.step.train(batches), lr))
+                pending.append((self.step.train(batches), lr, self._norm_finite(), iteration + 1))
                 iteration += 1
                 consumed += batch_size
                 self.skipped += getattr(self.engine, "skipped_steps", 0) - skipped_before
@@ -161,14 +228,14 @@ class Trainer:
                 if t.eval_interval and iteration % t.eval_interval == 0:
                     self.evaluate(iteration, logger)
                 if t.save and t.save_interval and iteration % t.save_interval == 0:
-                    checkpoint.save(self.engine, self.run, t.save, iteration, consumed)
+                    self._save(pending, iteration, consumed)
                     last_saved = iteration
                 out_of_time = self._out_of_time()
                 if out_of_time or (t.exit_interval and iteration % t.exit_interval == 0):
                     if pending:
                         self._log(logger, pending, iteration, consumed, timer, interval_seconds)
                     if t.save and last_saved != iteration:
-                        checkpoint.save(self.engine, self.run, t.save, iteration, consumed)
+                        self._save(pending, iteration, consumed)
                     reason = (f"--exit-duration-in-mins {t.exit_duration_in_mins}" if out_of_time
                               else f"--exit-interval {t.exit_interval}")
                     log(f"exiting at iteration {iteration} ({reason})")
@@ -177,7 +244,7 @@ class Trainer:
             if not (t.eval_interval and iteration % t.eval_interval == 0):
                 self.evaluate(iteration, logger)
             if t.save and last_saved != iteration:
-                checkpoint.save(self.engine, self.run, t.save, iteration, consumed)
+                self._save(pending, iteration, consumed)
         finally:
             logger.close()
         return iteration
