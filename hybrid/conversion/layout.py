@@ -18,7 +18,8 @@ import torch
 
 from hybrid.checkpoint_format import (LATEST, MEGATRON_LATEST, ClientState, atomic_directory,  # noqa: F401
                                       first_model_file, layer_file, load_file, model_config_from_summary,
-                                      model_file, model_summary, read_tag, tag_for, tp_layout)
+                                      model_file, model_summary, read_tag, tag_for, tp_layout, verify_manifest,
+                                      write_manifest)
 from hybrid.conversion.ds_universal import read_fp32_state
 from hybrid.model.naming import EMBEDDING_WEIGHT, canonical_name, pipeline_index
 from hybrid.errors import ConfigError
@@ -53,6 +54,9 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
     ckpt = os.path.join(load_dir, tag)
     if not os.path.isdir(ckpt):
         raise ConfigError(f"{ckpt}: no such checkpoint directory.")
+    problem = verify_manifest(ckpt)
+    if problem is not None:
+        raise ConfigError(f"checkpoint {ckpt} is incomplete: {problem}.")
     meta = load_file(first_model_file(ckpt))
     meta.pop("module", None)
     saved = ClientState.from_meta(meta)
@@ -168,6 +172,7 @@ def write_hybrid(state: dict, config: ModelConfig, tp: int, pp: int, save_dir: s
                 torch.save(dict(common, module=module), os.path.join(ckpt, model_file(tp_rank)))
         else:
             _write_pipeline(state, config, tp, pp, ckpt, common, progress)
+        write_manifest(ckpt)
         with open(os.path.join(tmp, LATEST), "w") as f:
             f.write(tag)
         with open(os.path.join(tmp, MEGATRON_LATEST), "w") as f:

@@ -17,7 +17,8 @@ import shutil
 import torch
 
 from hybrid.checkpoint_format import (LATEST_UNIVERSAL, UNIVERSAL_SUFFIX, ClientState, atomic_directory,
-                                      first_model_file, load_file, model_file, read_client_state, write_atomic)
+                                      first_model_file, load_file, model_file, read_client_state, verify_manifest,
+                                      write_atomic)
 from hybrid.conversion.ds_universal import UNIVERSAL_INFO, alias_model_files, normalize, run_ds_to_universal
 from hybrid.conversion.layout import merge_shards, read_hybrid
 from hybrid.errors import ConfigError
@@ -100,6 +101,9 @@ def _zero0_to_universal(ckpt: str, out_dir: str, config) -> None:
 def to_universal(load_dir: str, tag: str, log=print) -> str:
     """Convert `load_dir/tag` into `load_dir/tag_universal` (atomically) and point `latest_universal`
     at it. Returns the universal tag."""
+    problem = verify_manifest(os.path.join(load_dir, tag))
+    if problem is not None:
+        raise ConfigError(f"checkpoint {os.path.join(load_dir, tag)} is incomplete: {problem}.")
     saved = read_client_state(load_dir, tag)
     config = saved.model_config()
     out_tag = tag + UNIVERSAL_SUFFIX

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
 from hybrid.checkpoint_format import (LATEST, LATEST_UNIVERSAL, MEGATRON_LATEST, ClientState, UnsafeCheckpointError,
-                                      read_client_state, read_tag, tag_for, universal_checkpoint_info, write_atomic)
+                                      complete_tags, read_client_state, read_tag, tag_for, universal_checkpoint_info,
+                                      verify_manifest, write_atomic, write_manifest)
 from hybrid.config import RunConfig, config_summary
 from hybrid.errors import ConfigError
 from hybrid.parallel.random import get_rng_states, set_rng_states
@@ -50,8 +51,9 @@ def save(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples
     os.makedirs(save_dir, exist_ok=True)
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state.to_dict(), save_latest=False)
     if dist.is_initialized():
-        dist.barrier()  # every rank's files are written before the pointer moves
+        dist.barrier()  # every rank's files are written before the manifest and the pointer
     if not dist.is_initialized() or dist.get_rank() == 0:
+        write_manifest(os.path.join(save_dir, tag))  # what complete means for this checkpoint
         write_atomic(os.path.join(save_dir, LATEST), tag)
         write_atomic(os.path.join(save_dir, MEGATRON_LATEST), str(iteration))
     if dist.is_initialized():
@@ -83,6 +85,7 @@ def load(engine, run: RunConfig, topology) -> tuple[int, int]:
         return 0, 0
     if train.universal_checkpoint:
         return _load_universal(engine, run, load_dir)
+    tag = complete_tag(load_dir, tag)
     saved = read_client_state(load_dir, tag)
     if train.finetune or saved.weights_only:
         return _load_weights_only(engine, run, topology, load_dir, tag, saved)
@@ -101,6 +104,21 @@ def load(engine, run: RunConfig, topology) -> tuple[int, int]:
     iteration, consumed = _restore_client_state(client_state, train)
     log(f"loaded checkpoint {load_dir}/{tag} at iteration {iteration}")
     return iteration, consumed
+
+
+def complete_tag(load_dir: str, tag: str) -> str:
+    """`tag` if its files are as its manifest lists them; else the newest older complete checkpoint (said
+    in the log), or an error naming the file when there is none."""
+    problem = verify_manifest(os.path.join(load_dir, tag))
+    if problem is None:
+        return tag
+    older = [t for t in complete_tags(load_dir) if t < tag]
+    if not older:
+        raise ConfigError(f"--load {load_dir}: checkpoint {tag} is incomplete: {problem}; no complete older "
+                          f"checkpoint is there to resume from.")
+    log(f"WARNING: checkpoint {tag} in {load_dir} is incomplete ({problem}); resuming from {older[0]}, the newest "
+        f"complete checkpoint")
+    return older[0]
 
 
 def _restore_client_state(client_state: Optional[dict], train) -> tuple[int, int]:

@@ -1,0 +1,71 @@
+"""Every checkpoint lists its files with sizes and a cheap checksum (hybrid_manifest.json, written once
+all ranks' files are complete, before 'latest' moves). A truncated or corrupt file is named on load; when
+the newest checkpoint is incomplete the run says so and resumes from the newest complete one, with the
+uninterrupted losses."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from tests.launch_helpers import read_log, run
+from tests.test_training import TINY
+
+
+@pytest.fixture(scope="module")
+def saved(data, tmp_path_factory):
+    """8 iterations with checkpoints at 4 and 8 (ZeRO-1: model states and optimizer partitions)."""
+    root = tmp_path_factory.mktemp("saved")
+    ckpt, log = root / "ckpt", root / "log.jsonl"
+    run("python", 1, TINY + ["--data-path", data, "--save", ckpt, "--save-interval", 4, "--log-json", log,
+                             "--deepspeed", "ds_configs/zero1.json"])
+    return ckpt, read_log(log)
+
+
+def _copy(ckpt, tmp_path):
+    import shutil
+    return shutil.copytree(ckpt, tmp_path / "ckpt")
+
+
+def test_each_checkpoint_lists_every_file_with_its_size(saved):
+    ckpt, _ = saved
+    for tag in ("iter_0000004", "iter_0000008"):
+        files = json.loads((ckpt / tag / "hybrid_manifest.json").read_text())["files"]
+        on_disk = sorted(os.path.relpath(p, ckpt / tag) for p in glob.glob(str(ckpt / tag / "**" / "*"), recursive=True)
+                         if os.path.isfile(p) and not p.endswith("hybrid_manifest.json"))
+        assert sorted(files) == on_disk and len(on_disk) >= 2
+        assert all(files[name]["size"] == os.path.getsize(ckpt / tag / name) for name in files)
+
+
+def test_a_truncated_newest_checkpoint_resumes_from_the_newest_complete_one(saved, data, tmp_path):
+    ckpt = _copy(saved[0], tmp_path)
+    partition = glob.glob(str(ckpt / "iter_0000008" / "*optim_states.pt"))[0]
+    with open(partition, "r+b") as f:
+        f.truncate(os.path.getsize(partition) // 2)
+    log = tmp_path / "log.jsonl"
+    proc = run("python", 1, TINY + ["--data-path", data, "--load", ckpt, "--deepspeed", "ds_configs/zero1.json",
+                                    "--log-json", log])
+    out = proc.stdout + proc.stderr
+    assert "checkpoint iter_0000008" in out and os.path.basename(partition) in out and "truncated" in out
+    assert "resuming from iter_0000004, the newest complete checkpoint" in out
+    resumed = [r for r in read_log(log) if "consumed_samples" in r]
+    assert [r["iteration"] for r in resumed] == [5, 6, 7, 8]
+    assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in saved[1][4:8]], "bitwise on CPU"
+
+
+def test_with_no_complete_checkpoint_the_error_names_the_file_and_conversion_refuses_it_too(saved, data, tmp_path):
+    ckpt = _copy(saved[0], tmp_path)
+    for tag in ("iter_0000004", "iter_0000008"):
+        model = ckpt / tag / "mp_rank_00_model_states.pt"
+        data_bytes = bytearray(model.read_bytes())
+        data_bytes[10] ^= 0xFF  # same size, different bytes
+        model.write_bytes(bytes(data_bytes))
+    proc = run("python", 1, TINY + ["--data-path", data, "--load", ckpt, "--deepspeed", "ds_configs/zero1.json"],
+               check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "iter_0000008 is incomplete" in proc.stderr and "mp_rank_00_model_states.pt does not match" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    from hybrid.conversion.checkpoint_util import main
+    assert main(["--load-dir", str(ckpt), "--save-dir", str(tmp_path / "hf"), "--hf-convert", "--no-progress-bar"]) == 2
+    assert not (tmp_path / "hf").exists()
