@@ -27,10 +27,18 @@ class Payload:
 
 
 def plant(path, marker):
+    """Add the payload to the file, and (as whoever made a malicious checkpoint would) a matching manifest."""
     import torch
+    from hybrid.checkpoint_format import MANIFEST, write_manifest
     state = safe_load(path)
     state["payload"] = Payload(marker)
     torch.save(state, path)
+    folder = os.path.dirname(str(path))
+    while folder != os.path.dirname(folder):
+        if os.path.isfile(os.path.join(folder, MANIFEST)):
+            write_manifest(folder)
+            break
+        folder = os.path.dirname(folder)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +48,8 @@ def saved(data, tmp_path_factory):
     zero1, pp2 = root / "zero1", root / "pp2"
     run("python", 1, TINY + ["--data-path", data, "--train-iters", 2, "--save", zero1, "--deepspeed",
                              "ds_configs/zero1.json", "--log-json", root / "zero1.jsonl"])
-    run("python", 1, ["--saver", "universal", "--load-dir", zero1, "--no-progress-bar"],
-        script="conversion/checkpoint_util.py")
+    from hybrid.conversion.checkpoint_util import main
+    assert main(["--saver", "universal", "--load-dir", str(zero1), "--no-progress-bar"]) == 0
     run("torchrun", 2, TINY + ["--data-path", data, "--train-iters", 2, "--save", pp2,
                                "--pipeline-model-parallel-size", 2])
     return zero1, pp2
@@ -78,11 +86,21 @@ def test_resume_refuses_a_planted_pickle(kind, saved, data, tmp_path):
 
 
 def _convert(*flags):
+    """The conversion script, launched as a user runs it."""
     return run("python", 1, [str(f) for f in flags] + ["--no-progress-bar"], script="conversion/checkpoint_util.py",
                check=False)
 
 
-def test_conversion_refuses_planted_pickles_in_layer_files_deepspeeds_tool_input_and_hf_bin(saved, tmp_path):
+def _convert_here(capsys, *flags):
+    """The conversion script's main in this process (no interpreter start-up), as a completed process."""
+    from types import SimpleNamespace
+    from hybrid.conversion.checkpoint_util import main
+    capsys.readouterr()
+    code = main([str(f) for f in flags] + ["--no-progress-bar"])
+    return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
+
+
+def test_conversion_refuses_planted_pickles_in_layer_files_deepspeeds_tool_input_and_hf_bin(saved, tmp_path, capsys):
     pp2 = _copy(saved[1], tmp_path)
     marker = tmp_path / "ran"
     layer = pp2 / "iter_0000002" / "layer_02-model_00-model_states.pt"
@@ -93,7 +111,7 @@ def test_conversion_refuses_planted_pickles_in_layer_files_deepspeeds_tool_input
     zero1 = _copy(saved[0], tmp_path)
     partition = glob.glob(str(zero1 / "iter_0000002" / "*optim_states.pt"))[0]
     plant(partition, marker)  # read by DeepSpeed's ds_to_universal, in its own process
-    _refused(_convert("--saver", "universal", "--load-dir", zero1), partition, marker)
+    _refused(_convert_here(capsys, "--saver", "universal", "--load-dir", zero1), partition, marker)
 
     from transformers import GPT2Config, GPT2LMHeadModel
     hf = tmp_path / "hf"
@@ -104,7 +122,7 @@ def test_conversion_refuses_planted_pickles_in_layer_files_deepspeeds_tool_input
     os.remove(hf / "model.safetensors")  # the older format, which is a pickle
     torch.save(dict(model.state_dict()), hf / "pytorch_model.bin")
     plant(hf / "pytorch_model.bin", marker)
-    _refused(_convert("--loader", "hf", "--load-dir", hf, "--save-dir", tmp_path / "out2"),
+    _refused(_convert_here(capsys, "--loader", "hf", "--load-dir", hf, "--save-dir", tmp_path / "out2"),
              hf / "pytorch_model.bin", marker)
 
 
