@@ -51,7 +51,6 @@ def whole_batch(short_documents, tmp_path_factory):
 PER_TOKEN = ["--calculate-per-token-loss", "--micro-batch-size", 2]
 LAYOUTS = {
     "dp2_zero1_gas2": ("torchrun", 2, PER_TOKEN + ["--deepspeed", "ds_configs/zero1.json"]),
-    "one_rank_gas4": ("python", 1, PER_TOKEN),
     "pp2_deepspeed_1f1b": ("torchrun", 2, PER_TOKEN + ["--pipeline-model-parallel-size", 2]),
     "pp2_interleaved": ("torchrun", 2, PER_TOKEN + ["--pipeline-model-parallel-size", 2,
                                                    "--num-virtual-stages-per-pipeline-rank", 2]),

@@ -1,5 +1,5 @@
-"""Nothing hybrid loads runs code: a pickle whose __reduce__ calls os.system is planted in each kind of
-file hybrid or DeepSpeed reads (model states, ZeRO partitions, pipeline layer files, universal-checkpoint
+"""Nothing hybrid loads runs code (every other launched test resumes and converts under the same
+allow-list): a pickle whose __reduce__ calls os.system is planted in each kind of file hybrid or DeepSpeed reads (model states, ZeRO partitions, pipeline layer files, universal-checkpoint
 files, DeepSpeed's ds_to_universal input, a HuggingFace pytorch_model.bin); every load refuses it with one
 message naming the file and the class, and the command never runs. With --allow-unsafe-checkpoint-load it
 does run (the payload is real, so the refusals above mean something)."""
@@ -10,7 +10,7 @@ import os
 import pytest
 
 from hybrid.checkpoint_format import safe_load
-from tests.launch_helpers import read_log, run
+from tests.launch_helpers import run
 from tests.test_training import TINY
 
 REFUSED = "refused to unpickle posix.system"
@@ -105,7 +105,7 @@ def test_conversion_refuses_planted_pickles_in_layer_files_deepspeeds_tool_input
     marker = tmp_path / "ran"
     layer = pp2 / "iter_0000002" / "layer_02-model_00-model_states.pt"
     plant(layer, marker)
-    _refused(_convert("--load-dir", pp2, "--save-dir", tmp_path / "out", "--saver", "hf"), layer, marker)
+    _refused(_convert_here(capsys, "--load-dir", pp2, "--save-dir", tmp_path / "out", "--saver", "hf"), layer, marker)
     assert not (tmp_path / "out").exists(), "nothing half-written"
 
     zero1 = _copy(saved[0], tmp_path)
@@ -133,11 +133,3 @@ def test_unsafe_flag_unpickles_fully_so_the_payload_is_real(saved, tmp_path):
     proc = _convert("--load-dir", pp2, "--save-dir", tmp_path / "out", "--saver", "hf",
                     "--allow-unsafe-checkpoint-load")
     assert os.path.exists(marker), proc.stderr[-2000:]
-
-
-def test_an_untouched_checkpoint_resumes_under_the_allow_list(saved, data, tmp_path):
-    ckpt = _copy(saved[0], tmp_path)
-    log = tmp_path / "log.jsonl"
-    run("python", 1, TINY + ["--data-path", data, "--load", ckpt, "--deepspeed", "ds_configs/zero1.json",
-                             "--train-iters", 3, "--log-json", log])
-    assert [r["iteration"] for r in read_log(log) if "consumed_samples" in r] == [3]
