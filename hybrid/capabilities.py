@@ -140,8 +140,6 @@ RULES = [
          lambda s: "--universal-checkpoint with ZeRO-3 at --tensor-model-parallel-size > 1 is not supported: "
                    "DeepSpeed 0.19's ZeRO-3 universal load does not split tensors over TP. Resume with ZeRO-1/2 at "
                    "this TP (ds_configs/zero1.json), or with ZeRO-3 at TP 1."),
-]
-RULES += [
     Rule("flash-attn-cpu", "--use-flash-attn without a CUDA GPU", "flash-attn's kernels are CUDA kernels",
          lambda s: s.flash_attn and s.accelerator != "cuda",
          lambda s: "--use-flash-attn needs a CUDA GPU; drop --use-flash-attn to use torch's "
@@ -156,7 +154,6 @@ RULES += [
          lambda s: s.grad_reduce_bf16 and s.precision != "bf16",
          lambda s: "--grad-reduce-in-bf16 needs --bf16."),
 ]
-RULES_BY_NAME = {rule.name: rule for rule in RULES}
 
 
 def refusals(setup: Setup, only: Optional[tuple] = None) -> list[Rule]:
@@ -173,11 +170,6 @@ def check(setup: Setup, only: Optional[tuple] = None) -> None:
 
 def allowed(setup: Setup) -> bool:
     return not refusals(setup)
-
-
-def max_zero_stage(pp: int) -> int:
-    """The highest ZeRO stage allowed at this PP (from the rules)."""
-    return max(stage for stage in range(4) if not refusals(Setup(pp=pp, zero_stage=stage), ("zero23-pipeline",)))
 
 
 def stage_placement(schedule: str, virtual: int) -> str:

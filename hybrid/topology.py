@@ -101,30 +101,30 @@ class Topology:
             dp=Axis.of(self.grid.get_data_parallel_group()),
             pp=Axis.of(self.grid.get_pipe_parallel_group()))
 
-    # -- sizes and ranks -------------------------------------------------------------------
+    # -- sizes and ranks (from the layers' ParallelGroups: one place) ---------------------------
     @property
     def tp_world_size(self) -> int:
-        return self.dims.tensor_parallel
+        return self.groups.tp.size
 
     @property
     def pp_world_size(self) -> int:
-        return self.dims.pipeline_parallel
+        return self.groups.pp.size
 
     @property
     def dp_world_size(self) -> int:
-        return self.dims.data_parallel
+        return self.groups.dp.size
 
     @property
     def tp_rank(self) -> int:
-        return self.grid.get_tensor_model_parallel_rank()
+        return self.groups.tp.rank
 
     @property
     def pp_rank(self) -> int:
-        return self.grid.get_pipe_parallel_rank()
+        return self.groups.pp.rank
 
     @property
     def dp_rank(self) -> int:
-        return self.grid.get_data_parallel_rank()
+        return self.groups.dp.rank
 
     @property
     def is_first_stage(self) -> bool:

@@ -56,11 +56,6 @@ class ParallelGroups:
         """TP rank `tp_rank` of a TP-`tp` model, built in one process for its shapes and names."""
         return cls(tp=Axis(tp, tp_rank, C.SHAPES_ONLY if tp > 1 else C.SINGLE_RANK))
 
-    @classmethod
-    def tensor_parallel(cls, tp_group) -> "ParallelGroups":
-        """TP over `tp_group`, every other axis of size 1."""
-        return cls(tp=Axis.of(tp_group))
-
     # the TP accessors every layer uses
     @property
     def tp_group(self):

@@ -75,12 +75,11 @@ class Trainer:
             return True
         return torch.isfinite(norm) if torch.is_tensor(norm) else math.isfinite(float(norm))
 
-    def _check_finite(self, pending, values=None) -> list[float]:
+    def _check_finite(self, pending) -> list[float]:
         """--check-for-nan-in-loss-and-grad, at a log or before a save: the first iteration whose loss or
         gradient norm is not finite stops the run (every rank reads the same reduced values). Returns the
         losses."""
-        if values is None:
-            values = self._interval_losses([p[0] for p in pending], [p[2] for p in pending])
+        values = self._interval_losses([p[0] for p in pending], [p[2] for p in pending])
         losses, norms_ok = values[:len(pending)], values[len(pending):]
         if not self.run.train.check_nan:
             return losses
