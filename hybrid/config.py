@@ -9,6 +9,7 @@ JSON in hybrid.ds_config, the parallel sizes in hybrid.topology.ParallelDims.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -16,7 +17,7 @@ from typing import Optional
 
 from hybrid import ds_config as dsc
 from hybrid.errors import ConfigError
-from hybrid.model.config import ModelConfig
+from hybrid.model.config import LLAMA3_ROPE_DEFAULTS, ModelConfig
 from hybrid.topology import ParallelDims
 
 
@@ -76,6 +77,7 @@ class TrainConfig:
     universal_checkpoint: bool = False  # --universal-checkpoint: --load a universal checkpoint, any layout
     per_token_loss: bool = False  # --calculate-per-token-loss: the iteration's loss is its valid tokens' mean
     check_nan: bool = True  # --check-for-nan-in-loss-and-grad: stop at the first non-finite loss or grad norm
+    load_hf: Optional[str] = None  # --load-hf: the HF model directory the run starts from (when --load has none)
 
 
 @dataclass
@@ -126,12 +128,37 @@ def parse_layer_ranges(spec: Optional[str], num_layers: int) -> list[int]:
     return sorted(layers)
 
 
-def _model_config(args, vocab_size: int, tp: int) -> ModelConfig:
-    granularity = args.recompute_granularity or ("full" if args.checkpoint_activations else None)
-    num_layers = args.recompute_num_layers or args.checkpoint_num_layers or 1
+def _rope_scaling(args) -> Optional[dict]:
+    if args.use_rope_scaling and args.rotary_seq_len_interpolation_factor:
+        raise ConfigError("--use-rope-scaling (llama3) and --rotary-seq-len-interpolation-factor (linear) are two "
+                          "rope scalings; give one.")
+    if args.use_rope_scaling:
+        return {"rope_type": "llama3", "factor": args.rope_scaling_factor, **LLAMA3_ROPE_DEFAULTS}
+    if args.rotary_seq_len_interpolation_factor:
+        return {"rope_type": "linear", "factor": float(args.rotary_seq_len_interpolation_factor)}
+    return None
+
+
+def _sliding_window(args) -> Optional[int]:
+    """Megatron's --window-size (left, right) -> the window transformers names (left + 1 keys)."""
+    if args.window_size is None:
+        return None
+    left, right = args.window_size
+    if right != 0:
+        raise ConfigError(f"--window-size {left},{right}: a causal model attends no later tokens; use {left},0.")
+    if left < -1:
+        raise ConfigError(f"--window-size {left},0: LEFT must be >= 0 (-1: no window).")
+    return None if left == -1 else left + 1
+
+
+def _architecture(args, vocab_size: int) -> ModelConfig:
+    """The model's shape and options from the flags (everything --load-hf takes from its config)."""
     if args.group_query_attention and not args.num_query_groups:
         raise ConfigError("--group-query-attention needs --num-query-groups N.")
-    config = ModelConfig(
+    kv_channels = args.kv_channels
+    if kv_channels and kv_channels * args.num_attention_heads == args.hidden_size:
+        kv_channels = None  # the default head dimension (so the config equals an imported model's)
+    return ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         vocab_size=vocab_size, max_position_embeddings=args.max_position_embeddings or args.seq_length,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -141,7 +168,21 @@ def _model_config(args, vocab_size: int, tp: int) -> ModelConfig:
         swiglu=args.swiglu, add_bias_linear=not args.disable_bias_linear,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        init_method_std=args.init_method_std, kv_channels=kv_channels, add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm, sliding_window=_sliding_window(args), rope_scaling=_rope_scaling(args),
+        apply_layernorm_1p=args.apply_layernorm_1p, geglu=args.geglu, scale_embeddings=args.scale_embeddings)
+
+
+def _model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = None) -> ModelConfig:
+    """The architecture (from the flags, or `base`: a --load-hf model's) with this run's settings."""
+    granularity = args.recompute_granularity or ("full" if args.checkpoint_activations else None)
+    num_layers = args.recompute_num_layers or args.checkpoint_num_layers or 1
+    if base is not None and vocab_size > base.vocab_size:
+        raise ConfigError(f"--load-hf {args.load_hf}: the tokenizer has {vocab_size} tokens but the model's "
+                          f"embedding only {base.vocab_size}; use the model's own tokenizer (drop the tokenizer flags).")
+    architecture = base or _architecture(args, vocab_size)
+    config = dataclasses.replace(
+        architecture, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling, use_flash_attn=args.use_flash_attn,
         recompute_granularity=granularity, recompute_method=args.recompute_method,
         recompute_num_layers=num_layers, sequence_parallel=args.sequence_parallel and tp > 1, seed=args.seed)
@@ -238,7 +279,10 @@ _CHECKPOINT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hid
                     "position_embedding_type", "use_rotary_position_embeddings", "rotary_base", "normalization",
                     "norm_epsilon", "swiglu", "group_query_attention", "num_query_groups", "disable_bias_linear",
                     "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
-                    "apply_query_key_layer_scaling", "tensor_model_parallel_size", "pipeline_model_parallel_size")
+                    "apply_query_key_layer_scaling", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                    "kv_channels", "add_qkv_bias", "qk_layernorm", "window_size", "use_rope_scaling",
+                    "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "apply_layernorm_1p", "geglu",
+                    "scale_embeddings", "load_hf")
 
 
 def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
@@ -260,8 +304,10 @@ def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
     return changed
 
 
-def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_size: int) -> RunConfig:
-    """Validate the flags against each other, the DeepSpeed config and the world size."""
+def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_size: int,
+                     base_model: Optional[ModelConfig] = None) -> RunConfig:
+    """Validate the flags against each other, the DeepSpeed config and the world size.
+    `base_model`: the architecture of --load-hf's model (hybrid.conversion.hf.read_hf_config)."""
     apply_checkpoint_args(args)
     apply_megatron_aliases(args)
     _demo_defaults(args)
@@ -274,7 +320,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
         raise ConfigError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({tokenizer_vocab_size}); token ids would fall outside the embedding. Drop --vocab-size "
                           f"or use a matching tokenizer.")
-    model = _model_config(args, vocab_size, tp)
+    model = _model_config(args, vocab_size, tp, base_model)
     micro, global_batch, gas = dsc.batch_sizes(args, ds, ds_path, dp)
     precision = dsc.precision_of(args, ds, ds_path)
     if args.use_flash_attn:
@@ -285,6 +331,9 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     from hybrid.run_length import resolve_run_length
     length = resolve_run_length(args, global_batch, micro * dp, args.seq_length)
     _check_data_flags(args)
+    if args.load_hf and args.finetune:
+        raise ConfigError("--load-hf starts from a HuggingFace model with a fresh schedule already; drop --finetune "
+                          "(it fine-tunes from a hybrid checkpoint in --load).")
     if args.finetune and not args.load:
         raise ConfigError("--finetune needs --load CHECKPOINT_DIR.")
     if args.universal_checkpoint and (not args.load or args.finetune):
@@ -298,7 +347,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
         weight_decay=float(optimizer["params"].get("weight_decay", 0.0)), clip_grad=float(clip),
         precision=precision, seed=args.seed, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         data_path=args.data_path, split=args.split, mock_data=args.mock_data, save=args.save, load=args.load,
-        save_interval=args.save_interval, finetune=args.finetune, no_load_optim=args.no_load_optim,
+        save_interval=args.save_interval, finetune=args.finetune, load_hf=args.load_hf, no_load_optim=args.no_load_optim,
         no_load_rng=args.no_load_rng, log_interval=max(1, args.log_interval), log_json=args.log_json,
         tensorboard_dir=args.tensorboard_dir, wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
         num_workers=args.num_workers, exit_interval=args.exit_interval, progress_bar=not args.no_progress_bar,

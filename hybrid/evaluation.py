@@ -31,6 +31,7 @@ def build_parser():
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--eval-iters", type=int, default=10)
     p.add_argument("--log-json", default=None)
+    p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism at TP > 1")
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None)
     return p
 
@@ -63,6 +64,10 @@ def evaluate(args) -> dict:
     config.hidden_dropout = config.attention_dropout = 0.0
     config.recompute_granularity = None
     tp, pp = saved.tensor_parallel, saved.pipeline_parallel
+    config.sequence_parallel = args.sequence_parallel and tp > 1
+    if config.sequence_parallel and args.seq_length % tp:
+        raise ConfigError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by the checkpoint's "
+                          f"tensor-parallel size {tp}.")
     from hybrid.topology import ParallelDims
     dp = ParallelDims(int(os.environ.get("WORLD_SIZE", "1")), tp, pp).data_parallel
     if args.eval_iters % dp:

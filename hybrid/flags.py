@@ -20,6 +20,15 @@ class FlagParser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see --help for the flags launch/train.py accepts)")
 
 
+def _window_size(value: str) -> tuple[int, int]:
+    """Megatron-LM's --window-size "(left, right)" (or "left,right"); -1 = unbounded."""
+    try:
+        left, right = (int(part) for part in value.strip("()[] ").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT such as 4095,0, got {value!r}") from None
+    return left, right
+
+
 def _normalization(value: str) -> str:
     return {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(value.lower(), value)
 
@@ -45,7 +54,24 @@ def _add_network_size_args(p):
     g.add_argument("--num-query-groups", type=int, default=None)
     g.add_argument("--num-key-value-heads", type=int, default=None,
                    help="Megatron-DeepSpeed's spelling: --group-query-attention --num-query-groups N")
-    g.add_argument("--kv-channels", type=int, default=None, help="accepted when equal to hidden/heads (head dim)")
+    g.add_argument("--kv-channels", type=int, default=None, help="the head dimension (default hidden/heads; "
+                   "Qwen3 and Gemma use their own)")
+    g.add_argument("--add-qkv-bias", action="store_true", help="a bias on Q, K and V only (Qwen2)")
+    g.add_argument("--qk-layernorm", action="store_true", help="a --normalization norm over each head of Q and K "
+                   "(Qwen3)")
+    g.add_argument("--window-size", type=_window_size, default=None, metavar="LEFT,0",
+                   help="sliding-window attention: each token attends itself and LEFT tokens before it "
+                        "(Mistral's sliding_window = LEFT + 1); Megatron-LM's (left, right) with right 0")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.1+ rope scaling (low/high frequency factors 1/4, original length 8192)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling (Llama 3.2: 32)")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
+                   help="linear rope scaling: positions divided by this factor")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="norms scale by (1 + weight), weights starting at 0 (Gemma's RMSNorm)")
+    g.add_argument("--geglu", action="store_true", help="gated tanh-GeLU MLP (Gemma) instead of --swiglu / GeLU")
+    g.add_argument("--scale-embeddings", action="store_true",
+                   help="multiply the word embeddings by sqrt(--hidden-size) (Gemma)")
     g.add_argument("--attention-backend", default=None, choices=["auto", "flash", "fused", "unfused", "local"],
                    help="flash = --use-flash-attn; auto/fused/unfused/local = SDPA (torch picks its kernel)")
     g.add_argument("--use-flash-attn", action="store_true")
@@ -121,6 +147,10 @@ def _add_checkpointing_args(p):
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--finetune", action="store_true")
+    g.add_argument("--load-hf", default=None, metavar="HF_DIR",
+                   help="start from a local HuggingFace model directory (Llama, Mistral, Qwen2/3, Gemma, GPT-2): "
+                        "its architecture, weights (converted at this run's layout) and tokenizer; the LR schedule "
+                        "starts at 0. A checkpoint in --load, when there is one, is resumed instead")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--allow-unsafe-checkpoint-load", action="store_true",

@@ -91,7 +91,6 @@ _FLAGS = [
     CompatFlag("--fp8-param-gather", "refused", "fp8 training is not implemented; use --bf16"),
     CompatFlag("--fp8-recipe", "refused", "fp8 training is not implemented; use --bf16", nargs="1"),
     CompatFlag("--transformer-impl", "neutral", "Transformer Engine is not used", nargs="1", neutral="local"),
-    CompatFlag("--apply-layernorm-1p", "refused", "zero-centred (1 + gamma) norms are not implemented"),
     CompatFlag("--embed-layernorm", "refused", "a norm after the embedding (BLOOM) is not implemented"),
     CompatFlag("--decoupled-lr", "refused", "a separate embedding/output learning rate is not implemented", nargs="1"),
     CompatFlag("--decoupled-min-lr", "refused", "see --decoupled-lr", nargs="1"),
@@ -129,10 +128,6 @@ class ValueRule:
 
 
 VALUE_RULES = [
-    ValueRule("--kv-channels", "accepted when equal to --hidden-size / --num-attention-heads (the head dimension)",
-              lambda a: bool(a.kv_channels) and a.kv_channels * a.num_attention_heads != a.hidden_size,
-              lambda a: f"--kv-channels {a.kv_channels}: only the head dimension --hidden-size / "
-                        f"--num-attention-heads = {a.hidden_size // a.num_attention_heads} is supported."),
     ValueRule("--position-embedding-type", "learned_absolute or rope (alibi is not implemented)",
               lambda a: a.position_embedding_type == "alibi",
               lambda a: "--position-embedding-type alibi is not supported: use learned_absolute or rope."),

@@ -34,7 +34,7 @@ def parameter_inventory(config: ModelConfig, tp: int) -> dict[str, tuple[int, bo
     h, d = config.hidden_size, config.head_dim
     full = {"embedding.position_embeddings.weight": config.max_position_embeddings * h,
             "attention.qkv": (config.num_attention_heads + 2 * config.num_query_groups) * d,
-            "attention.dense": h, "mlp.fc1": config.ffn_hidden_size * (2 if config.swiglu else 1), "mlp.fc2": h}
+            "attention.dense": h, "mlp.fc1": config.ffn_hidden_size * (2 if config.gated_linear_unit else 1), "mlp.fc2": h}
     inputs = {"attention.qkv": h, "attention.dense": config.num_attention_heads * d, "mlp.fc1": h,
               "mlp.fc2": config.ffn_hidden_size}
     out = {}
@@ -45,7 +45,7 @@ def parameter_inventory(config: ModelConfig, tp: int) -> dict[str, tuple[int, bo
         if name in full:
             numel = full[name]
         elif name.endswith("norm.weight") or name.endswith("norm.bias"):
-            numel = h
+            numel = d if name.split(".")[-2] in ("q_norm", "k_norm") else h  # Q/K norms: one head
         else:
             module = ".".join(name.split(".")[2:4])  # layers.{i}.attention.qkv.weight -> attention.qkv
             numel = full[module] * (inputs[module] if name.endswith(".weight") else 1)
@@ -230,7 +230,7 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
     total += e * s * b * heads * d  # attention output = the dense layer's input
     if act.recompute != "selective":
         total += _core_attention_bytes(s, b, heads, d, e, m, act.attention_kernel, attn_dropout)
-    total += e * s * b * (4 * f if config.swiglu else 2 * f)  # GeLU: input, output; SwiGLU: fc1 out, silu, product
+    total += e * s * b * (4 * f if config.gated_linear_unit else 2 * f)  # GeLU: input, output; gated: fc1 out, act, product
     if dropout:
         total += 2 * m * shard  # the two residual dropout masks
     return total

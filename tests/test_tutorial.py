@@ -1,5 +1,6 @@
 """The README's tutorial, block by block, exactly as written (preprocess, the Megatron run script with
-TensorBoard and wandb, resume, convert to HuggingFace and load with transformers, fine-tune), run in a
+TensorBoard and wandb, resume, convert to HuggingFace and load with transformers, fine-tune, continue
+pretraining a HuggingFace model with --load-hf and export it), run in a
 scratch directory that links the repository's launch/, conversion/, ds_configs/ and hybrid/."""
 
 import ast
@@ -32,8 +33,9 @@ def test_readme_tutorial_runs_block_by_block(tmp_path):
     for name in ("launch", "conversion", "ds_configs", "hybrid"):
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
     blocks = _blocks()
-    assert len(blocks) == 5, "the README tutorial has five blocks: preprocess, train, resume, convert, fine-tune"
-    preprocess, train, resume, convert, finetune = blocks
+    assert len(blocks) == 6, ("the README tutorial has six blocks: preprocess, train, resume, convert, fine-tune, "
+                              "start from a HuggingFace model")
+    preprocess, train, resume, convert, finetune, from_hf = blocks
     tutorial = tmp_path / "tutorial"
 
     _run(preprocess, tmp_path)
@@ -56,3 +58,7 @@ def test_readme_tutorial_runs_block_by_block(tmp_path):
 
     out = _run(finetune, tmp_path)
     assert "for fine-tuning" in out and _iteration(tutorial / "finetuned") == "iter_0000010"
+
+    out = _run(from_hf, tmp_path)
+    assert "loaded the qwen3 weights of tutorial/qwen3 (--load-hf)" in out and "TP=2" in out
+    assert _iteration(tutorial / "qwen3-cpt") == "iter_0000010" and out.strip().endswith("Qwen3ForCausalLM")

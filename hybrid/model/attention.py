@@ -1,8 +1,5 @@
-"""Causal self-attention: fused QKV (column-parallel), core attention backends, output (row-parallel).
-
-QKV layout, shared with Megatron-LM and our HF conversion: the fused output features are grouped
-per KV head (query group): for each group its `heads/groups` query heads, then its key head,
-then its value head. Splitting that dimension contiguously over TP keeps whole groups per rank.
+"""Causal self-attention: fused QKV (column-parallel, layout in hybrid.model.qkv), optional Q/K norms
+and RoPE, core attention backends (causal or sliding-window), output (row-parallel).
 """
 
 from __future__ import annotations
@@ -15,6 +12,8 @@ import torch.nn.functional as F
 
 from hybrid.model.flash import flash_attn_func
 from hybrid.model.init import normal_init, output_layer_std
+from hybrid.model.norms import build_norm
+from hybrid.model.qkv import split_qkv
 from hybrid.model.rotary import RotaryEmbedding, apply_rotary
 from hybrid.parallel.groups import as_groups
 from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -36,6 +35,7 @@ class CoreAttention(nn.Module):
         self.query_key_layer_scaling = config.apply_query_key_layer_scaling
         self.layer_number = max(1, layer_number + 1)  # Megatron counts layers from 1
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.window = config.sliding_window  # None: plain causal
 
     def backend(self, q: torch.Tensor) -> str:
         if (self.use_flash_attn and flash_attn_func is not None and q.is_cuda
@@ -57,8 +57,9 @@ class CoreAttention(nn.Module):
         s, b, nq, d = q.shape
         backend = self.backend(q)
         if backend == "flash":  # flash-attn takes [b, s, heads, d] and handles GQA itself
+            window = (-1, -1) if self.window is None else (self.window - 1, 0)  # (left, right) keys
             out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                  dropout_p=dropout, softmax_scale=self.scale, causal=True)
+                                  dropout_p=dropout, softmax_scale=self.scale, causal=True, window_size=window)
             return out.transpose(0, 1).reshape(s, b, nq * d)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, heads, s, d]
         if backend == "scaled_math":
@@ -66,6 +67,8 @@ class CoreAttention(nn.Module):
                 k = k.repeat_interleave(nq // k.size(1), dim=1)
                 v = v.repeat_interleave(nq // v.size(1), dim=1)
             out = self._scaled_math(q, k, v, dropout)
+        elif self.window is not None and s > self.window:
+            out = windowed_attention(q, k, v, self.window, dropout, self.scale)
         else:  # SDPA shares each KV head with its group's query heads itself (no K/V copies)
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.scale,
                                                  enable_gqa=k.size(1) != nq)
@@ -74,10 +77,38 @@ class CoreAttention(nn.Module):
     def _scaled_math(self, q, k, v, dropout):
         coeff = float(self.layer_number)
         scores = torch.matmul(q, k.transpose(-1, -2)) * (self.scale / coeff)  # fp16, kept small
-        causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-        probs = torch.softmax((scores.float() * coeff).masked_fill(causal, float("-inf")), dim=-1)
+        positions = torch.arange(scores.size(-1), device=q.device)
+        hidden = ~allowed_keys(positions, positions, self.window)
+        probs = torch.softmax((scores.float() * coeff).masked_fill(hidden, float("-inf")), dim=-1)
         probs = F.dropout(probs, dropout).to(q.dtype)
         return torch.matmul(probs, v)
+
+
+def allowed_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, window) -> torch.Tensor:
+    """[queries, keys] bool: causal, and within the last `window` positions (the token itself included,
+    transformers' sliding_window) when a window is set."""
+    allowed = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        allowed &= key_pos[None, :] > query_pos[:, None] - window
+    return allowed
+
+
+def windowed_attention(q, k, v, window: int, dropout: float, scale: float, block: int = None):
+    """Sliding-window causal attention on [b, heads, s, d] without an s x s mask: query blocks of
+    `block` (>= window) positions each attend the keys from `window - 1` before the block to its end,
+    so the masks and scores are [block, block + window - 1], memory linear in s."""
+    s = q.size(2)
+    block = block or max(window, 256)
+    gqa = k.size(1) != q.size(1)
+    outs = []
+    for start in range(0, s, block):
+        end = min(start + block, s)
+        first_key = max(0, start - window + 1)
+        positions = torch.arange(first_key, end, device=q.device)
+        mask = allowed_keys(positions[start - first_key:], positions, window)
+        outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, first_key:end], v[:, :, first_key:end],
+                                                   attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa))
+    return torch.cat(outs, dim=2)
 
 
 class SelfAttention(nn.Module):
@@ -89,29 +120,32 @@ class SelfAttention(nn.Module):
         tp = groups.tp_size
         self.config = config
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
-        self.groups_per_rank = config.num_query_groups // tp
         self.head_dim = config.head_dim
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * config.head_dim
         self.qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, groups,
             normal_init(config.seed, f"{name}.qkv.weight", config.init_method_std),
-            bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel)
+            bias=config.qkv_bias, sequence_parallel=config.sequence_parallel)
+        # per-head norms of Q and K (Qwen3): each TP rank normalises its own heads, so their
+        # replicated weights get partial gradients, summed over TP
+        self.q_norm = build_norm(config, groups, config.head_dim, tp > 1) if config.qk_layernorm else None
+        self.k_norm = build_norm(config, groups, config.head_dim, tp > 1) if config.qk_layernorm else None
         self.core = CoreAttention(config, layer_number)
         self.dense = RowParallelLinear(
             config.num_attention_heads * config.head_dim, config.hidden_size, groups,
             normal_init(config.seed, f"{name}.dense.weight",
                         output_layer_std(config.init_method_std, config.num_layers)),
             bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=config.sequence_parallel)
-        self.rotary = (RotaryEmbedding(config.head_dim, config.rotary_base)
+        self.rotary = (RotaryEmbedding(config.head_dim, config.rotary_base, config.rope_scaling)
                        if config.position_embedding_type == "rope" else None)
         self.recompute_core = config.recompute_granularity == "selective"
 
     def forward(self, x):
         qkv = self.qkv(x)  # [s(/tp), b, h] -> [s, b, groups/tp * (heads_per_group + 2) * d]
-        s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, self.groups_per_rank, self.heads_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.head_dim)  # [s, b, nq/tp, d]
-        k, v = qkv[:, :, :, self.heads_per_group], qkv[:, :, :, self.heads_per_group + 1]  # [s, b, ng/tp, d]
+        s = qkv.size(0)
+        q, k, v = split_qkv(qkv, self.heads_per_group, self.head_dim, dim=-1)  # [s, b, nq/tp, d], [s, b, ng/tp, d]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             cos, sin = self.rotary(s, x.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -10,6 +10,9 @@ from typing import Optional
 from hybrid.errors import ConfigError
 
 MLP_TYPES = ("dense",)  # the feed-forward blocks hybrid.model.mlp.build_mlp can build
+ROPE_SCALING_TYPES = ("llama3", "linear")  # hybrid.model.rotary.scaled_inv_freq
+# Llama 3.1's values, which Megatron-LM's --use-rope-scaling hard-codes besides the factor
+LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 @dataclass
@@ -42,12 +45,21 @@ class ModelConfig:
     sequence_parallel: bool = False  # --sequence-parallel
     seed: int = 1234  # --seed: the full weights depend on it alone, not on the layout
     mlp_type: str = "dense"  # each layer's feed-forward block (hybrid.model.mlp.build_mlp)
+    kv_channels: Optional[int] = None  # --kv-channels: the head dimension; None = hidden / heads
+    add_qkv_bias: bool = False  # --add-qkv-bias: a bias on Q, K and V only (Qwen2), with or without others
+    qk_layernorm: bool = False  # --qk-layernorm: a norm (--normalization) over each head of Q and K (Qwen3)
+    sliding_window: Optional[int] = None  # --window-size L,0: each token attends itself and L = window - 1 before
+    rope_scaling: Optional[dict] = None  # {"rope_type": "llama3"|"linear", "factor": ..., ...} as transformers
+    apply_layernorm_1p: bool = False  # --apply-layernorm-1p: norms scale by (1 + weight), weights start at 0
+    geglu: bool = False  # --geglu: gated tanh-GeLU MLP (Gemma) instead of SwiGLU / GeLU
+    scale_embeddings: bool = False  # --scale-embeddings: word embeddings x sqrt(hidden), in their dtype (Gemma)
+    family: Optional[str] = None  # the HF family (hybrid.conversion.families); None: chosen from the options
 
     def __post_init__(self):
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.ffn_hidden_size is None:
-            if self.swiglu:  # Megatron-LM's default keeps the parameter count of a 4h GeLU MLP
+            if self.gated_linear_unit:  # Megatron-LM's default keeps the parameter count of a 4h GeLU MLP
                 self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64 or 4 * self.hidden_size
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
@@ -55,7 +67,16 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """fc1 computes [gate; up] (SwiGLU or GeGLU)."""
+        return self.swiglu or self.geglu
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.add_qkv_bias
 
     @property
     def tied_embeddings(self) -> bool:
@@ -68,7 +89,7 @@ class ModelConfig:
 
     def validate(self, tp: int = 1) -> None:
         """Every shape rule, checked once before a model is built; errors name the flag."""
-        if self.hidden_size % self.num_attention_heads != 0:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads != 0:
             raise ConfigError(f"--hidden-size {self.hidden_size} must be divisible by "
                               f"--num-attention-heads {self.num_attention_heads}.")
         if self.num_attention_heads % self.num_query_groups != 0:
@@ -87,8 +108,16 @@ class ModelConfig:
         if self.recompute_method not in ("uniform", "block"):
             raise ConfigError(f"--recompute-method must be uniform or block, got {self.recompute_method!r}.")
         if self.position_embedding_type == "rope" and self.head_dim % 2 != 0:
-            raise ConfigError(f"rope needs an even head dimension; --hidden-size / --num-attention-heads "
-                              f"= {self.head_dim}.")
+            raise ConfigError(f"rope needs an even head dimension (--kv-channels, or --hidden-size / "
+                              f"--num-attention-heads); got {self.head_dim}.")
+        if self.kv_channels is not None and self.kv_channels < 1:
+            raise ConfigError(f"--kv-channels must be positive, got {self.kv_channels}.")
+        if self.swiglu and self.geglu:
+            raise ConfigError("--swiglu and --geglu are two gated MLPs; give one.")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"--window-size: the window must hold at least the token itself (got a window of "
+                              f"{self.sliding_window}).")
+        self._validate_rope_scaling()
         if tp > 1:
             if self.num_attention_heads % tp != 0:
                 raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
@@ -99,3 +128,23 @@ class ModelConfig:
             if self.ffn_hidden_size % tp != 0:
                 raise ConfigError(f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
                                   f"--tensor-model-parallel-size {tp}.")
+
+    def _validate_rope_scaling(self) -> None:
+        scaling = self.rope_scaling
+        if scaling is None:
+            return
+        kind = scaling.get("rope_type")
+        if kind not in ROPE_SCALING_TYPES:
+            raise ConfigError(f"rope scaling {kind!r} is not supported; supported: {', '.join(ROPE_SCALING_TYPES)} "
+                              f"(--use-rope-scaling / --rotary-seq-len-interpolation-factor).")
+        if self.position_embedding_type != "rope":
+            raise ConfigError("rope scaling (--use-rope-scaling, --rotary-seq-len-interpolation-factor) needs "
+                              "--position-embedding-type rope.")
+        if not float(scaling.get("factor", 0)) > 0:
+            raise ConfigError(f"--rope-scaling-factor must be positive, got {scaling.get('factor')}.")
+        if kind == "llama3":
+            missing = [k for k in LLAMA3_ROPE_DEFAULTS if k not in scaling]
+            if missing:
+                raise ConfigError(f"llama3 rope scaling lacks {', '.join(missing)}.")
+            if not float(scaling["high_freq_factor"]) > float(scaling["low_freq_factor"]):
+                raise ConfigError("llama3 rope scaling needs high_freq_factor > low_freq_factor.")

@@ -40,6 +40,8 @@ class Embedding(nn.Module):
     def forward(self, input_ids):
         ids = input_ids.t()  # [b, s] -> [s, b]
         hidden = self.word_embeddings(ids)  # [s, b, h], all-reduced over TP
+        if self.config.scale_embeddings:  # Gemma: x sqrt(h), the factor rounded to the embeddings' dtype
+            hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
         if self.position_embeddings is not None:
             positions = torch.arange(ids.size(0), device=ids.device)
             hidden = hidden + self.position_embeddings(positions).unsqueeze(1)

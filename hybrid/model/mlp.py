@@ -31,18 +31,27 @@ def swiglu(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def geglu(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """gelu_tanh(gate) * up (Gemma's gelu_pytorch_tanh), with y = [gate | up] as for SwiGLU."""
+    if bias is not None:
+        y = y + bias
+    gate, up = y.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class MLP(nn.Module):
-    """h -> ffn (or 2 x ffn for SwiGLU, sharded with stride 2 so gate/up columns match) -> h."""
+    """h -> ffn (or 2 x ffn for SwiGLU/GeGLU, sharded with stride 2 so gate/up columns match) -> h."""
 
     def __init__(self, config, groups, name: str):
         super().__init__()
-        self.activation = swiglu if config.swiglu else bias_gelu
-        up_size = config.ffn_hidden_size * (2 if config.swiglu else 1)
+        self.activation = swiglu if config.swiglu else geglu if config.geglu else bias_gelu
+        gated = config.gated_linear_unit
+        up_size = config.ffn_hidden_size * (2 if gated else 1)
         self.fc1 = ColumnParallelLinear(
             config.hidden_size, up_size, groups,
             normal_init(config.seed, f"{name}.fc1.weight", config.init_method_std),
             bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel, skip_bias_add=True,
-            stride=2 if config.swiglu else 1)
+            stride=2 if gated else 1)
         self.fc2 = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, groups,
             normal_init(config.seed, f"{name}.fc2.weight", output_layer_std(config.init_method_std, config.num_layers)),

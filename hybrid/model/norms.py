@@ -11,15 +11,21 @@ from hybrid.parallel.mappings import sync_replicated_grad
 
 
 class _Norm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, groups, sequence_parallel: bool, bias: bool, dtype):
+    """`sequence_parallel`: each TP rank normalises part of the tensor (a sequence shard under SP, its own
+    heads for a Q/K norm), so the weight gradients are partial per rank and are summed over TP.
+    `one_plus`: the scale is (1 + weight), the weight starting at 0 (Megatron's --apply-layernorm-1p,
+    Gemma's RMSNorm)."""
+
+    def __init__(self, hidden_size: int, eps: float, groups, sequence_parallel: bool, bias: bool, dtype,
+                 one_plus: bool = False):
         super().__init__()
         self.eps, self.tp_group, self.sequence_parallel = eps, as_groups(groups).tp_group, sequence_parallel
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.one_plus = one_plus
+        self.weight = nn.Parameter((torch.zeros if one_plus else torch.ones)(hidden_size, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype)) if bias else None
 
     def _params(self):
-        """The weights as used in forward: with SP each rank sees a sequence shard, so the
-        weight gradients are summed over TP inside autograd."""
+        """The weights as used in forward, their gradients summed over TP where each rank saw a part."""
         if not self.sequence_parallel:
             return self.weight, self.bias
         bias = None if self.bias is None else sync_replicated_grad(self.bias, self.tp_group)
@@ -27,30 +33,36 @@ class _Norm(nn.Module):
 
 
 class LayerNorm(_Norm):
-    """LayerNorm over the last (hidden) dimension, with weight and bias."""
+    """LayerNorm over the last (hidden) dimension, with weight and bias (Megatron's LayerNorm1P with one_plus)."""
 
-    def __init__(self, hidden_size, eps=1e-5, groups=None, sequence_parallel=False, dtype=torch.float32):
-        super().__init__(hidden_size, eps, groups, sequence_parallel, True, dtype)
+    def __init__(self, hidden_size, eps=1e-5, groups=None, sequence_parallel=False, dtype=torch.float32,
+                 one_plus=False):
+        super().__init__(hidden_size, eps, groups, sequence_parallel, True, dtype, one_plus)
 
     def forward(self, x):
         weight, bias = self._params()
-        return F.layer_norm(x, (x.size(-1),), weight, bias, self.eps)
+        return F.layer_norm(x, (x.size(-1),), weight + 1 if self.one_plus else weight, bias, self.eps)
 
 
 class RMSNorm(_Norm):
-    """RMSNorm as transformers' Llama computes it: normalise in fp32, scale in the input dtype."""
+    """RMSNorm as transformers computes it: normalise in fp32; Llama then scales in the input dtype,
+    Gemma (one_plus) scales by (1 + weight) in fp32 and casts after."""
 
-    def __init__(self, hidden_size, eps=1e-5, groups=None, sequence_parallel=False, dtype=torch.float32):
-        super().__init__(hidden_size, eps, groups, sequence_parallel, False, dtype)
+    def __init__(self, hidden_size, eps=1e-5, groups=None, sequence_parallel=False, dtype=torch.float32,
+                 one_plus=False):
+        super().__init__(hidden_size, eps, groups, sequence_parallel, False, dtype, one_plus)
 
     def forward(self, x):
         weight, _ = self._params()
-        # torch's fused kernel on fp32, then the scale in the input dtype (transformers' numerics)
-        normalized = F.rms_norm(x.float(), (x.size(-1),), eps=self.eps)
+        normalized = F.rms_norm(x.float(), (x.size(-1),), eps=self.eps)  # torch's fused kernel on fp32
+        if self.one_plus:
+            return (normalized * (1.0 + weight.float())).to(x.dtype)
         return weight * normalized.to(x.dtype)
 
 
-def build_norm(config, groups) -> nn.Module:
-    """The norm that `--normalization` names."""
+def build_norm(config, groups, size=None, partial_grads=None) -> nn.Module:
+    """The norm that `--normalization` names, over `size` features (default: the hidden size).
+    `partial_grads`: each TP rank sees part of the input (default: under sequence parallelism)."""
     cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
-    return cls(config.hidden_size, config.norm_epsilon, groups, config.sequence_parallel)
+    partial = config.sequence_parallel if partial_grads is None else partial_grads
+    return cls(size or config.hidden_size, config.norm_epsilon, groups, partial, one_plus=config.apply_layernorm_1p)

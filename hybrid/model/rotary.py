@@ -2,17 +2,42 @@
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 import torch.nn as nn
+
+
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: Optional[dict]) -> torch.Tensor:
+    """The inverse frequencies after rope scaling, as transformers' `modeling_rope_utils` computes them.
+
+    linear: every frequency divided by `factor` (Megatron's --rotary-seq-len-interpolation-factor).
+    llama3 (Llama 3.1+): wavelengths above original_max_position_embeddings / low_freq_factor are
+    divided by `factor`, those below .../ high_freq_factor kept, the band between interpolated smoothly.
+    """
+    if not scaling:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_context = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for positions 0..s-1, computed in fp32 and cached per length and device."""
 
-    def __init__(self, head_dim: int, base: float = 10000.0):
+    def __init__(self, head_dim: int, base: float = 10000.0, scaling: Optional[dict] = None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", scaled_inv_freq(inv_freq, scaling), persistent=False)
         self._cache = None
 
     def forward(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:

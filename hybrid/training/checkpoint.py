@@ -66,6 +66,28 @@ def latest_tag(load_dir: str) -> Optional[str]:
     return read_tag(load_dir, LATEST)
 
 
+def start(engine, run: RunConfig, topology) -> tuple[int, int]:
+    """Where the run starts: the checkpoint in --load when there is one (a restart), else --load-hf's
+    weights, else --load's messages, else from scratch. Returns (iteration, consumed samples)."""
+    train = run.train
+    if train.load_hf and not (train.load and os.path.isdir(train.load) and latest_tag(train.load)):
+        return load_hf(engine, run, topology)
+    return load(engine, run, topology) if train.load else (0, 0)
+
+
+def load_hf(engine, run: RunConfig, topology) -> tuple[int, int]:
+    """--load-hf: the HF model's weights, converted to canonical names and sharded for this rank (every
+    layout, every ZeRO stage); the optimizer and LR schedule start fresh at iteration 0."""
+    from hybrid.conversion.hf import read_hf_dir
+    state, _, _ = read_hf_dir(run.train.load_hf, flag="--load-hf")
+    load_full_state(engine.module, state, run.model, topology)
+    if hasattr(engine.optimizer, "refresh_fp32_params"):
+        engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights
+    log(f"loaded the {run.model.family} weights of {run.train.load_hf} (--load-hf); optimizer, schedule and "
+        f"iteration start fresh")
+    return 0, 0
+
+
 def load(engine, run: RunConfig, topology) -> tuple[int, int]:
     """Load --load into the engine; returns (iteration, consumed samples) to continue from.
 

@@ -260,11 +260,17 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from hybrid.training.deepspeed_fixes import install_safe_torch_load
     install_safe_torch_load(args.allow_unsafe_checkpoint_load)  # before anything reads a file
+    base_model = None
+    if args.load_hf:  # the architecture and tokenizer of a HuggingFace model
+        from hybrid.conversion.hf import read_hf_config
+        base_model = read_hf_config(args.load_hf, "--load-hf")
+        if args.tokenizer_type is None and not args.vocab_file:
+            args.tokenizer_type, args.tokenizer_model = "HFTokenizer", args.load_hf
     from hybrid.data.tokenizer import build_tokenizer
     tokenizer = build_tokenizer(**tokenizer_kwargs(args))
     # Every flag is checked before DeepSpeed is imported or a process group exists.
     world_size = args.dry_run_world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    run = build_run_config(args, world_size, tokenizer.vocab_size)
+    run = build_run_config(args, world_size, tokenizer.vocab_size, base_model)
     if args.dry_run:  # the memory estimate: nothing built, no process group
         from hybrid.dry_run import report
         if int(os.environ.get("RANK", "0")) == 0:
@@ -282,7 +288,7 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     model_parallel_seed(run.train.seed, topology.tp_rank)
     datasets = build_datasets(run.train, tokenizer.vocab_size)
     engine, _ = build_engine(run, topology)
-    iteration, consumed = checkpoint.load(engine, run, topology) if run.train.load else (0, 0)
+    iteration, consumed = checkpoint.start(engine, run, topology)
     Trainer(run, topology, engine, datasets, getattr(tokenizer, "eod", None)).train(iteration, consumed)
     from hybrid.training.demo import finish
     return finish(run)

@@ -1,0 +1,394 @@
+"""The HuggingFace families hybrid imports and exports: one registry entry each (config mapping, key
+map, and the options it needs), the family recorded in every checkpoint (`ModelConfig.family`).
+
+Each adapter maps one family's config to a ModelConfig and back, and its state dict to our canonical
+names and back. How each tensor splits over TP is not restated here: it is read from the layers
+(hybrid.checkpoint_format.tp_layout). Every config field that would change the numerics and that the
+model does not implement is refused by name (`REFUSED` in each adapter), never dropped.
+
+Layouts that differ from ours:
+  GPT-2: Conv1D stores weights as [in, out]; c_attn's output is [all q | all k | all v].
+  Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma): q/k/v projections become one fused weight
+         (hybrid.model.qkv), gate/up become fc1 = [gate; up]. transformers uses the rotate-half
+         RoPE layout, as our model does, so no permutation is needed.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from hybrid.errors import ConfigError
+from hybrid.model.config import ModelConfig
+from hybrid.model.qkv import fuse_qkv, split_qkv_flat
+
+
+def expect(name: str, tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
+    if tuple(tensor.shape) != tuple(shape):
+        raise ConfigError(f"HF tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(shape)} from config.json.")
+    return tensor
+
+
+def get(state: dict, name: str) -> torch.Tensor:
+    if name not in state:
+        raise ConfigError(f"HF checkpoint lacks tensor {name}.")
+    return state[name]
+
+
+def _refuse(family: str, field: str, value, why: str):
+    raise ConfigError(f"{family} config field {field}={value!r} is not supported: {why}.")
+
+
+class Adapter:
+    """Maps one HF family's state dict and config to ours and back."""
+
+    family: str  # the name recorded in checkpoints
+    hf_class: str  # transformers' model class (config.json's architectures)
+    options: str  # README: what the family maps to
+    refused: str  # README: what is refused
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+
+    @classmethod
+    def config_from_hf(cls, hf) -> ModelConfig:
+        raise NotImplementedError
+
+    def check_exportable(self) -> None:
+        """Raise if the model has an option this family cannot express."""
+
+    def hf_config(self, tokenizer_ids: dict):
+        raise NotImplementedError
+
+    def to_canonical(self, hf_state: dict) -> dict:
+        raise NotImplementedError
+
+    def to_hf(self, state: dict) -> dict:
+        raise NotImplementedError
+
+
+class GPT2Adapter(Adapter):
+    family, hf_class = "gpt2", "GPT2LMHeadModel"
+    options = "learned positions, LayerNorm, tanh-GeLU MLP, biases, tied head"
+    refused = "`activation_function` other than gelu_new, `scale_attn_by_inverse_layer_idx`, `reorder_and_upcast_attn`"
+    LAYER_MAP = {  # HF name -> ours; Conv1D weights are transposed
+        "h.{}.ln_1.weight": "layers.{}.input_norm.weight", "h.{}.ln_1.bias": "layers.{}.input_norm.bias",
+        "h.{}.attn.c_attn.weight": "layers.{}.attention.qkv.weight",
+        "h.{}.attn.c_attn.bias": "layers.{}.attention.qkv.bias",
+        "h.{}.attn.c_proj.weight": "layers.{}.attention.dense.weight",
+        "h.{}.attn.c_proj.bias": "layers.{}.attention.dense.bias",
+        "h.{}.ln_2.weight": "layers.{}.post_attention_norm.weight",
+        "h.{}.ln_2.bias": "layers.{}.post_attention_norm.bias",
+        "h.{}.mlp.c_fc.weight": "layers.{}.mlp.fc1.weight", "h.{}.mlp.c_fc.bias": "layers.{}.mlp.fc1.bias",
+        "h.{}.mlp.c_proj.weight": "layers.{}.mlp.fc2.weight", "h.{}.mlp.c_proj.bias": "layers.{}.mlp.fc2.bias",
+    }
+    GLOBAL_MAP = {"wte.weight": "embedding.word_embeddings.weight",
+                  "wpe.weight": "embedding.position_embeddings.weight",
+                  "ln_f.weight": "final_norm.weight", "ln_f.bias": "final_norm.bias"}
+
+    @classmethod
+    def config_from_hf(cls, hf) -> ModelConfig:
+        if getattr(hf, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            _refuse("GPT-2", "activation_function", hf.activation_function, "only the tanh GeLU (gelu_new) matches")
+        for field in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+            if getattr(hf, field, False):
+                _refuse("GPT-2", field, True, "not implemented")
+        return ModelConfig(num_layers=hf.n_layer, hidden_size=hf.n_embd, num_attention_heads=hf.n_head,
+                           vocab_size=hf.vocab_size, max_position_embeddings=hf.n_positions,
+                           ffn_hidden_size=hf.n_inner or 4 * hf.n_embd, norm_epsilon=hf.layer_norm_epsilon,
+                           hidden_dropout=hf.resid_pdrop, attention_dropout=hf.attn_pdrop,
+                           init_method_std=hf.initializer_range, family=cls.family)
+
+    def check_exportable(self):
+        c = self.config
+        if not (c.position_embedding_type == "learned_absolute" and c.normalization == "LayerNorm"
+                and not c.gated_linear_unit and c.add_bias_linear and c.tied_embeddings
+                and c.num_query_groups == c.num_attention_heads and c.kv_channels in (None, c.head_dim)
+                and c.hidden_size == c.num_attention_heads * c.head_dim and not _extras(c)):
+            raise ConfigError("exporting to GPT2LMHeadModel needs learned positions, LayerNorm, GeLU, biases, a tied "
+                              "head, no GQA and none of --qk-layernorm/--window-size/--apply-layernorm-1p/"
+                              "--scale-embeddings.")
+
+    def hf_config(self, tokenizer_ids: dict):
+        from transformers import GPT2Config
+        c = self.config
+        return GPT2Config(vocab_size=c.vocab_size, n_positions=c.max_position_embeddings, n_embd=c.hidden_size,
+                          n_layer=c.num_layers, n_head=c.num_attention_heads, n_inner=c.ffn_hidden_size,
+                          activation_function="gelu_new", layer_norm_epsilon=c.norm_epsilon,
+                          resid_pdrop=c.hidden_dropout, embd_pdrop=c.hidden_dropout, attn_pdrop=c.attention_dropout,
+                          initializer_range=c.init_method_std, tie_word_embeddings=True,
+                          architectures=[self.hf_class], **tokenizer_ids)
+
+    def _split(self, t):  # HF [q all | k all | v all] -> per head
+        n = self.config.num_attention_heads
+        return fuse_qkv(*t.chunk(3, dim=0), num_groups=n)
+
+    def _join(self, t):
+        return torch.cat(split_qkv_flat(t, 1, self.config.head_dim), dim=0)
+
+    def to_canonical(self, hf_state):
+        c, h = self.config, self.config.hidden_size
+        hf_state = {k[len("transformer."):] if k.startswith("transformer.") else k: v for k, v in hf_state.items()}
+        out = {ours: get(hf_state, hf_name) for hf_name, ours in self.GLOBAL_MAP.items()}
+        expect("wte.weight", out["embedding.word_embeddings.weight"], (c.vocab_size, h))
+        for i in range(c.num_layers):
+            for hf_tmpl, our_tmpl in self.LAYER_MAP.items():
+                hf_name, ours = hf_tmpl.format(i), our_tmpl.format(i)
+                t = get(hf_state, hf_name)
+                if hf_name.endswith("weight") and t.dim() == 2:
+                    t = t.t()  # Conv1D [in, out] -> Linear [out, in]
+                if "c_attn" in hf_name:
+                    t = self._split(expect(hf_name, t, (3 * h, h) if t.dim() == 2 else (3 * h,)))
+                out[ours] = t.contiguous()
+        return out
+
+    def to_hf(self, state):
+        c = self.config
+        out = {f"transformer.{hf}": state[ours] for hf, ours in self.GLOBAL_MAP.items()}
+        for i in range(c.num_layers):
+            for hf_tmpl, our_tmpl in self.LAYER_MAP.items():
+                hf_name, t = hf_tmpl.format(i), state[our_tmpl.format(i)]
+                if "c_attn" in hf_name:
+                    t = self._join(t)
+                if hf_name.endswith("weight") and t.dim() == 2:
+                    t = t.t()
+                out["transformer." + hf_name] = t.contiguous()
+        return out  # lm_head.weight is tied to wte (transformers re-ties it on load)
+
+
+def _extras(c: ModelConfig) -> list[str]:
+    """The options only some Llama-family members have, as flags (for messages)."""
+    named = {"--add-qkv-bias": c.add_qkv_bias, "--qk-layernorm": c.qk_layernorm,
+             "--window-size": c.sliding_window is not None, "--apply-layernorm-1p": c.apply_layernorm_1p,
+             "--geglu": c.geglu, "--scale-embeddings": c.scale_embeddings}
+    return [flag for flag, on in named.items() if on]
+
+
+def _rope_of(hf) -> tuple[float, dict | None]:
+    """(rope_theta, rope scaling or None) from transformers 5's rope_parameters (or 4.x's rope_theta /
+    rope_scaling); scaling types other than llama3 and linear are refused by name."""
+    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    theta = params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return float(theta), None
+    if kind not in ("llama3", "linear"):
+        _refuse(type(hf).__name__, "rope_scaling.rope_type", kind, "only default, llama3 and linear RoPE are implemented")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        _refuse(type(hf).__name__, "partial_rotary_factor", params["partial_rotary_factor"], "RoPE covers whole heads")
+    keys = ("factor",) + (("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                          if kind == "llama3" else ())
+    return float(theta), {"rope_type": kind, **{k: params[k] for k in keys if k in params}}
+
+
+def _window_of(hf, family: str):
+    """The sliding window every layer uses, or None; alternating local/global layers are refused."""
+    layer_types = getattr(hf, "layer_types", None)
+    window = getattr(hf, "sliding_window", None)
+    if layer_types and "sliding_attention" in layer_types:
+        if set(layer_types) != {"sliding_attention"}:
+            _refuse(family, "layer_types", "mixed sliding/full", "alternating local and global attention layers are "
+                    "not implemented (every layer uses the same attention)")
+        return int(window)
+    if layer_types and family in ("Qwen2", "Qwen3"):
+        return None  # sliding_window is set but no layer uses it (use_sliding_window false)
+    return int(window) if window else None
+
+
+class LlamaAdapter(Adapter):
+    """Llama and the families that change a few of its options (subclasses below)."""
+
+    family, hf_class, config_class = "llama", "LlamaForCausalLM", "LlamaConfig"
+    options = "RoPE (default, llama3 and linear scaling), RMSNorm, SwiGLU, no biases, GQA, any head_dim, tied or untied"
+    refused = "`attention_bias`, `mlp_bias`, `rope_scaling` types other than llama3/linear, `partial_rotary_factor` < 1"
+    hidden_act = "silu"
+    qkv_bias = False  # the HF class always has Q/K/V biases (Qwen2)
+    qk_norm = False  # per-head Q/K RMSNorm (Qwen3)
+    windowed = False  # sliding_window is part of the config (Mistral, Qwen2/3)
+    gemma = False  # (1 + w) RMSNorm, GeGLU, embeddings x sqrt(hidden)
+    LAYER_MAP = {"model.layers.{}.input_layernorm.weight": "layers.{}.input_norm.weight",
+                 "model.layers.{}.post_attention_layernorm.weight": "layers.{}.post_attention_norm.weight",
+                 "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.dense.weight",
+                 "model.layers.{}.mlp.down_proj.weight": "layers.{}.mlp.fc2.weight"}
+    QK_NORM_MAP = {"model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",
+                   "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight"}
+
+    @classmethod
+    def config_from_hf(cls, hf) -> ModelConfig:
+        name = cls.hf_class.replace("ForCausalLM", "")
+        for field in ("attention_bias", "mlp_bias"):
+            if getattr(hf, field, False):
+                _refuse(name, field, True, "biases on the output projection and MLP of this family are not "
+                        "implemented (Qwen2's Q/K/V-only bias is)")
+        act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", cls.hidden_act)
+        if act != cls.hidden_act:
+            _refuse(name, "hidden_act", act, f"this family's MLP is {cls.hidden_act}-gated")
+        for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(hf, field, None):
+                _refuse(name, field, getattr(hf, field), "logit soft-capping is not implemented")
+        theta, scaling = _rope_of(hf)
+        window = _window_of(hf, name) if cls.windowed else None
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        return ModelConfig(
+            num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
+            num_query_groups=hf.num_key_value_heads or hf.num_attention_heads, vocab_size=hf.vocab_size,
+            max_position_embeddings=hf.max_position_embeddings, ffn_hidden_size=hf.intermediate_size,
+            position_embedding_type="rope", rotary_base=theta, rope_scaling=scaling, normalization="RMSNorm",
+            norm_epsilon=hf.rms_norm_eps, swiglu=not cls.gemma, geglu=cls.gemma, add_bias_linear=False,
+            add_qkv_bias=cls.qkv_bias, qk_layernorm=cls.qk_norm, sliding_window=window,
+            kv_channels=None if head_dim * hf.num_attention_heads == hf.hidden_size else head_dim,
+            apply_layernorm_1p=cls.gemma, scale_embeddings=cls.gemma,
+            untie_embeddings_and_output_weights=not getattr(hf, "tie_word_embeddings", False),
+            hidden_dropout=0.0, attention_dropout=float(getattr(hf, "attention_dropout", 0.0)),
+            init_method_std=hf.initializer_range, family=cls.family)
+
+    def check_exportable(self):
+        c = self.config
+        wanted = {"rope": c.position_embedding_type == "rope", "RMSNorm": c.normalization == "RMSNorm",
+                  "--disable-bias-linear": not c.add_bias_linear,
+                  ("--geglu" if self.gemma else "--swiglu"): c.geglu if self.gemma else c.swiglu,
+                  "--add-qkv-bias" + ("" if self.qkv_bias else " off"): c.add_qkv_bias == self.qkv_bias,
+                  "--qk-layernorm" + ("" if self.qk_norm else " off"): c.qk_layernorm == self.qk_norm,
+                  "--apply-layernorm-1p and --scale-embeddings" + ("" if self.gemma else " off"):
+                      c.apply_layernorm_1p == self.gemma and c.scale_embeddings == self.gemma,
+                  "no --window-size": self.windowed or c.sliding_window is None}
+        missing = [what for what, ok in wanted.items() if not ok]
+        if missing:
+            raise ConfigError(f"exporting to {self.hf_class} needs {', '.join(missing)}.")
+
+    def _family_fields(self) -> dict:
+        return {}
+
+    def hf_config(self, tokenizer_ids: dict):
+        import transformers
+        c = self.config
+        rope = {"rope_type": "default", "rope_theta": c.rotary_base} if not c.rope_scaling else \
+            dict(c.rope_scaling, rope_theta=c.rotary_base)
+        fields = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
+                      num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
+                      num_key_value_heads=c.num_query_groups, head_dim=c.head_dim,
+                      max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_epsilon,
+                      rope_parameters=rope, tie_word_embeddings=c.tied_embeddings, hidden_act=self.hidden_act,
+                      initializer_range=c.init_method_std, attention_dropout=c.attention_dropout,
+                      architectures=[self.hf_class], **tokenizer_ids, **self._family_fields())
+        return getattr(transformers, self.config_class)(**fields)
+
+    def to_canonical(self, hf_state):
+        c = self.config
+        groups, per_group, d, h = c.num_query_groups, c.num_attention_heads // c.num_query_groups, c.head_dim, c.hidden_size
+        out = {"embedding.word_embeddings.weight": expect("model.embed_tokens.weight",
+                                                          get(hf_state, "model.embed_tokens.weight"), (c.vocab_size, h)),
+               "final_norm.weight": get(hf_state, "model.norm.weight")}
+        if c.untie_embeddings_and_output_weights:
+            out["output_layer.weight"] = expect("lm_head.weight", get(hf_state, "lm_head.weight"), (c.vocab_size, h))
+        shapes = {"q": (groups * per_group * d,), "k": (groups * d,), "v": (groups * d,)}
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}.self_attn."
+            for kind in ("weight", "bias") if self.qkv_bias else ("weight",):
+                tail = (h,) if kind == "weight" else ()
+                q, k, v = (expect(f"{p}{x}_proj.{kind}", get(hf_state, f"{p}{x}_proj.{kind}"), shapes[x] + tail)
+                           for x in "qkv")
+                out[f"layers.{i}.attention.qkv.{kind}"] = fuse_qkv(q, k, v, groups)
+            m = f"model.layers.{i}.mlp."
+            out[f"layers.{i}.mlp.fc1.weight"] = torch.cat([get(hf_state, m + "gate_proj.weight"),
+                                                           get(hf_state, m + "up_proj.weight")], dim=0)
+            for hf_tmpl, our_tmpl in self._layer_map().items():
+                out[our_tmpl.format(i)] = get(hf_state, hf_tmpl.format(i))
+        return out
+
+    def _layer_map(self) -> dict:
+        return dict(self.LAYER_MAP, **(self.QK_NORM_MAP if self.qk_norm else {}))
+
+    def to_hf(self, state):
+        self.check_exportable()
+        c = self.config
+        per_group, d = c.num_attention_heads // c.num_query_groups, c.head_dim
+        out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
+               "model.norm.weight": state["final_norm.weight"]}
+        if c.untie_embeddings_and_output_weights:
+            out["lm_head.weight"] = state["output_layer.weight"]
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            for kind in ("weight", "bias") if self.qkv_bias else ("weight",):
+                q, k, v = split_qkv_flat(state[f"layers.{i}.attention.qkv.{kind}"], per_group, d)
+                for x, t in zip("qkv", (q, k, v)):
+                    out[f"{p}self_attn.{x}_proj.{kind}"] = t
+            gate, up = state[f"layers.{i}.mlp.fc1.weight"].chunk(2, dim=0)
+            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
+            for hf_tmpl, our_tmpl in self._layer_map().items():
+                out[hf_tmpl.format(i)] = state[our_tmpl.format(i)]
+        return out
+
+
+class MistralAdapter(LlamaAdapter):
+    family, hf_class, config_class = "mistral", "MistralForCausalLM", "MistralConfig"
+    options = "Llama's, plus sliding-window attention (`sliding_window` = --window-size)"
+    refused = "`layer_types` (alternating attention: Ministral), as Llama's"
+    windowed = True
+
+    def _family_fields(self):
+        return {"sliding_window": self.config.sliding_window}
+
+
+class Qwen2Adapter(LlamaAdapter):
+    family, hf_class, config_class = "qwen2", "Qwen2ForCausalLM", "Qwen2Config"
+    options = "Llama's, plus a bias on Q, K and V only (--add-qkv-bias); a sliding window on every layer"
+    refused = "a sliding window on some layers only (`max_window_layers` < `num_hidden_layers`), as Llama's"
+    qkv_bias, windowed = True, True
+
+    def _family_fields(self):
+        w = self.config.sliding_window
+        return {"use_sliding_window": w is not None, "sliding_window": w, "max_window_layers": 0}
+
+
+class Qwen3Adapter(Qwen2Adapter):
+    family, hf_class, config_class = "qwen3", "Qwen3ForCausalLM", "Qwen3Config"
+    options = "Llama's, plus per-head RMSNorm on Q and K (--qk-layernorm), head_dim = --kv-channels"
+    refused = "`attention_bias` (on Q, K, V and O), a sliding window on some layers only, as Llama's"
+    qkv_bias, qk_norm = False, True
+
+
+class GemmaAdapter(LlamaAdapter):
+    family, hf_class, config_class = "gemma", "GemmaForCausalLM", "GemmaConfig"
+    options = ("GeGLU with tanh GeLU (--geglu), RMSNorm x (1 + weight) (--apply-layernorm-1p), embeddings x "
+               "sqrt(hidden) (--scale-embeddings), head_dim = --kv-channels")
+    refused = "Gemma 2/3 (soft-capping, alternating local/global layers: other classes), as Llama's"
+    hidden_act, gemma = "gelu_pytorch_tanh", True
+
+    def _family_fields(self):
+        return {"hidden_activation": self.hidden_act}
+
+
+FAMILIES = {a.family: a for a in (GPT2Adapter, LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter, GemmaAdapter)}
+BY_HF_CLASS = {a.hf_class: a for a in FAMILIES.values()}
+
+
+def family_of(config: ModelConfig) -> str:
+    """The recorded family, else the one the options name (a model trained from flags)."""
+    if config.family is not None:
+        if config.family not in FAMILIES:
+            raise ConfigError(f"the checkpoint's family {config.family!r} is not one of {', '.join(FAMILIES)}.")
+        return config.family
+    if config.position_embedding_type == "learned_absolute":
+        return "gpt2"
+    if config.apply_layernorm_1p or config.geglu or config.scale_embeddings:
+        return "gemma"
+    if config.qk_layernorm:
+        return "qwen3"
+    if config.add_qkv_bias:
+        return "qwen2"
+    return "mistral" if config.sliding_window is not None else "llama"
+
+
+def adapter_for_model(config: ModelConfig) -> Adapter:
+    """The adapter that exports this model (its recorded family), after checking it can."""
+    adapter = FAMILIES[family_of(config)](config)
+    adapter.check_exportable()
+    return adapter
+
+
+def markdown_table() -> str:
+    """README: the families, what each maps to, and what is refused."""
+    rows = ["| family (recorded) | transformers class | maps to | refused (one message each) |", "|---|---|---|---|"]
+    rows += [f"| `{a.family}` | `{a.hf_class}` | {a.options} | {a.refused} |" for a in FAMILIES.values()]
+    return "\n".join(rows)

@@ -1,0 +1,57 @@
+"""Tiny random models of every supported HuggingFace family, made from transformers' own config
+classes and saved locally (nothing from a hub). Every parameter is perturbed (HF initialises norms
+to 1 or 0 and biases to 0), so a tensor mapped to the wrong place changes the logits."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB_SIZE = 8192  # the embedded tokenizer's, so launched runs can read the embedded corpus
+
+COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+              num_attention_heads=4, max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+
+# family -> (transformers config class, model class, config fields): each exercises its family's options
+FAMILY_CONFIGS = {
+    # Llama 3.2 style: llama3 rope scaling, tied; the original length 16 (8192 in Llama 3) so that the
+    # scaling changes frequencies that matter within these short sequences
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_key_value_heads=2, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(  # Q/K/V biases, tied (Qwen2.5 small models)
+        num_key_value_heads=2, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(  # Q/K norms, head_dim 16 != 32 / 4, untied
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, rms_norm_eps=1e-6)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(  # sliding window 8 < the sequences, untied
+        num_key_value_heads=2, sliding_window=8, tie_word_embeddings=False, rms_norm_eps=1e-5)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(  # GeGLU, (1 + w) norms, sqrt(h) embeddings, MQA, head 16
+        num_key_value_heads=1, head_dim=16, tie_word_embeddings=True, rms_norm_eps=1e-6)),
+}
+FAMILIES = list(FAMILY_CONFIGS)
+RECORDED = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma": "gemma"}
+
+
+def save_embedded_tokenizer(path):
+    """The embedded corpus's tokenizer (the test data's), saved as a transformers tokenizer."""
+    from hybrid.data import default as default_data
+    from hybrid.data.tokenizer import GPT2BPETokenizer
+    GPT2BPETokenizer(str(default_data.VOCAB), str(default_data.MERGES)).to_transformers().save_pretrained(path)
+
+
+def make_family(family: str, path, seed: int = 0, tokenizer: bool = True, **overrides):
+    """Save a tiny random `family` model (and the embedded tokenizer) to `path`; returns the
+    transformers model (eval mode)."""
+    import transformers
+    config_cls, model_cls, fields = FAMILY_CONFIGS[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**{**COMMON, **fields, **overrides})
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(path)
+    if tokenizer:
+        save_embedded_tokenizer(path)
+    return model.eval()

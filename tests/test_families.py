@@ -1,0 +1,252 @@
+"""Llama 3.x, Qwen2, Qwen3, Mistral and Gemma against transformers itself: imported models give
+transformers' logits and loss (one rank in-process; TP 2 + SP x PP 2 through launch/evaluate.py),
+exports are bit-identical and generate what the original generates, `--load-hf` trains at TP 2 x PP 2
+exactly as at one rank and ends in an export of the same family; each family's options are training
+flags that build the same architecture; unsupported config fields are one message naming them.
+
+The models come from tests/hf_families.py (tiny, random, saved locally)."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from hybrid.conversion.hf import read_hf_config, read_hf_dir, write_hf_dir
+from hybrid.errors import ConfigError
+from tests.hf_families import FAMILIES, FAMILY_CONFIGS, RECORDED, make_family
+from tests.launch_helpers import read_log, run
+
+# the option that makes each family what it is: turned off, the logits must change (so the proof can fail)
+DISTINCTIVE = {"llama3": dict(rope_scaling=None), "qwen2": dict(add_qkv_bias=False),
+               "qwen3": dict(qk_layernorm=False), "mistral": dict(sliding_window=None),
+               "gemma": dict(apply_layernorm_1p=False)}
+# config.json fields that must survive import -> training -> export (what changes the model)
+KEPT_FIELDS = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "rope_parameters", "sliding_window", "use_sliding_window",
+               "rms_norm_eps", "tie_word_embeddings", "attention_bias", "hidden_act", "hidden_activation",
+               "vocab_size", "max_position_embeddings")
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """family -> (directory, transformers model), made once for the module."""
+    root = tmp_path_factory.mktemp("hf")
+    return {family: (root / family, make_family(family, root / family)) for family in FAMILIES}
+
+
+def our_model(path, **overrides):
+    from hybrid.conversion.layout import shard_for_rank
+    from hybrid.model.gpt import GPTModel
+    state, config, _ = read_hf_dir(str(path))
+    config = dataclasses.replace(config, **overrides)
+    model = GPTModel(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(shard_for_rank(name, state[name], config, 1, 0))
+    return model, config
+
+
+def tokens(seq=40, batch=2, seed=1):
+    return torch.randint(0, 8192, (batch, seq + 1), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_imported_family_gives_transformers_logits_and_loss_and_its_option_matters(family, hf_models):
+    path, hf = hf_models[family]
+    model, config = our_model(path)
+    assert config.family == RECORDED[family]
+    ids = tokens()
+    with torch.no_grad():
+        ours, want = model(ids[:, :-1]), hf(ids[:, :-1]).logits
+        loss = model(ids[:, :-1], ids[:, 1:]).item()
+        changed, _ = our_model(path, **DISTINCTIVE[family])
+        without_option = changed(ids[:, :-1])
+    want_loss = torch.nn.functional.cross_entropy(want.reshape(-1, want.size(-1)), ids[:, 1:].reshape(-1)).item()
+    assert (ours - want).abs().max().item() <= 1e-4
+    assert abs(loss - want_loss) <= 1e-5 * want_loss
+    assert (without_option - want).abs().max().item() > 1e-3, "the family's own option must change the logits"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_is_bit_identical_loads_cleanly_and_generates_what_the_original_does(family, hf_models, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    path, hf = hf_models[family]
+    state, config, _ = read_hf_dir(str(path))
+    write_hf_dir(state, config, str(tmp_path / "out"))
+    original, exported = load_file(str(path / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(original) == set(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert type(reloaded).__name__ == type(hf).__name__
+    _assert_kept_fields(path, tmp_path / "out")
+    prompt = tokens(seq=6, batch=1, seed=3)
+    out = reloaded.eval().generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == prompt.shape[1] + 20
+    assert torch.equal(out, hf.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                                        pad_token_id=0))
+
+
+def _assert_kept_fields(source, export):
+    a, b = (json.loads((d / "config.json").read_text()) for d in (source, export))
+    for field in KEPT_FIELDS:
+        if field in a:
+            assert b.get(field) == a[field], (field, a[field], b.get(field))
+
+
+# each family's architecture as Megatron-LM training flags (the same shapes pretrain from scratch)
+COMMON_FLAGS = ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4, "--ffn-hidden-size", 64,
+                "--seq-length", 32, "--max-position-embeddings", 64, "--position-embedding-type", "rope",
+                "--normalization", "RMSNorm", "--disable-bias-linear", "--hidden-dropout", 0,
+                "--attention-dropout", 0]
+FAMILY_FLAGS = {
+    "llama3": ["--swiglu", "--group-query-attention", "--num-query-groups", 2, "--rotary-base", 500000,
+               "--use-rope-scaling", "--rope-scaling-factor", 32, "--norm-epsilon", 1e-5],
+    "qwen2": ["--swiglu", "--num-query-groups", 2, "--add-qkv-bias", "--rotary-base", 1000000, "--norm-epsilon", 1e-6],
+    "qwen3": ["--swiglu", "--num-query-groups", 2, "--qk-layernorm", "--kv-channels", 16,
+              "--untie-embeddings-and-output-weights", "--norm-epsilon", 1e-6],
+    "mistral": ["--swiglu", "--num-query-groups", 2, "--window-size", "7,0", "--untie-embeddings-and-output-weights",
+                "--norm-epsilon", 1e-5],
+    "gemma": ["--geglu", "--num-query-groups", 2, "--kv-channels", 16, "--apply-layernorm-1p", "--scale-embeddings",
+              "--norm-epsilon", 1e-6],
+}
+# fields an import takes from the HF config that flags leave at their defaults (not the architecture)
+NOT_ARCHITECTURE = ("family", "init_method_std", "seed", "vocab_size", "max_position_embeddings")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_flags_build_the_imported_architecture_and_dry_run_counts_its_parameters(family, tmp_path):
+    from hybrid.config import _architecture
+    from hybrid.conversion.families import family_of
+    from hybrid.flags import build_parser
+    from hybrid.memory import parameter_inventory
+    from hybrid.model.gpt import GPTModel
+    from hybrid.model.naming import canonical_parameters
+    from hybrid.parallel.groups import ParallelGroups
+    overrides = {"num_key_value_heads": 2} if family == "gemma" else {}
+    if family == "llama3":  # --use-rope-scaling has Llama 3.1's original length, 8192, as Megatron-LM
+        overrides["rope_parameters"] = dict(FAMILY_CONFIGS["llama3"][2]["rope_parameters"],
+                                            original_max_position_embeddings=8192)
+    make_family(family, tmp_path, tokenizer=False, **overrides)
+    imported = read_hf_config(str(tmp_path))
+    args = build_parser().parse_args([str(f) for f in COMMON_FLAGS + FAMILY_FLAGS[family]])
+    from hybrid.megatron_compat import check_compat
+    check_compat(args)
+    flagged = _architecture(args, 8192)
+    clear = {k: None for k in ("family",)}
+    assert dataclasses.replace(flagged, **clear) == dataclasses.replace(
+        imported, **clear, **{k: getattr(flagged, k) for k in NOT_ARCHITECTURE if k != "family"})
+    assert family_of(flagged) == RECORDED[family]  # trained from flags, exported as the same family
+    for tp in (1, 2):
+        model = GPTModel(flagged, ParallelGroups.shapes_only(tp, 0))
+        real = {n: p.numel() for n, p in canonical_parameters(model, flagged.num_layers).items()}
+        assert {n: numel for n, (numel, _) in parameter_inventory(flagged, tp).items()} == real
+
+
+def test_windowed_attention_in_blocks_equals_the_dense_masked_reference():
+    from hybrid.model.attention import allowed_keys, windowed_attention
+    g = torch.Generator().manual_seed(0)
+    for s, window, block, heads, groups in [(37, 5, 5, 4, 2), (64, 16, 24, 2, 2), (50, 1, 7, 4, 1), (33, 40, 8, 2, 1)]:
+        q = torch.randn(2, heads, s, 8, generator=g)
+        k, v = (torch.randn(2, groups, s, 8, generator=g) for _ in range(2))
+        pos = torch.arange(s)
+        mask = allowed_keys(pos, pos, window)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3,
+                                                                enable_gqa=heads != groups)
+        got = windowed_attention(q, k, v, window, 0.0, 0.3, block=block)
+        assert (got - want).abs().max().item() <= 1e-6, (s, window, block)
+    # the window is what transformers calls sliding_window: the token itself and window - 1 before it
+    assert allowed_keys(torch.tensor([5]), torch.arange(6), 3).tolist() == [[False, False, False, True, True, True]]
+
+
+def test_rope_scaling_frequencies_equal_transformers():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from hybrid.model.rotary import RotaryEmbedding
+    for rope in [{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+                 {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+                  "original_max_position_embeddings": 4096},
+                 {"rope_type": "linear", "factor": 4.0}]:
+        config = LlamaConfig(hidden_size=2048, num_attention_heads=16, max_position_embeddings=131072,
+                             rope_parameters=dict(rope, rope_theta=500000.0))
+        theirs = LlamaRotaryEmbedding(config)
+        ours = RotaryEmbedding(128, 500000.0, rope)
+        assert torch.allclose(ours.inv_freq, theirs.inv_freq, rtol=1e-6, atol=0), rope
+        cos, sin = ours(64, "cpu")
+        x = torch.zeros(1, 64, 128)
+        want_cos, want_sin = theirs(x, torch.arange(64)[None])
+        assert torch.allclose(cos[:, 0, 0], want_cos[0], atol=1e-6) and torch.allclose(sin[:, 0, 0], want_sin[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("family,field,fields,message", [
+    ("llama3", "rope_scaling.rope_type", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+     "rope_scaling.rope_type='yarn'"),
+    ("llama3", "attention_bias", {"attention_bias": True}, "attention_bias=True"),
+    ("llama3", "mlp_bias", {"mlp_bias": True}, "mlp_bias=True"),
+    ("qwen2", "layer_types", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
+     "layer_types='mixed sliding/full'"),
+    ("qwen3", "attention_bias", {"attention_bias": True}, "attention_bias=True"),
+    ("llama3", "hidden_act", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("llama3", "partial_rotary_factor", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4,
+                                                             "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
+])
+def test_unsupported_config_field_is_one_message_naming_it(family, field, fields, message, tmp_path):
+    make_family(family, tmp_path, tokenizer=False, **fields)
+    with pytest.raises(ConfigError) as e:
+        read_hf_config(str(tmp_path), "--load-hf")
+    assert message in str(e.value) and str(tmp_path) in str(e.value) and "--load-hf" in str(e.value)
+
+
+def test_mixed_attention_qwen2_window_on_every_layer_imports_as_a_window(tmp_path):
+    make_family("qwen2", tmp_path, tokenizer=False, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    assert read_hf_config(str(tmp_path)).sliding_window == 8
+
+
+# --- launched: evaluation at TP 2 + SP x PP 2, --load-hf training at TP 2 x PP 2, export --------------
+
+TRAIN = ["--seq-length", 32, "--micro-batch-size", 2, "--global-batch-size", 8, "--train-iters", 4, "--lr", 1e-3,
+         "--min-lr", 1e-4, "--lr-warmup-iters", 1, "--clip-grad", 1.0, "--eval-iters", 0, "--log-interval", 1,
+         "--no-progress-bar"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_load_hf_trains_at_tp2_pp2_sp_as_at_one_rank_evaluates_to_transformers_and_exports_its_family(
+        family, hf_models, data, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from tests.test_conversion import hf_windows_loss
+    path, hf = hf_models[family]
+    if family == "gemma":  # its one KV head cannot split over TP 2: a 2-head variant
+        path = tmp_path / "gemma2kv"
+        hf = make_family("gemma", path, num_key_value_heads=2)
+    flags = ["--load-hf", path, "--data-path", data] + TRAIN
+    logs, save, export = tmp_path / "one.jsonl", tmp_path / "ckpt", tmp_path / "export"
+    run("python", 1, flags + ["--log-json", logs])
+    run("torchrun", 4, flags + ["--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2,
+                                "--sequence-parallel", "--log-json", tmp_path / "four.jsonl", "--save", save,
+                                "--export-hf", export])
+    one, four = ([r["lm_loss"] for r in read_log(p)] for p in (logs, tmp_path / "four.jsonl"))
+    assert len(one) == 4 and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(one, four)), (one, four)
+    assert one[0] != one[-1]  # it trained
+
+    # the export: same class, same config fields, loads cleanly, and holds the trained weights
+    reloaded, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+    assert type(reloaded).__name__ == type(hf).__name__ and not info["missing_keys"] and not info["unexpected_keys"]
+    _assert_kept_fields(path, export)
+    original = load_file(str(path / "model.safetensors"))
+    trained = load_file(str(export / "model.safetensors"))
+    assert set(trained) == set(original) and any(not torch.equal(trained[k], original[k]) for k in original)
+
+    # the imported model at TP 2 + SP x PP 2 evaluates to transformers' loss on the same windows
+    from hybrid.conversion.checkpoint_util import main as convert
+    assert convert(["--loader", "hf", "--load-dir", str(path), "--save-dir", str(tmp_path / "tp2pp2"),
+                    "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2",
+                    "--no-progress-bar"]) == 0
+    log = tmp_path / "eval.jsonl"
+    run("torchrun", 4, ["--load", tmp_path / "tp2pp2", "--data-path", data, "--seq-length", 32, "--micro-batch-size",
+                        2, "--eval-iters", 3, "--sequence-parallel", "--log-json", log], script="launch/evaluate.py")
+    ours, want = read_log(log)[0]["lm_loss"], hf_windows_loss(hf, data, 32, 6)
+    assert abs(ours - want) <= 1e-5 * abs(want), (ours, want)
