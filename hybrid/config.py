@@ -181,6 +181,9 @@ def _model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = 
         raise ConfigError(f"--load-hf {args.load_hf}: the tokenizer has {vocab_size} tokens but the model's "
                           f"embedding only {base.vocab_size}; use the model's own tokenizer (drop the tokenizer flags).")
     architecture = base or _architecture(args, vocab_size)
+    if architecture.family is None:  # recorded in the checkpoints, so export writes this family
+        from hybrid.conversion.families import infer_family
+        architecture = dataclasses.replace(architecture, family=infer_family(architecture))
     config = dataclasses.replace(
         architecture, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling, use_flash_attn=args.use_flash_attn,
@@ -316,6 +319,11 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     stage = dsc.zero_stage(args, ds, ds_path, pp)
     dp = ParallelDims(world_size, tp, pp).data_parallel
     vocab_size = tokenizer_vocab_size
+    if args.padded_vocab_size:
+        if args.padded_vocab_size < tokenizer_vocab_size:
+            raise ConfigError(f"--padded-vocab-size {args.padded_vocab_size} is smaller than the tokenizer's "
+                              f"vocabulary ({tokenizer_vocab_size}).")
+        vocab_size = args.padded_vocab_size
     if args.vocab_size and args.tokenizer_type != "NullTokenizer" and args.vocab_size < tokenizer_vocab_size:
         raise ConfigError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({tokenizer_vocab_size}); token ids would fall outside the embedding. Drop --vocab-size "

@@ -45,6 +45,7 @@ def _add_network_size_args(p):
     g.add_argument("--position-embedding-type", default="learned_absolute",
                    choices=["learned_absolute", "rope", "alibi"], help="learned_absolute | rope (alibi is refused)")
     g.add_argument("--use-rotary-position-embeddings", action="store_true", help="alias of --position-embedding-type rope")
+    g.add_argument("--no-position-embedding", action="store_true", help="no learned position table (with rope)")
     g.add_argument("--rotary-base", type=float, default=10000.0)
     g.add_argument("--normalization", default="LayerNorm", type=_normalization, choices=["LayerNorm", "RMSNorm"],
                    help="LayerNorm | RMSNorm (any case, as Megatron-DeepSpeed scripts write rmsnorm)")
@@ -78,6 +79,9 @@ def _add_network_size_args(p):
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--padded-vocab-size", type=int, default=None,
+                   help="the embedding's rows (>= the tokenizer's vocabulary; Qwen2.5's 152064), then padded for TP "
+                        "by --make-vocab-size-divisible-by")
     g.add_argument("--apply-query-key-layer-scaling", action="store_true")
 
 
@@ -256,7 +260,7 @@ def _add_logging_args(p):
     g.add_argument("--log-json", default=None, help="rank 0 writes one JSON object per logged iteration")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--wandb-project", default=None)
-    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-exp-name", "--wandb-name", dest="wandb_exp_name", default=None)
     g.add_argument("--wandb-save-dir", default=None, help="where wandb writes its files")
     g.add_argument("--log-memory-to-tensorboard", action="store_true",
                    help="log allocated/peak accelerator memory with each log line")

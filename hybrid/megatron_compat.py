@@ -80,6 +80,24 @@ _FLAGS = [
     CompatFlag("--expert-model-parallel-size", "neutral", "mixture-of-experts is not implemented", nargs="1",
                neutral="1"),
     CompatFlag("--num-experts", "refused", "mixture-of-experts is not implemented", nargs="1"),
+    *[CompatFlag(name, "refused", "mixture-of-experts is not implemented (see --num-experts)", nargs=nargs)
+      for name, nargs in [("--moe-router-topk", "1"), ("--moe-router-load-balancing-type", "1"),
+                          ("--moe-aux-loss-coeff", "1"), ("--moe-token-dispatcher-type", "1"), ("--moe-grouped-gemm", None),
+                          ("--moe-expert-parallel-size", "1"), ("--moe-loss-coeff", "1"),
+                          ("--moe-train-capacity-factor", "1"), ("--moe-eval-capacity-factor", "1"),
+                          ("--moe-min-capacity", "1"), ("--create-moe-param-group", None),
+                          ("--disable-moe-token-dropping", None)]],
+    CompatFlag("--enable-zbh1-pipeline", "refused", "Megatron-DeepSpeed's ZB-H1 is not used; use --pipeline-schedule "
+               "zero-bubble (torch.distributed.pipelining's interleaved zero-bubble schedule)"),
+    CompatFlag("--enable-zbh1-exact-semantics", "refused", "see --enable-zbh1-pipeline"),
+    CompatFlag("--use-flash-attn-triton", "refused", "the Triton flash attention is not used; use --use-flash-attn "
+               "(flash-attn 2) or drop the flag (SDPA)"),
+    CompatFlag("--attention-softmax-in-fp32", "accepted", "flash-attn and SDPA's fused kernels accumulate the "
+               "softmax in fp32"),
+    CompatFlag("--use-mpi", "refused", "ranks come from the torch.distributed environment (torchrun, the deepspeed "
+               "launcher, accelerate); launch with one of them"),
+    CompatFlag("--use-z-loss", "refused", "the z-loss auxiliary term is not implemented"),
+    CompatFlag("--wandb-entity", "refused", "set the WANDB_ENTITY environment variable instead", nargs="1"),
     CompatFlag("--rotary-percent", "neutral", "partial rotary embeddings are not implemented", nargs="1",
                neutral="1.0"),
     CompatFlag("--no-pipeline-parallel", "accepted", "with --pipeline-model-parallel-size 1 hybrid never builds "
@@ -128,6 +146,12 @@ class ValueRule:
 
 
 VALUE_RULES = [
+    ValueRule("--no-position-embedding", "accepted with rope (--position-embedding-type rope / "
+              "--use-rotary-position-embeddings), which has no learned position table",
+              lambda a: a.no_position_embedding and a.position_embedding_type == "learned_absolute"
+              and not a.use_rotary_position_embeddings,
+              lambda a: "--no-position-embedding without rope: a model with no position information is not "
+                        "implemented; add --position-embedding-type rope."),
     ValueRule("--position-embedding-type", "learned_absolute or rope (alibi is not implemented)",
               lambda a: a.position_embedding_type == "alibi",
               lambda a: "--position-embedding-type alibi is not supported: use learned_absolute or rope."),

@@ -223,23 +223,45 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
     total = 2 * norm  # the input norm and the post-attention norm
     total += 2 * e * sbh  # each column-parallel linear's (all-gathered) input: the norms' outputs
     total += e * s * b * (heads + 2 * groups) * d  # QKV output (K and V are views of it)
+    if config.qk_layernorm:  # an RMSNorm over each Q and K head, as the layer norms (fp32 input, rstd, output)
+        qk = s * b * (heads + groups) * d
+        total += 4 * qk + 4 * (qk // d) + e * qk
     if config.position_embedding_type == "rope":  # rotated Q and K are new tensors; cos/sin tables
         total += e * s * b * (heads + groups) * d + 8 * s * d
     elif heads != groups:  # GQA: the query heads are copied out of the per-group layout
         total += e * s * b * heads * d
     total += e * s * b * heads * d  # attention output = the dense layer's input
     if act.recompute != "selective":
-        total += _core_attention_bytes(s, b, heads, d, e, m, act.attention_kernel, attn_dropout)
+        total += _core_attention_bytes(s, b, heads, d, e, m, act.attention_kernel, attn_dropout,
+                                       _attended_keys(s, config.sliding_window))
+        if config.sliding_window is not None and s > config.sliding_window:
+            total += _window_extra_bytes(s, b, heads, d, e, config.sliding_window)
     total += e * s * b * (4 * f if config.gated_linear_unit else 2 * f)  # GeLU: input, output; gated: fc1 out, act, product
     if dropout:
         total += 2 * m * shard  # the two residual dropout masks
     return total
 
 
-def _core_attention_bytes(s, b, heads, d, e, m, kernel, dropout) -> int:
+def _attended_keys(s: int, window) -> float:
+    """Keys scored per query on average: all s, or those of a window's query blocks (hybrid.model.attention)."""
+    from hybrid.model.attention import window_blocks
+    if window is None or s <= window:
+        return s
+    return sum((end - start) * (end - first) for start, end, first in window_blocks(s, window)) / s
+
+
+def _window_extra_bytes(s, b, heads, d, e, window) -> int:
+    """Windowed attention's blocks: each block's mask (as SDPA keeps it, in the compute dtype) and
+    output (the concatenated output is another tensor)."""
+    from hybrid.model.attention import window_blocks
+    masks = sum((end - start) * (end - first) for start, end, first in window_blocks(s, window))
+    return e * masks + e * s * b * heads * d
+
+
+def _core_attention_bytes(s, b, heads, d, e, m, kernel, dropout, keys=None) -> int:
     if kernel == "flash":
         return 4 * b * heads * s  # log-sum-exp per query (fp32); the output is counted by the caller
-    scores = b * heads * s * s
+    scores = int(b * heads * s * (keys or s))
     # math path: softmax output, dropout mask and dropped probabilities; a scaled Q copy
     return (e + m + e) * scores + e * s * b * heads * d if dropout else e * scores + e * s * b * heads * d
 

@@ -119,7 +119,7 @@ NOT_ARCHITECTURE = ("family", "init_method_std", "seed", "vocab_size", "max_posi
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_flags_build_the_imported_architecture_and_dry_run_counts_its_parameters(family, tmp_path):
     from hybrid.config import _architecture
-    from hybrid.conversion.families import family_of
+    from hybrid.conversion.families import family_of, infer_family
     from hybrid.flags import build_parser
     from hybrid.memory import parameter_inventory
     from hybrid.model.gpt import GPTModel
@@ -138,7 +138,7 @@ def test_family_flags_build_the_imported_architecture_and_dry_run_counts_its_par
     clear = {k: None for k in ("family",)}
     assert dataclasses.replace(flagged, **clear) == dataclasses.replace(
         imported, **clear, **{k: getattr(flagged, k) for k in NOT_ARCHITECTURE if k != "family"})
-    assert family_of(flagged) == RECORDED[family]  # trained from flags, exported as the same family
+    assert family_of(flagged) == infer_family(flagged) == RECORDED[family]  # trained from flags: recorded and exported
     for tp in (1, 2):
         model = GPTModel(flagged, ParallelGroups.shapes_only(tp, 0))
         real = {n: p.numel() for n, p in canonical_parameters(model, flagged.num_layers).items()}

@@ -25,6 +25,12 @@ EXPECTED_REFUSAL = {
     "megatron_deepspeed_gpt_1.3b_tokens": "--log-optimizer-states-to-tensorboard",
     "bigscience_bloom_176b": "--embed-layernorm",
     "bigscience_tr1_13b": "--codecarbon-dir",
+    "megatron_lm_mixtral_8x7b": "--num-experts",  # mixture-of-experts
+    "megatron_deepspeed_moe_gpt_1.3b_moe128": "--num-experts",
+    "megatron_deepspeed_zbh1_gpt_1.3b": "--enable-zbh1-pipeline",
+    "megatron_deepspeed_ulysses_gpt_1.3b_32k": "--ds-sequence-parallel-size",  # DeepSpeed-Ulysses
+    "megatron_deepspeed_gpt_1.3b_rope": "--rotary-percent",  # rope on a quarter of each head
+    "llm_jp_v3_megatron_sakura_1.8b": "--use-z-loss",
 }
 
 
@@ -42,6 +48,8 @@ def assets(tmp_path_factory):
                                              minloglevel=2)
     ds_config = tmp / "ds.json"
     ds_config.write_text("{}")
+    from tests.hf_families import save_embedded_tokenizer
+    save_embedded_tokenizer(tmp / "hf_tok")  # the data's tokenizer, as a HuggingFace tokenizer directory
     from hybrid.data.preprocess import build_parser as preprocess_parser
     from hybrid.data.preprocess import preprocess
     jsonl = tmp / "corpus.jsonl"
@@ -70,8 +78,8 @@ def _world(argv):
     return value("--tensor-model-parallel-size", 1) * value("--pipeline-model-parallel-size", 1)
 
 
-def test_the_corpus_has_at_least_ten_real_scripts_with_sources():
-    assert len(CORPUS) >= 10
+def test_the_corpus_has_at_least_25_real_scripts_with_sources():
+    assert len(CORPUS) >= 25
     for entry in CORPUS.values():
         assert entry["repo"] and entry["path"] and len(entry["commit"]) == 40 and len(entry["argv"]) > 20
 
@@ -110,7 +118,9 @@ SHRINK = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "
           "--seq-length": "32", "--max-position-embeddings": "32", "--micro-batch-size": "2", "--global-batch-size": "8",
           "--train-iters": "3", "--eval-iters": "1", "--eval-interval": "3", "--log-interval": "1",
           "--save-interval": "3", "--num-key-value-heads": "2", "--lr-warmup-iters": "1", "--lr-decay-iters": "3",
-          "--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "1", "--lr-warmup-fraction": "0.1"}
+          "--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "1", "--lr-warmup-fraction": "0.1",
+          "--num-query-groups": "2", "--kv-channels": "16", "--padded-vocab-size": "8192", "--train-samples": "6",
+          "--lr-decay-samples": "6"}
 DROP = {"--fp16", "--bf16", "--distributed-timeout-minutes"}  # no fp16/bf16 on DeepSpeed's CPU accelerator: fp32
 
 
@@ -131,7 +141,8 @@ def scaled_down(argv, log):
 
 
 @pytest.mark.parametrize("name", ["megatron_lm_gpt2_345m_tp2_pp2", "megatron_deepspeed_llama2",
-                                  "megatron_deepspeed_universal_ckpt_gpt"])
+                                  "megatron_deepspeed_universal_ckpt_gpt", "megatron_lm_qwen3_0.6b",
+                                  "megatron_lm_qwen2.5_0.5b", "megatron_lm_llama3.2_1b"])
 def test_scaled_down_real_script_trains(name, assets, tmp_path):
     local = dict(assets, CKPT=str(tmp_path / "ckpt"), TB=str(tmp_path / "tb"))
     if "{SPM}" in CORPUS[name]["argv"]:  # data tokenized by the script's own SentencePiece model
@@ -144,6 +155,14 @@ def test_scaled_down_real_script_trains(name, assets, tmp_path):
     assert [r["iteration"] for r in records] == [1, 2, 3]
     assert all(np.isfinite(r["lm_loss"]) for r in records)
     assert os.path.isfile(tmp_path / "ckpt" / "latest")
+    if CORPUS[name].get("family"):  # Megatron-LM's own definition of a family: the checkpoint records that family
+        from hybrid.checkpoint_format import read_client_state, read_tag
+        config = read_client_state(str(tmp_path / "ckpt"), read_tag(str(tmp_path / "ckpt"))).model_config()
+        assert config.family == {"megatron_lm_qwen3_0.6b": "qwen3", "megatron_lm_qwen2.5_0.5b": "qwen2",
+                                     "megatron_lm_llama3.2_1b": "llama"}[name]
+        assert (config.qk_layernorm, config.add_qkv_bias, bool(config.rope_scaling)) == {
+            "megatron_lm_qwen3_0.6b": (True, False, False), "megatron_lm_qwen2.5_0.5b": (False, True, False),
+            "megatron_lm_llama3.2_1b": (False, False, True)}[name]
 
 
 TINY = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,

@@ -92,9 +92,15 @@ def _model_config(style: str, dropout: float, recompute, sequence_parallel=False
     common = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
                   hidden_dropout=dropout, attention_dropout=dropout, recompute_granularity=recompute,
                   sequence_parallel=sequence_parallel)
-    if style == "llama":
+    if style != "gpt2":
         common.update(normalization="RMSNorm", swiglu=True, num_query_groups=2, position_embedding_type="rope",
                       add_bias_linear=False)
+    if style == "qwen3":  # Q/K norms, a head dimension of its own
+        common.update(qk_layernorm=True, kv_channels=32)
+    if style == "mistral":  # a window shorter than the sequence: the blocked path
+        common.update(sliding_window=24)
+    if style == "gemma":
+        common.update(swiglu=False, geglu=True, apply_layernorm_1p=True, scale_embeddings=True, kv_channels=32)
     return ModelConfig(**common)
 
 
@@ -150,6 +156,15 @@ def test_layer_activation_bytes_within_10pct_of_saved_tensors(style, recompute, 
     measured = _measured_layer_bytes(config, None, seq=64, batch=2)
     estimated = _estimated_layer_bytes(config, 1, seq=64, batch=2)
     assert abs(estimated - measured) <= 0.10 * measured, (estimated, measured)
+
+
+@pytest.mark.parametrize("style", ["qwen3", "mistral", "gemma"])
+@pytest.mark.parametrize("recompute,dropout", [(None, 0.0), ("selective", 0.0), (None, 0.1)])
+def test_family_layer_activation_bytes_within_10pct_of_saved_tensors(style, recompute, dropout):
+    config = _model_config(style, dropout, recompute)
+    measured = _measured_layer_bytes(config, None, seq=300, batch=2)
+    estimated = _estimated_layer_bytes(config, 1, seq=300, batch=2)
+    assert abs(estimated - measured) <= 0.10 * measured, (style, estimated, measured)
 
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])

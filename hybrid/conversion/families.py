@@ -371,13 +371,24 @@ def family_of(config: ModelConfig) -> str:
         return config.family
     if config.position_embedding_type == "learned_absolute":
         return "gpt2"
-    if config.apply_layernorm_1p or config.geglu or config.scale_embeddings:
+    if config.geglu or config.scale_embeddings or (config.apply_layernorm_1p and config.normalization == "RMSNorm"):
         return "gemma"
     if config.qk_layernorm:
         return "qwen3"
     if config.add_qkv_bias:
         return "qwen2"
     return "mistral" if config.sliding_window is not None else "llama"
+
+
+def infer_family(config: ModelConfig):
+    """The family a model built from flags is recorded as: the one its options name, if that family can
+    express it (else None: such a model trains, and export says which option no family has)."""
+    candidate = family_of(config)
+    try:
+        FAMILIES[candidate](config).check_exportable()
+    except ConfigError:
+        return None
+    return candidate
 
 
 def adapter_for_model(config: ModelConfig) -> Adapter:

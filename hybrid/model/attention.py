@@ -93,17 +93,22 @@ def allowed_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, window) -> torc
     return allowed
 
 
+WINDOW_BLOCK = 256  # the least query block of windowed_attention (small windows would mean many tiny blocks)
+
+
+def window_blocks(s: int, window: int, block: int = None) -> list[tuple[int, int, int]]:
+    """(first query, end, first key) of each query block of windowed_attention."""
+    block = block or max(window, WINDOW_BLOCK)
+    return [(start, min(start + block, s), max(0, start - window + 1)) for start in range(0, s, block)]
+
+
 def windowed_attention(q, k, v, window: int, dropout: float, scale: float, block: int = None):
     """Sliding-window causal attention on [b, heads, s, d] without an s x s mask: query blocks of
     `block` (>= window) positions each attend the keys from `window - 1` before the block to its end,
     so the masks and scores are [block, block + window - 1], memory linear in s."""
-    s = q.size(2)
-    block = block or max(window, 256)
     gqa = k.size(1) != q.size(1)
     outs = []
-    for start in range(0, s, block):
-        end = min(start + block, s)
-        first_key = max(0, start - window + 1)
+    for start, end, first_key in window_blocks(q.size(2), window, block):
         positions = torch.arange(first_key, end, device=q.device)
         mask = allowed_keys(positions[start - first_key:], positions, window)
         outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, first_key:end], v[:, :, first_key:end],
