@@ -51,6 +51,8 @@ def make_family(family: str, path, seed: int = 0, tokenizer: bool = True, **over
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
+    if overrides.get("dtype") == "bfloat16":
+        model = model.to(torch.bfloat16)
     model.save_pretrained(path)
     if tokenizer:
         save_embedded_tokenizer(path)

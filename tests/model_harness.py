@@ -11,7 +11,14 @@ GPT2 = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=100,
 LLAMA = dict(GPT2, position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,
              add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=64,
              rotary_base=10000.0)
-CONFIGS = {"gpt2": GPT2, "llama": LLAMA}
+# every option of the Llama family members at once (Qwen2's Q/K/V bias, Qwen3's Q/K norms and head dim,
+# Mistral's window (shorter than the test sequences), Llama 3's rope scaling), and Gemma's
+FAMILY_OPTIONS = dict(LLAMA, add_qkv_bias=True, qk_layernorm=True, kv_channels=16, sliding_window=6,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 8})
+GEMMA = dict(LLAMA, swiglu=False, geglu=True, apply_layernorm_1p=True, scale_embeddings=True, kv_channels=16,
+             untie_embeddings_and_output_weights=False)
+CONFIGS = {"gpt2": GPT2, "llama": LLAMA, "family_options": FAMILY_OPTIONS, "gemma": GEMMA}
 
 
 def batch(batch_size=4, seq=16, vocab=100, seed=0):

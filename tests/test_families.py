@@ -89,6 +89,20 @@ def test_export_is_bit_identical_loads_cleanly_and_generates_what_the_original_d
                                         pad_token_id=0))
 
 
+@pytest.mark.parametrize("family", ["qwen2", "gemma"])
+def test_a_bf16_model_exports_bit_identical_in_bf16(family, tmp_path):
+    from safetensors.torch import load_file
+    make_family(family, tmp_path / "hf", tokenizer=False, dtype="bfloat16")
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in original.values())
+    state, config, _ = read_hf_dir(str(tmp_path / "hf"))
+    assert config.hf_dtype == "bfloat16"
+    write_hf_dir(state, config, str(tmp_path / "out"))
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(exported) == set(original) and all(torch.equal(exported[k], original[k]) for k in original)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 def _assert_kept_fields(source, export):
     a, b = (json.loads((d / "config.json").read_text()) for d in (source, export))
     for field in KEPT_FIELDS:
@@ -113,7 +127,7 @@ FAMILY_FLAGS = {
               "--norm-epsilon", 1e-6],
 }
 # fields an import takes from the HF config that flags leave at their defaults (not the architecture)
-NOT_ARCHITECTURE = ("family", "init_method_std", "seed", "vocab_size", "max_position_embeddings")
+NOT_ARCHITECTURE = ("family", "init_method_std", "seed", "vocab_size", "max_position_embeddings", "hf_dtype")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -250,3 +264,65 @@ def test_load_hf_trains_at_tp2_pp2_sp_as_at_one_rank_evaluates_to_transformers_a
                         2, "--eval-iters", 3, "--sequence-parallel", "--log-json", log], script="launch/evaluate.py")
     ours, want = read_log(log)[0]["lm_loss"], hf_windows_loss(hf, data, 32, 6)
     assert abs(ours - want) <= 1e-5 * abs(want), (ours, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_resharding_an_imported_family_is_exact(family, hf_models, tmp_path):
+    from hybrid.conversion.checkpoint_util import main as convert
+    from hybrid.conversion.layout import read_hybrid
+    path, _ = hf_models[family]
+    if family == "gemma":  # one KV head: TP 1 only; reshard over pipeline stages
+        layouts = [("1", "2"), ("1", "1")]
+    else:
+        layouts = [("2", "2"), ("1", "1"), ("2", "1")]
+    previous = str(path)
+    states = []
+    for i, (tp, pp) in enumerate(layouts):
+        out = str(tmp_path / f"tp{tp}pp{pp}")
+        loader = ["--loader", "hf"] if i == 0 else []
+        assert convert(loader + ["--load-dir", previous, "--save-dir", out, "--target-tensor-parallel-size", tp,
+                                 "--target-pipeline-parallel-size", pp, "--no-progress-bar"]) == 0
+        state, meta = read_hybrid(out)
+        from hybrid.checkpoint_format import ClientState
+        assert ClientState.from_meta(meta).model_config().family == RECORDED[family]
+        states.append(state)
+        previous = out
+    want, _, _ = read_hf_dir(str(path))
+    for state in states:
+        assert set(state) == set(want) and all(torch.equal(state[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--window-size", "5,3"], "--window-size 5,3: a causal model attends no later tokens; use 5,0"),
+    (["--window-size", "five"], "argument --window-size: expected LEFT,RIGHT such as 4095,0"),
+    (["--window-size=-4,0"], "--window-size -4,0: LEFT must be >= 0"),
+    (["--kv-channels", "0"], "--kv-channels must be positive"),
+    (["--position-embedding-type", "rope", "--use-rope-scaling", "--rotary-seq-len-interpolation-factor", "4"],
+     "are two rope scalings; give one"),
+    (["--use-rope-scaling"], "needs --position-embedding-type rope"),
+    (["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor", "0"],
+     "--rope-scaling-factor must be positive"),
+    (["--swiglu", "--geglu"], "--swiglu and --geglu are two gated MLPs; give one"),
+    (["--padded-vocab-size", "100"], "--padded-vocab-size 100 is smaller than the tokenizer's vocabulary"),
+    (["--no-position-embedding"], "--no-position-embedding without rope"),
+    (["--load-hf", "{missing}"], "--load-hf {missing}: no such directory"),
+    (["--load-hf", "{empty}"], "no config.json; not a HuggingFace model directory"),
+    (["--load-hf", "{gpt_neox}"], "architecture ['GPTNeoXForCausalLM'] is not supported; supported: GPT2LMHeadModel"),
+    (["--load-hf", "{qwen2}", "--finetune", "--load", "{empty}"], "--load-hf starts from a HuggingFace model"),
+])
+def test_bad_family_flags_are_one_message_exit_2_and_nothing_written(flags, message, tmp_path, capsys, hf_models):
+    from hybrid.training.loop import main
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "gpt_neox").mkdir()
+    (tmp_path / "gpt_neox" / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"]}))
+    places = {"{missing}": str(tmp_path / "missing"), "{empty}": str(tmp_path / "empty"),
+              "{gpt_neox}": str(tmp_path / "gpt_neox"), "{qwen2}": str(hf_models["qwen2"][0])}
+    argv = [places.get(f, f) for f in flags] + ["--mock-data", "--train-iters", "1", "--save", str(tmp_path / "out"),
+                                                "--no-progress-bar"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    want = message
+    for key, value in places.items():
+        want = want.replace(key, value)
+    assert err.startswith("error: ") and want in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()

@@ -13,8 +13,8 @@ from tests.model_harness import CONFIGS, assemble_grads, batch, compare_grads, r
 ATOL = 1e-5
 
 
-@pytest.mark.parametrize("style", ["gpt2", "llama"])
-@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("style,sequence_parallel", [("gpt2", False), ("gpt2", True), ("llama", False), ("llama", True),
+                                                     ("family_options", True), ("gemma", True)])
 def test_tp2_logits_loss_and_grads_equal_tp1(style, sequence_parallel):
     cfg, data = CONFIGS[style], batch()
     ref_loss, ref_logits, ref_grads = reference(cfg, data)
@@ -35,7 +35,7 @@ def test_pp2_loss_and_every_grad_equal_one_rank(style):
     compare_grads(assemble_grads(results), ref_grads, cfg["vocab_size"], ATOL)
 
 
-@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("style", ["gpt2", "llama", "family_options", "gemma"])
 def test_tp2_pp2_loss_and_every_grad_equal_one_rank(style):
     cfg, data = CONFIGS[style], batch()
     ref_loss, _, ref_grads = reference(cfg, data)
@@ -81,7 +81,7 @@ def _recompute_grads(cfg, recompute):
     return out
 
 
-@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("style", ["gpt2", "llama", "family_options"])
 def test_full_and_selective_recompute_give_the_same_gradients_as_none(style):
     cfg = CONFIGS[style]
     baseline = run_on_ranks(_recompute_grads, 2, cfg, None)

@@ -35,6 +35,15 @@ def get(state: dict, name: str) -> torch.Tensor:
     return state[name]
 
 
+def dtype_of(hf):
+    """The HF config's dtype as a name ("bfloat16"), or None."""
+    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    if dtype is None:
+        return None
+    name = str(dtype).replace("torch.", "")
+    return name if name in ("float32", "bfloat16", "float16") else None
+
+
 def _refuse(family: str, field: str, value, why: str):
     raise ConfigError(f"{family} config field {field}={value!r} is not supported: {why}.")
 
@@ -97,7 +106,7 @@ class GPT2Adapter(Adapter):
                            vocab_size=hf.vocab_size, max_position_embeddings=hf.n_positions,
                            ffn_hidden_size=hf.n_inner or 4 * hf.n_embd, norm_epsilon=hf.layer_norm_epsilon,
                            hidden_dropout=hf.resid_pdrop, attention_dropout=hf.attn_pdrop,
-                           init_method_std=hf.initializer_range, family=cls.family)
+                           init_method_std=hf.initializer_range, family=cls.family, hf_dtype=dtype_of(hf))
 
     def check_exportable(self):
         c = self.config
@@ -240,7 +249,7 @@ class LlamaAdapter(Adapter):
             apply_layernorm_1p=cls.gemma, scale_embeddings=cls.gemma,
             untie_embeddings_and_output_weights=not getattr(hf, "tie_word_embeddings", False),
             hidden_dropout=0.0, attention_dropout=float(getattr(hf, "attention_dropout", 0.0)),
-            init_method_std=hf.initializer_range, family=cls.family)
+            init_method_std=hf.initializer_range, family=cls.family, hf_dtype=dtype_of(hf))
 
     def check_exportable(self):
         c = self.config
@@ -337,8 +346,8 @@ class Qwen2Adapter(LlamaAdapter):
     qkv_bias, windowed = True, True
 
     def _family_fields(self):
-        w = self.config.sliding_window
-        return {"use_sliding_window": w is not None, "sliding_window": w, "max_window_layers": 0}
+        w = self.config.sliding_window  # a window on every layer (max_window_layers 0), or none
+        return {"use_sliding_window": True, "sliding_window": w, "max_window_layers": 0} if w else {}
 
 
 class Qwen3Adapter(Qwen2Adapter):

@@ -77,14 +77,18 @@ def write_hf_dir(state: dict, config: ModelConfig, save_dir: str, tokenizer=None
     from transformers import GenerationConfig
 
     from hybrid.checkpoint_format import atomic_directory
+    import torch
     adapter = adapter_for_model(config)
-    hf_state = adapter.to_hf(state)
+    dtype = getattr(torch, config.hf_dtype or "float32")  # the imported model's dtype (fp32 for models from flags)
+    hf_state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in adapter.to_hf(state).items()}
     ids = {}
     if tokenizer is not None:
         ids = {"bos_token_id": tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
                "eos_token_id": tokenizer.eos_token_id}
     with atomic_directory(save_dir) as tmp:
-        adapter.hf_config(ids).save_pretrained(tmp)
+        hf_config = adapter.hf_config(ids)
+        hf_config.dtype = config.hf_dtype or "float32"
+        hf_config.save_pretrained(tmp)
         GenerationConfig(**ids).save_pretrained(tmp)
         split = split_torch_state_dict_into_shards(hf_state, filename_pattern="model{suffix}.safetensors",
                                                    max_shard_size=max_shard_size)

@@ -54,6 +54,7 @@ class ModelConfig:
     geglu: bool = False  # --geglu: gated tanh-GeLU MLP (Gemma) instead of SwiGLU / GeLU
     scale_embeddings: bool = False  # --scale-embeddings: word embeddings x sqrt(hidden), in their dtype (Gemma)
     family: Optional[str] = None  # the HF family (hybrid.conversion.families); None: chosen from the options
+    hf_dtype: Optional[str] = None  # the imported HF model's dtype ("bfloat16", ...): export writes it; None: fp32
 
     def __post_init__(self):
         if self.num_query_groups is None:
