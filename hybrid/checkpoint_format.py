@@ -37,6 +37,12 @@ def tag_for(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
+def iteration_of(tag: str) -> Optional[int]:
+    """The iteration an iter_NNNNNNN tag names (None for other names)."""
+    match = re.fullmatch(r"iter_(\d{7})", tag or "")
+    return int(match.group(1)) if match else None
+
+
 def write_atomic(path: str, text: str) -> None:
     """Write a small file under a temporary name, then rename it into place."""
     tmp = f"{path}.tmp{os.getpid()}"

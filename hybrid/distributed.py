@@ -37,12 +37,31 @@ def resolve_backend(requested: Optional[str]) -> str:
     return requested or default_backend()
 
 
+def _restart_safe_store(timeout) -> dict:
+    """Under torchrun (its agent hosts the TCP store) a store whose keys are this restart attempt's own.
+    torchrun keeps one store across `--max-restarts` attempts, so with the plain env:// rendezvous a
+    restarted rank can read the previous attempt's gloo/NCCL addresses and wait on a peer that no
+    longer exists (seen: restarted jobs hanging in init_process_group). Elsewhere: env:// as usual."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"/hybrid/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
+
+
 def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = None) -> None:
     """Initialise torch.distributed from the environment if needed (`backend`: --distributed-backend,
-    default nccl on CUDA, gloo on CPU), then DeepSpeed's comm."""
+    default nccl on CUDA, gloo on CPU), then DeepSpeed's comm. `timeout_minutes`
+    (--distributed-timeout-minutes) bounds every collective of every group made afterwards; a call
+    when torch.distributed is already initialised changes neither."""
     import deepspeed
 
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
+        from hybrid.training.deepspeed_fixes import groups_time_out_after
+        groups_time_out_after(timeout)  # DeepSpeed's groups too, not only the world group
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", os.environ["RANK"] if os.environ["WORLD_SIZE"] == "1" else "0")
@@ -51,7 +70,6 @@ def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = Non
             os.environ["MASTER_PORT"] = str(free_port())
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(resolve_backend(backend), timeout=datetime.timedelta(minutes=timeout_minutes))
+        dist.init_process_group(resolve_backend(backend), timeout=timeout, **_restart_safe_store(timeout))
     # Wraps the existing process group; DeepSpeed's grid and engine call deepspeed.comm.
-    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
-                               timeout=datetime.timedelta(minutes=timeout_minutes))
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, timeout=timeout)

@@ -61,4 +61,5 @@ def test_readme_tutorial_runs_block_by_block(tmp_path):
 
     out = _run(from_hf, tmp_path)
     assert "loaded the qwen3 weights of tutorial/qwen3 (--load-hf)" in out and "TP=2" in out
-    assert _iteration(tutorial / "qwen3-cpt") == "iter_0000010" and out.strip().endswith("Qwen3ForCausalLM")
+    assert _iteration(tutorial / "qwen3-cpt") == "iter_0000010"
+    assert "Qwen3ForCausalLM" in [line.strip() for line in out.splitlines()], out[-2000:]

@@ -24,7 +24,25 @@ RELIED_ON = [
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.__init__", "self.param_names = param_names"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
      "param_groups"),
+    ("deepspeed.comm.torch", "TorchBackend.new_group", "return torch.distributed.new_group(ranks)"),
+    ("torch.distributed.distributed_c10d", "_new_group_with_tag", "timeout = _get_default_timeout(backend)"),
+    ("torch.distributed.distributed_c10d", "_get_default_timeout", "return default_pg_timeout"),
 ]
+
+
+# --- every process group times out after --distributed-timeout-minutes -------------------------
+
+def groups_time_out_after(timeout) -> None:
+    """Make `timeout` the default of every process group created from now on in this process.
+    DeepSpeed 0.19's grid (TP, DP, PP, slice groups) and engine call `torch.distributed.new_group(ranks)`
+    with no timeout (deepspeed.comm.torch.TorchBackend.new_group), and torch then uses its own default
+    (30 minutes for gloo, 10 for NCCL), not the world group's: a dead peer in a TP or pipeline
+    collective would hang for that long whatever --distributed-timeout-minutes says. torch (2.13) reads
+    the default from these module constants when a group is made."""
+    import torch.distributed.distributed_c10d as c10d
+    c10d.default_pg_timeout = timeout
+    if hasattr(c10d, "default_pg_nccl_timeout"):
+        c10d.default_pg_nccl_timeout = timeout
 
 
 # --- no code from checkpoint files ---------------------------------------------------------------

@@ -70,7 +70,8 @@ def finish(run) -> int:
     if dist.is_initialized():
         dist.barrier()
     status = 0
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
         try:
             export_hf(t.save, t.export_hf)
             if t.sample_prompt:

@@ -12,7 +12,10 @@ import torch.distributed as dist
 
 
 def is_rank_zero() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    """Rank 0 of the job (before torch.distributed starts: the launcher's RANK)."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def log(message: str, all_ranks: bool = False) -> None:

@@ -203,6 +203,11 @@ class Trainer:
                                config_summary(self.run), t.progress_bar, iteration, t.wandb_save_dir)
         self.consumed_valid = (iteration // t.eval_interval) * t.eval_iters * t.global_batch_size \
             if t.eval_interval else 0
+        if iteration >= t.train_iters and t.load:  # a restart after the last checkpoint: nothing to redo
+            log(f"nothing to train: the checkpoint loaded from {t.load} is at iteration {iteration}, the end of the "
+                f"run (--train-iters {t.train_iters}); no evaluation, no save")
+            logger.close()
+            return iteration
         batches = self._batches(self.train_ds, consumed)
         timer, last_saved, pending, interval_seconds = Timer(), None, [], 0.0
         log(f"training from iteration {iteration} to {t.train_iters} "
@@ -249,6 +254,29 @@ class Trainer:
         return iteration
 
 
+def _timeout_of(argv) -> float:
+    try:
+        return build_parser().parse_args(argv).distributed_timeout_minutes
+    except ConfigError:
+        return float("nan")
+
+
+def _already_finished(run: RunConfig) -> bool:
+    """A restart (--load = --save) whose newest complete checkpoint is the run's last iteration has
+    nothing to do: it says so and exits before building anything (no process group, no save)."""
+    t = run.train
+    if not t.load or t.finetune or t.universal_checkpoint or not os.path.isdir(t.load):
+        return False
+    from hybrid.checkpoint_format import iteration_of, read_tag, verify_manifest
+    tag = read_tag(t.load)
+    iteration = iteration_of(tag)
+    if iteration is None or iteration < t.train_iters or verify_manifest(os.path.join(t.load, tag)) is not None:
+        return False
+    log(f"nothing to train: the newest checkpoint in {t.load} ({tag}) is at iteration {iteration}, the end of "
+        f"the run (--train-iters {t.train_iters}); exiting")
+    return True
+
+
 def _quiet_deepspeed() -> None:
     from deepspeed.utils import logger as ds_logger
     if not os.environ.get("HYBRID_VERBOSE"):
@@ -276,6 +304,9 @@ def run_training(argv: Optional[list[str]] = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(report(run, args.gpu_memory_gb), flush=True)
         return 0
+    if _already_finished(run):
+        from hybrid.training.demo import finish
+        return finish(run)
     from hybrid.distributed import init_distributed
     init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
     _quiet_deepspeed()
@@ -295,12 +326,39 @@ def run_training(argv: Optional[list[str]] = None) -> int:
 
 
 ERROR_GRACE_SECONDS = 3.0
+PEER_FAILED = 4  # the exit status when a collective failed: a peer died or did not answer in time
+
+# what torch.distributed's backends say when a peer is gone or silent (gloo: RuntimeError texts; NCCL:
+# DistBackendError / its watchdog)
+_PEER_FAILURE_TEXTS = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer",
+                       "Connection refused", "NCCL", "Broken pipe")
+
+
+def _peer_failure(error: BaseException) -> bool:
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _PEER_FAILURE_TEXTS)
+
+
+def _report_peer_failure(error: BaseException, timeout_minutes: float) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+    print(f"error: rank {rank}: a collective with another rank failed ({first}). A rank died or did not answer "
+          f"within --distributed-timeout-minutes {timeout_minutes:g}; the newest complete checkpoint in --save is "
+          f"intact: restart the job with --load pointing at it (torchrun --max-restarts does this by itself).",
+          file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point: a user's mistake ends in one message and exit code 2, not a traceback."""
+    """Entry point: a user's mistake ends in one message and exit code 2, not a traceback; a dead or
+    silent peer in one message and PEER_FAILED."""
     try:
         code = run_training(argv)
+    except RuntimeError as e:
+        if not _peer_failure(e):
+            raise
+        _report_peer_failure(e, _timeout_of(argv))
+        return PEER_FAILED  # no barrier or teardown: the groups are broken
     except ConfigError as e:
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         if rank == 0:

@@ -1,0 +1,140 @@
+"""Restarts that never hang: under `torchrun --max-restarts 1` with --save D --load D, a rank killed with
+SIGKILL mid-iteration, mid-save or after the last save is restarted and the job finishes with the
+uninterrupted run's losses (dropout on: bitwise), or exits at once when nothing is left; every process
+group honours --distributed-timeout-minutes, so a peer that stops answering ends a collective within it."""
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from hybrid.checkpoint_format import MANIFEST
+from tests.launch_helpers import MERGES, ROOT, VOCAB, command, env, read_log, run
+
+FLAGS = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 32,
+         "--micro-batch-size", 2, "--global-batch-size", 8, "--train-iters", 12, "--save-interval", 4,
+         "--lr", 1e-3, "--lr-warmup-iters", 2, "--eval-iters", 0, "--log-interval", 1, "--vocab-file", VOCAB,
+         "--merge-file", MERGES, "--no-progress-bar", "--deepspeed", "ds_configs/zero1.json"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    run("torchrun", 2, FLAGS + ["--data-path", data, "--save", out / "ckpt", "--log-json", out / "log.jsonl"])
+    return {r["iteration"]: r["lm_loss"] for r in read_log(out / "log.jsonl")}
+
+
+def _rank_process(launcher: psutil.Process, rank: str):
+    for child in launcher.children(recursive=True):
+        try:
+            if "launch/train.py" in " ".join(child.cmdline()) and child.environ().get("RANK") == rank:
+                return child
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+def _run_and_kill(flags, trigger, timeout=300):
+    """Launch under torchrun --max-restarts 1; the first time `trigger(output so far)` holds (polled every
+    few milliseconds), SIGKILL rank 1. Returns (exit code, output, whether a kill happened)."""
+    import threading
+    cmd = command("torchrun", 2, "launch/train.py")
+    cmd.insert(cmd.index("--nproc_per_node"), "--max-restarts=1")
+    proc = subprocess.Popen(cmd + [str(f) for f in flags], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    output = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+    reader.start()
+    launcher, killed, start = psutil.Process(proc.pid), False, time.time()
+    while proc.poll() is None:
+        assert time.time() - start < timeout, "".join(output[-50:])
+        if not killed and trigger("".join(output)):
+            victim = _rank_process(launcher, "1")
+            if victim is not None:
+                victim.kill()
+                killed = True
+        time.sleep(0.005)
+    reader.join(timeout=10)
+    return proc.returncode, "".join(output), killed
+
+
+def _losses(log):
+    out = {}
+    for record in read_log(log):
+        out[record["iteration"]] = record["lm_loss"]  # a restarted stretch logs its iterations again
+    return out
+
+
+@pytest.mark.parametrize("moment", ["mid-iteration", "mid-save", "after-the-last-save"])
+def test_a_rank_killed_at_any_moment_restarts_and_finishes_with_the_uninterrupted_losses(
+        moment, data, uninterrupted, tmp_path):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    flags = FLAGS + ["--data-path", data, "--save", ckpt, "--load", ckpt, "--log-json", log]
+
+    def trigger(output):
+        if moment == "mid-iteration":
+            return " iteration        6/" in output
+        if moment == "mid-save":  # DeepSpeed has started writing iteration 8's files; no manifest yet
+            return (ckpt / "iter_0000008").is_dir() and not (ckpt / "iter_0000008" / MANIFEST).exists()
+        return "saved checkpoint iter_0000012" in output
+
+    code, output, killed = _run_and_kill(flags, trigger)
+    assert killed and code == 0, output[-3000:]
+    assert _losses(log) == uninterrupted, output[-3000:]
+    if moment == "after-the-last-save":
+        assert "nothing to train: the newest checkpoint" in output
+    elif moment == "mid-save":  # the half-written iteration 8 is passed over for iteration 4
+        assert "loaded checkpoint" in output and "iter_0000004 at iteration 4" in output, output[-3000:]
+    else:
+        assert "loaded checkpoint" in output
+
+
+def test_a_peer_that_stops_answering_ends_a_deepspeed_group_collective_within_the_timeout(tmp_path):
+    """DeepSpeed makes its TP/DP/PP groups with torch's default timeout (30 minutes on gloo); hybrid
+    makes --distributed-timeout-minutes the default of every group."""
+    script = tmp_path / "probe.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {ROOT!r})
+        import torch, torch.distributed as dist
+        from hybrid.distributed import init_distributed
+        from hybrid.topology import Topology
+        init_distributed(0.05, "gloo")  # 3 seconds
+        topology = Topology(2, 1)
+        if dist.get_rank() == 1:
+            time.sleep(60)
+            sys.exit(0)
+        start = time.time()
+        try:
+            dist.all_reduce(torch.ones(1), group=topology.tp_group)
+        except RuntimeError as error:
+            print("TIMEOUT", round(time.time() - start, 1), str(error).splitlines()[0][:120], flush=True)
+    """))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(__import__("hybrid.distributed", fromlist=["free_port"]).free_port()), str(script)]
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.startswith("TIMEOUT"):
+            seconds = float(line.split()[1])
+            proc.kill()
+            assert seconds < 20, line
+            assert "Timed out" in line, line
+            return
+    pytest.fail("the collective never returned")
+
+
+def test_a_failed_collective_is_one_message_and_its_own_exit_status(capsys, monkeypatch):
+    from hybrid.training import loop
+    error = RuntimeError("[/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation")
+    monkeypatch.setattr(loop, "run_training", lambda argv: (_ for _ in ()).throw(error))
+    assert loop.main(["--distributed-timeout-minutes", "0.5"]) == loop.PEER_FAILED
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: rank 0: a collective with another rank failed")
+    assert "--distributed-timeout-minutes 0.5" in err and "Timed out waiting 3000ms" in err
+    other = RuntimeError("shape mismatch")  # not a communication failure: a real bug keeps its traceback
+    monkeypatch.setattr(loop, "run_training", lambda argv: (_ for _ in ()).throw(other))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        loop.main([])
