@@ -78,6 +78,7 @@ class TrainConfig:
     per_token_loss: bool = False  # --calculate-per-token-loss: the iteration's loss is its valid tokens' mean
     check_nan: bool = True  # --check-for-nan-in-loss-and-grad: stop at the first non-finite loss or grad norm
     load_hf: Optional[str] = None  # --load-hf: the HF model directory the run starts from (when --load has none)
+    async_save: bool = False  # --async-save: checkpoints written in the background from a host copy
 
 
 @dataclass
@@ -355,7 +356,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
         weight_decay=float(optimizer["params"].get("weight_decay", 0.0)), clip_grad=float(clip),
         precision=precision, seed=args.seed, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         data_path=args.data_path, split=args.split, mock_data=args.mock_data, save=args.save, load=args.load,
-        save_interval=args.save_interval, finetune=args.finetune, load_hf=args.load_hf, no_load_optim=args.no_load_optim,
+        save_interval=args.save_interval, finetune=args.finetune, load_hf=args.load_hf, async_save=args.async_save, no_load_optim=args.no_load_optim,
         no_load_rng=args.no_load_rng, log_interval=max(1, args.log_interval), log_json=args.log_json,
         tensorboard_dir=args.tensorboard_dir, wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
         num_workers=args.num_workers, exit_interval=args.exit_interval, progress_bar=not args.no_progress_bar,

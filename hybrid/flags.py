@@ -151,6 +151,9 @@ def _add_checkpointing_args(p):
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--finetune", action="store_true")
+    g.add_argument("--async-save", action="store_true",
+                   help="copy each checkpoint to host memory and write it in the background while training goes on; "
+                        "'latest' moves once it is complete (at the next log line, save or the end of the run)")
     g.add_argument("--load-hf", default=None, metavar="HF_DIR",
                    help="start from a local HuggingFace model directory (Llama, Mistral, Qwen2/3, Gemma, GPT-2): "
                         "its architecture, weights (converted at this run's layout) and tokenizer; the LR schedule "

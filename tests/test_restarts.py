@@ -24,7 +24,7 @@ FLAGS = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--
 def uninterrupted(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted")
     run("torchrun", 2, FLAGS + ["--data-path", data, "--save", out / "ckpt", "--log-json", out / "log.jsonl"])
-    return {r["iteration"]: r["lm_loss"] for r in read_log(out / "log.jsonl")}
+    return {r["iteration"]: r["lm_loss"] for r in read_log(out / "log.jsonl")}, out / "ckpt"
 
 
 def _rank_process(launcher: psutil.Process, rank: str):
@@ -68,28 +68,63 @@ def _losses(log):
     return out
 
 
-@pytest.mark.parametrize("moment", ["mid-iteration", "mid-save", "after-the-last-save"])
+@pytest.mark.parametrize("moment", ["mid-iteration", "mid-save", "mid-async-save", "after-the-last-save"])
 def test_a_rank_killed_at_any_moment_restarts_and_finishes_with_the_uninterrupted_losses(
         moment, data, uninterrupted, tmp_path):
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     flags = FLAGS + ["--data-path", data, "--save", ckpt, "--load", ckpt, "--log-json", log]
+    if moment == "mid-async-save":  # killed while the background writer has iteration 8 half on disk
+        flags.append("--async-save")
 
     def trigger(output):
         if moment == "mid-iteration":
             return " iteration        6/" in output
-        if moment == "mid-save":  # DeepSpeed has started writing iteration 8's files; no manifest yet
+        if moment in ("mid-save", "mid-async-save"):  # iteration 8's files are being written; no manifest yet
             return (ckpt / "iter_0000008").is_dir() and not (ckpt / "iter_0000008" / MANIFEST).exists()
         return "saved checkpoint iter_0000012" in output
 
     code, output, killed = _run_and_kill(flags, trigger)
     assert killed and code == 0, output[-3000:]
-    assert _losses(log) == uninterrupted, output[-3000:]
+    assert _losses(log) == uninterrupted[0], output[-3000:]
     if moment == "after-the-last-save":
         assert "nothing to train: the newest checkpoint" in output
-    elif moment == "mid-save":  # the half-written iteration 8 is passed over for iteration 4
+    elif moment in ("mid-save", "mid-async-save"):  # the half-written iteration 8 is passed over for iteration 4
         assert "loaded checkpoint" in output and "iter_0000004 at iteration 4" in output, output[-3000:]
     else:
         assert "loaded checkpoint" in output
+
+
+def _tensors(obj, prefix=""):
+    import torch
+    if torch.is_tensor(obj):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            if key not in ("args", "hybrid_config"):  # the flags differ (--async-save, paths)
+                yield from _tensors(value, f"{prefix}.{key}")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _tensors(value, f"{prefix}[{i}]")
+
+
+def test_async_save_writes_the_synchronous_checkpoints_bit_for_bit_and_trains_the_same(data, uninterrupted, tmp_path):
+    import torch
+    losses, sync_dir = uninterrupted
+    log = tmp_path / "log.jsonl"
+    proc = run("torchrun", 2, FLAGS + ["--data-path", data, "--save", tmp_path / "ckpt", "--log-json", log,
+                                       "--async-save"])
+    assert _losses(log) == losses
+    assert (tmp_path / "ckpt" / "latest").read_text() == "iter_0000012"
+    assert proc.stdout.count("saved checkpoint iter_") == 3
+    stalls = [r["checkpoint_stall_s"] for r in read_log(log) if "checkpoint_stall_s" in r]
+    assert len(stalls) >= 3 and all(s > 0 for s in stalls)
+    for tag in ("iter_0000004", "iter_0000008", "iter_0000012"):
+        files = sorted(f.name for f in (sync_dir / tag).glob("*.pt"))
+        assert files == sorted(f.name for f in (tmp_path / "ckpt" / tag).glob("*.pt")) and len(files) == 3
+        for name in files:
+            want = dict(_tensors(torch.load(sync_dir / tag / name, weights_only=False)))
+            got = dict(_tensors(torch.load(tmp_path / "ckpt" / tag / name, weights_only=False)))
+            assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), (tag, name)
 
 
 def test_a_peer_that_stops_answering_ends_a_deepspeed_group_collective_within_the_timeout(tmp_path):

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
 from hybrid.checkpoint_format import (LATEST, LATEST_UNIVERSAL, MEGATRON_LATEST, ClientState, UnsafeCheckpointError,
-                                      complete_tags, read_client_state, read_tag, tag_for, universal_checkpoint_info,
+                                      complete_tags, iteration_of, read_client_state, read_tag, tag_for,
+                                      universal_checkpoint_info,
                                       verify_manifest, write_atomic, write_manifest)
 from hybrid.config import RunConfig, config_summary
 from hybrid.errors import ConfigError
@@ -43,6 +44,14 @@ def _universal_info(run: RunConfig) -> dict:
 
 def save(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples: int) -> str:
     """Save through DeepSpeed, then point `latest` at it."""
+    tag = write_files(engine, run, save_dir, iteration, consumed_samples)
+    finalize(engine, save_dir, tag)
+    return tag
+
+
+def write_files(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples: int) -> str:
+    """DeepSpeed's files of this checkpoint (with --async-save: their host copies, handed to the background
+    writer); no manifest, no pointer yet. Returns the tag."""
     tag = tag_for(iteration)
     client_state = ClientState(iteration=iteration, consumed_samples=consumed_samples, args=run.args,
                                hybrid_config=config_summary(run), rng_states=get_rng_states(),
@@ -50,16 +59,24 @@ def save(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples
                                optimizer_param_names=optimizer_param_names(engine, run))
     os.makedirs(save_dir, exist_ok=True)
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state.to_dict(), save_latest=False)
+    return tag
+
+
+def finalize(engine, save_dir: str, tag: str) -> None:
+    """Once every rank's files of `tag` are on disk (--async-save: its background writes done), record
+    them in the manifest and move `latest` and Megatron's pointer to it."""
+    writer = getattr(engine, "checkpoint_engine", None)
+    if hasattr(writer, "wait"):
+        writer.wait()  # this rank's background writes
     if dist.is_initialized():
         dist.barrier()  # every rank's files are written before the manifest and the pointer
     if not dist.is_initialized() or dist.get_rank() == 0:
         write_manifest(os.path.join(save_dir, tag))  # what complete means for this checkpoint
         write_atomic(os.path.join(save_dir, LATEST), tag)
-        write_atomic(os.path.join(save_dir, MEGATRON_LATEST), str(iteration))
+        write_atomic(os.path.join(save_dir, MEGATRON_LATEST), str(iteration_of(tag)))
     if dist.is_initialized():
         dist.barrier()
     log(f"saved checkpoint {tag} to {save_dir}")
-    return tag
 
 
 def latest_tag(load_dir: str) -> Optional[str]:

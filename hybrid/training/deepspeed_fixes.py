@@ -25,6 +25,12 @@ RELIED_ON = [
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
      "param_groups"),
     ("deepspeed.comm.torch", "TorchBackend.new_group", "return torch.distributed.new_group(ranks)"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.save_checkpoint", "self.checkpoint_engine.commit(commit_info)"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine._save_checkpoint", "self.checkpoint_engine.save("),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine._configure_checkpointing",
+     "create_checkpoint_engine(config_params=self._config"),
+    ("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "TorchCheckpointEngine.save",
+     "torch.save(state_dict, path"),
     ("torch.distributed.distributed_c10d", "_new_group_with_tag", "timeout = _get_default_timeout(backend)"),
     ("torch.distributed.distributed_c10d", "_get_default_timeout", "return default_pg_timeout"),
 ]
@@ -204,3 +210,34 @@ def repair_zero3_universal_load(engine, universal_dir: str) -> None:
                            f"this run {len(inner.param_groups)}")
     for group, saved_group in zip(inner.param_groups, saved):
         group.update({key: value for key, value in saved_group.items() if key != "params"})
+
+
+# --- --async-save: DeepSpeed's checkpoint engine writes in the background ------------------------
+
+def use_async_checkpoint_engine(engine):
+    """Replace the engine's checkpoint engine by one that copies each state dict to host memory and
+    returns; a background thread writes the files (hybrid.training.async_save). DeepSpeed 0.19's engine
+    (and its pipeline engine, for the layer files) hands every file to `self.checkpoint_engine.save`
+    and calls `commit` right after the last one; commit must not wait, so completion is
+    `engine.checkpoint_engine.wait()`, called by hybrid.training.checkpoint before the manifest and
+    `latest` move. DeepSpeed's own DecoupledCheckpointEngine shares CUDA tensors with a writer
+    process instead (its files are torn unless training waits at the next step) and needs the
+    FastCheckpointEngine writer; this keeps torch.save's files, readable by every DeepSpeed tool."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from hybrid.training.async_save import BackgroundWriter
+
+    class AsyncCheckpointEngine(TorchCheckpointEngine):
+        def __init__(self, config_params):
+            super().__init__(config_params)
+            self.name = "HybridAsyncCheckpointEngine"
+            self.writer = BackgroundWriter(super().save)
+
+        def save(self, state_dict, path: str):
+            self.writer.submit(state_dict, path)
+
+        def wait(self):
+            self.writer.wait()
+
+    engine.checkpoint_engine = AsyncCheckpointEngine(getattr(engine, "_config", None))
+    return engine.checkpoint_engine

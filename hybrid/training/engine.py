@@ -17,7 +17,8 @@ from hybrid.model.embedding import LMLoss
 from hybrid.model.naming import canonical_parameters
 from hybrid.model.transformer import TransformerLayer
 from hybrid.pipeline_plan import resolve_partition
-from hybrid.training.deepspeed_fixes import ListPartitionPipelineModule, install_fp32_clipping, skip_non_finite_steps
+from hybrid.training.deepspeed_fixes import (ListPartitionPipelineModule, install_fp32_clipping, skip_non_finite_steps,
+                                            use_async_checkpoint_engine)
 from hybrid.training.logging import log
 from hybrid.training.schedules import MegatronLRScheduler
 
@@ -140,6 +141,8 @@ def build_engine(run: RunConfig, topology):
         install_fp32_clipping(engine, topology)
         if run.train.check_nan:
             skip_non_finite_steps(engine)
+    if run.train.async_save:
+        use_async_checkpoint_engine(engine)
     if run.zero_stage == 3 and run.pipeline_parallel == 1 and run.model.tied_embeddings:
         # The tied output head reads the embedding table outside the embedding's own forward.
         deepspeed.zero.register_external_parameter(engine.module, engine.module.embedding.word_embeddings.weight)

@@ -41,6 +41,8 @@ class Trainer:
         self.current_batch = None if run.train.rampup else run.train.global_batch_size
         self.start_time = time.time()
         self.last_saved_tag = None  # the newest checkpoint this run saved (named when it stops on a NaN)
+        self.unfinished_save = None  # --async-save: the tag whose files are being written
+        self.save_stall_seconds = 0.0  # training-thread time spent saving, logged with the next record
         self._skipped_at_last_log = 0
 
     def _schedule_note(self) -> str:
@@ -90,6 +92,7 @@ class Trainer:
 
     def _stop_non_finite(self, iteration: int, loss: Optional[float]) -> None:
         from hybrid.errors import NonFiniteError
+        self._finish_save()  # a checkpoint being written was checked finite when it was taken
         t = self.run.train
         what = f"the loss is {loss}" if loss is not None else "the gradient norm is not finite"
         last = (f"the last good checkpoint is {t.save}/{self.last_saved_tag}" if self.last_saved_tag
@@ -170,6 +173,9 @@ class Trainer:
         if t.log_memory and self.device.type == "cuda":
             memory = {"memory_allocated_gib": torch.cuda.memory_allocated(self.device) / 2**30,
                       "memory_max_allocated_gib": torch.cuda.max_memory_allocated(self.device) / 2**30}
+        stall, self.save_stall_seconds = self.save_stall_seconds, 0.0
+        if stall:  # the time the training thread spent saving since the last record (not in the iteration time)
+            memory["checkpoint_stall_s"] = stall
         return {**memory,
             "iteration": iteration, "consumed_samples": consumed, "lm_loss": loss, "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
@@ -188,14 +194,33 @@ class Trainer:
         loss = sum(values) / len(values)
         lr = pending[-1][1]
         logger.iteration(self._metrics(iteration, consumed, loss, lr, seconds / len(pending)), write_line=True)
+        self._finish_save()  # --async-save: a checkpoint written since the last log line is completed here
 
     def _save(self, pending, iteration: int, consumed: int) -> None:
         """A checkpoint, never of weights reached through a non-finite loss or gradient: the iterations not
-        yet logged are checked first (every rank saves at the same iteration, so all take part)."""
+        yet logged are checked first (every rank saves at the same iteration, so all take part). With
+        --async-save the files are written in the background and completed at the next log line, the
+        next save or the end of the run, whichever comes first."""
         from hybrid.training import checkpoint
         if pending and self.run.train.check_nan:
             self._check_finite(pending)
-        self.last_saved_tag = checkpoint.save(self.engine, self.run, self.run.train.save, iteration, consumed)
+        self._finish_save()
+        start = time.perf_counter()
+        tag = checkpoint.write_files(self.engine, self.run, self.run.train.save, iteration, consumed)
+        self.save_stall_seconds += time.perf_counter() - start
+        self.unfinished_save = tag
+        if not self.run.train.async_save:
+            self._finish_save()
+
+    def _finish_save(self) -> None:
+        """Complete the checkpoint being written (manifest, `latest`), if one is."""
+        if self.unfinished_save is None:
+            return
+        from hybrid.training import checkpoint
+        start = time.perf_counter()
+        checkpoint.finalize(self.engine, self.run.train.save, self.unfinished_save)
+        self.save_stall_seconds += time.perf_counter() - start
+        self.last_saved_tag, self.unfinished_save = self.unfinished_save, None
 
     def train(self, iteration: int, consumed: int) -> int:
         t = self.run.train
@@ -240,6 +265,7 @@ class Trainer:
                         self._log(logger, pending, iteration, consumed, timer, interval_seconds)
                     if t.save and last_saved != iteration:
                         self._save(pending, iteration, consumed)
+                    self._finish_save()
                     reason = (f"--exit-duration-in-mins {t.exit_duration_in_mins}" if out_of_time
                               else f"--exit-interval {t.exit_interval}")
                     log(f"exiting at iteration {iteration} ({reason})")
@@ -249,6 +275,7 @@ class Trainer:
                 self.evaluate(iteration, logger)
             if t.save and last_saved != iteration:
                 self._save(pending, iteration, consumed)
+            self._finish_save()
         finally:
             logger.close()
         return iteration
