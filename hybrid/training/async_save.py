@@ -50,6 +50,10 @@ class BackgroundWriter:
             torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
         self._queue.put((host, path))
 
+    def done(self) -> bool:
+        """Every submitted file is written (no waiting)."""
+        return self._queue.unfinished_tasks == 0
+
     def wait(self) -> None:
         """Block until every submitted file is written; raise the first write error."""
         self._queue.join()
@@ -58,6 +62,11 @@ class BackgroundWriter:
             raise error
 
     def _run(self) -> None:
+        try:  # Linux schedules threads apart: let the training threads have the cores first
+            import os
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         while True:
             state, path = self._queue.get()
             try:

@@ -239,5 +239,8 @@ def use_async_checkpoint_engine(engine):
         def wait(self):
             self.writer.wait()
 
+        def done(self):
+            return self.writer.done()
+
     engine.checkpoint_engine = AsyncCheckpointEngine(getattr(engine, "_config", None))
     return engine.checkpoint_engine

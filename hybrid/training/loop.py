@@ -90,6 +90,13 @@ class Trainer:
                 self._stop_non_finite(iteration, loss if not math.isfinite(loss) else None)
         return losses
 
+    def _writes_done_everywhere(self) -> bool:
+        writer = getattr(self.engine, "checkpoint_engine", None)
+        pending = torch.tensor([0.0 if not hasattr(writer, "done") or writer.done() else 1.0], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(pending, op=dist.ReduceOp.MAX)
+        return pending.item() == 0.0
+
     def _stop_non_finite(self, iteration: int, loss: Optional[float]) -> None:
         from hybrid.errors import NonFiniteError
         self._finish_save()  # a checkpoint being written was checked finite when it was taken
@@ -194,7 +201,7 @@ class Trainer:
         loss = sum(values) / len(values)
         lr = pending[-1][1]
         logger.iteration(self._metrics(iteration, consumed, loss, lr, seconds / len(pending)), write_line=True)
-        self._finish_save()  # --async-save: a checkpoint written since the last log line is completed here
+        self._finish_save(blocking=False)  # --async-save: a checkpoint whose writes are done is completed here
 
     def _save(self, pending, iteration: int, consumed: int) -> None:
         """A checkpoint, never of weights reached through a non-finite loss or gradient: the iterations not
@@ -212,9 +219,12 @@ class Trainer:
         if not self.run.train.async_save:
             self._finish_save()
 
-    def _finish_save(self) -> None:
-        """Complete the checkpoint being written (manifest, `latest`), if one is."""
+    def _finish_save(self, blocking: bool = True) -> None:
+        """Complete the checkpoint being written (manifest, `latest`), if one is. Not `blocking` (at log
+        lines): only once every rank's background writes are done (one all-reduce of a flag)."""
         if self.unfinished_save is None:
+            return
+        if not blocking and not self._writes_done_everywhere():
             return
         from hybrid.training import checkpoint
         start = time.perf_counter()
