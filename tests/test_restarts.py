@@ -37,9 +37,10 @@ def _rank_process(launcher: psutil.Process, rank: str):
     return None
 
 
-def _run_and_kill(flags, trigger, timeout=300):
-    """Launch under torchrun --max-restarts 1; the first time `trigger(output so far)` holds (polled every
-    few milliseconds), SIGKILL rank 1. Returns (exit code, output, whether a kill happened)."""
+def _run_and_kill(flags, trigger, timeout=300, ready=" iteration        2/"):
+    """Launch under torchrun --max-restarts 1; rank 1's process is looked up once `ready` is in the output
+    and SIGKILLed the first time `trigger(output so far)` holds (polled every few milliseconds).
+    Returns (exit code, output, whether a kill happened)."""
     import threading
     cmd = command("torchrun", 2, "launch/train.py")
     cmd.insert(cmd.index("--nproc_per_node"), "--max-restarts=1")
@@ -48,15 +49,17 @@ def _run_and_kill(flags, trigger, timeout=300):
     output = []
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
     reader.start()
-    launcher, killed, start = psutil.Process(proc.pid), False, time.time()
+    launcher, victim, killed, start = psutil.Process(proc.pid), None, False, time.time()
     while proc.poll() is None:
         assert time.time() - start < timeout, "".join(output[-50:])
-        if not killed and trigger("".join(output)):
-            victim = _rank_process(launcher, "1")
-            if victim is not None:
+        if not killed:
+            text = "".join(output)
+            if victim is None and ready in text:
+                victim = _rank_process(launcher, "1")  # found ahead, so the kill itself takes no search
+            if victim is not None and trigger(text):
                 victim.kill()
                 killed = True
-        time.sleep(0.005)
+        time.sleep(0.002)
     reader.join(timeout=10)
     return proc.returncode, "".join(output), killed
 
