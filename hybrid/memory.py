@@ -242,20 +242,23 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
     return total
 
 
-def _attended_keys(s: int, window) -> float:
-    """Keys scored per query on average: all s, or those of a window's query blocks (hybrid.model.attention)."""
+def _window_scores(s: int, window: int) -> int:
+    """(query, key) pairs of windowed attention's query blocks (hybrid.model.attention.window_blocks)."""
     from hybrid.model.attention import window_blocks
+    return sum((end - start) * (end - first) for start, end, first in window_blocks(s, window))
+
+
+def _attended_keys(s: int, window) -> float:
+    """Keys scored per query on average: all s, or those of a window's query blocks."""
     if window is None or s <= window:
         return s
-    return sum((end - start) * (end - first) for start, end, first in window_blocks(s, window)) / s
+    return _window_scores(s, window) / s
 
 
 def _window_extra_bytes(s, b, heads, d, e, window) -> int:
     """Windowed attention's blocks: each block's mask (as SDPA keeps it, in the compute dtype) and
     output (the concatenated output is another tensor)."""
-    from hybrid.model.attention import window_blocks
-    masks = sum((end - start) * (end - first) for start, end, first in window_blocks(s, window))
-    return e * masks + e * s * b * heads * d
+    return e * _window_scores(s, window) + e * s * b * heads * d
 
 
 def _core_attention_bytes(s, b, heads, d, e, m, kernel, dropout, keys=None) -> int:

@@ -41,7 +41,7 @@ class Embedding(nn.Module):
         ids = input_ids.t()  # [b, s] -> [s, b]
         hidden = self.word_embeddings(ids)  # [s, b, h], all-reduced over TP
         if self.config.scale_embeddings:  # Gemma: x sqrt(h), the factor rounded to the embeddings' dtype
-            hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
+            hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype, device=hidden.device)
         if self.position_embeddings is not None:
             positions = torch.arange(ids.size(0), device=ids.device)
             hidden = hidden + self.position_embeddings(positions).unsqueeze(1)
