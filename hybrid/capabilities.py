@@ -44,6 +44,7 @@ class Setup:
     grad_reduce_bf16: bool = False  # --grad-reduce-in-bf16
     accelerator: str = "cuda"  # "cpu" where DeepSpeed's accelerator is the CPU
     zero_source: str = "--zero-stage"  # where the ZeRO stage came from (named in messages)
+    documents: bool = False  # --reset-attention-mask / --reset-position-ids
 
     @property
     def torch_schedule(self) -> bool:
@@ -149,6 +150,13 @@ RULES = [
          lambda s: s.flash_attn and s.precision == "fp32",
          lambda s: "--use-flash-attn needs --bf16 or --fp16 (flash-attn has no fp32 kernels); add one, or drop "
                    "--use-flash-attn for SDPA."),
+    Rule("documents-pipeline", "--reset-attention-mask / --reset-position-ids with pipeline parallelism",
+         "pipeline stages pass only hidden states between ranks, so later stages would not see where documents end",
+         lambda s: s.documents and s.pp > 1,
+         lambda s: f"--reset-attention-mask / --reset-position-ids with --pipeline-model-parallel-size {s.pp}: "
+                   f"pipeline stages pass only hidden states between ranks, so later stages would not see where "
+                   f"documents end. Use them with --pipeline-model-parallel-size 1 (TP, SP, DP and ZeRO-1/2/3 "
+                   f"work), or drop them."),
     Rule("grad-reduce-bf16-precision", "--grad-reduce-in-bf16 without --bf16",
          "gradients are reduced in the training precision's type (DeepSpeed's communication_data_type)",
          lambda s: s.grad_reduce_bf16 and s.precision != "bf16",

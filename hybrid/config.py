@@ -309,9 +309,10 @@ def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
 
 
 def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_size: int,
-                     base_model: Optional[ModelConfig] = None) -> RunConfig:
+                     base_model: Optional[ModelConfig] = None, eod_token: Optional[int] = None) -> RunConfig:
     """Validate the flags against each other, the DeepSpeed config and the world size.
-    `base_model`: the architecture of --load-hf's model (hybrid.conversion.hf.read_hf_config)."""
+    `base_model`: the architecture of --load-hf's model (hybrid.conversion.hf.read_hf_config);
+    `eod_token`: the tokenizer's end-of-document id (--reset-attention-mask / --reset-position-ids)."""
     apply_checkpoint_args(args)
     apply_megatron_aliases(args)
     _demo_defaults(args)
@@ -330,6 +331,13 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
                           f"({tokenizer_vocab_size}); token ids would fall outside the embedding. Drop --vocab-size "
                           f"or use a matching tokenizer.")
     model = _model_config(args, vocab_size, tp, base_model)
+    if args.reset_attention_mask or args.reset_position_ids:
+        if eod_token is None:
+            raise ConfigError("--reset-attention-mask / --reset-position-ids split packed samples at the "
+                              "end-of-document token, and this tokenizer has none; use one that does (the "
+                              "tokenizer that --append-eod preprocessed the data with).")
+        model = dataclasses.replace(model, reset_attention_mask=args.reset_attention_mask,
+                                    reset_position_ids=args.reset_position_ids, eod_token=int(eod_token))
     micro, global_batch, gas = dsc.batch_sizes(args, ds, ds_path, dp)
     precision = dsc.precision_of(args, ds, ds_path)
     if args.use_flash_attn:
@@ -379,7 +387,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
                 recompute=model.recompute_granularity, torch_compile=args.torch_compile, micro_batches=gas,
                 rampup=bool(length.rampup), universal_checkpoint=train.universal_checkpoint,
                 flash_attn=bool(args.use_flash_attn), grad_reduce_bf16=bool(args.grad_reduce_in_bf16),
-                accelerator=dsc.accelerator_kind(), zero_source=ds_path or "--zero-stage"))
+                accelerator=dsc.accelerator_kind(), zero_source=ds_path or "--zero-stage",
+                documents=model.splits_documents))
     ds_config = dsc.final_ds_config(ds, args, train, stage, optimizer, model)
     return RunConfig(model=model, train=train, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
                      pipeline_partition=args.pipeline_partition, ds_config=ds_config,

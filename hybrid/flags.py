@@ -232,6 +232,10 @@ def _add_data_args(p):
     g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
                    help="accepted: the .bin files are memory-mapped either way, which reads the same tokens")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss at positions whose input token is EOD")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="packed documents: each token attends only tokens of its own document (after the last EOD)")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="packed documents: positions restart at 0 after each EOD token")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="the iteration's loss is the mean over every valid token of the global batch (default: "
                         "the mean of each micro-batch's token mean; equal unless --eod-mask-loss masks tokens)")

@@ -126,10 +126,6 @@ _FLAGS = [
                "(ds_configs/zero1_offload.json)"),
     CompatFlag("--kill-switch-path", "refused", "use --exit-duration-in-mins or --exit-interval", nargs="1"),
     # data
-    CompatFlag("--reset-position-ids", "refused", "samples are packed documents with continuous positions "
-               "across EOD (Megatron's default); drop the flag (--eod-mask-loss is supported)"),
-    CompatFlag("--reset-attention-mask", "refused", "samples are packed documents attending causally across EOD "
-               "(Megatron's default); drop the flag (--eod-mask-loss is supported)"),
     CompatFlag("--dataloader-type", "neutral", "samples are served in Megatron's sequential pretraining order "
                "(cyclic is not implemented)", nargs="1", neutral="single"),
 ]

@@ -34,6 +34,7 @@ EXAMPLES = {
                             "--tensor-model-parallel-size", 2], 2),
     "flash-attn-cpu": None,  # flash-attn is not installable here: its absence is refused first; Setup below
     "flash-attn-fp32": None,
+    "documents-pipeline": (PP2 + ["--reset-attention-mask"], 2),
     "grad-reduce-bf16-precision": (["--grad-reduce-in-bf16"], 1),
 }
 
@@ -47,7 +48,7 @@ def _argv(flags):
 
 
 def _build(flags, world):
-    return build_run_config(build_parser().parse_args(_argv(flags)), world, 64)
+    return build_run_config(build_parser().parse_args(_argv(flags)), world, 64, eod_token=63)
 
 
 def test_every_rule_has_an_example():

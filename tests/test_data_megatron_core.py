@@ -224,5 +224,3 @@ def test_split_data_paths_cache_path_and_eod_mask_loss_reach_training(tmp_path):
     assert any(r.get("split") == "valid" for r in records)
     cached = os.listdir(cache)
     assert any("_train_indexmap_" in f for f in cached) and any("_valid_indexmap_" in f for f in cached)
-    proc = run("python", 1, flags + ["--reset-position-ids"], check=False)
-    assert proc.returncode == 2 and "--reset-position-ids is not supported" in proc.stderr

@@ -45,17 +45,20 @@ class CoreAttention(nn.Module):
             return "scaled_math"
         return "sdpa"
 
-    def forward(self, q, k, v):
-        """q [s, b, nq, d], k/v [s, b, ng, d] -> context [s, b, nq*d]."""
+    def forward(self, q, k, v, documents=None):
+        """q [s, b, nq, d], k/v [s, b, ng, d] -> context [s, b, nq*d]; `documents` [b, s]: each query
+        attends keys of its own document only (hybrid.model.sequence)."""
         dropout = self.dropout if self.training else 0.0
         if dropout == 0.0:  # no randomness: no RNG fork (it copies generator states on every call)
-            return self._attend(q, k, v, 0.0)
+            return self._attend(q, k, v, 0.0, documents)
         with fork_tp_rng():  # heads are TP-sharded: dropout masks must differ per TP rank
-            return self._attend(q, k, v, dropout)
+            return self._attend(q, k, v, dropout, documents)
 
-    def _attend(self, q, k, v, dropout):
+    def _attend(self, q, k, v, dropout, documents=None):
         s, b, nq, d = q.shape
         backend = self.backend(q)
+        if documents is not None and backend == "flash":
+            backend = "sdpa"  # flash-attn's varlen form needs host-side document lengths (a host sync)
         if backend == "flash":  # flash-attn takes [b, s, heads, d] and handles GQA itself
             window = (-1, -1) if self.window is None else (self.window - 1, 0)  # (left, right) keys
             out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
@@ -66,7 +69,9 @@ class CoreAttention(nn.Module):
             if k.size(1) != nq:  # GQA: each KV head serves its group's consecutive query heads
                 k = k.repeat_interleave(nq // k.size(1), dim=1)
                 v = v.repeat_interleave(nq // v.size(1), dim=1)
-            out = self._scaled_math(q, k, v, dropout)
+            out = self._scaled_math(q, k, v, dropout, documents)
+        elif documents is not None:
+            out = blocked_attention(q, k, v, self.window, dropout, self.scale, documents=documents)
         elif self.window is not None and s > self.window:
             out = windowed_attention(q, k, v, self.window, dropout, self.scale)
         else:  # SDPA shares each KV head with its group's query heads itself (no K/V copies)
@@ -74,11 +79,13 @@ class CoreAttention(nn.Module):
                                                  enable_gqa=k.size(1) != nq)
         return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)  # [b, n, s, d] -> [s, b, n*d]
 
-    def _scaled_math(self, q, k, v, dropout):
+    def _scaled_math(self, q, k, v, dropout, documents=None):
         coeff = float(self.layer_number)
         scores = torch.matmul(q, k.transpose(-1, -2)) * (self.scale / coeff)  # fp16, kept small
         positions = torch.arange(scores.size(-1), device=q.device)
         hidden = ~allowed_keys(positions, positions, self.window)
+        if documents is not None:  # [b, 1, s, s]
+            hidden = hidden | (documents[:, None, :, None] != documents[:, None, None, :])
         probs = torch.softmax((scores.float() * coeff).masked_fill(hidden, float("-inf")), dim=-1)
         probs = F.dropout(probs, dropout).to(q.dtype)
         return torch.matmul(probs, v)
@@ -94,26 +101,39 @@ def allowed_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, window) -> torc
 
 
 WINDOW_BLOCK = 256  # the least query block of windowed_attention (small windows would mean many tiny blocks)
+DOCUMENT_BLOCK = 512  # query block of document-masked attention: masks are [block, keys], never [s, s]
 
 
-def window_blocks(s: int, window: int, block: int = None) -> list[tuple[int, int, int]]:
-    """(first query, end, first key) of each query block of windowed_attention."""
+def window_blocks(s: int, window, block: int = None) -> list[tuple[int, int, int]]:
+    """(first query, end, first key) of each query block of blocked_attention (window None: every
+    earlier key, in blocks of DOCUMENT_BLOCK)."""
+    if window is None:
+        block = block or DOCUMENT_BLOCK
+        return [(start, min(start + block, s), 0) for start in range(0, s, block)]
     block = block or max(window, WINDOW_BLOCK)
     return [(start, min(start + block, s), max(0, start - window + 1)) for start in range(0, s, block)]
 
 
-def windowed_attention(q, k, v, window: int, dropout: float, scale: float, block: int = None):
-    """Sliding-window causal attention on [b, heads, s, d] without an s x s mask: query blocks of
-    `block` (>= window) positions each attend the keys from `window - 1` before the block to its end,
-    so the masks and scores are [block, block + window - 1], memory linear in s."""
+def blocked_attention(q, k, v, window, dropout: float, scale: float, block: int = None, documents=None):
+    """Causal attention on [b, heads, s, d] by query blocks, without an s x s mask: each block of
+    queries attends the keys it may see (from `window - 1` before the block with a sliding window,
+    else from the start) to its end, masked by position and, with `documents` [b, s], to the
+    query's own document; masks and scores are [block, keys], memory linear in s."""
     gqa = k.size(1) != q.size(1)
     outs = []
     for start, end, first_key in window_blocks(q.size(2), window, block):
         positions = torch.arange(first_key, end, device=q.device)
-        mask = allowed_keys(positions[start - first_key:], positions, window)
+        mask = allowed_keys(positions[start - first_key:], positions, window)  # [block, keys]
+        if documents is not None:  # [b, 1, block, keys]: same document only
+            mask = (mask & (documents[:, start:end, None] == documents[:, None, first_key:end]))[:, None]
         outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, first_key:end], v[:, :, first_key:end],
                                                    attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa))
     return torch.cat(outs, dim=2)
+
+
+def windowed_attention(q, k, v, window: int, dropout: float, scale: float, block: int = None):
+    """Sliding-window causal attention on [b, heads, s, d] (blocked_attention with a window)."""
+    return blocked_attention(q, k, v, window, dropout, scale, block)
 
 
 class SelfAttention(nn.Module):
@@ -145,20 +165,22 @@ class SelfAttention(nn.Module):
                        if config.position_embedding_type == "rope" else None)
         self.recompute_core = config.recompute_granularity == "selective"
 
-    def forward(self, x):
+    def forward(self, x, layout=None):
+        """x [s(/tp), b, h]; `layout` (hybrid.model.sequence.SequenceLayout): documents and positions."""
         qkv = self.qkv(x)  # [s(/tp), b, h] -> [s, b, groups/tp * (heads_per_group + 2) * d]
         s = qkv.size(0)
         q, k, v = split_qkv(qkv, self.heads_per_group, self.head_dim, dim=-1)  # [s, b, nq/tp, d], [s, b, ng/tp, d]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
-            cos, sin = self.rotary(s, x.device)
+            cos, sin = self.rotary(s, x.device, None if layout is None else layout.positions)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        documents = None if layout is None else layout.documents
         if self.recompute_core and self.training and torch.is_grad_enabled():
             import deepspeed
             # Selective recompute (Korthikanti et al. 2022): keep q, k, v; recompute the
             # s x s scores, softmax and dropout in backward. DeepSpeed restores the RNG states.
-            context = deepspeed.checkpointing.checkpoint(self.core, q, k, v)
+            context = deepspeed.checkpointing.checkpoint(self.core, q, k, v, documents)
         else:
-            context = self.core(q, k, v)
+            context = self.core(q, k, v, documents)
         return self.dense(context)  # [s, b, nq/tp * d] -> [s(/tp), b, h]

@@ -53,6 +53,9 @@ class ModelConfig:
     apply_layernorm_1p: bool = False  # --apply-layernorm-1p: norms scale by (1 + weight), weights start at 0
     geglu: bool = False  # --geglu: gated tanh-GeLU MLP (Gemma) instead of SwiGLU / GeLU
     scale_embeddings: bool = False  # --scale-embeddings: word embeddings x sqrt(hidden), in their dtype (Gemma)
+    reset_attention_mask: bool = False  # --reset-attention-mask: a token attends its own document only (packed data)
+    reset_position_ids: bool = False  # --reset-position-ids: positions restart at 0 after each EOD token
+    eod_token: Optional[int] = None  # the end-of-document id at which those two split sequences (the tokenizer's)
     family: Optional[str] = None  # the HF family (hybrid.conversion.families); None: chosen from the options
     hf_dtype: Optional[str] = None  # the imported HF model's dtype ("bfloat16", ...): export writes it; None: fp32
 
@@ -78,6 +81,11 @@ class ModelConfig:
     @property
     def qkv_bias(self) -> bool:
         return self.add_bias_linear or self.add_qkv_bias
+
+    @property
+    def splits_documents(self) -> bool:
+        """Packed documents are kept apart (attention or positions restart after EOD)."""
+        return self.reset_attention_mask or self.reset_position_ids
 
     @property
     def tied_embeddings(self) -> bool:
@@ -119,6 +127,9 @@ class ModelConfig:
             raise ConfigError(f"--window-size: the window must hold at least the token itself (got a window of "
                               f"{self.sliding_window}).")
         self._validate_rope_scaling()
+        if self.splits_documents and self.eod_token is None:
+            raise ConfigError("--reset-attention-mask / --reset-position-ids split sequences at the end-of-document "
+                              "token; use a tokenizer that has one.")
         if tp > 1:
             if self.num_attention_heads % tp != 0:
                 raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "

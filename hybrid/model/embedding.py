@@ -37,14 +37,18 @@ class Embedding(nn.Module):
         else:
             self.position_embeddings = None
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, layout=None):
+        """`layout` (hybrid.model.sequence.SequenceLayout): the tokens' positions within their documents."""
         ids = input_ids.t()  # [b, s] -> [s, b]
         hidden = self.word_embeddings(ids)  # [s, b, h], all-reduced over TP
         if self.config.scale_embeddings:  # Gemma: x sqrt(h), the factor rounded to the embeddings' dtype
             hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype, device=hidden.device)
         if self.position_embeddings is not None:
-            positions = torch.arange(ids.size(0), device=ids.device)
-            hidden = hidden + self.position_embeddings(positions).unsqueeze(1)
+            if layout is not None and layout.positions is not None:
+                hidden = hidden + self.position_embeddings(layout.positions)  # [s, b, h]
+            else:
+                positions = torch.arange(ids.size(0), device=ids.device)
+                hidden = hidden + self.position_embeddings(positions).unsqueeze(1)
         p = self.config.hidden_dropout if self.training else 0.0
         if self.config.sequence_parallel:
             hidden = M.scatter_to_sequence_parallel_region(hidden, self.tp_group)  # -> [s/tp, b, h]

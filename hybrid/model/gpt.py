@@ -12,6 +12,7 @@ from hybrid.model.config import ModelConfig
 from hybrid.model.embedding import Embedding, LMLoss, OutputHead, TiedOutputEmbedding, parallel_logits
 from hybrid.model.norms import build_norm
 from hybrid.model.recompute import run_layers
+from hybrid.model.sequence import sequence_layout
 from hybrid.model.transformer import TransformerLayer
 from hybrid.parallel.groups import as_groups
 
@@ -33,8 +34,9 @@ class GPTModel(nn.Module):
     def forward(self, input_ids, labels=None):
         """input_ids [b, s] -> logits [b, s, V_padded/tp]; or, with labels [b, s] (IGNORE_INDEX where no
         loss is taken), the mean LM loss over the valid tokens."""
-        hidden = self.embedding(input_ids)  # [s(/tp), b, h]
-        hidden = run_layers(list(self.layers), hidden, self.config, self.training)
+        layout = sequence_layout(input_ids, self.config)  # packed documents' masks and positions, or None
+        hidden = self.embedding(input_ids, layout)  # [s(/tp), b, h]
+        hidden = run_layers(list(self.layers), hidden, self.config, self.training, layout)
         hidden = self.final_norm(hidden)
         for_loss = labels is not None
         if self.output_layer is not None:

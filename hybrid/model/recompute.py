@@ -18,23 +18,24 @@ class LayerChunk:
     def __init__(self, layers):
         self.layers = layers
 
-    def __call__(self, hidden):
+    def __call__(self, hidden, layout=None):
         for layer in self.layers:
-            hidden = layer(hidden)
+            hidden = layer(hidden, layout)
         return hidden
 
 
-def run_layers(layers, hidden, config, training: bool):
+def run_layers(layers, hidden, config, training: bool, layout=None):
     """Apply `layers`, with full activation recompute as `--recompute-*` asks (Megatron-LM):
     uniform: chunks of `recompute_num_layers` layers are recomputed as units;
-    block: the first `recompute_num_layers` layers are recomputed, the rest are not."""
+    block: the first `recompute_num_layers` layers are recomputed, the rest are not.
+    `layout`: the micro-batch's documents and positions (hybrid.model.sequence), passed to every layer."""
     if config.recompute_granularity != "full" or not (training and torch.is_grad_enabled()):
-        return LayerChunk(layers)(hidden)
+        return LayerChunk(layers)(hidden, layout)
     n = max(1, config.recompute_num_layers)
     if config.recompute_method == "uniform":
         for start in range(0, len(layers), n):
-            hidden = checkpoint(LayerChunk(layers[start:start + n]), hidden)
+            hidden = checkpoint(LayerChunk(layers[start:start + n]), hidden, layout)
         return hidden
     for index, layer in enumerate(layers):
-        hidden = checkpoint(layer, hidden) if index < n else layer(hidden)
+        hidden = checkpoint(layer, hidden, layout) if index < n else layer(hidden, layout)
     return hidden

@@ -40,8 +40,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", scaled_inv_freq(inv_freq, scaling), persistent=False)
         self._cache = None
 
-    def forward(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [s, 1, 1, head_dim] (broadcast over batch and heads)."""
+    def forward(self, seq_len: int, device, positions=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [s, 1, 1, head_dim] (broadcast over batch and heads); for given `positions`
+        [s, b] (documents' own, hybrid.model.sequence) [s, b, 1, head_dim], computed afresh."""
+        if positions is not None:
+            freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(device)  # [s, b, d/2]
+            emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+            return emb.cos(), emb.sin()
         key = (seq_len, str(device))
         if self._cache is None or self._cache[0] != key:
             positions = torch.arange(seq_len, device=device, dtype=torch.float32)

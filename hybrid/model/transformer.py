@@ -43,14 +43,15 @@ class TransformerLayer(nn.Module):
         self.post_attention_norm = build_norm(config, groups)
         self.mlp = build_mlp(config, groups, f"{name}.mlp")
 
-    def forward(self, hidden):
+    def forward(self, hidden, layout=None):
+        """`layout`: the micro-batch's documents and positions (hybrid.model.sequence), or None."""
         if self.recompute_whole and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, hidden)
-        return self._forward(hidden)
+            return checkpoint(self._forward, hidden, layout)
+        return self._forward(hidden, layout)
 
-    def _forward(self, hidden):
+    def _forward(self, hidden, layout=None):
         c = self.config
-        hidden = dropout_add(self.attention(self.input_norm(hidden)), hidden, c.hidden_dropout,
+        hidden = dropout_add(self.attention(self.input_norm(hidden), layout), hidden, c.hidden_dropout,
                              self.training, c.sequence_parallel)
         return dropout_add(self.mlp(self.post_attention_norm(hidden)), hidden, c.hidden_dropout,
                            self.training, c.sequence_parallel)

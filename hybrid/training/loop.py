@@ -335,7 +335,7 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     tokenizer = build_tokenizer(**tokenizer_kwargs(args))
     # Every flag is checked before DeepSpeed is imported or a process group exists.
     world_size = args.dry_run_world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    run = build_run_config(args, world_size, tokenizer.vocab_size, base_model)
+    run = build_run_config(args, world_size, tokenizer.vocab_size, base_model, getattr(tokenizer, "eod", None))
     if args.dry_run:  # the memory estimate: nothing built, no process group
         from hybrid.dry_run import report
         if int(os.environ.get("RANK", "0")) == 0:
