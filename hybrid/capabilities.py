@@ -45,6 +45,9 @@ class Setup:
     accelerator: str = "cuda"  # "cpu" where DeepSpeed's accelerator is the CPU
     zero_source: str = "--zero-stage"  # where the ZeRO stage came from (named in messages)
     documents: bool = False  # --reset-attention-mask / --reset-position-ids
+    cp: int = 1  # --context-parallel-size
+    attention_dropout: bool = False  # --attention-dropout > 0
+    sliding_window: bool = False  # --window-size
 
     @property
     def torch_schedule(self) -> bool:
@@ -157,6 +160,21 @@ RULES = [
                    f"pipeline stages pass only hidden states between ranks, so later stages would not see where "
                    f"documents end. Use them with --pipeline-model-parallel-size 1 (TP, SP, DP and ZeRO-1/2/3 "
                    f"work), or drop them."),
+    Rule("cp-pipeline", "--context-parallel-size > 1 with pipeline parallelism",
+         "not built yet: the pipeline stages would carry s/CP activations and each micro-batch's chunk positions",
+         lambda s: s.cp > 1 and s.pp > 1,
+         lambda s: f"--context-parallel-size {s.cp} with --pipeline-model-parallel-size {s.pp} is not built yet; use "
+                   f"context parallelism with --pipeline-model-parallel-size 1 (with TP, SP, DP and ZeRO-1/2/3)."),
+    Rule("cp-attention-dropout", "--context-parallel-size > 1 with --attention-dropout > 0",
+         "the ring's block kernels (aten's fused CPU attention, the exact math kernel) run without dropout",
+         lambda s: s.cp > 1 and s.attention_dropout,
+         lambda s: f"--context-parallel-size {s.cp} with attention dropout: the ring's block kernels run without "
+                   f"dropout. Add --attention-dropout 0 (--hidden-dropout still applies)."),
+    Rule("cp-sliding-window", "--context-parallel-size > 1 with --window-size",
+         "the ring's block plan is causal over the whole sequence",
+         lambda s: s.cp > 1 and s.sliding_window,
+         lambda s: f"--context-parallel-size {s.cp} with --window-size: sliding-window attention is not built into "
+                   f"the ring; drop one of them."),
     Rule("grad-reduce-bf16-precision", "--grad-reduce-in-bf16 without --bf16",
          "gradients are reduced in the training precision's type (DeepSpeed's communication_data_type)",
          lambda s: s.grad_reduce_bf16 and s.precision != "bf16",

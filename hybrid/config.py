@@ -93,6 +93,7 @@ class RunConfig:
     pipeline_partition: str
     ds_config: dict
     args: dict  # the parsed flags, saved in checkpoints
+    context_parallel: int = 1  # --context-parallel-size
     pipeline_schedule: str = "1f1b"  # --pipeline-schedule: DeepSpeed's engine, or a torch.distributed.pipelining one
     virtual_stages: int = 1  # virtual pipeline stages per rank
 
@@ -223,6 +224,22 @@ def tokenizer_kwargs(args) -> dict:
                 tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
 
 
+def _check_context_parallel(args, tp: int, cp: int) -> None:
+    """--context-parallel-size: 2 x CP chunks of the sequence (each SP-divisible by TP); the p2p ring."""
+    unknown = [kind for kind in args.cp_comm_type if kind != "p2p"]
+    if unknown:
+        raise ConfigError(f"--cp-comm-type {' '.join(unknown)} is not supported: the K/V ring (p2p) is the "
+                          f"context-parallel communication built; use --cp-comm-type p2p.")
+    if cp == 1:
+        return
+    if args.seq_length % (2 * cp) != 0:
+        raise ConfigError(f"--context-parallel-size {cp} cuts each sequence into 2 x {cp} chunks: --seq-length "
+                          f"{args.seq_length} must be divisible by {2 * cp}.")
+    if args.sequence_parallel and tp > 1 and (args.seq_length // cp) % tp != 0:
+        raise ConfigError(f"--sequence-parallel with --context-parallel-size {cp}: each rank's {args.seq_length // cp} "
+                          f"tokens must be divisible by --tensor-model-parallel-size {tp}.")
+
+
 def _check_data_flags(args) -> None:
     split_paths = [args.train_data_path, args.valid_data_path, args.test_data_path]
     if args.data_path and args.mock_data:
@@ -317,9 +334,11 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     apply_megatron_aliases(args)
     _demo_defaults(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp = args.context_parallel_size
     ds, ds_path = dsc.load_ds_config(args)
     stage = dsc.zero_stage(args, ds, ds_path, pp)
-    dp = ParallelDims(world_size, tp, pp).data_parallel
+    dp = ParallelDims(world_size, tp, pp, cp).data_parallel
+    _check_context_parallel(args, tp, cp)
     vocab_size = tokenizer_vocab_size
     if args.padded_vocab_size:
         if args.padded_vocab_size < tokenizer_vocab_size:
@@ -388,9 +407,11 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
                 rampup=bool(length.rampup), universal_checkpoint=train.universal_checkpoint,
                 flash_attn=bool(args.use_flash_attn), grad_reduce_bf16=bool(args.grad_reduce_in_bf16),
                 accelerator=dsc.accelerator_kind(), zero_source=ds_path or "--zero-stage",
-                documents=model.splits_documents))
+                documents=model.splits_documents, cp=cp, attention_dropout=model.attention_dropout > 0,
+                sliding_window=model.sliding_window is not None))
     ds_config = dsc.final_ds_config(ds, args, train, stage, optimizer, model)
     return RunConfig(model=model, train=train, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
+                     context_parallel=cp,
                      pipeline_partition=args.pipeline_partition, ds_config=ds_config,
                      args=dict(vars(args)), pipeline_schedule=schedule, virtual_stages=virtual)
 
@@ -400,5 +421,6 @@ def config_summary(run: RunConfig) -> dict:
     model = asdict(run.model)
     return {"model": model, "train": asdict(run.train), "tensor_parallel": run.tensor_parallel,
             "pipeline_parallel": run.pipeline_parallel, "data_parallel": run.data_parallel,
+            "context_parallel": run.context_parallel,
             "pipeline_schedule": run.pipeline_schedule, "virtual_stages": run.virtual_stages,
             "zero_stage": run.zero_stage}

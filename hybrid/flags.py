@@ -188,6 +188,11 @@ def _add_distributed_args(p):
     g = p.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each sequence over this many ranks (ring attention over K/V blocks, Megatron's "
+                        "causal load balancing); gradients and ZeRO span DP x CP")
+    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
+                   help="context-parallel communication: p2p (the K/V ring; the one built)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--pipeline-partition", "--pp-partition-method", dest="pipeline_partition", default="parameters",
                    help="parameters | uniform | comma-separated layers per stage (e.g. 3,5)")

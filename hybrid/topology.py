@@ -1,7 +1,7 @@
 """Process groups for tensor x pipeline x data parallelism, built from DeepSpeed's own topology.
 
-Rank order (Megatron-LM's): TP varies fastest, then (context parallel, size 1 for now), then DP, then
-PP; experts (size 1 for now) would split the DP ranks. `Topology.groups` is what layers receive
+Rank order (Megatron-LM's): TP varies fastest, then context parallel (CP), then DP, then PP; experts
+(size 1 for now) would split the DP ranks. DeepSpeed's data-parallel group (`dp_*`) is DP x CP. `Topology.groups` is what layers receive
 (hybrid.parallel.groups.ParallelGroups: sizes, ranks and groups of every axis).
 
 The `Topology` wraps DeepSpeed's `PipeModelDataParallelTopology` (axes pipe, data, model:
@@ -28,7 +28,7 @@ class ParallelDims:
     world_size: int  # number of ranks in the job
     tensor_parallel: int = 1  # --tensor-model-parallel-size
     pipeline_parallel: int = 1  # --pipeline-model-parallel-size
-    context_parallel: int = 1  # --context-parallel-size (declared; only 1 is built so far)
+    context_parallel: int = 1  # --context-parallel-size: the sequence split over CP ranks (ring attention)
     expert_parallel: int = 1  # --expert-model-parallel-size, inside DP (declared; only 1 is built so far)
 
     def __post_init__(self):
@@ -38,15 +38,13 @@ class ParallelDims:
                             ("--expert-model-parallel-size", self.expert_parallel)):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}.")
-        if self.context_parallel > 1:
-            raise ConfigError(f"--context-parallel-size {self.context_parallel}: context parallelism is not "
-                              f"built yet; use --context-parallel-size 1.")
-        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        model_parallel = self.tensor_parallel * self.context_parallel * self.pipeline_parallel
         if self.world_size % model_parallel != 0:
             raise ConfigError(
                 f"world size {self.world_size} is not a multiple of --tensor-model-parallel-size "
-                f"({self.tensor_parallel}) x --pipeline-model-parallel-size ({self.pipeline_parallel}) "
-                f"= {model_parallel}; launch a multiple of {model_parallel} ranks or change the sizes.")
+                f"({self.tensor_parallel}) x --context-parallel-size ({self.context_parallel}) x "
+                f"--pipeline-model-parallel-size ({self.pipeline_parallel}) = {model_parallel}; launch a "
+                f"multiple of {model_parallel} ranks or change the sizes.")
 
         if self.data_parallel % self.expert_parallel != 0:
             raise ConfigError(f"--expert-model-parallel-size {self.expert_parallel} does not divide the "
@@ -85,21 +83,42 @@ class Topology:
     coexist in one process.
     """
 
-    def __init__(self, tensor_parallel: int = 1, pipeline_parallel: int = 1):
+    def __init__(self, tensor_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1):
         from hybrid.distributed import init_distributed
         init_distributed()  # no-op when already initialised; DeepSpeed's grid needs deepspeed.comm
-        self.dims = ParallelDims(dist.get_world_size(), tensor_parallel, pipeline_parallel)
+        self.dims = ParallelDims(dist.get_world_size(), tensor_parallel, pipeline_parallel, context_parallel)
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+        # DeepSpeed's data axis is DP x CP (CP varying faster): CP ranks hold different tokens of the
+        # same samples, so gradients are averaged and ZeRO partitions over both (Megatron's
+        # data-parallel group with CP); the CP groups are the data axis' consecutive runs of CP ranks.
+        cp = self.dims.context_parallel
         self.ds_topology = PipeModelDataParallelTopology(
             num_pp=self.dims.pipeline_parallel, num_mp=self.dims.tensor_parallel,
-            num_dp=self.dims.data_parallel)
+            num_dp=self.dims.data_parallel * cp)
         self.grid = _grid_class()(topology=self.ds_topology)
         from hybrid.parallel.groups import Axis, ParallelGroups
-        # what the layers communicate over; context and expert axes stay at size 1 until used
+        # what the layers communicate over; the expert axis stays at size 1 until used
         self.groups = ParallelGroups(
             tp=Axis.of(self.grid.get_tensor_model_parallel_group()),
+            cp=Axis.of(self._context_parallel_group(cp)),
             dp=Axis.of(self.grid.get_data_parallel_group()),
             pp=Axis.of(self.grid.get_pipe_parallel_group()))
+
+    def _context_parallel_group(self, cp: int):
+        """This rank's CP group (every rank creates every group, as torch.distributed requires)."""
+        if cp == 1:
+            from hybrid.parallel.collectives import SINGLE_RANK
+            return SINGLE_RANK
+        mine, me = None, dist.get_rank()
+        t = self.ds_topology
+        for pipe in range(self.dims.pipeline_parallel):
+            for model in range(self.dims.tensor_parallel):
+                for dp in range(self.dims.data_parallel):
+                    ranks = [t.get_rank(pipe=pipe, data=dp * cp + c, model=model) for c in range(cp)]
+                    group = dist.new_group(ranks)
+                    if me in ranks:
+                        mine = group
+        return mine
 
     # -- sizes and ranks (from the layers' ParallelGroups: one place) ---------------------------
     @property
@@ -113,6 +132,23 @@ class Topology:
     @property
     def dp_world_size(self) -> int:
         return self.groups.dp.size
+
+    @property
+    def cp_world_size(self) -> int:
+        return self.groups.cp.size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.groups.cp.rank
+
+    @property
+    def data_world_size(self) -> int:
+        """Ranks that read different samples: DP (the gradient group, dp_*, is DP x CP)."""
+        return self.dp_world_size // self.cp_world_size
+
+    @property
+    def data_rank(self) -> int:
+        return self.dp_rank // self.cp_world_size
 
     @property
     def tp_rank(self) -> int:
@@ -153,5 +189,6 @@ class Topology:
         return self.grid
 
     def __repr__(self) -> str:
-        return (f"Topology(tp={self.tp_world_size}, pp={self.pp_world_size}, dp={self.dp_world_size}; "
-                f"rank tp={self.tp_rank} pp={self.pp_rank} dp={self.dp_rank})")
+        return (f"Topology(tp={self.tp_world_size}, cp={self.cp_world_size}, pp={self.pp_world_size}, "
+                f"dp={self.data_world_size}; "
+                f"rank tp={self.tp_rank} cp={self.cp_rank} pp={self.pp_rank} dp={self.data_rank})")

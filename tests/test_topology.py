@@ -20,8 +20,9 @@ def test_parallel_groups_carry_sizes_and_build_shapes_without_ranks():
     assert model.layers[0].attention.qkv.weight.shape[0] == (4 + 2 * 2) * 8 // 2  # (heads + 2 groups) x d / TP
     with pytest.raises(RuntimeError, match="shapes_only"):
         model(torch.zeros(1, 4, dtype=torch.long))
-    with pytest.raises(ConfigError, match="--context-parallel-size 2"):
-        ParallelDims(world_size=4, context_parallel=2)
+    with pytest.raises(ConfigError, match=r"--context-parallel-size \(2\)"):
+        ParallelDims(world_size=6, tensor_parallel=2, context_parallel=2)
+    assert ParallelDims(world_size=8, tensor_parallel=2, context_parallel=2).data_parallel == 2
     with pytest.raises(ConfigError, match="--expert-model-parallel-size 3 does not divide"):
         ParallelDims(world_size=4, expert_parallel=3)
 

@@ -18,6 +18,7 @@ from hybrid.model.rotary import RotaryEmbedding, apply_rotary
 from hybrid.parallel.groups import as_groups
 from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from hybrid.parallel.random import fork_tp_rng
+from hybrid.parallel.ring_attention import ring_attention
 
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v with a causal mask and attention dropout; no parameters.
@@ -45,9 +46,15 @@ class CoreAttention(nn.Module):
             return "scaled_math"
         return "sdpa"
 
-    def forward(self, q, k, v, documents=None):
+    def forward(self, q, k, v, documents=None, cp=None):
         """q [s, b, nq, d], k/v [s, b, ng, d] -> context [s, b, nq*d]; `documents` [b, s]: each query
-        attends keys of its own document only (hybrid.model.sequence)."""
+        attends keys of its own document only (hybrid.model.sequence); `cp`: the context-parallel Axis
+        (this rank holds chunks of the sequence; attention is the K/V ring)."""
+        if cp is not None:
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, heads, s_local, d]
+            out = ring_attention(q, k, v, cp, self.scale, documents)
+            s, b, nq, d = out.size(2), out.size(0), out.size(1), out.size(3)
+            return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
         dropout = self.dropout if self.training else 0.0
         if dropout == 0.0:  # no randomness: no RNG fork (it copies generator states on every call)
             return self._attend(q, k, v, 0.0, documents)
@@ -175,12 +182,12 @@ class SelfAttention(nn.Module):
         if self.rotary is not None:
             cos, sin = self.rotary(s, x.device, None if layout is None else layout.positions)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        documents = None if layout is None else layout.documents
+        documents, cp = (None, None) if layout is None else (layout.documents, layout.cp)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             import deepspeed
             # Selective recompute (Korthikanti et al. 2022): keep q, k, v; recompute the
             # s x s scores, softmax and dropout in backward. DeepSpeed restores the RNG states.
-            context = deepspeed.checkpointing.checkpoint(self.core, q, k, v, documents)
+            context = deepspeed.checkpointing.checkpoint(self.core, q, k, v, documents, cp)
         else:
-            context = self.core(q, k, v, documents)
+            context = self.core(q, k, v, documents, cp)
         return self.dense(context)  # [s, b, nq/tp * d] -> [s(/tp), b, h]

@@ -14,6 +14,7 @@ from hybrid.model.norms import build_norm
 from hybrid.model.recompute import run_layers
 from hybrid.model.sequence import sequence_layout
 from hybrid.model.transformer import TransformerLayer
+from hybrid.parallel.cross_entropy import IGNORE_INDEX
 from hybrid.parallel.groups import as_groups
 
 
@@ -34,8 +35,9 @@ class GPTModel(nn.Module):
     def forward(self, input_ids, labels=None):
         """input_ids [b, s] -> logits [b, s, V_padded/tp]; or, with labels [b, s] (IGNORE_INDEX where no
         loss is taken), the mean LM loss over the valid tokens."""
-        layout = sequence_layout(input_ids, self.config)  # packed documents' masks and positions, or None
-        hidden = self.embedding(input_ids, layout)  # [s(/tp), b, h]
+        # packed documents' masks and positions, this CP rank's chunks of the sequence; or None
+        layout = sequence_layout(input_ids, self.config, self.groups.cp)
+        hidden = self.embedding(input_ids if layout is None else layout.local(input_ids), layout)  # [s(/tp), b, h]
         hidden = run_layers(list(self.layers), hidden, self.config, self.training, layout)
         hidden = self.final_norm(hidden)
         for_loss = labels is not None
@@ -47,6 +49,8 @@ class GPTModel(nn.Module):
                                      self.config.vocab_size if for_loss else None)  # [s, b, V/tp]
         if not for_loss:
             return logits.transpose(0, 1)
+        if layout is not None and layout.cp is not None:  # this rank's tokens; the count is the whole sequence's
+            return self.loss_fn(logits, layout.local(labels), valid=(labels != IGNORE_INDEX).sum())
         return self.loss_fn(logits, labels)
 
 

@@ -20,10 +20,16 @@ import torch
 
 @dataclass
 class SequenceLayout:
-    """The facts attention and the position embeddings need beyond the tokens themselves."""
+    """The facts attention and the position embeddings need beyond this rank's tokens themselves."""
 
-    positions: Optional[torch.Tensor] = None  # [s, b] int64 position of each token; None: 0 .. s-1
-    documents: Optional[torch.Tensor] = None  # [b, s] document index of each token; None: one document
+    positions: Optional[torch.Tensor] = None  # [s_local, b] position of each local token; None: 0 .. s-1
+    documents: Optional[torch.Tensor] = None  # [b, s] document of every token of the full sequence; None: one
+    cp: Optional[object] = None  # the context-parallel Axis (size > 1), None without context parallelism
+    index: Optional[torch.Tensor] = None  # [s_local] positions of the full sequence this CP rank holds
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This CP rank's part of a [b, s] tensor (ids, labels)."""
+        return tensor if self.index is None else tensor.index_select(1, self.index)
 
 
 def documents_of(ids: torch.Tensor, eod_token: int) -> torch.Tensor:
@@ -41,11 +47,20 @@ def positions_of(ids: torch.Tensor, eod_token: int) -> torch.Tensor:
     return index - torch.cummax(starts, dim=1).values
 
 
-def sequence_layout(ids: torch.Tensor, config) -> Optional[SequenceLayout]:
-    """The layout of a micro-batch of ids [b, s]; None when every sequence is one causal document with
-    positions 0 .. s-1 (the default, whose attention needs no mask)."""
-    if not config.splits_documents:
+def sequence_layout(ids: torch.Tensor, config, cp=None) -> Optional[SequenceLayout]:
+    """The layout of a micro-batch of full-sequence ids [b, s] on this rank; None when every sequence is
+    one causal document with positions 0 .. s-1 held whole (the default, whose attention needs no mask).
+    With context parallelism (`cp`, an Axis of size > 1) the rank holds chunks of the sequence
+    (hybrid.parallel.ring_attention.local_index) and its positions are theirs in the full sequence."""
+    split = cp is not None and cp.size > 1
+    if not (config.splits_documents or split):
         return None
-    return SequenceLayout(
-        positions=positions_of(ids, config.eod_token).t() if config.reset_position_ids else None,
-        documents=documents_of(ids, config.eod_token) if config.reset_attention_mask else None)
+    documents = documents_of(ids, config.eod_token) if config.reset_attention_mask else None
+    positions = positions_of(ids, config.eod_token) if config.reset_position_ids else None
+    index = None
+    if split:
+        from hybrid.parallel.ring_attention import local_index
+        index = local_index(ids.size(1), cp.size, cp.rank, ids.device)
+        positions = index[None, :] if positions is None else positions.index_select(1, index)
+    return SequenceLayout(positions=None if positions is None else positions.t(), documents=documents,
+                          cp=cp if split else None, index=index)

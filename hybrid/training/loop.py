@@ -55,8 +55,9 @@ class Trainer:
     def _batches(self, dataset, consumed, wrap=False):
         from hybrid.training.batches import micro_batches
         t = self.run.train
-        return micro_batches(dataset, consumed, t.micro_batch_size, self.topology.dp_rank,
-                             self.topology.dp_world_size, t.num_workers, self.device, wrap, self.collator)
+        # CP ranks read the same samples (each takes its chunks of them): the sampler's ranks are DP's
+        return micro_batches(dataset, consumed, t.micro_batch_size, self.topology.data_rank,
+                             self.topology.data_world_size, t.num_workers, self.device, wrap, self.collator)
 
     def _interval_losses(self, losses: list, norm_flags: Optional[list] = None) -> list[float]:
         """The pending per-iteration losses as DP means (and, given, their gradient norms' finiteness):
@@ -147,7 +148,8 @@ class Trainer:
         size = t.rampup.batch_size(consumed, t.global_batch_size) if t.rampup else t.global_batch_size
         if size != self.current_batch:
             from hybrid.training.engine import units_per_step
-            self.engine.set_train_batch_size(size)  # more or fewer micro-batches, same micro-batch size
+            # more or fewer micro-batches, same micro-batch size (DeepSpeed's batch counts CP ranks)
+            self.engine.set_train_batch_size(size * self.run.context_parallel)
             self.engine.lr_scheduler.units_per_step = units_per_step(size, t.seq_length, t.lr_unit)
             if self.current_batch is not None:
                 log(f"global batch size {self.current_batch} -> {size} after {consumed} samples")
@@ -352,7 +354,7 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     from hybrid.training import checkpoint
     from hybrid.training.batches import build_datasets
     from hybrid.training.engine import build_engine
-    topology = Topology(run.tensor_parallel, run.pipeline_parallel)
+    topology = Topology(run.tensor_parallel, run.pipeline_parallel, run.context_parallel)
     model_parallel_seed(run.train.seed, topology.tp_rank)
     datasets = build_datasets(run.train, tokenizer.vocab_size)
     engine, _ = build_engine(run, topology)

@@ -28,9 +28,10 @@ class PerTokenScale:
     def __call__(self, micro_batches: list) -> torch.Tensor:
         local = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in micro_batches]).sum()
         total = local.to(self.device, torch.float32).reshape(1)
-        dp = self.topology.dp_world_size
+        dp = self.topology.dp_world_size  # DP x CP: every CP rank counted its samples' whole labels
         if dp > 1:
             dist.all_reduce(total, group=self.topology.dp_group)
+        total = total / self.topology.cp_world_size
         return (len(micro_batches) * dp / total.clamp(min=1.0)).reshape(())
 
 

@@ -1,0 +1,167 @@
+"""Context parallelism (--context-parallel-size, ring attention): the ring equals full-sequence attention
+(outputs and q/k/v gradients) at CP 2 and CP 4, with GQA and packed documents, for both block kernels;
+the whole model at CP 2 and CP 4 (GPT learned positions, Llama RoPE + GQA, packed documents) and at
+CP 2 x TP 2 + SP gives one rank's loss and every gradient; launched runs at CP 2 (with DP 2 and ZeRO-1,
+ZeRO-3) give one rank's losses; what it does not combine with is refused."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.model_harness import CONFIGS, assemble_grads, compare_grads, reference
+from tests.rank_pool import assert_close, run_on_ranks
+from tests.test_documents import DOCUMENTS, EOD, packed_batch
+
+
+def _attention_inputs(seq=64, heads=4, groups=2, dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, heads, seq, dim, generator=g)
+    k, v = (torch.randn(2, groups, seq, dim, generator=g) for _ in range(2))
+    grad = torch.randn(2, heads, seq, dim, generator=g)
+    ids = torch.randint(0, EOD, (2, seq), generator=g)
+    ids[0, [3, 17, 18, 40]] = EOD
+    ids[1, [seq // 2 - 1]] = EOD
+    return q, k, v, grad, ids
+
+
+def _ring_on_rank(documents: bool, math: bool):
+    import torch.distributed as dist
+    from hybrid.model.sequence import documents_of
+    from hybrid.parallel.groups import Axis
+    from hybrid.parallel.ring_attention import local_index, ring_attention
+    axis = Axis.of(dist.group.WORLD)
+    q, k, v, grad, ids = _attention_inputs()
+    docs = documents_of(ids, EOD) if documents else None
+    index = local_index(q.size(2), axis.size, axis.rank)
+    local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, axis, 0.3, docs, math)
+    out.backward(grad[:, :, index])
+    return index, out.detach(), [t.grad for t in local]
+
+
+def _full_attention(documents: bool):
+    from hybrid.model.sequence import documents_of
+    q, k, v, grad, ids = _attention_inputs()
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    s = q.size(2)
+    mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None]
+    if documents:
+        docs = documents_of(ids, EOD)
+        mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    out.backward(grad)
+    return out.detach(), [t.grad for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("documents,math", [(False, False), (True, False), (True, True)])
+def test_ring_attention_equals_full_attention_with_gqa_and_documents(cp, documents, math):
+    want, want_grads = _full_attention(documents)
+    results = run_on_ranks(_ring_on_rank, cp, documents, math)
+    grads = [torch.zeros_like(g) for g in want_grads]
+    for index, out, local_grads in results:
+        assert_close(out, want[:, :, index], 1e-5, "output")
+        grads[0][:, :, index] = local_grads[0]
+        grads[1][:, :, index] += local_grads[1]
+        grads[2][:, :, index] += local_grads[2]
+    for name, got, wanted in zip("qkv", grads, want_grads):
+        assert_close(got, wanted, 1e-5, f"grad {name}")
+
+
+def _model_on_rank(cfg, tp, cp, data, sequence_parallel):
+    """Loss and canonical-named gradient shards of this rank's part (its TP shard, its CP chunks)."""
+    from hybrid.model.config import ModelConfig
+    from hybrid.model.gpt import GPTModel
+    from hybrid.model.naming import canonical_parameters
+    from hybrid.parallel.random import model_parallel_seed
+    from hybrid.topology import Topology
+    topo = Topology(tensor_parallel=tp, context_parallel=cp)
+    model_parallel_seed(1, topo.tp_rank)
+    config = ModelConfig(**dict(cfg, sequence_parallel=sequence_parallel))
+    model = GPTModel(config, topo.groups)
+    loss = model(*data)
+    loss.backward()
+    params = canonical_parameters(model, config.num_layers)
+    grads = {n: (p.grad.detach().clone(), getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1))
+             for n, p in params.items()}
+    return dict(tp_rank=topo.tp_rank, cp_rank=topo.cp_rank, loss=loss.item(), grads=grads)
+
+
+def _cp_mean(results):
+    """What DeepSpeed's DP x CP average makes of the ranks' losses and gradients, per TP rank."""
+    merged = []
+    for tp_rank in sorted({r["tp_rank"] for r in results}):
+        mine = [r for r in results if r["tp_rank"] == tp_rank]
+        grads = {n: (sum(r["grads"][n][0] for r in mine) / len(mine),) + mine[0]["grads"][n][1:]
+                 for n in mine[0]["grads"]}
+        merged.append(dict(tp_rank=tp_rank, loss=sum(r["loss"] for r in mine) / len(mine), grads=grads))
+    return merged
+
+
+@pytest.mark.parametrize("style,documents,tp,cp", [
+    ("gpt2", False, 1, 2), ("llama", False, 1, 2), ("gpt2", False, 1, 4), ("llama", True, 1, 4),
+    ("gpt2", True, 1, 2), ("llama", True, 2, 2)])
+def test_model_at_cp_equals_one_rank_loss_and_every_gradient(style, documents, tp, cp):
+    cfg = dict(CONFIGS[style], max_position_embeddings=64, **(DOCUMENTS if documents else {}))
+    data = packed_batch(rows=2, seq=64, seed=1)
+    ref_loss, _, ref_grads = reference(cfg, data)
+    merged = _cp_mean(run_on_ranks(_model_on_rank, tp * cp, cfg, tp, cp, data, tp > 1))
+    for m in merged:
+        assert abs(m["loss"] - ref_loss) <= 1e-5 * abs(ref_loss)
+    compare_grads(assemble_grads(merged), ref_grads, cfg["vocab_size"], 1e-5)
+
+
+CP2 = ["--context-parallel-size", 2]
+LLAMA_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
+               "--num-query-groups", 2, "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+PACKED = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss", "--calculate-per-token-loss"]
+LAUNCHED = {  # name: (ranks, extra flags, flags of the one-rank run it must equal)
+    "cp2_gpt": (2, CP2, []),
+    "cp2_llama": (2, CP2 + LLAMA_FLAGS, LLAMA_FLAGS),
+    "cp2_dp2_zero3": (4, CP2 + ["--deepspeed", "ds_configs/zero3.json"], []),
+    "cp2_dp2_zero1_packed_per_token": (4, CP2 + ["--deepspeed", "ds_configs/zero1.json"] + PACKED, PACKED),
+}
+
+
+@pytest.mark.parametrize("name", list(LAUNCHED))
+def test_launched_context_parallel_runs_give_the_one_rank_losses(data, tmp_path, name):
+    from tests.launch_helpers import one_rank, read_log, run
+    from tests.test_training import TINY, assert_same_losses
+    ranks, extra, baseline = LAUNCHED[name]
+    want = [r["lm_loss"] for r in one_rank(TINY + ["--data-path", data] + baseline)]
+    log = tmp_path / "log.jsonl"
+    run("torchrun", ranks, TINY + ["--data-path", data, "--log-json", log] + extra)
+    records = read_log(log)
+    assert_same_losses([r["lm_loss"] for r in records], want)
+    assert all(r["consumed_samples"] == 8 * r["iteration"] for r in records)
+
+
+def test_resume_at_cp2_with_dropout_is_bitwise_equal_to_straight(data, tmp_path):
+    from tests.launch_helpers import read_log, run
+    from tests.test_training import TINY
+    base = TINY + CP2 + ["--hidden-dropout", 0.1, "--data-path", data]
+    straight_log, log, ckpt = tmp_path / "straight.jsonl", tmp_path / "log.jsonl", tmp_path / "ckpt"
+    run("torchrun", 2, base + ["--log-json", straight_log, "--save", ckpt, "--save-interval", 4])
+    (ckpt / "latest").write_text("iter_0000004")
+    run("torchrun", 2, base + ["--log-json", log, "--load", ckpt])
+    straight, resumed = read_log(straight_log), read_log(log)
+    assert [r["iteration"] for r in resumed] == list(range(5, 9))
+    assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in straight[4:]], "bitwise on CPU"
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    (CP2 + ["--pipeline-model-parallel-size", 2], 4, "--context-parallel-size 2 with --pipeline-model-parallel-size 2"),
+    (CP2 + ["--attention-dropout", 0.1], 2, "--context-parallel-size 2 with attention dropout"),
+    (CP2 + ["--window-size", "4,0"], 2, "--context-parallel-size 2 with --window-size"),
+    (["--context-parallel-size", 3], 3, "--seq-length 16 must be divisible by 6"),
+    (CP2 + ["--cp-comm-type", "a2a"], 2, "--cp-comm-type a2a is not supported"),
+    (["--context-parallel-size", 2], 3, r"--context-parallel-size \(2\)"),
+])
+def test_context_parallel_refusals_name_the_flags(extra, world, message):
+    from hybrid.config import build_run_config
+    from hybrid.errors import ConfigError
+    from hybrid.flags import build_parser
+    from tests.test_capabilities import BASE
+    argv = [str(f) for f in BASE + ["--hidden-dropout", 0, "--attention-dropout", 0] + extra]
+    with pytest.raises(ConfigError, match=message):
+        build_run_config(build_parser().parse_args(argv), world, 64, eod_token=63)
