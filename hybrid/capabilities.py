@@ -46,6 +46,7 @@ class Setup:
     zero_source: str = "--zero-stage"  # where the ZeRO stage came from (named in messages)
     documents: bool = False  # --reset-attention-mask / --reset-position-ids
     cp: int = 1  # --context-parallel-size
+    ulysses: int = 1  # --ds-sequence-parallel-size
     attention_dropout: bool = False  # --attention-dropout > 0
     sliding_window: bool = False  # --window-size
 
@@ -165,6 +166,11 @@ RULES = [
          lambda s: s.cp > 1 and s.pp > 1,
          lambda s: f"--context-parallel-size {s.cp} with --pipeline-model-parallel-size {s.pp} is not built yet; use "
                    f"context parallelism with --pipeline-model-parallel-size 1 (with TP, SP, DP and ZeRO-1/2/3)."),
+    Rule("ulysses-pipeline", "--ds-sequence-parallel-size > 1 with pipeline parallelism",
+         "not built yet: the pipeline stages would carry s/N activations and each micro-batch's positions",
+         lambda s: s.ulysses > 1 and s.pp > 1,
+         lambda s: f"--ds-sequence-parallel-size {s.ulysses} with --pipeline-model-parallel-size {s.pp} is not built "
+                   f"yet; use Ulysses with --pipeline-model-parallel-size 1 (with TP, SP, DP and ZeRO-1/2/3)."),
     Rule("cp-attention-dropout", "--context-parallel-size > 1 with --attention-dropout > 0",
          "the ring's block kernels (aten's fused CPU attention, the exact math kernel) run without dropout",
          lambda s: s.cp > 1 and s.attention_dropout,

@@ -94,6 +94,7 @@ class RunConfig:
     ds_config: dict
     args: dict  # the parsed flags, saved in checkpoints
     context_parallel: int = 1  # --context-parallel-size
+    ulysses: int = 1  # --ds-sequence-parallel-size
     pipeline_schedule: str = "1f1b"  # --pipeline-schedule: DeepSpeed's engine, or a torch.distributed.pipelining one
     virtual_stages: int = 1  # virtual pipeline stages per rank
 
@@ -106,6 +107,11 @@ class RunConfig:
     def virtual_pipeline(self) -> bool:
         """Virtual stages run by a torch.distributed.pipelining schedule (PP > 1, any other schedule)."""
         return self.pipeline_parallel > 1 and self.pipeline_schedule != "1f1b"
+
+    @property
+    def sequence_split(self) -> int:
+        """Ranks holding parts of one sequence (CP or Ulysses): DeepSpeed's data-parallel world is DP x this."""
+        return self.context_parallel * self.ulysses
 
     @property
     def zero_stage(self) -> int:
@@ -240,6 +246,25 @@ def _check_context_parallel(args, tp: int, cp: int) -> None:
                           f"tokens must be divisible by --tensor-model-parallel-size {tp}.")
 
 
+def _check_ulysses(args, model, tp: int, ulysses: int) -> None:
+    """--ds-sequence-parallel-size N: the sequence in N parts, heads and KV groups (per TP rank) in N."""
+    if ulysses == 1:
+        return
+    if args.seq_length % ulysses != 0:
+        raise ConfigError(f"--ds-sequence-parallel-size {ulysses}: --seq-length {args.seq_length} must be "
+                          f"divisible by {ulysses}.")
+    heads, groups = model.num_attention_heads // tp, model.num_query_groups // tp
+    if heads % ulysses or groups % ulysses:
+        raise ConfigError(f"--ds-sequence-parallel-size {ulysses}: Ulysses gives each rank 1/{ulysses} of the "
+                          f"attention heads and of the KV groups, but each TP rank has {heads} heads and {groups} "
+                          f"KV groups (--num-attention-heads / --num-query-groups over --tensor-model-parallel-size "
+                          f"{tp}); use a size that divides both, or --context-parallel-size (ring attention has no "
+                          f"such rule).")
+    if args.sequence_parallel and tp > 1 and (args.seq_length // ulysses) % tp != 0:
+        raise ConfigError(f"--sequence-parallel with --ds-sequence-parallel-size {ulysses}: each rank's "
+                          f"{args.seq_length // ulysses} tokens must be divisible by --tensor-model-parallel-size {tp}.")
+
+
 def _check_data_flags(args) -> None:
     split_paths = [args.train_data_path, args.valid_data_path, args.test_data_path]
     if args.data_path and args.mock_data:
@@ -334,10 +359,10 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     apply_megatron_aliases(args)
     _demo_defaults(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    cp = args.context_parallel_size
+    cp, ulysses = args.context_parallel_size, args.ds_sequence_parallel_size
     ds, ds_path = dsc.load_ds_config(args)
     stage = dsc.zero_stage(args, ds, ds_path, pp)
-    dp = ParallelDims(world_size, tp, pp, cp).data_parallel
+    dp = ParallelDims(world_size, tp, pp, cp, ulysses=ulysses).data_parallel
     _check_context_parallel(args, tp, cp)
     vocab_size = tokenizer_vocab_size
     if args.padded_vocab_size:
@@ -350,6 +375,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
                           f"({tokenizer_vocab_size}); token ids would fall outside the embedding. Drop --vocab-size "
                           f"or use a matching tokenizer.")
     model = _model_config(args, vocab_size, tp, base_model)
+    _check_ulysses(args, model, tp, ulysses)
     if args.reset_attention_mask or args.reset_position_ids:
         if eod_token is None:
             raise ConfigError("--reset-attention-mask / --reset-position-ids split packed samples at the "
@@ -407,11 +433,11 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
                 rampup=bool(length.rampup), universal_checkpoint=train.universal_checkpoint,
                 flash_attn=bool(args.use_flash_attn), grad_reduce_bf16=bool(args.grad_reduce_in_bf16),
                 accelerator=dsc.accelerator_kind(), zero_source=ds_path or "--zero-stage",
-                documents=model.splits_documents, cp=cp, attention_dropout=model.attention_dropout > 0,
+                documents=model.splits_documents, cp=cp, ulysses=ulysses, attention_dropout=model.attention_dropout > 0,
                 sliding_window=model.sliding_window is not None))
     ds_config = dsc.final_ds_config(ds, args, train, stage, optimizer, model)
     return RunConfig(model=model, train=train, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
-                     context_parallel=cp,
+                     context_parallel=cp, ulysses=ulysses,
                      pipeline_partition=args.pipeline_partition, ds_config=ds_config,
                      args=dict(vars(args)), pipeline_schedule=schedule, virtual_stages=virtual)
 
@@ -421,6 +447,6 @@ def config_summary(run: RunConfig) -> dict:
     model = asdict(run.model)
     return {"model": model, "train": asdict(run.train), "tensor_parallel": run.tensor_parallel,
             "pipeline_parallel": run.pipeline_parallel, "data_parallel": run.data_parallel,
-            "context_parallel": run.context_parallel,
+            "context_parallel": run.context_parallel, "ulysses": run.ulysses,
             "pipeline_schedule": run.pipeline_schedule, "virtual_stages": run.virtual_stages,
             "zero_stage": run.zero_stage}

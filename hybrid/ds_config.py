@@ -135,7 +135,7 @@ def final_ds_config(ds: dict, args, train, stage: int, optimizer: dict, model) -
     for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps"):
         out.pop(key, None)
     # DeepSpeed's data-parallel world is DP x CP (hybrid.topology): its batch counts every CP rank
-    cp = getattr(args, "context_parallel_size", 1) or 1
+    cp = (getattr(args, "context_parallel_size", 1) or 1) * (getattr(args, "ds_sequence_parallel_size", 1) or 1)
     out.update(train_micro_batch_size_per_gpu=train.micro_batch_size, train_batch_size=train.global_batch_size * cp,
                gradient_accumulation_steps=train.grad_acc_steps, gradient_clipping=train.clip_grad,
                optimizer=optimizer)

@@ -191,6 +191,9 @@ def _add_distributed_args(p):
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split each sequence over this many ranks (ring attention over K/V blocks, Megatron's "
                         "causal load balancing); gradients and ZeRO span DP x CP")
+    g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
+                   help="DeepSpeed-Ulysses: split each sequence over this many ranks, all-to-all to whole sequences "
+                        "of heads / N around attention (deepspeed.sequence); gradients and ZeRO span DP x N")
     g.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
                    help="context-parallel communication: p2p (the K/V ring; the one built)")
     g.add_argument("--sequence-parallel", action="store_true")

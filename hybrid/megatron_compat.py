@@ -73,8 +73,6 @@ _FLAGS = [
     CompatFlag("--profile-step-end", "refused", "see --profile", nargs="1"),
     CompatFlag("--codecarbon-dir", "refused", "CodeCarbon tracking is not built in; drop the flag", nargs="1"),
     # parallel sizes hybrid has at their neutral value only
-    CompatFlag("--ds-sequence-parallel-size", "neutral", "DeepSpeed-Ulysses sequence parallelism is not "
-               "implemented (Megatron-style --sequence-parallel is)", nargs="1", neutral="1"),
     CompatFlag("--expert-model-parallel-size", "neutral", "mixture-of-experts is not implemented", nargs="1",
                neutral="1"),
     CompatFlag("--num-experts", "refused", "mixture-of-experts is not implemented", nargs="1"),

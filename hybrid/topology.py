@@ -29,6 +29,7 @@ class ParallelDims:
     tensor_parallel: int = 1  # --tensor-model-parallel-size
     pipeline_parallel: int = 1  # --pipeline-model-parallel-size
     context_parallel: int = 1  # --context-parallel-size: the sequence split over CP ranks (ring attention)
+    ulysses: int = 1  # --ds-sequence-parallel-size: the sequence split over ranks, all-to-all around attention
     expert_parallel: int = 1  # --expert-model-parallel-size, inside DP (declared; only 1 is built so far)
 
     def __post_init__(self):
@@ -38,11 +39,18 @@ class ParallelDims:
                             ("--expert-model-parallel-size", self.expert_parallel)):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}.")
-        model_parallel = self.tensor_parallel * self.context_parallel * self.pipeline_parallel
+        if self.ulysses < 1:
+            raise ConfigError(f"--ds-sequence-parallel-size must be >= 1, got {self.ulysses}.")
+        if self.context_parallel > 1 and self.ulysses > 1:
+            raise ConfigError(f"--context-parallel-size {self.context_parallel} with --ds-sequence-parallel-size "
+                              f"{self.ulysses}: the sequence is split one way or the other; give one of them.")
+        model_parallel = self.tensor_parallel * self.sequence_split * self.pipeline_parallel
         if self.world_size % model_parallel != 0:
+            split = (f"--ds-sequence-parallel-size ({self.ulysses})" if self.ulysses > 1
+                     else f"--context-parallel-size ({self.context_parallel})")
             raise ConfigError(
                 f"world size {self.world_size} is not a multiple of --tensor-model-parallel-size "
-                f"({self.tensor_parallel}) x --context-parallel-size ({self.context_parallel}) x "
+                f"({self.tensor_parallel}) x {split} x "
                 f"--pipeline-model-parallel-size ({self.pipeline_parallel}) = {model_parallel}; launch a "
                 f"multiple of {model_parallel} ranks or change the sizes.")
 
@@ -51,9 +59,14 @@ class ParallelDims:
                               f"data-parallel size {self.data_parallel} (experts are split inside DP).")
 
     @property
+    def sequence_split(self) -> int:
+        """Ranks that hold parts of one sequence (CP or Ulysses)."""
+        return self.context_parallel * self.ulysses
+
+    @property
     def data_parallel(self) -> int:
-        """DP degree: what is left of the world after TP, CP and PP."""
-        return self.world_size // (self.tensor_parallel * self.context_parallel * self.pipeline_parallel)
+        """DP degree: what is left of the world after TP, the sequence split and PP."""
+        return self.world_size // (self.tensor_parallel * self.sequence_split * self.pipeline_parallel)
 
 
 @functools.cache
@@ -83,24 +96,29 @@ class Topology:
     coexist in one process.
     """
 
-    def __init__(self, tensor_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1):
+    def __init__(self, tensor_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1,
+                 ulysses: int = 1):
         from hybrid.distributed import init_distributed
         init_distributed()  # no-op when already initialised; DeepSpeed's grid needs deepspeed.comm
-        self.dims = ParallelDims(dist.get_world_size(), tensor_parallel, pipeline_parallel, context_parallel)
+        self.dims = ParallelDims(dist.get_world_size(), tensor_parallel, pipeline_parallel, context_parallel,
+                                 ulysses=ulysses)
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
         # DeepSpeed's data axis is DP x CP (CP varying faster): CP ranks hold different tokens of the
         # same samples, so gradients are averaged and ZeRO partitions over both (Megatron's
-        # data-parallel group with CP); the CP groups are the data axis' consecutive runs of CP ranks.
-        cp = self.dims.context_parallel
+        # data-parallel group with CP; DeepSpeed's sequence-data-parallel group for Ulysses); the CP
+        # (or Ulysses) groups are the data axis' consecutive runs of CP ranks.
+        cp = self.dims.sequence_split
         self.ds_topology = PipeModelDataParallelTopology(
             num_pp=self.dims.pipeline_parallel, num_mp=self.dims.tensor_parallel,
             num_dp=self.dims.data_parallel * cp)
         self.grid = _grid_class()(topology=self.ds_topology)
         from hybrid.parallel.groups import Axis, ParallelGroups
         # what the layers communicate over; the expert axis stays at size 1 until used
+        sequence = Axis.of(self._context_parallel_group(cp))
         self.groups = ParallelGroups(
             tp=Axis.of(self.grid.get_tensor_model_parallel_group()),
-            cp=Axis.of(self._context_parallel_group(cp)),
+            cp=sequence if self.dims.ulysses == 1 else Axis(),
+            ulysses=sequence if self.dims.ulysses > 1 else Axis(),
             dp=Axis.of(self.grid.get_data_parallel_group()),
             pp=Axis.of(self.grid.get_pipe_parallel_group()))
 
@@ -142,13 +160,18 @@ class Topology:
         return self.groups.cp.rank
 
     @property
+    def sequence_world_size(self) -> int:
+        """Ranks holding parts of one sequence (CP or Ulysses)."""
+        return self.groups.sequence_split
+
+    @property
     def data_world_size(self) -> int:
         """Ranks that read different samples: DP (the gradient group, dp_*, is DP x CP)."""
-        return self.dp_world_size // self.cp_world_size
+        return self.dp_world_size // self.sequence_world_size
 
     @property
     def data_rank(self) -> int:
-        return self.dp_rank // self.cp_world_size
+        return self.dp_rank // self.sequence_world_size
 
     @property
     def tp_rank(self) -> int:

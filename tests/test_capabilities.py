@@ -36,6 +36,7 @@ EXAMPLES = {
     "flash-attn-fp32": None,
     "documents-pipeline": (PP2 + ["--reset-attention-mask"], 2),
     "cp-pipeline": (PP2 + ["--context-parallel-size", 2], 4),
+    "ulysses-pipeline": (PP2 + ["--ds-sequence-parallel-size", 2], 4),
     "cp-attention-dropout": (["--context-parallel-size", 2], 2),  # Megatron's default attention dropout, 0.1
     "cp-sliding-window": (["--context-parallel-size", 2, "--attention-dropout", 0, "--window-size", "4,0"], 2),
     "grad-reduce-bf16-precision": (["--grad-reduce-in-bf16"], 1),
@@ -80,11 +81,13 @@ def test_flag_checks_raise_the_tables_message(rule):
 def _setup_of(flags, world):
     """A Setup close to the one the flags describe (for the message text only)."""
     args = build_parser().parse_args(_argv(flags))
-    pp, tp, cp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size, args.context_parallel_size
+    pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+    split = args.context_parallel_size * args.ds_sequence_parallel_size
     return Setup(pp=pp, tp=tp, schedule=args.pipeline_schedule or "1f1b", zero_stage=args.zero_stage or 0,
                  precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-                 micro_batches=args.global_batch_size // (args.micro_batch_size * (world // (pp * tp * cp))),
-                 zero_source="--zero-stage", cp=cp)
+                 micro_batches=args.global_batch_size // (args.micro_batch_size * (world // (pp * tp * split))),
+                 zero_source="--zero-stage", cp=args.context_parallel_size,
+                 ulysses=args.ds_sequence_parallel_size)
 
 
 def test_the_same_flags_without_the_conflict_build():

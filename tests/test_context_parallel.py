@@ -1,8 +1,10 @@
 """Context parallelism (--context-parallel-size, ring attention): the ring equals full-sequence attention
 (outputs and q/k/v gradients) at CP 2 and CP 4, with GQA and packed documents, for both block kernels;
 the whole model at CP 2 and CP 4 (GPT learned positions, Llama RoPE + GQA, packed documents) and at
-CP 2 x TP 2 + SP gives one rank's loss and every gradient; launched runs at CP 2 (with DP 2 and ZeRO-1,
-ZeRO-3) give one rank's losses; what it does not combine with is refused."""
+CP 2 x TP 2 + SP gives one rank's loss and every gradient, and so does DeepSpeed-Ulysses
+(--ds-sequence-parallel-size 2 and 4, x TP 2); launched runs at CP 2 (with DP 2 and ZeRO-1, ZeRO-3) and
+Ulysses 2 (packed documents; DP 2 and ZeRO-2) give one rank's losses; resume at CP 2 with dropout is
+bitwise; what they do not combine with is refused."""
 
 import pytest
 import torch
@@ -68,14 +70,14 @@ def test_ring_attention_equals_full_attention_with_gqa_and_documents(cp, documen
         assert_close(got, wanted, 1e-5, f"grad {name}")
 
 
-def _model_on_rank(cfg, tp, cp, data, sequence_parallel):
+def _model_on_rank(cfg, tp, cp, data, sequence_parallel, ulysses=1):
     """Loss and canonical-named gradient shards of this rank's part (its TP shard, its CP chunks)."""
     from hybrid.model.config import ModelConfig
     from hybrid.model.gpt import GPTModel
     from hybrid.model.naming import canonical_parameters
     from hybrid.parallel.random import model_parallel_seed
     from hybrid.topology import Topology
-    topo = Topology(tensor_parallel=tp, context_parallel=cp)
+    topo = Topology(tensor_parallel=tp, context_parallel=cp, ulysses=ulysses)
     model_parallel_seed(1, topo.tp_rank)
     config = ModelConfig(**dict(cfg, sequence_parallel=sequence_parallel))
     model = GPTModel(config, topo.groups)
@@ -84,7 +86,7 @@ def _model_on_rank(cfg, tp, cp, data, sequence_parallel):
     params = canonical_parameters(model, config.num_layers)
     grads = {n: (p.grad.detach().clone(), getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1))
              for n, p in params.items()}
-    return dict(tp_rank=topo.tp_rank, cp_rank=topo.cp_rank, loss=loss.item(), grads=grads)
+    return dict(tp_rank=topo.tp_rank, loss=loss.item(), grads=grads)
 
 
 def _cp_mean(results):
@@ -98,14 +100,17 @@ def _cp_mean(results):
     return merged
 
 
-@pytest.mark.parametrize("style,documents,tp,cp", [
-    ("gpt2", False, 1, 2), ("llama", False, 1, 2), ("gpt2", False, 1, 4), ("llama", True, 1, 4),
-    ("gpt2", True, 1, 2), ("llama", True, 2, 2)])
-def test_model_at_cp_equals_one_rank_loss_and_every_gradient(style, documents, tp, cp):
+@pytest.mark.parametrize("style,documents,tp,cp,ulysses", [
+    ("gpt2", False, 1, 2, 1), ("llama", False, 1, 2, 1), ("gpt2", False, 1, 4, 1), ("llama", True, 1, 4, 1),
+    ("gpt2", True, 1, 2, 1), ("llama", True, 2, 2, 1),
+    ("gpt2", False, 1, 1, 2), ("llama", True, 1, 1, 2), ("gpt2", True, 1, 1, 4), ("llama", True, 2, 1, 2)])
+def test_model_at_cp_or_ulysses_equals_one_rank_loss_and_every_gradient(style, documents, tp, cp, ulysses):
     cfg = dict(CONFIGS[style], max_position_embeddings=64, **(DOCUMENTS if documents else {}))
+    if tp * ulysses > 2:  # Ulysses splits each TP rank's KV groups too
+        cfg["num_query_groups"] = 4
     data = packed_batch(rows=2, seq=64, seed=1)
     ref_loss, _, ref_grads = reference(cfg, data)
-    merged = _cp_mean(run_on_ranks(_model_on_rank, tp * cp, cfg, tp, cp, data, tp > 1))
+    merged = _cp_mean(run_on_ranks(_model_on_rank, tp * cp * ulysses, cfg, tp, cp, data, tp > 1, ulysses))
     for m in merged:
         assert abs(m["loss"] - ref_loss) <= 1e-5 * abs(ref_loss)
     compare_grads(assemble_grads(merged), ref_grads, cfg["vocab_size"], 1e-5)
@@ -120,6 +125,8 @@ LAUNCHED = {  # name: (ranks, extra flags, flags of the one-rank run it must equ
     "cp2_llama": (2, CP2 + LLAMA_FLAGS, LLAMA_FLAGS),
     "cp2_dp2_zero3": (4, CP2 + ["--deepspeed", "ds_configs/zero3.json"], []),
     "cp2_dp2_zero1_packed_per_token": (4, CP2 + ["--deepspeed", "ds_configs/zero1.json"] + PACKED, PACKED),
+    "ulysses2_llama_packed": (2, ["--ds-sequence-parallel-size", 2] + LLAMA_FLAGS + PACKED, LLAMA_FLAGS + PACKED),
+    "ulysses2_dp2_zero2": (4, ["--ds-sequence-parallel-size", 2, "--deepspeed", "ds_configs/zero2.json"], []),
 }
 
 
@@ -156,6 +163,14 @@ def test_resume_at_cp2_with_dropout_is_bitwise_equal_to_straight(data, tmp_path)
     (["--context-parallel-size", 3], 3, "--seq-length 16 must be divisible by 6"),
     (CP2 + ["--cp-comm-type", "a2a"], 2, "--cp-comm-type a2a is not supported"),
     (["--context-parallel-size", 2], 3, r"--context-parallel-size \(2\)"),
+    (["--ds-sequence-parallel-size", 4, "--num-attention-heads", 2, "--hidden-size", 32], 4,
+     "--ds-sequence-parallel-size 4: Ulysses gives each rank 1/4 of the attention heads and of the KV groups, "
+     "but each TP rank has 2 heads and 2 KV groups"),
+    (["--ds-sequence-parallel-size", 2, "--tensor-model-parallel-size", 2, "--group-query-attention",
+      "--num-query-groups", 2], 4, "each TP rank has 2 heads and 1 KV groups"),
+    (["--ds-sequence-parallel-size", 2] + CP2, 4, "the sequence is split one way or the other"),
+    (["--ds-sequence-parallel-size", 2, "--pipeline-model-parallel-size", 2], 4,
+     "--ds-sequence-parallel-size 2 with --pipeline-model-parallel-size 2"),
 ])
 def test_context_parallel_refusals_name_the_flags(extra, world, message):
     from hybrid.config import build_run_config

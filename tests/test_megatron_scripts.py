@@ -28,7 +28,7 @@ EXPECTED_REFUSAL = {
     "megatron_lm_mixtral_8x7b": "--num-experts",  # mixture-of-experts
     "megatron_deepspeed_moe_gpt_1.3b_moe128": "--num-experts",
     "megatron_deepspeed_zbh1_gpt_1.3b": "--enable-zbh1-pipeline",
-    "megatron_deepspeed_ulysses_gpt_1.3b_32k": "--ds-sequence-parallel-size",  # DeepSpeed-Ulysses
+    "megatron_deepspeed_ulysses_gpt_1.3b_32k": "--use-flash-attn-triton",  # Ulysses itself runs
     "megatron_deepspeed_gpt_1.3b_rope": "--rotary-percent",  # rope on a quarter of each head
     "llm_jp_v3_megatron_sakura_1.8b": "--use-z-loss",
 }

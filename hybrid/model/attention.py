@@ -46,15 +46,29 @@ class CoreAttention(nn.Module):
             return "scaled_math"
         return "sdpa"
 
-    def forward(self, q, k, v, documents=None, cp=None):
+    def forward(self, q, k, v, documents=None, cp=None, ulysses=None):
         """q [s, b, nq, d], k/v [s, b, ng, d] -> context [s, b, nq*d]; `documents` [b, s]: each query
-        attends keys of its own document only (hybrid.model.sequence); `cp`: the context-parallel Axis
-        (this rank holds chunks of the sequence; attention is the K/V ring)."""
+        attends keys of its own document only (hybrid.model.sequence). This rank may hold part of the
+        sequence: `cp` (the context-parallel Axis): chunks, attention is the K/V ring; `ulysses` (its
+        Axis): a contiguous part, DeepSpeed's all-to-all attention gives each rank whole sequences of
+        heads / N for the local backends."""
         if cp is not None:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, heads, s_local, d]
             out = ring_attention(q, k, v, cp, self.scale, documents)
             s, b, nq, d = out.size(2), out.size(0), out.size(1), out.size(3)
             return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+        if ulysses is not None:
+            from deepspeed.sequence.layer import DistributedAttention
+
+            def whole_sequences(q, k, v):  # [s, b, heads/N, d] -> the same shape
+                return self.local(q, k, v, documents).view(q.shape)
+            attention = DistributedAttention(whole_sequences, ulysses.group, scatter_idx=2, gather_idx=0)
+            out = attention(q, k, v, 1)  # batch dim 1; [s/N, b, nq, d]
+            return out.reshape(out.size(0), out.size(1), -1)
+        return self.local(q, k, v, documents)
+
+    def local(self, q, k, v, documents=None):
+        """Attention over whole sequences held on this rank (every backend)."""
         dropout = self.dropout if self.training else 0.0
         if dropout == 0.0:  # no randomness: no RNG fork (it copies generator states on every call)
             return self._attend(q, k, v, 0.0, documents)
@@ -182,12 +196,12 @@ class SelfAttention(nn.Module):
         if self.rotary is not None:
             cos, sin = self.rotary(s, x.device, None if layout is None else layout.positions)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        documents, cp = (None, None) if layout is None else (layout.documents, layout.cp)
+        split = (None, None, None) if layout is None else (layout.documents, layout.cp, layout.ulysses)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             import deepspeed
             # Selective recompute (Korthikanti et al. 2022): keep q, k, v; recompute the
             # s x s scores, softmax and dropout in backward. DeepSpeed restores the RNG states.
-            context = deepspeed.checkpointing.checkpoint(self.core, q, k, v, documents, cp)
+            context = deepspeed.checkpointing.checkpoint(self.core, q, k, v, *split)
         else:
-            context = self.core(q, k, v, documents, cp)
+            context = self.core(q, k, v, *split)
         return self.dense(context)  # [s, b, nq/tp * d] -> [s(/tp), b, h]

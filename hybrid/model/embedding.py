@@ -125,12 +125,12 @@ class LMLoss:
         self.__name__ = "LMLoss"
 
     def __call__(self, logits, labels, valid=None):
-        """`valid`: with context parallelism the valid tokens of the whole sequences (this rank holds
-        1/CP of them, and DeepSpeed averages gradients over DP x CP, hence the factor CP)."""
+        """`valid`: with context parallelism (or Ulysses) the valid tokens of the whole sequences (this
+        rank holds 1/CP of them, and DeepSpeed averages gradients over DP x CP, hence the factor CP)."""
         labels = labels.t()  # [b, s] -> [s, b], as the logits
         per_token = vocab_parallel_cross_entropy(logits, labels, self.groups.tp_group, vocab_size=self.vocab_size)
         if self.token_scale is not None:  # the token sum, scaled to the iteration's token count
             return per_token.sum() * self.token_scale
         if valid is None:
             valid = (labels != IGNORE_INDEX).sum()  # on the device: no host sync
-        return per_token.sum() * self.groups.cp.size / valid.clamp(min=1)
+        return per_token.sum() * self.groups.sequence_split / valid.clamp(min=1)

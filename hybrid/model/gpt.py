@@ -36,7 +36,7 @@ class GPTModel(nn.Module):
         """input_ids [b, s] -> logits [b, s, V_padded/tp]; or, with labels [b, s] (IGNORE_INDEX where no
         loss is taken), the mean LM loss over the valid tokens."""
         # packed documents' masks and positions, this CP rank's chunks of the sequence; or None
-        layout = sequence_layout(input_ids, self.config, self.groups.cp)
+        layout = sequence_layout(input_ids, self.config, self.groups)
         hidden = self.embedding(input_ids if layout is None else layout.local(input_ids), layout)  # [s(/tp), b, h]
         hidden = run_layers(list(self.layers), hidden, self.config, self.training, layout)
         hidden = self.final_norm(hidden)
@@ -49,7 +49,7 @@ class GPTModel(nn.Module):
                                      self.config.vocab_size if for_loss else None)  # [s, b, V/tp]
         if not for_loss:
             return logits.transpose(0, 1)
-        if layout is not None and layout.cp is not None:  # this rank's tokens; the count is the whole sequence's
+        if layout is not None and layout.index is not None:  # this rank's tokens; the count is the whole sequence's
             return self.loss_fn(logits, layout.local(labels), valid=(labels != IGNORE_INDEX).sum())
         return self.loss_fn(logits, labels)
 

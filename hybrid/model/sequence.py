@@ -25,7 +25,8 @@ class SequenceLayout:
     positions: Optional[torch.Tensor] = None  # [s_local, b] position of each local token; None: 0 .. s-1
     documents: Optional[torch.Tensor] = None  # [b, s] document of every token of the full sequence; None: one
     cp: Optional[object] = None  # the context-parallel Axis (size > 1), None without context parallelism
-    index: Optional[torch.Tensor] = None  # [s_local] positions of the full sequence this CP rank holds
+    ulysses: Optional[object] = None  # the Ulysses Axis (size > 1), None without it
+    index: Optional[torch.Tensor] = None  # [s_local] positions of the full sequence this rank holds
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         """This CP rank's part of a [b, s] tensor (ids, labels)."""
@@ -47,20 +48,26 @@ def positions_of(ids: torch.Tensor, eod_token: int) -> torch.Tensor:
     return index - torch.cummax(starts, dim=1).values
 
 
-def sequence_layout(ids: torch.Tensor, config, cp=None) -> Optional[SequenceLayout]:
+def sequence_layout(ids: torch.Tensor, config, groups=None) -> Optional[SequenceLayout]:
     """The layout of a micro-batch of full-sequence ids [b, s] on this rank; None when every sequence is
     one causal document with positions 0 .. s-1 held whole (the default, whose attention needs no mask).
-    With context parallelism (`cp`, an Axis of size > 1) the rank holds chunks of the sequence
-    (hybrid.parallel.ring_attention.local_index) and its positions are theirs in the full sequence."""
-    split = cp is not None and cp.size > 1
-    if not (config.splits_documents or split):
+    With context parallelism (`groups.cp` of size > 1) the rank holds chunks of the sequence
+    (hybrid.parallel.ring_attention.local_index), with Ulysses (`groups.ulysses`) its contiguous
+    1/N; their positions are theirs in the full sequence."""
+    cp = groups.cp if groups is not None and groups.cp.size > 1 else None
+    ulysses = groups.ulysses if groups is not None and groups.ulysses.size > 1 else None
+    if not (config.splits_documents or cp or ulysses):
         return None
     documents = documents_of(ids, config.eod_token) if config.reset_attention_mask else None
     positions = positions_of(ids, config.eod_token) if config.reset_position_ids else None
     index = None
-    if split:
+    if cp is not None:
         from hybrid.parallel.ring_attention import local_index
         index = local_index(ids.size(1), cp.size, cp.rank, ids.device)
+    elif ulysses is not None:
+        part = ids.size(1) // ulysses.size
+        index = torch.arange(ulysses.rank * part, (ulysses.rank + 1) * part, device=ids.device)
+    if index is not None:
         positions = index[None, :] if positions is None else positions.index_select(1, index)
     return SequenceLayout(positions=None if positions is None else positions.t(), documents=documents,
-                          cp=cp if split else None, index=index)
+                          cp=cp, ulysses=ulysses, index=index)

@@ -41,7 +41,8 @@ class ParallelGroups:
     """Every axis a layer may communicate over (TP, CP, EP) and the ones gradients are reduced over (DP, PP)."""
 
     tp: Axis = Axis()  # tensor parallel: weights split by rows/columns, activations all-reduced or SP-scattered
-    cp: Axis = Axis()  # context parallel: the sequence split over ranks (size 1: not used yet)
+    cp: Axis = Axis()  # context parallel: the sequence split over ranks, attention a ring (ring_attention)
+    ulysses: Axis = Axis()  # DeepSpeed-Ulysses: the sequence split over ranks, all-to-all around attention
     ep: Axis = Axis()  # expert parallel: experts split over ranks inside DP (size 1: not used yet)
     dp: Axis = Axis()  # data parallel: ZeRO partitions and gradient reduction
     pp: Axis = Axis()  # pipeline parallel: this rank's stage
@@ -55,6 +56,11 @@ class ParallelGroups:
     def shapes_only(cls, tp: int = 1, tp_rank: int = 0) -> "ParallelGroups":
         """TP rank `tp_rank` of a TP-`tp` model, built in one process for its shapes and names."""
         return cls(tp=Axis(tp, tp_rank, C.SHAPES_ONLY if tp > 1 else C.SINGLE_RANK))
+
+    @property
+    def sequence_split(self) -> int:
+        """Ranks holding parts of one sequence (CP or Ulysses; at most one of them is > 1)."""
+        return self.cp.size * self.ulysses.size
 
     # the TP accessors every layer uses
     @property

@@ -193,6 +193,12 @@ def check_same_layout(state: ClientState, run: RunConfig, load_dir: str, tag: st
         elif saved_stage > 0 and saved.get("data_parallel", run.data_parallel) != run.data_parallel:
             differences.append(f"data-parallel size {saved['data_parallel']} (this run: {run.data_parallel}; ZeRO "
                                f"partitions the optimizer state over it)")
+        elif saved_stage > 0 and (saved.get("context_parallel", 1), saved.get("ulysses", 1)) != (
+                run.context_parallel, run.ulysses):
+            differences.append(f"--context-parallel-size {saved.get('context_parallel', 1)} and "
+                               f"--ds-sequence-parallel-size {saved.get('ulysses', 1)} (this run: "
+                               f"{run.context_parallel} and {run.ulysses}; ZeRO partitions the optimizer state over "
+                               f"DP x CP)")
     if differences:
         raise ConfigError(f"--load {load_dir}: checkpoint {tag} was saved with {'; '.join(differences)}. To resume "
                           f"at this layout, {_fix_command(load_dir)}.")

@@ -149,7 +149,7 @@ class Trainer:
         if size != self.current_batch:
             from hybrid.training.engine import units_per_step
             # more or fewer micro-batches, same micro-batch size (DeepSpeed's batch counts CP ranks)
-            self.engine.set_train_batch_size(size * self.run.context_parallel)
+            self.engine.set_train_batch_size(size * self.run.sequence_split)
             self.engine.lr_scheduler.units_per_step = units_per_step(size, t.seq_length, t.lr_unit)
             if self.current_batch is not None:
                 log(f"global batch size {self.current_batch} -> {size} after {consumed} samples")
@@ -354,7 +354,7 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     from hybrid.training import checkpoint
     from hybrid.training.batches import build_datasets
     from hybrid.training.engine import build_engine
-    topology = Topology(run.tensor_parallel, run.pipeline_parallel, run.context_parallel)
+    topology = Topology(run.tensor_parallel, run.pipeline_parallel, run.context_parallel, run.ulysses)
     model_parallel_seed(run.train.seed, topology.tp_rank)
     datasets = build_datasets(run.train, tokenizer.vocab_size)
     engine, _ = build_engine(run, topology)

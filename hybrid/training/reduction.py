@@ -31,7 +31,7 @@ class PerTokenScale:
         dp = self.topology.dp_world_size  # DP x CP: every CP rank counted its samples' whole labels
         if dp > 1:
             dist.all_reduce(total, group=self.topology.dp_group)
-        total = total / self.topology.cp_world_size
+        total = total / self.topology.sequence_world_size
         return (len(micro_batches) * dp / total.clamp(min=1.0)).reshape(())
 
 
