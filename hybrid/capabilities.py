@@ -161,16 +161,6 @@ RULES = [
                    f"pipeline stages pass only hidden states between ranks, so later stages would not see where "
                    f"documents end. Use them with --pipeline-model-parallel-size 1 (TP, SP, DP and ZeRO-1/2/3 "
                    f"work), or drop them."),
-    Rule("cp-pipeline", "--context-parallel-size > 1 with pipeline parallelism",
-         "not built yet: the pipeline stages would carry s/CP activations and each micro-batch's chunk positions",
-         lambda s: s.cp > 1 and s.pp > 1,
-         lambda s: f"--context-parallel-size {s.cp} with --pipeline-model-parallel-size {s.pp} is not built yet; use "
-                   f"context parallelism with --pipeline-model-parallel-size 1 (with TP, SP, DP and ZeRO-1/2/3)."),
-    Rule("ulysses-pipeline", "--ds-sequence-parallel-size > 1 with pipeline parallelism",
-         "not built yet: the pipeline stages would carry s/N activations and each micro-batch's positions",
-         lambda s: s.ulysses > 1 and s.pp > 1,
-         lambda s: f"--ds-sequence-parallel-size {s.ulysses} with --pipeline-model-parallel-size {s.pp} is not built "
-                   f"yet; use Ulysses with --pipeline-model-parallel-size 1 (with TP, SP, DP and ZeRO-1/2/3)."),
     Rule("cp-attention-dropout", "--context-parallel-size > 1 with --attention-dropout > 0",
          "the ring's block kernels (aten's fused CPU attention, the exact math kernel) run without dropout",
          lambda s: s.cp > 1 and s.attention_dropout,

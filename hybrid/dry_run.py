@@ -22,7 +22,8 @@ def plan_from_run(run: RunConfig) -> MemoryPlan:
     zero = ds.get("zero_optimization") or {}
     offload = lambda key: (zero.get(key) or {}).get("device", "none") not in ("none", None)  # noqa: E731
     grad_accum = (ds.get("data_types") or {}).get("grad_accum_dtype")
-    settings = ZeroSettings(stage=run.zero_stage, dp=run.data_parallel, precision=run.train.precision,
+    # ZeRO partitions over DeepSpeed's data-parallel world: DP x CP (or x Ulysses)
+    settings = ZeroSettings(stage=run.zero_stage, dp=run.data_parallel * run.sequence_split, precision=run.train.precision,
                             offload_optimizer=offload("offload_optimizer"), offload_param=offload("offload_param"),
                             persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 100_000)),
                             fp32_grad_accumulation=grad_accum in ("fp32", "float32"))
@@ -30,7 +31,8 @@ def plan_from_run(run: RunConfig) -> MemoryPlan:
                       micro_batch=run.train.micro_batch_size, seq_length=run.train.seq_length,
                       num_micro_batches=run.train.grad_acc_steps, zero=settings,
                       recompute=run.model.recompute_granularity, partition=run.pipeline_partition,
-                      schedule=run.pipeline_schedule, virtual=run.virtual_stages)
+                      schedule=run.pipeline_schedule, virtual=run.virtual_stages, cp=run.context_parallel,
+                      ulysses=run.ulysses)
 
 
 def peak_gib(plan: MemoryPlan) -> float:
@@ -45,7 +47,10 @@ def _setup(plan: MemoryPlan):
     """The capability table's view of a plan (hybrid.capabilities)."""
     from hybrid.capabilities import Setup
     return Setup(pp=plan.pp, tp=plan.tp, schedule=plan.schedule, zero_stage=plan.zero.stage,
-                 precision=plan.zero.precision, recompute=plan.recompute, micro_batches=plan.num_micro_batches)
+                 precision=plan.zero.precision, recompute=plan.recompute, micro_batches=plan.num_micro_batches,
+                 cp=plan.cp, ulysses=plan.ulysses, attention_dropout=plan.model.attention_dropout > 0,
+                 sliding_window=plan.model.sliding_window is not None,
+                 documents=plan.model.splits_documents)
 
 
 def _fits_model(plan: MemoryPlan) -> bool:
@@ -55,22 +60,26 @@ def _fits_model(plan: MemoryPlan) -> bool:
         plan.model.validate(plan.tp)
     except ConfigError:
         return False
-    return not (plan.model.sequence_parallel and plan.seq_length % plan.tp)
+    local = plan.seq_length // (plan.cp * plan.ulysses)
+    return not (plan.model.sequence_parallel and local % plan.tp) and plan.seq_length % (2 * plan.cp) == 0
 
 
-def _resized(plan: MemoryPlan, tp: int, pp: int) -> MemoryPlan:
-    """The same world and global batch at another TP x PP: DP shrinks, so each DP rank runs more
-    micro-batches of the same size."""
-    world = plan.tp * plan.pp * plan.dp
-    dp = world // (tp * pp)
-    return replace(plan, tp=tp, pp=pp, dp=dp, zero=replace(plan.zero, dp=dp),
+def _resized(plan: MemoryPlan, tp: int, pp: int, cp: int = None) -> MemoryPlan:
+    """The same world and global batch at another TP x PP (x CP): DP shrinks, so each DP rank runs more
+    micro-batches of the same size; ZeRO partitions over DP x CP."""
+    cp = cp or plan.cp
+    split = plan.cp * plan.ulysses
+    world = plan.tp * plan.pp * plan.dp * split
+    new_split = cp * plan.ulysses
+    dp = world // (tp * pp * new_split)
+    return replace(plan, tp=tp, pp=pp, dp=dp, cp=cp, zero=replace(plan.zero, dp=dp * new_split),
                    num_micro_batches=plan.num_micro_batches * plan.dp // dp)
 
 
 def _proposals(plan: MemoryPlan):
     """Single changes that lower memory, in the order a user would try them: recompute, ZeRO stage,
     micro batch (global batch kept), optimizer offload, then more TP or PP (DP shrinks)."""
-    world = plan.tp * plan.pp * plan.dp
+    world = plan.tp * plan.pp * plan.dp * plan.cp * plan.ulysses
     if plan.recompute is None:
         yield "--recompute-granularity selective", _with_recompute(plan, "selective")
     if plan.recompute != "full":
@@ -86,12 +95,14 @@ def _proposals(plan: MemoryPlan):
     if plan.zero.stage >= 1 and not plan.zero.offload_optimizer:
         yield ("optimizer offload (ds_configs/zero{}_offload.json)".format(plan.zero.stage),
                replace(plan, zero=replace(plan.zero, offload_optimizer=True)))
-    if world % (plan.tp * 2 * plan.pp) == 0:
+    if world % (plan.tp * 2 * plan.pp * plan.cp * plan.ulysses) == 0:
         yield f"--tensor-model-parallel-size {plan.tp * 2}", _resized(plan, plan.tp * 2, plan.pp)
+    if plan.ulysses == 1 and world % (plan.tp * plan.pp * plan.cp * 2) == 0:  # long sequences: split them
+        yield f"--context-parallel-size {plan.cp * 2}", _resized(plan, plan.tp, plan.pp, plan.cp * 2)
     pp = plan.pp * 2
     stages_fit = (plan.model.num_layers % (pp * plan.virtual) == 0 if plan.schedule != "1f1b"
                   else plan.model.num_layers >= pp)
-    if world % (plan.tp * pp) == 0 and stages_fit:
+    if world % (plan.tp * pp * plan.cp * plan.ulysses) == 0 and stages_fit:
         yield f"--pipeline-model-parallel-size {pp}", _resized(plan, plan.tp, pp)
 
 

@@ -182,6 +182,8 @@ class ActivationSettings:
     recompute: Optional[str] = None  # None | selective | full
     attention_kernel: str = "flash"  # flash: SDPA flash/efficient kernels or flash-attn; math: s x s scores
     mask_bytes: int = 1  # a dropout mask element: bool on CUDA; CPU keeps it in the activation dtype
+    cp: int = 1  # --context-parallel-size: this rank holds seq_length / cp tokens (ring attention)
+    ulysses: int = 1  # --ds-sequence-parallel-size: seq_length / ulysses tokens, all-to-all around attention
 
 
 def attention_kernel_for(device_type: str, precision: str, dropout: float, config: ModelConfig) -> str:
@@ -202,7 +204,7 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
     input of each column-parallel linear, the QKV output, attention output, MLP activations,
     dropout masks); style "megatron": Korthikanti et al.'s accounting (every tensor a shard
     under SP, Q and K saved apart from the QKV input)."""
-    s, b, h, t = act.seq_length, act.micro_batch, config.hidden_size, act.tp
+    s, b, h, t = act.seq_length // (act.cp * act.ulysses), act.micro_batch, config.hidden_size, act.tp
     e, m = _BYTES[act.precision], act.mask_bytes
     sp = act.sequence_parallel and t > 1
     sbh = s * b * h
@@ -231,6 +233,17 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
     elif heads != groups:  # GQA: the query heads are copied out of the per-group layout
         total += e * s * b * heads * d
     total += e * s * b * heads * d  # attention output = the dense layer's input
+    if act.cp > 1 and act.recompute != "selective":  # the ring keeps its merged output (and q, k, v views)
+        total += e * s * b * heads * d
+    if act.ulysses > 1 and act.recompute != "selective":
+        # attention keeps the all-to-all'd q, k, v (whole sequences of heads / N, as many elements) and
+        # its own output instead of views of the QKV output and the rotated (or copied) Q and K
+        total -= e * s * b * (heads + 2 * groups) * d  # the QKV output: no longer saved
+        if config.position_embedding_type == "rope":
+            total -= e * s * b * (heads + groups) * d
+        elif heads != groups:
+            total -= e * s * b * heads * d
+        total += e * s * b * (heads + 2 * groups) * d + e * s * b * heads * d
     if act.recompute != "selective":
         total += _core_attention_bytes(s, b, heads, d, e, m, act.attention_kernel, attn_dropout,
                                        _attended_keys(s, config.sliding_window))
@@ -240,6 +253,21 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
     if dropout:
         total += 2 * m * shard  # the two residual dropout masks
     return total
+
+
+def sequence_split_buffer_bytes(config: ModelConfig, act: ActivationSettings) -> int:
+    """Transient communication buffers of one attention layer's backward (the larger pass), per rank:
+    the ring's K/V block in flight (sent and received), its fp32 K/V gradient in flight and its GQA
+    expansion; Ulysses' all-to-all inputs and outputs of q, k, v. Zero without a sequence split."""
+    s, b, t = act.seq_length // (act.cp * act.ulysses), act.micro_batch, act.tp
+    e, d = _BYTES[act.precision], config.head_dim
+    heads, groups = config.num_attention_heads // t, config.num_query_groups // t
+    if act.cp > 1:
+        kv = 2 * b * groups * s * d
+        return 2 * e * kv + 2 * 4 * kv + 2 * e * b * heads * s * d + 4 * b * heads * s * d
+    if act.ulysses > 1:
+        return 2 * e * b * s * (heads + 2 * groups) * d
+    return 0
 
 
 def _window_scores(s: int, window: int) -> int:
@@ -335,6 +363,8 @@ class MemoryPlan:
     partition: str = "parameters"
     schedule: str = "1f1b"  # --pipeline-schedule
     virtual: int = 1  # virtual pipeline stages per rank
+    cp: int = 1  # --context-parallel-size
+    ulysses: int = 1  # --ds-sequence-parallel-size
 
 
 def estimate(plan: MemoryPlan) -> list[dict]:
@@ -344,8 +374,10 @@ def estimate(plan: MemoryPlan) -> list[dict]:
     precision = plan.zero.precision
     kernel = attention_kernel_for(plan.device_type, precision, config.attention_dropout, config)
     mask_bytes = 1 if plan.device_type == "cuda" else _BYTES[precision]
+    if plan.cp > 1:
+        kernel = "flash"  # the ring's block kernels keep their log-sum-exp, never the scores
     act = ActivationSettings(plan.micro_batch, plan.seq_length, plan.tp, config.sequence_parallel, precision,
-                             plan.recompute, kernel, mask_bytes)
+                             plan.recompute, kernel, mask_bytes, plan.cp, plan.ulysses)
     rows = []
     for stage, info in enumerate(stage_parameters(config, plan.tp, plan.pp, plan.partition, plan.schedule,
                                                   plan.virtual)):
@@ -360,6 +392,8 @@ def estimate(plan: MemoryPlan) -> list[dict]:
             chunk = min(layers, max(1, config.recompute_num_layers))
             activations += chunk * layer_activation_bytes(config, ActivationSettings(**dict(asdict(act), recompute=None)))
         activations += int(_embedding_and_head_bytes(config, act, info["first"], info["last"]) * in_flight)
+        if layers:
+            activations += sequence_split_buffer_bytes(config, act)
         row = dict(stage=stage, layers=layers, parameters=sum(n for n, _ in info["params"].values()),
                    in_flight_micro_batches=in_flight, activation_bytes_per_layer=per_layer,
                    activations=activations, **states)
@@ -371,7 +405,7 @@ def estimate(plan: MemoryPlan) -> list[dict]:
 def _embedding_and_head_bytes(config: ModelConfig, act: ActivationSettings, first: bool, last: bool) -> int:
     """The first stage's embedding output (and its dropout mask); the last stage's final norm input
     and the logits the loss keeps (vocabulary shard, activation dtype plus fp32 softmax)."""
-    s, b, h, t = act.seq_length, act.micro_batch, config.hidden_size, act.tp
+    s, b, h, t = act.seq_length // (act.cp * act.ulysses), act.micro_batch, config.hidden_size, act.tp
     e = _BYTES[act.precision]
     shard = s * b * h // (t if act.sequence_parallel and t > 1 else 1)
     total = 0
@@ -386,7 +420,8 @@ def _embedding_and_head_bytes(config: ModelConfig, act: ActivationSettings, firs
 def format_table(rows: list[dict], plan: MemoryPlan) -> str:
     """The estimate as a table in GiB, one line per pipeline stage."""
     z = plan.zero
-    head = (f"memory per rank (GiB): TP {plan.tp} x PP {plan.pp} x DP {plan.dp}, ZeRO-{z.stage}"
+    split = f" x CP {plan.cp}" if plan.cp > 1 else f" x Ulysses {plan.ulysses}" if plan.ulysses > 1 else ""
+    head = (f"memory per rank (GiB): TP {plan.tp}{split} x PP {plan.pp} x DP {plan.dp}, ZeRO-{z.stage}"
             f"{' + optimizer offload' if z.offload_optimizer else ''}, {z.precision}, micro batch {plan.micro_batch}, "
             f"seq {plan.seq_length}, recompute {plan.recompute or 'none'}"
             f"{', SP' if plan.model.sequence_parallel else ''}"

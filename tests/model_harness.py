@@ -54,7 +54,7 @@ class RecordingSGD(torch.optim.SGD):
 
 
 def sharded_run(cfg: dict, tp: int, pp: int, data, sequence_parallel=False, grad_acc=2, partition="parameters",
-                **overrides):
+                cp=1, **overrides):
     """On each rank: loss, this rank's logits shard (PP = 1), and canonical-named grad shards."""
     from hybrid.model.config import ModelConfig
     from hybrid.ds_config import pipeline_ds_config
@@ -64,7 +64,7 @@ def sharded_run(cfg: dict, tp: int, pp: int, data, sequence_parallel=False, grad
     from hybrid.training.engine import build_pipeline_model
     from hybrid.topology import Topology
 
-    topo = Topology(tensor_parallel=tp, pipeline_parallel=pp)
+    topo = Topology(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp)
     model_parallel_seed(1, topo.tp_rank)
     config = ModelConfig(**dict(cfg, sequence_parallel=sequence_parallel, **overrides))
     ids, labels = data
@@ -139,7 +139,7 @@ def scheduled_run(cfg: dict, tp: int, pp: int, data, schedule: str, virtual: int
     from hybrid.topology import Topology
     from hybrid.training.pipelining import TorchPipelineStep, build_rank_model
 
-    topo = Topology(tensor_parallel=tp, pipeline_parallel=pp)
+    topo = Topology(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp)
     model_parallel_seed(1, topo.tp_rank)
     config = ModelConfig(**dict(cfg, sequence_parallel=sequence_parallel, **overrides))
     model = build_rank_model(config, topo, schedule, virtual)

@@ -104,7 +104,8 @@ def _model_config(style: str, dropout: float, recompute, sequence_parallel=False
     return ModelConfig(**common)
 
 
-def _measured_layer_bytes(config: ModelConfig, groups, seq: int, batch: int, dtype=torch.float32) -> float:
+def _measured_layer_bytes(config: ModelConfig, groups, seq: int, batch: int, dtype=torch.float32,
+                         layout=None) -> float:
     """Bytes kept for backward per layer by two layers (one micro-batch): what the saved-tensor
     hooks see, plus the inputs DeepSpeed's checkpoint function keeps as attributes of its
     autograd context (invisible to the hooks). Parameters are not activations."""
@@ -130,21 +131,24 @@ def _measured_layer_bytes(config: ModelConfig, groups, seq: int, batch: int, dty
             record(a)
         return checkpoint(fn, *args)
 
-    rows = seq // groups.tp_size if config.sequence_parallel else seq
+    rows = seq // groups.sequence_split  # this rank's tokens under CP / Ulysses
+    rows = rows // groups.tp_size if config.sequence_parallel else rows
     x = torch.randn(rows, batch, config.hidden_size, dtype=dtype, requires_grad=True)
     deepspeed.checkpointing.checkpoint = recording_checkpoint
     try:
         with torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
-            run_layers(layers, x, config, training=True)
+            run_layers(layers, x, config, training=True, layout=layout)
     finally:
         deepspeed.checkpointing.checkpoint = checkpoint
     return sum(kept.values()) / config.num_layers
 
 
-def _estimated_layer_bytes(config: ModelConfig, tp: int, seq: int, batch: int, precision="fp32") -> int:
-    kernel = memory.attention_kernel_for("cpu", precision, config.attention_dropout, config)
+def _estimated_layer_bytes(config: ModelConfig, tp: int, seq: int, batch: int, precision="fp32", cp=1,
+                          ulysses=1) -> int:
+    kernel = "flash" if cp > 1 else memory.attention_kernel_for("cpu", precision, config.attention_dropout, config)
     act = memory.ActivationSettings(batch, seq, tp, config.sequence_parallel, precision, config.recompute_granularity,
-                                    kernel, mask_bytes=memory._BYTES[precision])  # CPU keeps masks in that dtype
+                                    kernel, mask_bytes=memory._BYTES[precision],  # CPU keeps masks in that dtype
+                                    cp=cp, ulysses=ulysses)
     return memory.layer_activation_bytes(config, act)
 
 
@@ -192,6 +196,30 @@ def _tp2_cases():
 def test_layer_activation_bytes_at_tp2_with_and_without_sp():
     for style, sp, recompute, measured, estimated in run_on_ranks(_tp2_cases, 2)[0]:
         assert abs(estimated - measured) <= 0.10 * measured, (style, sp, recompute, estimated, measured)
+
+
+def _sequence_split_cases():
+    import dataclasses
+    from hybrid.model.sequence import sequence_layout
+    from hybrid.topology import Topology
+    out = []
+    for cp, ulysses in ((2, 1), (1, 2)):
+        topology = Topology(context_parallel=cp, ulysses=ulysses)
+        for style in ("gpt2", "llama"):
+            for recompute in (None, "selective"):
+                config = dataclasses.replace(_model_config(style, 0.1, recompute), attention_dropout=0.0)
+                layout = sequence_layout(torch.zeros(2, 128, dtype=torch.long), config, topology.groups)
+                out.append((style, cp, ulysses, recompute,
+                            _measured_layer_bytes(config, topology.groups, 128, 2, layout=layout),
+                            _estimated_layer_bytes(config, 1, 128, 2, cp=cp, ulysses=ulysses)))
+    return out
+
+
+def test_layer_activation_bytes_at_cp2_and_ulysses2():
+    """Each rank keeps the activations of its seq / N tokens (the ring's merged output, Ulysses'
+    all-to-all'd q, k, v besides), as the estimate says."""
+    for style, cp, ulysses, recompute, measured, estimated in run_on_ranks(_sequence_split_cases, 2)[0]:
+        assert abs(estimated - measured) <= 0.10 * measured, (style, cp, ulysses, recompute, estimated, measured)
 
 
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (8, False), (8, True)])

@@ -146,6 +146,11 @@ def test_plain_load_at_another_layout_is_one_message_naming_the_difference_and_t
                               "ds_configs/zero3.json"], 1)
     with pytest.raises(ConfigError, match=r"ZeRO stage 1 \(this run: 3\).*--saver universal --load-dir"):
         checkpoint.check_same_layout(saved, run_config, str(ckpt), "iter_0000004")
+    run_config = _run_config(["--data-path", data, "--load", ckpt, "--tensor-model-parallel-size", 2,
+                              "--context-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json"], 4)
+    with pytest.raises(ConfigError, match=r"--context-parallel-size 1 and --ds-sequence-parallel-size 1 \(this run: "
+                                          r"2 and 1; ZeRO partitions the optimizer state over DP x CP\)"):
+        checkpoint.check_same_layout(saved, run_config, str(ckpt), "iter_0000004")
     universal = ["--data-path", data, "--load", ckpt, "--universal-checkpoint"]
     with pytest.raises(ConfigError, match="--universal-checkpoint needs a ZeRO optimizer"):
         _run_config(universal, 1)

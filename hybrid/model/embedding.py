@@ -25,7 +25,7 @@ class Embedding(nn.Module):
     def __init__(self, config, groups):
         super().__init__()
         groups = as_groups(groups)
-        self.config, self.tp_group = config, groups.tp_group
+        self.config, self.groups, self.tp_group = config, groups, groups.tp_group
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size(groups.tp_size), config.hidden_size, groups, _word_init(config))
         if config.position_embedding_type == "learned_absolute":
@@ -38,7 +38,13 @@ class Embedding(nn.Module):
             self.position_embeddings = None
 
     def forward(self, input_ids, layout=None):
-        """`layout` (hybrid.model.sequence.SequenceLayout): the tokens' positions within their documents."""
+        """`layout` (hybrid.model.sequence.SequenceLayout): the tokens' positions within their documents
+        (GPTModel passes this rank's ids and their layout; a pipeline's first stage gets whole sequences
+        and takes its part itself)."""
+        if layout is None and self.groups.sequence_split > 1:
+            from hybrid.model.sequence import sequence_layout
+            layout = sequence_layout(input_ids, self.config, self.groups)
+            input_ids = layout.local(input_ids)
         ids = input_ids.t()  # [b, s] -> [s, b]
         hidden = self.word_embeddings(ids)  # [s, b, h], all-reduced over TP
         if self.config.scale_embeddings:  # Gemma: x sqrt(h), the factor rounded to the embeddings' dtype
@@ -126,7 +132,12 @@ class LMLoss:
 
     def __call__(self, logits, labels, valid=None):
         """`valid`: with context parallelism (or Ulysses) the valid tokens of the whole sequences (this
-        rank holds 1/CP of them, and DeepSpeed averages gradients over DP x CP, hence the factor CP)."""
+        rank holds 1/CP of them, and DeepSpeed averages gradients over DP x CP, hence the factor CP).
+        A pipeline's last stage passes whole-sequence labels and no count: this rank's part is taken here."""
+        if valid is None and self.groups.sequence_split > 1 and labels.size(1) != logits.size(0):
+            from hybrid.model.sequence import local_index
+            valid = (labels != IGNORE_INDEX).sum()
+            labels = labels.index_select(1, local_index(labels.size(1), self.groups, labels.device))
         labels = labels.t()  # [b, s] -> [s, b], as the logits
         per_token = vocab_parallel_cross_entropy(logits, labels, self.groups.tp_group, vocab_size=self.vocab_size)
         if self.token_scale is not None:  # the token sum, scaled to the iteration's token count

@@ -48,6 +48,28 @@ def positions_of(ids: torch.Tensor, eod_token: int) -> torch.Tensor:
     return index - torch.cummax(starts, dim=1).values
 
 
+def local_index(seq_len: int, groups, device=None) -> Optional[torch.Tensor]:
+    """Positions of a full sequence of `seq_len` this rank holds: CP's chunks
+    (hybrid.parallel.ring_attention.local_index), Ulysses' contiguous 1/N; None when it holds all."""
+    if groups is None or groups.sequence_split == 1:
+        return None
+    if groups.cp.size > 1:
+        from hybrid.parallel import ring_attention
+        return ring_attention.local_index(seq_len, groups.cp.size, groups.cp.rank, device)
+    part = seq_len // groups.ulysses.size
+    return torch.arange(groups.ulysses.rank * part, (groups.ulysses.rank + 1) * part, device=device)
+
+
+def stage_layout(local_len: int, groups, device) -> Optional[SequenceLayout]:
+    """The layout a pipeline stage without the ids derives (no documents: refused with PP): its part of
+    the sequence, from the local length, and the positions of that part."""
+    if groups is None or groups.sequence_split == 1:
+        return None
+    index = local_index(local_len * groups.sequence_split, groups, device)
+    return SequenceLayout(positions=index[:, None], cp=groups.cp if groups.cp.size > 1 else None,
+                          ulysses=groups.ulysses if groups.ulysses.size > 1 else None, index=index)
+
+
 def sequence_layout(ids: torch.Tensor, config, groups=None) -> Optional[SequenceLayout]:
     """The layout of a micro-batch of full-sequence ids [b, s] on this rank; None when every sequence is
     one causal document with positions 0 .. s-1 held whole (the default, whose attention needs no mask).
@@ -60,13 +82,7 @@ def sequence_layout(ids: torch.Tensor, config, groups=None) -> Optional[Sequence
         return None
     documents = documents_of(ids, config.eod_token) if config.reset_attention_mask else None
     positions = positions_of(ids, config.eod_token) if config.reset_position_ids else None
-    index = None
-    if cp is not None:
-        from hybrid.parallel.ring_attention import local_index
-        index = local_index(ids.size(1), cp.size, cp.rank, ids.device)
-    elif ulysses is not None:
-        part = ids.size(1) // ulysses.size
-        index = torch.arange(ulysses.rank * part, (ulysses.rank + 1) * part, device=ids.device)
+    index = local_index(ids.size(1), groups, ids.device)
     if index is not None:
         positions = index[None, :] if positions is None else positions.index_select(1, index)
     return SequenceLayout(positions=None if positions is None else positions.t(), documents=documents,

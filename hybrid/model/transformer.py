@@ -10,6 +10,8 @@ from hybrid.model.attention import SelfAttention
 from hybrid.model.mlp import build_mlp
 from hybrid.model.norms import build_norm
 from hybrid.model.recompute import checkpoint
+from hybrid.model.sequence import stage_layout
+from hybrid.parallel.groups import as_groups
 from hybrid.parallel.random import fork_tp_rng
 
 
@@ -37,6 +39,7 @@ class TransformerLayer(nn.Module):
         name = f"layers.{layer_number}"
         self.layer_number = layer_number
         self.config = config
+        self.groups = as_groups(groups)
         self.recompute_whole = False
         self.input_norm = build_norm(config, groups)
         self.attention = SelfAttention(config, groups, layer_number, f"{name}.attention")
@@ -44,7 +47,11 @@ class TransformerLayer(nn.Module):
         self.mlp = build_mlp(config, groups, f"{name}.mlp")
 
     def forward(self, hidden, layout=None):
-        """`layout`: the micro-batch's documents and positions (hybrid.model.sequence), or None."""
+        """`layout`: the micro-batch's documents and positions (hybrid.model.sequence), or None (a pipeline
+        stage, which derives this rank's part of the sequence from the hidden states' length)."""
+        if layout is None and self.groups.sequence_split > 1:
+            sp = self.config.sequence_parallel
+            layout = stage_layout(hidden.size(0) * (self.groups.tp_size if sp else 1), self.groups, hidden.device)
         if self.recompute_whole and self.training and torch.is_grad_enabled():
             return checkpoint(self._forward, hidden, layout)
         return self._forward(hidden, layout)

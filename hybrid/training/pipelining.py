@@ -74,7 +74,8 @@ class TorchPipelineStep:
 
     def _hidden_meta(self, micro_batch: int, seq_length: int):
         config, tp = self.model.config, self.topology.tp_world_size
-        seq = seq_length // tp if config.sequence_parallel else seq_length
+        seq = seq_length // self.topology.sequence_world_size  # this rank's part under CP / Ulysses
+        seq = seq // tp if config.sequence_parallel else seq
         return torch.empty(seq, micro_batch, config.hidden_size, dtype=self._activation_dtype(), device="meta",
                            requires_grad=True)
 
@@ -88,7 +89,8 @@ class TorchPipelineStep:
             return self._hidden_meta(micro_batch, seq_length)
         config, tp = self.model.config, self.topology.tp_world_size
         vocab = config.vocab_size if tp == 1 else config.padded_vocab_size(tp) // tp  # see parallel_logits
-        return torch.empty(seq_length, micro_batch, vocab, dtype=self._activation_dtype(), device="meta",
+        return torch.empty(seq_length // self.topology.sequence_world_size, micro_batch, vocab,
+                           dtype=self._activation_dtype(), device="meta",
                            requires_grad=True)
 
     def _tied_embedding_group(self):
