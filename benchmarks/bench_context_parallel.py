@@ -3,11 +3,12 @@ overlap, and the longest sequence that fits a memory budget; JSON (and a PNG wit
 
     python benchmarks/bench_context_parallel.py [--seq 1024 2048 4096] [--chart out.png]
 
-1. Activations: a Llama-style model (GQA, RoPE, SwiGLU, fp32) runs forward on CP ranks (gloo, one
-   process per rank); every tensor autograd keeps for backward is counted once by storage (what
-   backward needs: the activation memory a rank holds at the end of the forward), per rank, at each
-   sequence length and CP size; the ring's transient buffers (hybrid.memory.sequence_split_buffer_bytes)
-   are reported beside. Ratios are against CP 1 at the same length, in the same run.
+1. Activations: a Llama-style model (GQA, RoPE, SwiGLU, fp32) runs forward and backward on CP ranks
+   (gloo, one process per rank), per rank, at each sequence length and CP size: every tensor autograd
+   keeps for backward, counted once by storage (the activation memory a rank holds at the end of the
+   forward), and the resident-memory peak of the step above what was resident before (activations,
+   the ring's buffers, every temporary; CPU allocator noise included); the estimator's ring buffers
+   (hybrid.memory.sequence_split_buffer_bytes) beside. Ratios are against CP 1 at the same length.
 2. Overlap: one attention layer's ring (forward + backward) at CP 2 against its compute alone (the same
    block kernels run back to back in one process, no communication): 1.0 means the K/V transfers
    are fully hidden behind compute.
@@ -35,8 +36,17 @@ MODEL = dict(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_gro
              attention_dropout=0.0)
 
 
-def _saved_bytes(cp: int, seq: int, batch: int) -> int:
-    """Bytes autograd keeps for backward after one forward of the whole model on this rank."""
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def _saved_bytes(cp: int, seq: int, batch: int) -> tuple[int, int]:
+    """(bytes autograd keeps for backward after one forward of the whole model on this rank, the
+    resident-memory peak of that forward and backward above what was resident before: activations,
+    the ring's buffers and temporaries; gradients exist already from a warm-up step)."""
+    import ctypes
+    import gc
     from hybrid.model.config import ModelConfig
     from hybrid.model.gpt import GPTModel
     from hybrid.topology import Topology
@@ -51,10 +61,17 @@ def _saved_bytes(cp: int, seq: int, batch: int) -> int:
         return t
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, MODEL["vocab_size"], (batch, seq), generator=g)
+    model(ids, ids).backward()  # warm-up: gradients allocated, kernels loaded
+    loss = None
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) restarts from the current resident size
+    before = _status("VmRSS:")
     with torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
         loss = model(ids, ids)
     loss.backward()
-    return sum(kept.values())
+    return sum(kept.values()), _status("VmHWM:") - before
 
 
 def _ring_seconds(seq: int, repeats: int) -> tuple[float, float]:
@@ -151,12 +168,14 @@ def main() -> None:
     for seq in args.seq:
         base = None
         for cp in args.cp:
-            per_rank = max(on_ranks(cp, _saved_bytes, cp, seq, args.batch))
-            base = base or per_rank
+            ranks = on_ranks(cp, _saved_bytes, cp, seq, args.batch)
+            saved, peak = max(r[0] for r in ranks), max(r[1] for r in ranks)
+            base = base or (saved, peak)
             buffers = sequence_split_buffer_bytes(ModelConfig(**MODEL), ActivationSettings(
-                args.batch, seq, precision="fp32", cp=cp))
-            activations.append(dict(seq=seq, cp=cp, saved_bytes_per_rank=per_rank, ratio_to_cp1=per_rank / base,
-                                    ring_buffer_bytes=buffers))
+                args.batch, seq, precision="fp32", cp=cp), "cpu")
+            activations.append(dict(seq=seq, cp=cp, saved_bytes_per_rank=saved, saved_ratio_to_cp1=saved / base[0],
+                                    peak_resident_bytes_per_rank=peak, peak_ratio_to_cp1=peak / base[1],
+                                    ring_buffer_bytes_estimated=buffers))
             print(json.dumps(activations[-1]), file=sys.stderr, flush=True)
     ring, alone = max(on_ranks(2, _ring_seconds, args.ring_seq, args.repeats), key=lambda t: t[0])
     result = dict(
@@ -178,10 +197,12 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(6, 4))
         for cp in args.cp:
             rows = [a for a in activations if a["cp"] == cp]
-            ax.plot([a["seq"] for a in rows], [a["saved_bytes_per_rank"] / 2**20 for a in rows], marker="o",
-                    label=f"CP {cp}")
+            line, = ax.plot([a["seq"] for a in rows], [a["peak_resident_bytes_per_rank"] / 2**20 for a in rows],
+                            marker="o", label=f"CP {cp} (peak)")
+            ax.plot([a["seq"] for a in rows], [a["saved_bytes_per_rank"] / 2**20 for a in rows], marker=".",
+                    linestyle="--", color=line.get_color(), label=f"CP {cp} (kept for backward)")
         ax.set_xlabel("sequence length")
-        ax.set_ylabel("activations kept per rank (MiB)")
+        ax.set_ylabel("MiB per rank")
         ax.set_title("hybrid context parallelism (ring attention), CPU fp32")
         ax.legend()
         fig.tight_layout()

@@ -255,16 +255,22 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
     return total
 
 
-def sequence_split_buffer_bytes(config: ModelConfig, act: ActivationSettings) -> int:
-    """Transient communication buffers of one attention layer's backward (the larger pass), per rank:
-    the ring's K/V block in flight (sent and received), its fp32 K/V gradient in flight and its GQA
-    expansion; Ulysses' all-to-all inputs and outputs of q, k, v. Zero without a sequence split."""
+def sequence_split_buffer_bytes(config: ModelConfig, act: ActivationSettings, device_type: str = "cuda") -> int:
+    """Transient buffers of one attention layer's backward (the larger pass), per rank: the ring's K/V
+    block in flight (sent and received), its fp32 K/V gradient in flight and the fp32 query gradient,
+    and off the CPU its math kernel's GQA-expanded fp32 K/V and three fp32 score tiles
+    (hybrid.parallel.ring_attention.MATH_TILE rows); Ulysses' all-to-all inputs and outputs of q, k, v.
+    Zero without a sequence split."""
     s, b, t = act.seq_length // (act.cp * act.ulysses), act.micro_batch, act.tp
     e, d = _BYTES[act.precision], config.head_dim
     heads, groups = config.num_attention_heads // t, config.num_query_groups // t
     if act.cp > 1:
         kv = 2 * b * groups * s * d
-        return 2 * e * kv + 2 * 4 * kv + 2 * e * b * heads * s * d + 4 * b * heads * s * d
+        total = 2 * e * kv + 2 * 4 * kv + 4 * b * heads * s * d
+        if device_type != "cpu":
+            from hybrid.parallel.ring_attention import MATH_TILE
+            total += 2 * 4 * b * heads * s * d + 3 * 4 * b * heads * min(MATH_TILE, s) * s
+        return total
     if act.ulysses > 1:
         return 2 * e * b * s * (heads + 2 * groups) * d
     return 0
@@ -393,7 +399,7 @@ def estimate(plan: MemoryPlan) -> list[dict]:
             activations += chunk * layer_activation_bytes(config, ActivationSettings(**dict(asdict(act), recompute=None)))
         activations += int(_embedding_and_head_bytes(config, act, info["first"], info["last"]) * in_flight)
         if layers:
-            activations += sequence_split_buffer_bytes(config, act)
+            activations += sequence_split_buffer_bytes(config, act, plan.device_type)
         row = dict(stage=stage, layers=layers, parameters=sum(n for n, _ in info["params"].values()),
                    in_flight_micro_batches=in_flight, activation_bytes_per_layer=per_layer,
                    activations=activations, **states)

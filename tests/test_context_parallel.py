@@ -29,9 +29,11 @@ def _attention_inputs(seq=64, heads=4, groups=2, dim=8, seed=0):
 def _ring_on_rank(documents: bool, math: bool):
     import torch.distributed as dist
     from hybrid.model.sequence import documents_of
+    from hybrid.parallel import ring_attention as ring
     from hybrid.parallel.groups import Axis
     from hybrid.parallel.ring_attention import local_index, ring_attention
     axis = Axis.of(dist.group.WORLD)
+    ring.MATH_TILE = 8 if math else 1024  # the math kernel in several query tiles
     q, k, v, grad, ids = _attention_inputs()
     docs = documents_of(ids, EOD) if documents else None
     index = local_index(q.size(2), axis.size, axis.rank)
@@ -56,7 +58,7 @@ def _full_attention(documents: bool):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("documents,math", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("documents,math", [(False, False), (True, False), (False, True), (True, True)])
 def test_ring_attention_equals_full_attention_with_gqa_and_documents(cp, documents, math):
     want, want_grads = _full_attention(documents)
     results = run_on_ranks(_ring_on_rank, cp, documents, math)
@@ -133,8 +135,7 @@ CP2 = ["--context-parallel-size", 2]
 LLAMA_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
                "--num-query-groups", 2, "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 PACKED = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss", "--calculate-per-token-loss"]
-LAUNCHED = {  # name: (ranks, extra flags, flags of the one-rank run it must equal)
-    "cp2_gpt": (2, CP2, []),
+LAUNCHED = {  # name: (ranks, extra flags, flags of the one-rank run it must equal); GPT at CP 2 is cp2_dp2_zero3
     "cp2_llama": (2, CP2 + LLAMA_FLAGS, LLAMA_FLAGS),
     "cp2_dp2_zero3": (4, CP2 + ["--deepspeed", "ds_configs/zero3.json"], []),
     "cp2_dp2_zero1_packed_per_token": (4, CP2 + ["--deepspeed", "ds_configs/zero1.json"] + PACKED, PACKED),
@@ -193,3 +194,22 @@ def test_context_parallel_refusals_name_the_flags(extra, world, message):
     argv = [str(f) for f in BASE + ["--hidden-dropout", 0, "--attention-dropout", 0] + extra]
     with pytest.raises(ConfigError, match=message):
         build_run_config(build_parser().parse_args(argv), world, 64, eod_token=63)
+
+
+def test_dry_run_counts_a_rank_s_part_of_the_sequence_and_proposes_context_parallelism():
+    import dataclasses
+    from hybrid import dry_run, memory
+    from hybrid.model.config import ModelConfig
+    config = ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16, num_query_groups=4,
+                         vocab_size=32000, max_position_embeddings=65536, position_embedding_type="rope",
+                         normalization="RMSNorm", swiglu=True, hidden_dropout=0.0, attention_dropout=0.0)
+    plan = memory.MemoryPlan(model=config, dp=4, seq_length=32768, zero=memory.ZeroSettings(stage=1, dp=4))
+    one = memory.estimate(plan)[0]
+    for cp, bound in ((2, 0.55), (4, 0.3)):
+        split = memory.estimate(dataclasses.replace(plan, cp=cp, dp=4 // cp))[0]
+        assert split["activations"] <= bound * one["activations"], (cp, split["activations"] / one["activations"])
+    changes = dict(dry_run._candidates(plan))
+    candidate = changes["--context-parallel-size 2"]
+    assert (candidate.cp, candidate.dp, candidate.zero.dp) == (2, 2, 4)  # ZeRO still over DP x CP = 4 ranks
+    with_dropout = dataclasses.replace(plan, model=dataclasses.replace(config, attention_dropout=0.1))
+    assert "--context-parallel-size 2" not in dict(dry_run._candidates(with_dropout))  # the table refuses it

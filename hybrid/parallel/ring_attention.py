@@ -14,8 +14,10 @@ documents): the own block is causal; a block from an earlier rank is seen whole 
 through its first chunk only; one from a later rank is seen whole by the local second chunk only.
 With packed documents a block is further masked to same-document pairs.
 
-Block kernels: on CPU aten's fused flash-attention for CPU (forward and backward, with masks); on
-other devices an exact math kernel (scores of one block at a time, recomputed in backward). Written
+Block kernels: on CPU aten's fused flash-attention for CPU (forward and backward, masks and GQA); on
+other devices an exact math kernel in query tiles of MATH_TILE rows (fp32 scores of one tile at a
+time, recomputed in backward; no fused kernel yet, so on GPUs the ring is slower per FLOP than
+Ulysses, which runs flash-attn / SDPA). Written
 here because torch's own context parallel (torch.distributed.tensor.experimental) runs on DTensor
 with CUDA kernels only and has no document masks, and DeepSpeed has no ring attention.
 """
@@ -34,23 +36,32 @@ def local_index(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch.
     return torch.cat([first, second])
 
 
-# -- block kernels: q [b, h, sq, d], k/v [b, h, sk, d], mask None or bool [b or 1, 1, sq, sk] -------------
+# -- block kernels: q [b, nq, sq, d], k/v [b, ng, sk, d] (GQA: each KV head serves nq/ng consecutive query
+# heads), mask None or bool [b or 1, 1, sq, sk] -----------------------------------------------------------
+
+MATH_TILE = 1024  # query rows per tile of the math kernel: its scores are [b, nq, tile, sk], never [sq, sk]
+
 
 def _additive(mask, dtype):
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def block_forward(q, k, v, mask, causal: bool, scale: float, math: bool = False):
-    """One block's attention output [b, h, sq, d] and log-sum-exp [b, h, sq] (fp32; -inf where a
+    """One block's attention output [b, nq, sq, d] and log-sum-exp [b, nq, sq] (fp32; -inf where a
     query may see no key of the block)."""
-    if q.device.type == "cpu" and not math:
+    if q.device.type == "cpu" and not math:  # aten's fused CPU kernel (GQA included)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=None if mask is None else _additive(mask, q.dtype), scale=scale)
         lse = lse.float()
     else:
-        scores = _scores(q, k, mask, causal, scale)
-        lse = torch.logsumexp(scores, dim=-1)
-        out = torch.matmul(torch.exp(scores - lse[..., None]).nan_to_num(0.0).to(v.dtype), v)
+        k, v = _expand(k, q), _expand(v, q)
+        outs, lses = [], []
+        for rows in _tiles(q.size(2)):
+            scores = _scores(q[:, :, rows], k, _rows(mask, rows), causal, scale, rows.start)
+            lse_tile = torch.logsumexp(scores, dim=-1)
+            outs.append(torch.matmul(torch.exp(scores - lse_tile[..., None]).nan_to_num(0.0).to(v.dtype), v))
+            lses.append(lse_tile)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
     if mask is not None:
         seen = mask.any(dim=-1)  # [b, 1, sq]
         lse = lse.masked_fill(~seen, float("-inf"))
@@ -59,26 +70,52 @@ def block_forward(q, k, v, mask, causal: bool, scale: float, math: bool = False)
 
 
 def block_backward(grad_out, q, k, v, out, lse, mask, causal: bool, scale: float, math: bool = False):
-    """Gradients of one block's q, k, v given the merged output and log-sum-exp of these queries."""
+    """Gradients of one block's q, k, v (k, v compact under GQA) given the merged output and
+    log-sum-exp of these queries."""
     if q.device.type == "cpu" and not math:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, causal,
             attn_mask=None if mask is None else _additive(mask, q.dtype), scale=scale)
-    probs = torch.exp(_scores(q, k, mask, causal, scale) - lse[..., None])  # masked pairs: exp(-inf) = 0
-    grad_out32, v32 = grad_out.float(), v.float()
-    grad_v = torch.matmul(probs.transpose(-1, -2), grad_out32)
-    delta = (grad_out32 * out.float()).sum(dim=-1, keepdim=True)
-    grad_scores = probs * (torch.matmul(grad_out32, v32.transpose(-1, -2)) - delta) * scale
-    grad_q = torch.matmul(grad_scores, k.float())
-    grad_k = torch.matmul(grad_scores.transpose(-1, -2), q.float())
+    groups = k.size(1)
+    k32, v32 = _expand(k, q).float(), _expand(v, q).float()
+    grad_q = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    grad_k, grad_v = torch.zeros_like(k32), torch.zeros_like(v32)
+    for rows in _tiles(q.size(2)):
+        q_tile, dout = q[:, :, rows].float(), grad_out[:, :, rows].float()
+        # masked pairs: exp(-inf) = 0
+        probs = torch.exp(_scores(q_tile, k32, _rows(mask, rows), causal, scale, rows.start) - lse[:, :, rows, None])
+        grad_v += torch.matmul(probs.transpose(-1, -2), dout)
+        delta = (dout * out[:, :, rows].float()).sum(dim=-1, keepdim=True)
+        grad_scores = probs * (torch.matmul(dout, v32.transpose(-1, -2)) - delta) * scale
+        grad_q[:, :, rows] = torch.matmul(grad_scores, k32)
+        grad_k += torch.matmul(grad_scores.transpose(-1, -2), q_tile)
+    b, heads, sk, d = grad_k.shape
+    grad_k = grad_k.view(b, groups, heads // groups, sk, d).sum(2)
+    grad_v = grad_v.view(b, groups, heads // groups, sk, d).sum(2)
     return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
 
 
-def _scores(q, k, mask, causal, scale):
+def _expand(kv, q):
+    """GQA: each KV head repeated for its group's query heads (the math kernel only)."""
+    repeat = q.size(1) // kv.size(1)
+    return kv if repeat == 1 else kv.repeat_interleave(repeat, dim=1)
+
+
+def _tiles(n: int):
+    return [slice(start, min(start + MATH_TILE, n)) for start in range(0, n, MATH_TILE)]
+
+
+def _rows(mask, rows):
+    return None if mask is None else mask[:, :, rows]
+
+
+def _scores(q, k, mask, causal, scale, first_row: int = 0):
+    """fp32 scores of query rows first_row.. against every key, masked (causal: key index <= row)."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:
         sq, sk = scores.shape[-2:]
-        scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        rows = torch.arange(first_row, first_row + sq, device=q.device)
+        scores = scores.masked_fill(torch.arange(sk, device=q.device)[None, :] > rows[:, None], float("-inf"))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return scores
@@ -127,7 +164,6 @@ class RingAttention(torch.autograd.Function):
         size, rank = axis.size, axis.rank
         ring = _Ring(axis.group, size, rank)
         chunk = q.size(2) // 2
-        repeat = q.size(1) // k.size(1)
         doc_of = _documents_by_rank(documents, q.size(2) * size, size, q.device)
         kv = torch.stack([k, v]).contiguous()
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -136,8 +172,8 @@ class RingAttention(torch.autograd.Function):
             wait = ring.shift(kv) if step < size - 1 else None
             source, rows, cols, causal = _step_plan(step, rank, size, chunk)
             mask = _mask(doc_of, rank, source, rows, cols, causal)
-            block_k, block_v = (t.repeat_interleave(repeat, dim=1)[:, :, cols] for t in kv)
-            o, l_ = block_forward(q[:, :, rows], block_k, block_v, mask, causal and mask is None, scale, math)
+            o, l_ = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], mask, causal and mask is None,
+                                  scale, math)
             merged = torch.logaddexp(lse[:, :, rows], l_)
             out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).nan_to_num(0.0)[..., None]
                                + o.float() * torch.exp(l_ - merged).nan_to_num(0.0)[..., None])
@@ -156,8 +192,6 @@ class RingAttention(torch.autograd.Function):
         size, rank = axis.size, axis.rank
         ring = _Ring(axis.group, size, rank)
         chunk = q.size(2) // 2
-        repeat = q.size(1) // k.size(1)
-        groups = k.size(1)
         doc_of = _documents_by_rank(documents if ctx.has_documents else None, q.size(2) * size, size, q.device)
         grad_out = grad_out.contiguous()
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -168,15 +202,13 @@ class RingAttention(torch.autograd.Function):
             wait = ring.shift(kv) if step < size - 1 else None
             source, rows, cols, causal = _step_plan(step, rank, size, chunk)
             mask = _mask(doc_of, rank, source, rows, cols, causal)
-            block_k, block_v = (t.repeat_interleave(repeat, dim=1)[:, :, cols] for t in kv)
-            dq, dk, dv = block_backward(grad_out[:, :, rows], q[:, :, rows], block_k, block_v, out[:, :, rows],
-                                        lse[:, :, rows], mask, causal and mask is None, scale, math)
+            dq, dk, dv = block_backward(grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                        out[:, :, rows], lse[:, :, rows], mask, causal and mask is None, scale, math)
             grad_q[:, :, rows] += dq.float()
             if pending is not None:  # the accumulated gradient of this block, from the previous rank
                 grad_kv = pending()
-            b, _, sk, d = dk.shape
-            grad_kv[0][:, :, cols] += dk.float().view(b, groups, repeat, sk, d).sum(2)
-            grad_kv[1][:, :, cols] += dv.float().view(b, groups, repeat, sk, d).sum(2)
+            grad_kv[0][:, :, cols] += dk.float()
+            grad_kv[1][:, :, cols] += dv.float()
             pending = ring.shift(grad_kv)  # to the rank that takes this block next (finally its owner)
             if wait is not None:
                 kv = wait()
