@@ -154,13 +154,14 @@ RULES = [
          lambda s: s.flash_attn and s.precision == "fp32",
          lambda s: "--use-flash-attn needs --bf16 or --fp16 (flash-attn has no fp32 kernels); add one, or drop "
                    "--use-flash-attn for SDPA."),
-    Rule("documents-pipeline", "--reset-attention-mask / --reset-position-ids with pipeline parallelism",
-         "pipeline stages pass only hidden states between ranks, so later stages would not see where documents end",
-         lambda s: s.documents and s.pp > 1,
-         lambda s: f"--reset-attention-mask / --reset-position-ids with --pipeline-model-parallel-size {s.pp}: "
-                   f"pipeline stages pass only hidden states between ranks, so later stages would not see where "
-                   f"documents end. Use them with --pipeline-model-parallel-size 1 (TP, SP, DP and ZeRO-1/2/3 "
-                   f"work), or drop them."),
+    Rule("documents-torch-schedule", "--reset-attention-mask / --reset-position-ids with interleaved/zero-bubble/"
+         "ZB-V/DualPipeV",
+         "the torch schedules' stages are given one activation shape; the packed documents' ids travel between "
+         "DeepSpeed's pipeline stages beside the hidden states",
+         lambda s: s.documents and s.torch_schedule,
+         lambda s: f"--reset-attention-mask / --reset-position-ids with --pipeline-schedule {s.schedule}: the torch "
+                   f"schedules pass only hidden states between stages, so later stages would not see where documents "
+                   f"end. Use --pipeline-schedule 1f1b (DeepSpeed's engine, which carries them), or drop them."),
     Rule("cp-attention-dropout", "--context-parallel-size > 1 with --attention-dropout > 0",
          "the ring's block kernels (aten's fused CPU attention, the exact math kernel) run without dropout",
          lambda s: s.cp > 1 and s.attention_dropout,

@@ -34,7 +34,7 @@ EXAMPLES = {
                             "--tensor-model-parallel-size", 2], 2),
     "flash-attn-cpu": None,  # flash-attn is not installable here: its absence is refused first; Setup below
     "flash-attn-fp32": None,
-    "documents-pipeline": (PP2 + ["--reset-attention-mask"], 2),
+    "documents-torch-schedule": (PP2 + ["--pipeline-schedule", "zbv", "--reset-attention-mask"], 2),
     "cp-attention-dropout": (["--context-parallel-size", 2], 2),  # Megatron's default attention dropout, 0.1
     "cp-sliding-window": (["--context-parallel-size", 2, "--attention-dropout", 0, "--window-size", "4,0"], 2),
     "grad-reduce-bf16-precision": (["--grad-reduce-in-bf16"], 1),

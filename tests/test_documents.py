@@ -2,7 +2,8 @@
 equals megatron-core's masks and position ids; a packed sequence's loss and gradients equal those of
 its documents run one by one as separate sequences (a reference that shares no masking code), for
 GPT (learned positions) and Llama (RoPE, GQA), in one query block or many, with full recompute; TP 2
-+ SP equals one rank; the flags reach training and are refused with pipeline parallelism."""
++ SP, and PP 2 on DeepSpeed's engine (the ids travel with the hidden states; x CP 2 too) equal one rank;
+the flags reach training; the torch schedules refuse them."""
 
 import pytest
 import torch
@@ -121,6 +122,20 @@ def test_tp2_with_sp_equals_one_rank_on_packed_documents(style):
     compare_grads(assemble_grads(results), ref_grads, cfg["vocab_size"], 1e-5)
 
 
+@pytest.mark.parametrize("style,cp", [("gpt2", 1), ("llama", 1), ("gpt2", 2)])
+def test_deepspeed_pipeline_carries_the_documents_to_every_stage(style, cp):
+    """PP 2 on DeepSpeed's 1F1B engine (and x CP 2): the ids travel beside the hidden states, so every
+    stage masks by document; equal to one rank (labels without ignored positions, so the two
+    micro-batches' token means average to the batch's)."""
+    cfg = dict(CONFIGS[style], max_position_embeddings=64, **DOCUMENTS)
+    ids, labels = packed_batch(rows=4, seq=64, seed=4)
+    data = (ids, torch.roll(ids, -1, dims=1))
+    ref_loss, _, ref_grads = reference(cfg, data)
+    results = run_on_ranks(sharded_run, 2 * cp, cfg, 1, 2, data, cp=cp)
+    assert all(abs(r["loss"] - ref_loss) <= 1e-5 * abs(ref_loss) for r in results)
+    compare_grads(assemble_grads(results), ref_grads, cfg["vocab_size"], 1e-5)
+
+
 def test_reset_flags_reach_training_and_pipelines_refuse_them(tmp_path):
     from tests.launch_helpers import read_log, run
     flags = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 64,
@@ -133,7 +148,7 @@ def test_reset_flags_reach_training_and_pipelines_refuse_them(tmp_path):
         run("python", 1, flags + extra + ["--log-json", log])
         losses[name] = [r["lm_loss"] for r in read_log(log) if "lm_loss" in r and "consumed_samples" in r]
     assert len(losses["documents"]) == 2 and losses["documents"] != losses["plain"]
-    proc = run("python", 1, flags + ["--reset-attention-mask", "--pipeline-model-parallel-size", 2,
-                                     "--dry-run", "--dry-run-world-size", 2], check=False)
+    proc = run("python", 1, flags + ["--reset-attention-mask", "--pipeline-model-parallel-size", 2, "--pipeline-schedule",
+                                     "zbv", "--dry-run", "--dry-run-world-size", 2], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--reset-attention-mask / --reset-position-ids with --pipeline-model-parallel-size 2" in proc.stderr
+    assert "--reset-attention-mask / --reset-position-ids with --pipeline-schedule zbv" in proc.stderr

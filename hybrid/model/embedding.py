@@ -39,12 +39,17 @@ class Embedding(nn.Module):
 
     def forward(self, input_ids, layout=None):
         """`layout` (hybrid.model.sequence.SequenceLayout): the tokens' positions within their documents
-        (GPTModel passes this rank's ids and their layout; a pipeline's first stage gets whole sequences
-        and takes its part itself)."""
-        if layout is None and self.groups.sequence_split > 1:
+        (GPTModel passes this rank's ids and their layout). A pipeline's first stage gets whole sequences
+        and takes its part itself; with packed documents it also hands the whole ids to the next stages,
+        (hidden, ids), so each stage finds the documents (hybrid.model.sequence)."""
+        if layout is None and (self.groups.sequence_split > 1 or self.config.splits_documents):
             from hybrid.model.sequence import sequence_layout
             layout = sequence_layout(input_ids, self.config, self.groups)
-            input_ids = layout.local(input_ids)
+            hidden = self._embed(layout.local(input_ids), layout)
+            return (hidden, input_ids) if self.config.splits_documents else hidden
+        return self._embed(input_ids, layout)
+
+    def _embed(self, input_ids, layout):
         ids = input_ids.t()  # [b, s] -> [s, b]
         hidden = self.word_embeddings(ids)  # [s, b, h], all-reduced over TP
         if self.config.scale_embeddings:  # Gemma: x sqrt(h), the factor rounded to the embeddings' dtype

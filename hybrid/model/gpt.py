@@ -62,6 +62,8 @@ class FinalNormStage(nn.Module):
         self.final_norm = build_norm(config, groups)
 
     def forward(self, hidden):
+        if isinstance(hidden, tuple):  # packed documents: the ids travelled with the hidden states this far
+            hidden = hidden[0]
         return self.final_norm(hidden)
 
 

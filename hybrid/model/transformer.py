@@ -10,7 +10,7 @@ from hybrid.model.attention import SelfAttention
 from hybrid.model.mlp import build_mlp
 from hybrid.model.norms import build_norm
 from hybrid.model.recompute import checkpoint
-from hybrid.model.sequence import stage_layout
+from hybrid.model.sequence import sequence_layout, stage_layout
 from hybrid.parallel.groups import as_groups
 from hybrid.parallel.random import fork_tp_rng
 
@@ -49,6 +49,9 @@ class TransformerLayer(nn.Module):
     def forward(self, hidden, layout=None):
         """`layout`: the micro-batch's documents and positions (hybrid.model.sequence), or None (a pipeline
         stage, which derives this rank's part of the sequence from the hidden states' length)."""
+        if isinstance(hidden, tuple):  # a pipeline stage with packed documents: (hidden, whole-sequence ids)
+            hidden, ids = hidden
+            return self.forward(hidden, sequence_layout(ids, self.config, self.groups)), ids
         if layout is None and self.groups.sequence_split > 1:
             sp = self.config.sequence_parallel
             layout = stage_layout(hidden.size(0) * (self.groups.tp_size if sp else 1), self.groups, hidden.device)
