@@ -196,7 +196,8 @@ def _model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = 
         architecture, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling, use_flash_attn=args.use_flash_attn,
         recompute_granularity=granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=num_layers, sequence_parallel=args.sequence_parallel and tp > 1, seed=args.seed)
+        recompute_num_layers=num_layers, sequence_parallel=args.sequence_parallel and tp > 1, seed=args.seed,
+        async_tensor_model_parallel_allreduce=not args.no_async_tensor_model_parallel_allreduce)
     config.validate(tp)
     if config.position_embedding_type == "learned_absolute" and args.seq_length > config.max_position_embeddings:
         raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "

@@ -188,6 +188,9 @@ def _add_distributed_args(p):
     g = p.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_true",
+                   help="run each column-parallel layer's backward TP all-reduce (SP: reduce-scatter) after its "
+                        "weight gradient instead of beside it (the default overlaps them; same values)")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split each sequence over this many ranks (ring attention over K/V blocks, Megatron's "
                         "causal load balancing); gradients and ZeRO span DP x CP")

@@ -33,8 +33,6 @@ _FLAGS = [
     CompatFlag("--no-bias-swiglu-fusion", "accepted", "SwiGLU is one elementwise expression"),
     CompatFlag("--no-bias-dropout-fusion", "accepted", "bias+dropout+add is not fused"),
     CompatFlag("--no-gradient-accumulation-fusion", "accepted", "gradients accumulate in DeepSpeed's buffers"),
-    CompatFlag("--no-async-tensor-model-parallel-allreduce", "accepted",
-               "TP all-reduces run synchronously in autograd"),
     CompatFlag("--no-rope-fusion", "accepted", "RoPE is plain tensor arithmetic"),
     CompatFlag("--no-persist-layer-norm", "accepted", "torch's layer_norm kernels are used"),
     CompatFlag("--cross-entropy-loss-fusion", "accepted", "the single-rank cross-entropy is always fused"),

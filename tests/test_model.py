@@ -202,3 +202,18 @@ def test_query_key_layer_scaling_math_equals_plain_attention():
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=core.scale)
     assert_close(got, want, 1e-6, "query-key layer scaling")
     assert core.backend(q.half()) == "scaled_math" and core.backend(q) == "sdpa"
+
+
+@pytest.mark.parametrize("style,sequence_parallel", [("gpt2", False), ("llama", True), ("gemma", True)])
+def test_overlapped_tp_backward_is_bitwise_the_synchronous_one(style, sequence_parallel):
+    """The column-parallel layers' input-gradient all-reduce (SP: reduce-scatter) started before the
+    weight gradient and waited for after it (the default) changes no value: loss and every gradient
+    bitwise equal to the synchronous mappings (--no-async-tensor-model-parallel-allreduce)."""
+    cfg, data = CONFIGS[style], batch()
+    overlapped = run_on_ranks(sharded_run, 2, cfg, 2, 1, data, sequence_parallel)
+    synchronous = run_on_ranks(sharded_run, 2, cfg, 2, 1, data, sequence_parallel,
+                               async_tensor_model_parallel_allreduce=False)
+    for a, b in zip(overlapped, synchronous):
+        assert a["loss"] == b["loss"]
+        for name, (grad, _, _) in a["grads"].items():
+            assert torch.equal(grad, b["grads"][name][0]), f"grad {name} differs"

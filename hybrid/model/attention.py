@@ -171,7 +171,8 @@ class SelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, groups,
             normal_init(config.seed, f"{name}.qkv.weight", config.init_method_std),
-            bias=config.qkv_bias, sequence_parallel=config.sequence_parallel)
+            bias=config.qkv_bias, sequence_parallel=config.sequence_parallel,
+            overlap=config.async_tensor_model_parallel_allreduce)
         # per-head norms of Q and K (Qwen3): each TP rank normalises its own heads, so their
         # replicated weights get partial gradients, summed over TP
         self.q_norm = build_norm(config, groups, config.head_dim, tp > 1) if config.qk_layernorm else None

@@ -43,6 +43,7 @@ class ModelConfig:
     recompute_method: str = "uniform"  # --recompute-method uniform|block
     recompute_num_layers: int = 1  # --recompute-num-layers
     sequence_parallel: bool = False  # --sequence-parallel
+    async_tensor_model_parallel_allreduce: bool = True  # off: --no-async-tensor-model-parallel-allreduce
     seed: int = 1234  # --seed: the full weights depend on it alone, not on the layout
     mlp_type: str = "dense"  # each layer's feed-forward block (hybrid.model.mlp.build_mlp)
     kv_channels: Optional[int] = None  # --kv-channels: the head dimension; None = hidden / heads

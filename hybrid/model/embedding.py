@@ -10,7 +10,7 @@ from hybrid.model.init import normal_init, vocab_rows_init
 from hybrid.parallel import mappings as M
 from hybrid.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 from hybrid.parallel.groups import as_groups
-from hybrid.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from hybrid.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_matmul
 from hybrid.parallel.random import fork_tp_rng
 
 
@@ -70,7 +70,7 @@ class Embedding(nn.Module):
         return F.dropout(hidden, p) if p > 0.0 else hidden
 
 
-def parallel_logits(hidden, weight, groups, sequence_parallel: bool, vocab_size=None):
+def parallel_logits(hidden, weight, groups, sequence_parallel: bool, vocab_size=None, overlap: bool = True):
     """hidden [s(/tp), b, h] x weight [V/tp, h] -> logits [s, b, V/tp] (the vocab stays split).
 
     With `vocab_size` at TP = 1 (logits that only feed the loss) the padding rows of the table
@@ -80,11 +80,7 @@ def parallel_logits(hidden, weight, groups, sequence_parallel: bool, vocab_size=
     groups = as_groups(groups)
     if vocab_size is not None and groups.tp_size == 1:
         return F.linear(hidden, weight[:vocab_size])
-    if sequence_parallel:
-        hidden = M.gather_from_sequence_parallel_region(hidden, groups.tp_group)
-    else:
-        hidden = M.copy_to_tp_region(hidden, groups.tp_group)
-    return F.linear(hidden, weight)
+    return column_parallel_matmul(hidden, weight, None, groups, sequence_parallel, overlap)
 
 
 class OutputHead(ColumnParallelLinear):
@@ -96,7 +92,8 @@ class OutputHead(ColumnParallelLinear):
         super().__init__(config.hidden_size, config.padded_vocab_size(groups.tp_size), groups,
                          vocab_rows_init(normal_init(config.seed, "output_layer.weight", config.init_method_std),
                                          config.vocab_size), bias=False,
-                         sequence_parallel=config.sequence_parallel)
+                         sequence_parallel=config.sequence_parallel,
+                         overlap=config.async_tensor_model_parallel_allreduce)
         self.weight.vocab_padded = True  # rows are the (padded) vocabulary, as the embedding's
         self.vocab_size = config.vocab_size
 
@@ -121,7 +118,7 @@ class TiedOutputEmbedding(nn.Module):
 
     def forward(self, hidden):  # feeds the pipeline's loss_fn only
         return parallel_logits(hidden, self.word_embeddings.weight, self.groups, self.config.sequence_parallel,
-                               self.config.vocab_size)
+                               self.config.vocab_size, self.config.async_tensor_model_parallel_allreduce)
 
 
 class LMLoss:

@@ -46,7 +46,8 @@ class GPTModel(nn.Module):
         else:
             logits = parallel_logits(hidden, self.embedding.word_embeddings.weight, self.groups,
                                      self.config.sequence_parallel,
-                                     self.config.vocab_size if for_loss else None)  # [s, b, V/tp]
+                                     self.config.vocab_size if for_loss else None,
+                                     self.config.async_tensor_model_parallel_allreduce)  # [s, b, V/tp]
         if not for_loss:
             return logits.transpose(0, 1)
         if layout is not None and layout.index is not None:  # this rank's tokens; the count is the whole sequence's

@@ -51,7 +51,7 @@ class MLP(nn.Module):
             config.hidden_size, up_size, groups,
             normal_init(config.seed, f"{name}.fc1.weight", config.init_method_std),
             bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel, skip_bias_add=True,
-            stride=2 if gated else 1)
+            stride=2 if gated else 1, overlap=config.async_tensor_model_parallel_allreduce)
         self.fc2 = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, groups,
             normal_init(config.seed, f"{name}.fc2.weight", output_layer_std(config.init_method_std, config.num_layers)),

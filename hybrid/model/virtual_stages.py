@@ -68,7 +68,8 @@ class PipelineRankModel(nn.Module):
             return self.output_layer.loss_logits(hidden)
         table = self.tied_output if self.tied_output is not None else self.embedding
         weight = table.word_embeddings.weight
-        return parallel_logits(hidden, weight, self.groups, self.config.sequence_parallel, self.config.vocab_size)
+        return parallel_logits(hidden, weight, self.groups, self.config.sequence_parallel, self.config.vocab_size,
+                               self.config.async_tensor_model_parallel_allreduce)
 
 
 class VirtualStage(nn.Module):

@@ -72,6 +72,37 @@ def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tenso
     return tensor
 
 
+def all_reduce_async(tensor: torch.Tensor, group):
+    """Start summing `tensor` over `group` in place; returns a wait function (no-op at size 1)."""
+    if group_size(group) == 1:
+        return lambda: tensor
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+
+    def wait():
+        work.wait()
+        return tensor
+    return wait
+
+
+def reduce_scatter_dim0_async(tensor: torch.Tensor, group):
+    """Start summing a contiguous `tensor` over `group`, keeping this rank's chunk of dim 0; returns a
+    wait function that gives the chunk."""
+    world = group_size(group)
+    if world == 1:
+        return lambda: tensor
+    if tensor.size(0) % world != 0:
+        raise ValueError(f"dimension 0 of size {tensor.size(0)} does not divide over {world} ranks")
+    output = torch.empty((tensor.size(0) // world,) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
+                         device=tensor.device)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    work = fn(output, tensor, group=group, async_op=True)
+
+    def wait():
+        work.wait()
+        return output
+    return wait
+
+
 def split_along_dim(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     """This rank's contiguous chunk of `tensor` along `dim` (no communication)."""
     world = group_size(group)

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hybrid.parallel import collectives as C
 from hybrid.parallel import mappings as M
 from hybrid.parallel.groups import ParallelGroups, as_groups
 
@@ -118,8 +119,10 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, groups: ParallelGroups, init_method: InitMethod,
                  bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
-                 skip_bias_add: bool = False, stride: int = 1, params_dtype=torch.float32, device=None):
+                 skip_bias_add: bool = False, stride: int = 1, params_dtype=torch.float32, device=None,
+                 overlap: bool = True):
         super().__init__()
+        self.overlap = overlap  # the backward's input-gradient collective beside the weight-gradient matmul
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output is incompatible with sequence_parallel")
         self.groups = groups = as_groups(groups)
@@ -136,17 +139,53 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor):
-        if self.sequence_parallel:
-            x = M.gather_from_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, h] -> [s, b, h]
-        else:
-            x = M.copy_to_tp_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight, bias)  # [s, b, h] -> [s, b, out/tp]
+        # [s(/tp), b, h] -> [s, b, out/tp]
+        y = column_parallel_matmul(x, self.weight, bias, self.groups, self.sequence_parallel, self.overlap)
         if self.gather_output:
             y = M.gather_from_tp_region(y, self.tp_group)
         if self.skip_bias_add:
             return y, self.bias
         return y
+
+
+class _ColumnParallelMatmul(torch.autograd.Function):
+    """y = x W^T (+ b) with x replicated over TP (under SP: this rank's sequence shard, all-gathered
+    here). Backward starts the input gradient's all-reduce (SP: reduce-scatter) and computes the weight
+    and bias gradients while it runs (Megatron's async TP all-reduce; DeepSpeed's AutoTP does the
+    same), then waits: the same values as the synchronous mappings, one collective's time hidden."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel: bool):
+        full = C.all_gather_along_dim(x, 0, group) if sequence_parallel else x  # [s, b, in]
+        ctx.save_for_backward(full, weight)
+        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        return F.linear(full, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_input = grad.matmul(weight)  # [s, b, out/tp] x [out/tp, in] -> [s, b, in], a partial sum
+        wait = (C.reduce_scatter_dim0_async(grad_input, ctx.group) if ctx.sequence_parallel
+                else C.all_reduce_async(grad_input, ctx.group))
+        grad_2d = grad.reshape(-1, grad.size(-1))
+        grad_weight = grad_2d.t().matmul(full.reshape(-1, full.size(-1)))  # while the collective runs
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        return wait(), grad_weight, grad_bias, None, None
+
+
+def column_parallel_matmul(x, weight, bias, groups, sequence_parallel: bool, overlap: bool = True):
+    """x [s(/tp), b, in] -> [s, b, out/tp] through a column-parallel weight: the input all-gathered
+    (SP) or copied into the TP region; with `overlap` (Megatron's async TP all-reduce, the default)
+    the backward collective runs beside the weight-gradient matmul."""
+    if overlap and groups.tp_size > 1:
+        return _ColumnParallelMatmul.apply(x, weight, bias, groups.tp_group, sequence_parallel)
+    if sequence_parallel:
+        x = M.gather_from_sequence_parallel_region(x, groups.tp_group)  # [s/tp, b, h] -> [s, b, h]
+    else:
+        x = M.copy_to_tp_region(x, groups.tp_group)
+    return F.linear(x, weight, bias)
 
 
 class RowParallelLinear(nn.Module):
