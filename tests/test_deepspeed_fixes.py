@@ -41,8 +41,12 @@ def _private_uses(path: str) -> list[str]:
 
 
 # Private accesses outside deepspeed_fixes that are not DeepSpeed's: torch's documented out= aten
-# kernels, a tokenizers model's own parameters, and our own modules' private helpers.
-ALLOWED = {".{}".format(name) for name in ("_log_softmax", "_softmax", "_params")}
+# kernels, the aten CPU flash-attention kernel and its backward that F.scaled_dot_product_attention
+# dispatches to (the ring needs their log-sum-exp; tests/test_context_parallel.py proves them against
+# SDPA), a tokenizers model's own parameters, and our own modules' private helpers.
+ALLOWED = {".{}".format(name) for name in ("_log_softmax", "_softmax", "_params",
+                                           "_scaled_dot_product_flash_attention_for_cpu",
+                                           "_scaled_dot_product_flash_attention_for_cpu_backward")}
 
 
 def test_no_private_attribute_of_deepspeed_or_torch_outside_the_fixes_module():

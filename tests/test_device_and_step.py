@@ -75,6 +75,7 @@ class RecordingEngine:
 
 class OneRank:
     dp_rank, dp_world_size = 0, 1
+    data_rank, data_world_size, sequence_world_size = 0, 1, 1
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["pp1", "pp2"])
