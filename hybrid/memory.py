@@ -258,8 +258,8 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
 def sequence_split_buffer_bytes(config: ModelConfig, act: ActivationSettings, device_type: str = "cuda") -> int:
     """Transient buffers of one attention layer's backward (the larger pass), per rank: the ring's K/V
     block in flight (sent and received), its fp32 K/V gradient in flight and the fp32 query gradient,
-    and off the CPU its math kernel's GQA-expanded fp32 K/V and three fp32 score tiles
-    (hybrid.parallel.ring_attention.MATH_TILE rows); Ulysses' all-to-all inputs and outputs of q, k, v.
+    and off the CPU its math kernel's GQA-expanded fp32 K/V and three fp32 score tiles (of at most
+    hybrid.parallel.ring_attention.MATH_TILE_BYTES each); Ulysses' all-to-all inputs and outputs of q, k, v.
     Zero without a sequence split."""
     s, b, t = act.seq_length // (act.cp * act.ulysses), act.micro_batch, act.tp
     e, d = _BYTES[act.precision], config.head_dim
@@ -268,8 +268,8 @@ def sequence_split_buffer_bytes(config: ModelConfig, act: ActivationSettings, de
         kv = 2 * b * groups * s * d
         total = 2 * e * kv + 2 * 4 * kv + 4 * b * heads * s * d
         if device_type != "cpu":
-            from hybrid.parallel.ring_attention import MATH_TILE
-            total += 2 * 4 * b * heads * s * d + 3 * 4 * b * heads * min(MATH_TILE, s) * s
+            from hybrid.parallel.ring_attention import tile_rows
+            total += 2 * 4 * b * heads * s * d + 3 * 4 * b * heads * min(tile_rows(b, heads, s), s) * s
         return total
     if act.ulysses > 1:
         return 2 * e * b * s * (heads + 2 * groups) * d

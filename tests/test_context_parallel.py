@@ -33,7 +33,7 @@ def _ring_on_rank(documents: bool, math: bool):
     from hybrid.parallel.groups import Axis
     from hybrid.parallel.ring_attention import local_index, ring_attention
     axis = Axis.of(dist.group.WORLD)
-    ring.MATH_TILE = 8 if math else 1024  # the math kernel in several query tiles
+    ring.MATH_TILE_BYTES = 4096 if math else 64 * 2**20  # the math kernel in tiles of 4 query rows
     q, k, v, grad, ids = _attention_inputs()
     docs = documents_of(ids, EOD) if documents else None
     index = local_index(q.size(2), axis.size, axis.rank)

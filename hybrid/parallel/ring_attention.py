@@ -15,7 +15,7 @@ through its first chunk only; one from a later rank is seen whole by the local s
 With packed documents a block is further masked to same-document pairs.
 
 Block kernels: on CPU aten's fused flash-attention for CPU (forward and backward, masks and GQA); on
-other devices an exact math kernel in query tiles of MATH_TILE rows (fp32 scores of one tile at a
+other devices an exact math kernel in query tiles (fp32 scores of at most MATH_TILE_BYTES at a
 time, recomputed in backward; no fused kernel yet, so on GPUs the ring is slower per FLOP than
 Ulysses, which runs flash-attn / SDPA). Written
 here because torch's own context parallel (torch.distributed.tensor.experimental) runs on DTensor
@@ -39,7 +39,7 @@ def local_index(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch.
 # -- block kernels: q [b, nq, sq, d], k/v [b, ng, sk, d] (GQA: each KV head serves nq/ng consecutive query
 # heads), mask None or bool [b or 1, 1, sq, sk] -----------------------------------------------------------
 
-MATH_TILE = 1024  # query rows per tile of the math kernel: its scores are [b, nq, tile, sk], never [sq, sk]
+MATH_TILE_BYTES = 64 * 2**20  # the math kernel's fp32 scores per query tile, [b, nq, tile, sk], never [sq, sk]
 
 
 def _additive(mask, dtype):
@@ -56,7 +56,7 @@ def block_forward(q, k, v, mask, causal: bool, scale: float, math: bool = False)
     else:
         k, v = _expand(k, q), _expand(v, q)
         outs, lses = [], []
-        for rows in _tiles(q.size(2)):
+        for rows in _tiles(q, k):
             scores = _scores(q[:, :, rows], k, _rows(mask, rows), causal, scale, rows.start)
             lse_tile = torch.logsumexp(scores, dim=-1)
             outs.append(torch.matmul(torch.exp(scores - lse_tile[..., None]).nan_to_num(0.0).to(v.dtype), v))
@@ -80,7 +80,7 @@ def block_backward(grad_out, q, k, v, out, lse, mask, causal: bool, scale: float
     k32, v32 = _expand(k, q).float(), _expand(v, q).float()
     grad_q = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     grad_k, grad_v = torch.zeros_like(k32), torch.zeros_like(v32)
-    for rows in _tiles(q.size(2)):
+    for rows in _tiles(q, k32):
         q_tile, dout = q[:, :, rows].float(), grad_out[:, :, rows].float()
         # masked pairs: exp(-inf) = 0
         probs = torch.exp(_scores(q_tile, k32, _rows(mask, rows), causal, scale, rows.start) - lse[:, :, rows, None])
@@ -101,8 +101,14 @@ def _expand(kv, q):
     return kv if repeat == 1 else kv.repeat_interleave(repeat, dim=1)
 
 
-def _tiles(n: int):
-    return [slice(start, min(start + MATH_TILE, n)) for start in range(0, n, MATH_TILE)]
+def tile_rows(batch: int, heads: int, keys: int) -> int:
+    """Query rows per tile of the math kernel: as many as keep a tile's fp32 scores within MATH_TILE_BYTES."""
+    return max(1, MATH_TILE_BYTES // (4 * batch * heads * keys))
+
+
+def _tiles(q, k):
+    n, rows = q.size(2), tile_rows(q.size(0), q.size(1), k.size(2))
+    return [slice(start, min(start + rows, n)) for start in range(0, n, rows)]
 
 
 def _rows(mask, rows):
