@@ -139,7 +139,7 @@ def scheduled_run(cfg: dict, tp: int, pp: int, data, schedule: str, virtual: int
     from hybrid.topology import Topology
     from hybrid.training.pipelining import TorchPipelineStep, build_rank_model
 
-    topo = Topology(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp)
+    topo = Topology(tensor_parallel=tp, pipeline_parallel=pp)
     model_parallel_seed(1, topo.tp_rank)
     config = ModelConfig(**dict(cfg, sequence_parallel=sequence_parallel, **overrides))
     model = build_rank_model(config, topo, schedule, virtual)
