@@ -1,10 +1,11 @@
 """Context parallelism (--context-parallel-size, ring attention): the ring equals full-sequence attention
 (outputs and q/k/v gradients) at CP 2 and CP 4, with GQA and packed documents, for both block kernels;
 the whole model at CP 2 and CP 4 (GPT learned positions, Llama RoPE + GQA, packed documents) and at
-CP 2 x TP 2 + SP gives one rank's loss and every gradient, and so does DeepSpeed-Ulysses
-(--ds-sequence-parallel-size 2 and 4, x TP 2); launched runs at CP 2 (with DP 2 and ZeRO-1, ZeRO-3) and
-Ulysses 2 (packed documents; DP 2 and ZeRO-2) give one rank's losses; resume at CP 2 with dropout is
-bitwise; what they do not combine with is refused."""
+CP 2 x TP 2 + SP and CP 2 x PP 2 give one rank's loss and every gradient, and so does DeepSpeed-Ulysses
+(--ds-sequence-parallel-size 2 and 4, x TP 2); launched runs at CP 2 x DP 2 (GPT with ZeRO-3; Llama with
+ZeRO-1, packed documents and per-token loss), Ulysses 2 x DP 2 (Llama, packed, ZeRO-2) and CP 2 x PP 2
+(DeepSpeed's 1F1B, interleaved) give one rank's losses; resume at CP 2 with dropout is bitwise; the
+dry run counts a rank's part; what they do not combine with is refused."""
 
 import pytest
 import torch
@@ -135,12 +136,12 @@ CP2 = ["--context-parallel-size", 2]
 LLAMA_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
                "--num-query-groups", 2, "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 PACKED = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss", "--calculate-per-token-loss"]
-LAUNCHED = {  # name: (ranks, extra flags, flags of the one-rank run it must equal); GPT at CP 2 is cp2_dp2_zero3
-    "cp2_llama": (2, CP2 + LLAMA_FLAGS, LLAMA_FLAGS),
-    "cp2_dp2_zero3": (4, CP2 + ["--deepspeed", "ds_configs/zero3.json"], []),
-    "cp2_dp2_zero1_packed_per_token": (4, CP2 + ["--deepspeed", "ds_configs/zero1.json"] + PACKED, PACKED),
-    "ulysses2_llama_packed": (2, ["--ds-sequence-parallel-size", 2] + LLAMA_FLAGS + PACKED, LLAMA_FLAGS + PACKED),
-    "ulysses2_dp2_zero2": (4, ["--ds-sequence-parallel-size", 2, "--deepspeed", "ds_configs/zero2.json"], []),
+LAUNCHED = {  # name: (ranks, extra flags, flags of the one-rank run it must equal)
+    "cp2_dp2_zero3_gpt": (4, CP2 + ["--deepspeed", "ds_configs/zero3.json"], []),
+    "cp2_dp2_zero1_llama_packed_per_token": (4, CP2 + ["--deepspeed", "ds_configs/zero1.json"] + LLAMA_FLAGS + PACKED,
+                                             LLAMA_FLAGS + PACKED),
+    "ulysses2_dp2_zero2_llama_packed": (4, ["--ds-sequence-parallel-size", 2, "--deepspeed", "ds_configs/zero2.json"]
+                                        + LLAMA_FLAGS + PACKED, LLAMA_FLAGS + PACKED),
     "cp2_pp2_deepspeed_1f1b": (4, CP2 + ["--pipeline-model-parallel-size", 2], []),
     "cp2_pp2_interleaved_zero1": (4, CP2 + ["--pipeline-model-parallel-size", 2, "--num-virtual-stages-per-pipeline-rank",
                                             2, "--deepspeed", "ds_configs/zero1.json"], []),
