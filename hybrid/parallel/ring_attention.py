@@ -138,7 +138,7 @@ class _Ring:
         self.group = group
 
     def shift(self, tensor: torch.Tensor):
-        """Post the exchange; returns (received buffer, wait function)."""
+        """Post the exchange; returns a function that waits for it and gives the received tensor."""
         received = torch.empty_like(tensor)
         ops = [dist.P2POp(dist.isend, tensor, self.next, self.group),
                dist.P2POp(dist.irecv, received, self.prev, self.group)]
@@ -152,7 +152,7 @@ class _Ring:
 
 
 def _step_plan(step: int, rank: int, size: int, chunk: int):
-    """(query rows, key columns, causal) of the block from rank (rank - step) mod size."""
+    """(source rank, query rows, key columns, causal) of step `step`: the block of rank (rank - step) mod size."""
     source = (rank - step) % size
     if step == 0:
         return source, slice(None), slice(None), True
