@@ -73,7 +73,7 @@ def test_ring_attention_equals_full_attention_with_gqa_and_documents(cp, documen
         assert_close(got, wanted, 1e-5, f"grad {name}")
 
 
-def _model_on_rank(cfg, tp, cp, data, sequence_parallel, ulysses=1):
+def _model_on_rank(cfg, tp, cp, data, sequence_parallel, ulysses=1, recompute=None):
     """Loss and canonical-named gradient shards of this rank's part (its TP shard, its CP chunks)."""
     from hybrid.model.config import ModelConfig
     from hybrid.model.gpt import GPTModel
@@ -82,8 +82,8 @@ def _model_on_rank(cfg, tp, cp, data, sequence_parallel, ulysses=1):
     from hybrid.topology import Topology
     topo = Topology(tensor_parallel=tp, context_parallel=cp, ulysses=ulysses)
     model_parallel_seed(1, topo.tp_rank)
-    config = ModelConfig(**dict(cfg, sequence_parallel=sequence_parallel))
-    model = GPTModel(config, topo.groups)
+    config = ModelConfig(**dict(cfg, sequence_parallel=sequence_parallel, recompute_granularity=recompute))
+    model = GPTModel(config, topo.groups).train()
     loss = model(*data)
     loss.backward()
     params = canonical_parameters(model, config.num_layers)
@@ -195,6 +195,17 @@ def test_context_parallel_refusals_name_the_flags(extra, world, message):
     argv = [str(f) for f in BASE + ["--hidden-dropout", 0, "--attention-dropout", 0] + extra]
     with pytest.raises(ConfigError, match=message):
         build_run_config(build_parser().parse_args(argv), world, 64, eod_token=63)
+
+
+@pytest.mark.parametrize("recompute,cp,ulysses", [("full", 2, 1), ("selective", 2, 1), ("full", 1, 2)])
+def test_recompute_at_cp_and_ulysses_equals_one_rank(recompute, cp, ulysses):
+    """Recomputed layers (and selective recompute's core attention) get the same layout in backward."""
+    cfg = dict(CONFIGS["llama"], max_position_embeddings=64, **DOCUMENTS)
+    data = packed_batch(rows=2, seq=64, seed=1)
+    ref_loss, _, ref_grads = reference(cfg, data)
+    merged = _cp_mean(run_on_ranks(_model_on_rank, cp * ulysses, cfg, 1, cp, data, False, ulysses, recompute))
+    assert abs(merged[0]["loss"] - ref_loss) <= 1e-5 * abs(ref_loss)
+    compare_grads(assemble_grads(merged), ref_grads, cfg["vocab_size"], 1e-5)
 
 
 def test_dry_run_counts_a_rank_s_part_of_the_sequence_and_proposes_context_parallelism():
