@@ -149,6 +149,6 @@ def test_reset_flags_reach_training_and_pipelines_refuse_them(tmp_path):
         losses[name] = [r["lm_loss"] for r in read_log(log) if "lm_loss" in r and "consumed_samples" in r]
     assert len(losses["documents"]) == 2 and losses["documents"] != losses["plain"]
     proc = run("python", 1, flags + ["--reset-attention-mask", "--pipeline-model-parallel-size", 2, "--pipeline-schedule",
-                                     "zbv", "--dry-run", "--dry-run-world-size", 2], check=False)
+                                     "zbv", "--num-layers", 4, "--dry-run", "--dry-run-world-size", 2], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--reset-attention-mask / --reset-position-ids with --pipeline-schedule zbv" in proc.stderr
