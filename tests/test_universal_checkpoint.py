@@ -56,8 +56,6 @@ CASES = {
     # context parallelism: DeepSpeed's data-parallel world is DP x CP, so CP ranks hold ZeRO partitions
     "cp2_zero1_to_cp1": (("torchrun", 2, ["--context-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json"]),
                          ("python", 1, ["--deepspeed", "ds_configs/zero1.json"])),
-    "tp2_to_cp2_zero1": (("torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json"]),
-                         ("torchrun", 2, ["--context-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json"])),
 }
 
 
