@@ -49,6 +49,8 @@ class Setup:
     ulysses: int = 1  # --ds-sequence-parallel-size
     attention_dropout: bool = False  # --attention-dropout > 0
     sliding_window: bool = False  # --window-size
+    experts: bool = False  # --num-experts
+    ep: int = 1  # --expert-model-parallel-size
 
     @property
     def torch_schedule(self) -> bool:
@@ -172,6 +174,15 @@ RULES = [
          lambda s: s.cp > 1 and s.sliding_window,
          lambda s: f"--context-parallel-size {s.cp} with --window-size: sliding-window attention is not built into "
                    f"the ring; drop one of them."),
+    Rule("moe-zero3", "--num-experts with ZeRO-3",
+         "DeepSpeed 0.19's ZeRO-3 refuses its native MoE layers ('Native DeepSpeed MoE is not supported with ZeRO "
+         "Stage 3'), whose expert groups and expert checkpoint files hybrid's MoE layers use; only its AutoEP "
+         "layers (HF-module replacement, no auxiliary losses) have ZeRO-3",
+         lambda s: s.experts and s.zero_stage == 3,
+         lambda s: f"--num-experts with ZeRO stage 3 (from {s.zero_source}): DeepSpeed 0.19's ZeRO-3 does not support "
+                   f"its MoE expert groups. Use ds_configs/zero2.json or zero1.json (expert optimizer states are "
+                   f"partitioned over the expert-data-parallel group), with --expert-model-parallel-size to split "
+                   f"the experts."),
     Rule("grad-reduce-bf16-precision", "--grad-reduce-in-bf16 without --bf16",
          "gradients are reduced in the training precision's type (DeepSpeed's communication_data_type)",
          lambda s: s.grad_reduce_bf16 and s.precision != "bf16",

@@ -253,8 +253,9 @@ class ClientState:
     weights_only: bool = False  # written by conversion: weights, no optimizer state
 
     def to_dict(self) -> dict:
-        """The client state handed to DeepSpeed's save_checkpoint."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The client state handed to DeepSpeed's save_checkpoint (unset fields left out, as readers take
+        a missing field for unset)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
     @classmethod
     def from_meta(cls, meta: Optional[dict]) -> "ClientState":
@@ -342,7 +343,10 @@ def _tp_layout(config_json: str) -> tuple:
     config = ModelConfig(**json.loads(config_json))
     # a tiny model of the same structure (names and layers depend on the options, not the sizes)
     tiny = dataclasses.replace(config, hidden_size=2 * config.num_attention_heads, ffn_hidden_size=2, vocab_size=8,
-                               max_position_embeddings=2, make_vocab_size_divisible_by=1)
+                               max_position_embeddings=2, make_vocab_size_divisible_by=1,
+                               **({"moe_ffn_hidden_size": 2} if config.num_experts else {}),
+                               **({"moe_shared_expert_intermediate_size": 2}
+                                  if config.moe_shared_expert_intermediate_size else {}))
     rules = []
     for name, param in GPTModel(tiny, ParallelGroups.single()).named_parameters():
         split = getattr(param, "tensor_model_parallel", False)

@@ -95,6 +95,7 @@ class RunConfig:
     args: dict  # the parsed flags, saved in checkpoints
     context_parallel: int = 1  # --context-parallel-size
     ulysses: int = 1  # --ds-sequence-parallel-size
+    expert_parallel: int = 1  # --expert-model-parallel-size (inside DP)
     pipeline_schedule: str = "1f1b"  # --pipeline-schedule: DeepSpeed's engine, or a torch.distributed.pipelining one
     virtual_stages: int = 1  # virtual pipeline stages per rank
 
@@ -178,7 +179,24 @@ def _architecture(args, vocab_size: int) -> ModelConfig:
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, kv_channels=kv_channels, add_qkv_bias=args.add_qkv_bias,
         qk_layernorm=args.qk_layernorm, sliding_window=_sliding_window(args), rope_scaling=_rope_scaling(args),
-        apply_layernorm_1p=args.apply_layernorm_1p, geglu=args.geglu, scale_embeddings=args.scale_embeddings)
+        apply_layernorm_1p=args.apply_layernorm_1p, geglu=args.geglu, scale_embeddings=args.scale_embeddings,
+        **_moe_fields(args))
+
+
+MOE_FLAGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
+             "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
+             "moe_shared_expert_gate")  # the architecture (an imported model's config sets them)
+MOE_TRAINING_FLAGS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                      "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_expert_capacity_factor",
+                      "moe_token_drop_policy", "moe_grouped_gemm")  # how it trains (flags, also with --load-hf)
+
+
+MOE_NEEDS_SP = ("--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel (each TP rank "
+                "routes its own sequence shard, as in Megatron-LM).")
+
+
+def _moe_fields(args) -> dict:
+    return {name: getattr(args, name) for name in MOE_FLAGS} if args.num_experts else {}
 
 
 def _model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = None) -> ModelConfig:
@@ -197,7 +215,8 @@ def _model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = 
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling, use_flash_attn=args.use_flash_attn,
         recompute_granularity=granularity, recompute_method=args.recompute_method,
         recompute_num_layers=num_layers, sequence_parallel=args.sequence_parallel and tp > 1, seed=args.seed,
-        async_tensor_model_parallel_allreduce=not args.no_async_tensor_model_parallel_allreduce)
+        async_tensor_model_parallel_allreduce=not args.no_async_tensor_model_parallel_allreduce,
+        **({name: getattr(args, name) for name in MOE_TRAINING_FLAGS} if architecture.num_experts else {}))
     config.validate(tp)
     if config.position_embedding_type == "learned_absolute" and args.seq_length > config.max_position_embeddings:
         raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
@@ -329,7 +348,7 @@ _CHECKPOINT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hid
                     "apply_query_key_layer_scaling", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                     "kv_channels", "add_qkv_bias", "qk_layernorm", "window_size", "use_rope_scaling",
                     "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "apply_layernorm_1p", "geglu",
-                    "scale_embeddings", "load_hf")
+                    "scale_embeddings", "load_hf", "expert_model_parallel_size", *MOE_FLAGS)
 
 
 def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
@@ -351,6 +370,21 @@ def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
     return changed
 
 
+def _check_experts(model: ModelConfig, ep: int, sequence_split: int, tp: int) -> None:
+    """--expert-model-parallel-size: experts split evenly inside DP; TP needs SP (as Megatron-LM)."""
+    if model.num_experts and tp > 1 and not model.sequence_parallel:
+        raise ConfigError(MOE_NEEDS_SP.format(tp=tp))
+    if ep > 1 and not model.num_experts:
+        raise ConfigError(f"--expert-model-parallel-size {ep} splits experts over ranks; the model has none "
+                          f"(give --num-experts, or drop --expert-model-parallel-size).")
+    if model.num_experts and model.num_experts % ep != 0:
+        raise ConfigError(f"--num-experts {model.num_experts} is not divisible by --expert-model-parallel-size {ep}.")
+    if ep > 1 and sequence_split > 1:
+        raise ConfigError(f"--expert-model-parallel-size {ep} with --context-parallel-size / "
+                          f"--ds-sequence-parallel-size {sequence_split}: expert groups inside the DP x CP axis are not "
+                          f"built yet; use one of them.")
+
+
 def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_size: int,
                      base_model: Optional[ModelConfig] = None, eod_token: Optional[int] = None) -> RunConfig:
     """Validate the flags against each other, the DeepSpeed config and the world size.
@@ -363,7 +397,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     cp, ulysses = args.context_parallel_size, args.ds_sequence_parallel_size
     ds, ds_path = dsc.load_ds_config(args)
     stage = dsc.zero_stage(args, ds, ds_path, pp)
-    dp = ParallelDims(world_size, tp, pp, cp, ulysses=ulysses).data_parallel
+    ep = args.expert_model_parallel_size
+    dp = ParallelDims(world_size, tp, pp, cp, ulysses=ulysses, expert_parallel=ep).data_parallel
     _check_context_parallel(args, tp, cp)
     vocab_size = tokenizer_vocab_size
     if args.padded_vocab_size:
@@ -377,6 +412,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
                           f"or use a matching tokenizer.")
     model = _model_config(args, vocab_size, tp, base_model)
     _check_ulysses(args, model, tp, ulysses)
+    _check_experts(model, ep, cp * ulysses, tp)
     if args.reset_attention_mask or args.reset_position_ids:
         if eod_token is None:
             raise ConfigError("--reset-attention-mask / --reset-position-ids split packed samples at the "
@@ -435,10 +471,10 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
                 flash_attn=bool(args.use_flash_attn), grad_reduce_bf16=bool(args.grad_reduce_in_bf16),
                 accelerator=dsc.accelerator_kind(), zero_source=ds_path or "--zero-stage",
                 documents=model.splits_documents, cp=cp, ulysses=ulysses, attention_dropout=model.attention_dropout > 0,
-                sliding_window=model.sliding_window is not None))
+                sliding_window=model.sliding_window is not None, experts=bool(model.num_experts), ep=ep))
     ds_config = dsc.final_ds_config(ds, args, train, stage, optimizer, model)
     return RunConfig(model=model, train=train, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
-                     context_parallel=cp, ulysses=ulysses,
+                     context_parallel=cp, ulysses=ulysses, expert_parallel=ep,
                      pipeline_partition=args.pipeline_partition, ds_config=ds_config,
                      args=dict(vars(args)), pipeline_schedule=schedule, virtual_stages=virtual)
 
@@ -448,6 +484,6 @@ def config_summary(run: RunConfig) -> dict:
     model = asdict(run.model)
     return {"model": model, "train": asdict(run.train), "tensor_parallel": run.tensor_parallel,
             "pipeline_parallel": run.pipeline_parallel, "data_parallel": run.data_parallel,
-            "context_parallel": run.context_parallel, "ulysses": run.ulysses,
+            "context_parallel": run.context_parallel, "ulysses": run.ulysses, "expert_parallel": run.expert_parallel,
             "pipeline_schedule": run.pipeline_schedule, "virtual_stages": run.virtual_stages,
             "zero_stage": run.zero_stage}

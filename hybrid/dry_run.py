@@ -32,7 +32,7 @@ def plan_from_run(run: RunConfig) -> MemoryPlan:
                       num_micro_batches=run.train.grad_acc_steps, zero=settings,
                       recompute=run.model.recompute_granularity, partition=run.pipeline_partition,
                       schedule=run.pipeline_schedule, virtual=run.virtual_stages, cp=run.context_parallel,
-                      ulysses=run.ulysses)
+                      ulysses=run.ulysses, ep=run.expert_parallel)
 
 
 def peak_gib(plan: MemoryPlan) -> float:

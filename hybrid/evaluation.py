@@ -32,6 +32,8 @@ def build_parser():
     p.add_argument("--eval-iters", type=int, default=10)
     p.add_argument("--log-json", default=None)
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism at TP > 1")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="split an MoE checkpoint's experts over this many data-parallel ranks")
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None)
     return p
 
@@ -65,11 +67,19 @@ def evaluate(args) -> dict:
     config.recompute_granularity = None
     tp, pp = saved.tensor_parallel, saved.pipeline_parallel
     config.sequence_parallel = args.sequence_parallel and tp > 1
+    if config.num_experts and tp > 1 and not config.sequence_parallel:
+        from hybrid.config import MOE_NEEDS_SP
+        raise ConfigError(MOE_NEEDS_SP.format(tp=tp))
     if config.sequence_parallel and args.seq_length % tp:
         raise ConfigError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by the checkpoint's "
                           f"tensor-parallel size {tp}.")
     from hybrid.topology import ParallelDims
-    dp = ParallelDims(int(os.environ.get("WORLD_SIZE", "1")), tp, pp).data_parallel
+    ep = args.expert_model_parallel_size
+    if ep > 1 and not config.num_experts:
+        raise ConfigError(f"--expert-model-parallel-size {ep}: the checkpoint's model has no experts.")
+    if config.num_experts and config.num_experts % ep:
+        raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the model's {config.num_experts} experts.")
+    dp = ParallelDims(int(os.environ.get("WORLD_SIZE", "1")), tp, pp, expert_parallel=ep).data_parallel
     if args.eval_iters % dp:
         raise ConfigError(f"--eval-iters {args.eval_iters} must be a multiple of the data-parallel size {dp}.")
     if config.position_embedding_type == "learned_absolute" and args.seq_length > config.max_position_embeddings:
@@ -79,7 +89,7 @@ def evaluate(args) -> dict:
                                               args.eval_iters * args.micro_batch_size))
     init_distributed()
     from hybrid.topology import Topology
-    topology = Topology(tp, pp)
+    topology = Topology(tp, pp, expert_parallel=ep, experts=bool(config.num_experts))
     state, _ = read_hybrid(args.load)
     mine = [windows[k * args.micro_batch_size:(k + 1) * args.micro_batch_size]
             for k in range(args.eval_iters) if k % dp == topology.dp_rank]

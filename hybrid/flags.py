@@ -73,6 +73,7 @@ def _add_network_size_args(p):
     g.add_argument("--geglu", action="store_true", help="gated tanh-GeLU MLP (Gemma) instead of --swiglu / GeLU")
     g.add_argument("--scale-embeddings", action="store_true",
                    help="multiply the word embeddings by sqrt(--hidden-size) (Gemma)")
+    _add_moe_args(p)
     g.add_argument("--attention-backend", default=None, choices=["auto", "flash", "fused", "unfused", "local"],
                    help="flash = --use-flash-attn; auto/fused/unfused/local = SDPA (torch picks its kernel)")
     g.add_argument("--use-flash-attn", action="store_true")
@@ -182,6 +183,65 @@ def _add_mixed_precision_args(p):
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="reduce gradients in bf16 (DeepSpeed's communication_data_type); needs --bf16")
+
+
+def _moe_layer_freq(text: str):
+    """Megatron-LM's --moe-layer-freq: N (every N-th layer, from layer 0) or a per-layer 0/1 list, written
+    as a list ("[1,0,1,0]") or Megatron's expression ("([1]*3+[0])*2"); read without eval."""
+    import ast
+    try:
+        return int(text)
+    except ValueError:
+        pass
+
+    def value(node):
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(text)
+    try:
+        layers = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r}: give N or a list of 0/1 per layer, e.g. "
+                                         f"[1,0,1,0] or ([1]*3+[0])*2") from None
+    if not isinstance(layers, list):
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r}: a list of 0/1 per layer, or N")
+    return layers
+
+
+def _add_moe_args(p):
+    g = p.add_argument_group("mixture of experts (Megatron-LM's flags)")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="split each layer's experts over this many ranks inside DP (all-to-all token dispatch)")
+    g.add_argument("--moe-layer-freq", type=_moe_layer_freq, default=1,
+                   help="N: every N-th layer from layer 0 is MoE; or a 0/1 list per layer")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's width (default --ffn-hidden-size)")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over every expert, then top-k (Qwen2-MoE without norm_topk_prob)")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "none"])
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="auxiliary-loss-free balancing: a score bias per expert moved after each step (sigmoid)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g.add_argument("--moe-shared-expert-gate", action="store_true", help="sigmoid-gated shared experts (Qwen2-MoE)")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="each expert takes at most ceil(tokens x k / E x factor) tokens; default dropless")
+    g.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"])
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="one grouped GEMM for all local experts (torch._grouped_mm) where the device has it")
+    g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["alltoall", "allgather", "flex"],
+                   help="accepted; tokens always travel by all-to-all (the same values)")
 
 
 def _add_distributed_args(p):

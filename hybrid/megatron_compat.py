@@ -71,16 +71,18 @@ _FLAGS = [
     CompatFlag("--profile-step-end", "refused", "see --profile", nargs="1"),
     CompatFlag("--codecarbon-dir", "refused", "CodeCarbon tracking is not built in; drop the flag", nargs="1"),
     # parallel sizes hybrid has at their neutral value only
-    CompatFlag("--expert-model-parallel-size", "neutral", "mixture-of-experts is not implemented", nargs="1",
-               neutral="1"),
-    CompatFlag("--num-experts", "refused", "mixture-of-experts is not implemented", nargs="1"),
-    *[CompatFlag(name, "refused", "mixture-of-experts is not implemented (see --num-experts)", nargs=nargs)
-      for name, nargs in [("--moe-router-topk", "1"), ("--moe-router-load-balancing-type", "1"),
-                          ("--moe-aux-loss-coeff", "1"), ("--moe-token-dispatcher-type", "1"), ("--moe-grouped-gemm", None),
-                          ("--moe-expert-parallel-size", "1"), ("--moe-loss-coeff", "1"),
-                          ("--moe-train-capacity-factor", "1"), ("--moe-eval-capacity-factor", "1"),
-                          ("--moe-min-capacity", "1"), ("--create-moe-param-group", None),
-                          ("--disable-moe-token-dropping", None)]],
+    # Megatron-DeepSpeed's DeepSpeed-MoE spellings: Megatron-LM's flags are the ones built
+    *[CompatFlag(name, "refused", f"Megatron-DeepSpeed's MoE flag; use Megatron-LM's {instead}", nargs=nargs)
+      for name, nargs, instead in [
+          ("--moe-expert-parallel-size", "1", "--expert-model-parallel-size"),
+          ("--moe-loss-coeff", "1", "--moe-aux-loss-coeff"),
+          ("--moe-train-capacity-factor", "1", "--moe-expert-capacity-factor"),
+          ("--moe-eval-capacity-factor", "1", "--moe-expert-capacity-factor (the same in evaluation)"),
+          ("--moe-min-capacity", "1", "--moe-expert-capacity-factor"),
+          ("--create-moe-param-group", None, "nothing: expert parameters get DeepSpeed's MoE optimizer groups "
+                                             "by themselves"),
+          ("--disable-moe-token-dropping", None, "nothing: routing is dropless unless --moe-expert-capacity-factor "
+                                                 "is given")]],
     CompatFlag("--enable-zbh1-pipeline", "refused", "Megatron-DeepSpeed's ZB-H1 is not used; use --pipeline-schedule "
                "zero-bubble (torch.distributed.pipelining's interleaved zero-bubble schedule)"),
     CompatFlag("--enable-zbh1-exact-semantics", "refused", "see --enable-zbh1-pipeline"),

@@ -44,6 +44,8 @@ def parameter_inventory(config: ModelConfig, tp: int) -> dict[str, tuple[int, bo
             continue
         if name in full:
             numel = full[name]
+        elif ".mlp." in name and config.mlp_type_of(int(name.split(".")[1])) == "moe":
+            numel = _moe_numel(name, config)
         elif name.endswith("norm.weight") or name.endswith("norm.bias"):
             numel = d if name.split(".")[-2] in ("q_norm", "k_norm") else h  # Q/K norms: one head
         else:
@@ -52,6 +54,25 @@ def parameter_inventory(config: ModelConfig, tp: int) -> dict[str, tuple[int, bo
         decayed = not (name.endswith(".bias") or "norm." in name)
         out[name] = (numel // tp if rule.dim is not None else numel, decayed)
     return out
+
+
+def _moe_numel(name: str, config: ModelConfig) -> int:
+    """Full elements of an MoE layer's parameter: router [E, h], an expert's fc1 [up, h] / fc2 [h, f],
+    the shared experts' fc1 / fc2 (a dense MLP of their width), the shared gate [1, h]."""
+    h, gated = config.hidden_size, 2 if config.gated_linear_unit else 1
+    part = name.split(".mlp.", 1)[1]
+    if part == "router.weight":
+        return config.num_experts * h
+    if part == "shared_gate":
+        return h
+    width = config.moe_shared_expert_intermediate_size if part.startswith("shared_mlp.") else config.moe_ffn_hidden_size
+    return width * h * (gated if ".fc1." in name else 1)
+
+
+def is_expert(name: str) -> bool:
+    """A routed expert's parameter (split over EP, its optimizer state over the expert-data-parallel group)."""
+    from hybrid.model.naming import EXPERTS
+    return EXPERTS in name
 
 
 def _pipeline_units(config: ModelConfig, inventory: dict) -> list[list[str]]:
@@ -371,6 +392,22 @@ class MemoryPlan:
     virtual: int = 1  # virtual pipeline stages per rank
     cp: int = 1  # --context-parallel-size
     ulysses: int = 1  # --ds-sequence-parallel-size
+    ep: int = 1  # --expert-model-parallel-size: this rank holds 1/EP of each layer's experts
+
+
+def _stage_model_states(params: dict, plan: MemoryPlan) -> dict:
+    """ZeRO bytes of one rank's parameters: dense ones partitioned over DP; its 1/EP of the experts in
+    their own groups (DeepSpeed's MoE groups), partitioned over the expert-data-parallel group, DP / EP."""
+    dense = [[n for name, (n, d) in params.items() if d == decayed and not is_expert(name)] for decayed in (True, False)]
+    states = model_state_bytes(dense, plan.zero)
+    experts = [[n for name, (n, d) in params.items() if d == decayed and is_expert(name)] for decayed in (True, False)]
+    if any(experts):
+        ep = plan.ep
+        mine = [g[: len(g) // ep] for g in experts]  # the experts are alike: 1/EP of them
+        zero = ZeroSettings(**dict(asdict(plan.zero), dp=max(1, plan.zero.dp // ep)))
+        for key, value in model_state_bytes(mine, zero).items():
+            states[key] += value
+    return states
 
 
 def estimate(plan: MemoryPlan) -> list[dict]:
@@ -387,9 +424,7 @@ def estimate(plan: MemoryPlan) -> list[dict]:
     rows = []
     for stage, info in enumerate(stage_parameters(config, plan.tp, plan.pp, plan.partition, plan.schedule,
                                                   plan.virtual)):
-        groups = [[n for n, decayed in info["params"].values() if decayed],
-                  [n for n, decayed in info["params"].values() if not decayed]]
-        states = model_state_bytes(groups, plan.zero)
+        states = _stage_model_states(info["params"], plan)
         per_layer = layer_activation_bytes(config, act)
         layers = len(info["layers"])
         in_flight = in_flight_micro_batches(stage, plan.pp, plan.num_micro_batches, plan.schedule, plan.virtual)
@@ -400,7 +435,8 @@ def estimate(plan: MemoryPlan) -> list[dict]:
         activations += int(_embedding_and_head_bytes(config, act, info["first"], info["last"]) * in_flight)
         if layers:
             activations += sequence_split_buffer_bytes(config, act, plan.device_type)
-        row = dict(stage=stage, layers=layers, parameters=sum(n for n, _ in info["params"].values()),
+        row = dict(stage=stage, layers=layers, parameters=sum(n // (plan.ep if is_expert(name) else 1)
+                                                              for name, (n, _) in info["params"].items()),
                    in_flight_micro_batches=in_flight, activation_bytes_per_layer=per_layer,
                    activations=activations, **states)
         row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]

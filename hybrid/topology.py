@@ -1,7 +1,7 @@
 """Process groups for tensor x pipeline x data parallelism, built from DeepSpeed's own topology.
 
-Rank order (Megatron-LM's): TP varies fastest, then context parallel (CP), then DP, then PP; experts
-(size 1 for now) would split the DP ranks. DeepSpeed's data-parallel group (`dp_*`) is DP x CP. `Topology.groups` is what layers receive
+Rank order (Megatron-LM's): TP varies fastest, then context parallel (CP), then DP, then PP; expert
+parallelism (EP) splits the DP ranks: an EP group is EP consecutive data ranks. DeepSpeed's data-parallel group (`dp_*`) is DP x CP. `Topology.groups` is what layers receive
 (hybrid.parallel.groups.ParallelGroups: sizes, ranks and groups of every axis).
 
 The `Topology` wraps DeepSpeed's `PipeModelDataParallelTopology` (axes pipe, data, model:
@@ -30,7 +30,7 @@ class ParallelDims:
     pipeline_parallel: int = 1  # --pipeline-model-parallel-size
     context_parallel: int = 1  # --context-parallel-size: the sequence split over CP ranks (ring attention)
     ulysses: int = 1  # --ds-sequence-parallel-size: the sequence split over ranks, all-to-all around attention
-    expert_parallel: int = 1  # --expert-model-parallel-size, inside DP (declared; only 1 is built so far)
+    expert_parallel: int = 1  # --expert-model-parallel-size: experts split over EP consecutive DP ranks
 
     def __post_init__(self):
         for name, value in (("--tensor-model-parallel-size", self.tensor_parallel),
@@ -88,6 +88,11 @@ def _grid_class():
     return HybridGrid
 
 
+def _single_rank():
+    from hybrid.parallel.collectives import SINGLE_RANK
+    return SINGLE_RANK
+
+
 class Topology:
     """This rank's place in the TP x PP x DP grid and the process groups for each axis.
 
@@ -97,11 +102,14 @@ class Topology:
     """
 
     def __init__(self, tensor_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1,
-                 ulysses: int = 1):
+                 ulysses: int = 1, expert_parallel: int = 1, experts: bool = False):
+        """`experts`: the model has MoE layers, so the expert groups are built (at every EP size)."""
         from hybrid.distributed import init_distributed
         init_distributed()  # no-op when already initialised; DeepSpeed's grid needs deepspeed.comm
         self.dims = ParallelDims(dist.get_world_size(), tensor_parallel, pipeline_parallel, context_parallel,
-                                 ulysses=ulysses)
+                                 ulysses=ulysses, expert_parallel=expert_parallel)
+        if expert_parallel > 1 and self.dims.sequence_split > 1:
+            raise ConfigError("--expert-model-parallel-size > 1 with context parallelism or Ulysses is not built yet.")
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
         # DeepSpeed's data axis is DP x CP (CP varying faster): CP ranks hold different tokens of the
         # same samples, so gradients are averaged and ZeRO partitions over both (Megatron's
@@ -113,14 +121,38 @@ class Topology:
             num_dp=self.dims.data_parallel * cp)
         self.grid = _grid_class()(topology=self.ds_topology)
         from hybrid.parallel.groups import Axis, ParallelGroups
-        # what the layers communicate over; the expert axis stays at size 1 until used
+        # what the layers communicate over
         sequence = Axis.of(self._context_parallel_group(cp))
+        self.expert_group = self.expert_data_group = None
+        self.expert_ranks, self.expert_data_ranks = [dist.get_rank()], None
+        if experts or expert_parallel > 1:
+            self.expert_group, self.expert_data_group, self.expert_ranks, self.expert_data_ranks = \
+                self._expert_groups()
         self.groups = ParallelGroups(
             tp=Axis.of(self.grid.get_tensor_model_parallel_group()),
             cp=sequence if self.dims.ulysses == 1 else Axis(),
             ulysses=sequence if self.dims.ulysses > 1 else Axis(),
+            ep=Axis(expert_parallel, self.expert_ranks.index(dist.get_rank()),
+                    self.expert_group if expert_parallel > 1 else _single_rank()),
             dp=Axis.of(self.grid.get_data_parallel_group()),
             pp=Axis.of(self.grid.get_pipe_parallel_group()))
+
+    def _expert_groups(self):
+        """Expert-parallel groups (EP consecutive data ranks of one pipeline stage and TP rank) and
+        expert-data-parallel groups (the data ranks holding the same experts: every EP-th), as real
+        process groups at every size (DeepSpeed's MoE machinery reduces and checkpoints over them).
+        Returns (EP group, EDP group, their global ranks) of this rank."""
+        ep, dp, me, t = self.dims.expert_parallel, self.dims.data_parallel, dist.get_rank(), self.ds_topology
+        found = [None, None, None, None]
+        for pipe in range(self.dims.pipeline_parallel):
+            for model in range(self.dims.tensor_parallel):
+                data = [t.get_rank(pipe=pipe, data=d, model=model) for d in range(dp)]
+                for ranks, slot in [*[(data[i:i + ep], 0) for i in range(0, dp, ep)],
+                                    *[(data[j::ep], 1) for j in range(ep)]]:
+                    group = dist.new_group(ranks)
+                    if me in ranks:
+                        found[slot], found[slot + 2] = group, ranks
+        return tuple(found)
 
     def _context_parallel_group(self, cp: int):
         """This rank's CP group (every rank creates every group, as torch.distributed requires)."""
@@ -213,5 +245,5 @@ class Topology:
 
     def __repr__(self) -> str:
         return (f"Topology(tp={self.tp_world_size}, cp={self.cp_world_size}, pp={self.pp_world_size}, "
-                f"dp={self.data_world_size}; "
+                f"dp={self.data_world_size}, ep={self.dims.expert_parallel}; "
                 f"rank tp={self.tp_rank} cp={self.cp_rank} pp={self.pp_rank} dp={self.data_rank})")

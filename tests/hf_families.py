@@ -29,8 +29,23 @@ FAMILY_CONFIGS = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(  # GeGLU, (1 + w) norms, sqrt(h) embeddings, MQA, head 16
         num_key_value_heads=1, head_dim=16, tie_word_embeddings=True, rms_norm_eps=1e-6)),
 }
-FAMILIES = list(FAMILY_CONFIGS)
-RECORDED = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma": "gemma"}
+DENSE = list(FAMILY_CONFIGS)
+# mixtures of experts: 4 experts, top-2, each family's own routing and layer choice
+FAMILY_CONFIGS.update({
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(  # every layer MoE, renormalised top-2, window 8
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, rms_norm_eps=1e-5)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(  # gated shared expert, no renorm, dense layer 3
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[3],
+        tie_word_embeddings=False, rms_norm_eps=1e-6)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(  # Q/K norms, renormalised top-2, MoE every 2nd
+        num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[], tie_word_embeddings=False, rms_norm_eps=1e-6)),
+})
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILIES = DENSE + MOE
+RECORDED = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma": "gemma",
+            "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
 
 
 def save_embedded_tokenizer(path):

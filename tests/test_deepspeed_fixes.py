@@ -43,10 +43,12 @@ def _private_uses(path: str) -> list[str]:
 # Private accesses outside deepspeed_fixes that are not DeepSpeed's: torch's documented out= aten
 # kernels, the aten CPU flash-attention kernel and its backward that F.scaled_dot_product_attention
 # dispatches to (the ring needs their log-sum-exp; tests/test_context_parallel.py proves them against
-# SDPA), a tokenizers model's own parameters, and our own modules' private helpers.
+# SDPA), torch's grouped GEMM (torch._grouped_mm: no public API in torch 2.13; torchtitan's and DeepSpeed
+# AutoEP's expert kernel; tests/test_moe.py proves it against a per-expert loop), a tokenizers model's own
+# parameters, and our own modules' private helpers.
 ALLOWED = {".{}".format(name) for name in ("_log_softmax", "_softmax", "_params",
                                            "_scaled_dot_product_flash_attention_for_cpu",
-                                           "_scaled_dot_product_flash_attention_for_cpu_backward")}
+                                           "_scaled_dot_product_flash_attention_for_cpu_backward", "_grouped_mm")}
 
 
 def test_no_private_attribute_of_deepspeed_or_torch_outside_the_fixes_module():

@@ -14,18 +14,20 @@ import torch
 
 from hybrid.conversion.hf import read_hf_config, read_hf_dir, write_hf_dir
 from hybrid.errors import ConfigError
-from tests.hf_families import FAMILIES, FAMILY_CONFIGS, RECORDED, make_family
+from tests.hf_families import DENSE, FAMILIES, FAMILY_CONFIGS, RECORDED, make_family
 from tests.launch_helpers import read_log, run
 
 # the option that makes each family what it is: turned off, the logits must change (so the proof can fail)
 DISTINCTIVE = {"llama3": dict(rope_scaling=None), "qwen2": dict(add_qkv_bias=False),
                "qwen3": dict(qk_layernorm=False), "mistral": dict(sliding_window=None),
-               "gemma": dict(apply_layernorm_1p=False)}
+               "gemma": dict(apply_layernorm_1p=False), "mixtral": dict(moe_router_topk=1),
+               "qwen2_moe": dict(moe_router_pre_softmax=False), "qwen3_moe": dict(moe_router_pre_softmax=True)}
 # config.json fields that must survive import -> training -> export (what changes the model)
 KEPT_FIELDS = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "rope_parameters", "sliding_window", "use_sliding_window",
                "rms_norm_eps", "tie_word_embeddings", "attention_bias", "hidden_act", "hidden_activation",
-               "vocab_size", "max_position_embeddings")
+               "vocab_size", "max_position_embeddings", "num_local_experts", "num_experts", "num_experts_per_tok",
+               "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob")
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +127,16 @@ FAMILY_FLAGS = {
                 "--norm-epsilon", 1e-5],
     "gemma": ["--geglu", "--num-query-groups", 2, "--kv-channels", 16, "--apply-layernorm-1p", "--scale-embeddings",
               "--norm-epsilon", 1e-6],
+    "mixtral": ["--swiglu", "--num-query-groups", 2, "--window-size", "7,0", "--untie-embeddings-and-output-weights",
+                "--rotary-base", 1000000,
+                "--norm-epsilon", 1e-5, "--num-experts", 4, "--moe-router-topk", 2, "--moe-ffn-hidden-size", 64],
+    "qwen2_moe": ["--swiglu", "--num-query-groups", 2, "--add-qkv-bias", "--untie-embeddings-and-output-weights",
+                  "--norm-epsilon", 1e-6, "--num-experts", 4, "--moe-ffn-hidden-size", 24, "--moe-layer-freq",
+                  "[1]*3+[0]", "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", 40,
+                  "--moe-shared-expert-gate"],
+    "qwen3_moe": ["--swiglu", "--num-query-groups", 2, "--qk-layernorm", "--kv-channels", 16,
+                  "--untie-embeddings-and-output-weights", "--norm-epsilon", 1e-6, "--num-experts", 4,
+                  "--moe-ffn-hidden-size", 24, "--moe-layer-freq", "[0,1,0,1]"],
 }
 # fields an import takes from the HF config that flags leave at their defaults (not the architecture)
 NOT_ARCHITECTURE = ("family", "init_method_std", "seed", "vocab_size", "max_position_embeddings", "hf_dtype")
@@ -226,7 +238,7 @@ TRAIN = ["--seq-length", 32, "--micro-batch-size", 2, "--global-batch-size", 8, 
          "--no-progress-bar"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", DENSE)
 def test_load_hf_trains_at_tp2_pp2_sp_as_at_one_rank_evaluates_to_transformers_and_exports_its_family(
         family, hf_models, data, tmp_path):
     from safetensors.torch import load_file

@@ -20,6 +20,7 @@ import torch
 
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
+from hybrid.model.naming import EXPERTS
 from hybrid.model.qkv import fuse_qkv, split_qkv_flat
 
 
@@ -199,7 +200,7 @@ def _window_of(hf, family: str):
             _refuse(family, "layer_types", "mixed sliding/full", "alternating local and global attention layers are "
                     "not implemented (every layer uses the same attention)")
         return int(window)
-    if layer_types and family in ("Qwen2", "Qwen3"):
+    if layer_types and family.startswith(("Qwen2", "Qwen3")):
         return None  # sliding_window is set but no layer uses it (use_sliding_window false)
     return int(window) if window else None
 
@@ -217,8 +218,7 @@ class LlamaAdapter(Adapter):
     gemma = False  # (1 + w) RMSNorm, GeGLU, embeddings x sqrt(hidden)
     LAYER_MAP = {"model.layers.{}.input_layernorm.weight": "layers.{}.input_norm.weight",
                  "model.layers.{}.post_attention_layernorm.weight": "layers.{}.post_attention_norm.weight",
-                 "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.dense.weight",
-                 "model.layers.{}.mlp.down_proj.weight": "layers.{}.mlp.fc2.weight"}
+                 "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.dense.weight"}
     QK_NORM_MAP = {"model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",
                    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight"}
 
@@ -265,7 +265,7 @@ class LlamaAdapter(Adapter):
         if missing:
             raise ConfigError(f"exporting to {self.hf_class} needs {', '.join(missing)}.")
 
-    def _family_fields(self) -> dict:
+    def family_fields(self) -> dict:
         return {}
 
     def hf_config(self, tokenizer_ids: dict):
@@ -279,7 +279,8 @@ class LlamaAdapter(Adapter):
                       max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_epsilon,
                       rope_parameters=rope, tie_word_embeddings=c.tied_embeddings, hidden_act=self.hidden_act,
                       initializer_range=c.init_method_std, attention_dropout=c.attention_dropout,
-                      architectures=[self.hf_class], **tokenizer_ids, **self._family_fields())
+                      architectures=[self.hf_class], **tokenizer_ids)
+        fields.update(self.family_fields())  # a family's own fields (and its spelling of shared ones)
         return getattr(transformers, self.config_class)(**fields)
 
     def to_canonical(self, hf_state):
@@ -298,15 +299,33 @@ class LlamaAdapter(Adapter):
                 q, k, v = (expect(f"{p}{x}_proj.{kind}", get(hf_state, f"{p}{x}_proj.{kind}"), shapes[x] + tail)
                            for x in "qkv")
                 out[f"layers.{i}.attention.qkv.{kind}"] = fuse_qkv(q, k, v, groups)
-            m = f"model.layers.{i}.mlp."
-            out[f"layers.{i}.mlp.fc1.weight"] = torch.cat([get(hf_state, m + "gate_proj.weight"),
-                                                           get(hf_state, m + "up_proj.weight")], dim=0)
+            self.mlp_to_canonical(hf_state, i, out)
             for hf_tmpl, our_tmpl in self._layer_map().items():
                 out[our_tmpl.format(i)] = get(hf_state, hf_tmpl.format(i))
         return out
 
     def _layer_map(self) -> dict:
         return dict(self.LAYER_MAP, **(self.QK_NORM_MAP if self.qk_norm else {}))
+
+    @staticmethod
+    def _gated_to_canonical(hf_state: dict, hf_prefix: str, ours: str, out: dict, names=("gate_proj", "up_proj",
+                                                                                         "down_proj")) -> None:
+        """A gated MLP's gate/up/down projections -> fc1 = [gate; up], fc2."""
+        gate, up, down = (get(hf_state, f"{hf_prefix}{n}.weight") for n in names)
+        out[f"{ours}fc1.weight"], out[f"{ours}fc2.weight"] = torch.cat([gate, up], dim=0), down
+
+    @staticmethod
+    def _gated_to_hf(state: dict, ours: str, hf_prefix: str, out: dict, names=("gate_proj", "up_proj",
+                                                                               "down_proj")) -> None:
+        gate, up = state[f"{ours}fc1.weight"].chunk(2, dim=0)
+        for n, t in zip(names, (gate, up, state[f"{ours}fc2.weight"])):
+            out[f"{hf_prefix}{n}.weight"] = t.contiguous()
+
+    def mlp_to_canonical(self, hf_state: dict, i: int, out: dict) -> None:
+        self._gated_to_canonical(hf_state, f"model.layers.{i}.mlp.", f"layers.{i}.mlp.", out)
+
+    def mlp_to_hf(self, state: dict, i: int, out: dict) -> None:
+        self._gated_to_hf(state, f"layers.{i}.mlp.", f"model.layers.{i}.mlp.", out)
 
     def to_hf(self, state):
         self.check_exportable()
@@ -322,8 +341,7 @@ class LlamaAdapter(Adapter):
                 q, k, v = split_qkv_flat(state[f"layers.{i}.attention.qkv.{kind}"], per_group, d)
                 for x, t in zip("qkv", (q, k, v)):
                     out[f"{p}self_attn.{x}_proj.{kind}"] = t
-            gate, up = state[f"layers.{i}.mlp.fc1.weight"].chunk(2, dim=0)
-            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
+            self.mlp_to_hf(state, i, out)
             for hf_tmpl, our_tmpl in self._layer_map().items():
                 out[hf_tmpl.format(i)] = state[our_tmpl.format(i)]
         return out
@@ -335,7 +353,7 @@ class MistralAdapter(LlamaAdapter):
     refused = "`layer_types` (alternating attention: Ministral), as Llama's"
     windowed = True
 
-    def _family_fields(self):
+    def family_fields(self):
         return {"sliding_window": self.config.sliding_window}
 
 
@@ -345,7 +363,7 @@ class Qwen2Adapter(LlamaAdapter):
     refused = "a sliding window on some layers only (`max_window_layers` < `num_hidden_layers`), as Llama's"
     qkv_bias, windowed = True, True
 
-    def _family_fields(self):
+    def family_fields(self):
         w = self.config.sliding_window  # a window on every layer (max_window_layers 0), or none
         return {"use_sliding_window": True, "sliding_window": w, "max_window_layers": 0} if w else {}
 
@@ -364,11 +382,154 @@ class GemmaAdapter(LlamaAdapter):
     refused = "Gemma 2/3 (soft-capping, alternating local/global layers: other classes), as Llama's"
     hidden_act, gemma = "gelu_pytorch_tanh", True
 
-    def _family_fields(self):
+    def family_fields(self):
         return {"hidden_activation": self.hidden_act}
 
 
-FAMILIES = {a.family: a for a in (GPT2Adapter, LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter, GemmaAdapter)}
+class _MoEFamily:
+    """Mixture-of-experts members of the Llama family (mixed in before their dense adapter): the router
+    (`gate.weight`) and every expert's gate/up/down projections of each MoE layer, optional shared
+    experts; dense layers as the dense adapter maps them."""
+
+    moe_block = "mlp"  # the HF module of a layer's router and experts
+    expert_names = ("gate_proj", "up_proj", "down_proj")  # an expert's projections: gate, up, down
+    shared = False  # a sigmoid-gated shared expert (Qwen2-MoE)
+
+    @classmethod
+    def _moe_config(cls, hf, config: ModelConfig) -> ModelConfig:
+        raise NotImplementedError
+
+    @classmethod
+    def config_from_hf(cls, hf) -> ModelConfig:
+        return cls._moe_config(hf, super().config_from_hf(hf))
+
+    def check_exportable(self):
+        super().check_exportable()
+        c = self.config
+        wanted = {"--num-experts": bool(c.num_experts), "--moe-router-score-function softmax":
+                  c.moe_router_score_function == "softmax", "no --moe-router-topk-scaling-factor":
+                  not c.moe_router_topk_scaling_factor, "no --moe-router-enable-expert-bias":
+                  not c.moe_router_enable_expert_bias,
+                  ("--moe-shared-expert-intermediate-size and --moe-shared-expert-gate" if self.shared else
+                   "no shared experts"): bool(c.moe_shared_expert_intermediate_size and c.moe_shared_expert_gate)
+                  == self.shared, **self._moe_wanted()}
+        missing = [what for what, ok in wanted.items() if not ok]
+        if missing:
+            raise ConfigError(f"exporting to {self.hf_class} needs {', '.join(missing)}.")
+
+    def _moe_wanted(self) -> dict:
+        return {}
+
+    def mlp_to_canonical(self, hf_state, i, out):
+        c = self.config
+        if c.mlp_type_of(i) != "moe":
+            return super().mlp_to_canonical(hf_state, i, out)
+        hf, ours = f"model.layers.{i}.{self.moe_block}.", f"layers.{i}.mlp."
+        out[ours + "router.weight"] = expect(hf + "gate.weight", get(hf_state, hf + "gate.weight"),
+                                             (c.num_experts, c.hidden_size))
+        for e in range(c.num_experts):
+            self._gated_to_canonical(hf_state, f"{hf}experts.{e}.", f"{ours}{EXPERTS[1:]}{e}.", out, self.expert_names)
+        if self.shared:
+            self._gated_to_canonical(hf_state, hf + "shared_expert.", ours + "shared_mlp.", out)
+            out[ours + "shared_gate"] = get(hf_state, hf + "shared_expert_gate.weight")
+
+    def mlp_to_hf(self, state, i, out):
+        c = self.config
+        if c.mlp_type_of(i) != "moe":
+            return super().mlp_to_hf(state, i, out)
+        hf, ours = f"model.layers.{i}.{self.moe_block}.", f"layers.{i}.mlp."
+        out[hf + "gate.weight"] = state[ours + "router.weight"]
+        for e in range(c.num_experts):
+            self._gated_to_hf(state, f"{ours}{EXPERTS[1:]}{e}.", f"{hf}experts.{e}.", out, self.expert_names)
+        if self.shared:
+            self._gated_to_hf(state, ours + "shared_mlp.", hf + "shared_expert.", out)
+            out[hf + "shared_expert_gate.weight"] = state[ours + "shared_gate"]
+
+
+def _replace(config: ModelConfig, **fields) -> ModelConfig:
+    import dataclasses
+    return dataclasses.replace(config, **fields)
+
+
+class MixtralAdapter(_MoEFamily, MistralAdapter):
+    family, hf_class, config_class = "mixtral", "MixtralForCausalLM", "MixtralConfig"
+    options = "Mistral's, every layer a mixture of experts: softmax top-k renormalised (--num-experts, --moe-router-topk)"
+    refused = "`router_jitter_noise` > 0, as Mistral's"
+    moe_block, expert_names = "block_sparse_moe", ("w1", "w3", "w2")  # on disk (transformers 5 fuses them on load)
+
+    @classmethod
+    def _moe_config(cls, hf, config):
+        if getattr(hf, "router_jitter_noise", 0.0):
+            _refuse("Mixtral", "router_jitter_noise", hf.router_jitter_noise, "routing noise is not implemented")
+        return _replace(config, num_experts=hf.num_local_experts, moe_router_topk=hf.num_experts_per_tok,
+                        moe_ffn_hidden_size=hf.intermediate_size, moe_layer_freq=1)
+
+    def _moe_wanted(self):
+        c = self.config
+        return {"--moe-layer-freq 1": all(c.mlp_type_of(i) == "moe" for i in range(c.num_layers)),
+                "no --moe-router-pre-softmax": not c.moe_router_pre_softmax,
+                "--moe-ffn-hidden-size = --ffn-hidden-size": c.moe_ffn_hidden_size == c.ffn_hidden_size}
+
+    def family_fields(self):
+        c = self.config
+        fields = dict(super().family_fields(), num_local_experts=c.num_experts, num_experts_per_tok=c.moe_router_topk)
+        if c.kv_channels is None:
+            fields["head_dim"] = None  # MixtralConfig keeps the default head size unset
+        return fields
+
+
+def _qwen_moe_config(hf, config, shared: bool) -> ModelConfig:
+    """Qwen2-MoE / Qwen3-MoE: MoE where (layer + 1) % decoder_sparse_step == 0 and not in mlp_only_layers;
+    norm_topk_prob renormalises the top-k softmax probabilities (without it: softmax, then top-k)."""
+    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts")
+    step, dense = int(getattr(hf, "decoder_sparse_step", 1) or 1), set(getattr(hf, "mlp_only_layers", None) or [])
+    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(hf.num_hidden_layers)]
+    fields = dict(num_experts=experts, moe_router_topk=hf.num_experts_per_tok, moe_ffn_hidden_size=hf.moe_intermediate_size,
+                  moe_layer_freq=1 if all(pattern) else pattern, moe_router_pre_softmax=not hf.norm_topk_prob)
+    if shared:
+        fields.update(moe_shared_expert_intermediate_size=hf.shared_expert_intermediate_size, moe_shared_expert_gate=True)
+    return _replace(config, **fields)
+
+
+def _qwen_moe_fields(c: ModelConfig, shared: bool) -> dict:
+    fields = dict(num_experts=c.num_experts, num_experts_per_tok=c.moe_router_topk,
+                  moe_intermediate_size=c.moe_ffn_hidden_size, norm_topk_prob=not c.moe_router_pre_softmax,
+                  decoder_sparse_step=1, mlp_only_layers=[i for i in range(c.num_layers) if c.mlp_type_of(i) != "moe"])
+    if shared:
+        fields["shared_expert_intermediate_size"] = c.moe_shared_expert_intermediate_size
+    return fields
+
+
+class Qwen2MoeAdapter(_MoEFamily, Qwen2Adapter):
+    family, hf_class, config_class = "qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeConfig"
+    options = ("Qwen2's, MoE layers by decoder_sparse_step / mlp_only_layers (--moe-layer-freq), a sigmoid-gated "
+               "shared expert, norm_topk_prob (off: --moe-router-pre-softmax)")
+    refused = "as Qwen2's"
+    shared = True
+
+    @classmethod
+    def _moe_config(cls, hf, config):
+        return _qwen_moe_config(hf, config, shared=True)
+
+    def family_fields(self):
+        return dict(super().family_fields(), **_qwen_moe_fields(self.config, shared=True))
+
+
+class Qwen3MoeAdapter(_MoEFamily, Qwen3Adapter):
+    family, hf_class, config_class = "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig"
+    options = "Qwen3's, MoE layers by decoder_sparse_step / mlp_only_layers, norm_topk_prob, no shared expert"
+    refused = "as Qwen3's"
+
+    @classmethod
+    def _moe_config(cls, hf, config):
+        return _qwen_moe_config(hf, config, shared=False)
+
+    def family_fields(self):
+        return dict(super().family_fields(), **_qwen_moe_fields(self.config, shared=False))
+
+
+FAMILIES = {a.family: a for a in (GPT2Adapter, LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter, GemmaAdapter,
+                                  MixtralAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter)}
 BY_HF_CLASS = {a.hf_class: a for a in FAMILIES.values()}
 
 
@@ -380,6 +541,9 @@ def family_of(config: ModelConfig) -> str:
         return config.family
     if config.position_embedding_type == "learned_absolute":
         return "gpt2"
+    if config.num_experts:
+        return "qwen2_moe" if config.moe_shared_expert_intermediate_size else \
+            "qwen3_moe" if config.qk_layernorm else "mixtral"
     if config.geglu or config.scale_embeddings or (config.apply_layernorm_1p and config.normalization == "RMSNorm"):
         return "gemma"
     if config.qk_layernorm:

@@ -94,14 +94,29 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
             module = load_file(os.path.join(ckpt, model_file(tp_rank)))["module"]
             for name, value in module.items():
                 shards.setdefault(name, {})[tp_rank] = value
+    if config.num_experts:
+        _read_expert_files(ckpt, config, shards)
     return merge_shards(shards, config, tp, ckpt, progress), meta
+
+
+def _read_expert_files(ckpt: str, config: ModelConfig, shards: dict) -> None:
+    """DeepSpeed's MoE checkpoints keep each expert in `layer_{l}_expert_{e}_mp_rank_XX_model_states.pt`
+    (keys with the global expert index; experts are replicated over TP, so one TP rank's file is read).
+    Conversion's weights-only checkpoints have none: their experts are in the module files."""
+    paths = sorted(glob.glob(os.path.join(ckpt, "layer_*_expert_*_mp_rank_*_model_states.pt")))
+    seen = set()  # the expert files are what counts (a pipeline's layer files hold one EP rank's experts)
+    for path in paths:
+        for key, value in load_file(path).items():
+            name = canonical_name(key, config.num_layers)
+            if name is not None and name not in seen:
+                shards[name], _ = {0: value}, seen.add(name)
 
 
 def merge_shards(shards: dict, config: ModelConfig, tp: int, ckpt: str = "", progress=None) -> dict:
     """{canonical name: {tp_rank: shard}} -> full fp32 tensors, vocabulary padding removed."""
     state = {}
     layout = tp_layout(config)
-    names = sorted(shards)
+    names = sorted(n for n in shards if n in layout)  # parameters (buffers such as a router's score bias stay out)
     for name in (progress(names) if progress else names):
         by_rank = shards.pop(name)  # free the shards as the full tensor is built: ~one copy at a time
         pieces = [by_rank[r] for r in sorted(by_rank)]

@@ -9,7 +9,10 @@ from typing import Optional
 
 from hybrid.errors import ConfigError
 
-MLP_TYPES = ("dense",)  # the feed-forward blocks hybrid.model.mlp.build_mlp can build
+MLP_TYPES = ("dense", "moe")  # the feed-forward blocks hybrid.model.mlp.build_mlp can build
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")  # --moe-router-score-function
+MOE_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")  # --moe-router-load-balancing-type
+MOE_DROP_POLICIES = ("probs", "position")  # --moe-token-drop-policy
 ROPE_SCALING_TYPES = ("llama3", "linear")  # hybrid.model.rotary.scaled_inv_freq
 # Llama 3.1's values, which Megatron-LM's --use-rope-scaling hard-codes besides the factor
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -45,7 +48,23 @@ class ModelConfig:
     sequence_parallel: bool = False  # --sequence-parallel
     async_tensor_model_parallel_allreduce: bool = True  # off: --no-async-tensor-model-parallel-allreduce
     seed: int = 1234  # --seed: the full weights depend on it alone, not on the layout
-    mlp_type: str = "dense"  # each layer's feed-forward block (hybrid.model.mlp.build_mlp)
+    num_experts: Optional[int] = None  # --num-experts: a mixture of experts on the layers --moe-layer-freq names
+    moe_layer_freq: object = 1  # --moe-layer-freq: every N-th layer (from layer 0) is MoE, or a 0/1 list per layer
+    moe_ffn_hidden_size: Optional[int] = None  # --moe-ffn-hidden-size: each expert's width; None = --ffn-hidden-size
+    moe_router_topk: int = 2  # --moe-router-topk: experts per token
+    moe_router_score_function: str = "softmax"  # --moe-router-score-function softmax|sigmoid
+    moe_router_pre_softmax: bool = False  # --moe-router-pre-softmax: softmax over all experts, then top-k
+    moe_router_topk_scaling_factor: Optional[float] = None  # --moe-router-topk-scaling-factor: probs x factor
+    moe_router_load_balancing_type: str = "aux_loss"  # --moe-router-load-balancing-type aux_loss|seq_aux_loss|none
+    moe_aux_loss_coeff: float = 0.0  # --moe-aux-loss-coeff (0: no balancing loss, Megatron's default)
+    moe_z_loss_coeff: Optional[float] = None  # --moe-z-loss-coeff: the router z-loss
+    moe_router_enable_expert_bias: bool = False  # --moe-router-enable-expert-bias (sigmoid; DeepSeek-V3)
+    moe_router_bias_update_rate: float = 1e-3  # --moe-router-bias-update-rate: the bias step per iteration
+    moe_shared_expert_intermediate_size: Optional[int] = None  # --moe-shared-expert-intermediate-size
+    moe_shared_expert_gate: bool = False  # --moe-shared-expert-gate: sigmoid(x w) x shared output (Qwen2-MoE)
+    moe_expert_capacity_factor: Optional[float] = None  # --moe-expert-capacity-factor; None = dropless
+    moe_token_drop_policy: str = "probs"  # --moe-token-drop-policy probs|position: which tokens over capacity go
+    moe_grouped_gemm: bool = False  # --moe-grouped-gemm: torch._grouped_mm where it runs, else a loop
     kv_channels: Optional[int] = None  # --kv-channels: the head dimension; None = hidden / heads
     add_qkv_bias: bool = False  # --add-qkv-bias: a bias on Q, K and V only (Qwen2), with or without others
     qk_layernorm: bool = False  # --qk-layernorm: a norm (--normalization) over each head of Q and K (Qwen3)
@@ -68,7 +87,21 @@ class ModelConfig:
                 self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64 or 4 * self.hidden_size
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_experts and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
         self.validate()
+
+    def mlp_type_of(self, layer: int) -> str:
+        """The feed-forward block of layer `layer` (0-based): "moe" where --moe-layer-freq puts experts."""
+        if not self.num_experts:
+            return "dense"
+        freq = self.moe_layer_freq
+        on = freq[layer] if isinstance(freq, (list, tuple)) else layer % int(freq) == 0
+        return "moe" if on else "dense"
+
+    @property
+    def moe_layers(self) -> list:
+        return [i for i in range(self.num_layers) if self.mlp_type_of(i) == "moe"]
 
     @property
     def head_dim(self) -> int:
@@ -113,8 +146,8 @@ class ModelConfig:
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ConfigError(f"--recompute-granularity must be full or selective, "
                               f"got {self.recompute_granularity!r}.")
-        if self.mlp_type not in MLP_TYPES:
-            raise ConfigError(f"feed-forward block {self.mlp_type!r} is not one of {', '.join(MLP_TYPES)}.")
+        if self.num_experts:
+            self._validate_moe()
         if self.recompute_method not in ("uniform", "block"):
             raise ConfigError(f"--recompute-method must be uniform or block, got {self.recompute_method!r}.")
         if self.position_embedding_type == "rope" and self.head_dim % 2 != 0:
@@ -141,6 +174,40 @@ class ModelConfig:
             if self.ffn_hidden_size % tp != 0:
                 raise ConfigError(f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
                                   f"--tensor-model-parallel-size {tp}.")
+            shared = self.moe_shared_expert_intermediate_size
+            if self.num_experts and shared and shared % tp != 0:
+                raise ConfigError(f"--moe-shared-expert-intermediate-size {shared} is not divisible by "
+                                  f"--tensor-model-parallel-size {tp}.")
+
+    def _validate_moe(self) -> None:
+        def choice(flag, value, allowed):
+            if value not in allowed:
+                raise ConfigError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}.")
+        choice("--moe-router-score-function", self.moe_router_score_function, MOE_SCORE_FUNCTIONS)
+        choice("--moe-router-load-balancing-type", self.moe_router_load_balancing_type, MOE_BALANCING_TYPES)
+        choice("--moe-token-drop-policy", self.moe_token_drop_policy, MOE_DROP_POLICIES)
+        if self.num_experts < 1:
+            raise ConfigError(f"--num-experts must be positive, got {self.num_experts}.")
+        if not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ConfigError(f"--moe-router-topk {self.moe_router_topk} must be between 1 and --num-experts "
+                              f"{self.num_experts}.")
+        freq = self.moe_layer_freq
+        if isinstance(freq, (list, tuple)):
+            if len(freq) != self.num_layers or set(freq) - {0, 1}:
+                raise ConfigError(f"--moe-layer-freq as a list needs one 0 or 1 per layer ({self.num_layers}), "
+                                  f"got {list(freq)}.")
+        elif int(freq) < 1:
+            raise ConfigError(f"--moe-layer-freq must be >= 1 or a list of 0/1 per layer, got {freq}.")
+        if self.add_bias_linear:
+            raise ConfigError("--num-experts: the experts have no biases (as Megatron's grouped GEMM); add "
+                              "--disable-bias-linear.")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (the bias "
+                              "shifts sigmoid scores, as DeepSeek-V3 and Megatron-LM).")
+        if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor > 0:
+            raise ConfigError(f"--moe-expert-capacity-factor must be positive, got {self.moe_expert_capacity_factor}.")
+        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
+            raise ConfigError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size.")
 
     def _validate_rope_scaling(self) -> None:
         scaling = self.rope_scaling

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from hybrid.model.config import MLP_TYPES
 from hybrid.model.init import normal_init, output_layer_std
+from hybrid.model.moe import MoELayer
 from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -39,21 +40,28 @@ def geglu(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-class MLP(nn.Module):
-    """h -> ffn (or 2 x ffn for SwiGLU/GeGLU, sharded with stride 2 so gate/up columns match) -> h."""
+def activation_of(config):
+    """The MLP's activation on fc1's output (and bias): SwiGLU, GeGLU or tanh-GeLU."""
+    return swiglu if config.swiglu else geglu if config.geglu else bias_gelu
 
-    def __init__(self, config, groups, name: str):
+
+class MLP(nn.Module):
+    """h -> ffn (or 2 x ffn for SwiGLU/GeGLU, sharded with stride 2 so gate/up columns match) -> h.
+    `ffn_hidden_size`: another width than the config's (an MoE layer's shared experts)."""
+
+    def __init__(self, config, groups, name: str, ffn_hidden_size: Optional[int] = None):
         super().__init__()
-        self.activation = swiglu if config.swiglu else geglu if config.geglu else bias_gelu
+        self.activation = activation_of(config)
         gated = config.gated_linear_unit
-        up_size = config.ffn_hidden_size * (2 if gated else 1)
+        ffn = ffn_hidden_size or config.ffn_hidden_size
+        up_size = ffn * (2 if gated else 1)
         self.fc1 = ColumnParallelLinear(
             config.hidden_size, up_size, groups,
             normal_init(config.seed, f"{name}.fc1.weight", config.init_method_std),
             bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel, skip_bias_add=True,
             stride=2 if gated else 1, overlap=config.async_tensor_model_parallel_allreduce)
         self.fc2 = RowParallelLinear(
-            config.ffn_hidden_size, config.hidden_size, groups,
+            ffn, config.hidden_size, groups,
             normal_init(config.seed, f"{name}.fc2.weight", output_layer_std(config.init_method_std, config.num_layers)),
             bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=config.sequence_parallel)
 
@@ -64,10 +72,15 @@ class MLP(nn.Module):
 
 # --- the layer's feed-forward block, chosen by the config -----------------------------------------
 
-MLP_BUILDERS = {"dense": MLP}  # ModelConfig.mlp_type -> the block's class (a mixture of experts plugs in here)
+def build_moe(config, groups, name: str) -> nn.Module:
+    """An MoE layer's feed-forward block (hybrid.model.moe), its shared experts a dense MLP."""
+    return MoELayer(config, groups, name, MLP, activation_of(config))
+
+
+MLP_BUILDERS = {"dense": MLP, "moe": build_moe}  # ModelConfig.mlp_type_of(layer) -> the block's builder
 assert set(MLP_BUILDERS) == set(MLP_TYPES), "hybrid.model.config.MLP_TYPES names the builders here"
 
 
-def build_mlp(config, groups, name: str) -> nn.Module:
-    """The feed-forward block of the layer named `name` (`layers.{i}.mlp`), as the config chooses."""
-    return MLP_BUILDERS[config.mlp_type](config, groups, name)
+def build_mlp(config, groups, layer_number: int) -> nn.Module:
+    """The feed-forward block of layer `layer_number` (named `layers.{i}.mlp`), as the config chooses."""
+    return MLP_BUILDERS[config.mlp_type_of(layer_number)](config, groups, f"layers.{layer_number}.mlp")

@@ -4,7 +4,10 @@ the other forms give the same parameters.
 Canonical names (GPTModel's, used by checkpoints, conversion and the optimizer's parameter names):
   embedding.word_embeddings.weight, embedding.position_embeddings.weight,
   layers.{i}.{input_norm,post_attention_norm}.{weight,bias}, layers.{i}.attention.{qkv,dense}.{weight,bias},
-  layers.{i}.mlp.{fc1,fc2}.{weight,bias}, final_norm.{weight,bias}, output_layer.weight (untied only).
+  layers.{i}.mlp.{fc1,fc2}.{weight,bias}, final_norm.{weight,bias}, output_layer.weight (untied only);
+  an MoE layer's layers.{i}.mlp.router.weight, layers.{i}.mlp.deepspeed_moe.experts.deepspeed_experts.{e}.{fc1,fc2}
+  .weight (e global, as DeepSpeed names experts in its expert files), layers.{i}.mlp.shared_mlp.{fc1,fc2}.weight,
+  layers.{i}.mlp.shared_gate.
 
 Other forms:
 - DeepSpeed's PipelineModule names a layer by its index in the full LayerSpec list (embedding 0,
@@ -27,6 +30,8 @@ TIED_COPY_WEIGHT = f"{TIED_COPY}.word_embeddings.weight"
 EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
 
 _PIPE_NAME = re.compile(r"^(\d+)\.(.*)$")
+# an MoE layer's experts (DeepSpeed's MoE naming): layers.{i}.mlp.deepspeed_moe.experts.deepspeed_experts.{e}.fc1.weight
+EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
 
 
 def pipeline_index(name: str, num_layers: int) -> tuple[int, str]:
@@ -69,7 +74,20 @@ def canonical_name(name: str, num_layers: int) -> Optional[str]:
     return key
 
 
+def global_expert_name(name: str, expert_offsets: dict) -> str:
+    """A local expert's parameter name with the global expert index (as DeepSpeed's expert checkpoint
+    files name it): `expert_offsets` maps an MoE layer's module name to its first expert's global index."""
+    if EXPERTS not in name:
+        return name
+    prefix, rest = name.split(EXPERTS, 1)
+    local, tail = rest.split(".", 1)
+    return f"{prefix}{EXPERTS}{int(local) + expert_offsets.get(prefix, 0)}.{tail}"
+
+
 def canonical_parameters(model, num_layers: int) -> dict:
     """This rank's parameters under their canonical names, for GPTModel, a DeepSpeed pipeline stage
-    or a rank's virtual stages (whose copy of a tied embedding is the embedding's)."""
-    return {canonical_name(name, num_layers): param for name, param in model.named_parameters()}
+    or a rank's virtual stages (whose copy of a tied embedding is the embedding's); a local expert is
+    named by its global index (its MoE layer's `expert_offset`)."""
+    offsets = {name: m.expert_offset for name, m in model.named_modules() if getattr(m, "expert_offset", 0)}
+    return {canonical_name(global_expert_name(name, offsets) if offsets else name, num_layers): param
+            for name, param in model.named_parameters()}

@@ -44,7 +44,7 @@ class TransformerLayer(nn.Module):
         self.input_norm = build_norm(config, groups)
         self.attention = SelfAttention(config, groups, layer_number, f"{name}.attention")
         self.post_attention_norm = build_norm(config, groups)
-        self.mlp = build_mlp(config, groups, f"{name}.mlp")
+        self.mlp = build_mlp(config, groups, layer_number)
 
     def forward(self, hidden, layout=None):
         """`layout`: the micro-batch's documents and positions (hybrid.model.sequence), or None (a pipeline

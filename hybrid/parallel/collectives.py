@@ -137,3 +137,15 @@ def reduce_scatter_along_dim(tensor: torch.Tensor, dim: int, group) -> torch.Ten
                          dtype=tensor.dtype, device=tensor.device)
     _reduce_scatter_single(output, tensor, group)
     return output.movedim(0, dim).contiguous()
+
+
+def all_to_all_variable(tensor: torch.Tensor, send_splits: list, recv_splits: list, group) -> torch.Tensor:
+    """Rows of `tensor` (dim 0) sent to each rank of `group` in rank order, `send_splits[r]` rows to rank r;
+    returns the rows received, `recv_splits[r]` from rank r, in rank order (the expert dispatch)."""
+    if group_size(group) == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    output = tensor.new_empty((sum(recv_splits),) + tuple(tensor.shape[1:]))
+    dist.all_to_all_single(output, tensor, output_split_sizes=list(recv_splits),
+                           input_split_sizes=list(send_splits), group=group)
+    return output

@@ -6,8 +6,7 @@ of a bare TP group, so a model can be built and sized for a degree without that 
 process; its collectives raise), and new axes reach every layer without new arguments.
 
 Rank order (Megatron-LM's): TP varies fastest, then CP, then DP, then PP; expert parallelism (EP)
-splits the DP ranks (an EP group lies inside a DP group). Context and expert axes are declared here
-at size 1 until those features use them.
+splits the DP ranks (an EP group lies inside a DP group).
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ class ParallelGroups:
     tp: Axis = Axis()  # tensor parallel: weights split by rows/columns, activations all-reduced or SP-scattered
     cp: Axis = Axis()  # context parallel: the sequence split over ranks, attention a ring (ring_attention)
     ulysses: Axis = Axis()  # DeepSpeed-Ulysses: the sequence split over ranks, all-to-all around attention
-    ep: Axis = Axis()  # expert parallel: experts split over ranks inside DP (size 1: not used yet)
+    ep: Axis = Axis()  # expert parallel: experts split over ranks inside DP, tokens sent by all-to-all
     dp: Axis = Axis()  # data parallel: ZeRO partitions and gradient reduction
     pp: Axis = Axis()  # pipeline parallel: this rank's stage
 

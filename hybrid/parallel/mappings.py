@@ -90,6 +90,26 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return C.all_gather_along_dim(grad, 0, ctx.group), None
 
 
+class _AllToAllVariable(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        return C.all_to_all_variable(x, send_splits, recv_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        return C.all_to_all_variable(grad, recv_splits, send_splits, ctx.group), None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, send_splits: list, recv_splits: list, group) -> torch.Tensor:
+    """forward: all-to-all of rows, `send_splits[r]` rows to rank r; backward: the reverse all-to-all
+    (each gradient row goes back to the rank its row came from). The expert-parallel dispatch and combine."""
+    if C.group_size(group) == 1:
+        return x
+    return _AllToAllVariable.apply(x, list(send_splits), list(recv_splits), group)
+
+
 def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """forward: identity; backward: all-reduce (the input of a column-parallel layer)."""
     if C.group_size(group) == 1:  # no autograd node and no gradient copy at TP = 1

@@ -53,9 +53,12 @@ def write_files(engine, run: RunConfig, save_dir: str, iteration: int, consumed_
     """DeepSpeed's files of this checkpoint (with --async-save: their host copies, handed to the background
     writer); no manifest, no pointer yet. Returns the tag."""
     tag = tag_for(iteration)
+    universal = _universal_info(run)
+    if run.model.num_experts:  # DeepSpeed's MoE save takes these from the module and refuses them as client state
+        engine.module.universal_checkpoint_info, universal = universal, None
     client_state = ClientState(iteration=iteration, consumed_samples=consumed_samples, args=run.args,
                                hybrid_config=config_summary(run), rng_states=get_rng_states(),
-                               universal_checkpoint_info=_universal_info(run),
+                               universal_checkpoint_info=universal,
                                optimizer_param_names=optimizer_param_names(engine, run))
     os.makedirs(save_dir, exist_ok=True)
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state.to_dict(), save_latest=False)

@@ -33,6 +33,11 @@ RELIED_ON = [
      "torch.save(state_dict, path"),
     ("torch.distributed.distributed_c10d", "_new_group_with_tag", "timeout = _get_default_timeout(backend)"),
     ("torch.distributed.distributed_c10d", "_get_default_timeout", "return default_pg_timeout"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine._configure_distributed_model", "if isinstance(module, MoE):"),
+    ("deepspeed.utils.groups", "_get_expert_parallel_group", "_EXPERT_PARALLEL_GROUP[group_name]"),
+    ("deepspeed.utils.groups", "_get_expert_data_parallel_group", "_EXPERT_DATA_PARALLEL_GROUP[group_name]"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine._save_moe_checkpoint",
+     "moe_str_prefix = '.deepspeed_moe.experts.deepspeed_experts.'"),
 ]
 
 
@@ -244,3 +249,53 @@ def use_async_checkpoint_engine(engine):
 
     engine.checkpoint_engine = AsyncCheckpointEngine(getattr(engine, "_config", None))
     return engine.checkpoint_engine
+
+
+# --- mixture of experts: DeepSpeed's MoE machinery for hybrid's MoE layers ------------------------
+
+def register_moe_layers(model, topology) -> int:
+    """Let DeepSpeed 0.19's engine treat hybrid's MoE layers (hybrid.model.moe.MoELayer) as its own:
+    the engine turns on its MoE handling (expert parameters reduced over the expert-data-parallel group
+    and averaged over DP, their own optimizer groups through `split_params_into_different_moe_groups_
+    for_optimizer`, each expert written to its own `layer_{i}_expert_{e}_mp_rank_XX_model_states.pt`
+    file and read back by global expert index) only for modules that are instances of
+    `deepspeed.moe.layer.MoE`, and it finds the expert groups by name (`ep_size_{EP}`) in
+    `deepspeed.utils.groups`. So: the topology's EP and EDP groups (our rank order, EP inside DP) go into
+    those dictionaries, and each MoE layer becomes an instance of a subclass of both classes
+    (`MoE.__init__`, which builds DeepSpeed's own gate and experts, never runs; the layer carries the
+    attributes the engine reads: num_experts, ep_size, expert_group_name, num_local_experts). Returns
+    the number of MoE layers. Call before deepspeed.initialize."""
+    from deepspeed.moe.layer import MoE
+    from deepspeed.utils import groups
+
+    from hybrid.model.moe import MoELayer
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        return 0
+    if topology.expert_data_group is None:
+        raise RuntimeError("the model has MoE layers but the Topology was built without expert groups "
+                           "(Topology(..., experts=True))")
+    name = layers[0].expert_group_name
+    groups._EXPERT_PARALLEL_GROUP[name] = topology.expert_group
+    groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(topology.expert_ranks)
+    groups._EXPERT_DATA_PARALLEL_GROUP[name] = topology.expert_data_group
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = list(topology.expert_data_ranks)
+    for layer in layers:
+        layer.__class__ = _deepspeed_moe_class(type(layer), MoE)
+    return len(layers)
+
+
+_MOE_CLASSES: dict = {}
+
+
+def _deepspeed_moe_class(cls, moe_base):
+    if cls not in _MOE_CLASSES:
+        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_=False):
+            from deepspeed.utils import groups
+            if self.expert_group_name not in groups._get_expert_parallel_group_dict():
+                raise RuntimeError(f"expert groups {self.expert_group_name} were not registered "
+                                   f"(hybrid.training.deepspeed_fixes.register_moe_layers)")
+        _MOE_CLASSES[cls] = type(cls.__name__, (cls, moe_base), {
+            "set_deepspeed_parallelism": set_deepspeed_parallelism, "forward": cls.forward,
+            "__module__": cls.__module__, "__doc__": cls.__doc__})
+    return _MOE_CLASSES[cls]

@@ -17,8 +17,8 @@ from hybrid.model.embedding import LMLoss
 from hybrid.model.naming import canonical_parameters
 from hybrid.model.transformer import TransformerLayer
 from hybrid.pipeline_plan import resolve_partition
-from hybrid.training.deepspeed_fixes import (ListPartitionPipelineModule, install_fp32_clipping, skip_non_finite_steps,
-                                            use_async_checkpoint_engine)
+from hybrid.training.deepspeed_fixes import (ListPartitionPipelineModule, install_fp32_clipping, register_moe_layers,
+                                            skip_non_finite_steps, use_async_checkpoint_engine)
 from hybrid.training.logging import log
 from hybrid.training.schedules import MegatronLRScheduler
 
@@ -104,6 +104,9 @@ def param_groups(model: nn.Module, run: RunConfig) -> list[dict]:
     groups = [{"params": decay, "weight_decay": run.train.weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
+    if run.model.num_experts:  # DeepSpeed splits named groups into dense and expert ones (its MoE convention)
+        for group, name in zip(groups, ("decay", "no_decay")):
+            group["name"] = name
     return [g for g in groups if g["params"]]
 
 
@@ -115,6 +118,8 @@ def units_per_step(global_batch: int, seq_length: int, unit: str) -> int:
 def build_engine(run: RunConfig, topology):
     """-> (DeepSpeed engine, the model it wraps). PP > 1 gives DeepSpeed's PipelineEngine."""
     model = build_model(run, topology)
+    _check_experts_on_every_stage(model, run)
+    register_moe_layers(model, topology)  # DeepSpeed's MoE handling for the experts (before initialize)
     freeze(model, run)
     train = run.train
 
@@ -147,6 +152,27 @@ def build_engine(run: RunConfig, topology):
         # The tied output head reads the embedding table outside the embedding's own forward.
         deepspeed.zero.register_external_parameter(engine.module, engine.module.embedding.word_embeddings.weight)
     return engine, model
+
+
+def _check_experts_on_every_stage(model: nn.Module, run: RunConfig) -> None:
+    """With PP, every pipeline rank needs an MoE layer: DeepSpeed's ZeRO reduces the gradient norm of
+    each parameter group over the pipeline, and a rank without experts has fewer groups (its reduction
+    would wait forever). One all-reduce at start."""
+    if not run.model.num_experts or run.pipeline_parallel == 1:
+        return
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    from hybrid.model.moe import MoELayer
+    count = torch.tensor([float(sum(isinstance(m, MoELayer) for m in model.modules()))],
+                         device=get_accelerator().current_device_name())
+    dist.all_reduce(count, op=dist.ReduceOp.MIN)
+    if count.item() == 0:
+        raise ConfigError(f"--num-experts with --pipeline-model-parallel-size {run.pipeline_parallel}: a pipeline rank "
+                          f"holds no MoE layer (--moe-layer-freq {run.model.moe_layer_freq!r} and this stage split); "
+                          f"every pipeline rank needs at least one, as DeepSpeed reduces each optimizer group's "
+                          f"gradient norm over the pipeline. Use --moe-layer-freq 1, or a --pipeline-partition giving "
+                          f"each rank an MoE layer.")
 
 
 def _sanitize_cuda_arch_list() -> None:

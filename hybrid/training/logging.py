@@ -34,7 +34,16 @@ def format_iteration(m: dict, train_iters: int) -> str:
             f"loss scale: {m['loss_scale']:.1f} | grad norm: {m['grad_norm']:.3f} | "
             f"number of skipped iterations: {m['skipped_iterations']:3d} | "
             f"number of nan iterations: {m['nan_iterations']:3d} | tokens per second: {m['tokens_per_s']:.1f} | "
-            f"TFLOPs per GPU: {m['tflops_per_gpu']:.3f} | ETA: {_eta(m, train_iters)}")
+            f"TFLOPs per GPU: {m['tflops_per_gpu']:.3f} |{_moe_part(m)} ETA: {_eta(m, train_iters)}")
+
+
+_MOE_NAMES = {"load_balancing_loss": "load balancing loss", "z_loss": "z loss", "expert_imbalance": "expert imbalance"}
+
+
+def _moe_part(m: dict) -> str:
+    """The MoE layers' auxiliary losses and balance (max / mean tokens per expert), where there are any."""
+    return "".join(f" {label}: {m[key]:.6E} |" if key != "expert_imbalance" else f" {label}: {m[key]:.3f} |"
+                   for key, label in _MOE_NAMES.items() if key in m)
 
 
 def _eta(m: dict, train_iters: int) -> str:

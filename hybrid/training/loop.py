@@ -35,6 +35,8 @@ class Trainer:
         # chosen once: DeepSpeed's pipeline schedule, a torch.distributed.pipelining schedule, or
         # micro-steps on the plain engine; all take the same (ids, labels) micro-batches
         self.step = build_step(run, topology, engine)
+        from hybrid.model.moe import MoEStepHooks
+        self.moe = MoEStepHooks.of(engine.module, run.sequence_split)  # None without MoE layers
         self.skipped = 0
         self.nan_iterations = 0
         self.consumed_valid = 0
@@ -182,6 +184,8 @@ class Trainer:
         if t.log_memory and self.device.type == "cuda":
             memory = {"memory_allocated_gib": torch.cuda.memory_allocated(self.device) / 2**30,
                       "memory_max_allocated_gib": torch.cuda.max_memory_allocated(self.device) / 2**30}
+        if self.moe:  # this rank's MoE layers: auxiliary losses per micro-batch, the worst expert imbalance
+            memory.update(self.moe.metrics())
         stall, self.save_stall_seconds = self.save_stall_seconds, 0.0
         if stall:  # the time the training thread spent saving since the last record (not in the iteration time)
             memory["checkpoint_stall_s"] = stall
@@ -256,7 +260,11 @@ class Trainer:
                 lr = self.engine.get_lr()[0]
                 skipped_before = getattr(self.engine, "skipped_steps", 0)
                 batch_size = self._batch_size_for(consumed)
+                if self.moe:
+                    self.moe.before(self.engine.gradient_accumulation_steps())
                 pending.append((self.step.train(batches), lr, self._norm_finite(), iteration + 1))
+                if self.moe:
+                    self.moe.after()
                 iteration += 1
                 consumed += batch_size
                 self.skipped += getattr(self.engine, "skipped_steps", 0) - skipped_before
@@ -354,7 +362,8 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     from hybrid.training import checkpoint
     from hybrid.training.batches import build_datasets
     from hybrid.training.engine import build_engine
-    topology = Topology(run.tensor_parallel, run.pipeline_parallel, run.context_parallel, run.ulysses)
+    topology = Topology(run.tensor_parallel, run.pipeline_parallel, run.context_parallel, run.ulysses,
+                        run.expert_parallel, experts=bool(run.model.num_experts))
     model_parallel_seed(run.train.seed, topology.tp_rank)
     datasets = build_datasets(run.train, tokenizer.vocab_size)
     engine, _ = build_engine(run, topology)

@@ -1,0 +1,361 @@
+"""The mixture-of-experts block (hybrid.model.moe) against references that share none of its code: a
+per-token loop over the chosen experts (forward and every gradient), the balancing losses' closed forms
+and transformers' Mixtral load-balancing loss, token dropping against a loop that drops the same tokens."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybrid.model.config import ModelConfig
+from hybrid.model.mlp import build_moe
+from hybrid.model.moe import MoELayer, capacity_keep, route, set_aux_loss_scale, update_score_bias
+from hybrid.parallel.groups import ParallelGroups
+
+
+def moe_config(**overrides) -> ModelConfig:
+    fields = dict(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24, swiglu=True,
+                  add_bias_linear=False, position_embedding_type="rope", normalization="RMSNorm", num_experts=4,
+                  moe_router_topk=2, moe_ffn_hidden_size=12, hidden_dropout=0.0, attention_dropout=0.0, seed=7)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def expert_out(expert, x, swiglu=True):
+    y = x @ expert.fc1.weight.t()
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    else:
+        y = F.gelu(y, approximate="tanh")
+    return y @ expert.fc2.weight.t()
+
+
+def reference(layer: MoELayer, x: torch.Tensor, keep=None) -> torch.Tensor:
+    """Token by token: scores, the top-k experts, their weighted outputs, plus the shared experts."""
+    c = layer.config
+    s, b, h = x.shape
+    flat = x.reshape(s * b, h)
+    outs = []
+    for t in range(flat.size(0)):
+        logits = (flat[t] @ layer.router.weight.t()).float()
+        if c.moe_router_score_function == "softmax":
+            p = torch.softmax(logits, dim=-1)
+            chosen = sorted(range(c.num_experts), key=lambda e: -float(p[e].detach()))[: c.moe_router_topk]
+            w = p[chosen] if c.moe_router_pre_softmax else p[chosen] / p[chosen].sum()
+        else:
+            p = torch.sigmoid(logits)
+            bias = layer.router.score_bias if layer.router.score_bias is not None else torch.zeros_like(p)
+            chosen = sorted(range(c.num_experts), key=lambda e: -float((p[e] + bias[e]).detach()))[: c.moe_router_topk]
+            w = p[chosen] / p[chosen].sum() if len(chosen) > 1 else p[chosen]
+        if c.moe_router_topk_scaling_factor:
+            w = w * c.moe_router_topk_scaling_factor
+        out = torch.zeros(h)
+        for j, e in enumerate(chosen):
+            if keep is not None and (t, e) not in keep:
+                continue
+            out = out + w[j] * expert_out(layer.local_experts[e], flat[t])
+        outs.append(out)
+    out = torch.stack(outs).view(s, b, h)
+    if layer.shared_mlp is not None:
+        shared = layer.shared_mlp.fc2.weight
+        y = x @ layer.shared_mlp.fc1.weight.t()
+        gate, up = y.chunk(2, dim=-1)
+        z = (F.silu(gate) * up) @ shared.t()
+        if layer.shared_gate is not None:
+            z = torch.sigmoid(x @ layer.shared_gate.t()) * z
+        out = out + z
+    return out
+
+
+def grads(layer, x, fn, g):
+    layer.zero_grad()
+    x = x.detach().clone().requires_grad_()
+    out = fn(x)
+    (out * g).sum().backward()
+    return out.detach(), x.grad, {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                                  for n, p in layer.named_parameters()}
+
+
+CASES = {
+    "softmax-top2": {},
+    "softmax-top1": dict(moe_router_topk=1),
+    "softmax-pre-top3": dict(moe_router_topk=3, moe_router_pre_softmax=True),
+    "sigmoid-top2-bias": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                              moe_router_topk_scaling_factor=2.5),
+    "sigmoid-top1": dict(moe_router_score_function="sigmoid", moe_router_topk=1),
+    "shared-gated": dict(moe_shared_expert_intermediate_size=20, moe_shared_expert_gate=True),
+    "grouped-gemm": dict(moe_grouped_gemm=True, moe_shared_expert_intermediate_size=8),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_moe_layer_equals_a_per_token_loop_over_the_chosen_experts_forward_and_gradients(case):
+    torch.manual_seed(0)
+    layer = build_moe(moe_config(**CASES[case]), ParallelGroups.single(), "layers.0.mlp")
+    if layer.router.score_bias is not None:  # a bias that changes the choice of some tokens
+        layer.router.score_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.25]))
+    x, g = torch.randn(5, 3, 16), torch.randn(5, 3, 16)
+    out, dx, dw = grads(layer, x, layer, g)
+    ref, rdx, rdw = grads(layer, x, lambda t: reference(layer, t), g)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx, rdx, rtol=1e-5, atol=1e-6)
+    assert set(dw) == set(rdw)
+    for name in dw:
+        torch.testing.assert_close(dw[name], rdw[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert any(n.startswith("deepspeed_moe.experts.deepspeed_experts.3.") for n in dw)
+
+
+def test_expert_weights_are_drawn_by_global_name_so_an_ep_rank_holds_the_same_experts_as_one_rank():
+    config = moe_config()
+    whole = build_moe(config, ParallelGroups.single(), "layers.1.mlp")
+    from hybrid.parallel.groups import Axis
+    from hybrid.parallel import collectives as C
+    half = build_moe(config, ParallelGroups(ep=Axis(2, 1, C.SHAPES_ONLY)), "layers.1.mlp")
+    assert half.num_local_experts == 2 and half.expert_offset == 2
+    for j in range(2):
+        torch.testing.assert_close(half.local_experts[j].fc1.weight, whole.local_experts[2 + j].fc1.weight)
+    assert all(p.allreduce is False and p.group_name == "ep_size_2" for p in half.deepspeed_moe.parameters())
+
+
+def test_token_dropping_equals_a_loop_dropping_the_lowest_probability_tokens_over_capacity():
+    torch.manual_seed(1)
+    config = moe_config(moe_expert_capacity_factor=0.5)
+    layer = build_moe(config, ParallelGroups.single(), "layers.0.mlp")
+    x, g = torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+    logits = (x.reshape(16, 16) @ layer.router.weight.t()).float()
+    probs, indices = route(logits, config)
+    capacity = math.ceil(16 * 2 / 4 * 0.5)
+    keep = set()
+    for e in range(4):  # per expert: the routed tokens by probability, the first `capacity` kept
+        routed = [(float(probs[t][list(indices[t]).index(e)]), t) for t in range(16) if e in indices[t]]
+        keep |= {(t, e) for _, t in sorted(routed, reverse=True)[:capacity]}
+    assert len(keep) < 32  # something is dropped
+    out, dx, dw = grads(layer, x, layer, g)
+    ref, rdx, rdw = grads(layer, x, lambda t: reference(layer, t, keep), g)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx, rdx, rtol=1e-5, atol=1e-6)
+    for name in dw:
+        torch.testing.assert_close(dw[name], rdw[name], rtol=1e-5, atol=1e-6, msg=name)
+    # the position policy keeps the earliest tokens instead
+    kept = capacity_keep(probs, indices, 4, 0.5, "position")
+    for e in range(4):
+        routed = [t for t in range(16) if e in indices[t]]
+        assert {t for t in routed if kept[t][list(indices[t]).index(e)]} == set(routed[:capacity])
+
+
+def _aux_gradient_check(overrides, closed_form):
+    """The router's gradient with the loss attached = without it, plus d(closed form)/d(weights)."""
+    torch.manual_seed(2)
+    with_loss = build_moe(moe_config(**overrides), ParallelGroups.single(), "layers.0.mlp").train()
+    x, g = torch.randn(6, 3, 16), torch.randn(6, 3, 16)
+    set_aux_loss_scale(with_loss, 0.25)
+    _, _, dw = grads(with_loss, x, with_loss, g)
+    plain = {k: v for k, v in overrides.items() if k not in ("moe_aux_loss_coeff", "moe_z_loss_coeff")}
+    without = build_moe(moe_config(**plain), ParallelGroups.single(), "layers.0.mlp").train()
+
+    def fn(t):
+        out = without(t)
+        logits = (t.reshape(18, 16) @ without.router.weight.t()).float()
+        return out, closed_form(logits, t.shape)
+
+    without.zero_grad()
+    t = x.detach().clone().requires_grad_()
+    out, aux = fn(t)
+    ((out * g).sum() + 0.25 * aux).backward()
+    torch.testing.assert_close(dw["router.weight"], without.router.weight.grad, rtol=1e-5, atol=1e-7)
+    logged = with_loss.router.logged
+    return aux.detach(), logged
+
+
+def test_aux_loss_equals_transformers_mixtral_load_balancing_loss_and_reaches_the_router_gradient():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    coeff = 0.01
+
+    def closed(logits, shape):  # Megatron's = coeff x transformers' / k for one layer
+        return coeff * load_balancing_loss_func((logits,), 4, 2) / 2
+
+    aux, logged = _aux_gradient_check(dict(moe_aux_loss_coeff=coeff), closed)
+    torch.testing.assert_close(logged["load_balancing_loss"], aux)
+
+
+def test_sequence_aux_loss_is_the_mean_over_sequences_of_the_per_sequence_loss():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    coeff = 0.02
+
+    def closed(logits, shape):
+        s, b, _ = shape
+        per_sequence = logits.view(s, b, 4).transpose(0, 1)  # [b, s, E]
+        return sum(coeff * load_balancing_loss_func((row,), 4, 2) / 2 for row in per_sequence) / b
+
+    aux, logged = _aux_gradient_check(dict(moe_aux_loss_coeff=coeff, moe_router_load_balancing_type="seq_aux_loss"),
+                                      closed)
+    torch.testing.assert_close(logged["load_balancing_loss"], aux)
+
+
+def test_z_loss_is_the_mean_squared_logsumexp_of_the_router_logits():
+    def closed(logits, shape):
+        return 1e-2 * torch.stack([torch.log(torch.exp(row).sum()) ** 2 for row in logits]).mean()
+
+    aux, logged = _aux_gradient_check(dict(moe_z_loss_coeff=1e-2), closed)
+    torch.testing.assert_close(logged["z_loss"], aux)
+
+
+def test_sigmoid_aux_loss_uses_the_normalised_sigmoid_scores():
+    coeff, k, E = 0.05, 2, 4
+
+    def closed(logits, shape):
+        scores = torch.sigmoid(logits)
+        scores = scores / scores.sum(-1, keepdim=True)
+        counts = torch.zeros(E)
+        for row in scores:
+            for e in row.topk(k).indices:
+                counts[e] += 1
+        T = logits.size(0)
+        return E * coeff / (k * T * T) * (scores.sum(0) * counts).sum()
+
+    _aux_gradient_check(dict(moe_aux_loss_coeff=coeff, moe_router_score_function="sigmoid"), closed)
+
+
+def test_score_bias_moves_towards_balance_by_the_update_rate_after_a_step():
+    layer = build_moe(moe_config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                moe_router_bias_update_rate=0.1), ParallelGroups.single(), "layers.0.mlp").train()
+    x = torch.randn(6, 2, 16)
+    layer(x).sum().backward()
+    counts = layer.router.tokens_per_expert.clone()
+    assert counts.sum() == 12 * 2
+    update_score_bias(layer)
+    torch.testing.assert_close(layer.router.score_bias, 0.1 * torch.sign(counts.mean() - counts))
+    assert layer.router.tokens_per_expert.sum() == 0
+    with torch.no_grad():  # evaluation does not count
+        layer(x)
+    assert layer.router.tokens_per_expert.sum() == 0
+
+
+# --- launched: expert parallelism inside DP, with TP + SP and PP, under DeepSpeed's ZeRO --------------
+
+MOE_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+             "--num-experts", 4, "--moe-router-topk", 2, "--moe-ffn-hidden-size", 24,
+             "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+             "--moe-router-bias-update-rate", 0.01, "--moe-aux-loss-coeff", 0.01, "--moe-z-loss-coeff", 0.001,
+             "--moe-shared-expert-intermediate-size", 16, "--moe-grouped-gemm"]
+EP2 = ["--expert-model-parallel-size", 2]
+MOE_LAYOUTS = {  # name: (ranks, flags); every one must give the one-rank losses of MOE_FLAGS
+    "ep2_dp2_zero2": (2, EP2 + ["--deepspeed", "ds_configs/zero2.json"]),
+    "ep2_tp2_sp_zero1": (4, EP2 + ["--tensor-model-parallel-size", 2, "--sequence-parallel",
+                                   "--deepspeed", "ds_configs/zero1.json"]),
+    "ep2_pp2_interleaved_zero1": (4, EP2 + ["--pipeline-model-parallel-size", 2,
+                                            "--num-virtual-stages-per-pipeline-rank", 2,
+                                            "--deepspeed", "ds_configs/zero1.json"]),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_launched_expert_parallel_runs_give_the_one_rank_losses(data, tmp_path, name):
+    """8 iterations (sigmoid routing with the score bias updated every step, balancing and z losses,
+    shared experts, grouped GEMM): the losses of one rank, within 1e-5; the balancing loss is logged."""
+    from tests.launch_helpers import one_rank, read_log, run
+    from tests.test_training import TINY, assert_same_losses
+    ranks, extra = MOE_LAYOUTS[name]
+    baseline = one_rank(TINY + ["--data-path", data] + MOE_FLAGS)
+    log = tmp_path / "log.jsonl"
+    run("torchrun", ranks, TINY + ["--data-path", data, "--log-json", log] + MOE_FLAGS + extra)
+    records = read_log(log)
+    assert_same_losses([r["lm_loss"] for r in records], [r["lm_loss"] for r in baseline])
+    assert all(r["load_balancing_loss"] > 0 and r["expert_imbalance"] >= 1 for r in records)
+
+
+def test_resume_at_ep2_with_dropout_is_bitwise_equal_to_straight(data, tmp_path):
+    """DeepSpeed writes each expert to its own file (by global index) and reads them back on their EP
+    ranks; with dropout on and the score bias saved, the resumed losses are the uninterrupted ones."""
+    from tests.launch_helpers import read_log, run
+    from tests.test_training import TINY
+    base = TINY + MOE_FLAGS + EP2 + ["--hidden-dropout", 0.1, "--data-path", data, "--deepspeed",
+                                     "ds_configs/zero1.json"]
+    straight_log, log, ckpt = tmp_path / "straight.jsonl", tmp_path / "log.jsonl", tmp_path / "ckpt"
+    run("torchrun", 2, base + ["--log-json", straight_log, "--save", ckpt, "--save-interval", 4])
+    files = sorted(p.name for p in (ckpt / "iter_0000004").iterdir())
+    assert "layer_0_expert_3_mp_rank_00_model_states.pt" in files
+    (ckpt / "latest").write_text("iter_0000004")
+    run("torchrun", 2, base + ["--log-json", log, "--load", ckpt])
+    straight, resumed = read_log(straight_log), read_log(log)
+    assert [r["iteration"] for r in resumed] == list(range(5, 9))
+    assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in straight[4:]], "bitwise on CPU"
+
+
+def test_load_hf_mixtral_trains_at_ep2_as_at_one_rank_evaluates_to_transformers_at_ep2_and_exports(data, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from tests.hf_families import make_family
+    from tests.launch_helpers import read_log, run
+    from tests.test_conversion import hf_windows_loss
+    from tests.test_families import TRAIN
+    path = tmp_path / "mixtral"
+    hf = make_family("mixtral", path)
+    flags = ["--load-hf", path, "--data-path", data, "--moe-aux-loss-coeff", 0.01] + TRAIN
+    run("python", 1, flags + ["--log-json", tmp_path / "one.jsonl"])
+    run("torchrun", 2, flags + EP2 + ["--log-json", tmp_path / "two.jsonl", "--save", tmp_path / "ckpt",
+                                      "--export-hf", tmp_path / "export", "--deepspeed", "ds_configs/zero1.json"])
+    one, two = ([r["lm_loss"] for r in read_log(tmp_path / p)] for p in ("one.jsonl", "two.jsonl"))
+    assert len(one) == 4 and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(one, two)), (one, two)
+    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "export", output_loading_info=True)
+    assert type(reloaded).__name__ == "MixtralForCausalLM" and not info["missing_keys"] and not info["unexpected_keys"]
+    original, trained = load_file(str(path / "model.safetensors")), load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert set(trained) == set(original) and not torch.equal(trained["model.layers.0.block_sparse_moe.experts.3.w1.weight"],
+                                                             original["model.layers.0.block_sparse_moe.experts.3.w1.weight"])
+    # the imported model evaluated with its experts split over 2 ranks: transformers' loss
+    from hybrid.conversion.checkpoint_util import main as convert
+    assert convert(["--loader", "hf", "--load-dir", str(path), "--save-dir", str(tmp_path / "hybrid"),
+                    "--no-progress-bar"]) == 0
+    log = tmp_path / "eval.jsonl"
+    run("torchrun", 2, ["--load", tmp_path / "hybrid", "--data-path", data, "--seq-length", 32, "--micro-batch-size",
+                        2, "--eval-iters", 4, "--expert-model-parallel-size", 2, "--log-json", log],
+        script="launch/evaluate.py")
+    ours, want = read_log(log)[0]["lm_loss"], hf_windows_loss(hf, data, 32, 8)
+    assert abs(ours - want) <= 1e-5 * abs(want), (ours, want)
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    (["--expert-model-parallel-size", 2], 2, "the model has none"),
+    (["--num-experts", 3, "--disable-bias-linear", "--expert-model-parallel-size", 2], 2,
+     "--num-experts 3 is not divisible by --expert-model-parallel-size 2"),
+    (["--num-experts", 4], 1, "add --disable-bias-linear"),
+    (["--num-experts", 4, "--disable-bias-linear", "--tensor-model-parallel-size", 2], 2, "needs --sequence-parallel"),
+    (["--num-experts", 4, "--disable-bias-linear", "--moe-router-enable-expert-bias"], 1,
+     "needs --moe-router-score-function sigmoid"),
+    (["--num-experts", 4, "--disable-bias-linear", "--moe-router-topk", 5], 1, "must be between 1 and --num-experts 4"),
+    (["--num-experts", 4, "--disable-bias-linear", "--moe-layer-freq", "[1,0]"], 1, "one 0 or 1 per layer"),
+    (["--num-experts", 4, "--disable-bias-linear", "--expert-model-parallel-size", 2, "--context-parallel-size", 2,
+      "--attention-dropout", 0], 4, "not built yet"),
+])
+def test_moe_refusals_name_the_flags(extra, world, message):
+    from hybrid.config import build_run_config
+    from hybrid.errors import ConfigError
+    from hybrid.flags import build_parser
+    from tests.test_capabilities import BASE
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        build_run_config(build_parser().parse_args([str(f) for f in BASE + extra]), world, 64, eod_token=63)
+
+
+def test_moe_layer_freq_reads_megatron_s_expressions_without_eval():
+    from hybrid.flags import _moe_layer_freq
+    assert _moe_layer_freq("2") == 2
+    assert _moe_layer_freq("([1]*3+[0])*2") == [1, 1, 1, 0, 1, 1, 1, 0]
+    assert _moe_layer_freq("[0,1]") == [0, 1]
+    with pytest.raises(Exception):
+        _moe_layer_freq("__import__('os').system('true')")
+
+
+def test_dry_run_counts_each_ep_rank_s_experts_and_their_optimizer_states_over_dp_over_ep():
+    from hybrid.memory import MemoryPlan, ZeroSettings, estimate, parameter_inventory, is_expert
+    config = moe_config(num_layers=4, vocab_size=256)
+    inventory = parameter_inventory(config, 1)
+    experts = sum(n for name, (n, _) in inventory.items() if is_expert(name))
+    assert experts == 4 * 4 * (2 * 12 * 16 + 16 * 12)  # every layer MoE (--moe-layer-freq 1): 4 x 4 experts
+    rows = {ep: estimate(MemoryPlan(model=config, dp=4, ep=ep, seq_length=16, zero=ZeroSettings(stage=1, dp=4)))[0]
+            for ep in (1, 2, 4)}
+    assert rows[1]["parameters"] - rows[2]["parameters"] == experts // 2
+    assert rows[2]["parameters"] - rows[4]["parameters"] == experts // 4
+    # ZeRO-1 partitions each rank's experts over DP / EP: the experts' optimizer bytes stay the same per rank
+    assert abs(rows[1]["optimizer"] - rows[4]["optimizer"]) < 12 * 64
