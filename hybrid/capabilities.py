@@ -183,6 +183,12 @@ RULES = [
                    f"its MoE expert groups. Use ds_configs/zero2.json or zero1.json (expert optimizer states are "
                    f"partitioned over the expert-data-parallel group), with --expert-model-parallel-size to split "
                    f"the experts."),
+    Rule("moe-universal", "--universal-checkpoint with --num-experts",
+         "DeepSpeed 0.19's ds_to_universal reads the ZeRO partitions and model files, not its MoE expert files",
+         lambda s: s.experts and s.universal_checkpoint,
+         lambda s: "--universal-checkpoint with --num-experts is not built (DeepSpeed 0.19's ds_to_universal does not "
+                   "read the expert files). Resume at the saved --expert-model-parallel-size without it, or load the "
+                   "weights at another layout with --finetune."),
     Rule("grad-reduce-bf16-precision", "--grad-reduce-in-bf16 without --bf16",
          "gradients are reduced in the training precision's type (DeepSpeed's communication_data_type)",
          lambda s: s.grad_reduce_bf16 and s.precision != "bf16",

@@ -253,9 +253,8 @@ class ClientState:
     weights_only: bool = False  # written by conversion: weights, no optimizer state
 
     def to_dict(self) -> dict:
-        """The client state handed to DeepSpeed's save_checkpoint (unset fields left out, as readers take
-        a missing field for unset)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        """The client state handed to DeepSpeed's save_checkpoint."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_meta(cls, meta: Optional[dict]) -> "ClientState":

@@ -38,6 +38,8 @@ EXAMPLES = {
     "cp-attention-dropout": (["--context-parallel-size", 2], 2),  # Megatron's default attention dropout, 0.1
     "cp-sliding-window": (["--context-parallel-size", 2, "--attention-dropout", 0, "--window-size", "4,0"], 2),
     "moe-zero3": (["--num-experts", 4, "--disable-bias-linear", "--zero-stage", 3], 1),
+    "moe-universal": (["--num-experts", 4, "--disable-bias-linear", "--universal-checkpoint", "--load", "/tmp",
+                       "--zero-stage", 1], 1),
     "grad-reduce-bf16-precision": (["--grad-reduce-in-bf16"], 1),
 }
 

@@ -14,7 +14,7 @@ import torch
 
 from hybrid.conversion.hf import read_hf_config, read_hf_dir, write_hf_dir
 from hybrid.errors import ConfigError
-from tests.hf_families import DENSE, FAMILIES, FAMILY_CONFIGS, RECORDED, make_family
+from tests.hf_families import FAMILIES, FAMILY_CONFIGS, RECORDED, make_family
 from tests.launch_helpers import read_log, run
 
 # the option that makes each family what it is: turned off, the logits must change (so the proof can fail)
@@ -238,7 +238,9 @@ TRAIN = ["--seq-length", 32, "--micro-batch-size", 2, "--global-batch-size", 8, 
          "--no-progress-bar"]
 
 
-@pytest.mark.parametrize("family", DENSE)
+# launched for two dense families (the suite's time; qwen2, mistral and gemma passed it too): their import,
+# export and resharding are proved in-process above, the MoE families' launched run is in tests/test_moe.py
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_load_hf_trains_at_tp2_pp2_sp_as_at_one_rank_evaluates_to_transformers_and_exports_its_family(
         family, hf_models, data, tmp_path):
     from safetensors.torch import load_file

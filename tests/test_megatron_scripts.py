@@ -25,8 +25,7 @@ EXPECTED_REFUSAL = {
     "megatron_deepspeed_gpt_1.3b_tokens": "--log-optimizer-states-to-tensorboard",
     "bigscience_bloom_176b": "--embed-layernorm",
     "bigscience_tr1_13b": "--codecarbon-dir",
-    "megatron_lm_mixtral_8x7b": "--num-experts",  # mixture-of-experts
-    "megatron_deepspeed_moe_gpt_1.3b_moe128": "--num-experts",
+    "megatron_deepspeed_moe_gpt_1.3b_moe128": "--moe-expert-parallel-size",  # DeepSpeed-MoE's spelling
     "megatron_deepspeed_zbh1_gpt_1.3b": "--enable-zbh1-pipeline",
     "megatron_deepspeed_ulysses_gpt_1.3b_32k": "--use-flash-attn-triton",  # Ulysses itself runs
     "megatron_deepspeed_gpt_1.3b_rope": "--rotary-percent",  # rope on a quarter of each head
@@ -75,7 +74,8 @@ def argv_of(name, assets):
 def _world(argv):
     def value(flag, default):
         return int(argv[argv.index(flag) + 1]) if flag in argv else default
-    return value("--tensor-model-parallel-size", 1) * value("--pipeline-model-parallel-size", 1)
+    return (value("--tensor-model-parallel-size", 1) * value("--pipeline-model-parallel-size", 1)
+            * value("--expert-model-parallel-size", 1))
 
 
 def test_the_corpus_has_at_least_25_real_scripts_with_sources():

@@ -359,3 +359,19 @@ def test_dry_run_counts_each_ep_rank_s_experts_and_their_optimizer_states_over_d
     assert rows[2]["parameters"] - rows[4]["parameters"] == experts // 4
     # ZeRO-1 partitions each rank's experts over DP / EP: the experts' optimizer bytes stay the same per rank
     assert abs(rows[1]["optimizer"] - rows[4]["optimizer"]) < 12 * 64
+
+
+def test_a_plain_load_at_another_ep_size_with_optimizer_state_is_one_message_naming_both():
+    from hybrid.checkpoint_format import ClientState
+    from hybrid.config import build_run_config
+    from hybrid.errors import ConfigError
+    from hybrid.flags import build_parser
+    from hybrid.training.checkpoint import check_same_layout
+    from tests.test_capabilities import BASE
+    flags = BASE + ["--num-experts", 4, "--disable-bias-linear", "--deepspeed", "ds_configs/zero1.json"]
+    run = build_run_config(build_parser().parse_args([str(f) for f in flags]), 2, 64, eod_token=63)
+    saved = ClientState(hybrid_config={"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2,
+                                       "zero_stage": 1, "expert_parallel": 2})
+    with pytest.raises(ConfigError, match=r"--expert-model-parallel-size 2 \(this run: 1.*add --no-load-optim"):
+        check_same_layout(saved, run, "/ckpt", "iter_0000004")
+    check_same_layout(ClientState(hybrid_config=dict(saved.hybrid_config, expert_parallel=1)), run, "/ckpt", "x")

@@ -14,14 +14,11 @@ from tests.test_training import TINY, assert_same_losses
 UNTIED = ["--untie-embeddings-and-output-weights"]
 
 # (source launcher, ranks, flags) -> (target launcher, ranks, flags)
+# trimmed for the suite's time (each passed when removed): tp2_to_tp1_dp2 (TP changes stay in
+# tp2_pp2_to_tp1_pp2_dp2), dp2_zero2_to_tp2_zero1 (dp2_zero3_to_tp2_zero1), tp2_zero0_to_dp2_zero2 (pp2_zero0_to_pp1_zero1)
 CASES = {
-    "tp2_to_tp1_dp2": (("torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json"]),
-                       ("torchrun", 2, ["--deepspeed", "ds_configs/zero1.json"])),
     "dp2_to_dp1_zero3": (("torchrun", 2, ["--deepspeed", "ds_configs/zero3.json"]),
                          ("python", 1, ["--deepspeed", "ds_configs/zero3.json"])),
-    "dp2_zero2_to_tp2_zero1": (("torchrun", 2, ["--deepspeed", "ds_configs/zero2.json"]),
-                               ("torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed",
-                                                "ds_configs/zero1.json"])),
     "dp2_zero3_to_tp2_zero1": (("torchrun", 2, ["--deepspeed", "ds_configs/zero3.json"]),
                                ("torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed",
                                                 "ds_configs/zero1.json"])),
@@ -32,8 +29,6 @@ CASES = {
     # no ZeRO (fp32): converted here, DeepSpeed's tool reads ZeRO partitions only
     "pp2_zero0_to_pp1_zero1": (("torchrun", 2, ["--pipeline-model-parallel-size", 2]),
                                ("python", 1, ["--deepspeed", "ds_configs/zero1.json"])),
-    "tp2_zero0_to_dp2_zero2": (("torchrun", 2, ["--tensor-model-parallel-size", 2]),
-                               ("torchrun", 2, ["--deepspeed", "ds_configs/zero2.json"])),
     "pp2_to_pp1_untied": (("torchrun", 2, ["--pipeline-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json",
                                            *UNTIED]),
                           ("python", 1, ["--deepspeed", "ds_configs/zero1.json", *UNTIED])),

@@ -36,6 +36,10 @@ def _check_convertible(ckpt: str) -> None:
 def convert(ckpt: str, out_dir: str, config, log=print) -> None:
     """DeepSpeed's ds_to_universal (strict mode) from `ckpt` into the new directory `out_dir`, then the
     parameter directories renamed to canonical names."""
+    if config.num_experts:
+        raise ConfigError(f"{ckpt}: a mixture-of-experts checkpoint; universal checkpoints of MoE models (DeepSpeed "
+                          f"0.19's ds_to_universal does not read its expert files) are not built. Resume at the saved "
+                          f"--expert-model-parallel-size, or load the weights at any layout with --finetune.")
     _check_convertible(ckpt)
     if _is_zero0(ckpt):
         log(f"converting {ckpt} (no ZeRO: its optimizer state is by parameter) into DeepSpeed's universal layout")

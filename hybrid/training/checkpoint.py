@@ -61,7 +61,10 @@ def write_files(engine, run: RunConfig, save_dir: str, iteration: int, consumed_
                                universal_checkpoint_info=universal,
                                optimizer_param_names=optimizer_param_names(engine, run))
     os.makedirs(save_dir, exist_ok=True)
-    engine.save_checkpoint(save_dir, tag=tag, client_state=client_state.to_dict(), save_latest=False)
+    state = client_state.to_dict()
+    if universal is None:
+        del state["universal_checkpoint_info"]  # a key DeepSpeed's MoE save reserves (it writes the module's)
+    engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False)
     return tag
 
 
@@ -202,6 +205,13 @@ def check_same_layout(state: ClientState, run: RunConfig, load_dir: str, tag: st
                                f"--ds-sequence-parallel-size {saved.get('ulysses', 1)} (this run: "
                                f"{run.context_parallel} and {run.ulysses}; ZeRO partitions the optimizer state over "
                                f"DP x CP)")
+    saved_ep = saved.get("expert_parallel", 1)
+    if run.model.num_experts and saved_ep != run.expert_parallel and not run.train.no_load_optim:
+        raise ConfigError(f"--load {load_dir}: checkpoint {tag} was saved with --expert-model-parallel-size {saved_ep} "
+                          f"(this run: {run.expert_parallel}; the experts' optimizer state is partitioned over "
+                          f"DP / EP, and universal checkpoints of MoE models are not built). Resume at "
+                          f"--expert-model-parallel-size {saved_ep}, or add --no-load-optim (the weights at this "
+                          f"layout, a fresh optimizer).")
     if differences:
         raise ConfigError(f"--load {load_dir}: checkpoint {tag} was saved with {'; '.join(differences)}. To resume "
                           f"at this layout, {_fix_command(load_dir)}.")

@@ -36,7 +36,7 @@ class Trainer:
         # micro-steps on the plain engine; all take the same (ids, labels) micro-batches
         self.step = build_step(run, topology, engine)
         from hybrid.model.moe import MoEStepHooks
-        self.moe = MoEStepHooks.of(engine.module, run.sequence_split)  # None without MoE layers
+        self.moe = MoEStepHooks.of(engine.module, run.sequence_split) if run.model.num_experts else None
         self.skipped = 0
         self.nan_iterations = 0
         self.consumed_valid = 0
