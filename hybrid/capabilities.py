@@ -174,21 +174,15 @@ RULES = [
          lambda s: s.cp > 1 and s.sliding_window,
          lambda s: f"--context-parallel-size {s.cp} with --window-size: sliding-window attention is not built into "
                    f"the ring; drop one of them."),
-    Rule("moe-zero3", "--num-experts with ZeRO-3",
+    Rule("moe-zero3-ep", "--expert-model-parallel-size > 1 with ZeRO-3",
          "DeepSpeed 0.19's ZeRO-3 refuses its native MoE layers ('Native DeepSpeed MoE is not supported with ZeRO "
-         "Stage 3'), whose expert groups and expert checkpoint files hybrid's MoE layers use; only its AutoEP "
-         "layers (HF-module replacement, no auxiliary losses) have ZeRO-3",
-         lambda s: s.experts and s.zero_stage == 3,
-         lambda s: f"--num-experts with ZeRO stage 3 (from {s.zero_source}): DeepSpeed 0.19's ZeRO-3 does not support "
-                   f"its MoE expert groups. Use ds_configs/zero2.json or zero1.json (expert optimizer states are "
-                   f"partitioned over the expert-data-parallel group), with --expert-model-parallel-size to split "
-                   f"the experts."),
-    Rule("moe-universal", "--universal-checkpoint with --num-experts",
-         "DeepSpeed 0.19's ds_to_universal reads the ZeRO partitions and model files, not its MoE expert files",
-         lambda s: s.experts and s.universal_checkpoint,
-         lambda s: "--universal-checkpoint with --num-experts is not built (DeepSpeed 0.19's ds_to_universal does not "
-                   "read the expert files). Resume at the saved --expert-model-parallel-size without it, or load the "
-                   "weights at another layout with --finetune."),
+         "Stage 3'), whose expert groups expert parallelism needs (only its AutoEP layers, HF-module replacements "
+         "without auxiliary losses, have ZeRO-3); at EP 1 ZeRO-3 partitions the experts over DP like any parameter",
+         lambda s: s.experts and s.zero_stage == 3 and s.ep > 1,
+         lambda s: f"--expert-model-parallel-size {s.ep} with ZeRO stage 3 (from {s.zero_source}): DeepSpeed 0.19's "
+                   f"ZeRO-3 does not support its MoE expert groups. Use ds_configs/zero2.json or zero1.json with "
+                   f"expert parallelism (expert optimizer states are partitioned over DP / EP), or ZeRO-3 at "
+                   f"--expert-model-parallel-size 1 (experts partitioned over DP)."),
     Rule("grad-reduce-bf16-precision", "--grad-reduce-in-bf16 without --bf16",
          "gradients are reduced in the training precision's type (DeepSpeed's communication_data_type)",
          lambda s: s.grad_reduce_bf16 and s.precision != "bf16",

@@ -218,8 +218,9 @@ def attention_kernel_for(device_type: str, precision: str, dropout: float, confi
     return "flash"
 
 
-def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: str = "hybrid") -> int:
-    """Bytes one transformer layer keeps for backward for one micro-batch on one TP rank.
+def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: str = "hybrid",
+                           layer: int = 0) -> int:
+    """Bytes transformer layer `layer` keeps for backward for one micro-batch on one TP rank.
 
     style "hybrid": the tensors this code base's layer saves (LayerNorm inputs, the gathered
     input of each column-parallel linear, the QKV output, attention output, MLP activations,
@@ -244,7 +245,8 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
     else:  # RMSNorm in transformers' numerics: the fp32 input, rstd, and the normalised output
         norm = 4 * shard + 4 * (shard // h) + e * shard
     total = 2 * norm  # the input norm and the post-attention norm
-    total += 2 * e * sbh  # each column-parallel linear's (all-gathered) input: the norms' outputs
+    moe = config.mlp_type_of(layer) == "moe"
+    total += (1 if moe else 2) * e * sbh  # each column-parallel linear's (all-gathered) input: the norms' outputs
     total += e * s * b * (heads + 2 * groups) * d  # QKV output (K and V are views of it)
     if config.qk_layernorm:  # an RMSNorm over each Q and K head, as the layer norms (fp32 input, rstd, output)
         qk = s * b * (heads + groups) * d
@@ -270,9 +272,42 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
                                        _attended_keys(s, config.sliding_window))
         if config.sliding_window is not None and s > config.sliding_window:
             total += _window_extra_bytes(s, b, heads, d, e, config.sliding_window)
-    total += e * s * b * (4 * f if config.gated_linear_unit else 2 * f)  # GeLU: input, output; gated: fc1 out, act, product
+    if moe:
+        total += moe_block_bytes(config, s, b, t, sp, e)
+    else:
+        total += e * s * b * (4 * f if config.gated_linear_unit else 2 * f)  # GeLU: input, output; gated: fc1 out, act, product
     if dropout:
         total += 2 * m * shard  # the two residual dropout masks
+    return total
+
+
+def moe_block_bytes(config: ModelConfig, s: int, b: int, t: int, sp: bool, e: int) -> int:
+    """What an MoE layer's feed-forward block keeps for backward (hybrid.model.moe), its T tokens on this
+    rank (a sequence shard under SP) and N = T x k dispatched rows (balanced routing; at most the
+    capacity): the router's input, the rows, each expert's activations and output, the weighted output;
+    the choices, sort order and probabilities; the balancing losses' scores; the shared experts (a dense
+    MLP on the gathered input) and their gate. Measured against saved-tensor hooks (tests/test_memory.py)."""
+    h, k, experts = config.hidden_size, config.moe_router_topk, config.num_experts
+    tokens = s * b // t if sp else s * b
+    rows = tokens * k
+    if config.moe_expert_capacity_factor is not None:
+        rows = min(rows, experts * math.ceil(rows / experts * config.moe_expert_capacity_factor))
+    f, gated = config.moe_ffn_hidden_size, config.gated_linear_unit
+    total = e * tokens * h  # the router's input (the norm's output, this rank's tokens)
+    total += e * rows * (3 * h + (4 * f if gated else 2 * f))  # rows, fc1 out (+ act, product), fc2 out, weighted
+    total += 8 * tokens * k + 16 * rows + 4 * tokens * k + e * rows  # choices, order, probabilities, per row
+    if config.moe_router_score_function == "sigmoid":
+        total += 4 * tokens * experts + 4 * tokens  # the sigmoid scores and their top-k sum
+    if config.moe_router_load_balancing_type != "none" and config.moe_aux_loss_coeff:
+        total += 4 * tokens * experts  # the scores over every expert
+    if config.moe_z_loss_coeff:
+        total += (4 * tokens * experts if e != 4 else 0) + 8 * tokens  # fp32 logits, logsumexp and its square
+    shared = config.moe_shared_expert_intermediate_size
+    if shared:
+        fs = shared // t
+        total += (e * s * b * h if sp else 0) + e * s * b * (4 * fs if gated else 2 * fs)
+        if config.moe_shared_expert_gate:
+            total += e * tokens * h + e * tokens  # the shared output and the gate's sigmoid
     return total
 
 
@@ -425,13 +460,15 @@ def estimate(plan: MemoryPlan) -> list[dict]:
     for stage, info in enumerate(stage_parameters(config, plan.tp, plan.pp, plan.partition, plan.schedule,
                                                   plan.virtual)):
         states = _stage_model_states(info["params"], plan)
-        per_layer = layer_activation_bytes(config, act)
+        each = [layer_activation_bytes(config, act, layer=i) for i in info["layers"]]
+        per_layer = max(each, default=layer_activation_bytes(config, act))
         layers = len(info["layers"])
         in_flight = in_flight_micro_batches(stage, plan.pp, plan.num_micro_batches, plan.schedule, plan.virtual)
-        activations = int(per_layer * layers * in_flight)
+        activations = int(sum(each) * in_flight)
         if plan.recompute == "full" and layers:  # backward rebuilds one chunk of layers at a time
             chunk = min(layers, max(1, config.recompute_num_layers))
-            activations += chunk * layer_activation_bytes(config, ActivationSettings(**dict(asdict(act), recompute=None)))
+            activations += chunk * max(layer_activation_bytes(config, ActivationSettings(**dict(asdict(act), recompute=None)),
+                                                              layer=i) for i in info["layers"])
         activations += int(_embedding_and_head_bytes(config, act, info["first"], info["last"]) * in_flight)
         if layers:
             activations += sequence_split_buffer_bytes(config, act, plan.device_type)

@@ -37,9 +37,8 @@ EXAMPLES = {
     "documents-torch-schedule": (PP2 + ["--pipeline-schedule", "zbv", "--reset-attention-mask"], 2),
     "cp-attention-dropout": (["--context-parallel-size", 2], 2),  # Megatron's default attention dropout, 0.1
     "cp-sliding-window": (["--context-parallel-size", 2, "--attention-dropout", 0, "--window-size", "4,0"], 2),
-    "moe-zero3": (["--num-experts", 4, "--disable-bias-linear", "--zero-stage", 3], 1),
-    "moe-universal": (["--num-experts", 4, "--disable-bias-linear", "--universal-checkpoint", "--load", "/tmp",
-                       "--zero-stage", 1], 1),
+    "moe-zero3-ep": (["--num-experts", 4, "--disable-bias-linear", "--zero-stage", 3, "--expert-model-parallel-size",
+                      2], 2),
     "grad-reduce-bf16-precision": (["--grad-reduce-in-bf16"], 1),
 }
 
@@ -88,7 +87,8 @@ def _setup_of(flags, world):
                  precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
                  micro_batches=args.global_batch_size // (args.micro_batch_size * (world // (pp * tp * split))),
                  zero_source="--zero-stage", cp=args.context_parallel_size,
-                 ulysses=args.ds_sequence_parallel_size, experts=bool(args.num_experts))
+                 ulysses=args.ds_sequence_parallel_size, experts=bool(args.num_experts),
+                 ep=args.expert_model_parallel_size)
 
 
 def test_the_same_flags_without_the_conflict_build():

@@ -377,3 +377,18 @@ def test_dry_run_bad_flag_is_one_message():
     result = _train(*BIG, "--tensor-model-parallel-size", "3")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--tensor-model-parallel-size" in result.stderr
+
+
+@pytest.mark.parametrize("moe", [
+    dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3),
+    dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_aux_loss_coeff=0.01,
+         moe_shared_expert_intermediate_size=96, moe_shared_expert_gate=True, moe_grouped_gemm=True),
+    dict(swiglu=False, moe_router_topk=1, moe_expert_capacity_factor=1.0, moe_router_load_balancing_type="none"),
+], ids=["softmax-aux-z", "sigmoid-shared-grouped", "gelu-top1-capacity"])
+def test_moe_layer_activation_bytes_within_10pct_of_saved_tensors(moe):
+    import dataclasses
+    config = dataclasses.replace(_model_config("llama", 0.0, None), num_experts=4, moe_ffn_hidden_size=96, **moe)
+    measured = _measured_layer_bytes(config, None, seq=64, batch=2)
+    estimated = sum(memory.layer_activation_bytes(config, memory.ActivationSettings(
+        2, 64, precision="fp32", attention_kernel="flash", mask_bytes=4), layer=i) for i in range(2)) / 2
+    assert abs(estimated - measured) <= 0.10 * measured, (estimated, measured)

@@ -242,7 +242,7 @@ MOE_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", 
              "--moe-shared-expert-intermediate-size", 16, "--moe-grouped-gemm"]
 EP2 = ["--expert-model-parallel-size", 2]
 MOE_LAYOUTS = {  # name: (ranks, flags); every one must give the one-rank losses of MOE_FLAGS
-    "ep2_dp2_zero2": (2, EP2 + ["--deepspeed", "ds_configs/zero2.json"]),
+    "dp2_zero3_ep1": (2, ["--deepspeed", "ds_configs/zero3.json"]),  # experts partitioned over DP like any parameter
     "ep2_tp2_sp_zero1": (4, EP2 + ["--tensor-model-parallel-size", 2, "--sequence-parallel",
                                    "--deepspeed", "ds_configs/zero1.json"]),
     "ep2_pp2_interleaved_zero1": (4, EP2 + ["--pipeline-model-parallel-size", 2,
@@ -264,6 +264,31 @@ def test_launched_expert_parallel_runs_give_the_one_rank_losses(data, tmp_path, 
     records = read_log(log)
     assert_same_losses([r["lm_loss"] for r in records], [r["lm_loss"] for r in baseline])
     assert all(r["load_balancing_loss"] > 0 and r["expert_imbalance"] >= 1 for r in records)
+
+
+def test_ep2_zero2_gives_the_one_rank_losses_and_its_universal_checkpoint_resumes_at_ep1_zero1(data, tmp_path):
+    """EP 2 x DP 2 with ZeRO-2 equals one rank for 8 iterations; its checkpoint at 4, made universal (each
+    rank's fp32 partitions and Adam moments of DeepSpeed's dense and expert groups, experts by global
+    index), resumes at EP 1 with ZeRO-1 with the uninterrupted losses; the score biases come along."""
+    from hybrid.conversion.checkpoint_util import main as convert
+    from tests.launch_helpers import one_rank, read_log, run
+    from tests.test_training import TINY, assert_same_losses
+    baseline = [r["lm_loss"] for r in one_rank(TINY + ["--data-path", data] + MOE_FLAGS)]
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    run("torchrun", 2, TINY + ["--data-path", data, "--log-json", log, "--save", ckpt, "--save-interval", 4]
+        + MOE_FLAGS + EP2 + ["--deepspeed", "ds_configs/zero2.json"])
+    records = read_log(log)
+    assert_same_losses([r["lm_loss"] for r in records], baseline)
+    assert all(r["load_balancing_loss"] > 0 and r["expert_imbalance"] >= 1 for r in records)
+    (ckpt / "latest").write_text("iter_0000004")
+    assert convert(["--saver", "universal", "--load-dir", str(ckpt), "--no-progress-bar"]) == 0
+    zero = ckpt / "iter_0000004_universal" / "zero"
+    assert (zero / "layers.1.mlp.deepspeed_moe.experts.deepspeed_experts.3.fc1.weight" / "exp_avg.pt").exists()
+    resumed = tmp_path / "resumed.jsonl"
+    resumed.write_text("".join(line for line in open(log).readlines()[:4]))
+    run("torchrun", 2, TINY + ["--data-path", data, "--log-json", resumed, "--load", ckpt, "--universal-checkpoint"]
+        + MOE_FLAGS + ["--deepspeed", "ds_configs/zero1.json"])
+    assert_same_losses([r["lm_loss"] for r in read_log(resumed)], baseline)
 
 
 def test_resume_at_ep2_with_dropout_is_bitwise_equal_to_straight(data, tmp_path):
@@ -289,7 +314,6 @@ def test_load_hf_mixtral_trains_at_ep2_as_at_one_rank_evaluates_to_transformers_
     from transformers import AutoModelForCausalLM
     from tests.hf_families import make_family
     from tests.launch_helpers import read_log, run
-    from tests.test_conversion import hf_windows_loss
     from tests.test_families import TRAIN
     path = tmp_path / "mixtral"
     hf = make_family("mixtral", path)
@@ -304,8 +328,15 @@ def test_load_hf_mixtral_trains_at_ep2_as_at_one_rank_evaluates_to_transformers_
     original, trained = load_file(str(path / "model.safetensors")), load_file(str(tmp_path / "export" / "model.safetensors"))
     assert set(trained) == set(original) and not torch.equal(trained["model.layers.0.block_sparse_moe.experts.3.w1.weight"],
                                                              original["model.layers.0.block_sparse_moe.experts.3.w1.weight"])
-    # the imported model evaluated with its experts split over 2 ranks: transformers' loss
+    assert_ep2_evaluation_is_transformers_loss(path, hf, data, tmp_path)  # the imported model, experts over 2 ranks
+
+
+def assert_ep2_evaluation_is_transformers_loss(path, hf, data, tmp_path):
+    """The HF model at `path` converted, evaluated by launch/evaluate.py with its experts split over 2
+    ranks: transformers' loss on the same windows, within 1e-5."""
     from hybrid.conversion.checkpoint_util import main as convert
+    from tests.launch_helpers import read_log, run
+    from tests.test_conversion import hf_windows_loss
     assert convert(["--loader", "hf", "--load-dir", str(path), "--save-dir", str(tmp_path / "hybrid"),
                     "--no-progress-bar"]) == 0
     log = tmp_path / "eval.jsonl"
@@ -328,6 +359,8 @@ def test_load_hf_mixtral_trains_at_ep2_as_at_one_rank_evaluates_to_transformers_
     (["--num-experts", 4, "--disable-bias-linear", "--moe-layer-freq", "[1,0]"], 1, "one 0 or 1 per layer"),
     (["--num-experts", 4, "--disable-bias-linear", "--expert-model-parallel-size", 2, "--context-parallel-size", 2,
       "--attention-dropout", 0], 4, "not built yet"),
+    (["--num-experts", 4, "--disable-bias-linear", "--expert-model-parallel-size", 2, "--zero-stage", 3], 2,
+     "ZeRO-3 at --expert-model-parallel-size 1"),
 ])
 def test_moe_refusals_name_the_flags(extra, world, message):
     from hybrid.config import build_run_config
@@ -375,3 +408,54 @@ def test_a_plain_load_at_another_ep_size_with_optimizer_state_is_one_message_nam
     with pytest.raises(ConfigError, match=r"--expert-model-parallel-size 2 \(this run: 1.*add --no-load-optim"):
         check_same_layout(saved, run, "/ckpt", "iter_0000004")
     check_same_layout(ClientState(hybrid_config=dict(saved.hybrid_config, expert_parallel=1)), run, "/ckpt", "x")
+
+
+def test_score_bias_and_counts_stay_fp32_when_the_engine_casts_the_model_to_bf16():
+    from hybrid.model.moe import keep_fp32_buffers
+    layer = build_moe(moe_config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
+                      ParallelGroups.single(), "layers.0.mlp").bfloat16()  # as DeepSpeed's bf16 engine does
+    assert layer.router.score_bias.dtype == torch.bfloat16
+    keep_fp32_buffers(layer)
+    assert layer.router.score_bias.dtype == layer.router.tokens_per_expert.dtype == torch.float32
+    assert layer.router.weight.dtype == torch.bfloat16
+    layer.train()(torch.randn(4, 2, 16, dtype=torch.bfloat16)).float().sum().backward()
+    assert "router.score_bias" in layer.state_dict() and layer.router.tokens_per_expert.sum() == 16
+
+
+def test_grouped_linear_backward_falls_back_to_a_loop_with_the_same_gradients(monkeypatch):
+    from hybrid.model.moe import GroupedLinear
+    g = torch.Generator().manual_seed(3)
+    rows, grad = torch.randn(10, 8, generator=g), torch.randn(10, 4, generator=g)
+    weights = [torch.randn(4, 8, generator=g).requires_grad_() for _ in range(3)]
+    offsets = torch.tensor([3, 3, 10], dtype=torch.int32)  # an expert with no rows
+
+    def grads():
+        x = rows.clone().requires_grad_()
+        (GroupedLinear.apply(x, offsets, *weights) * grad).sum().backward()
+        out = [x.grad] + [w.grad.clone() for w in weights]
+        for w in weights:
+            w.grad = None
+        return out
+    want = grads()
+    real = torch._grouped_mm
+    calls = []
+
+    def refuse_in_backward(*args, **kwargs):  # a device whose kernel runs the forward only
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("no kernel for this layout")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch, "_grouped_mm", refuse_in_backward)
+    got = grads()
+    assert len(calls) == 2  # the forward's GEMM, then the backward's attempt
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+def test_qwen_moe_evaluates_to_transformers_loss_with_its_experts_split_over_2_ranks(family, data, tmp_path):
+    """Shared expert with its gate and a dense layer (Qwen2-MoE), MoE every second layer with Q/K norms
+    (Qwen3-MoE): launch/evaluate.py at EP 2 gives transformers' loss on the same windows."""
+    from tests.hf_families import make_family
+    hf = make_family(family, tmp_path / "hf", tokenizer=False)
+    assert_ep2_evaluation_is_transformers_loss(tmp_path / "hf", hf, data, tmp_path)

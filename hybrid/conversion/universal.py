@@ -36,11 +36,13 @@ def _check_convertible(ckpt: str) -> None:
 def convert(ckpt: str, out_dir: str, config, log=print) -> None:
     """DeepSpeed's ds_to_universal (strict mode) from `ckpt` into the new directory `out_dir`, then the
     parameter directories renamed to canonical names."""
-    if config.num_experts:
-        raise ConfigError(f"{ckpt}: a mixture-of-experts checkpoint; universal checkpoints of MoE models (DeepSpeed "
-                          f"0.19's ds_to_universal does not read its expert files) are not built. Resume at the saved "
-                          f"--expert-model-parallel-size, or load the weights at any layout with --finetune.")
     _check_convertible(ckpt)
+    if glob.glob(os.path.join(ckpt, "layer_*_expert_*_model_states.pt")):  # DeepSpeed's MoE groups (ZeRO-1/2)
+        log(f"converting {ckpt} (mixture of experts: DeepSpeed's tool does not read expert groups) into DeepSpeed's "
+            f"universal layout")
+        _moe_zero_to_universal(ckpt, out_dir, config)
+        alias_model_files(out_dir)
+        return
     if _is_zero0(ckpt):
         log(f"converting {ckpt} (no ZeRO: its optimizer state is by parameter) into DeepSpeed's universal layout")
         _zero0_to_universal(ckpt, out_dir, config)
@@ -98,6 +100,82 @@ def _zero0_to_universal(ckpt: str, out_dir: str, config) -> None:
             torch.save(steps[name], os.path.join(zero, name, "step.pt"))
     groups = [dict(g, params=[i]) for i, g in enumerate(param_groups or [])]
     torch.save({"param_groups": groups, "clip_grad": meta.get("ds_config", {}).get("gradient_clipping", 0.0)},
+               os.path.join(zero, "optimizer_state.pt"))
+    normalize(zero, config, {})
+
+
+def _moe_zero_to_universal(ckpt: str, out_dir: str, config) -> None:
+    """What ds_to_universal does, for ZeRO-1/2 checkpoints of MoE models, which it cannot read: each
+    rank's fp32 partition and Adam moments of every parameter group (DeepSpeed's MoE groups hold the
+    experts of that rank's EP rank, partitioned over the expert-data-parallel ranks) are cut into
+    parameters by the recorded `param_slice_mappings`, a local expert renamed by its global index (data
+    rank d is EP rank d % EP), the fragments of a parameter joined in data-rank order (partitions follow
+    their group's ranks), then merged over TP into one directory per canonical parameter. The model
+    files and DeepSpeed's expert files (global indices: any EP reads them) go along."""
+    import re
+    from deepspeed.checkpoint import constants as c
+
+    from hybrid.model.naming import canonical_name, global_expert_name
+    meta = load_file(first_model_file(ckpt))
+    saved = ClientState.from_meta(meta)
+    tp, ep = saved.tensor_parallel, int(saved.layout("expert_parallel", 1))
+    if saved.pipeline_parallel > 1:
+        raise ConfigError(f"{ckpt}: universal checkpoints of MoE models with pipeline parallelism are not built; "
+                          f"convert a checkpoint saved at --pipeline-model-parallel-size 1.")
+    local_experts = config.num_experts // ep
+    if not glob.glob(os.path.join(ckpt, "zero_pp_rank_*_mp_rank_*_optim_states.pt")):
+        raise ConfigError(f"{ckpt}: universal checkpoints of MoE models are made from ZeRO-1/2 checkpoints; this "
+                          f"one has no ZeRO partitions. Train with --deepspeed ds_configs/zero1.json (or zero2).")
+    pieces: dict = {}  # (canonical name, tp rank) -> key -> [(data rank, fragment)]
+    steps, param_groups = {}, None
+    for path in sorted(glob.glob(os.path.join(ckpt, "zero_pp_rank_*_mp_rank_*_optim_states.pt"))):
+        data_rank, tp_rank = map(int, re.search(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_", os.path.basename(path)).groups())
+        state = load_file(path)["optimizer_state_dict"]
+        base = state["base_optimizer_state"]
+        param_groups = param_groups or [{k: v for k, v in g.items() if k not in ("params", "name", "moe")}
+                                        for g in base["param_groups"]]
+        for i, mapping in enumerate(state["param_slice_mappings"]):
+            flat = {"fp32": state["single_partition_of_fp32_groups"][i], **{
+                key: base["state"][i][key] for key in ("exp_avg", "exp_avg_sq") if key in base["state"].get(i, {})}}
+            for name, fragment in mapping.items():
+                full = canonical_name(global_expert_name(name, {}, (data_rank % ep) * local_experts),
+                                      config.num_layers)
+                for key, tensor in flat.items():
+                    piece = tensor.narrow(0, fragment.start, fragment.numel)
+                    pieces.setdefault((full, tp_rank), {}).setdefault(key, []).append((data_rank, piece))
+                if "step" in base["state"].get(i, {}):
+                    steps.setdefault(full, base["state"][i]["step"])
+    shapes = {}  # the TP shard shapes: the model files' (dense), the config's (experts, whole at every TP)
+    for tp_rank in range(tp):
+        for group in load_file(os.path.join(ckpt, model_file(tp_rank))).get("param_shapes") or []:
+            for name, shape in group.items():
+                shapes[(canonical_name(name, config.num_layers), tp_rank)] = tuple(shape)
+    from hybrid.checkpoint_format import tp_layout
+    for name in tp_layout(config):
+        if ".deepspeed_moe." in name:
+            h, f = config.hidden_size, config.moe_ffn_hidden_size
+            shape = (f * (2 if config.gated_linear_unit else 1), h) if ".fc1." in name else (h, f)
+            for tp_rank in range(tp):
+                shapes[(name, tp_rank)] = shape
+    by_key: dict = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for (name, tp_rank), keyed in pieces.items():
+        for key, fragments in keyed.items():
+            joined = torch.cat([t for _, t in sorted(fragments, key=lambda x: x[0])])
+            by_key[key].setdefault(name, {})[tp_rank] = joined.view(shapes[(name, tp_rank)])
+    full = {key: merge_shards(named, config, tp, ckpt) for key, named in by_key.items()}
+    os.makedirs(out_dir, exist_ok=True)
+    for path in glob.glob(os.path.join(ckpt, "*model_states.pt")):  # mp_rank files and the expert files
+        shutil.copy2(path, out_dir)
+    zero = os.path.join(out_dir, "zero")
+    for name, weight in full["fp32"].items():
+        os.makedirs(os.path.join(zero, name))
+        for key in by_key:
+            if name in full[key]:
+                torch.save({c.PARAM: full[key][name]}, os.path.join(zero, name, f"{key}.pt"))
+        if name in steps:
+            torch.save(steps[name], os.path.join(zero, name, "step.pt"))
+    torch.save({"param_groups": [dict(g, params=[i]) for i, g in enumerate(param_groups or [])],
+                "clip_grad": meta.get("ds_config", {}).get("gradient_clipping", 0.0)},
                os.path.join(zero, "optimizer_state.pt"))
     normalize(zero, config, {})
 

@@ -257,6 +257,34 @@ def grouped_gemm_fits(x: torch.Tensor, *sizes: int) -> bool:
     return all(s * x.element_size() % 16 == 0 for s in sizes)
 
 
+class GroupedLinear(torch.autograd.Function):
+    """rows [N, in] grouped by expert (`offsets`: cumulative rows per expert) times each expert's weight
+    [out, in] -> [N, out], one torch._grouped_mm; backward: the input gradient and every expert's weight
+    gradient as two more grouped GEMMs. The experts' weights are stacked only while a GEMM runs: autograd
+    keeps the parameters themselves, not a stacked copy of every expert per micro-batch."""
+
+    @staticmethod
+    def forward(ctx, rows, offsets, *weights):
+        ctx.save_for_backward(rows, offsets, *weights)
+        return torch._grouped_mm(rows, torch.stack(weights).transpose(1, 2), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, offsets, *weights = ctx.saved_tensors
+        grad = grad.contiguous()
+        try:
+            grad_rows = torch._grouped_mm(grad, torch.stack(weights), offs=offsets) if ctx.needs_input_grad[0] \
+                else None
+            grad_weights = torch._grouped_mm(grad.t(), rows, offs=offsets).unbind(0)  # grad_e^T rows_e
+        except RuntimeError:  # a kernel without this layout: per expert (the offsets read on the host)
+            ends = offsets.tolist()
+            starts = [0] + ends[:-1]
+            grad_rows = torch.cat([grad[a:b] @ w for a, b, w in zip(starts, ends, weights)]) \
+                if ctx.needs_input_grad[0] else None
+            grad_weights = [grad[a:b].t() @ rows[a:b] for a, b in zip(starts, ends)]
+        return (grad_rows, None, *grad_weights)
+
+
 class MoELayer(nn.Module):
     """The feed-forward block of an MoE layer: `[s(/tp), b, h] -> [s(/tp), b, h]`."""
 
@@ -355,9 +383,8 @@ class MoELayer(nn.Module):
         if self._grouped and rows.size(0) and grouped_gemm_fits(rows, rows.size(1), up, f):
             offsets = counts.cumsum(0).to(torch.int32)
             try:  # one grouped GEMM per projection, no host sync (torchtitan's and DeepSpeed AutoEP's path)
-                hidden = torch._grouped_mm(rows, torch.stack(fc1).transpose(1, 2), offs=offsets)
-                return torch._grouped_mm(self.activation(hidden, None), torch.stack(fc2).transpose(1, 2),
-                                         offs=offsets)
+                hidden = GroupedLinear.apply(rows, offsets, *fc1)
+                return GroupedLinear.apply(self.activation(hidden, None), offsets, *fc2)
             except RuntimeError:  # a device without the kernel: the loop below from now on
                 self._grouped = False
         outputs = []
@@ -370,6 +397,16 @@ class MoELayer(nn.Module):
 
 def routers(model: nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, Router)]
+
+
+def keep_fp32_buffers(model: nn.Module) -> None:
+    """The score bias and the counts back in fp32 after an engine cast the model (DeepSpeed's bf16/fp16
+    engines cast every floating buffer): steps of 1e-3 on a bf16 bias and counts above 256 in bf16 would
+    round away (Megatron keeps them in fp32 too)."""
+    for router in routers(model):
+        if router.score_bias is not None:
+            router.score_bias = router.score_bias.float()
+        router.tokens_per_expert = router.tokens_per_expert.float()
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:

@@ -74,14 +74,15 @@ def canonical_name(name: str, num_layers: int) -> Optional[str]:
     return key
 
 
-def global_expert_name(name: str, expert_offsets: dict) -> str:
+def global_expert_name(name: str, expert_offsets: dict, default: int = 0) -> str:
     """A local expert's parameter name with the global expert index (as DeepSpeed's expert checkpoint
-    files name it): `expert_offsets` maps an MoE layer's module name to its first expert's global index."""
+    files name it): `expert_offsets` maps an MoE layer's module name to its first expert's global index
+    (`default` for layers it does not name)."""
     if EXPERTS not in name:
         return name
     prefix, rest = name.split(EXPERTS, 1)
     local, tail = rest.split(".", 1)
-    return f"{prefix}{EXPERTS}{int(local) + expert_offsets.get(prefix, 0)}.{tail}"
+    return f"{prefix}{EXPERTS}{int(local) + expert_offsets.get(prefix, default)}.{tail}"
 
 
 def canonical_parameters(model, num_layers: int) -> dict:

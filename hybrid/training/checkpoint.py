@@ -209,9 +209,8 @@ def check_same_layout(state: ClientState, run: RunConfig, load_dir: str, tag: st
     if run.model.num_experts and saved_ep != run.expert_parallel and not run.train.no_load_optim:
         raise ConfigError(f"--load {load_dir}: checkpoint {tag} was saved with --expert-model-parallel-size {saved_ep} "
                           f"(this run: {run.expert_parallel}; the experts' optimizer state is partitioned over "
-                          f"DP / EP, and universal checkpoints of MoE models are not built). Resume at "
-                          f"--expert-model-parallel-size {saved_ep}, or add --no-load-optim (the weights at this "
-                          f"layout, a fresh optimizer).")
+                          f"DP / EP). To resume at this layout with the optimizer, {_fix_command(load_dir)}; or add "
+                          f"--no-load-optim (the weights at this layout, a fresh optimizer).")
     if differences:
         raise ConfigError(f"--load {load_dir}: checkpoint {tag} was saved with {'; '.join(differences)}. To resume "
                           f"at this layout, {_fix_command(load_dir)}.")
@@ -237,11 +236,27 @@ def _load_universal(engine, run: RunConfig, load_dir: str) -> tuple[int, int]:
         raise ConfigError(f"--load {load_dir}: DeepSpeed could not load universal checkpoint {tag}.")
     if run.zero_stage == 3:
         deepspeed_fixes.repair_zero3_universal_load(engine, os.path.join(load_dir, tag))
+    if run.model.num_experts:
+        _restore_score_biases(engine, os.path.join(load_dir, tag), run.model.num_layers)
     iteration, consumed = _restore_client_state(client_state, run.train)
     decays = ", ".join(f"{group['weight_decay']:g}" for group in engine.optimizer.param_groups)
     log(f"loaded universal checkpoint {load_dir}/{tag} at iteration {iteration} (weight decay per parameter "
         f"group: {decays})")
     return iteration, consumed
+
+
+def _restore_score_biases(engine, universal_dir: str, num_layers: int) -> None:
+    """A universal load restores parameters only (DeepSpeed 0.19 skips the module state there); the
+    routers' score biases are buffers, trained by their updates: copied from the source's model file."""
+    from hybrid.checkpoint_format import first_model_file, load_file
+    from hybrid.model.naming import canonical_name
+    saved = {canonical_name(name, num_layers): value for name, value in
+             load_file(first_model_file(universal_dir))["module"].items() if name.endswith("router.score_bias")}
+    import torch
+    with torch.no_grad():
+        for name, buffer in engine.module.named_buffers():
+            if name.endswith("router.score_bias"):
+                buffer.copy_(saved[canonical_name(name, num_layers)])
 
 
 def load_full_state(model, state: dict, config, topology) -> None:

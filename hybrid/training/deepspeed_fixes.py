@@ -253,7 +253,7 @@ def use_async_checkpoint_engine(engine):
 
 # --- mixture of experts: DeepSpeed's MoE machinery for hybrid's MoE layers ------------------------
 
-def register_moe_layers(model, topology) -> int:
+def register_moe_layers(model, topology, zero_stage: int = 0) -> int:
     """Let DeepSpeed 0.19's engine treat hybrid's MoE layers (hybrid.model.moe.MoELayer) as its own:
     the engine turns on its MoE handling (expert parameters reduced over the expert-data-parallel group
     and averaged over DP, their own optimizer groups through `split_params_into_different_moe_groups_
@@ -264,7 +264,10 @@ def register_moe_layers(model, topology) -> int:
     those dictionaries, and each MoE layer becomes an instance of a subclass of both classes
     (`MoE.__init__`, which builds DeepSpeed's own gate and experts, never runs; the layer carries the
     attributes the engine reads: num_experts, ep_size, expert_group_name, num_local_experts). Returns
-    the number of MoE layers. Call before deepspeed.initialize."""
+    the number of MoE layers. Call before deepspeed.initialize. With ZeRO-3 (DeepSpeed 0.19 refuses its
+    MoE layers there; EP 1 only) the experts stay ordinary parameters, partitioned over DP, each registered
+    as an external parameter of its layer (`deepspeed.zero.register_external_parameter`) since the layer
+    reads their weights in its own forward."""
     from deepspeed.moe.layer import MoE
     from deepspeed.utils import groups
 
@@ -272,6 +275,14 @@ def register_moe_layers(model, topology) -> int:
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     if not layers:
         return 0
+    if zero_stage == 3:  # EP 1 only (capabilities): experts are ordinary parameters ZeRO-3 partitions over DP
+        import deepspeed
+        for layer in layers:
+            for param in layer.deepspeed_moe.parameters():
+                del param.allreduce, param.group_name  # not DeepSpeed MoE parameters here
+                # used in the layer's own forward (no expert module is called): gathered with it
+                deepspeed.zero.register_external_parameter(layer, param)
+        return len(layers)
     if topology.expert_data_group is None:
         raise RuntimeError("the model has MoE layers but the Topology was built without expert groups "
                            "(Topology(..., experts=True))")

@@ -119,7 +119,7 @@ def build_engine(run: RunConfig, topology):
     """-> (DeepSpeed engine, the model it wraps). PP > 1 gives DeepSpeed's PipelineEngine."""
     model = build_model(run, topology)
     _check_experts_on_every_stage(model, run)
-    register_moe_layers(model, topology)  # DeepSpeed's MoE handling for the experts (before initialize)
+    register_moe_layers(model, topology, run.zero_stage)  # DeepSpeed's MoE handling (before initialize)
     freeze(model, run)
     train = run.train
 
@@ -141,6 +141,9 @@ def build_engine(run: RunConfig, topology):
     except (RuntimeError, ValueError, OSError, ImportError) as error:
         _raise_if_op_build_failed(error)
         raise
+    if run.model.num_experts:
+        from hybrid.model.moe import keep_fp32_buffers
+        keep_fp32_buffers(engine.module)  # DeepSpeed's bf16/fp16 cast took the score bias and counts along
     log(f"optimizer: {describe_optimizer(engine)}")
     if run.zero_stage == 0 and run.train.precision == "fp32":
         install_fp32_clipping(engine, topology)
