@@ -141,8 +141,7 @@ LAUNCHED = {  # name: (ranks, extra flags, flags of the one-rank run it must equ
                                              LLAMA_FLAGS + PACKED),
     "ulysses2_dp2_zero2_llama_packed": (4, ["--ds-sequence-parallel-size", 2, "--deepspeed", "ds_configs/zero2.json"]
                                         + LLAMA_FLAGS + PACKED, LLAMA_FLAGS + PACKED),
-    "cp2_pp2_interleaved_zero1": (4, CP2 + ["--pipeline-model-parallel-size", 2, "--num-virtual-stages-per-pipeline-rank",
-                                            2, "--deepspeed", "ds_configs/zero1.json"], []),
+    # cp2_pp2_interleaved_zero1 passed too (cut for the suite's time; CP x PP stays at model level)
 }
 
 

@@ -15,7 +15,8 @@ UNTIED = ["--untie-embeddings-and-output-weights"]
 
 # (source launcher, ranks, flags) -> (target launcher, ranks, flags)
 # trimmed for the suite's time (each passed when removed): tp2_to_tp1_dp2 (TP changes stay in
-# tp2_pp2_to_tp1_pp2_dp2), dp2_zero2_to_tp2_zero1 (dp2_zero3_to_tp2_zero1), tp2_zero0_to_dp2_zero2 (pp2_zero0_to_pp1_zero1)
+# tp2_pp2_to_tp1_pp2_dp2), dp2_zero2_to_tp2_zero1 (dp2_zero3_to_tp2_zero1), tp2_zero0_to_dp2_zero2 (pp2_zero0_to_pp1_zero1),
+# deepspeed_1f1b_pp2_to_interleaved_pp2_dp2 (interleaved_pp2_v2_to_pp1 and tp2_to_zbv_pp2)
 CASES = {
     "dp2_to_dp1_zero3": (("torchrun", 2, ["--deepspeed", "ds_configs/zero3.json"]),
                          ("python", 1, ["--deepspeed", "ds_configs/zero3.json"])),
@@ -44,10 +45,6 @@ CASES = {
     "tp2_to_zbv_pp2": (("torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json"]),
                        ("torchrun", 2, ["--pipeline-model-parallel-size", 2, "--pipeline-schedule", "zbv",
                                         "--deepspeed", "ds_configs/zero1.json"])),
-    "deepspeed_1f1b_pp2_to_interleaved_pp2_dp2": (
-        ("torchrun", 2, ["--pipeline-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json"]),
-        ("torchrun", 4, ["--pipeline-model-parallel-size", 2, "--num-virtual-stages-per-pipeline-rank", 2,
-                         "--deepspeed", "ds_configs/zero1.json"])),
     # context parallelism: DeepSpeed's data-parallel world is DP x CP, so CP ranks hold ZeRO partitions
     "cp2_zero1_to_cp1": (("torchrun", 2, ["--context-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json"]),
                          ("python", 1, ["--deepspeed", "ds_configs/zero1.json"])),
