@@ -1,13 +1,13 @@
 """hybrid against plain transformers on one device: tokens/s, model TFLOP/s, MFU, peak memory, as JSON.
 
-    python benchmarks/bench_vs_transformers.py                      # CPU: GPT-2 4 x 512, seq 256, batch 8, fp32
+    python benchmarks/bench_vs_transformers.py                      # CPU: GPT-2 and Llama 4 x 512, seq 256, fp32
     python benchmarks/bench_vs_transformers.py --preset gpu          # CUDA bf16: GPT-2 350M and Llama 0.85B
     python benchmarks/bench_vs_transformers.py --chart out.png       # and a bar chart (needs matplotlib)
 
 Same model dimensions, batch, optimizer (AdamW, lr 1e-4, weight decay 0.01), clipping (1.0) and no
 dropout on both sides. hybrid runs its real training step (`launch/train.py`'s Trainer on a
 DeepSpeed engine, ZeRO-0 on CPU / ZeRO-1 on CUDA); transformers runs GPT2LMHeadModel or
-LlamaForCausalLM with SDPA and torch.optim.AdamW (fused on CUDA, with bf16 autocast there), eager
+LlamaForCausalLM with SDPA and torch.optim.AdamW (fused, transformers' Trainer default; bf16 autocast on CUDA), eager
 and under torch.compile. Variants alternate in rounds after warm-up; each figure is the median
 step time over the measured rounds, and every ratio is against transformers measured in the same
 run. TFLOP/s use Megatron-LM's formula for every variant (so their ratio is the tokens/s ratio).
@@ -28,7 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PRESETS = {
     "cpu": [dict(name="gpt2-4x512", family="gpt2", layers=4, hidden=512, heads=4, seq=256, batch=8,
-                 vocab=50257, ffn=2048)],
+                 vocab=50257, ffn=2048),
+            dict(name="gpt2-4x512-v8k", family="gpt2", layers=4, hidden=512, heads=4, seq=256, batch=8,
+                 vocab=8192, ffn=2048),
+            dict(name="llama-4x512", family="llama", layers=4, hidden=512, heads=8, groups=8, seq=256, batch=8,
+                 vocab=8192, ffn=1376)],
     "gpu": [dict(name="gpt2-350m", family="gpt2", layers=24, hidden=1024, heads=16, seq=1024, batch=8,
                  vocab=50257, ffn=4096),
             dict(name="llama-0.85b", family="llama", layers=16, hidden=2048, heads=16, groups=4, seq=2048,
@@ -100,8 +104,8 @@ class TransformersStep:
         model.config._attn_implementation = "sdpa"
         self.model = model.to(device).train()
         cuda = device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01,
-                                           **({"fused": True} if cuda else {}))
+        # fused, as transformers' Trainer defaults to (adamw_torch_fused) and as hybrid picks
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
         self.forward = torch.compile(self.model) if compiled else self.model
 

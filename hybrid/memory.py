@@ -275,7 +275,7 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
     if moe:
         total += moe_block_bytes(config, s, b, t, sp, e)
     else:
-        total += e * s * b * (4 * f if config.gated_linear_unit else 2 * f)  # GeLU: input, output; gated: fc1 out, act, product
+        total += e * s * b * (3 * f if config.gated_linear_unit else 2 * f)  # GeLU: input, output; gated: fc1 out, product
     if dropout:
         total += 2 * m * shard  # the two residual dropout masks
     return total
@@ -294,7 +294,7 @@ def moe_block_bytes(config: ModelConfig, s: int, b: int, t: int, sp: bool, e: in
         rows = min(rows, experts * math.ceil(rows / experts * config.moe_expert_capacity_factor))
     f, gated = config.moe_ffn_hidden_size, config.gated_linear_unit
     total = e * tokens * h  # the router's input (the norm's output, this rank's tokens)
-    total += e * rows * (3 * h + (4 * f if gated else 2 * f))  # rows, fc1 out (+ act, product), fc2 out, weighted
+    total += e * rows * (3 * h + (3 * f if gated else 2 * f))  # rows, fc1 out (+ product), fc2 out, weighted
     total += 8 * tokens * k + 16 * rows + 4 * tokens * k + e * rows  # choices, order, probabilities, per row
     if config.moe_router_score_function == "sigmoid":
         total += 4 * tokens * experts + 4 * tokens  # the sigmoid scores and their top-k sum
@@ -305,7 +305,7 @@ def moe_block_bytes(config: ModelConfig, s: int, b: int, t: int, sp: bool, e: in
     shared = config.moe_shared_expert_intermediate_size
     if shared:
         fs = shared // t
-        total += (e * s * b * h if sp else 0) + e * s * b * (4 * fs if gated else 2 * fs)
+        total += (e * s * b * h if sp else 0) + e * s * b * (3 * fs if gated else 2 * fs)
         if config.moe_shared_expert_gate:
             total += e * tokens * h + e * tokens  # the shared output and the gate's sigmoid
     return total

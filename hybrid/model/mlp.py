@@ -24,20 +24,54 @@ def bias_gelu(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def swiglu(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """silu(gate) * up, with y = [gate | up] on the last dimension (this rank's halves)."""
+class _GatedUnit(torch.autograd.Function):
+    """act(gate) * up on y = [gate | up] (last dimension), keeping only y for backward, as Megatron's
+    fused SwiGLU does: act(gate) is recomputed in backward, and both halves of the gradient are written
+    into one tensor. Autograd on the plain expression would also keep act(gate) (a third of the block's
+    activations) and concatenate the two halves' gradients. The same aten ops as autograd's, so the
+    values are bitwise those of the plain expression."""
+
+    @staticmethod
+    def forward(ctx, y, kind: str):
+        ctx.save_for_backward(y)
+        ctx.kind = kind
+        gate, up = y.chunk(2, dim=-1)
+        return _GATE_ACTIVATIONS[kind](gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        gate, up = y.chunk(2, dim=-1)
+        grad_y = torch.empty_like(y)
+        grad_gate, grad_up = grad_y.chunk(2, dim=-1)
+        torch.mul(grad, _GATE_ACTIVATIONS[ctx.kind](gate), out=grad_up)
+        if ctx.kind == "silu":
+            torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        else:
+            torch.ops.aten.gelu_backward.grad_input(grad * up, gate, approximate="tanh", grad_input=grad_gate)
+        return grad_y, None
+
+
+_GATE_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def _gated(y: torch.Tensor, bias: Optional[torch.Tensor], kind: str) -> torch.Tensor:
     if bias is not None:
         y = y + bias
-    gate, up = y.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    if torch.compiler.is_compiling():  # TorchInductor fuses the plain expression itself
+        gate, up = y.chunk(2, dim=-1)
+        return _GATE_ACTIVATIONS[kind](gate) * up
+    return _GatedUnit.apply(y, kind)
+
+
+def swiglu(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """silu(gate) * up, with y = [gate | up] on the last dimension (this rank's halves)."""
+    return _gated(y, bias, "silu")
 
 
 def geglu(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """gelu_tanh(gate) * up (Gemma's gelu_pytorch_tanh), with y = [gate | up] as for SwiGLU."""
-    if bias is not None:
-        y = y + bias
-    gate, up = y.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    return _gated(y, bias, "gelu_tanh")
 
 
 def activation_of(config):

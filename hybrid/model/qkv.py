@@ -29,8 +29,10 @@ def split_qkv(fused: torch.Tensor, heads_per_group: int, head_dim: int, dim: int
     dim = dim % fused.dim()
     shape = fused.shape
     grouped = fused.view(*shape[:dim], -1, heads_per_group + 2, head_dim, *shape[dim + 1:])
-    q = grouped.narrow(dim + 1, 0, heads_per_group).flatten(dim, dim + 1)
-    return q, grouped.select(dim + 1, heads_per_group), grouped.select(dim + 1, heads_per_group + 1)
+    # one split (its backward is one cat into the fused gradient), not narrow + two selects (whose
+    # backwards would each zero-fill a fused-size gradient and add the three)
+    q, k, v = grouped.split([heads_per_group, 1, 1], dim + 1)
+    return q.flatten(dim, dim + 1), k.squeeze(dim + 1), v.squeeze(dim + 1)
 
 
 def split_qkv_flat(fused: torch.Tensor, heads_per_group: int, head_dim: int):

@@ -61,6 +61,44 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
+    """[x1*c - x2*s | x2*c + x1*s] (sign 1: forward) or its transpose (sign -1: the gradient), c and s
+    the tables' first halves (their two halves are equal), written into one new tensor."""
+    half = x.size(-1) // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out1, out2 = out[..., :half], out[..., half:]
+    torch.mul(x1, c, out=out1)
+    torch.mul(x2, c, out=out2)
+    if sign > 0:
+        out1.sub_(x2 * s)
+        out2.add_(x1 * s)
+    else:
+        out1.add_(x2 * s)
+        out2.sub_(x1 * s)
+    return out
+
+
+class _Rotary(torch.autograd.Function):
+    """x * cos + rotate_half(x) * sin without rotate_half's negated copy and concatenations (in forward
+    and in backward); keeps only the tables, as autograd does. Bitwise the plain expression's values
+    and gradient (negation is exact, and the two tables' halves are equal)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, -1), None, None
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` [s, b, heads, d] by the tables (no Python loop over positions or heads)."""
-    return (x * cos.to(x.dtype)) + (rotate_half(x) * sin.to(x.dtype))
+    if torch.compiler.is_compiling():  # TorchInductor fuses the plain expression into one kernel
+        return (x * cos.to(x.dtype)) + (rotate_half(x) * sin.to(x.dtype))
+    return _Rotary.apply(x, cos, sin)

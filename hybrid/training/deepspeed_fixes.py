@@ -20,6 +20,9 @@ RELIED_ON = [
     ("deepspeed.runtime.pipe.module", "PipelineModule.__init__", "self._partition_layers(method=partition_method)"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine._take_model_step", "self.clip_fp32_gradients()"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.get_global_grad_norm", "self._global_grad_norm"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.allreduce_no_retain",
+     "self.allreduce_and_copy(small_bucket, dp_group, dp_world_size)"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.allreduce_bucket", "tensor_to_allreduce.mul_(1. / dp_world_size)"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.__init__", "self.param_names = param_names"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.__init__", "self.param_names = param_names"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
@@ -130,27 +133,49 @@ def install_fp32_clipping(engine, topology) -> None:
     model_group = topology.grid.get_model_parallel_group()
 
     def clip_fp32_gradients():
-        grads, squares = [], []
+        params, counted = [], []
         for param in engine.module.parameters():
             if param.grad is None:
                 continue
-            grads.append(param.grad)
-            counted = is_model_parallel_parameter(param) or topology.tp_rank == 0
-            if counted and id(param) not in tied_copies:
-                squares.append(param.grad.detach().float().pow(2).sum())
-        device = grads[0].device if grads else engine.device
-        total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+            params.append(param)
+            if (is_model_parallel_parameter(param) or topology.tp_rank == 0) and id(param) not in tied_copies:
+                counted.append(param.grad)
+        # torch's public clipping pieces (foreach kernels: one pass per dtype group, not per parameter)
+        local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=engine.device)
+        total = local.double().square()
         if dist.get_world_size(group=model_group) > 1:
             dist.all_reduce(total, group=model_group)
-        # On the device, in float64, with no host sync: the factor is 1 when the norm is below the
-        # threshold (multiplying by exactly 1.0 leaves the gradients bitwise unchanged).
-        norm = total.double().sqrt()
-        coefficient = (engine.gradient_clipping() / (norm + 1e-6)).clamp(max=1.0)
-        for grad in grads:
-            grad.mul_(coefficient.to(grad.dtype))
+        # On the device, with no host sync: the factor is 1 when the norm is below the threshold
+        # (multiplying by exactly 1.0 leaves the gradients bitwise unchanged).
+        norm = total.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, engine.gradient_clipping(), norm)
         engine._global_grad_norm = norm
+        engine.hybrid_step_grad_norm = norm  # skip_non_finite_steps' check reads it (same on every rank)
 
     engine.clip_fp32_gradients = clip_fp32_gradients
+
+
+def skip_one_rank_gradient_allreduce(engine) -> None:
+    """No gradient "all-reduce" over a group of one rank. Without ZeRO, DeepSpeed 0.19's
+    `buffered_allreduce_fallback` flattens every gradient into one buffer, all-reduces it over the
+    (sequence-)data-parallel group and copies each gradient back (`allreduce_and_copy`), even when that
+    group is one rank: two full passes over the gradients per step for nothing (about 4% of a one-rank
+    CPU step, measured by benchmarks/bench_vs_transformers.py). Where the group has one rank and the
+    averaging divides by one (no pre/post-divide factor), the values would come back unchanged, so the
+    bucket is left as it is; any other group or factor goes to DeepSpeed's own method. The method is
+    replaced on this engine object only."""
+    import torch.distributed as dist
+    reduce_and_copy = engine.allreduce_and_copy
+
+    def allreduce_and_copy(small_bucket, dp_group, dp_world_size=None):
+        ranks = dist.get_world_size(group=dp_group)
+        divisor = ranks if dp_world_size is None else dp_world_size
+        unscaled = not engine.gradient_average or (divisor == 1 and engine.gradient_predivide_factor() == 1.0)
+        if ranks == 1 and unscaled:
+            return
+        reduce_and_copy(small_bucket, dp_group, dp_world_size)
+
+    engine.allreduce_and_copy = allreduce_and_copy
 
 
 def skip_non_finite_steps(engine) -> None:
@@ -169,7 +194,10 @@ def skip_non_finite_steps(engine) -> None:
         grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             return
-        finite = torch.isfinite(torch.nn.utils.get_total_norm(grads))
+        # the norm clipping took this step (summed over TP x PP: every rank decides alike), else this
+        # rank's own
+        norm = engine.__dict__.pop("hybrid_step_grad_norm", None)
+        finite = torch.isfinite(torch.nn.utils.get_total_norm(grads) if norm is None else norm)
         if fused:
             opt.found_inf = (~finite).to(torch.float32)
         else:

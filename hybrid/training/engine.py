@@ -18,7 +18,8 @@ from hybrid.model.naming import canonical_parameters
 from hybrid.model.transformer import TransformerLayer
 from hybrid.pipeline_plan import resolve_partition
 from hybrid.training.deepspeed_fixes import (ListPartitionPipelineModule, install_fp32_clipping, register_moe_layers,
-                                            skip_non_finite_steps, use_async_checkpoint_engine)
+                                            skip_non_finite_steps, skip_one_rank_gradient_allreduce,
+                                            use_async_checkpoint_engine)
 from hybrid.training.logging import log
 from hybrid.training.schedules import MegatronLRScheduler
 
@@ -145,6 +146,8 @@ def build_engine(run: RunConfig, topology):
         from hybrid.model.moe import keep_fp32_buffers
         keep_fp32_buffers(engine.module)  # DeepSpeed's bf16/fp16 cast took the score bias and counts along
     log(f"optimizer: {describe_optimizer(engine)}")
+    if run.zero_stage == 0:
+        skip_one_rank_gradient_allreduce(engine)
     if run.zero_stage == 0 and run.train.precision == "fp32":
         install_fp32_clipping(engine, topology)
         if run.train.check_nan:
