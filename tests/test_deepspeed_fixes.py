@@ -74,3 +74,32 @@ def test_fixes_module_says_why_for_each_fix():
 
 def test_no_test_helper_ships_in_the_package():
     assert not os.path.exists(os.path.join(ROOT, "hybrid", "testing.py"))
+
+
+def _one_rank_allreduce_calls() -> list:
+    """Which buckets skip_one_rank_gradient_allreduce hands on to DeepSpeed's allreduce_and_copy."""
+    import types
+    import torch
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    singles = [dist.new_group([0]), dist.new_group([1])]
+    own = singles[rank]
+    calls = []
+    engine = types.SimpleNamespace(gradient_average=True, predivide=1.0)
+    engine.gradient_predivide_factor = lambda: engine.predivide
+    engine.allreduce_and_copy = lambda bucket, group, size=None: calls.append(len(bucket))
+    deepspeed_fixes.skip_one_rank_gradient_allreduce(engine)
+    bucket = [torch.ones(3)]
+    engine.allreduce_and_copy(bucket * 1, own)  # one rank, average over 1: skipped
+    engine.allreduce_and_copy(bucket * 2, own, 2)  # one rank but divided by 2 (MoE expert groups): DeepSpeed's
+    engine.allreduce_and_copy(bucket * 3, dist.group.WORLD)  # two ranks: DeepSpeed's
+    engine.predivide = 2.0
+    engine.allreduce_and_copy(bucket * 4, own)  # one rank with a pre/post-divide factor: DeepSpeed's
+    engine.gradient_average = False
+    engine.allreduce_and_copy(bucket * 5, own)  # a sum over one rank: skipped
+    return calls
+
+
+def test_gradients_are_not_copied_through_an_allreduce_of_one_rank():
+    from tests.rank_pool import run_on_ranks
+    assert run_on_ranks(_one_rank_allreduce_calls, 2) == [[2, 3, 4]] * 2
