@@ -8,8 +8,9 @@ Same model dimensions, batch, optimizer (AdamW, lr 1e-4, weight decay 0.01), cli
 dropout on both sides. hybrid runs its real training step (`launch/train.py`'s Trainer on a
 DeepSpeed engine, ZeRO-0 on CPU / ZeRO-1 on CUDA); transformers runs GPT2LMHeadModel or
 LlamaForCausalLM with SDPA and torch.optim.AdamW (fused, transformers' Trainer default; bf16 autocast on CUDA), eager
-and under torch.compile. Variants alternate in rounds after warm-up; each figure is the median
-step time over the measured rounds, and every ratio is against transformers measured in the same
+and under torch.compile. Variants alternate in short rounds after warm-up (the order flipping each
+round: this machine's speed drifts by 10-20% over a minute); each figure is the median step time
+over the measured rounds, and every ratio is against transformers measured in the same
 run. TFLOP/s use Megatron-LM's formula for every variant (so their ratio is the tokens/s ratio).
 """
 
@@ -153,8 +154,8 @@ def bench_config(c: dict, device: torch.device, variants: list[str], rounds: int
             steps_by_name[name](batch)
         _sync(device)
         persistent[name] = (torch.cuda.memory_allocated() - before) if device.type == "cuda" else 0
-    for _ in range(rounds):
-        for name in variants:
+    for round_index in range(rounds):  # the order flips every round, so neither side always goes first
+        for name in (variants if round_index % 2 == 0 else variants[::-1]):
             if device.type == "cuda":
                 others = torch.cuda.memory_allocated() - persistent[name]
                 torch.cuda.reset_peak_memory_stats()
@@ -205,8 +206,8 @@ def chart(report: dict, path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=list(PRESETS), default=None, help="default: gpu on CUDA, else cpu")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5, help="steps per round per variant")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=2, help="steps per round per variant")
     parser.add_argument("--variants", default="hybrid,transformers_eager",
                         help="comma-separated: hybrid, hybrid_compiled, transformers_eager, transformers_compiled")
     parser.add_argument("--chart", default=None, help="write a PNG bar chart here")

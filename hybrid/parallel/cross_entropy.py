@@ -18,27 +18,35 @@ IGNORE_INDEX = -100  # a label that takes no loss (masked positions), as torch's
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over TP-split logits [..., V/tp] (Megatron-LM's vocab-parallel cross-entropy): the
+    max and then (target logit, sum of exp) are all-reduced over the TP group. Like _CrossEntropy it
+    works in the logits' own memory: shifted logits, their exp, the probabilities kept for backward and
+    the gradient are all the same [tokens, V/tp] tensor (fp32 logits are consumed; bf16/fp16 ones are
+    read once into fp32), so no [tokens, V/tp] temporary is allocated beyond it."""
+
     @staticmethod
     def forward(ctx, logits, target, group, ignore_index, vocab_size):
         rank = C.group_rank(group)
         part = logits.size(-1)
         vocab_start = rank * part
         ctx.logits_dtype = logits.dtype
-        logits = logits.float()
+        work = logits.float()
+        if work is logits and logits.is_leaf:  # a caller's own tensor: never overwrite it
+            work = logits.clone()
         if vocab_size is not None and vocab_start + part > vocab_size:
             # Padded vocabulary rows (Megatron's --make-vocab-size-divisible-by) take no part.
             padded = torch.arange(vocab_start, vocab_start + part, device=logits.device) >= vocab_size
-            logits = logits.masked_fill(padded, float("-inf"))
-        logits_max = logits.max(dim=-1).values
+            work.masked_fill_(padded, float("-inf"))
+        logits_max = work.max(dim=-1).values
         C.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
+        shifted = work.sub_(logits_max.unsqueeze(-1))
 
         ignored = target == ignore_index
         local_target = target - vocab_start
         outside = (local_target < 0) | (local_target >= part) | ignored
         local_target = local_target.masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp = shifted.exp()
+        exp = shifted.exp_()
         sums = torch.stack([target_logit, exp.sum(dim=-1)])  # one all-reduce for both
         C.all_reduce(sums, group)
         target_logit, sum_exp = sums[0], sums[1]
@@ -51,7 +59,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local_target, outside, ignored = ctx.saved_tensors
-        grad = softmax.clone()
+        grad = softmax  # used once: reused in place (as Megatron-LM's cross-entropy does)
         flat = grad.view(-1, grad.size(-1))
         rows = torch.arange(flat.size(0), device=grad.device)
         flat[rows, local_target.reshape(-1)] -= (~outside).reshape(-1).to(grad.dtype)
