@@ -156,14 +156,6 @@ RULES = [
          lambda s: s.flash_attn and s.precision == "fp32",
          lambda s: "--use-flash-attn needs --bf16 or --fp16 (flash-attn has no fp32 kernels); add one, or drop "
                    "--use-flash-attn for SDPA."),
-    Rule("documents-torch-schedule", "--reset-attention-mask / --reset-position-ids with interleaved/zero-bubble/"
-         "ZB-V/DualPipeV",
-         "the torch schedules' stages are given one activation shape; the packed documents' ids travel between "
-         "DeepSpeed's pipeline stages beside the hidden states",
-         lambda s: s.documents and s.torch_schedule,
-         lambda s: f"--reset-attention-mask / --reset-position-ids with --pipeline-schedule {s.schedule}: the torch "
-                   f"schedules pass only hidden states between stages, so later stages would not see where documents "
-                   f"end. Use --pipeline-schedule 1f1b (DeepSpeed's engine, which carries them), or drop them."),
     Rule("cp-attention-dropout", "--context-parallel-size > 1 with --attention-dropout > 0",
          "the ring's block kernels (aten's fused CPU attention, the exact math kernel) run without dropout",
          lambda s: s.cp > 1 and s.attention_dropout,

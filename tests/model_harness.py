@@ -155,4 +155,8 @@ def scheduled_run(cfg: dict, tp: int, pp: int, data, schedule: str, virtual: int
     batches = iter([(ids[i:i + micro], labels[i:i + micro]) for i in range(0, ids.size(0), micro)])
     loss = step.reduce(step.train(batches).reshape(1)).item()
     grads = {n: optimizer.recorded[id(p)] for n, p in params.items()}
-    return _result(topo, loss, None, params, grads)
+    result = _result(topo, loss, None, params, grads)
+    # the same batch through the schedule's evaluation (forward only; lr 0 left the weights as they were)
+    batches = iter([(ids[i:i + micro], labels[i:i + micro]) for i in range(0, ids.size(0), micro)])
+    result["eval_loss"] = step.reduce(step.evaluate(batches).reshape(1)).item()
+    return result

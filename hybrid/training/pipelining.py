@@ -114,6 +114,8 @@ class TorchPipelineStep:
     def _run(self, method, ids, target, losses):
         args = (ids,) if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
+        if self.model.config.splits_documents:  # every stage finds the packed documents from the ids
+            kwargs["input_ids"] = ids
         return method(*args, **kwargs)
 
     def train(self, batches) -> torch.Tensor:
@@ -159,7 +161,7 @@ class TorchPipelineStep:
                     hidden = torch.empty(self._hidden_meta(ids[0].size(0), ids[0].size(1)).shape,
                                          dtype=self._activation_dtype(), device=self.device)
                     dist.irecv(hidden, group=group, group_src=rank_of[index - 1]).wait()
-                out = stage(hidden)
+                out = stage(hidden, input_ids=ids[mb] if self.model.config.splits_documents else None)
                 if stage.last:
                     losses.append(self.loss_fn(out, target[mb]))
                 elif rank_of[index + 1] == self.topology.pp_rank:
