@@ -91,6 +91,15 @@ def main() -> None:
               "top_ops": [{"op": k, "ms": ms, "calls": n} for k, ms, n in events[:a.top]],
               "collectives": [{"op": k, "ms": ms, "calls": n} for k, ms, n in events
                               if any(w in k.lower() for w in COLLECTIVE_WORDS)]}
+    parents: dict = {}  # (op, the autograd node or op that called it): ms per step, for the largest ops
+    for event in prof.events():
+        if event.name in ("aten::copy_", "aten::mul", "aten::cat", "aten::add", "aten::fill_"):
+            parent = event.cpu_parent
+            while parent is not None and parent.name.startswith("aten::") and parent.cpu_parent is not None:
+                parent = parent.cpu_parent
+            key = f"{event.name} < {parent.name if parent is not None else '(top)'}"
+            parents[key] = parents.get(key, 0.0) + event.self_cpu_time_total / 1e3 / a.steps
+    report["callers"] = [{"op": k, "ms": ms} for k, ms in sorted(parents.items(), key=lambda kv: -kv[1])[:a.top]]
     reports = [None] * world
     dist.all_gather_object(reports, report)
     if dist.get_rank() == 0:

@@ -156,11 +156,6 @@ RULES = [
          lambda s: s.flash_attn and s.precision == "fp32",
          lambda s: "--use-flash-attn needs --bf16 or --fp16 (flash-attn has no fp32 kernels); add one, or drop "
                    "--use-flash-attn for SDPA."),
-    Rule("cp-attention-dropout", "--context-parallel-size > 1 with --attention-dropout > 0",
-         "the ring's block kernels (aten's fused CPU attention, the exact math kernel) run without dropout",
-         lambda s: s.cp > 1 and s.attention_dropout,
-         lambda s: f"--context-parallel-size {s.cp} with attention dropout: the ring's block kernels run without "
-                   f"dropout. Add --attention-dropout 0 (--hidden-dropout still applies)."),
     Rule("cp-sliding-window", "--context-parallel-size > 1 with --window-size",
          "the ring's block plan is causal over the whole sequence",
          lambda s: s.cp > 1 and s.sliding_window,

@@ -314,7 +314,8 @@ def moe_block_bytes(config: ModelConfig, s: int, b: int, t: int, sp: bool, e: in
 def sequence_split_buffer_bytes(config: ModelConfig, act: ActivationSettings, device_type: str = "cuda") -> int:
     """Transient buffers of one attention layer's backward (the larger pass), per rank: the ring's K/V
     block in flight (sent and received), its fp32 K/V gradient in flight and the fp32 query gradient,
-    and off the CPU its math kernel's GQA-expanded fp32 K/V and three fp32 score tiles (of at most
+    and off the CPU or with attention dropout its math kernel's GQA-expanded fp32 K/V, three fp32 score
+    tiles and with dropout the tile's int64 hash (of at most
     hybrid.parallel.ring_attention.MATH_TILE_BYTES each); Ulysses' all-to-all inputs and outputs of q, k, v.
     Zero without a sequence split."""
     s, b, t = act.seq_length // (act.cp * act.ulysses), act.micro_batch, act.tp
@@ -323,9 +324,11 @@ def sequence_split_buffer_bytes(config: ModelConfig, act: ActivationSettings, de
     if act.cp > 1:
         kv = 2 * b * groups * s * d
         total = 2 * e * kv + 2 * 4 * kv + 4 * b * heads * s * d
-        if device_type != "cpu":
+        dropout = config.attention_dropout > 0
+        if device_type != "cpu" or dropout:  # the math kernel (with dropout: and its int64 hash per tile)
             from hybrid.parallel.ring_attention import tile_rows
-            total += 2 * 4 * b * heads * s * d + 3 * 4 * b * heads * min(tile_rows(b, heads, s), s) * s
+            tile = b * heads * min(tile_rows(b, heads, s, dropout), s) * s
+            total += 2 * 4 * b * heads * s * d + 3 * 4 * tile + (8 * tile if dropout else 0)
         return total
     if act.ulysses > 1:
         return 2 * e * b * s * (heads + 2 * groups) * d

@@ -4,7 +4,8 @@ the whole model at CP 2 and CP 4 (GPT learned positions, Llama RoPE + GQA, packe
 CP 2 x TP 2 + SP and CP 2 x PP 2 give one rank's loss and every gradient, and so does DeepSpeed-Ulysses
 (--ds-sequence-parallel-size 2 and 4, x TP 2); launched runs at CP 2 x DP 2 (Llama, ZeRO-3, packed
 documents, per-token loss), Ulysses 2 x DP 2 (Llama, packed, ZeRO-2) and CP 2 x PP 2 (interleaved,
-ZeRO-1) give one rank's losses; resume at CP 2 with dropout is bitwise; the
+ZeRO-1) give one rank's losses; the ring's attention dropout equals dropout on the whole sequence's softmax
+with the same keep mask; resume at CP 2 with hidden and attention dropout is bitwise; the
 dry run counts a rank's part; what they do not combine with is refused."""
 
 import pytest
@@ -63,6 +64,63 @@ def _full_attention(documents: bool):
 def test_ring_attention_equals_full_attention_with_gqa_and_documents(cp, documents, math):
     want, want_grads = _full_attention(documents)
     results = run_on_ranks(_ring_on_rank, cp, documents, math)
+    grads = [torch.zeros_like(g) for g in want_grads]
+    for index, out, local_grads in results:
+        assert_close(out, want[:, :, index], 1e-5, "output")
+        grads[0][:, :, index] = local_grads[0]
+        grads[1][:, :, index] += local_grads[1]
+        grads[2][:, :, index] += local_grads[2]
+    for name, got, wanted in zip("qkv", grads, want_grads):
+        assert_close(got, wanted, 1e-5, f"grad {name}")
+
+
+P_DROP, SEED = 0.3, 1234567
+
+
+def _ring_with_dropout_on_rank(documents: bool, math_tiles: bool):
+    import torch.distributed as dist
+    from hybrid.model.sequence import documents_of
+    from hybrid.parallel import ring_attention as ring
+    from hybrid.parallel.groups import Axis
+    axis = Axis.of(dist.group.WORLD)
+    ring.MATH_TILE_BYTES = 4096 if math_tiles else 64 * 2**20  # tiles of a few query rows, or one tile
+    q, k, v, grad, ids = _attention_inputs()
+    docs = documents_of(ids, EOD) if documents else None
+    index = ring.local_index(q.size(2), axis.size, axis.rank)
+    local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+    out = ring.ring_attention(*local, axis, 0.3, docs, dropout=P_DROP, seed=torch.tensor(SEED))
+    out.backward(grad[:, :, index])
+    return index, out.detach(), [t.grad for t in local]
+
+
+def _full_attention_with_dropout(documents: bool):
+    """Plain full-sequence attention (no ring, no log-sum-exp merging): softmax, then the keep mask of
+    every (query, key) pair of the whole sequence, scaled by 1 / (1 - p)."""
+    from hybrid.model.sequence import documents_of
+    from hybrid.parallel.ring_attention import keep_mask
+    q, k, v, grad, ids = _attention_inputs()
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    b, heads, s, _ = q.shape
+    allowed = torch.ones(s, s, dtype=torch.bool).tril()[None, None]
+    if documents:
+        docs = documents_of(ids, EOD)
+        allowed = allowed & (docs[:, None, :, None] == docs[:, None, None, :])
+    kk, vv = (t.repeat_interleave(heads // t.size(1), dim=1) for t in (k, v))
+    scores = (q @ kk.transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf"))
+    keep = keep_mask(torch.tensor(SEED), b, heads, torch.arange(s), torch.arange(s), P_DROP)
+    out = (torch.softmax(scores, dim=-1) * keep / (1 - P_DROP)) @ vv
+    out.backward(grad)
+    return out.detach(), [t.grad for t in (q, k, v)], keep
+
+
+@pytest.mark.parametrize("cp,documents,math_tiles", [(2, False, True), (2, True, False), (4, True, True)])
+def test_ring_attention_dropout_is_dropout_on_the_whole_sequence(cp, documents, math_tiles):
+    """Attention dropout at CP 2/4 equals the full sequence's softmax dropped by the same keep mask, a
+    function of (seed, batch row, head, query and key positions): outputs and q/k/v gradients."""
+    want, want_grads, keep = _full_attention_with_dropout(documents)
+    kept = keep[:, :, torch.ones(64, 64, dtype=torch.bool).tril()].float().mean().item()
+    assert abs(kept - (1 - P_DROP)) < 0.01, kept  # the hash keeps 1 - p of the pairs
+    results = run_on_ranks(_ring_with_dropout_on_rank, cp, documents, math_tiles)
     grads = [torch.zeros_like(g) for g in want_grads]
     for index, out, local_grads in results:
         assert_close(out, want[:, :, index], 1e-5, "output")
@@ -159,9 +217,10 @@ def test_launched_context_parallel_runs_give_the_one_rank_losses(data, tmp_path,
 
 
 def test_resume_at_cp2_with_dropout_is_bitwise_equal_to_straight(data, tmp_path):
+    """Hidden and attention dropout on (the ring's masks from a seed drawn from the restored RNG streams)."""
     from tests.launch_helpers import read_log, run
     from tests.test_training import TINY
-    base = TINY + CP2 + ["--hidden-dropout", 0.1, "--data-path", data]
+    base = TINY + CP2 + ["--hidden-dropout", 0.1, "--attention-dropout", 0.1, "--data-path", data]
     straight_log, log, ckpt = tmp_path / "straight.jsonl", tmp_path / "log.jsonl", tmp_path / "ckpt"
     run("torchrun", 2, base + ["--log-json", straight_log, "--save", ckpt, "--save-interval", 4])
     (ckpt / "latest").write_text("iter_0000004")
@@ -172,7 +231,6 @@ def test_resume_at_cp2_with_dropout_is_bitwise_equal_to_straight(data, tmp_path)
 
 
 @pytest.mark.parametrize("extra,world,message", [
-    (CP2 + ["--attention-dropout", 0.1], 2, "--context-parallel-size 2 with attention dropout"),
     (CP2 + ["--window-size", "4,0"], 2, "--context-parallel-size 2 with --window-size"),
     (["--context-parallel-size", 3], 3, "--seq-length 16 must be divisible by 6"),
     (CP2 + ["--cp-comm-type", "a2a"], 2, "--cp-comm-type a2a is not supported"),
@@ -203,6 +261,22 @@ def test_recompute_at_cp_and_ulysses_equals_one_rank(recompute, cp, ulysses):
     merged = _cp_mean(run_on_ranks(_model_on_rank, cp * ulysses, cfg, 1, cp, data, False, ulysses, recompute))
     assert abs(merged[0]["loss"] - ref_loss) <= 1e-5 * abs(ref_loss)
     compare_grads(assemble_grads(merged), ref_grads, cfg["vocab_size"], 1e-5)
+
+
+def test_recompute_redraws_the_ring_s_attention_dropout_masks():
+    """Attention dropout at CP 2: selective and full recompute give the run's own loss and gradients (the
+    seed is redrawn from the restored RNG streams), and the dropout changes the loss."""
+    cfg = dict(CONFIGS["llama"], max_position_embeddings=64, attention_dropout=0.2)
+    data = packed_batch(rows=2, seq=64, seed=2)
+    plain = run_on_ranks(_model_on_rank, 2, cfg, 1, 2, data, False, 1, None)
+    undropped = run_on_ranks(_model_on_rank, 2, dict(cfg, attention_dropout=0.0), 1, 2, data, False)
+    assert abs(plain[0]["loss"] - undropped[0]["loss"]) > 1e-4
+    for recompute in ("selective", "full"):
+        again = run_on_ranks(_model_on_rank, 2, cfg, 1, 2, data, False, 1, recompute)
+        for mine, other in zip(plain, again):
+            assert abs(mine["loss"] - other["loss"]) <= 1e-6 * abs(mine["loss"]), recompute
+            for name in mine["grads"]:
+                assert_close(other["grads"][name][0], mine["grads"][name][0], 1e-6, f"{recompute}: grad {name}")
 
 
 def test_dry_run_counts_a_rank_s_part_of_the_sequence_and_proposes_context_parallelism():

@@ -14,6 +14,13 @@ documents): the own block is causal; a block from an earlier rank is seen whole 
 through its first chunk only; one from a later rank is seen whole by the local second chunk only.
 With packed documents a block is further masked to same-document pairs.
 
+Attention dropout (`dropout` > 0) runs on the math kernel: whether query i keeps key j is a function
+of (a seed drawn once per call from the layer's RNG stream, batch row, head, i's and j's positions in
+the full sequence) (`keep_mask`), so every CP rank draws its part of one full-sequence mask without
+communication, backward regenerates it, and the masked probabilities are scaled by 1 / (1 - p) before
+the blocks are merged (the merge is linear in each block's output, so this equals dropout on the whole
+sequence's softmax).
+
 Block kernels: on CPU aten's fused flash-attention for CPU (forward and backward, masks and GQA); on
 other devices an exact math kernel in query tiles (fp32 scores of at most MATH_TILE_BYTES at a
 time, recomputed in backward; no fused kernel yet, so on GPUs the ring is slower per FLOP than
@@ -42,24 +49,63 @@ def local_index(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch.
 MATH_TILE_BYTES = 64 * 2**20  # the math kernel's fp32 scores per query tile, [b, nq, tile, sk], never [sq, sk]
 
 
+_PRIME = 2147483647  # 2^31 - 1: the hash below multiplies numbers below it, so int64 never overflows
+_MIX = (1103515245, 69069, 48271, 16807, 1664525)
+
+
+def keep_mask(seed: torch.Tensor, batch: int, heads: int, query_pos: torch.Tensor, key_pos: torch.Tensor,
+              p: float) -> torch.Tensor:
+    """bool [batch, heads, queries, keys]: which attention probabilities dropout keeps (probability 1 - p),
+    a hash of (seed, batch row, head, query position, key position): the same pair gets the same answer on
+    whichever rank computes it, in forward and in backward. `seed` an int64 tensor on the device (no host
+    sync); positions are those of the full sequence."""
+    device = query_pos.device
+    x = seed.remainder(_PRIME) + torch.arange(batch, device=device).view(-1, 1, 1, 1) * 7919
+    x = (x * _MIX[0] + torch.arange(heads, device=device).view(1, -1, 1, 1) * 104729).remainder(_PRIME)
+    x = (x * _MIX[1] + query_pos.view(1, 1, -1, 1)).remainder(_PRIME)
+    x = (x * _MIX[2] + key_pos.view(1, 1, 1, -1)).remainder(_PRIME)
+    for a in _MIX[3:]:  # nonlinear rounds (xor-shift, multiply) so nearby pairs are independent
+        x = ((x ^ (x >> 13)) * a).remainder(_PRIME)
+    return x.float().div_(_PRIME) >= p
+
+
+class _Dropout:
+    """Attention dropout of one ring block: its probability and the full-sequence positions of its queries
+    and keys; `keep(rows)` the mask of those query rows."""
+
+    def __init__(self, p: float, seed: torch.Tensor, batch: int, heads: int, query_pos, key_pos):
+        self.p, self.seed, self.batch, self.heads = p, seed, batch, heads
+        self.query_pos, self.key_pos = query_pos, key_pos
+
+    def keep(self, rows: slice) -> torch.Tensor:
+        return keep_mask(self.seed, self.batch, self.heads, self.query_pos[rows], self.key_pos, self.p)
+
+    def apply(self, probs: torch.Tensor, rows: slice) -> torch.Tensor:
+        return torch.where(self.keep(rows), probs * (1.0 / (1.0 - self.p)), 0.0)
+
+
 def _additive(mask, dtype):
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
-def block_forward(q, k, v, mask, causal: bool, scale: float, math: bool = False):
+def block_forward(q, k, v, mask, causal: bool, scale: float, math: bool = False, dropout: "_Dropout" = None):
     """One block's attention output [b, nq, sq, d] and log-sum-exp [b, nq, sq] (fp32; -inf where a
-    query may see no key of the block)."""
-    if q.device.type == "cpu" and not math:  # aten's fused CPU kernel (GQA included)
+    query may see no key of the block); with `dropout` the output of the kept probabilities (scaled),
+    the log-sum-exp of all of them (the merge's weights)."""
+    if q.device.type == "cpu" and not math and dropout is None:  # aten's fused CPU kernel (GQA included)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=None if mask is None else _additive(mask, q.dtype), scale=scale)
         lse = lse.float()
     else:
         k, v = _expand(k, q), _expand(v, q)
         outs, lses = [], []
-        for rows in _tiles(q, k):
+        for rows in _tiles(q, k, dropout):
             scores = _scores(q[:, :, rows], k, _rows(mask, rows), causal, scale, rows.start)
             lse_tile = torch.logsumexp(scores, dim=-1)
-            outs.append(torch.matmul(torch.exp(scores - lse_tile[..., None]).nan_to_num(0.0).to(v.dtype), v))
+            probs = torch.exp(scores - lse_tile[..., None]).nan_to_num(0.0)
+            if dropout is not None:
+                probs = dropout.apply(probs, rows)
+            outs.append(torch.matmul(probs.to(v.dtype), v))
             lses.append(lse_tile)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
     if mask is not None:
@@ -69,10 +115,11 @@ def block_forward(q, k, v, mask, causal: bool, scale: float, math: bool = False)
     return out, lse
 
 
-def block_backward(grad_out, q, k, v, out, lse, mask, causal: bool, scale: float, math: bool = False):
+def block_backward(grad_out, q, k, v, out, lse, mask, causal: bool, scale: float, math: bool = False,
+                   dropout: "_Dropout" = None):
     """Gradients of one block's q, k, v (k, v compact under GQA) given the merged output and
-    log-sum-exp of these queries."""
-    if q.device.type == "cpu" and not math:
+    log-sum-exp of these queries (with `dropout`: the same kept probabilities as forward)."""
+    if q.device.type == "cpu" and not math and dropout is None:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, causal,
             attn_mask=None if mask is None else _additive(mask, q.dtype), scale=scale)
@@ -80,13 +127,18 @@ def block_backward(grad_out, q, k, v, out, lse, mask, causal: bool, scale: float
     k32, v32 = _expand(k, q).float(), _expand(v, q).float()
     grad_q = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     grad_k, grad_v = torch.zeros_like(k32), torch.zeros_like(v32)
-    for rows in _tiles(q, k32):
+    for rows in _tiles(q, k32, dropout):
         q_tile, dout = q[:, :, rows].float(), grad_out[:, :, rows].float()
         # masked pairs: exp(-inf) = 0
         probs = torch.exp(_scores(q_tile, k32, _rows(mask, rows), causal, scale, rows.start) - lse[:, :, rows, None])
-        grad_v += torch.matmul(probs.transpose(-1, -2), dout)
-        delta = (dout * out[:, :, rows].float()).sum(dim=-1, keepdim=True)
-        grad_scores = probs * (torch.matmul(dout, v32.transpose(-1, -2)) - delta) * scale
+        grad_probs = torch.matmul(dout, v32.transpose(-1, -2))
+        if dropout is not None:  # out = dropped(P) v: v's gradient sees the kept ones, P's through the mask
+            grad_v += torch.matmul(dropout.apply(probs, rows).transpose(-1, -2), dout)
+            grad_probs = dropout.apply(grad_probs, rows)
+        else:
+            grad_v += torch.matmul(probs.transpose(-1, -2), dout)
+        delta = (dout * out[:, :, rows].float()).sum(dim=-1, keepdim=True)  # = sum_j P_ij dP_ij with dropout too
+        grad_scores = probs * (grad_probs - delta) * scale
         grad_q[:, :, rows] = torch.matmul(grad_scores, k32)
         grad_k += torch.matmul(grad_scores.transpose(-1, -2), q_tile)
     b, heads, sk, d = grad_k.shape
@@ -101,13 +153,14 @@ def _expand(kv, q):
     return kv if repeat == 1 else kv.repeat_interleave(repeat, dim=1)
 
 
-def tile_rows(batch: int, heads: int, keys: int) -> int:
-    """Query rows per tile of the math kernel: as many as keep a tile's fp32 scores within MATH_TILE_BYTES."""
-    return max(1, MATH_TILE_BYTES // (4 * batch * heads * keys))
+def tile_rows(batch: int, heads: int, keys: int, dropout: bool = False) -> int:
+    """Query rows per tile of the math kernel: as many as keep a tile's fp32 scores (and with dropout its
+    int64 hash) within MATH_TILE_BYTES."""
+    return max(1, MATH_TILE_BYTES // ((12 if dropout else 4) * batch * heads * keys))
 
 
-def _tiles(q, k):
-    n, rows = q.size(2), tile_rows(q.size(0), q.size(1), k.size(2))
+def _tiles(q, k, dropout=None):
+    n, rows = q.size(2), tile_rows(q.size(0), q.size(1), k.size(2), dropout is not None)
     return [slice(start, min(start + rows, n)) for start in range(0, n, rows)]
 
 
@@ -166,11 +219,12 @@ class RingAttention(torch.autograd.Function):
     queries [b, nq, s_local, d]. `documents` [b, s] (the full sequence's, or None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, axis, documents, scale, math):
+    def forward(ctx, q, k, v, axis, documents, scale, math, p, seed):
         size, rank = axis.size, axis.rank
         ring = _Ring(axis.group, size, rank)
         chunk = q.size(2) // 2
         doc_of = _documents_by_rank(documents, q.size(2) * size, size, q.device)
+        dropouts = _block_dropouts(p, seed, q, size, rank)
         kv = torch.stack([k, v]).contiguous()
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
@@ -179,7 +233,7 @@ class RingAttention(torch.autograd.Function):
             source, rows, cols, causal = _step_plan(step, rank, size, chunk)
             mask = _mask(doc_of, rank, source, rows, cols, causal)
             o, l_ = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], mask, causal and mask is None,
-                                  scale, math)
+                                  scale, math, dropouts and dropouts(source, rows, cols))
             merged = torch.logaddexp(lse[:, :, rows], l_)
             out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).nan_to_num(0.0)[..., None]
                                + o.float() * torch.exp(l_ - merged).nan_to_num(0.0)[..., None])
@@ -187,18 +241,20 @@ class RingAttention(torch.autograd.Function):
             if wait is not None:
                 kv = wait()
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, documents if documents is not None else torch.empty(0))
-        ctx.axis, ctx.scale, ctx.math, ctx.has_documents = axis, scale, math, documents is not None
+        ctx.save_for_backward(q, k, v, out, lse, documents if documents is not None else torch.empty(0),
+                              seed if seed is not None else torch.empty(0))
+        ctx.axis, ctx.scale, ctx.math, ctx.has_documents, ctx.p = axis, scale, math, documents is not None, p
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, documents = ctx.saved_tensors
+        q, k, v, out, lse, documents, seed = ctx.saved_tensors
         axis, scale, math = ctx.axis, ctx.scale, ctx.math
         size, rank = axis.size, axis.rank
         ring = _Ring(axis.group, size, rank)
         chunk = q.size(2) // 2
         doc_of = _documents_by_rank(documents if ctx.has_documents else None, q.size(2) * size, size, q.device)
+        dropouts = _block_dropouts(ctx.p, seed, q, size, rank)
         grad_out = grad_out.contiguous()
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
@@ -209,7 +265,8 @@ class RingAttention(torch.autograd.Function):
             source, rows, cols, causal = _step_plan(step, rank, size, chunk)
             mask = _mask(doc_of, rank, source, rows, cols, causal)
             dq, dk, dv = block_backward(grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                        out[:, :, rows], lse[:, :, rows], mask, causal and mask is None, scale, math)
+                                        out[:, :, rows], lse[:, :, rows], mask, causal and mask is None, scale, math,
+                                        dropouts and dropouts(source, rows, cols))
             grad_q[:, :, rows] += dq.float()
             if pending is not None:  # the accumulated gradient of this block, from the previous rank
                 grad_kv = pending()
@@ -219,7 +276,17 @@ class RingAttention(torch.autograd.Function):
             if wait is not None:
                 kv = wait()
         grad_kv = pending()
-        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None, None, None
+
+
+def _block_dropouts(p: float, seed, q, size: int, rank: int):
+    """None without dropout; else (source rank, query rows, key columns) -> that block's _Dropout."""
+    if not p:
+        return None
+    seq_len = q.size(2) * size
+    positions = [local_index(seq_len, size, r, q.device) for r in range(size)]
+    return lambda source, rows, cols: _Dropout(p, seed, q.size(0), q.size(1), positions[rank][rows],
+                                               positions[source][cols])
 
 
 def _documents_by_rank(documents, seq_len, size, device):
@@ -240,6 +307,10 @@ def _mask(doc_of, rank, source, rows, cols, causal):
     return mask[:, None]
 
 
-def ring_attention(q, k, v, axis, scale: float, documents=None, math: bool = False):
-    """Context-parallel causal attention on this rank's [b, heads, s_local, d] (see the module docstring)."""
-    return RingAttention.apply(q, k, v, axis, documents, scale, math)
+def ring_attention(q, k, v, axis, scale: float, documents=None, math: bool = False, dropout: float = 0.0,
+                   seed: torch.Tensor = None):
+    """Context-parallel causal attention on this rank's [b, heads, s_local, d] (see the module docstring);
+    `dropout` > 0 needs `seed`, an int64 tensor equal on every CP rank (keep_mask)."""
+    if dropout and seed is None:
+        raise ValueError("ring_attention with dropout needs the seed its masks are drawn from")
+    return RingAttention.apply(q, k, v, axis, documents, scale, math, float(dropout), seed if dropout else None)
