@@ -98,7 +98,7 @@ def worker(a) -> None:
     g = torch.Generator().manual_seed(1)
     times = []
     for _ in range(a.iters):
-        ids = torch.randint(0, a.vocab, (a.micro, a.seq), generator=g)
+        ids = torch.randint(0, a.vocab, (a.micro, a.seq), generator=g).to(engine.device)
         if dist.is_initialized():
             dist.barrier()
         start = time.perf_counter()

@@ -58,7 +58,8 @@ def main() -> None:
     _quiet_deepspeed()
     flags = _hybrid_flags(a) + ["--tensor-model-parallel-size", str(a.tp)]
     flags += ["--sequence-parallel"] if a.sequence_parallel else []
-    flags[flags.index("--deepspeed") + 1] = os.path.join(ROOT, "ds_configs", "zero1.json")
+    deepspeed_flag = flags.index("--deepspeed")
+    del flags[deepspeed_flag:deepspeed_flag + 2]  # no config file: --zero-stage picks the stage
     flags += ["--zero-stage", str(a.zero)]
     world = dist.get_world_size()
     run = build_run_config(build_parser().parse_args(flags), world, a.vocab)
