@@ -263,6 +263,28 @@ def test_recompute_at_cp_and_ulysses_equals_one_rank(recompute, cp, ulysses):
     compare_grads(assemble_grads(merged), ref_grads, cfg["vocab_size"], 1e-5)
 
 
+def _rng_round_trip() -> tuple:
+    import torch.distributed as dist
+    from hybrid.parallel.groups import Axis
+    from hybrid.parallel.random import fork_tp_rng, get_rng_states, model_parallel_seed, set_rng_states
+    axis = Axis.of(dist.group.WORLD)
+    model_parallel_seed(7, 0, axis.rank)
+    states = get_rng_states(axis)  # every rank's, gathered
+    drawn = torch.rand(4)
+    with fork_tp_rng():
+        drawn_tp = torch.rand(4)
+    assert set_rng_states(states, axis) and torch.equal(torch.rand(4), drawn)  # this rank's own states back
+    with fork_tp_rng():
+        assert torch.equal(torch.rand(4), drawn_tp)
+    assert not set_rng_states(states, Axis())  # saved for 2 sequence ranks, loaded at 1: refused
+    return drawn, drawn_tp, len(states["sequence_ranks"])
+
+
+def test_sequence_ranks_have_their_own_dropout_streams_and_checkpoints_keep_each():
+    (a, a_tp, n), (b, b_tp, _) = run_on_ranks(_rng_round_trip, 2)
+    assert n == 2 and not torch.equal(a, b) and not torch.equal(a_tp, b_tp)
+
+
 def test_recompute_redraws_the_ring_s_attention_dropout_masks():
     """Attention dropout at CP 2: selective and full recompute give the run's own loss and gradients (the
     seed is redrawn from the restored RNG streams), and the dropout changes the loss."""
@@ -295,4 +317,6 @@ def test_dry_run_counts_a_rank_s_part_of_the_sequence_and_proposes_context_paral
     candidate = changes["--context-parallel-size 2"]
     assert (candidate.cp, candidate.dp, candidate.zero.dp) == (2, 2, 4)  # ZeRO still over DP x CP = 4 ranks
     with_dropout = dataclasses.replace(plan, model=dataclasses.replace(config, attention_dropout=0.1))
-    assert "--context-parallel-size 2" not in dict(dry_run._candidates(with_dropout))  # the table refuses it
+    assert "--context-parallel-size 2" in dict(dry_run._candidates(with_dropout))  # the ring has attention dropout
+    with_window = dataclasses.replace(plan, model=dataclasses.replace(config, sliding_window=4096))
+    assert "--context-parallel-size 2" not in dict(dry_run._candidates(with_window))  # the table refuses it

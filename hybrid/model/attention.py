@@ -55,7 +55,7 @@ class CoreAttention(nn.Module):
         if cp is not None:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, heads, s_local, d]
             dropout, seed = self.dropout if self.training else 0.0, None
-            if dropout:  # one seed per call from the per-TP-rank stream (equal on every CP rank), as masks
+            if dropout:  # one seed per call from the per-TP-rank stream (its own on each CP rank), as masks
                 with fork_tp_rng():  # are drawn from it without CP; selective recompute redraws the same
                     seed = torch.randint(0, 2**62, (), dtype=torch.int64, device=q.device)
             out = ring_attention(q, k, v, cp, self.scale, documents, dropout=dropout, seed=seed)

@@ -61,6 +61,11 @@ class ParallelGroups:
         """Ranks holding parts of one sequence (CP or Ulysses; at most one of them is > 1)."""
         return self.cp.size * self.ulysses.size
 
+    @property
+    def sequence(self) -> "Axis":
+        """The axis the sequence is split over (CP's or Ulysses'; a one-rank axis without a split)."""
+        return self.cp if self.cp.size > 1 else self.ulysses
+
     # the TP accessors every layer uses
     @property
     def tp_group(self):

@@ -15,9 +15,9 @@ through its first chunk only; one from a later rank is seen whole by the local s
 With packed documents a block is further masked to same-document pairs.
 
 Attention dropout (`dropout` > 0) runs on the math kernel: whether query i keeps key j is a function
-of (a seed drawn once per call from the layer's RNG stream, batch row, head, i's and j's positions in
-the full sequence) (`keep_mask`), so every CP rank draws its part of one full-sequence mask without
-communication, backward regenerates it, and the masked probabilities are scaled by 1 / (1 - p) before
+of (a seed drawn once per call from the rank's RNG stream, batch row, head, i's and j's positions in
+the full sequence) (`keep_mask`), so each rank draws the mask of its own queries against every key
+without communication, backward regenerates it, and the masked probabilities are scaled by 1 / (1 - p) before
 the blocks are merged (the merge is linear in each block's output, so this equals dropout on the whole
 sequence's softmax).
 
@@ -310,7 +310,8 @@ def _mask(doc_of, rank, source, rows, cols, causal):
 def ring_attention(q, k, v, axis, scale: float, documents=None, math: bool = False, dropout: float = 0.0,
                    seed: torch.Tensor = None):
     """Context-parallel causal attention on this rank's [b, heads, s_local, d] (see the module docstring);
-    `dropout` > 0 needs `seed`, an int64 tensor equal on every CP rank (keep_mask)."""
+    `dropout` > 0 needs `seed`, an int64 tensor (keep_mask): the masks of this rank's queries (against every
+    key) are drawn from it, in forward and again in backward, so ranks may use different seeds."""
     if dropout and seed is None:
         raise ValueError("ring_attention with dropout needs the seed its masks are drawn from")
     return RingAttention.apply(q, k, v, axis, documents, scale, math, float(dropout), seed if dropout else None)

@@ -42,22 +42,23 @@ def _universal_info(run: RunConfig) -> dict:
     return universal_checkpoint_info(run.model, run.tensor_parallel, run.deepspeed_pipeline, tied_copy)
 
 
-def save(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples: int) -> str:
+def save(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples: int, sequence=None) -> str:
     """Save through DeepSpeed, then point `latest` at it."""
-    tag = write_files(engine, run, save_dir, iteration, consumed_samples)
+    tag = write_files(engine, run, save_dir, iteration, consumed_samples, sequence)
     finalize(engine, save_dir, tag)
     return tag
 
 
-def write_files(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples: int) -> str:
+def write_files(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples: int, sequence=None) -> str:
     """DeepSpeed's files of this checkpoint (with --async-save: their host copies, handed to the background
-    writer); no manifest, no pointer yet. Returns the tag."""
+    writer); no manifest, no pointer yet. Returns the tag. `sequence`: the CP / Ulysses Axis, whose ranks'
+    RNG states are all kept (one of them writes the client state)."""
     tag = tag_for(iteration)
     universal = _universal_info(run)
     if run.model.num_experts:  # DeepSpeed's MoE save takes these from the module and refuses them as client state
         engine.module.universal_checkpoint_info, universal = universal, None
     client_state = ClientState(iteration=iteration, consumed_samples=consumed_samples, args=run.args,
-                               hybrid_config=config_summary(run), rng_states=get_rng_states(),
+                               hybrid_config=config_summary(run), rng_states=get_rng_states(sequence),
                                universal_checkpoint_info=universal,
                                optimizer_param_names=optimizer_param_names(engine, run))
     os.makedirs(save_dir, exist_ok=True)
@@ -129,7 +130,7 @@ def load(engine, run: RunConfig, topology) -> tuple[int, int]:
         log(f"WARNING: no checkpoint found in {load_dir} (no '{LATEST}' file); training from scratch.")
         return 0, 0
     if train.universal_checkpoint:
-        return _load_universal(engine, run, load_dir)
+        return _load_universal(engine, run, load_dir, topology.groups.sequence)
     tag = complete_tag(load_dir, tag)
     saved = read_client_state(load_dir, tag)
     if train.finetune or saved.weights_only:
@@ -146,7 +147,7 @@ def load(engine, run: RunConfig, topology) -> tuple[int, int]:
                           f"{_fix_command(load_dir)}.") from None
     if path is None:
         raise ConfigError(f"--load {load_dir}: DeepSpeed could not load checkpoint {tag}.")
-    iteration, consumed = _restore_client_state(client_state, train)
+    iteration, consumed = _restore_client_state(client_state, train, topology.groups.sequence)
     log(f"loaded checkpoint {load_dir}/{tag} at iteration {iteration}")
     return iteration, consumed
 
@@ -166,10 +167,11 @@ def complete_tag(load_dir: str, tag: str) -> str:
     return older[0]
 
 
-def _restore_client_state(client_state: Optional[dict], train) -> tuple[int, int]:
+def _restore_client_state(client_state: Optional[dict], train, sequence=None) -> tuple[int, int]:
     state = ClientState.from_meta(client_state)
-    if not train.no_load_rng and state.rng_states is not None:
-        set_rng_states(state.rng_states)
+    if not train.no_load_rng and state.rng_states is not None and not set_rng_states(state.rng_states, sequence):
+        log("the checkpoint's RNG states are for another number of context-parallel / Ulysses ranks: the dropout "
+            "streams continue from this run's seed")
     return int(state.iteration), int(state.consumed_samples)
 
 
@@ -216,7 +218,7 @@ def check_same_layout(state: ClientState, run: RunConfig, load_dir: str, tag: st
                           f"at this layout, {_fix_command(load_dir)}.")
 
 
-def _load_universal(engine, run: RunConfig, load_dir: str) -> tuple[int, int]:
+def _load_universal(engine, run: RunConfig, load_dir: str, sequence=None) -> tuple[int, int]:
     """--universal-checkpoint: DeepSpeed loads the per-parameter fp32 weights and Adam moments and
     slices them for this rank's TP/PP/DP position (its `load_universal` mode)."""
     tag = read_tag(load_dir, LATEST_UNIVERSAL)
@@ -238,7 +240,7 @@ def _load_universal(engine, run: RunConfig, load_dir: str) -> tuple[int, int]:
         deepspeed_fixes.repair_zero3_universal_load(engine, os.path.join(load_dir, tag))
     if run.model.num_experts:
         _restore_score_biases(engine, os.path.join(load_dir, tag), run.model.num_layers)
-    iteration, consumed = _restore_client_state(client_state, run.train)
+    iteration, consumed = _restore_client_state(client_state, run.train, sequence)
     decays = ", ".join(f"{group['weight_decay']:g}" for group in engine.optimizer.param_groups)
     log(f"loaded universal checkpoint {load_dir}/{tag} at iteration {iteration} (weight decay per parameter "
         f"group: {decays})")

@@ -219,7 +219,8 @@ class Trainer:
             self._check_finite(pending)
         self._finish_save()
         start = time.perf_counter()
-        tag = checkpoint.write_files(self.engine, self.run, self.run.train.save, iteration, consumed)
+        tag = checkpoint.write_files(self.engine, self.run, self.run.train.save, iteration, consumed,
+                                     self.topology.groups.sequence)
         self.save_stall_seconds += time.perf_counter() - start
         self.unfinished_save = tag
         if not self.run.train.async_save:
@@ -364,7 +365,7 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     from hybrid.training.engine import build_engine
     topology = Topology(run.tensor_parallel, run.pipeline_parallel, run.context_parallel, run.ulysses,
                         run.expert_parallel, experts=bool(run.model.num_experts))
-    model_parallel_seed(run.train.seed, topology.tp_rank)
+    model_parallel_seed(run.train.seed, topology.tp_rank, topology.groups.sequence.rank)
     datasets = build_datasets(run.train, tokenizer.vocab_size)
     engine, _ = build_engine(run, topology)
     iteration, consumed = checkpoint.start(engine, run, topology)
