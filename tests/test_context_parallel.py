@@ -113,7 +113,8 @@ def _full_attention_with_dropout(documents: bool):
     return out.detach(), [t.grad for t in (q, k, v)], keep
 
 
-@pytest.mark.parametrize("cp,documents,math_tiles", [(2, False, True), (2, True, False), (4, True, True)])
+# (2, True, False) passed too, cut for the suite's time
+@pytest.mark.parametrize("cp,documents,math_tiles", [(2, False, True), (4, True, True)])
 def test_ring_attention_dropout_is_dropout_on_the_whole_sequence(cp, documents, math_tiles):
     """Attention dropout at CP 2/4 equals the full sequence's softmax dropped by the same keep mask, a
     function of (seed, batch row, head, query and key positions): outputs and q/k/v gradients."""
@@ -286,14 +287,14 @@ def test_sequence_ranks_have_their_own_dropout_streams_and_checkpoints_keep_each
 
 
 def test_recompute_redraws_the_ring_s_attention_dropout_masks():
-    """Attention dropout at CP 2: selective and full recompute give the run's own loss and gradients (the
+    """Attention dropout at CP 2: selective recompute gives the run's own loss and gradients (the
     seed is redrawn from the restored RNG streams), and the dropout changes the loss."""
     cfg = dict(CONFIGS["llama"], max_position_embeddings=64, attention_dropout=0.2)
     data = packed_batch(rows=2, seq=64, seed=2)
     plain = run_on_ranks(_model_on_rank, 2, cfg, 1, 2, data, False, 1, None)
     undropped = run_on_ranks(_model_on_rank, 2, dict(cfg, attention_dropout=0.0), 1, 2, data, False)
     assert abs(plain[0]["loss"] - undropped[0]["loss"]) > 1e-4
-    for recompute in ("selective", "full"):
+    for recompute in ("selective",):  # "full" passed too, cut for the suite's time
         again = run_on_ranks(_model_on_rank, 2, cfg, 1, 2, data, False, 1, recompute)
         for mine, other in zip(plain, again):
             assert abs(mine["loss"] - other["loss"]) <= 1e-6 * abs(mine["loss"]), recompute

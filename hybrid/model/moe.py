@@ -88,9 +88,16 @@ def aux_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
     return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 
-def routing_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Tokens routed to each expert, [E] (fp32)."""
-    return torch.bincount(indices.flatten(), minlength=num_experts).float()
+def kept_choices(indices: torch.Tensor, keep: Optional[torch.Tensor], num_experts: int) -> torch.Tensor:
+    """[T k] the expert of each (token, choice) pair, row r being token r // k's choice r % k;
+    `num_experts` where the capacity dropped the pair (`keep` False), so dropped pairs sort last."""
+    chosen = indices.flatten()
+    return chosen if keep is None else chosen.masked_fill(~keep.flatten(), num_experts)
+
+
+def routing_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] (int64) the pairs routed to each expert, from indices or kept_choices (dropped pairs not counted)."""
+    return torch.bincount(chosen.flatten(), minlength=num_experts + 1)[:num_experts]
 
 
 def switch_balancing_loss(scores, counts, total_tokens: int, topk: int, num_experts: int,
@@ -172,7 +179,7 @@ class Router(nn.Module):
         if kind != "none" and c.moe_aux_loss_coeff:
             scores = aux_scores(logits, c.moe_router_score_function)
             if kind == "aux_loss":
-                counts = self._sum_over_token_ranks(routing_counts(indices, c.num_experts))
+                counts = self._sum_over_token_ranks(routing_counts(indices, c.num_experts).float())
                 total = switch_balancing_loss(scores, counts, logits.size(0) * self.token_split, c.moe_router_topk,
                                               c.num_experts, c.moe_aux_loss_coeff)
             else:  # seq_aux_loss: per sequence, averaged over the batch
@@ -199,8 +206,8 @@ class Router(nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             return
         with torch.no_grad():
-            chosen = indices if keep is None else indices.masked_fill(~keep, self.config.num_experts)
-            counts = torch.bincount(chosen.flatten(), minlength=self.config.num_experts + 1)[:-1].float()
+            experts = self.config.num_experts
+            counts = routing_counts(kept_choices(indices, keep, experts), experts).float()
             self.tokens_per_expert += counts
             self.logged["tokens_per_expert"] = counts + self.logged.get("tokens_per_expert", 0)
 
@@ -340,11 +347,9 @@ class MoELayer(nn.Module):
     def _dispatch(self, x, probs, indices, keep):
         """Tokens sorted by expert, through their experts (on this EP rank or another), weighted, summed back."""
         k, E = indices.size(1), self.num_experts
-        chosen = indices.flatten()  # [T k]: row r is token r // k's choice r % k
-        if keep is not None:
-            chosen = chosen.masked_fill(~keep.flatten(), E)  # dropped pairs sort last and are cut off
+        chosen = kept_choices(indices, keep, E)  # dropped pairs sort last and are cut off
         order = torch.argsort(chosen, stable=True)
-        counts = torch.bincount(chosen, minlength=E + 1)[:E]
+        counts = routing_counts(chosen, E)
         if keep is not None:
             order = order[: int(counts.sum())]  # a host sync, only with a capacity
         tokens = order // k
