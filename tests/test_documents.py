@@ -151,7 +151,7 @@ def test_torch_schedules_give_every_stage_the_documents(style, schedule):
     compare_grads(assemble_grads(results), ref_grads, cfg["vocab_size"], 1e-5)
 
 
-def test_reset_flags_reach_training_and_the_torch_schedules(tmp_path):
+def test_reset_flags_reach_training(tmp_path):
     from tests.launch_helpers import read_log, run
     flags = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 64,
              "--micro-batch-size", 2, "--global-batch-size", 4, "--train-iters", 2, "--log-interval", 1,
@@ -163,6 +163,3 @@ def test_reset_flags_reach_training_and_the_torch_schedules(tmp_path):
         run("python", 1, flags + extra + ["--log-json", log])
         losses[name] = [r["lm_loss"] for r in read_log(log) if "lm_loss" in r and "consumed_samples" in r]
     assert len(losses["documents"]) == 2 and losses["documents"] != losses["plain"]
-    proc = run("python", 1, flags + ["--reset-attention-mask", "--pipeline-model-parallel-size", 2, "--pipeline-schedule",
-                                     "zbv", "--num-layers", 4, "--dry-run", "--dry-run-world-size", 2], check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]

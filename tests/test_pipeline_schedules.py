@@ -3,8 +3,8 @@ optimizer: the same mathematics as one rank.
 
 - one iteration on CPU ranks: loss and every gradient equal the single-process model's (1e-5);
 - launch/train.py, 8 iterations with clipping and a warmup+cosine schedule: losses and evaluation
-  losses equal the one-rank run within 1e-5 relative (fp32, dropout off), at PP 2 with v = 2 (without
-  ZeRO and compiled; ZeRO-1 at DP 2), TP 2 x PP 2 with SP, zero-bubble, ZB-V (tied table on one
+  losses equal the one-rank run within 1e-5 relative (fp32, dropout off), at PP 2 with v = 2 (ZeRO-1 at
+  DP 2), TP 2 x PP 2 with SP, zero-bubble, ZB-V (tied table on one
   rank), DualPipeV (untied);
 - flags that cannot work end in one message (resume with dropout on: tests/test_training.py).
 """
@@ -44,8 +44,9 @@ def test_one_iteration_loss_and_gradients_equal_one_rank(model, schedule, virtua
     compare_grads(assemble_grads(results), ref_grads, cfg["vocab_size"], atol=1e-5)
 
 
+# "pp2_v2_compiled" (PP 2, v 2, --torch-compile) passed too; cut for the suite's time (compiled layers are
+# proven against eager in tests/test_device_and_step.py)
 LAYOUTS = {
-    "pp2_v2_compiled": (2, PP2 + ["--num-virtual-stages-per-pipeline-rank", 2, "--torch-compile"]),
     "pp2_dp2_zero1_v2": (4, PP2 + ["--num-layers-per-virtual-pipeline-stage", 1, *ZERO1]),
     "tp2_pp2_sp_v2_zero1": (4, PP2 + ["--tensor-model-parallel-size", 2, "--sequence-parallel",
                                       "--num-virtual-stages-per-pipeline-rank", 2, *ZERO1]),

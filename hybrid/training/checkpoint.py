@@ -130,7 +130,7 @@ def load(engine, run: RunConfig, topology) -> tuple[int, int]:
         log(f"WARNING: no checkpoint found in {load_dir} (no '{LATEST}' file); training from scratch.")
         return 0, 0
     if train.universal_checkpoint:
-        return _load_universal(engine, run, load_dir, topology.groups.sequence)
+        return _load_universal(engine, run, load_dir, topology)
     tag = complete_tag(load_dir, tag)
     saved = read_client_state(load_dir, tag)
     if train.finetune or saved.weights_only:
@@ -218,7 +218,7 @@ def check_same_layout(state: ClientState, run: RunConfig, load_dir: str, tag: st
                           f"at this layout, {_fix_command(load_dir)}.")
 
 
-def _load_universal(engine, run: RunConfig, load_dir: str, sequence=None) -> tuple[int, int]:
+def _load_universal(engine, run: RunConfig, load_dir: str, topology) -> tuple[int, int]:
     """--universal-checkpoint: DeepSpeed loads the per-parameter fp32 weights and Adam moments and
     slices them for this rank's TP/PP/DP position (its `load_universal` mode)."""
     tag = read_tag(load_dir, LATEST_UNIVERSAL)
@@ -240,7 +240,7 @@ def _load_universal(engine, run: RunConfig, load_dir: str, sequence=None) -> tup
         deepspeed_fixes.repair_zero3_universal_load(engine, os.path.join(load_dir, tag))
     if run.model.num_experts:
         _restore_score_biases(engine, os.path.join(load_dir, tag), run.model.num_layers)
-    iteration, consumed = _restore_client_state(client_state, run.train, sequence)
+    iteration, consumed = _restore_client_state(client_state, run.train, topology.groups.sequence)
     decays = ", ".join(f"{group['weight_decay']:g}" for group in engine.optimizer.param_groups)
     log(f"loaded universal checkpoint {load_dir}/{tag} at iteration {iteration} (weight decay per parameter "
         f"group: {decays})")
