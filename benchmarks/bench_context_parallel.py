@@ -49,9 +49,8 @@ def _saved_bytes(cp: int, seq: int, batch: int) -> tuple[int, int]:
     import gc
     from hybrid.model.config import ModelConfig
     from hybrid.model.gpt import GPTModel
-    from hybrid.topology import Topology
-    topology = Topology(context_parallel=cp)
-    model = GPTModel(ModelConfig(**MODEL), topology.groups)
+    from hybrid.parallel.groups import build_groups
+    model = GPTModel(ModelConfig(**MODEL), build_groups(context_parallel=cp))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept = {}
 

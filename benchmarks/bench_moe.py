@@ -61,7 +61,7 @@ def experts_benchmark(tokens: int, repeats: int, device, dtype) -> dict:
         seconds = _time(step, repeats, device)
         results[grouped] = layer(x).detach().float()
         out["grouped_gemm" if grouped else "per_expert_loop"] = {"seconds": seconds, "tokens_per_s": tokens / seconds,
-                                                                 "ran_grouped": bool(layer._grouped) if grouped else False}
+                                                                 "ran_grouped": bool(layer.grouped_gemm) if grouped else False}
     out["grouped_over_loop"] = out["per_expert_loop"]["seconds"] / out["grouped_gemm"]["seconds"]
     out["max_abs_difference"] = (results[True] - results[False]).abs().max().item()
     return out

@@ -71,11 +71,11 @@ class HybridStep:
         from hybrid.config import build_run_config
         from hybrid.flags import build_parser
         from hybrid.parallel.random import model_parallel_seed
-        from hybrid.topology import Topology
+        from hybrid.parallel.groups import build_groups
         from hybrid.training.engine import build_engine
         from hybrid.training.loop import Trainer
         run = build_run_config(build_parser().parse_args(hybrid_flags(c, device, compile_layers)), 1, c["vocab"])
-        topology = Topology(1, 1)
+        topology = build_groups()
         model_parallel_seed(1234, 0)
         self.engine, _ = build_engine(run, topology)
         self.trainer = Trainer(run, topology, self.engine, (None, None, None))
@@ -217,7 +217,7 @@ def main() -> None:
     os.environ.setdefault("HYBRID_VERBOSE", "")
     from hybrid.distributed import init_distributed
     init_distributed()
-    from hybrid.training.loop import _quiet_deepspeed
+    from hybrid.training.run import _quiet_deepspeed
     _quiet_deepspeed()
     preset = args.preset or ("gpu" if device.type == "cuda" else "cpu")
     variants = args.variants.split(",")

@@ -51,9 +51,10 @@ def main() -> None:
     from hybrid.distributed import init_distributed
     from hybrid.flags import build_parser
     from hybrid.parallel.random import model_parallel_seed
-    from hybrid.topology import Topology
+    from hybrid.parallel.groups import build_groups
     from hybrid.training.engine import build_engine
-    from hybrid.training.loop import Trainer, _quiet_deepspeed
+    from hybrid.training.loop import Trainer
+    from hybrid.training.run import _quiet_deepspeed
     init_distributed()
     _quiet_deepspeed()
     flags = _hybrid_flags(a) + ["--tensor-model-parallel-size", str(a.tp)]
@@ -63,8 +64,8 @@ def main() -> None:
     flags += ["--zero-stage", str(a.zero)]
     world = dist.get_world_size()
     run = build_run_config(build_parser().parse_args(flags), world, a.vocab)
-    topology = Topology(a.tp, 1)
-    model_parallel_seed(1234, topology.tp_rank)
+    topology = build_groups(tensor_parallel=a.tp)
+    model_parallel_seed(1234, topology.tp.rank)
     engine, _ = build_engine(run, topology)
     trainer = Trainer(run, topology, engine, (None, None, None))
     generator = torch.Generator().manual_seed(0)

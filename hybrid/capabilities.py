@@ -2,7 +2,7 @@
 precision x recompute x compile x parallel axes x checkpoint options, with its reason and fix.
 
 Flag checking (hybrid.config, hybrid.ds_config), the dry-run advisor (hybrid.dry_run: it only proposes
-changes this table allows), the checkpoint checks (hybrid.training.checkpoint) and the README (its
+changes this table allows), the checkpoint checks (hybrid.training.resume) and the README (its
 table is `markdown_table()`, checked by a test) all read this module. Flags without a feature behind
 them are the other table (hybrid.megatron_compat). Pure: no DeepSpeed, no torch.distributed.
 """

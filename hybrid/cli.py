@@ -4,20 +4,20 @@ import sys
 
 
 def train_main() -> None:
-    from hybrid.training.loop import main
+    from hybrid.training.run import main  # each command imports only its own modules (start-up time)
     sys.exit(main())
 
 
 def preprocess_main() -> None:
-    from hybrid.data.preprocess import main
+    from hybrid.data.preprocess import main  # each command imports only its own modules
     sys.exit(main())
 
 
 def convert_main() -> None:
-    from hybrid.conversion.checkpoint_util import main
+    from hybrid.conversion.checkpoint_util import main  # each command imports only its own modules
     sys.exit(main())
 
 
 def evaluate_main() -> None:
-    from hybrid.evaluation import main
+    from hybrid.evaluation import main  # each command imports only its own modules
     sys.exit(main())

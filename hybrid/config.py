@@ -1,9 +1,13 @@
-"""Parsed flags -> the typed configuration of one run (ModelConfig, TrainConfig, RunConfig).
+"""Parsed flags -> the typed configuration of one run (`RunConfig`), split by concern as torchtitan's
+job config: the model (hybrid.model.config.ModelConfig), the parallel sizes (hybrid.parallel.dims.
+ParallelDims) and pipeline schedule (hybrid.pipeline_plan.PipelineSchedule), training, optimizer,
+data, checkpoint and logging settings.
 
 Every check runs in `build_run_config`, once, before any model is built or DeepSpeed is imported;
 a mistake raises ConfigError naming the flag (and the DeepSpeed config key where both are
 involved) and the fix. The flags themselves are in hybrid.flags, the merge with the DeepSpeed
-JSON in hybrid.ds_config, the parallel sizes in hybrid.topology.ParallelDims.
+JSON in hybrid.ds_config, the architecture in hybrid.architecture, the refused combinations in
+hybrid.capabilities.
 """
 
 from __future__ import annotations
@@ -14,22 +18,49 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-
 from hybrid import ds_config as dsc
+from hybrid.architecture import MOE_FLAGS, MOE_NEEDS_SP, model_config
+from hybrid.capabilities import Setup, check
+from hybrid.checkpoint.client_state import SavedLayout, read_client_state
+from hybrid.checkpoint.files import read_tag
+from hybrid.data import default as default_data
 from hybrid.errors import ConfigError
-from hybrid.model.config import LLAMA3_ROPE_DEFAULTS, ModelConfig
-from hybrid.topology import ParallelDims
+from hybrid.megatron_compat import check_compat
+from hybrid.model.config import ModelConfig
+from hybrid.parallel.dims import ParallelDims
+from hybrid.pipeline_plan import PipelineSchedule, resolve_virtual_stages
+from hybrid.run_length import RunLength, resolve_run_length
 
 
 @dataclass
-class TrainConfig:
-    """Batching, schedule, optimizer, precision, data, checkpoints and logging of one run."""
+class TrainingConfig:
+    """Batching, length, precision and the per-iteration options of the training loop."""
 
     micro_batch_size: int  # --micro-batch-size: samples per micro-batch per DP rank
     global_batch_size: int  # --global-batch-size: samples per iteration over all DP ranks
     grad_acc_steps: int  # global / (micro x DP)
-    train_iters: int  # --train-iters
+    train_iters: int  # --train-iters (or from --train-samples / --train-tokens)
     seq_length: int  # --seq-length
+    precision: str  # fp32 | bf16 | fp16
+    seed: int  # --seed
+    eval_interval: int  # --eval-interval
+    eval_iters: int  # --eval-iters
+    train_samples: int = 0  # samples the training split provides (--train-samples, or iterations x batch)
+    train_tokens: Optional[int] = None  # --train-tokens: stop once this many tokens were consumed
+    rampup: Optional[object] = None  # hybrid.run_length.Rampup for --rampup-batch-size
+    exit_interval: Optional[int] = None  # --exit-interval: stop (after saving) at an iteration divisible by it
+    exit_duration_in_mins: Optional[float] = None  # --exit-duration-in-mins: save and stop after this long
+    torch_compile: bool = False  # --torch-compile: each transformer layer compiled by torch.compile
+    per_token_loss: bool = False  # --calculate-per-token-loss: the iteration's loss is its valid tokens' mean
+    check_nan: bool = True  # --check-for-nan-in-loss-and-grad: stop at the first non-finite loss or grad norm
+    freeze_layers: list = field(default_factory=list)  # --freeze-layers, as layer numbers
+    freeze_embeddings: bool = False  # --freeze-embeddings
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW's settings and the LR schedule (the optimizer itself is DeepSpeed's config's, hybrid.ds_config)."""
+
     lr: float  # --lr (peak)
     min_lr: float  # --min-lr
     lr_decay_style: str  # --lr-decay-style constant|linear|cosine
@@ -38,47 +69,51 @@ class TrainConfig:
     lr_warmup_steps: int  # warmup length in lr_unit (--lr-warmup-iters/-samples/-tokens/-fraction)
     weight_decay: float  # --weight-decay (not on biases and norm weights)
     clip_grad: float  # --clip-grad (0 disables)
-    precision: str  # fp32 | bf16 | fp16
-    seed: int  # --seed
-    eval_interval: int  # --eval-interval
-    eval_iters: int  # --eval-iters
-    data_path: Optional[list]  # --data-path (None: --mock-data or the embedded default corpus)
+
+
+@dataclass
+class DataConfig:
+    """Where samples come from and how they are served."""
+
+    data_path: Optional[list]  # --data-path (None: --mock-data, the split paths or the embedded default corpus)
     split: str  # --split
-    mock_data: bool  # --mock-data
-    save: Optional[str]  # --save
-    load: Optional[str]  # --load
-    save_interval: Optional[int]  # --save-interval
-    finetune: bool  # --finetune
-    no_load_optim: bool  # --no-load-optim
-    no_load_rng: bool  # --no-load-rng
-    log_interval: int  # --log-interval
-    log_json: Optional[str]  # --log-json
-    tensorboard_dir: Optional[str]  # --tensorboard-dir
-    wandb_project: Optional[str]  # --wandb-project
-    wandb_exp_name: Optional[str]  # --wandb-exp-name
-    num_workers: int  # --num-workers (DataLoader processes)
-    exit_interval: Optional[int]  # --exit-interval: stop (after saving) at an iteration divisible by it
-    progress_bar: bool  # a progress bar when stdout is a terminal
-    freeze_layers: list = field(default_factory=list)  # --freeze-layers, as layer numbers
-    freeze_embeddings: bool = False  # --freeze-embeddings
+    mock_data: bool = False  # --mock-data
     split_data_paths: tuple = (None, None, None)  # --train/--valid/--test-data-path (each split's own blend)
     data_cache_path: Optional[str] = None  # --data-cache-path: where sample indices are cached
     legacy_data_rules: bool = False  # --legacy-data-rules: Megatron-DeepSpeed split rounding and blend counts
     eod_mask_loss: bool = False  # --eod-mask-loss: positions whose input is EOD take no loss
-    torch_compile: bool = False  # --torch-compile: each transformer layer compiled by torch.compile
-    train_samples: int = 0  # samples the training split provides (--train-samples, or iterations x batch)
-    train_tokens: Optional[int] = None  # --train-tokens: stop once this many tokens were consumed
-    rampup: Optional[object] = None  # hybrid.run_length.Rampup for --rampup-batch-size
-    exit_duration_in_mins: Optional[float] = None  # --exit-duration-in-mins: save and stop after this long
-    wandb_save_dir: Optional[str] = None  # --wandb-save-dir
-    export_hf: Optional[str] = None  # --export-hf: HF directory written from the final checkpoint
-    sample_prompt: Optional[str] = None  # --sample-prompt: text continued by transformers from the export
-    log_memory: bool = False  # --log-memory-to-tensorboard
+    num_workers: int = 2  # --num-workers (DataLoader processes)
+
+
+@dataclass
+class CheckpointConfig:
+    """Where the run starts from and what it leaves."""
+
+    save: Optional[str] = None  # --save
+    load: Optional[str] = None  # --load
+    save_interval: Optional[int] = None  # --save-interval
+    finetune: bool = False  # --finetune: weights of --load from any layout, a fresh schedule
+    no_load_optim: bool = False  # --no-load-optim
+    no_load_rng: bool = False  # --no-load-rng
     universal_checkpoint: bool = False  # --universal-checkpoint: --load a universal checkpoint, any layout
-    per_token_loss: bool = False  # --calculate-per-token-loss: the iteration's loss is its valid tokens' mean
-    check_nan: bool = True  # --check-for-nan-in-loss-and-grad: stop at the first non-finite loss or grad norm
     load_hf: Optional[str] = None  # --load-hf: the HF model directory the run starts from (when --load has none)
     async_save: bool = False  # --async-save: checkpoints written in the background from a host copy
+    export_hf: Optional[str] = None  # --export-hf: HF directory written from the final checkpoint
+    sample_prompt: Optional[str] = None  # --sample-prompt: text continued by transformers from the export
+
+
+@dataclass
+class LoggingConfig:
+    """What the run reports, and where."""
+
+    log_interval: int = 100  # --log-interval
+    log_json: Optional[str] = None  # --log-json
+    tensorboard_dir: Optional[str] = None  # --tensorboard-dir
+    wandb_project: Optional[str] = None  # --wandb-project
+    wandb_exp_name: Optional[str] = None  # --wandb-exp-name
+    wandb_save_dir: Optional[str] = None  # --wandb-save-dir
+    progress_bar: bool = True  # a progress bar when stdout is a terminal
+    log_memory: bool = False  # --log-memory-to-tensorboard
 
 
 @dataclass
@@ -86,37 +121,44 @@ class RunConfig:
     """Everything one training run needs, validated."""
 
     model: ModelConfig
-    train: TrainConfig
-    tensor_parallel: int
-    pipeline_parallel: int
-    data_parallel: int
-    pipeline_partition: str
-    ds_config: dict
+    parallel: ParallelDims
+    pipeline: PipelineSchedule
+    training: TrainingConfig
+    optimizer: OptimizerConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    ds_config: dict  # what deepspeed.initialize gets
     args: dict  # the parsed flags, saved in checkpoints
-    context_parallel: int = 1  # --context-parallel-size
-    ulysses: int = 1  # --ds-sequence-parallel-size
-    expert_parallel: int = 1  # --expert-model-parallel-size (inside DP)
-    pipeline_schedule: str = "1f1b"  # --pipeline-schedule: DeepSpeed's engine, or a torch.distributed.pipelining one
-    virtual_stages: int = 1  # virtual pipeline stages per rank
 
     @property
     def deepspeed_pipeline(self) -> bool:
         """Pipeline stages run by DeepSpeed's PipelineEngine (PP > 1, --pipeline-schedule 1f1b)."""
-        return self.pipeline_parallel > 1 and self.pipeline_schedule == "1f1b"
+        return self.pipeline.on_deepspeed(self.parallel.pipeline_parallel)
 
     @property
     def virtual_pipeline(self) -> bool:
         """Virtual stages run by a torch.distributed.pipelining schedule (PP > 1, any other schedule)."""
-        return self.pipeline_parallel > 1 and self.pipeline_schedule != "1f1b"
-
-    @property
-    def sequence_split(self) -> int:
-        """Ranks holding parts of one sequence (CP or Ulysses): DeepSpeed's data-parallel world is DP x this."""
-        return self.context_parallel * self.ulysses
+        return self.pipeline.on_torch(self.parallel.pipeline_parallel)
 
     @property
     def zero_stage(self) -> int:
         return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+
+    def saved_layout(self) -> SavedLayout:
+        """The layout this run's checkpoints record (and a plain load compares, field by field)."""
+        p = self.parallel
+        return SavedLayout(tensor_parallel=p.tensor_parallel, pipeline_parallel=p.pipeline_parallel,
+                           data_parallel=p.data_parallel, context_parallel=p.context_parallel, ulysses=p.ulysses,
+                           expert_parallel=p.expert_parallel, pipeline_schedule=self.pipeline.schedule,
+                           virtual_stages=self.pipeline.virtual_stages, zero_stage=self.zero_stage)
+
+
+def config_summary(run: RunConfig) -> dict:
+    """A JSON-able record of the run's configuration (logged to TensorBoard / wandb, saved with checkpoints)."""
+    return {"model": asdict(run.model), "parallel": asdict(run.parallel), "pipeline": asdict(run.pipeline),
+            "training": asdict(run.training), "optimizer": asdict(run.optimizer), "data": asdict(run.data),
+            "checkpoint": asdict(run.checkpoint), "logging": asdict(run.logging), "zero_stage": run.zero_stage}
 
 
 def parse_layer_ranges(spec: Optional[str], num_layers: int) -> list[int]:
@@ -137,96 +179,6 @@ def parse_layer_ranges(spec: Optional[str], num_layers: int) -> list[int]:
     return sorted(layers)
 
 
-def _rope_scaling(args) -> Optional[dict]:
-    if args.use_rope_scaling and args.rotary_seq_len_interpolation_factor:
-        raise ConfigError("--use-rope-scaling (llama3) and --rotary-seq-len-interpolation-factor (linear) are two "
-                          "rope scalings; give one.")
-    if args.use_rope_scaling:
-        return {"rope_type": "llama3", "factor": args.rope_scaling_factor, **LLAMA3_ROPE_DEFAULTS}
-    if args.rotary_seq_len_interpolation_factor:
-        return {"rope_type": "linear", "factor": float(args.rotary_seq_len_interpolation_factor)}
-    return None
-
-
-def _sliding_window(args) -> Optional[int]:
-    """Megatron's --window-size (left, right) -> the window transformers names (left + 1 keys)."""
-    if args.window_size is None:
-        return None
-    left, right = args.window_size
-    if right != 0:
-        raise ConfigError(f"--window-size {left},{right}: a causal model attends no later tokens; use {left},0.")
-    if left < -1:
-        raise ConfigError(f"--window-size {left},0: LEFT must be >= 0 (-1: no window).")
-    return None if left == -1 else left + 1
-
-
-def _architecture(args, vocab_size: int) -> ModelConfig:
-    """The model's shape and options from the flags (everything --load-hf takes from its config)."""
-    if args.group_query_attention and not args.num_query_groups:
-        raise ConfigError("--group-query-attention needs --num-query-groups N.")
-    kv_channels = args.kv_channels
-    if kv_channels and kv_channels * args.num_attention_heads == args.hidden_size:
-        kv_channels = None  # the default head dimension (so the config equals an imported model's)
-    return ModelConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        vocab_size=vocab_size, max_position_embeddings=args.max_position_embeddings or args.seq_length,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_query_groups=args.num_query_groups if args.group_query_attention or args.num_query_groups else None,
-        position_embedding_type="rope" if args.use_rotary_position_embeddings else args.position_embedding_type,
-        rotary_base=args.rotary_base, normalization=args.normalization, norm_epsilon=args.norm_epsilon,
-        swiglu=args.swiglu, add_bias_linear=not args.disable_bias_linear,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std, kv_channels=kv_channels, add_qkv_bias=args.add_qkv_bias,
-        qk_layernorm=args.qk_layernorm, sliding_window=_sliding_window(args), rope_scaling=_rope_scaling(args),
-        apply_layernorm_1p=args.apply_layernorm_1p, geglu=args.geglu, scale_embeddings=args.scale_embeddings,
-        **_moe_fields(args))
-
-
-MOE_FLAGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
-             "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
-             "moe_shared_expert_gate")  # the architecture (an imported model's config sets them)
-MOE_TRAINING_FLAGS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-                      "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_expert_capacity_factor",
-                      "moe_token_drop_policy", "moe_grouped_gemm")  # how it trains (flags, also with --load-hf)
-
-
-MOE_NEEDS_SP = ("--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel (each TP rank "
-                "routes its own sequence shard, as in Megatron-LM).")
-
-
-def _moe_fields(args) -> dict:
-    return {name: getattr(args, name) for name in MOE_FLAGS} if args.num_experts else {}
-
-
-def _model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = None) -> ModelConfig:
-    """The architecture (from the flags, or `base`: a --load-hf model's) with this run's settings."""
-    granularity = args.recompute_granularity or ("full" if args.checkpoint_activations else None)
-    num_layers = args.recompute_num_layers or args.checkpoint_num_layers or 1
-    if base is not None and vocab_size > base.vocab_size:
-        raise ConfigError(f"--load-hf {args.load_hf}: the tokenizer has {vocab_size} tokens but the model's "
-                          f"embedding only {base.vocab_size}; use the model's own tokenizer (drop the tokenizer flags).")
-    architecture = base or _architecture(args, vocab_size)
-    if architecture.family is None:  # recorded in the checkpoints, so export writes this family
-        from hybrid.conversion.families import infer_family
-        architecture = dataclasses.replace(architecture, family=infer_family(architecture))
-    config = dataclasses.replace(
-        architecture, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling, use_flash_attn=args.use_flash_attn,
-        recompute_granularity=granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=num_layers, sequence_parallel=args.sequence_parallel and tp > 1, seed=args.seed,
-        async_tensor_model_parallel_allreduce=not args.no_async_tensor_model_parallel_allreduce,
-        **({name: getattr(args, name) for name in MOE_TRAINING_FLAGS} if architecture.num_experts else {}))
-    config.validate(tp)
-    if config.position_embedding_type == "learned_absolute" and args.seq_length > config.max_position_embeddings:
-        raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
-                          f"{config.max_position_embeddings}.")
-    if args.sequence_parallel and args.seq_length % tp != 0:
-        raise ConfigError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by "
-                          f"--tensor-model-parallel-size {tp}.")
-    return config
-
-
 def tokenizer_kwargs(args) -> dict:
     """What build_tokenizer needs; with no data and no tokenizer flags, the embedded default."""
     tokenizer_type = args.tokenizer_type
@@ -244,7 +196,6 @@ def tokenizer_kwargs(args) -> dict:
         if args.data_path or args.train_data_path:
             raise ConfigError("--data-path needs its tokenizer: --vocab-file and --merge-file "
                               "(GPT2BPETokenizer), or --tokenizer-type HFTokenizer --tokenizer-model DIR.")
-        from hybrid.data import default as default_data
         vocab_file, merge_file = str(default_data.VOCAB), str(default_data.MERGES)
     return dict(tokenizer_type=tokenizer_type, vocab_file=vocab_file, merge_file=merge_file,
                 tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
@@ -322,7 +273,6 @@ def _demo_defaults(args) -> None:
 def apply_megatron_aliases(args: argparse.Namespace) -> list[str]:
     """Other Megatron spellings of supported settings -> ours; refused flags raise. Returns the
     accepted compatibility flags (for the log)."""
-    from hybrid.megatron_compat import check_compat
     accepted = check_compat(args)
     if args.num_key_value_heads:
         if args.num_query_groups and args.num_query_groups != args.num_key_value_heads:
@@ -357,7 +307,6 @@ def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
         return []
     if not args.load:
         raise ConfigError("--use-checkpoint-args needs --load CHECKPOINT_DIR.")
-    from hybrid.checkpoint_format import read_client_state, read_tag
     tag = read_tag(args.load) if os.path.isdir(args.load) else None
     if tag is None:
         raise ConfigError(f"--use-checkpoint-args: no checkpoint in --load {args.load} (no 'latest' file).")
@@ -370,8 +319,9 @@ def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
     return changed
 
 
-def _check_experts(model: ModelConfig, ep: int, sequence_split: int, tp: int) -> None:
-    """--expert-model-parallel-size: experts split evenly inside DP; TP needs SP (as Megatron-LM)."""
+def _check_experts(model: ModelConfig, dims: ParallelDims) -> None:
+    """--expert-model-parallel-size: experts split evenly inside DP x CP; TP needs SP (as Megatron-LM)."""
+    ep, tp = dims.expert_parallel, dims.tensor_parallel
     if model.num_experts and tp > 1 and not model.sequence_parallel:
         raise ConfigError(MOE_NEEDS_SP.format(tp=tp))
     if ep > 1 and not model.num_experts:
@@ -379,40 +329,41 @@ def _check_experts(model: ModelConfig, ep: int, sequence_split: int, tp: int) ->
                           f"(give --num-experts, or drop --expert-model-parallel-size).")
     if model.num_experts and model.num_experts % ep != 0:
         raise ConfigError(f"--num-experts {model.num_experts} is not divisible by --expert-model-parallel-size {ep}.")
-    if ep > 1 and sequence_split > 1:
+    if ep > 1 and dims.sequence_split > 1:
         raise ConfigError(f"--expert-model-parallel-size {ep} with --context-parallel-size / "
-                          f"--ds-sequence-parallel-size {sequence_split}: expert groups inside the DP x CP axis are not "
-                          f"built yet; use one of them.")
+                          f"--ds-sequence-parallel-size {dims.sequence_split}: expert groups inside the DP x CP axis "
+                          f"are not built yet; use one of them.")
 
 
-def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_size: int,
-                     base_model: Optional[ModelConfig] = None, eod_token: Optional[int] = None) -> RunConfig:
-    """Validate the flags against each other, the DeepSpeed config and the world size.
-    `base_model`: the architecture of --load-hf's model (hybrid.conversion.hf.read_hf_config);
-    `eod_token`: the tokenizer's end-of-document id (--reset-attention-mask / --reset-position-ids)."""
+# --- build_run_config's steps ----------------------------------------------------------------------
+
+def _prepare_flags(args) -> None:
+    """The saved run's architecture (--use-checkpoint-args), Megatron's other spellings, the demo's defaults."""
     apply_checkpoint_args(args)
     apply_megatron_aliases(args)
     _demo_defaults(args)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    cp, ulysses = args.context_parallel_size, args.ds_sequence_parallel_size
-    ds, ds_path = dsc.load_ds_config(args)
-    stage = dsc.zero_stage(args, ds, ds_path, pp)
-    ep = args.expert_model_parallel_size
-    dp = ParallelDims(world_size, tp, pp, cp, ulysses=ulysses, expert_parallel=ep).data_parallel
-    _check_context_parallel(args, tp, cp)
-    vocab_size = tokenizer_vocab_size
-    if args.padded_vocab_size:
-        if args.padded_vocab_size < tokenizer_vocab_size:
-            raise ConfigError(f"--padded-vocab-size {args.padded_vocab_size} is smaller than the tokenizer's "
-                              f"vocabulary ({tokenizer_vocab_size}).")
-        vocab_size = args.padded_vocab_size
+
+
+def _vocab_size(args, tokenizer_vocab_size: int) -> int:
+    """The embedding's vocabulary: the tokenizer's, or --padded-vocab-size."""
     if args.vocab_size and args.tokenizer_type != "NullTokenizer" and args.vocab_size < tokenizer_vocab_size:
         raise ConfigError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({tokenizer_vocab_size}); token ids would fall outside the embedding. Drop --vocab-size "
                           f"or use a matching tokenizer.")
-    model = _model_config(args, vocab_size, tp, base_model)
-    _check_ulysses(args, model, tp, ulysses)
-    _check_experts(model, ep, cp * ulysses, tp)
+    if not args.padded_vocab_size:
+        return tokenizer_vocab_size
+    if args.padded_vocab_size < tokenizer_vocab_size:
+        raise ConfigError(f"--padded-vocab-size {args.padded_vocab_size} is smaller than the tokenizer's "
+                          f"vocabulary ({tokenizer_vocab_size}).")
+    return args.padded_vocab_size
+
+
+def _model(args, dims: ParallelDims, vocab_size: int, base_model, eod_token) -> ModelConfig:
+    """The architecture with this run's settings, checked against the parallel sizes."""
+    tp = dims.tensor_parallel
+    model = model_config(args, vocab_size, tp, base_model)
+    _check_ulysses(args, model, tp, dims.ulysses)
+    _check_experts(model, dims)
     if args.reset_attention_mask or args.reset_position_ids:
         if eod_token is None:
             raise ConfigError("--reset-attention-mask / --reset-position-ids split packed samples at the "
@@ -420,16 +371,14 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
                               "tokenizer that --append-eod preprocessed the data with).")
         model = dataclasses.replace(model, reset_attention_mask=args.reset_attention_mask,
                                     reset_position_ids=args.reset_position_ids, eod_token=int(eod_token))
-    micro, global_batch, gas = dsc.batch_sizes(args, ds, ds_path, dp)
-    precision = dsc.precision_of(args, ds, ds_path)
     if args.use_flash_attn:
-        from hybrid.model.flash import check_flash_attn_installed
+        from hybrid.model.flash import check_flash_attn_installed  # imports flash-attn, an optional extra
         check_flash_attn_installed()
-    clip = dsc.agree(ds, "gradient_clipping", "--clip-grad", args.clip_grad, ds_path, 1.0)
-    optimizer = dsc.optimizer_config(args, ds, ds_path)
-    from hybrid.run_length import resolve_run_length
-    length = resolve_run_length(args, global_batch, micro * dp, args.seq_length)
-    _check_data_flags(args)
+    return model
+
+
+def _check_start(args) -> None:
+    """--load-hf, --finetune and --universal-checkpoint: which start each needs."""
     if args.load_hf and args.finetune:
         raise ConfigError("--load-hf starts from a HuggingFace model with a fresh schedule already; drop --finetune "
                           "(it fine-tunes from a hybrid checkpoint in --load).")
@@ -438,52 +387,93 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     if args.universal_checkpoint and (not args.load or args.finetune):
         raise ConfigError("--universal-checkpoint needs --load CHECKPOINT_DIR (and loads the optimizer: not with "
                           "--finetune, which loads weights from any layout by itself).")
-    train = TrainConfig(
+
+
+def _training(args, batches: tuple, precision: str, length: RunLength, num_layers: int) -> TrainingConfig:
+    micro, global_batch, gas = batches
+    return TrainingConfig(
         micro_batch_size=micro, global_batch_size=global_batch, grad_acc_steps=gas, train_iters=length.train_iters,
-        seq_length=args.seq_length, lr=float(optimizer["params"]["lr"]), min_lr=args.min_lr,
-        lr_decay_style=args.lr_decay_style, lr_unit=length.lr_unit, lr_decay_steps=length.lr_decay_steps,
-        lr_warmup_steps=length.lr_warmup_steps,
-        weight_decay=float(optimizer["params"].get("weight_decay", 0.0)), clip_grad=float(clip),
-        precision=precision, seed=args.seed, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
-        data_path=args.data_path, split=args.split, mock_data=args.mock_data, save=args.save, load=args.load,
-        save_interval=args.save_interval, finetune=args.finetune, load_hf=args.load_hf, async_save=args.async_save, no_load_optim=args.no_load_optim,
-        no_load_rng=args.no_load_rng, log_interval=max(1, args.log_interval), log_json=args.log_json,
-        tensorboard_dir=args.tensorboard_dir, wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
-        num_workers=args.num_workers, exit_interval=args.exit_interval, progress_bar=not args.no_progress_bar,
-        freeze_layers=parse_layer_ranges(args.freeze_layers, args.num_layers),
-        freeze_embeddings=args.freeze_embeddings,
+        seq_length=args.seq_length, precision=precision, seed=args.seed, eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters, train_samples=length.train_samples, train_tokens=length.train_tokens,
+        rampup=length.rampup, exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
+        torch_compile=args.torch_compile, per_token_loss=args.calculate_per_token_loss,
+        check_nan=args.check_for_nan_in_loss_and_grad, freeze_layers=parse_layer_ranges(args.freeze_layers, num_layers),
+        freeze_embeddings=args.freeze_embeddings)
+
+
+def _optimizer(args, optimizer: dict, clip: float, length: RunLength) -> OptimizerConfig:
+    return OptimizerConfig(
+        lr=float(optimizer["params"]["lr"]), min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+        lr_unit=length.lr_unit, lr_decay_steps=length.lr_decay_steps, lr_warmup_steps=length.lr_warmup_steps,
+        weight_decay=float(optimizer["params"].get("weight_decay", 0.0)), clip_grad=float(clip))
+
+
+def _data(args) -> DataConfig:
+    _check_data_flags(args)
+    return DataConfig(
+        data_path=args.data_path, split=args.split, mock_data=args.mock_data,
         split_data_paths=(args.train_data_path, args.valid_data_path, args.test_data_path),
         data_cache_path=args.data_cache_path, legacy_data_rules=args.legacy_data_rules,
-        eod_mask_loss=args.eod_mask_loss, per_token_loss=args.calculate_per_token_loss,
-        check_nan=args.check_for_nan_in_loss_and_grad, torch_compile=args.torch_compile, train_samples=length.train_samples,
-        train_tokens=length.train_tokens, rampup=length.rampup, exit_duration_in_mins=args.exit_duration_in_mins,
-        wandb_save_dir=args.wandb_save_dir, log_memory=args.log_memory_to_tensorboard,
-        export_hf=args.export_hf, sample_prompt=args.sample_prompt, universal_checkpoint=args.universal_checkpoint or bool(
-            (ds.get("checkpoint") or {}).get("load_universal")))
-    if train.export_hf and not train.save:
+        eod_mask_loss=args.eod_mask_loss, num_workers=args.num_workers)
+
+
+def _checkpoint(args, ds: dict) -> CheckpointConfig:
+    universal = args.universal_checkpoint or bool((ds.get("checkpoint") or {}).get("load_universal"))
+    return CheckpointConfig(
+        save=args.save, load=args.load, save_interval=args.save_interval, finetune=args.finetune,
+        no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, universal_checkpoint=universal,
+        load_hf=args.load_hf, async_save=args.async_save, export_hf=args.export_hf, sample_prompt=args.sample_prompt)
+
+
+def _logging(args) -> LoggingConfig:
+    return LoggingConfig(
+        log_interval=max(1, args.log_interval), log_json=args.log_json, tensorboard_dir=args.tensorboard_dir,
+        wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,
+        progress_bar=not args.no_progress_bar, log_memory=args.log_memory_to_tensorboard)
+
+
+def _check_capabilities(args, dims, pipeline, stage, model, training, checkpoint, ds_path) -> None:
+    """The declared table of refused combinations (hybrid.capabilities), on what the flags resolved to."""
+    check(Setup(pp=dims.pipeline_parallel, tp=dims.tensor_parallel, schedule=pipeline.schedule, zero_stage=stage,
+                precision=training.precision, recompute=model.recompute_granularity, torch_compile=args.torch_compile,
+                micro_batches=training.grad_acc_steps, rampup=bool(training.rampup),
+                universal_checkpoint=checkpoint.universal_checkpoint, flash_attn=bool(args.use_flash_attn),
+                grad_reduce_bf16=bool(args.grad_reduce_in_bf16), accelerator=dsc.accelerator_kind(),
+                zero_source=ds_path or "--zero-stage", documents=model.splits_documents, cp=dims.context_parallel,
+                ulysses=dims.ulysses, attention_dropout=model.attention_dropout > 0,
+                sliding_window=model.sliding_window is not None, experts=bool(model.num_experts),
+                ep=dims.expert_parallel))
+
+
+def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_size: int,
+                     base_model: Optional[ModelConfig] = None, eod_token: Optional[int] = None) -> RunConfig:
+    """Validate the flags against each other, the DeepSpeed config and the world size.
+    `base_model`: the architecture of --load-hf's model (hybrid.conversion.hf.read_hf_config);
+    `eod_token`: the tokenizer's end-of-document id (--reset-attention-mask / --reset-position-ids)."""
+    _prepare_flags(args)
+    ds, ds_path = dsc.load_ds_config(args)
+    stage = dsc.zero_stage(args, ds, ds_path, args.pipeline_model_parallel_size)
+    dims = ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                        args.context_parallel_size, ulysses=args.ds_sequence_parallel_size,
+                        expert_parallel=args.expert_model_parallel_size)
+    _check_context_parallel(args, dims.tensor_parallel, dims.context_parallel)
+    model = _model(args, dims, _vocab_size(args, tokenizer_vocab_size), base_model, eod_token)
+    batches = dsc.batch_sizes(args, ds, ds_path, dims.data_parallel)
+    precision = dsc.precision_of(args, ds, ds_path)
+    clip = dsc.agree(ds, "gradient_clipping", "--clip-grad", args.clip_grad, ds_path, 1.0)
+    optimizer = dsc.optimizer_config(args, ds, ds_path)
+    length = resolve_run_length(args, batches[1], batches[0] * dims.data_parallel, args.seq_length)
+    data = _data(args)
+    _check_start(args)
+    training = _training(args, batches, precision, length, args.num_layers)
+    if args.export_hf and not args.save:
         raise ConfigError("--export-hf needs --save (the checkpoint it exports).")
-    from hybrid.pipeline_plan import resolve_virtual_stages
-    schedule, virtual = resolve_virtual_stages(args, model.num_layers, pp)
-    from hybrid.capabilities import Setup, check
-    check(Setup(pp=pp, tp=tp, schedule=schedule, zero_stage=stage, precision=precision,
-                recompute=model.recompute_granularity, torch_compile=args.torch_compile, micro_batches=gas,
-                rampup=bool(length.rampup), universal_checkpoint=train.universal_checkpoint,
-                flash_attn=bool(args.use_flash_attn), grad_reduce_bf16=bool(args.grad_reduce_in_bf16),
-                accelerator=dsc.accelerator_kind(), zero_source=ds_path or "--zero-stage",
-                documents=model.splits_documents, cp=cp, ulysses=ulysses, attention_dropout=model.attention_dropout > 0,
-                sliding_window=model.sliding_window is not None, experts=bool(model.num_experts), ep=ep))
-    ds_config = dsc.final_ds_config(ds, args, train, stage, optimizer, model)
-    return RunConfig(model=model, train=train, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
-                     context_parallel=cp, ulysses=ulysses, expert_parallel=ep,
-                     pipeline_partition=args.pipeline_partition, ds_config=ds_config,
-                     args=dict(vars(args)), pipeline_schedule=schedule, virtual_stages=virtual)
-
-
-def config_summary(run: RunConfig) -> dict:
-    """A JSON-able record of the run's configuration (saved with checkpoints)."""
-    model = asdict(run.model)
-    return {"model": model, "train": asdict(run.train), "tensor_parallel": run.tensor_parallel,
-            "pipeline_parallel": run.pipeline_parallel, "data_parallel": run.data_parallel,
-            "context_parallel": run.context_parallel, "ulysses": run.ulysses, "expert_parallel": run.expert_parallel,
-            "pipeline_schedule": run.pipeline_schedule, "virtual_stages": run.virtual_stages,
-            "zero_stage": run.zero_stage}
+    checkpoint = _checkpoint(args, ds)
+    pipeline = PipelineSchedule(*resolve_virtual_stages(args, model.num_layers, dims.pipeline_parallel),
+                                partition=args.pipeline_partition)
+    _check_capabilities(args, dims, pipeline, stage, model, training, checkpoint, ds_path)
+    run = RunConfig(model=model, parallel=dims, pipeline=pipeline, training=training,
+                    optimizer=_optimizer(args, optimizer, clip, length), data=data, checkpoint=checkpoint,
+                    logging=_logging(args), ds_config={}, args=dict(vars(args)))
+    run.ds_config = dsc.final_ds_config(ds, args, run, stage, optimizer)
+    return run

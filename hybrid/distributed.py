@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from hybrid.torch_fixes import groups_time_out_after
+
 
 def free_port() -> int:
     """A TCP port on localhost that nothing listens on now."""
-    import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -56,11 +58,10 @@ def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = Non
     default nccl on CUDA, gloo on CPU), then DeepSpeed's comm. `timeout_minutes`
     (--distributed-timeout-minutes) bounds every collective of every group made afterwards; a call
     when torch.distributed is already initialised changes neither."""
-    import deepspeed
+    import deepspeed  # here, not at the top: its import takes seconds, and flag errors must not wait for it
 
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
-        from hybrid.training.deepspeed_fixes import groups_time_out_after
         groups_time_out_after(timeout)  # DeepSpeed's groups too, not only the world group
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")

@@ -9,7 +9,9 @@ import json
 from dataclasses import asdict, replace
 from typing import Optional
 
+from hybrid.capabilities import Setup, allowed
 from hybrid.config import RunConfig
+from hybrid.errors import ConfigError
 from hybrid.memory import GiB, MemoryPlan, ZeroSettings, estimate, format_table
 
 # CUDA context, allocator fragmentation and ZeRO's communication buckets are not in the estimate
@@ -23,16 +25,16 @@ def plan_from_run(run: RunConfig) -> MemoryPlan:
     offload = lambda key: (zero.get(key) or {}).get("device", "none") not in ("none", None)  # noqa: E731
     grad_accum = (ds.get("data_types") or {}).get("grad_accum_dtype")
     # ZeRO partitions over DeepSpeed's data-parallel world: DP x CP (or x Ulysses)
-    settings = ZeroSettings(stage=run.zero_stage, dp=run.data_parallel * run.sequence_split, precision=run.train.precision,
+    p, t = run.parallel, run.training
+    settings = ZeroSettings(stage=run.zero_stage, dp=p.dp_cp, precision=t.precision,
                             offload_optimizer=offload("offload_optimizer"), offload_param=offload("offload_param"),
                             persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 100_000)),
                             fp32_grad_accumulation=grad_accum in ("fp32", "float32"))
-    return MemoryPlan(model=run.model, tp=run.tensor_parallel, pp=run.pipeline_parallel, dp=run.data_parallel,
-                      micro_batch=run.train.micro_batch_size, seq_length=run.train.seq_length,
-                      num_micro_batches=run.train.grad_acc_steps, zero=settings,
-                      recompute=run.model.recompute_granularity, partition=run.pipeline_partition,
-                      schedule=run.pipeline_schedule, virtual=run.virtual_stages, cp=run.context_parallel,
-                      ulysses=run.ulysses, ep=run.expert_parallel)
+    return MemoryPlan(model=run.model, tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=p.data_parallel,
+                      micro_batch=t.micro_batch_size, seq_length=t.seq_length, num_micro_batches=t.grad_acc_steps,
+                      zero=settings, recompute=run.model.recompute_granularity, partition=run.pipeline.partition,
+                      schedule=run.pipeline.schedule, virtual=run.pipeline.virtual_stages, cp=p.context_parallel,
+                      ulysses=p.ulysses, ep=p.expert_parallel)
 
 
 def peak_gib(plan: MemoryPlan) -> float:
@@ -45,7 +47,6 @@ def _with_recompute(plan: MemoryPlan, granularity: str) -> MemoryPlan:
 
 def _setup(plan: MemoryPlan):
     """The capability table's view of a plan (hybrid.capabilities)."""
-    from hybrid.capabilities import Setup
     return Setup(pp=plan.pp, tp=plan.tp, schedule=plan.schedule, zero_stage=plan.zero.stage,
                  precision=plan.zero.precision, recompute=plan.recompute, micro_batches=plan.num_micro_batches,
                  cp=plan.cp, ulysses=plan.ulysses, attention_dropout=plan.model.attention_dropout > 0,
@@ -55,7 +56,6 @@ def _setup(plan: MemoryPlan):
 
 def _fits_model(plan: MemoryPlan) -> bool:
     """The model's shape rules at the plan's TP (heads, query groups, ffn divisible by TP)."""
-    from hybrid.errors import ConfigError
     try:
         plan.model.validate(plan.tp)
     except ConfigError:
@@ -108,7 +108,6 @@ def _proposals(plan: MemoryPlan):
 
 def _candidates(plan: MemoryPlan):
     """The proposals the capability table allows and the model's shape rules accept."""
-    from hybrid.capabilities import allowed
     for change, candidate in _proposals(plan):
         if allowed(_setup(candidate)) and _fits_model(candidate):
             yield change, candidate

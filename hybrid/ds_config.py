@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from hybrid.capabilities import Setup, check
 from hybrid.errors import ConfigError
 
 
@@ -56,7 +57,6 @@ def precision_of(args, ds: dict, ds_path) -> str:
         raise ConfigError(f"{'--fp16' if args.fp16 else '--bf16'} disagrees with the DeepSpeed config {ds_path}, "
                           f"which enables {'bf16' if ds_bf16 else 'fp16'}; make them agree.")
     precision = "fp16" if (args.fp16 or ds_fp16) else "bf16" if (args.bf16 or ds_bf16) else "fp32"
-    from hybrid.capabilities import Setup, check
     check(Setup(precision=precision, accelerator=accelerator_kind()), only=("fp16-cpu",))
     return precision
 
@@ -123,36 +123,37 @@ def zero_stage(args, ds, ds_path, pp) -> int:
     if stage is None:
         stage = 1 if args.use_distributed_optimizer else 0
     stage = int(stage)
-    from hybrid.capabilities import Setup, check
     check(Setup(pp=pp, zero_stage=stage, zero_source=ds_path or "--zero-stage"), only=("zero23-pipeline",))
     return stage
 
 
-def final_ds_config(ds: dict, args, train, stage: int, optimizer: dict, model) -> dict:
-    """The config handed to deepspeed.initialize: batch sizes, clipping, optimizer, ZeRO stage and
-    precision as resolved (a DeepSpeed "scheduler" is dropped: the LR schedule is Megatron's)."""
+def final_ds_config(ds: dict, args, run, stage: int, optimizer: dict) -> dict:
+    """The config handed to deepspeed.initialize for `run` (hybrid.config.RunConfig, all but this):
+    batch sizes, clipping, optimizer, ZeRO stage and precision as resolved (a DeepSpeed "scheduler" is
+    dropped: the LR schedule is Megatron's)."""
     out = json.loads(json.dumps(ds))  # deep copy
     for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps"):
         out.pop(key, None)
-    # DeepSpeed's data-parallel world is DP x CP (hybrid.topology): its batch counts every CP rank
-    cp = (getattr(args, "context_parallel_size", 1) or 1) * (getattr(args, "ds_sequence_parallel_size", 1) or 1)
-    out.update(train_micro_batch_size_per_gpu=train.micro_batch_size, train_batch_size=train.global_batch_size * cp,
-               gradient_accumulation_steps=train.grad_acc_steps, gradient_clipping=train.clip_grad,
+    training = run.training
+    # DeepSpeed's data-parallel world is DP x CP (hybrid.parallel.dims): its batch counts every CP rank
+    out.update(train_micro_batch_size_per_gpu=training.micro_batch_size,
+               train_batch_size=training.global_batch_size * run.parallel.sequence_split,
+               gradient_accumulation_steps=training.grad_acc_steps, gradient_clipping=run.optimizer.clip_grad,
                optimizer=optimizer)
     out.setdefault("steps_per_print", 10**9)
     out.setdefault("wall_clock_breakdown", False)
     zero = dict(out.get("zero_optimization") or {})
     zero["stage"] = stage
     out["zero_optimization"] = zero
-    if train.universal_checkpoint:  # DeepSpeed's switch for loading universal checkpoints
+    if run.checkpoint.universal_checkpoint:  # DeepSpeed's switch for loading universal checkpoints
         out["checkpoint"] = dict(out.get("checkpoint") or {}, load_universal=True)
     out.pop("scheduler", None)  # the LR schedule comes from the Megatron flags (hybrid.training.schedules)
-    if train.precision == "bf16":
+    if training.precision == "bf16":
         out["bf16"] = dict(out.get("bf16") or {}, enabled=True)
         out.pop("fp16", None)
         if args.grad_reduce_in_bf16:
             out["communication_data_type"] = "bf16"
-    elif train.precision == "fp16":
+    elif training.precision == "fp16":
         fp16 = dict(out.get("fp16") or {}, enabled=True)
         if args.loss_scale is not None:
             fp16["loss_scale"] = args.loss_scale
@@ -166,8 +167,8 @@ def final_ds_config(ds: dict, args, train, stage: int, optimizer: dict, model) -
     else:
         for key in ("fp16", "bf16", "bfloat16"):
             out.pop(key, None)
-    if model.sequence_parallel and args.pipeline_model_parallel_size > 1:
-        out.update(pipeline_ds_config(model))
+    if run.model.sequence_parallel and run.parallel.pipeline_parallel > 1:
+        out.update(pipeline_ds_config(run.model))
     return out
 
 

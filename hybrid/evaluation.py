@@ -13,15 +13,29 @@ import os
 import sys
 from typing import Optional
 
+import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
+from hybrid.architecture import MOE_NEEDS_SP
+from hybrid.checkpoint.client_state import read_client_state
+from hybrid.checkpoint.files import read_tag
+from hybrid.conversion.layout import load_full_state, read_hybrid
+from hybrid.data.batches import to_device
+from hybrid.data.indexed import IndexedDataset
+from hybrid.ds_config import pipeline_ds_config
 from hybrid.errors import ConfigError
+from hybrid.flags import FlagParser
+from hybrid.model.build import build_model
+from hybrid.parallel.dims import ParallelDims
+from hybrid.parallel.groups import build_groups
+from hybrid.pipeline_plan import PipelineSchedule
+from hybrid.safe_loading import install_safe_torch_load
 
 
 def build_parser():
-    from hybrid.flags import FlagParser
     p = FlagParser(description="Evaluate a hybrid checkpoint's LM loss on a dataset.", allow_abbrev=False)
     p.add_argument("--load", required=True)
     p.add_argument("--allow-unsafe-checkpoint-load", action="store_true",
@@ -40,7 +54,6 @@ def build_parser():
 
 def stream_windows(prefix: str, seq_length: int, count: int) -> np.ndarray:
     """[count, seq_length + 1] consecutive non-overlapping windows of the concatenated tokens."""
-    from hybrid.data.indexed import IndexedDataset
     data = IndexedDataset(prefix)
     width = seq_length + 1
     needed = count * width
@@ -54,9 +67,6 @@ def stream_windows(prefix: str, seq_length: int, count: int) -> np.ndarray:
 
 
 def evaluate(args) -> dict:
-    from hybrid.checkpoint_format import read_client_state, read_tag
-    from hybrid.conversion.layout import read_hybrid
-    from hybrid.distributed import init_distributed
     if len(args.data_path) != 1:
         raise ConfigError("--data-path: evaluate.py takes one dataset prefix (no blend weights).")
     if not os.path.isdir(args.load) or read_tag(args.load) is None:
@@ -65,21 +75,20 @@ def evaluate(args) -> dict:
     config = saved.model_config()
     config.hidden_dropout = config.attention_dropout = 0.0
     config.recompute_granularity = None
-    tp, pp = saved.tensor_parallel, saved.pipeline_parallel
+    tp, pp = saved.layout.tensor_parallel, saved.layout.pipeline_parallel
     config.sequence_parallel = args.sequence_parallel and tp > 1
     if config.num_experts and tp > 1 and not config.sequence_parallel:
-        from hybrid.config import MOE_NEEDS_SP
         raise ConfigError(MOE_NEEDS_SP.format(tp=tp))
     if config.sequence_parallel and args.seq_length % tp:
         raise ConfigError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by the checkpoint's "
                           f"tensor-parallel size {tp}.")
-    from hybrid.topology import ParallelDims
     ep = args.expert_model_parallel_size
     if ep > 1 and not config.num_experts:
         raise ConfigError(f"--expert-model-parallel-size {ep}: the checkpoint's model has no experts.")
     if config.num_experts and config.num_experts % ep:
         raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the model's {config.num_experts} experts.")
-    dp = ParallelDims(int(os.environ.get("WORLD_SIZE", "1")), tp, pp, expert_parallel=ep).data_parallel
+    dims = ParallelDims(int(os.environ.get("WORLD_SIZE", "1")), tp, pp, expert_parallel=ep)
+    dp = dims.data_parallel
     if args.eval_iters % dp:
         raise ConfigError(f"--eval-iters {args.eval_iters} must be a multiple of the data-parallel size {dp}.")
     if config.position_embedding_type == "learned_absolute" and args.seq_length > config.max_position_embeddings:
@@ -87,53 +96,43 @@ def evaluate(args) -> dict:
                           f"{config.max_position_embeddings}.")
     windows = torch.from_numpy(stream_windows(args.data_path[0], args.seq_length,
                                               args.eval_iters * args.micro_batch_size))
-    init_distributed()
-    from hybrid.topology import Topology
-    topology = Topology(tp, pp, expert_parallel=ep, experts=bool(config.num_experts))
+    groups = build_groups(dims, experts=bool(config.num_experts))
     state, _ = read_hybrid(args.load)
     mine = [windows[k * args.micro_batch_size:(k + 1) * args.micro_batch_size]
-            for k in range(args.eval_iters) if k % dp == topology.dp_rank]
+            for k in range(args.eval_iters) if k % dp == groups.dp.rank]
     batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in mine]  # every position counts
     device = _device()
-    losses = (_pipeline_losses(config, topology, state, batches) if pp > 1
-              else _losses(config, topology, state, batches, device))
+    losses = (_pipeline_losses(config, groups, state, batches) if pp > 1
+              else _losses(config, groups, state, batches, device))
     # summed on the device the backend communicates on (NCCL needs CUDA tensors), in fp32
     total = torch.stack(losses).sum().reshape(1) if losses else torch.zeros(1, device=device)
     if dp > 1:
-        dist.all_reduce(total, group=topology.dp_group)
+        dist.all_reduce(total, group=groups.dp.group)
     return {"lm_loss": total.item() / args.eval_iters,
             "tokens": args.eval_iters * args.micro_batch_size * args.seq_length}
 
 
 def _device() -> torch.device:
     """This rank's accelerator (DeepSpeed's choice: cuda:LOCAL_RANK on GPUs, else cpu)."""
-    from deepspeed.accelerator import get_accelerator
     return torch.device(get_accelerator().current_device_name())
 
 
 @torch.no_grad()
-def _losses(config, topology, state, batches, device) -> list[torch.Tensor]:
-    from hybrid.model.gpt import GPTModel
-    from hybrid.training.batches import to_device
-    from hybrid.training.checkpoint import load_full_state
-    model = GPTModel(config, topology.groups).eval()
-    load_full_state(model, state, config, topology)
+def _losses(config, groups, state, batches, device) -> list[torch.Tensor]:
+    model = build_model(config, groups).eval()
+    load_full_state(model, state, config, groups)
     model.to(device)
     return [model(*to_device(batch, device)).float() for batch in batches]
 
 
-def _pipeline_losses(config, topology, state, batches) -> list[float]:
-    import deepspeed
-    from hybrid.ds_config import pipeline_ds_config
-    from hybrid.training.checkpoint import load_full_state
-    from hybrid.training.engine import build_pipeline_model
-    module = build_pipeline_model(config, topology, "uniform")
-    load_full_state(module, state, config, topology)
+def _pipeline_losses(config, groups, state, batches) -> list[float]:
+    """PP > 1: the checkpoint's layers split uniformly over DeepSpeed's pipeline engine, forward only."""
+    module = build_model(config, groups, PipelineSchedule(partition="uniform"))
+    load_full_state(module, state, config, groups)
     engine, *_ = deepspeed.initialize(model=module, config={
         "train_micro_batch_size_per_gpu": batches[0][0].size(0), "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9, **pipeline_ds_config(config)}, dist_init_required=False)
     engine.eval()
-    from hybrid.training.batches import to_device
     losses = []
     for batch in batches:
         loss = engine.eval_batch(data_iter=iter([to_device(batch, engine.device)]), reduce_output="avg",
@@ -145,7 +144,6 @@ def _pipeline_losses(config, topology, state, batches) -> list[float]:
 def main(argv: Optional[list[str]] = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        from hybrid.training.deepspeed_fixes import install_safe_torch_load
         install_safe_torch_load(args.allow_unsafe_checkpoint_load)
         result = evaluate(args)
         if not dist.is_initialized() or dist.get_rank() == 0:

@@ -8,9 +8,11 @@ Parsing only: what the flags mean together is checked in hybrid.config.build_run
 from __future__ import annotations
 
 import argparse
+import ast
 
-from hybrid.errors import ConfigError
 from hybrid.capabilities import SCHEDULE_NAMES
+from hybrid.errors import ConfigError
+from hybrid.megatron_compat import add_compat_args
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -188,7 +190,6 @@ def _add_mixed_precision_args(p):
 def _moe_layer_freq(text: str):
     """Megatron-LM's --moe-layer-freq: N (every N-th layer, from layer 0) or a per-layer 0/1 list, written
     as a list ("[1,0,1,0]") or Megatron's expression ("([1]*3+[0])*2"); read without eval."""
-    import ast
     try:
         return int(text)
     except ValueError:
@@ -386,6 +387,5 @@ def build_parser() -> argparse.ArgumentParser:
     p = FlagParser(description="Train a GPT with Megatron-style parallelism on DeepSpeed.", allow_abbrev=False)
     for add in _GROUPS:
         add(p)
-    from hybrid.megatron_compat import add_compat_args
     add_compat_args(p)
     return p

@@ -16,7 +16,14 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from deepspeed.runtime import utils as ds_utils
+
+from hybrid.checkpoint.tp_layout import tp_layout
+from hybrid.model.attention import window_blocks
 from hybrid.model.config import ModelConfig
+from hybrid.model.naming import EXPERTS
+from hybrid.parallel.ring_attention import tile_rows
+from hybrid.pipeline_plan import list_partition_bounds, plan_stages, resolve_partition
 
 GiB = 1024**3
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -28,9 +35,8 @@ def parameter_inventory(config: ModelConfig, tp: int) -> dict[str, tuple[int, bo
     """Canonical name -> (elements on one TP rank, weight-decayed?), for the whole model.
 
     Full shapes follow from the config; how each is split over TP comes from the one TP layout
-    (hybrid.checkpoint_format.tp_layout, read from the layers' attributes); biases and norm weights
+    (hybrid.checkpoint.tp_layout, read from the layers' attributes); biases and norm weights
     take no weight decay (hybrid.training.engine's rule)."""
-    from hybrid.checkpoint_format import tp_layout
     h, d = config.hidden_size, config.head_dim
     full = {"embedding.position_embeddings.weight": config.max_position_embeddings * h,
             "attention.qkv": (config.num_attention_heads + 2 * config.num_query_groups) * d,
@@ -71,7 +77,6 @@ def _moe_numel(name: str, config: ModelConfig) -> int:
 
 def is_expert(name: str) -> bool:
     """A routed expert's parameter (split over EP, its optimizer state over the expert-data-parallel group)."""
-    from hybrid.model.naming import EXPERTS
     return EXPERTS in name
 
 
@@ -94,9 +99,7 @@ def stage_parameters(config: ModelConfig, tp: int, pp: int, partition: str = "pa
     as its PipelineModule does (its own `partition_balanced` on parameter counts,
     `type:TransformerLayer` for uniform, or an explicit list); the torch.distributed.pipelining
     schedules as hybrid.pipeline_plan places their virtual stages."""
-    from deepspeed.runtime import utils as ds_utils
 
-    from hybrid.pipeline_plan import list_partition_bounds, resolve_partition
     inventory = parameter_inventory(config, tp)
     units = _pipeline_units(config, inventory)
     if pp == 1:
@@ -123,7 +126,6 @@ def stage_parameters(config: ModelConfig, tp: int, pp: int, partition: str = "pa
 def _virtual_stage_parameters(config, inventory, units, pp, schedule, virtual) -> list[dict]:
     """Each rank's virtual stages (hybrid.model.virtual_stages.PipelineRankModel): its layers, the
     embedding with stage 0, final norm and head with the last stage (a tied table once per rank)."""
-    from hybrid.pipeline_plan import plan_stages
     plans = plan_stages(config.num_layers, pp, virtual, schedule)
     ranks = []
     for rank in range(pp):
@@ -326,7 +328,6 @@ def sequence_split_buffer_bytes(config: ModelConfig, act: ActivationSettings, de
         total = 2 * e * kv + 2 * 4 * kv + 4 * b * heads * s * d
         dropout = config.attention_dropout > 0
         if device_type != "cpu" or dropout:  # the math kernel (with dropout: and its int64 hash per tile)
-            from hybrid.parallel.ring_attention import tile_rows
             tile = b * heads * min(tile_rows(b, heads, s, dropout), s) * s
             total += 2 * 4 * b * heads * s * d + 3 * 4 * tile + (8 * tile if dropout else 0)
         return total
@@ -337,7 +338,6 @@ def sequence_split_buffer_bytes(config: ModelConfig, act: ActivationSettings, de
 
 def _window_scores(s: int, window: int) -> int:
     """(query, key) pairs of windowed attention's query blocks (hybrid.model.attention.window_blocks)."""
-    from hybrid.model.attention import window_blocks
     return sum((end - start) * (end - first) for start, end, first in window_blocks(s, window))
 
 

@@ -17,9 +17,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid.capabilities import V_SHAPED  # the schedules' names and kinds are declared there
 from hybrid.errors import ConfigError
 
-from hybrid.capabilities import V_SHAPED  # the schedules' names and kinds are declared there
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """How the pipeline runs (with --pipeline-model-parallel-size > 1): DeepSpeed's 1F1B engine or a
+    torch.distributed.pipelining schedule, its virtual stages per rank, DeepSpeed's partition method."""
+
+    schedule: str = "1f1b"  # --pipeline-schedule: "1f1b" (DeepSpeed's engine) or a key of TORCH_SCHEDULES
+    virtual_stages: int = 1  # virtual pipeline stages per rank (torch schedules)
+    partition: str = "parameters"  # --pipeline-partition (DeepSpeed's engine)
+
+    def on_deepspeed(self, pp: int) -> bool:
+        """Stages run by DeepSpeed's PipelineEngine."""
+        return pp > 1 and self.schedule == "1f1b"
+
+    def on_torch(self, pp: int) -> bool:
+        """Virtual stages run by a torch.distributed.pipelining schedule."""
+        return pp > 1 and self.schedule != "1f1b"
 
 
 def resolve_virtual_stages(args, num_layers: int, pp: int) -> tuple[str, int]:

@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybrid.training.loop import main  # noqa: E402
+from hybrid.training.run import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -61,16 +61,17 @@ def sharded_run(cfg: dict, tp: int, pp: int, data, sequence_parallel=False, grad
     from hybrid.model.gpt import GPTModel
     from hybrid.model.naming import canonical_parameters
     from hybrid.parallel.random import model_parallel_seed
-    from hybrid.training.engine import build_pipeline_model
-    from hybrid.topology import Topology
+    from hybrid.model.deepspeed_pipeline import build_pipeline_module
+    from hybrid.parallel.groups import build_groups
+    from hybrid.training.deepspeed_fixes import ListPartitionPipelineModule
 
-    topo = Topology(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp)
-    model_parallel_seed(1, topo.tp_rank)
+    topo = build_groups(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp)
+    model_parallel_seed(1, topo.tp.rank)
     config = ModelConfig(**dict(cfg, sequence_parallel=sequence_parallel, **overrides))
     ids, labels = data
     logits = None
     if pp == 1:
-        model = GPTModel(config, topo.groups)
+        model = GPTModel(config, topo)
         logits = model(ids).detach()
         loss = model(ids, labels)
         loss.backward()
@@ -79,7 +80,7 @@ def sharded_run(cfg: dict, tp: int, pp: int, data, sequence_parallel=False, grad
         loss = loss.item()
     else:
         import deepspeed
-        module = build_pipeline_model(config, topo, partition_method=partition)
+        module = build_pipeline_module(config, topo, partition, ListPartitionPipelineModule)
         params = canonical_parameters(module, config.num_layers)
         optimizer = RecordingSGD(module.parameters(), lr=0.0)
         micro = ids.size(0) // grad_acc
@@ -98,7 +99,7 @@ def _result(topo, loss, logits, params, grads) -> dict:
     """What a sharded run returns: loss, logits shard and canonical-named gradient shards with their TP split."""
     shards = {n: (grads[n].detach().clone(), getattr(params[n], "partition_dim", None),
                   getattr(params[n], "partition_stride", 1)) for n in params}
-    return dict(tp_rank=topo.tp_rank, pp_rank=topo.pp_rank, loss=loss, logits=logits, grads=shards)
+    return dict(tp_rank=topo.tp.rank, pp_rank=topo.pp.rank, loss=loss, logits=logits, grads=shards)
 
 
 def assemble_grads(results) -> dict:
@@ -136,13 +137,15 @@ def scheduled_run(cfg: dict, tp: int, pp: int, data, schedule: str, virtual: int
     from hybrid.model.config import ModelConfig
     from hybrid.model.naming import canonical_parameters
     from hybrid.parallel.random import model_parallel_seed
-    from hybrid.topology import Topology
-    from hybrid.training.pipelining import TorchPipelineStep, build_rank_model
+    from hybrid.model.build import build_rank_model
+    from hybrid.parallel.groups import build_groups
+    from hybrid.pipeline_plan import PipelineSchedule
+    from hybrid.training.pipelining import TorchPipelineStep
 
-    topo = Topology(tensor_parallel=tp, pipeline_parallel=pp)
-    model_parallel_seed(1, topo.tp_rank)
+    topo = build_groups(tensor_parallel=tp, pipeline_parallel=pp)
+    model_parallel_seed(1, topo.tp.rank)
     config = ModelConfig(**dict(cfg, sequence_parallel=sequence_parallel, **overrides))
-    model = build_rank_model(config, topo, schedule, virtual)
+    model = build_rank_model(config, topo, PipelineSchedule(schedule, virtual))
     params = canonical_parameters(model, config.num_layers)
     optimizer = RecordingSGD(model.parameters(), lr=0.0)
     ids, labels = data

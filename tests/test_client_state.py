@@ -1,21 +1,23 @@
-"""ClientState: the one owner of what hybrid adds to DeepSpeed's checkpoint files."""
+"""ClientState: the one owner of what hybrid adds to DeepSpeed's checkpoint files, as typed records."""
 
-from hybrid.checkpoint_format import ClientState
+from hybrid.checkpoint.client_state import ClientState, SavedLayout
 
 
 def test_round_trip_leaves_deepspeeds_own_keys_out():
-    state = ClientState(iteration=3, consumed_samples=24, hybrid_config={"tensor_parallel": 2, "zero_stage": 1},
-                        args={"lr": 1e-3}, optimizer_param_names=[["a"]])
+    state = ClientState(iteration=3, consumed_samples=24, model={"num_layers": 2},
+                        layout=SavedLayout(tensor_parallel=2, zero_stage=1), args={"lr": 1e-3},
+                        optimizer_param_names=[["a"]])
     meta = dict(state.to_dict(), module={"w": 1}, ds_config={"zero_optimization": {"stage": 3}}, global_steps=3)
     again = ClientState.from_meta(meta)
     assert again == state
-    assert set(state.to_dict()) == {"iteration", "consumed_samples", "hybrid_config", "args", "rng_states",
+    assert set(state.to_dict()) == {"iteration", "consumed_samples", "model", "layout", "run", "args", "rng_states",
                                     "universal_checkpoint_info", "optimizer_param_names", "weights_only"}
+    assert isinstance(state.to_dict()["layout"], dict)  # plain values only: the files load with weights_only=True
 
 
 def test_storage_is_chosen_from_the_recorded_layout():
     def storage(weights_only=False, **layout):
-        return ClientState(hybrid_config=layout, weights_only=weights_only).storage
+        return ClientState(layout=SavedLayout(**layout), weights_only=weights_only).storage
     assert storage(pipeline_parallel=1, zero_stage=1) == "module"
     assert storage(pipeline_parallel=1, zero_stage=3) == "zero3"
     assert storage(pipeline_parallel=1, zero_stage=3, weights_only=True) == "module"
@@ -28,4 +30,17 @@ def test_checkpoints_from_before_zero_stage_was_recorded_take_it_from_deepspeeds
     old = {"iteration": 4, "hybrid_config": {"tensor_parallel": 1, "pipeline_parallel": 1},
            "ds_config": {"zero_optimization": {"stage": 3}}}
     state = ClientState.from_meta(old)
-    assert state.zero_stage == 3 and state.storage == "zero3" and state.iteration == 4
+    assert state.layout.zero_stage == 3 and state.storage == "zero3" and state.iteration == 4
+
+
+def test_checkpoints_of_the_one_dict_format_read_as_typed_records():
+    old = {"iteration": 7, "hybrid_config": {"model": {"num_layers": 3}, "train": {"lr": 0.1}, "tensor_parallel": 2,
+                                             "pipeline_parallel": 2, "pipeline_schedule": "zbv", "virtual_stages": 2,
+                                             "zero_stage": 1, "expert_parallel": 2}}
+    state = ClientState.from_meta(old)
+    assert state.model == {"num_layers": 3} and state.run == {"train": {"lr": 0.1}}
+    assert state.layout == SavedLayout(tensor_parallel=2, pipeline_parallel=2, pipeline_schedule="zbv",
+                                       virtual_stages=2, zero_stage=1, expert_parallel=2)
+    assert state.storage == "virtual_stages"
+    # a newer writer's extra fields are ignored, not an error
+    assert ClientState.from_meta({"layout": {"tensor_parallel": 4, "some_new_axis": 8}}).layout.tensor_parallel == 4

@@ -137,17 +137,17 @@ def _model_on_rank(cfg, tp, cp, data, sequence_parallel, ulysses=1, recompute=No
     from hybrid.model.gpt import GPTModel
     from hybrid.model.naming import canonical_parameters
     from hybrid.parallel.random import model_parallel_seed
-    from hybrid.topology import Topology
-    topo = Topology(tensor_parallel=tp, context_parallel=cp, ulysses=ulysses)
-    model_parallel_seed(1, topo.tp_rank)
+    from hybrid.parallel.groups import build_groups
+    topo = build_groups(tensor_parallel=tp, context_parallel=cp, ulysses=ulysses)
+    model_parallel_seed(1, topo.tp.rank)
     config = ModelConfig(**dict(cfg, sequence_parallel=sequence_parallel, recompute_granularity=recompute))
-    model = GPTModel(config, topo.groups).train()
+    model = GPTModel(config, topo).train()
     loss = model(*data)
     loss.backward()
     params = canonical_parameters(model, config.num_layers)
     grads = {n: (p.grad.detach().clone(), getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1))
              for n, p in params.items()}
-    return dict(tp_rank=topo.tp_rank, loss=loss.item(), grads=grads)
+    return dict(tp_rank=topo.tp.rank, loss=loss.item(), grads=grads)
 
 
 def _cp_mean(results):

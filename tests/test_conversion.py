@@ -133,10 +133,10 @@ def test_trained_tp2_zero1_checkpoint_exports_to_transformers_with_equal_logits(
     convert("--model-type", "GPT", "--load-dir", ckpt, "--save-dir", hf_dir, "--target-tensor-parallel-size", 1,
             "--target-pipeline-parallel-size", 1, "--hf-convert", "--vocab-file", VOCAB, "--merge-file", MERGES)
     from transformers import AutoModelForCausalLM
-    from hybrid.conversion.layout import model_config_from_summary
+    from hybrid.checkpoint.client_state import ClientState
     from hybrid.model.gpt import GPTModel
     state, meta = read_hybrid(str(ckpt))
-    config = model_config_from_summary(meta["hybrid_config"])
+    config = ClientState.from_meta(meta).model_config()
     config.hidden_dropout = config.attention_dropout = 0.0
     ours = GPTModel(config).eval()
     with torch.no_grad():
@@ -202,9 +202,9 @@ def test_bad_conversion_input_is_a_clear_error_with_no_output(tmp_path, case, me
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_tp_layout_is_read_from_the_layers_and_shards_each_parameter_as_the_model_does(family):
-    """The one TP layout (hybrid.checkpoint_format.tp_layout, from the parameters' attributes) splits a
+    """The one TP layout (hybrid.checkpoint.tp_layout, from the parameters' attributes) splits a
     full model's weights into exactly the shards a TP = 2 model builds on each rank."""
-    from hybrid.checkpoint_format import tp_layout
+    from hybrid.checkpoint.tp_layout import tp_layout
     from hybrid.model.config import ModelConfig
     from tests.model_harness import CONFIGS
     config = ModelConfig(**CONFIGS[family])
@@ -258,8 +258,8 @@ def test_resharded_checkpoint_continues_the_lr_schedule_and_finetune_restarts_it
 
 
 def test_converted_outputs_appear_complete_or_not_at_all(tmp_path):
-    """hybrid.checkpoint_format.atomic_directory, used by the HF, resharding and universal writers."""
-    from hybrid.checkpoint_format import atomic_directory
+    """hybrid.checkpoint.files.atomic_directory, used by the HF, resharding and universal writers."""
+    from hybrid.checkpoint.files import atomic_directory
     from hybrid.errors import ConfigError
     target = tmp_path / "out"
     with pytest.raises(RuntimeError):

@@ -28,7 +28,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset as CoreIndexed
 from hybrid.data import default as default_data  # noqa: E402
 from hybrid.data.gpt_dataset import BlendedDataset, build_train_valid_test_datasets, split_ranges  # noqa: E402
 from hybrid.data.indexed import IndexedDataset, IndexedDatasetBuilder  # noqa: E402
-from hybrid.training.batches import Collator  # noqa: E402
+from hybrid.data.batches import Collator  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOD = 0

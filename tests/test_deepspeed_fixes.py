@@ -1,5 +1,6 @@
-"""Every DeepSpeed internal that hybrid.training.deepspeed_fixes relies on still exists and still does
-what the fix assumes; and no other module of hybrid touches a private attribute of DeepSpeed or torch."""
+"""Every DeepSpeed and torch internal that hybrid.training.deepspeed_fixes and hybrid.torch_fixes rely on
+still exists and still does what the fix assumes; and no other module of hybrid touches a private
+attribute of DeepSpeed or torch."""
 
 import ast
 import importlib
@@ -9,19 +10,21 @@ import textwrap
 
 import pytest
 
+from hybrid import torch_fixes
 from hybrid.training import deepspeed_fixes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("module, path, text", deepspeed_fixes.RELIED_ON, ids=lambda x: str(x)[:60])
+@pytest.mark.parametrize("module, path, text", deepspeed_fixes.RELIED_ON + torch_fixes.RELIED_ON,
+                         ids=lambda x: str(x)[:60])
 def test_relied_on_deepspeed_internal_is_there(module, path, text):
     target = importlib.import_module(module)
     for part in path.split("."):
-        target = getattr(target, part)  # AttributeError: DeepSpeed renamed or removed it
+        target = getattr(target, part)  # AttributeError: DeepSpeed (or torch) renamed or removed it
     assert text in inspect.getsource(target), (
-        f"{module}.{path} no longer contains {text!r}: DeepSpeed changed what hybrid.training.deepspeed_fixes "
-        f"relies on; re-check that fix")
+        f"{module}.{path} no longer contains {text!r}: DeepSpeed or torch changed what hybrid's fixes rely on; "
+        f"re-check that fix")
 
 
 def _private_uses(path: str) -> list[str]:
@@ -66,10 +69,11 @@ def test_no_private_attribute_of_deepspeed_or_torch_outside_the_fixes_module():
 
 
 def test_fixes_module_says_why_for_each_fix():
-    for name, fn in inspect.getmembers(deepspeed_fixes, inspect.isfunction):
-        if fn.__module__ == deepspeed_fixes.__name__ and not name.startswith("_"):
-            doc = textwrap.dedent(fn.__doc__ or "")
-            assert "DeepSpeed" in doc and "0.19" in doc, f"{name}: the docstring names the DeepSpeed version"
+    for module, library, version in ((deepspeed_fixes, "DeepSpeed", "0.19"), (torch_fixes, "torch", "2.13")):
+        for name, fn in inspect.getmembers(module, inspect.isfunction):
+            if fn.__module__ == module.__name__ and not name.startswith("_"):
+                doc = textwrap.dedent(fn.__doc__ or "")
+                assert library in doc and version in doc, f"{name}: the docstring names the {library} version"
 
 
 def test_no_test_helper_ships_in_the_package():

@@ -23,11 +23,11 @@ def test_a_failed_export_is_one_line_and_exit_status_3_and_the_checkpoint_stays(
     save = tmp_path / "ckpt"
     save.mkdir()
     (save / "latest").write_text("iter_0000002")
-    train = SimpleNamespace(export_hf=str(tmp_path / "no" / "such" / "file.txt" / "hf"), save=str(save),
-                            sample_prompt="The", seed=1)
+    checkpoint = SimpleNamespace(export_hf=str(tmp_path / "no" / "such" / "file.txt" / "hf"), save=str(save),
+                                 sample_prompt="The")
     (tmp_path / "no" / "such").mkdir(parents=True)
     (tmp_path / "no" / "such" / "file.txt").write_text("a file where the export directory's parent should be")
-    assert finish(SimpleNamespace(train=train)) == EXPORT_FAILED == 3
+    assert finish(SimpleNamespace(checkpoint=checkpoint, training=SimpleNamespace(seed=1))) == EXPORT_FAILED == 3
     out = capsys.readouterr()
     lines = [line for line in (out.out + out.err).splitlines() if "WARNING" in line]
     assert len(lines) == 1 and "export or sample after training failed" in lines[0], out

@@ -13,6 +13,7 @@ import torch
 from hybrid.config import build_run_config
 from hybrid.flags import build_parser
 from hybrid.data.gpt_dataset import MockGPTDataset
+from hybrid.parallel.groups import ParallelGroups
 from tests.rank_pool import run_on_ranks
 from hybrid.training.loop import Trainer
 from tests.launch_helpers import read_log, run
@@ -30,7 +31,7 @@ class RecordingEngine:
     def __init__(self):
         from types import SimpleNamespace
         self.device, self.seen, self.optimizer = META, [], None
-        self.module = SimpleNamespace(loss_fn=SimpleNamespace(token_scale=None))  # what the steps set
+        self.module = SimpleNamespace(loss_fn=SimpleNamespace(token_scale=None))  # what the pipeline step sets
 
     def _record(self, *tensors):
         for t in tensors:
@@ -39,8 +40,8 @@ class RecordingEngine:
             elif t is not None:
                 self.seen.append(t.device)
 
-    def __call__(self, ids, labels):
-        self._record(ids, labels)
+    def __call__(self, ids, labels, token_scale=None):
+        self._record(ids, labels, token_scale)
         return torch.tensor(2.0)
 
     def _pipeline(self, data_iter, steps):
@@ -73,24 +74,19 @@ class RecordingEngine:
         return self.gas
 
 
-class OneRank:
-    dp_rank, dp_world_size = 0, 1
-    data_rank, data_world_size, sequence_world_size = 0, 1, 1
-
-
 @pytest.mark.parametrize("pipeline", [False, True], ids=["pp1", "pp2"])
 def test_training_and_evaluation_batches_reach_the_engine_device(pipeline, tmp_path):
     flags = SMALL + (["--pipeline-model-parallel-size", "2"] if pipeline else []) + ["--eod-mask-loss"]
     run = build_run_config(build_parser().parse_args(flags), 2 if pipeline else 1, 64)
-    run.train.log_json = str(tmp_path / "log.jsonl")
+    run.logging.log_json = str(tmp_path / "log.jsonl")
     engine = RecordingEngine()
-    engine.gas = run.train.grad_acc_steps
+    engine.gas = run.training.grad_acc_steps
     datasets = [MockGPTDataset(64, 16, 64, seed) for seed in (1, 2, 3)]
-    Trainer(run, OneRank(), engine, datasets, eod_token=63).train(0, 0)
+    Trainer(run, ParallelGroups.single(), engine, datasets, eod_token=63).train(0, 0)
     # 3 iterations x 2 micro-batches x (ids, labels) + final evaluation 2 x 2 x 2
     assert len(engine.seen) == 3 * 2 * 2 + 2 * 2 * 2
     assert set(engine.seen) == {META}, f"tensors left on the host: {engine.seen}"
-    assert [r["iteration"] for r in read_log(run.train.log_json) if "consumed_samples" in r] == [3]
+    assert [r["iteration"] for r in read_log(run.logging.log_json) if "consumed_samples" in r] == [3]
 
 
 def _count_host_syncs(iterations, extra=()):
@@ -98,11 +94,12 @@ def _count_host_syncs(iterations, extra=()):
     training iterations (no logging) and then at the log point."""
     import inspect
 
+    from hybrid.parallel.groups import build_groups
     from hybrid.parallel.random import model_parallel_seed
-    from hybrid.topology import Topology
     from hybrid.training.engine import build_engine
+    from hybrid.training.reduction import reduce_interval
     run = build_run_config(build_parser().parse_args(SMALL + ["--clip-grad", "0.5", *extra]), 1, 64)
-    topology = Topology(1, 1)
+    topology = build_groups()
     model_parallel_seed(1, 0)
     engine, _ = build_engine(run, topology)
     trainer = Trainer(run, topology, engine, (MockGPTDataset(64, 16, 64, 1), None, None))
@@ -123,9 +120,9 @@ def _count_host_syncs(iterations, extra=()):
         setattr(torch.Tensor, name, recording(name))
     try:
         # as the training loop: the step, then the device-side finiteness of its gradient norm
-        pending = [(trainer.step.train(batches), trainer._norm_finite()) for _ in range(iterations)]
+        pending = [(trainer.step.train(batches), trainer.health.norm_finite()) for _ in range(iterations)]
         during = list(syncs)
-        values = trainer._interval_losses([loss for loss, _ in pending], [ok for _, ok in pending])[:iterations]
+        values = reduce_interval(trainer.step, [loss for loss, _ in pending], [ok for _, ok in pending])[:iterations]
     finally:
         for name, method in originals.items():
             setattr(torch.Tensor, name, method)
@@ -192,14 +189,14 @@ def test_dropout_free_attention_does_not_fork_the_rng(monkeypatch):
 
 def _zero3_construction_memory():
     """Peak resident memory of building the model under ZeRO-3 at DP = 2, and the model's fp32 bytes."""
+    from hybrid.parallel.groups import build_groups
     from hybrid.parallel.random import model_parallel_seed
-    from hybrid.topology import Topology
     from hybrid.training.engine import build_model
     flags = ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "64",
              "--micro-batch-size", "1", "--global-batch-size", "2", "--mock-data", "--tokenizer-type",
              "NullTokenizer", "--vocab-size", "8000", "--deepspeed", "ds_configs/zero3.json"]
     os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    topology = Topology(1, 1)
+    topology = build_groups()
     model_parallel_seed(1, 0)
     # A first, tiny build loads what a first build loads once (DeepSpeed's JIT-built communication op on a
     # fresh machine, its modules, the groups), so the peak below is the model's alone.

@@ -144,7 +144,7 @@ NOT_ARCHITECTURE = ("family", "init_method_std", "seed", "vocab_size", "max_posi
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_flags_build_the_imported_architecture_and_dry_run_counts_its_parameters(family, tmp_path):
-    from hybrid.config import _architecture
+    from hybrid.architecture import architecture_from_flags
     from hybrid.conversion.families import family_of, infer_family
     from hybrid.flags import build_parser
     from hybrid.memory import parameter_inventory
@@ -160,7 +160,7 @@ def test_family_flags_build_the_imported_architecture_and_dry_run_counts_its_par
     args = build_parser().parse_args([str(f) for f in COMMON_FLAGS + FAMILY_FLAGS[family]])
     from hybrid.megatron_compat import check_compat
     check_compat(args)
-    flagged = _architecture(args, 8192)
+    flagged = architecture_from_flags(args, 8192)
     clear = {k: None for k in ("family",)}
     assert dataclasses.replace(flagged, **clear) == dataclasses.replace(
         imported, **clear, **{k: getattr(flagged, k) for k in NOT_ARCHITECTURE if k != "family"})
@@ -297,7 +297,7 @@ def test_resharding_an_imported_family_is_exact(family, hf_models, tmp_path):
         assert convert(loader + ["--load-dir", previous, "--save-dir", out, "--target-tensor-parallel-size", tp,
                                  "--target-pipeline-parallel-size", pp, "--no-progress-bar"]) == 0
         state, meta = read_hybrid(out)
-        from hybrid.checkpoint_format import ClientState
+        from hybrid.checkpoint.client_state import ClientState
         assert ClientState.from_meta(meta).model_config().family == RECORDED[family]
         states.append(state)
         previous = out
@@ -325,7 +325,7 @@ def test_resharding_an_imported_family_is_exact(family, hf_models, tmp_path):
     (["--load-hf", "{qwen2}", "--finetune", "--load", "{empty}"], "--load-hf starts from a HuggingFace model"),
 ])
 def test_bad_family_flags_are_one_message_exit_2_and_nothing_written(flags, message, tmp_path, capsys, hf_models):
-    from hybrid.training.loop import main
+    from hybrid.training.run import main
     (tmp_path / "empty").mkdir()
     (tmp_path / "gpt_neox").mkdir()
     (tmp_path / "gpt_neox" / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"]}))

@@ -102,7 +102,7 @@ def test_real_run_script_parses_or_names_the_refused_flag(name, assets):
     want = EXPECTED_REFUSAL.get(name)
     if want is None:
         assert outcome is None, f"{name} should run but stopped: {outcome}"
-        assert run_config.train.train_iters > 0
+        assert run_config.training.train_iters > 0
     else:
         assert outcome is not None and want in outcome, f"{name}: expected a refusal naming {want}, got {outcome}"
 
@@ -156,7 +156,8 @@ def test_scaled_down_real_script_trains(name, assets, tmp_path):
     assert all(np.isfinite(r["lm_loss"]) for r in records)
     assert os.path.isfile(tmp_path / "ckpt" / "latest")
     if CORPUS[name].get("family"):  # Megatron-LM's own definition of a family: the checkpoint records that family
-        from hybrid.checkpoint_format import read_client_state, read_tag
+        from hybrid.checkpoint.client_state import read_client_state
+        from hybrid.checkpoint.files import read_tag
         config = read_client_state(str(tmp_path / "ckpt"), read_tag(str(tmp_path / "ckpt"))).model_config()
         assert config.family == {"megatron_lm_qwen3_0.6b": "qwen3", "megatron_lm_qwen2.5_0.5b": "qwen2",
                                      "megatron_lm_llama3.2_1b": "llama"}[name]

@@ -29,10 +29,10 @@ def _bytes(tensors):
 
 def _deepspeed_state_bytes(stage: int, ds_path: str) -> dict:
     """One real step at DP = 2; the bytes of DeepSpeed 0.19's own buffers by category."""
-    from hybrid.topology import Topology
+    from hybrid.parallel.groups import build_groups
     from hybrid.training.engine import build_engine
     run = build_run_config(build_parser().parse_args(TINY + ["--deepspeed_config", ds_path]), 2, 100)
-    engine, model = build_engine(run, Topology(1, 1))
+    engine, model = build_engine(run, build_groups())
     opt = engine.optimizer
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     loss = engine(ids, ids)
@@ -181,14 +181,14 @@ def test_layer_activation_bytes_in_bf16(style, recompute):
 
 
 def _tp2_cases():
-    from hybrid.topology import Topology
-    topology = Topology(2, 1)
+    from hybrid.parallel.groups import build_groups
+    topology = build_groups(tensor_parallel=2)
     out = []
     for style in ("gpt2", "llama"):
         for sp in (False, True):
             for recompute in (None, "selective", "full"):
                 config = _model_config(style, 0.1, recompute, sequence_parallel=sp)
-                out.append((style, sp, recompute, _measured_layer_bytes(config, topology.groups, 64, 2),
+                out.append((style, sp, recompute, _measured_layer_bytes(config, topology, 64, 2),
                             _estimated_layer_bytes(config, 2, 64, 2)))
     return out
 
@@ -201,16 +201,16 @@ def test_layer_activation_bytes_at_tp2_with_and_without_sp():
 def _sequence_split_cases():
     import dataclasses
     from hybrid.model.sequence import sequence_layout
-    from hybrid.topology import Topology
+    from hybrid.parallel.groups import build_groups
     out = []
     for cp, ulysses in ((2, 1), (1, 2)):
-        topology = Topology(context_parallel=cp, ulysses=ulysses)
+        topology = build_groups(context_parallel=cp, ulysses=ulysses)
         for style in ("gpt2", "llama"):
             for recompute in (None, "selective"):
                 config = dataclasses.replace(_model_config(style, 0.1, recompute), attention_dropout=0.0)
-                layout = sequence_layout(torch.zeros(2, 128, dtype=torch.long), config, topology.groups)
+                layout = sequence_layout(torch.zeros(2, 128, dtype=torch.long), config, topology)
                 out.append((style, cp, ulysses, recompute,
-                            _measured_layer_bytes(config, topology.groups, 128, 2, layout=layout),
+                            _measured_layer_bytes(config, topology, 128, 2, layout=layout),
                             _estimated_layer_bytes(config, 1, 128, 2, cp=cp, ulysses=ulysses)))
     return out
 
@@ -244,12 +244,14 @@ def test_korthikanti_gpt3_figure():
 def _real_stage_parameters(config_kwargs: dict, tp: int, pp: int, partition: str) -> dict:
     """On a rank of a real TP x PP topology: its stage and canonical parameter sizes."""
     from hybrid.model.naming import canonical_parameters
-    from hybrid.topology import Topology
-    from hybrid.training.engine import build_pipeline_model
-    topology = Topology(tp, pp)
+    from hybrid.parallel.groups import build_groups
+    from hybrid.model.deepspeed_pipeline import build_pipeline_module
+    from hybrid.training.deepspeed_fixes import ListPartitionPipelineModule
+    topology = build_groups(tensor_parallel=tp, pipeline_parallel=pp)
     config = ModelConfig(**config_kwargs)
-    params = canonical_parameters(build_pipeline_model(config, topology, partition), config.num_layers)
-    return {"stage": topology.pp_rank, "params": {n: p.numel() for n, p in params.items()}}
+    params = canonical_parameters(build_pipeline_module(config, topology, partition, ListPartitionPipelineModule),
+                                  config.num_layers)
+    return {"stage": topology.pp.rank, "params": {n: p.numel() for n, p in params.items()}}
 
 
 def _shapes_only_parameters(config_kwargs: dict, tp: int) -> list[dict]:

@@ -177,10 +177,10 @@ def test_model_config_errors_name_the_flag():
 
 
 def _pp_too_large():
-    from hybrid.training.engine import build_pipeline_model
-    from hybrid.topology import Topology
+    from hybrid.model.deepspeed_pipeline import build_pipeline_module
+    from hybrid.parallel.groups import build_groups
     try:
-        build_pipeline_model(ModelConfig(**dict(CONFIGS["gpt2"], num_layers=1)), Topology(pipeline_parallel=2))
+        build_pipeline_module(ModelConfig(**dict(CONFIGS["gpt2"], num_layers=1)), build_groups(pipeline_parallel=2))
     except ConfigError as e:
         return str(e)
     return None

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 from hybrid.model.config import ModelConfig
 from hybrid.model.mlp import build_moe
-from hybrid.model.moe import MoELayer, capacity_keep, route, set_aux_loss_scale, update_score_bias
+from hybrid.model.moe.moe_layer import MoELayer
+from hybrid.model.moe.router import capacity_keep, route
+from hybrid.training.moe_hooks import set_aux_loss_scale, update_score_bias
 from hybrid.parallel.groups import ParallelGroups
 
 
@@ -395,23 +397,25 @@ def test_dry_run_counts_each_ep_rank_s_experts_and_their_optimizer_states_over_d
 
 
 def test_a_plain_load_at_another_ep_size_with_optimizer_state_is_one_message_naming_both():
-    from hybrid.checkpoint_format import ClientState
+    import dataclasses
+
+    from hybrid.checkpoint.client_state import ClientState, SavedLayout
     from hybrid.config import build_run_config
     from hybrid.errors import ConfigError
     from hybrid.flags import build_parser
-    from hybrid.training.checkpoint import check_same_layout
+    from hybrid.training.resume import check_same_layout
     from tests.test_capabilities import BASE
     flags = BASE + ["--num-experts", 4, "--disable-bias-linear", "--deepspeed", "ds_configs/zero1.json"]
     run = build_run_config(build_parser().parse_args([str(f) for f in flags]), 2, 64, eod_token=63)
-    saved = ClientState(hybrid_config={"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2,
-                                       "zero_stage": 1, "expert_parallel": 2})
+    saved = ClientState(layout=SavedLayout(tensor_parallel=1, pipeline_parallel=1, data_parallel=2, zero_stage=1,
+                                           expert_parallel=2))
     with pytest.raises(ConfigError, match=r"--expert-model-parallel-size 2 \(this run: 1.*add --no-load-optim"):
         check_same_layout(saved, run, "/ckpt", "iter_0000004")
-    check_same_layout(ClientState(hybrid_config=dict(saved.hybrid_config, expert_parallel=1)), run, "/ckpt", "x")
+    check_same_layout(ClientState(layout=dataclasses.replace(saved.layout, expert_parallel=1)), run, "/ckpt", "x")
 
 
 def test_score_bias_and_counts_stay_fp32_when_the_engine_casts_the_model_to_bf16():
-    from hybrid.model.moe import keep_fp32_buffers
+    from hybrid.training.moe_hooks import keep_fp32_buffers
     layer = build_moe(moe_config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
                       ParallelGroups.single(), "layers.0.mlp").bfloat16()  # as DeepSpeed's bf16 engine does
     assert layer.router.score_bias.dtype == torch.bfloat16
@@ -423,7 +427,7 @@ def test_score_bias_and_counts_stay_fp32_when_the_engine_casts_the_model_to_bf16
 
 
 def test_grouped_linear_backward_falls_back_to_a_loop_with_the_same_gradients(monkeypatch):
-    from hybrid.model.moe import GroupedLinear
+    from hybrid.model.moe.experts import GroupedLinear
     g = torch.Generator().manual_seed(3)
     rows, grad = torch.randn(10, 8, generator=g), torch.randn(10, 4, generator=g)
     weights = [torch.randn(4, 8, generator=g).requires_grad_() for _ in range(3)]

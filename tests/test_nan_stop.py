@@ -49,7 +49,7 @@ def _step_with_a_nan_gradient(extra):
     from hybrid.config import build_run_config
     from hybrid.flags import build_parser
     from hybrid.parallel.random import model_parallel_seed
-    from hybrid.topology import Topology
+    from hybrid.parallel.groups import build_groups
     from hybrid.training.engine import build_engine
     flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
              "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "10", "--mock-data",
@@ -57,7 +57,7 @@ def _step_with_a_nan_gradient(extra):
              *extra]
     run_config = build_run_config(build_parser().parse_args(flags), 1, 64)
     model_parallel_seed(1, 0)
-    engine, model = build_engine(run_config, Topology(1, 1))
+    engine, model = build_engine(run_config, build_groups())
     ids = torch.randint(0, 64, (2, 16))
     changed = []
     for poison in (False, False, True, False):  # the first step creates the moments

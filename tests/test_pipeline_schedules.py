@@ -100,12 +100,12 @@ def _build(args: argparse.Namespace, world_size: int = 2):
 
 def test_flags_resolve_megatron_spellings():
     run_config = _build(_flags("--num-layers-per-virtual-pipeline-stage", 1, layers=8))
-    assert (run_config.pipeline_schedule, run_config.virtual_stages) == ("interleaved-1f1b", 4)
+    assert (run_config.pipeline.schedule, run_config.pipeline.virtual_stages) == ("interleaved-1f1b", 4)
     run_config = _build(_flags("--num-virtual-stages-per-pipeline-rank", 2))
-    assert (run_config.pipeline_schedule, run_config.virtual_stages) == ("interleaved-1f1b", 2)
+    assert (run_config.pipeline.schedule, run_config.pipeline.virtual_stages) == ("interleaved-1f1b", 2)
     run_config = _build(_flags("--pipeline-schedule", "zbv"))
-    assert (run_config.pipeline_schedule, run_config.virtual_stages) == ("zbv", 2)
-    assert _build(_flags()).pipeline_schedule == "1f1b"  # DeepSpeed's engine stays the default
+    assert (run_config.pipeline.schedule, run_config.pipeline.virtual_stages) == ("zbv", 2)
+    assert _build(_flags()).pipeline.schedule == "1f1b"  # DeepSpeed's engine stays the default
 
 
 @pytest.mark.parametrize("extra, layers, message", [
@@ -151,10 +151,10 @@ def test_plain_load_across_stage_layouts_names_the_difference_and_weights_conver
     assert set(got) == set(want)
     for name in want:
         assert_close(got[name], want[name], 1e-6, name)
-    assert meta["hybrid_config"]["pipeline_schedule"] == "interleaved-1f1b"
+    assert meta["layout"]["pipeline_schedule"] == "interleaved-1f1b"
     # the check a plain --load makes (launched refusals: tests/test_universal_checkpoint.py)
-    from hybrid.checkpoint_format import read_client_state
-    from hybrid.training.checkpoint import check_same_layout
+    from hybrid.checkpoint.client_state import read_client_state
+    from hybrid.training.resume import check_same_layout
     run_config = _build(_flags("--load", staged))
     with pytest.raises(ConfigError) as error:
         check_same_layout(read_client_state(str(staged), "iter_0000002"), run_config, str(staged), "iter_0000002")

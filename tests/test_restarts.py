@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from hybrid.checkpoint_format import MANIFEST
+from hybrid.checkpoint.manifest import MANIFEST
 from tests.launch_helpers import MERGES, ROOT, VOCAB, command, env, read_log, run
 
 FLAGS = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 32,
@@ -103,7 +103,7 @@ def _tensors(obj, prefix=""):
         yield prefix, obj
     elif isinstance(obj, dict):
         for key, value in obj.items():
-            if key not in ("args", "hybrid_config"):  # the flags differ (--async-save, paths)
+            if key not in ("args", "run"):  # the flags differ (--async-save, paths)
                 yield from _tensors(value, f"{prefix}.{key}")
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
@@ -139,15 +139,15 @@ def test_a_peer_that_stops_answering_ends_a_deepspeed_group_collective_within_th
         sys.path.insert(0, {ROOT!r})
         import torch, torch.distributed as dist
         from hybrid.distributed import init_distributed
-        from hybrid.topology import Topology
+        from hybrid.parallel.groups import build_groups
         init_distributed(0.05, "gloo")  # 3 seconds
-        topology = Topology(2, 1)
+        groups = build_groups(tensor_parallel=2)
         if dist.get_rank() == 1:
             time.sleep(60)
             sys.exit(0)
         start = time.time()
         try:
-            dist.all_reduce(torch.ones(1), group=topology.tp_group)
+            dist.all_reduce(torch.ones(1), group=groups.tp.group)
         except RuntimeError as error:
             print("TIMEOUT", round(time.time() - start, 1), str(error).splitlines()[0][:120], flush=True)
     """))
@@ -165,7 +165,7 @@ def test_a_peer_that_stops_answering_ends_a_deepspeed_group_collective_within_th
 
 
 def test_a_failed_collective_is_one_message_and_its_own_exit_status(capsys, monkeypatch):
-    from hybrid.training import loop
+    from hybrid.training import run as loop
     error = RuntimeError("[/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation")
     monkeypatch.setattr(loop, "run_training", lambda argv: (_ for _ in ()).throw(error))
     assert loop.main(["--distributed-timeout-minutes", "0.5"]) == loop.PEER_FAILED

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from hybrid.checkpoint_format import safe_load
+from hybrid.safe_loading import safe_load
 from tests.launch_helpers import run
 from tests.test_training import TINY
 
@@ -29,7 +29,7 @@ class Payload:
 def plant(path, marker):
     """Add the payload to the file, and (as whoever made a malicious checkpoint would) a matching manifest."""
     import torch
-    from hybrid.checkpoint_format import MANIFEST, write_manifest
+    from hybrid.checkpoint.manifest import MANIFEST, write_manifest
     state = safe_load(path)
     state["payload"] = Payload(marker)
     torch.save(state, path)

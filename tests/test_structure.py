@@ -1,19 +1,33 @@
-"""The package's import graph, every import counted (also those inside functions): no cycles, and the
-lower layers never import the upper ones."""
+"""The package's import graph, every import counted (also those inside functions): no cycles, every
+module on a floor, no import from a lower floor to a higher one, and imports at the top of modules
+unless a comment on the line says why."""
 
 import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# layer -> the hybrid packages/modules it may import (besides itself)
-ALLOWED = {
-    "hybrid.parallel": {"hybrid.errors"},
-    "hybrid.model": {"hybrid.errors", "hybrid.parallel", "hybrid.pipeline_plan", "hybrid.capabilities"},
-    "hybrid.data": {"hybrid.errors"},
-    "hybrid.capabilities": {"hybrid.errors"},
-    "hybrid.pipeline_plan": {"hybrid.errors", "hybrid.capabilities"},
-}
+# lowest first: a module may import its own floor (without cycles) and the floors below it
+FLOORS = [
+    # 0, the ground: what everything may use
+    ("hybrid.errors", "hybrid.torch_fixes", "hybrid.safe_loading", "hybrid.capabilities"),
+    # 1: parallel primitives and the layout, data, flags and plans that need no model
+    ("hybrid.distributed", "hybrid.parallel", "hybrid.data", "hybrid.flags", "hybrid.megatron_compat",
+     "hybrid.pipeline_plan", "hybrid.run_length"),
+    # 2: the model in every form it runs in
+    ("hybrid.model",),
+    # 3: the checkpoint format
+    ("hybrid.checkpoint",),
+    # 4: conversion to and from other formats and layouts; the memory estimate
+    ("hybrid.conversion", "hybrid.memory"),
+    # 5: a run's configuration
+    ("hybrid.architecture", "hybrid.ds_config", "hybrid.config", "hybrid.dry_run"),
+    # 6: what runs a model: evaluation and training (neither imports the other)
+    ("hybrid.evaluation", "hybrid.training"),
+    # 7: entry points
+    ("hybrid.cli",),
+]
+SIBLINGS_APART = [("hybrid.evaluation", "hybrid.training")]  # same floor, no import between them
 
 
 def _modules() -> dict:
@@ -27,17 +41,24 @@ def _modules() -> dict:
     return found
 
 
+def _targets(node, modules) -> set:
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hybrid"):
+        out = set()
+        for alias in node.names:
+            full = f"{node.module}.{alias.name}"
+            out.add(full if full in modules else node.module)
+        return out
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name in modules}
+    return set()
+
+
 def _graph() -> dict:
     modules = _modules()
     graph = {m: set() for m in modules}
     for module, path in modules.items():
         for node in ast.walk(ast.parse(open(path).read())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hybrid"):
-                for alias in node.names:
-                    full = f"{node.module}.{alias.name}"
-                    graph[module].add(full if full in modules else node.module)
-            elif isinstance(node, ast.Import):
-                graph[module].update(a.name for a in node.names if a.name in modules)
+            graph[module] |= _targets(node, modules)
         graph[module] -= {module, "hybrid"}
     return graph
 
@@ -82,19 +103,59 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def _layer(module: str):
-    return next((layer for layer in ALLOWED if module == layer or module.startswith(layer + ".")), None)
+def _floor(module: str):
+    for number, names in enumerate(FLOORS):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return number
+    return None
 
 
-def test_lower_layers_do_not_import_upper_ones():
-    upward = []
-    for module, targets in _graph().items():
-        layer = _layer(module)
-        if layer is None:
-            continue
-        for target in targets:
-            if _layer(target) == layer:
-                continue
-            if not any(target == a or target.startswith(a + ".") for a in ALLOWED[layer]):
-                upward.append(f"{module} -> {target}")
-    assert upward == []
+def _upward(graph) -> list:
+    return [f"{m} (floor {_floor(m)}) -> {t} (floor {_floor(t)})" for m, targets in graph.items()
+            for t in targets if _floor(t) is not None and _floor(m) is not None and _floor(t) > _floor(m)]
+
+
+def test_every_module_has_a_floor():
+    assert [m for m in _modules() if m != "hybrid" and _floor(m) is None] == []
+
+
+def test_no_import_runs_from_a_lower_floor_to_a_higher_one():
+    graph = _graph()
+    assert _upward(graph) == []
+    between = [f"{m} -> {t}" for a, b in SIBLINGS_APART for m, targets in graph.items() for t in targets
+               if (m.startswith(a) and t.startswith(b)) or (m.startswith(b) and t.startswith(a))]
+    assert between == []
+
+
+def test_the_floor_check_finds_an_upward_import():
+    assert _upward({"hybrid.parallel.layers": {"hybrid.training.engine"}}) == [
+        "hybrid.parallel.layers (floor 1) -> hybrid.training.engine (floor 6)"]
+
+
+def _explained(lines: list, number: int) -> bool:
+    """The import on line `number` (1-based) carries a comment, or the block of imports it belongs to
+    follows a comment line."""
+    if "#" in lines[number - 1]:
+        return True
+    above = number - 2
+    while above >= 0 and lines[above].strip().startswith(("from ", "import ")):
+        above -= 1
+    return above >= 0 and lines[above].strip().startswith("#")
+
+
+def _late_imports(path: str) -> list[str]:
+    """Imports inside functions or classes with no comment saying why."""
+    source = open(path).read()
+    lines = source.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            for inner in ast.walk(node):
+                if isinstance(inner, (ast.Import, ast.ImportFrom)) and not _explained(lines, inner.lineno):
+                    found.append(f"{os.path.relpath(path, ROOT)}:{inner.lineno}")
+    return sorted(set(found))
+
+
+def test_imports_sit_at_the_top_of_modules_unless_a_comment_says_why():
+    late = [use for path in _modules().values() for use in _late_imports(path)]
+    assert late == [], "imports inside functions without a comment saying why:\n" + "\n".join(late)

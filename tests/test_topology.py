@@ -1,11 +1,11 @@
-"""The TP x PP x DP grid: Megatron rank order, DeepSpeed mpu API, clear errors."""
+"""The parallel layout: Megatron rank order, every axis named by use, DeepSpeed's mpu API, clear errors."""
 
 import pytest
 import torch
 
 from hybrid.errors import ConfigError
 from tests.rank_pool import run_on_ranks
-from hybrid.topology import ParallelDims
+from hybrid.parallel.dims import ParallelDims
 
 
 def test_parallel_groups_carry_sizes_and_build_shapes_without_ranks():
@@ -38,15 +38,15 @@ def test_world_size_not_multiple_of_tp_times_pp_is_a_clear_error():
 def _describe(tp, pp):
     import torch
     import torch.distributed as dist
-    from hybrid.topology import Topology
-    topo = Topology(tensor_parallel=tp, pipeline_parallel=pp)
-    mpu = topo.mpu
+    from hybrid.parallel.groups import build_groups
+    groups = build_groups(tensor_parallel=tp, pipeline_parallel=pp)
+    mpu = groups.mpu
     # the group objects must contain the ranks the grid claims
     t = torch.tensor([dist.get_rank()], dtype=torch.float32)
-    dist.all_reduce(t, group=topo.tp_group)
-    return dict(rank=dist.get_rank(), tp=topo.tp_rank, pp=topo.pp_rank, dp=topo.dp_rank,
+    dist.all_reduce(t, group=groups.tp.group)
+    return dict(rank=dist.get_rank(), tp=groups.tp.rank, pp=groups.pp.rank, dp=groups.dp.rank,
                 dp_world=mpu.get_data_parallel_world_size(), tp_world=mpu.get_tensor_model_parallel_world_size(),
-                tp_sum=t.item(), first=topo.is_first_stage, last=topo.is_last_stage,
+                tp_sum=t.item(), first=groups.pp.first, last=groups.pp.last,
                 has_tp_group=mpu.get_tensor_model_parallel_group() is mpu.get_slice_parallel_group())
 
 

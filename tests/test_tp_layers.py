@@ -11,8 +11,8 @@ S, B, H, OUT, VOCAB = 8, 2, 16, 24, 64
 
 
 def _setup(tp):
-    from hybrid.topology import Topology
-    return Topology(tensor_parallel=tp)
+    from hybrid.parallel.groups import build_groups
+    return build_groups(tensor_parallel=tp)
 
 
 def _inputs(*shape, seed):
@@ -22,8 +22,8 @@ def _inputs(*shape, seed):
 def _check_column(tp, sequence_parallel, gather_output):
     from hybrid.parallel.layers import ColumnParallelLinear, default_init
     topo = _setup(tp)
-    rank = topo.tp_rank
-    layer = ColumnParallelLinear(H, OUT, topo.groups, default_init(seed=1), bias=True,
+    rank = topo.tp.rank
+    layer = ColumnParallelLinear(H, OUT, topo, default_init(seed=1), bias=True,
                                  gather_output=gather_output, sequence_parallel=sequence_parallel)
     with torch.no_grad():
         layer.bias.copy_(layer.bias + 0.1 * (rank + 1))  # non-zero bias, known per shard
@@ -53,8 +53,8 @@ def _check_column(tp, sequence_parallel, gather_output):
 def _check_row(tp, sequence_parallel, input_is_parallel):
     from hybrid.parallel.layers import RowParallelLinear, default_init
     topo = _setup(tp)
-    rank = topo.tp_rank
-    layer = RowParallelLinear(H, OUT, topo.groups, default_init(seed=4), bias=True,
+    rank = topo.tp.rank
+    layer = RowParallelLinear(H, OUT, topo, default_init(seed=4), bias=True,
                               input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel)
     with torch.no_grad():
         layer.bias.fill_(0.3)
@@ -86,8 +86,8 @@ def _check_row(tp, sequence_parallel, input_is_parallel):
 def _check_embedding(tp, sequence_parallel):
     from hybrid.parallel.layers import VocabParallelEmbedding, default_init
     topo = _setup(tp)
-    rank = topo.tp_rank
-    emb = VocabParallelEmbedding(VOCAB, H, topo.groups, default_init(seed=7),
+    rank = topo.tp.rank
+    emb = VocabParallelEmbedding(VOCAB, H, topo, default_init(seed=7),
                                  reduce_scatter_embeddings=sequence_parallel)
     full_w = torch.empty(VOCAB, H)
     default_init(seed=7)(full_w)
@@ -132,7 +132,7 @@ def test_vocab_parallel_embedding_matches_embedding(tp, sequence_parallel):
 def _check_cross_entropy(tp, padded_vocab):
     from hybrid.parallel.cross_entropy import vocab_parallel_cross_entropy
     topo = _setup(tp)
-    rank = topo.tp_rank
+    rank = topo.tp.rank
     true_vocab = VOCAB - 5 if padded_vocab else VOCAB
     logits = (3 * _inputs(S, B, VOCAB, seed=10)).requires_grad_()
     target = torch.randint(0, true_vocab, (S, B), generator=torch.Generator().manual_seed(11))
@@ -141,7 +141,7 @@ def _check_cross_entropy(tp, padded_vocab):
                           ignore_index=-100)
     ref.backward()
     local = logits.detach().chunk(tp, -1)[rank].clone().requires_grad_()
-    per_token = vocab_parallel_cross_entropy(local, target, topo.tp_group, ignore_index=-100,
+    per_token = vocab_parallel_cross_entropy(local, target, topo.tp.group, ignore_index=-100,
                                              vocab_size=true_vocab if padded_vocab else None)
     assert per_token.shape == target.shape
     assert per_token[0, 0].item() == 0.0
@@ -165,8 +165,8 @@ def _count_pair_collectives(tp, sequence_parallel, row_bias):
     import torch.distributed as dist
     from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear, default_init
     topo = _setup(tp)
-    col = ColumnParallelLinear(H, OUT, topo.groups, default_init(seed=1), sequence_parallel=sequence_parallel)
-    row = RowParallelLinear(OUT, H, topo.groups, default_init(seed=2), bias=row_bias,
+    col = ColumnParallelLinear(H, OUT, topo, default_init(seed=1), sequence_parallel=sequence_parallel)
+    row = RowParallelLinear(OUT, H, topo, default_init(seed=2), bias=row_bias,
                             sequence_parallel=sequence_parallel)
     counts = {}
     names = ["all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
@@ -219,7 +219,7 @@ def test_column_row_pair_with_sp_does_one_all_gather_and_one_reduce_scatter_each
 def _dropout_masks(tp):
     from hybrid.parallel.random import fork_tp_rng, model_parallel_seed, get_rng_states, set_rng_states
     topo = _setup(tp)
-    model_parallel_seed(1234, topo.tp_rank)
+    model_parallel_seed(1234, topo.tp.rank)
     x = torch.ones(4096)
     outside = F.dropout(x, 0.5)
     with fork_tp_rng():

@@ -167,7 +167,7 @@ def test_resume_with_dropout_is_bitwise_equal_to_straight(data, tmp_path, layout
     and nothing draws from them between the restore and the next step, do iterations 5-8 resumed from
     the checkpoint of iteration 4 equal those of the run that saved it (the torch schedules get their
     stage shapes up front: PyTorch's shape inference would draw from the dropout RNG on a resumed step)."""
-    from hybrid.checkpoint_format import read_client_state
+    from hybrid.checkpoint.client_state import read_client_state
     launcher, nproc, extra = RESUME_LAYOUTS[layout]
     base = TINY + DROPOUT + ["--data-path", data, *extra]
     straight_log, log, ckpt = tmp_path / "straight.jsonl", tmp_path / "log.jsonl", tmp_path / "ckpt"

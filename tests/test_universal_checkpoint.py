@@ -118,9 +118,9 @@ def _run_config(flags, world):
 
 
 def test_plain_load_at_another_layout_is_one_message_naming_the_difference_and_the_fix(data, tmp_path):
-    from hybrid.checkpoint_format import read_client_state
+    from hybrid.checkpoint.client_state import read_client_state
     from hybrid.errors import ConfigError
-    from hybrid.training import checkpoint
+    from hybrid.training import resume as checkpoint
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     _save_4(data, ckpt, "torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json"],
             log)

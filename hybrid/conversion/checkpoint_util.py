@@ -12,11 +12,19 @@ import os
 import sys
 from typing import Optional
 
+from tqdm import tqdm
+
+from hybrid.checkpoint.client_state import ClientState
+from hybrid.conversion.hf import read_hf_dir, write_hf_dir
+from hybrid.conversion.layout import check_target_layout, read_hybrid, resolve_tag, write_hybrid
+from hybrid.conversion.universal import to_universal
+from hybrid.data.tokenizer import GPT2BPETokenizer, HFTokenizer
 from hybrid.errors import ConfigError
+from hybrid.flags import FlagParser
+from hybrid.safe_loading import install_safe_torch_load
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hybrid.flags import FlagParser
     p = FlagParser(description="Convert checkpoints: hybrid <-> HuggingFace, and between TP/PP layouts.",
                 allow_abbrev=False)
     p.add_argument("--model-type", default="GPT", choices=["GPT"])
@@ -66,7 +74,6 @@ def _format_alias(value: str) -> str:
 def _progress(enabled: bool, what: str):
     if not enabled:
         return None
-    from tqdm import tqdm
 
     def wrap(items):
         return tqdm(items, desc=what, unit="tensor" if what != "shards" else "file", file=sys.stderr)
@@ -75,11 +82,10 @@ def _progress(enabled: bool, what: str):
 
 def _tokenizer(args, saved_args: dict):
     """The tokenizer to ship with an HF export: flags first, else the one the run trained with."""
-    from hybrid.data.tokenizer import GPT2BPETokenizer, HFTokenizer
     vocab, merges = args.vocab_file or saved_args.get("vocab_file"), args.merge_file or saved_args.get("merge_file")
     model_dir = args.tokenizer_model or saved_args.get("tokenizer_model")
     if model_dir and os.path.isfile(model_dir):  # a SentencePiece .model: transformers' Llama tokenizer
-        from transformers import LlamaTokenizer
+        from transformers import LlamaTokenizer  # transformers' import takes seconds: only here
         return LlamaTokenizer(vocab_file=model_dir, legacy=False)
     if args.tokenizer_model or (model_dir and not (args.vocab_file or args.merge_file)):
         return HFTokenizer(model_dir).to_transformers()
@@ -92,8 +98,6 @@ def _tokenizer(args, saved_args: dict):
 
 
 def convert(args) -> str:
-    from hybrid.conversion.hf import read_hf_dir, write_hf_dir
-    from hybrid.conversion.layout import check_target_layout, read_hybrid, write_hybrid
     if args.checkpoint_type == "meta":
         raise ConfigError("--checkpoint-type meta: Meta's raw Llama weights are not read; convert them to a "
                           "transformers directory first (transformers' convert_llama_weights_to_hf), then use "
@@ -106,7 +110,6 @@ def convert(args) -> str:
         raise ConfigError(f"--saver {saver} needs --save-dir DIR.")
     show = not args.no_progress_bar
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
-    from hybrid.checkpoint_format import ClientState
     if loader == "hf":
         state, config, _ = read_hf_dir(args.load_dir, _progress(show, "shards"))
         client_state = ClientState()
@@ -115,7 +118,7 @@ def convert(args) -> str:
         saved = ClientState.from_meta(meta)
         config = saved.model_config()
         client_state = ClientState(iteration=saved.iteration, consumed_samples=saved.consumed_samples,
-                                   args=saved.args, hybrid_config=saved.hybrid_config)
+                                   run=saved.run, args=saved.args)
     if args.make_vocab_size_divisible_by:
         config.make_vocab_size_divisible_by = args.make_vocab_size_divisible_by
     if saver == "hf":
@@ -129,8 +132,6 @@ def convert(args) -> str:
 
 def _universal(args) -> str:
     """Universal checkpoint of --load-dir's latest checkpoint, beside it (DeepSpeed's layout)."""
-    from hybrid.conversion.layout import resolve_tag
-    from hybrid.conversion.universal import to_universal
     if args.loader != "hybrid" or args.save_dir:
         raise ConfigError("--saver universal converts a launch/train.py checkpoint in place (--load-dir DIR, no "
                           "--save-dir): the universal checkpoint is written beside it as DIR/<tag>_universal.")
@@ -141,7 +142,6 @@ def _universal(args) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        from hybrid.training.deepspeed_fixes import install_safe_torch_load
         install_safe_torch_load(args.allow_unsafe_checkpoint_load)
         print(convert(args), file=sys.stderr)
     except ConfigError as e:

@@ -11,17 +11,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from typing import Optional
 
+import deepspeed
 import torch
+from deepspeed.checkpoint import constants as c
 
-from hybrid.checkpoint_format import safe_load, unsafe_loads_allowed
+from hybrid.checkpoint.tp_layout import tp_layout
 from hybrid.errors import ConfigError
 from hybrid.model.naming import EMBEDDING_WEIGHT, TIED_COPY_WEIGHT, canonical_name
+from hybrid.safe_loading import child_command, safe_load
 
 UNIVERSAL_INFO = "hybrid_universal.json"  # what the universal checkpoint was made from
 
@@ -30,17 +33,15 @@ def run_ds_to_universal(ckpt: str, out_dir: str, config, log=print) -> None:
     """DeepSpeed's ds_to_universal (strict mode) from the ZeRO checkpoint `ckpt` into the new directory
     `out_dir`, then the parameter directories renamed to canonical names and normalised."""
     log(f"converting {ckpt} with DeepSpeed's ds_to_universal (strict)")
-    # DeepSpeed's tool, in a process whose every torch.load is weights-only with the allow-list
-    # (hybrid.training.deepspeed_fixes.install_safe_torch_load): it reads the checkpoint's files
-    allow_unsafe = unsafe_loads_allowed()
-    script = ("import runpy; from hybrid.training.deepspeed_fixes import install_safe_torch_load; "
-              f"install_safe_torch_load({bool(allow_unsafe)}); "
-              "runpy.run_module('deepspeed.checkpoint.ds_to_universal', run_name='__main__', alter_sys=True)")
-    proc = subprocess.run([sys.executable, "-c", script, "--input_folder", ckpt, "--output_folder", out_dir,
-                           "--num_extract_workers", "1", "--num_merge_workers", "1"], capture_output=True, text=True)
+    # DeepSpeed's tool, in a process whose every torch.load is weights-only with the allow-list: it
+    # reads the checkpoint's files
+    proc = subprocess.run(child_command("deepspeed.checkpoint.ds_to_universal", "--input_folder", ckpt,
+                                        "--output_folder", out_dir, "--num_extract_workers", 1,
+                                        "--num_merge_workers", 1), capture_output=True, text=True)
     if proc.returncode != 0:
-        if "refused to unpickle" in proc.stderr:
-            raise ConfigError(proc.stderr.strip().splitlines()[-1].split("Error: ", 1)[-1])
+        refused = [line for line in proc.stderr.splitlines() if line.startswith("error: ") and "refused" in line]
+        if refused:
+            raise ConfigError(refused[-1][len("error: "):])
         raise ConfigError(f"DeepSpeed's ds_to_universal failed on {ckpt}:\n{proc.stderr.strip()[-3000:]}")
     zero = os.path.join(out_dir, "zero")
     for name in sorted(os.listdir(zero)):
@@ -87,7 +88,6 @@ def alias_model_files(out_dir: str) -> None:
     """DeepSpeed reads a universal checkpoint's metadata (client state, LR scheduler) from the
     model-states file its target stage expects: `mp_rank_XX_...` for ZeRO-1/2, `zero_pp_rank_0_mp_rank_XX_...`
     for ZeRO-3; ds_to_universal copies only the source's kind. Link the other name to it."""
-    import re
     for name in os.listdir(out_dir):
         plain = re.fullmatch(r"mp_rank_(\d+)_model_states\.pt", name)
         zero3 = re.fullmatch(r"zero_pp_rank_0_mp_rank_(\d+)_model_states\.pt", name)
@@ -108,10 +108,7 @@ def normalize(zero: str, config, shapes: dict) -> None:
     ZeRO-1/2 dict form (`param`, `cat_dim`, `vocab_tensor`), vocabulary rows are padded as at TP = 1
     (ZeRO-1/2 loads pad further for their TP; ZeRO-3 loads at TP = 1 take them as they are), each
     parameter has its `step`, and the global file carries both stages' keys."""
-    import deepspeed
-    from deepspeed.checkpoint import constants as c
 
-    from hybrid.checkpoint_format import tp_layout
     path = os.path.join(zero, "optimizer_state.pt")
     optim = safe_load(path)
     nested = optim.get("optimizer_state_dict") or {}

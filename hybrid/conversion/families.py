@@ -3,7 +3,7 @@ map, and the options it needs), the family recorded in every checkpoint (`ModelC
 
 Each adapter maps one family's config to a ModelConfig and back, and its state dict to our canonical
 names and back. How each tensor splits over TP is not restated here: it is read from the layers
-(hybrid.checkpoint_format.tp_layout). Every config field that would change the numerics and that the
+(hybrid.checkpoint.tp_layout). Every config field that would change the numerics and that the
 model does not implement is refused by name (`REFUSED` in each adapter), never dropped.
 
 Layouts that differ from ours:
@@ -15,6 +15,7 @@ Layouts that differ from ours:
 
 from __future__ import annotations
 
+import dataclasses
 
 import torch
 
@@ -120,7 +121,7 @@ class GPT2Adapter(Adapter):
                               "--scale-embeddings.")
 
     def hf_config(self, tokenizer_ids: dict):
-        from transformers import GPT2Config
+        from transformers import GPT2Config  # transformers' import takes seconds: only when a config is made
         c = self.config
         return GPT2Config(vocab_size=c.vocab_size, n_positions=c.max_position_embeddings, n_embd=c.hidden_size,
                           n_layer=c.num_layers, n_head=c.num_attention_heads, n_inner=c.ffn_hidden_size,
@@ -269,7 +270,7 @@ class LlamaAdapter(Adapter):
         return {}
 
     def hf_config(self, tokenizer_ids: dict):
-        import transformers
+        import transformers  # transformers' import takes seconds: only when a config is made
         c = self.config
         rope = {"rope_type": "default", "rope_theta": c.rotary_base} if not c.rope_scaling else \
             dict(c.rope_scaling, rope_theta=c.rotary_base)
@@ -447,7 +448,6 @@ class _MoEFamily:
 
 
 def _replace(config: ModelConfig, **fields) -> ModelConfig:
-    import dataclasses
     return dataclasses.replace(config, **fields)
 
 

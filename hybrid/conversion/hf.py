@@ -7,11 +7,15 @@ import json
 import os
 from typing import Callable
 
+import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors.torch import load_file, save_file
 
-from hybrid.conversion.families import BY_HF_CLASS, Adapter, adapter_for_model
+from hybrid.checkpoint.files import atomic_directory
+from hybrid.conversion.families import BY_HF_CLASS, FAMILIES, Adapter, adapter_for_model
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
-
+from hybrid.safe_loading import safe_load
 
 # ---- HF directories ----------------------------------------------------------------------------
 
@@ -29,7 +33,7 @@ def read_hf_config(path: str, flag: str = "--load-dir") -> ModelConfig:
     if adapter_cls is None:
         raise ConfigError(f"{flag} {path}: architecture {architectures or 'unknown'} is not supported; "
                           f"supported: {', '.join(BY_HF_CLASS)}.")
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers' import takes seconds: only for HF directories
     try:
         return adapter_cls.config_from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
     except ConfigError as e:
@@ -38,7 +42,6 @@ def read_hf_config(path: str, flag: str = "--load-dir") -> ModelConfig:
 
 def read_hf_dir(path: str, progress: Callable = None, flag: str = "--load-dir") -> tuple[dict, ModelConfig, Adapter]:
     """A local HF model directory -> (canonical full state dict in fp32, ModelConfig, adapter)."""
-    from hybrid.conversion.families import FAMILIES
     config = read_hf_config(path, flag)
     adapter = FAMILIES[config.family](config)
     state = load_hf_weights(path, progress, flag)
@@ -47,7 +50,6 @@ def read_hf_dir(path: str, progress: Callable = None, flag: str = "--load-dir") 
 
 def load_hf_weights(path: str, progress=None, flag: str = "--load-dir") -> dict:
     """safetensors (single or sharded with an index), else pytorch_model.bin with weights_only=True."""
-    from safetensors.torch import load_file
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -55,7 +57,6 @@ def load_hf_weights(path: str, progress=None, flag: str = "--load-dir") -> dict:
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
-        from hybrid.checkpoint_format import safe_load
         return safe_load(os.path.join(path, "pytorch_model.bin"))
     else:
         raise ConfigError(f"{flag} {path}: no model.safetensors, sharded index or pytorch_model.bin.")
@@ -72,12 +73,8 @@ def write_hf_dir(state: dict, config: ModelConfig, save_dir: str, tokenizer=None
                  progress: Callable = None) -> None:
     """Canonical full state -> HF directory (config, safetensors shards + index, generation config,
     tokenizer), written to a temporary directory and renamed when complete."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # transformers' import takes seconds: only when exporting
 
-    from hybrid.checkpoint_format import atomic_directory
-    import torch
     adapter = adapter_for_model(config)
     dtype = getattr(torch, config.hf_dtype or "float32")  # the imported model's dtype (fp32 for models from flags)
     hf_state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in adapter.to_hf(state).items()}

@@ -14,20 +14,23 @@ import os
 import re
 from typing import Optional
 
+import deepspeed
 import torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-from hybrid.checkpoint_format import (LATEST, MEGATRON_LATEST, ClientState, atomic_directory,  # noqa: F401
-                                      first_model_file, layer_file, load_file, model_config_from_summary,
-                                      model_file, model_summary, read_tag, tag_for, tp_layout, verify_manifest,
-                                      write_manifest)
+from hybrid.checkpoint.client_state import ClientState, SavedLayout, model_summary
+from hybrid.checkpoint.files import (LATEST, MEGATRON_LATEST, atomic_directory, first_model_file, layer_file, load_file,
+                                     model_file, read_tag, tag_for)
+from hybrid.checkpoint.manifest import verify_manifest, write_manifest
+from hybrid.checkpoint.tp_layout import tp_layout
 from hybrid.conversion.ds_universal import read_fp32_state
-from hybrid.model.naming import EMBEDDING_WEIGHT, canonical_name, pipeline_index
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
+from hybrid.model.naming import EMBEDDING_WEIGHT, canonical_name, canonical_parameters, pipeline_index
 from hybrid.parallel.layers import shard, unshard
 
-__all__ = ["read_hybrid", "write_hybrid", "shard_for_rank", "partition_rule", "model_config_from_summary",
-           "resolve_tag", "check_target_layout"]
+__all__ = ["read_hybrid", "write_hybrid", "shard_for_rank", "partition_rule", "load_full_state", "resolve_tag",
+           "check_target_layout"]
 
 
 def resolve_tag(load_dir: str, tag: Optional[str] = None) -> str:
@@ -60,10 +63,10 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
     meta = load_file(first_model_file(ckpt))
     meta.pop("module", None)
     saved = ClientState.from_meta(meta)
-    if "model" not in saved.hybrid_config:
-        raise ConfigError(f"{ckpt}: no hybrid_config in the checkpoint; it was not written by hybrid.")
+    if not saved.model:
+        raise ConfigError(f"{ckpt}: the checkpoint records no model; it was not written by hybrid.")
     config = saved.model_config()
-    tp, pp = saved.tensor_parallel, saved.pipeline_parallel
+    tp, pp = saved.layout.tensor_parallel, saved.layout.pipeline_parallel
     shards: dict[str, dict[int, torch.Tensor]] = {}
     if saved.storage == "virtual_stages":
         # torch.distributed.pipelining schedules: one model file per TP x PP rank, parameters under
@@ -86,7 +89,6 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
         if tp > 1:  # DeepSpeed's zero_to_fp32 handles TP = 1 only; its ds_to_universal merges TP too
             full = read_fp32_state(ckpt, config)
         else:
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
             full = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag)
         shards = {name: {0: value} for name, value in full.items()}
     else:
@@ -145,6 +147,25 @@ def shard_for_rank(name: str, tensor: torch.Tensor, config: ModelConfig, tp: int
     return shard(tensor, rule[0], tp_rank, tp, rule[1])
 
 
+def load_full_state(model, state: dict, config: ModelConfig, groups) -> None:
+    """Copy a full canonical state dict into this rank's parameters of `model` (any form: GPTModel, a
+    DeepSpeed pipeline stage, virtual stages), each TP-sharded for this rank; under ZeRO-3 the
+    partitioned parameters are gathered, written and re-partitioned (DeepSpeed's GatheredParameters)."""
+    params = canonical_parameters(model, config.num_layers)
+    missing = sorted(set(params) - set(state))
+    if missing:
+        raise ConfigError(f"--load: the checkpoint lacks {missing[:5]} (a different model shape?).")
+    modifier = groups.dp_cp.ranks[0] if groups.dp_cp.ranks else 0  # ZeRO-3 re-partitions from here
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=modifier):
+        with torch.no_grad():
+            for name, param in params.items():
+                value = shard_for_rank(name, state[name], config, groups.tp.size, groups.tp.rank)
+                if tuple(value.shape) != tuple(param.shape):
+                    raise ConfigError(f"--load: {name} has shape {tuple(value.shape)} in the checkpoint but "
+                                      f"{tuple(param.shape)} in the model; check the model flags.")
+                param.copy_(value)
+
+
 def check_target_layout(config: ModelConfig, tp: int, pp: int) -> None:
     config.validate(tp)
     if pp < 1 or pp > config.num_layers:
@@ -159,7 +180,6 @@ def write_hybrid(state: dict, config: ModelConfig, tp: int, pp: int, save_dir: s
     PP > 1 checkpoints hold one file per pipeline layer and TP rank, so launch/train.py can load them
     with any --pipeline-partition.
     """
-    import deepspeed
     check_target_layout(config, tp, pp)
     expected = _expected_names(config)
     missing, unexpected = expected - set(state), set(state) - expected
@@ -173,10 +193,8 @@ def write_hybrid(state: dict, config: ModelConfig, tp: int, pp: int, save_dir: s
         os.makedirs(ckpt)
         # weights only, stored as DeepSpeed's PP = 1 engine or its pipeline engine stores them
         written = ClientState(iteration=iteration, consumed_samples=client_state.consumed_samples,
-                              args=client_state.args, weights_only=True, hybrid_config=dict(
-                                  client_state.hybrid_config, model=model_summary(config), tensor_parallel=tp,
-                                  pipeline_parallel=pp, data_parallel=1, pipeline_schedule="1f1b",
-                                  virtual_stages=1, zero_stage=0))
+                              model=model_summary(config), layout=SavedLayout(tensor_parallel=tp, pipeline_parallel=pp),
+                              run=client_state.run, args=client_state.args, weights_only=True)
         common = dict(written.to_dict(), dp_world_size=1, mp_world_size=tp * pp, ds_version=deepspeed.__version__,
                       global_steps=iteration, skipped_steps=0, buffer_names=[], optimizer=None, lr_scheduler=None)
         names = sorted(state)

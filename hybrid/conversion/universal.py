@@ -12,16 +12,21 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 
 import torch
+from deepspeed.checkpoint import constants as c
 
-from hybrid.checkpoint_format import (LATEST_UNIVERSAL, UNIVERSAL_SUFFIX, ClientState, atomic_directory,
-                                      first_model_file, load_file, model_file, read_client_state, verify_manifest,
-                                      write_atomic)
+from hybrid.checkpoint.client_state import ClientState, read_client_state
+from hybrid.checkpoint.files import (LATEST_UNIVERSAL, UNIVERSAL_SUFFIX, atomic_directory, first_model_file, load_file,
+                                     model_file, write_atomic)
+from hybrid.checkpoint.manifest import verify_manifest
+from hybrid.checkpoint.tp_layout import tp_layout
 from hybrid.conversion.ds_universal import UNIVERSAL_INFO, alias_model_files, normalize, run_ds_to_universal
 from hybrid.conversion.layout import merge_shards, read_hybrid
 from hybrid.errors import ConfigError
+from hybrid.model.naming import canonical_name, global_expert_name
 
 
 def _check_convertible(ckpt: str) -> None:
@@ -65,12 +70,11 @@ def _zero0_to_universal(ckpt: str, out_dir: str, config) -> None:
     read (DeepSpeed has no universal conversion without ZeRO): each TP/PP rank's torch optimizer
     state (position-indexed, names recorded at save time) and weights, merged over TP into one
     directory per parameter in DeepSpeed's universal layout."""
-    from deepspeed.checkpoint import constants as c
 
     load_dir, tag = os.path.split(ckpt.rstrip(os.sep))
     weights, meta = read_hybrid(load_dir, tag)
     saved = ClientState.from_meta(meta)
-    tp, pp = saved.tensor_parallel, saved.pipeline_parallel
+    tp, pp = saved.layout.tensor_parallel, saved.layout.pipeline_parallel
     moments = {"exp_avg": {}, "exp_avg_sq": {}}
     steps, param_groups = {}, None
     os.makedirs(out_dir, exist_ok=True)
@@ -112,14 +116,11 @@ def _moe_zero_to_universal(ckpt: str, out_dir: str, config) -> None:
     rank d is EP rank d % EP), the fragments of a parameter joined in data-rank order (partitions follow
     their group's ranks), then merged over TP into one directory per canonical parameter. The model
     files and DeepSpeed's expert files (global indices: any EP reads them) go along."""
-    import re
-    from deepspeed.checkpoint import constants as c
 
-    from hybrid.model.naming import canonical_name, global_expert_name
     meta = load_file(first_model_file(ckpt))
     saved = ClientState.from_meta(meta)
-    tp, ep = saved.tensor_parallel, int(saved.layout("expert_parallel", 1))
-    if saved.pipeline_parallel > 1:
+    tp, ep = saved.layout.tensor_parallel, saved.layout.expert_parallel
+    if saved.layout.pipeline_parallel > 1:
         raise ConfigError(f"{ckpt}: universal checkpoints of MoE models with pipeline parallelism are not built; "
                           f"convert a checkpoint saved at --pipeline-model-parallel-size 1.")
     local_experts = config.num_experts // ep
@@ -150,7 +151,6 @@ def _moe_zero_to_universal(ckpt: str, out_dir: str, config) -> None:
         for group in load_file(os.path.join(ckpt, model_file(tp_rank))).get("param_shapes") or []:
             for name, shape in group.items():
                 shapes[(canonical_name(name, config.num_layers), tp_rank)] = tuple(shape)
-    from hybrid.checkpoint_format import tp_layout
     for name in tp_layout(config):
         if ".deepspeed_moe." in name:
             h, f = config.hidden_size, config.moe_ffn_hidden_size
@@ -193,8 +193,8 @@ def to_universal(load_dir: str, tag: str, log=print) -> str:
     with atomic_directory(target, replace=True) as tmp:  # a new conversion of the same tag replaces the old
         convert(os.path.join(load_dir, tag), tmp, config, log)
         with open(os.path.join(tmp, UNIVERSAL_INFO), "w") as f:
-            json.dump({"source_tag": tag, "tensor_parallel": saved.tensor_parallel,
-                       "pipeline_parallel": saved.pipeline_parallel, "data_parallel": saved.layout("data_parallel"),
+            json.dump({"source_tag": tag, "tensor_parallel": saved.layout.tensor_parallel,
+                       "pipeline_parallel": saved.layout.pipeline_parallel, "data_parallel": saved.layout.data_parallel,
                        "iteration": saved.iteration}, f)
     write_atomic(os.path.join(load_dir, LATEST_UNIVERSAL), out_tag)
     log(f"wrote universal checkpoint {target}; resume at any layout with --load {load_dir} --universal-checkpoint")

@@ -18,6 +18,11 @@ import pathlib
 import re
 import sys
 
+from tokenizers import ByteLevelBPETokenizer
+
+from hybrid.data.indexed import IndexedDatasetBuilder, best_dtype
+from hybrid.data.tokenizer import GPT2BPETokenizer
+
 ASSETS = pathlib.Path(__file__).with_name("default")
 CORPUS = ASSETS / "corpus.jsonl.gz"
 VOCAB = ASSETS / "vocab.json"
@@ -62,7 +67,7 @@ def _stdlib_docstrings():
 
 def collect_corpus() -> list[str]:
     """Documents from this Python's documentation, at most about 1.5 MB."""
-    import pydoc_data.topics
+    import pydoc_data.topics  # the corpus' source, read once when the corpus is built
     documents, total = [], 0
     sources = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
     sources += list(_stdlib_docstrings())
@@ -77,7 +82,6 @@ def collect_corpus() -> list[str]:
 
 def build_assets(out_dir: pathlib.Path = ASSETS) -> None:
     """Write corpus.jsonl.gz and train the BPE tokenizer on it (vocab.json, merges.txt)."""
-    from tokenizers import ByteLevelBPETokenizer
     out_dir.mkdir(parents=True, exist_ok=True)
     documents = collect_corpus()
     with gzip.GzipFile(out_dir / "corpus.jsonl.gz", "wb", mtime=0) as f:
@@ -107,8 +111,6 @@ def default_data_prefix() -> str:
     if os.path.exists(prefix + ".idx") and os.path.exists(prefix + ".bin"):
         return prefix
     directory.mkdir(parents=True, exist_ok=True)
-    from hybrid.data.indexed import IndexedDatasetBuilder, best_dtype
-    from hybrid.data.tokenizer import GPT2BPETokenizer
     tokenizer = GPT2BPETokenizer(str(VOCAB), str(MERGES))
     # A private prefix per process, renamed at the end: concurrent first uses cannot clash.
     tmp_prefix = str(directory / f"corpus_text_document.{os.getpid()}")

@@ -60,6 +60,7 @@ def sentence_splitter(lang: str = "english", keep_newlines: bool = False, log=No
     model when nltk's data has it (offline machines may not: then punkt's untrained defaults,
     and a log line says so), with newlines treated as whitespace unless `keep_newlines`."""
     try:
+        # nltk is needed for --split-sentences only (an optional dependency)
         import nltk
         from nltk.tokenize.punkt import PunktLanguageVars, PunktSentenceTokenizer
     except ImportError:

@@ -12,6 +12,10 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders, pre_tokenizers
+from tokenizers.models import BPE
+
 from hybrid.errors import ConfigError
 
 EOD_TOKEN = "<|endoftext|>"
@@ -40,8 +44,6 @@ class GPT2BPETokenizer(Tokenizer):
     name = "GPT2BPETokenizer"
 
     def __init__(self, vocab_file: str, merge_file: str):
-        from tokenizers import Tokenizer as RustTokenizer, decoders, pre_tokenizers
-        from tokenizers.models import BPE
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
             if not path:
                 raise ConfigError(f"GPT2BPETokenizer needs {flag} (GPT-2-format vocab.json / merges.txt).")
@@ -71,7 +73,8 @@ class GPT2BPETokenizer(Tokenizer):
 
     def to_transformers(self):
         """A transformers GPT2TokenizerFast over the same files (for export)."""
-        from transformers import GPT2TokenizerFast
+        from transformers import GPT2TokenizerFast  # transformers' import takes seconds: only for exports
+
         # transformers 5 takes the file paths as vocab=/merges=; the old vocab_file=/merges_file=
         # keywords are silently ignored there and give a tokenizer that encodes everything to [].
         tok = GPT2TokenizerFast(vocab=self.vocab_file, merges=self.merge_file)
@@ -89,7 +92,7 @@ class HFTokenizer(Tokenizer):
         if not path or not os.path.isdir(path):
             raise ConfigError(f"--tokenizer-model {path!r}: expected a local tokenizer directory "
                               f"(made by tokenizer.save_pretrained).")
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # transformers' import takes seconds: HFTokenizer only
         try:
             self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as e:
@@ -143,7 +146,7 @@ class SentencePieceTokenizer(Tokenizer):
             raise ConfigError(f"--tokenizer-type {name} needs --tokenizer-model FILE.model (a SentencePiece "
                               f"model); got {model_file!r}.")
         try:
-            import sentencepiece
+            import sentencepiece  # SentencePiece tokenizers only
         except ImportError:
             raise ConfigError(f"--tokenizer-type {name} needs the sentencepiece package: "
                               f"pip install sentencepiece.") from None

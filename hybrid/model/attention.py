@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import math
 
+import deepspeed
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from deepspeed.sequence.layer import DistributedAttention
 
 from hybrid.model.flash import flash_attn_func
 from hybrid.model.init import normal_init, output_layer_std
@@ -19,6 +21,7 @@ from hybrid.parallel.groups import as_groups
 from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from hybrid.parallel.random import fork_tp_rng
 from hybrid.parallel.ring_attention import ring_attention
+
 
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v with a causal mask and attention dropout; no parameters.
@@ -62,7 +65,6 @@ class CoreAttention(nn.Module):
             s, b, nq, d = out.size(2), out.size(0), out.size(1), out.size(3)
             return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
         if ulysses is not None:
-            from deepspeed.sequence.layer import DistributedAttention
 
             def whole_sequences(q, k, v):  # [s, b, heads/N, d] -> the same shape
                 return self.local(q, k, v, documents).view(q.shape)
@@ -203,7 +205,6 @@ class SelfAttention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         split = (None, None, None) if layout is None else (layout.documents, layout.cp, layout.ulysses)
         if self.recompute_core and self.training and torch.is_grad_enabled():
-            import deepspeed
             # Selective recompute (Korthikanti et al. 2022): keep q, k, v; recompute the
             # s x s scores, softmax and dropout in backward. DeepSpeed restores the RNG states.
             context = deepspeed.checkpointing.checkpoint(self.core, q, k, v, *split)

@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-
 from hybrid.errors import ConfigError
 
 MLP_TYPES = ("dense", "moe")  # the feed-forward blocks hybrid.model.mlp.build_mlp can build

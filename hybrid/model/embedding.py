@@ -1,4 +1,4 @@
-"""Input embedding (vocab-parallel words + learned positions) and the output head and LM loss."""
+"""Input embedding (vocab-parallel words + learned positions) and the output head (untied, or the tied table)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 from hybrid.model.init import normal_init, vocab_rows_init
 from hybrid.parallel import mappings as M
-from hybrid.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 from hybrid.parallel.groups import as_groups
 from hybrid.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_matmul
 from hybrid.parallel.random import fork_tp_rng
@@ -38,18 +37,9 @@ class Embedding(nn.Module):
             self.position_embeddings = None
 
     def forward(self, input_ids, layout=None):
-        """`layout` (hybrid.model.sequence.SequenceLayout): the tokens' positions within their documents
-        (GPTModel passes this rank's ids and their layout). A pipeline's first stage gets whole sequences
-        and takes its part itself; with packed documents it also hands the whole ids to the next stages,
-        (hidden, ids), so each stage finds the documents (hybrid.model.sequence)."""
-        if layout is None and (self.groups.sequence_split > 1 or self.config.splits_documents):
-            from hybrid.model.sequence import sequence_layout
-            layout = sequence_layout(input_ids, self.config, self.groups)
-            hidden = self._embed(layout.local(input_ids), layout)
-            return (hidden, input_ids) if self.config.splits_documents else hidden
-        return self._embed(input_ids, layout)
-
-    def _embed(self, input_ids, layout):
+        """input_ids [b, s] (this rank's tokens) -> hidden [s(/tp), b, h]. `layout`
+        (hybrid.model.sequence.SequenceLayout): the tokens' positions within their documents and in the
+        whole sequence, where they are not 0 .. s-1."""
         ids = input_ids.t()  # [b, s] -> [s, b]
         hidden = self.word_embeddings(ids)  # [s, b, h], all-reduced over TP
         if self.config.scale_embeddings:  # Gemma: x sqrt(h), the factor rounded to the embeddings' dtype
@@ -119,31 +109,3 @@ class TiedOutputEmbedding(nn.Module):
     def forward(self, hidden):  # feeds the pipeline's loss_fn only
         return parallel_logits(hidden, self.word_embeddings.weight, self.groups, self.config.sequence_parallel,
                                self.config.vocab_size, self.config.async_tensor_model_parallel_allreduce)
-
-
-class LMLoss:
-    """Next-token loss of one micro-batch from TP-split logits [s, b, V/tp] and labels [b, s], in which
-    positions that take no loss hold IGNORE_INDEX: the sum over valid tokens / their count (the mean
-    over the micro-batch's valid tokens). Every step (plain engine, DeepSpeed's pipeline as its
-    loss_fn, the torch schedules) calls it with the same two arguments."""
-
-    def __init__(self, groups, vocab_size: int):
-        self.groups, self.vocab_size = as_groups(groups), vocab_size
-        self.token_scale = None  # --calculate-per-token-loss: set per iteration (hybrid.training.steps)
-        self.__name__ = "LMLoss"
-
-    def __call__(self, logits, labels, valid=None):
-        """`valid`: with context parallelism (or Ulysses) the valid tokens of the whole sequences (this
-        rank holds 1/CP of them, and DeepSpeed averages gradients over DP x CP, hence the factor CP).
-        A pipeline's last stage passes whole-sequence labels and no count: this rank's part is taken here."""
-        if valid is None and self.groups.sequence_split > 1 and labels.size(1) != logits.size(0):
-            from hybrid.model.sequence import local_index
-            valid = (labels != IGNORE_INDEX).sum()
-            labels = labels.index_select(1, local_index(labels.size(1), self.groups, labels.device))
-        labels = labels.t()  # [b, s] -> [s, b], as the logits
-        per_token = vocab_parallel_cross_entropy(logits, labels, self.groups.tp_group, vocab_size=self.vocab_size)
-        if self.token_scale is not None:  # the token sum, scaled to the iteration's token count
-            return per_token.sum() * self.token_scale
-        if valid is None:
-            valid = (labels != IGNORE_INDEX).sum()  # on the device: no host sync
-        return per_token.sum() * self.groups.sequence_split / valid.clamp(min=1)

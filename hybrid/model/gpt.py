@@ -1,7 +1,6 @@
-"""The decoder-only language model: one nn.Module (PP = 1) or DeepSpeed pipeline stages (PP > 1).
-
-Parameter names are canonical (hybrid.model.naming) in GPTModel and the virtual stages;
-DeepSpeed's PipelineModule names them by layer index, and naming maps between the two.
+"""The decoder-only language model as one nn.Module (PP = 1). Its parameter names are the canonical
+ones (hybrid.model.naming); the pipeline forms of the same model are hybrid.model.deepspeed_pipeline
+(DeepSpeed's 1F1B engine) and hybrid.model.virtual_stages (the torch.distributed.pipelining schedules).
 """
 
 from __future__ import annotations
@@ -9,12 +8,12 @@ from __future__ import annotations
 import torch.nn as nn
 
 from hybrid.model.config import ModelConfig
-from hybrid.model.embedding import Embedding, LMLoss, OutputHead, TiedOutputEmbedding, parallel_logits
+from hybrid.model.embedding import Embedding, OutputHead, parallel_logits
+from hybrid.model.loss import LMLoss
 from hybrid.model.norms import build_norm
 from hybrid.model.recompute import run_layers
 from hybrid.model.sequence import sequence_layout
 from hybrid.model.transformer import TransformerLayer
-from hybrid.parallel.cross_entropy import IGNORE_INDEX
 from hybrid.parallel.groups import as_groups
 
 
@@ -32,9 +31,9 @@ class GPTModel(nn.Module):
         self.output_layer = OutputHead(config, groups) if config.untie_embeddings_and_output_weights else None
         self.loss_fn = LMLoss(groups, config.vocab_size)
 
-    def forward(self, input_ids, labels=None):
+    def forward(self, input_ids, labels=None, token_scale=None):
         """input_ids [b, s] -> logits [b, s, V_padded/tp]; or, with labels [b, s] (IGNORE_INDEX where no
-        loss is taken), the mean LM loss over the valid tokens."""
+        loss is taken), the micro-batch's LM loss (`token_scale`: --calculate-per-token-loss's factor)."""
         # packed documents' masks and positions, this CP rank's chunks of the sequence; or None
         layout = sequence_layout(input_ids, self.config, self.groups)
         hidden = self.embedding(input_ids if layout is None else layout.local(input_ids), layout)  # [s(/tp), b, h]
@@ -50,48 +49,4 @@ class GPTModel(nn.Module):
                                      self.config.async_tensor_model_parallel_allreduce)  # [s, b, V/tp]
         if not for_loss:
             return logits.transpose(0, 1)
-        if layout is not None and layout.index is not None:  # this rank's tokens; the count is the whole sequence's
-            return self.loss_fn(logits, layout.local(labels), valid=(labels != IGNORE_INDEX).sum())
-        return self.loss_fn(logits, labels)
-
-
-class FinalNormStage(nn.Module):
-    """The final norm as a pipeline layer; named `final_norm` like GPTModel's."""
-
-    def __init__(self, config: ModelConfig, groups):
-        super().__init__()
-        self.final_norm = build_norm(config, groups)
-
-    def forward(self, hidden):
-        if isinstance(hidden, tuple):  # packed documents: the ids travelled with the hidden states this far
-            hidden = hidden[0]
-        return self.final_norm(hidden)
-
-
-class OutputHeadStage(nn.Module):
-    """The untied output head as a pipeline layer; named `output_layer` like GPTModel's."""
-
-    def __init__(self, config: ModelConfig, groups):
-        super().__init__()
-        self.output_layer = OutputHead(config, groups)
-
-    def forward(self, hidden):  # feeds the pipeline's loss_fn only
-        return self.output_layer.loss_logits(hidden)
-
-
-def pipeline_layers(config: ModelConfig, groups) -> list:
-    """LayerSpecs: embedding, transformer layers, final norm, output head (tied via TiedLayerSpec)."""
-    from deepspeed.pipe import LayerSpec, TiedLayerSpec
-    specs = []
-    if config.tied_embeddings:
-        specs.append(TiedLayerSpec("embed", Embedding, config, groups, tied_weight_attr="word_embeddings.weight"))
-    else:
-        specs.append(LayerSpec(Embedding, config, groups))
-    specs += [LayerSpec(TransformerLayer, config, groups, i) for i in range(config.num_layers)]
-    specs.append(LayerSpec(FinalNormStage, config, groups))
-    if config.tied_embeddings:
-        specs.append(TiedLayerSpec("embed", TiedOutputEmbedding, config, groups,
-                                   tied_weight_attr="word_embeddings.weight"))
-    else:
-        specs.append(LayerSpec(OutputHeadStage, config, groups))
-    return specs
+        return self.loss_fn.of_whole_sequences(logits, labels, token_scale)  # this rank's part of the sequences

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from hybrid.model.config import MLP_TYPES
 from hybrid.model.init import normal_init, output_layer_std
-from hybrid.model.moe import MoELayer
+from hybrid.model.moe.moe_layer import MoELayer
 from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -107,7 +107,7 @@ class MLP(nn.Module):
 # --- the layer's feed-forward block, chosen by the config -----------------------------------------
 
 def build_moe(config, groups, name: str) -> nn.Module:
-    """An MoE layer's feed-forward block (hybrid.model.moe), its shared experts a dense MLP."""
+    """An MoE layer's feed-forward block (hybrid.model.moe.moe_layer), its shared experts a dense MLP."""
     return MoELayer(config, groups, name, MLP, activation_of(config))
 
 

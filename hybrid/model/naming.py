@@ -24,7 +24,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-TIED_PREFIX = "tied_modules.embed."  # DeepSpeed's TiedLayerSpec("embed", ...) parameters
+TIED_KEY = "embed"  # the key of the word embeddings' TiedLayerSpec (hybrid.model.deepspeed_pipeline)
+TIED_PREFIX = f"tied_modules.{TIED_KEY}."  # what DeepSpeed names that TiedLayerSpec's parameters
 TIED_COPY = "tied_output"  # the last virtual stage's copy of a tied embedding (loop placement, PP > 1)
 TIED_COPY_WEIGHT = f"{TIED_COPY}.word_embeddings.weight"
 EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"

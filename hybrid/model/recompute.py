@@ -3,12 +3,12 @@ the TP RNG tracker's states, so recomputed dropout masks equal the original ones
 
 from __future__ import annotations
 
+import deepspeed
 import torch
 
 
 def checkpoint(fn, *args):
     """Run `fn(*args)` keeping only its inputs; recompute it in backward (DeepSpeed's checkpoint)."""
-    import deepspeed
     return deepspeed.checkpointing.checkpoint(fn, *args)
 
 

@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from hybrid.parallel import ring_attention
+
 
 @dataclass
 class SequenceLayout:
@@ -54,7 +56,6 @@ def local_index(seq_len: int, groups, device=None) -> Optional[torch.Tensor]:
     if groups is None or groups.sequence_split == 1:
         return None
     if groups.cp.size > 1:
-        from hybrid.parallel import ring_attention
         return ring_attention.local_index(seq_len, groups.cp.size, groups.cp.rank, device)
     part = seq_len // groups.ulysses.size
     return torch.arange(groups.ulysses.rank * part, (groups.ulysses.rank + 1) * part, device=device)
@@ -87,3 +88,15 @@ def sequence_layout(ids: torch.Tensor, config, groups=None) -> Optional[Sequence
         positions = index[None, :] if positions is None else positions.index_select(1, index)
     return SequenceLayout(positions=None if positions is None else positions.t(), documents=documents,
                           cp=cp, ulysses=ulysses, index=index)
+
+
+def stage_layout_of(hidden: torch.Tensor, ids: Optional[torch.Tensor], config, groups) -> Optional[SequenceLayout]:
+    """The layout a pipeline stage's layers use: from the micro-batch's whole-sequence ids where they
+    travel with it (packed documents), else, with a sequence split, this rank's part derived from the
+    hidden states' length [s(/tp), b, h]; None for whole sequences of one document each."""
+    if ids is not None:
+        return sequence_layout(ids, config, groups)
+    if groups is None or groups.sequence_split == 1:
+        return None
+    local = hidden.size(0) * (groups.tp_size if config.sequence_parallel else 1)
+    return stage_layout(local, groups, hidden.device)

@@ -19,7 +19,7 @@ from hybrid.model.embedding import Embedding, OutputHead, TiedOutputEmbedding, p
 from hybrid.model.naming import TIED_COPY
 from hybrid.model.norms import build_norm
 from hybrid.model.recompute import run_layers
-from hybrid.model.sequence import sequence_layout
+from hybrid.model.sequence import sequence_layout, stage_layout_of
 from hybrid.model.transformer import TransformerLayer
 from hybrid.parallel.groups import as_groups
 from hybrid.pipeline_plan import StagePlan
@@ -94,11 +94,14 @@ class VirtualStage(nn.Module):
     def forward(self, hidden, input_ids=None):
         """`input_ids`: the micro-batch's whole-sequence ids [b, s], given to every stage (the schedule's
         keyword arguments reach each stage) when sequences are packed documents, so each stage finds the
-        documents and positions itself; between stages only the hidden states travel."""
+        documents and positions itself; between stages only the hidden states travel. The first stage
+        gets the whole-sequence ids as `hidden` and takes this rank's part of them."""
         owner = self._owner
-        layout = None if input_ids is None else sequence_layout(input_ids, owner.config, owner.groups)
         if self.first:
-            hidden = self.embedding(hidden) if layout is None else self.embedding(layout.local(hidden), layout)
+            layout = sequence_layout(hidden, owner.config, owner.groups)
+            hidden = self.embedding(hidden if layout is None else layout.local(hidden), layout)
+        else:
+            layout = stage_layout_of(hidden, input_ids, owner.config, owner.groups)
         hidden = run_layers(list(self.layers), hidden, owner.config, owner.training, layout)
         if self.last:
             hidden = owner.logits(self.final_norm(hidden))

@@ -3,7 +3,8 @@
 Weights are created full-size on the CPU by an `init_method`, then sharded, so the same seed
 gives the same full weights at any TP degree (Megatron-LM's `--use-cpu-initialization`).
 Sharded parameters carry `tensor_model_parallel=True` (read by DeepSpeed's gradient-norm code),
-`partition_dim` and `partition_stride` (the conversion rules in hybrid.conversion.layout must agree).
+`partition_dim` and `partition_stride`: the one record of each parameter's TP split, which
+hybrid.checkpoint.tp_layout reads for checkpoints, conversion and DeepSpeed's universal patterns.
 """
 
 from __future__ import annotations

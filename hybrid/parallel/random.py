@@ -20,6 +20,7 @@ import random
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
@@ -81,7 +82,6 @@ def get_rng_states(sequence=None) -> dict:
     own = _own_rng_states()
     if sequence is None or sequence.size == 1:
         return own
-    import torch.distributed as dist
     every = [None] * sequence.size
     dist.all_gather_object(every, own, group=sequence.group)
     return {"sequence_ranks": every}

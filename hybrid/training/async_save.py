@@ -5,12 +5,13 @@ DeepSpeed passes every file's state dict (model states, ZeRO partitions, pipelin
 checkpoint engine's `save`; hybrid.training.deepspeed_fixes.AsyncCheckpointEngine gives them to the
 `BackgroundWriter` here. The copy is taken before `save` returns, so the optimizer may change the live
 tensors at once; the files are complete only when `wait()` returns, and only then does
-hybrid.training.checkpoint move the manifest and `latest` (a crash before that leaves the previous
+hybrid.training.saving move the manifest and `latest` (a crash before that leaves the previous
 checkpoint the newest complete one).
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from typing import Any
@@ -63,7 +64,6 @@ class BackgroundWriter:
 
     def _run(self) -> None:
         try:  # Linux schedules threads apart: let the training threads have the cores first
-            import os
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (AttributeError, OSError):
             pass

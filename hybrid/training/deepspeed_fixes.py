@@ -1,19 +1,29 @@
-"""The only places hybrid touches DeepSpeed (or torch) internals or replaces a method of a DeepSpeed
-object, each with the DeepSpeed version it was written against (0.19.8) and the reason, each covered
-by tests/test_deepspeed_fixes.py, which fails loudly if DeepSpeed changes what is relied on.
-`RELIED_ON` lists those internals; the test checks each still exists."""
+"""The only places hybrid touches DeepSpeed internals or replaces a method of a DeepSpeed object, each
+with the DeepSpeed version it was written against (0.19.8) and the reason, each covered by
+tests/test_deepspeed_fixes.py, which fails loudly if DeepSpeed changes what is relied on. `RELIED_ON`
+lists those internals; the test checks each still exists. (torch's process-wide defaults are
+hybrid.torch_fixes'; the safe torch.load is hybrid.safe_loading's.)"""
 
 from __future__ import annotations
 
 import os
 
+import deepspeed
 import torch
+import torch.distributed as dist
+from deepspeed.moe.layer import MoE
 from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.utils import is_model_parallel_parameter
+from deepspeed.utils import groups as ds_groups
 
+from hybrid.checkpoint.files import load_file
+from hybrid.model.moe.moe_layer import MoELayer
+from hybrid.model.naming import canonical_parameters
 from hybrid.pipeline_plan import list_partition_bounds
+from hybrid.training.async_save import BackgroundWriter
 
-# (module, attribute path) of every DeepSpeed internal used below
-# (module, attribute path, a text its source must contain)
+# (module, attribute path, a text its source must contain) of every DeepSpeed internal used below
 RELIED_ON = [
     ("deepspeed.runtime.pipe.module", "PipelineModule._partition_layers", "def _partition_layers(self, method"),
     ("deepspeed.runtime.pipe.module", "PipelineModule._set_bounds", "def _set_bounds(self, start=None, stop=None)"),
@@ -27,71 +37,18 @@ RELIED_ON = [
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.__init__", "self.param_names = param_names"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
      "param_groups"),
-    ("deepspeed.comm.torch", "TorchBackend.new_group", "return torch.distributed.new_group(ranks)"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.save_checkpoint", "self.checkpoint_engine.commit(commit_info)"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine._save_checkpoint", "self.checkpoint_engine.save("),
     ("deepspeed.runtime.engine", "DeepSpeedEngine._configure_checkpointing",
      "create_checkpoint_engine(config_params=self._config"),
     ("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "TorchCheckpointEngine.save",
      "torch.save(state_dict, path"),
-    ("torch.distributed.distributed_c10d", "_new_group_with_tag", "timeout = _get_default_timeout(backend)"),
-    ("torch.distributed.distributed_c10d", "_get_default_timeout", "return default_pg_timeout"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine._configure_distributed_model", "if isinstance(module, MoE):"),
     ("deepspeed.utils.groups", "_get_expert_parallel_group", "_EXPERT_PARALLEL_GROUP[group_name]"),
     ("deepspeed.utils.groups", "_get_expert_data_parallel_group", "_EXPERT_DATA_PARALLEL_GROUP[group_name]"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine._save_moe_checkpoint",
      "moe_str_prefix = '.deepspeed_moe.experts.deepspeed_experts.'"),
 ]
-
-
-# --- every process group times out after --distributed-timeout-minutes -------------------------
-
-def groups_time_out_after(timeout) -> None:
-    """Make `timeout` the default of every process group created from now on in this process.
-    DeepSpeed 0.19's grid (TP, DP, PP, slice groups) and engine call `torch.distributed.new_group(ranks)`
-    with no timeout (deepspeed.comm.torch.TorchBackend.new_group), and torch then uses its own default
-    (30 minutes for gloo, 10 for NCCL), not the world group's: a dead peer in a TP or pipeline
-    collective would hang for that long whatever --distributed-timeout-minutes says. torch (2.13) reads
-    the default from these module constants when a group is made."""
-    import torch.distributed.distributed_c10d as c10d
-    c10d.default_pg_timeout = timeout
-    if hasattr(c10d, "default_pg_nccl_timeout"):
-        c10d.default_pg_nccl_timeout = timeout
-
-
-# --- no code from checkpoint files ---------------------------------------------------------------
-
-_ORIGINAL_TORCH_LOAD = torch.load
-
-
-def install_safe_torch_load(allow_unsafe: bool = False) -> None:
-    """Make every `torch.load` of this process (hybrid's, DeepSpeed's `load_checkpoint`, its ZeRO and
-    universal-checkpoint loaders, zero_to_fp32, transformers') unpickle with `weights_only=True` and the
-    allow-list of hybrid.checkpoint_format, whatever the caller passes: DeepSpeed 0.19 calls `torch.load(..., weights_only=False)`
-    in 20-odd places and has no hook for all of them (its checkpoint engine covers only some), so
-    `torch.load` itself is replaced. A refused file raises UnsafeCheckpointError naming the file and
-    the class. `allow_unsafe` (hybrid.checkpoint_format.UNSAFE_FLAG) restores full unpickling, for files one trusts. Also sets
-    TORCH_FORCE_WEIGHTS_ONLY_LOAD for child processes that do not install this (DeepSpeed's tools)."""
-    import pickle
-
-    from hybrid.checkpoint_format import set_unsafe_loads
-    set_unsafe_loads(allow_unsafe)
-    if allow_unsafe:
-        torch.load = _ORIGINAL_TORCH_LOAD
-        os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
-        return
-    from hybrid.checkpoint_format import refusal, safe_checkpoint_classes
-    torch.serialization.add_safe_globals(safe_checkpoint_classes())
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-
-    def safe_load(f, *args, weights_only=None, **kwargs):
-        try:
-            return _ORIGINAL_TORCH_LOAD(f, *args, weights_only=True, **kwargs)
-        except pickle.UnpicklingError as error:
-            raise refusal(f, error) from None
-
-    safe_load.__doc__ = _ORIGINAL_TORCH_LOAD.__doc__
-    torch.load = safe_load
 
 
 # --- explicit pipeline partitions ---------------------------------------------------------------
@@ -113,7 +70,7 @@ class ListPartitionPipelineModule(PipelineModule):
 
 # --- exact fp32 gradient clipping for TP x PP (ZeRO-0) ------------------------------------------
 
-def install_fp32_clipping(engine, topology) -> None:
+def install_fp32_clipping(engine, groups) -> None:
     """Replace DeepSpeed's fp32/ZeRO-0 gradient clipping with one that is exact for TP x PP.
 
     DeepSpeed 0.19's `DeepSpeedEngine.clip_fp32_gradients` (called from `_take_model_step` when
@@ -124,13 +81,10 @@ def install_fp32_clipping(engine, topology) -> None:
     over the TP x PP group; the norm is stored where `get_global_grad_norm()` reads it (the private
     `_global_grad_norm`) for logging. The engine method is replaced on this engine object only.
     """
-    import torch.distributed as dist
-    from deepspeed.runtime.utils import is_model_parallel_parameter
-
     # a tied embedding's copies on later pipeline stages, which DeepSpeed marks ds_pipe_replicated
     # (TiedLayerSpec; our virtual stages mark theirs the same way)
     tied_copies = {id(p) for p in engine.module.parameters() if getattr(p, "ds_pipe_replicated", False)}
-    model_group = topology.grid.get_model_parallel_group()
+    model_group = groups.mpu.get_model_parallel_group()
 
     def clip_fp32_gradients():
         params, counted = [], []
@@ -138,7 +92,7 @@ def install_fp32_clipping(engine, topology) -> None:
             if param.grad is None:
                 continue
             params.append(param)
-            if (is_model_parallel_parameter(param) or topology.tp_rank == 0) and id(param) not in tied_copies:
+            if (is_model_parallel_parameter(param) or groups.tp.rank == 0) and id(param) not in tied_copies:
                 counted.append(param.grad)
         # torch's public clipping pieces (foreach kernels: one pass per dtype group, not per parameter)
         local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=engine.device)
@@ -164,7 +118,6 @@ def skip_one_rank_gradient_allreduce(engine) -> None:
     averaging divides by one (no pre/post-divide factor), the values would come back unchanged, so the
     bucket is left as it is; any other group or factor goes to DeepSpeed's own method. The method is
     replaced on this engine object only."""
-    import torch.distributed as dist
     reduce_and_copy = engine.allreduce_and_copy
 
     def allreduce_and_copy(small_bucket, dp_group, dp_world_size=None):
@@ -214,7 +167,6 @@ def use_canonical_param_names(engine, num_layers: int) -> None:
     ZeRO optimizers look a parameter's directory up as `optimizer.param_names[param]`, which the
     engine fills from `module.named_parameters()` (pipeline stages: `3.attention...`,
     `tied_modules.embed...`). Point those at the canonical names so any PP loads any PP."""
-    from hybrid.model.naming import canonical_parameters
     optimizer = engine.optimizer
     names = getattr(optimizer, "param_names", None)
     if not isinstance(names, dict):
@@ -236,8 +188,7 @@ def repair_zero3_universal_load(engine, universal_dir: str) -> None:
     for state in inner.state.values():
         if torch.is_tensor(state.get("step")):
             state["step"] = state["step"].clone()
-    from hybrid.checkpoint_format import safe_load
-    saved = safe_load(os.path.join(universal_dir, "zero", "optimizer_state.pt"))["optimizer_state_dict"]["param_groups"]
+    saved = load_file(os.path.join(universal_dir, "zero", "optimizer_state.pt"))["optimizer_state_dict"]["param_groups"]
     if len(saved) != len(inner.param_groups):
         raise RuntimeError(f"universal checkpoint {universal_dir} has {len(saved)} optimizer parameter groups, "
                            f"this run {len(inner.param_groups)}")
@@ -252,14 +203,10 @@ def use_async_checkpoint_engine(engine):
     returns; a background thread writes the files (hybrid.training.async_save). DeepSpeed 0.19's engine
     (and its pipeline engine, for the layer files) hands every file to `self.checkpoint_engine.save`
     and calls `commit` right after the last one; commit must not wait, so completion is
-    `engine.checkpoint_engine.wait()`, called by hybrid.training.checkpoint before the manifest and
+    `engine.checkpoint_engine.wait()`, called by hybrid.training.saving before the manifest and
     `latest` move. DeepSpeed's own DecoupledCheckpointEngine shares CUDA tensors with a writer
     process instead (its files are torn unless training waits at the next step) and needs the
     FastCheckpointEngine writer; this keeps torch.save's files, readable by every DeepSpeed tool."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    from hybrid.training.async_save import BackgroundWriter
-
     class AsyncCheckpointEngine(TorchCheckpointEngine):
         def __init__(self, config_params):
             super().__init__(config_params)
@@ -281,14 +228,15 @@ def use_async_checkpoint_engine(engine):
 
 # --- mixture of experts: DeepSpeed's MoE machinery for hybrid's MoE layers ------------------------
 
-def register_moe_layers(model, topology, zero_stage: int = 0) -> int:
-    """Let DeepSpeed 0.19's engine treat hybrid's MoE layers (hybrid.model.moe.MoELayer) as its own:
+def register_moe_layers(model, layout, zero_stage: int = 0) -> int:
+    """Let DeepSpeed 0.19's engine treat hybrid's MoE layers (hybrid.model.moe.moe_layer.MoELayer) as its own:
     the engine turns on its MoE handling (expert parameters reduced over the expert-data-parallel group
     and averaged over DP, their own optimizer groups through `split_params_into_different_moe_groups_
     for_optimizer`, each expert written to its own `layer_{i}_expert_{e}_mp_rank_XX_model_states.pt`
     file and read back by global expert index) only for modules that are instances of
     `deepspeed.moe.layer.MoE`, and it finds the expert groups by name (`ep_size_{EP}`) in
-    `deepspeed.utils.groups`. So: the topology's EP and EDP groups (our rank order, EP inside DP) go into
+    `deepspeed.utils.groups`. So: the layout's EP and EDP groups (`layout`: hybrid.parallel.groups.
+    ParallelGroups; our rank order, EP inside DP x CP) go into
     those dictionaries, and each MoE layer becomes an instance of a subclass of both classes
     (`MoE.__init__`, which builds DeepSpeed's own gate and experts, never runs; the layer carries the
     attributes the engine reads: num_experts, ep_size, expert_group_name, num_local_experts). Returns
@@ -296,29 +244,24 @@ def register_moe_layers(model, topology, zero_stage: int = 0) -> int:
     MoE layers there; EP 1 only) the experts stay ordinary parameters, partitioned over DP, each registered
     as an external parameter of its layer (`deepspeed.zero.register_external_parameter`) since the layer
     reads their weights in its own forward."""
-    from deepspeed.moe.layer import MoE
-    from deepspeed.utils import groups
-
-    from hybrid.model.moe import MoELayer
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     if not layers:
         return 0
     if zero_stage == 3:  # EP 1 only (capabilities): experts are ordinary parameters ZeRO-3 partitions over DP
-        import deepspeed
         for layer in layers:
             for param in layer.deepspeed_moe.parameters():
                 del param.allreduce, param.group_name  # not DeepSpeed MoE parameters here
                 # used in the layer's own forward (no expert module is called): gathered with it
                 deepspeed.zero.register_external_parameter(layer, param)
         return len(layers)
-    if topology.expert_data_group is None:
-        raise RuntimeError("the model has MoE layers but the Topology was built without expert groups "
-                           "(Topology(..., experts=True))")
+    if not layout.edp.ranks:
+        raise RuntimeError("the model has MoE layers but its groups were built without expert groups "
+                           "(hybrid.parallel.groups.build_groups(..., experts=True))")
     name = layers[0].expert_group_name
-    groups._EXPERT_PARALLEL_GROUP[name] = topology.expert_group
-    groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(topology.expert_ranks)
-    groups._EXPERT_DATA_PARALLEL_GROUP[name] = topology.expert_data_group
-    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = list(topology.expert_data_ranks)
+    ds_groups._EXPERT_PARALLEL_GROUP[name] = layout.ep.group
+    ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(layout.ep.ranks)
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = layout.edp.group
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = list(layout.edp.ranks)
     for layer in layers:
         layer.__class__ = _deepspeed_moe_class(type(layer), MoE)
     return len(layers)
@@ -330,8 +273,7 @@ _MOE_CLASSES: dict = {}
 def _deepspeed_moe_class(cls, moe_base):
     if cls not in _MOE_CLASSES:
         def set_deepspeed_parallelism(self, use_data_before_expert_parallel_=False):
-            from deepspeed.utils import groups
-            if self.expert_group_name not in groups._get_expert_parallel_group_dict():
+            if self.expert_group_name not in ds_groups._get_expert_parallel_group_dict():
                 raise RuntimeError(f"expert groups {self.expert_group_name} were not registered "
                                    f"(hybrid.training.deepspeed_fixes.register_moe_layers)")
         _MOE_CLASSES[cls] = type(cls.__name__, (cls, moe_base), {

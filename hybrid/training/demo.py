@@ -10,13 +10,13 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from hybrid.conversion.checkpoint_util import build_parser, convert
 from hybrid.training.logging import log
 
 
 def export_hf(save_dir: str, export_dir: str) -> None:
     """The latest checkpoint in `save_dir` -> a HuggingFace directory, replacing an older export only
     once the new one is complete."""
-    from hybrid.conversion.checkpoint_util import build_parser, convert
     fresh, old = export_dir.rstrip("/") + ".new", export_dir.rstrip("/") + ".old"
     for leftover in (fresh, old):
         shutil.rmtree(leftover, ignore_errors=True)
@@ -33,7 +33,7 @@ def export_hf(save_dir: str, export_dir: str) -> None:
 def sample(export_dir: str, prompt: str, seed: int, max_new_tokens: int = 48) -> str:
     """A continuation of `prompt` by transformers' generate() on the exported model (top-k sampling),
     kept within the model's positions (the prompt is cut from the left if it alone would fill them)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # only for the sample: its import takes seconds
     tokenizer = AutoTokenizer.from_pretrained(export_dir)
     model = AutoModelForCausalLM.from_pretrained(export_dir).eval()
     ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -64,8 +64,8 @@ def finish(run) -> int:
     """After training: rank 0 exports and samples while the other ranks wait. This step is optional: a
     failure is one line (the checkpoint stays as saved) and the exit status EXPORT_FAILED, never a crash
     that takes the other ranks down. Returns the exit status."""
-    t = run.train
-    if not t.export_hf:
+    c = run.checkpoint
+    if not c.export_hf:
         return 0
     if dist.is_initialized():
         dist.barrier()
@@ -73,14 +73,14 @@ def finish(run) -> int:
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     if rank == 0:
         try:
-            export_hf(t.save, t.export_hf)
-            if t.sample_prompt:
-                text = sample(t.export_hf, t.sample_prompt, t.seed)
-                log(f"sample (transformers, from {t.export_hf}):\n{t.sample_prompt}{text}")
+            export_hf(c.save, c.export_hf)
+            if c.sample_prompt:
+                text = sample(c.export_hf, c.sample_prompt, run.training.seed)
+                log(f"sample (transformers, from {c.export_hf}):\n{c.sample_prompt}{text}")
         except Exception as error:  # optional: report it, keep the run's result
             reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
             log(f"WARNING: the HuggingFace export or sample after training failed ({reason}); the checkpoint in "
-                f"{t.save} is complete (convert it with conversion/checkpoint_util.py --hf-convert); exit status "
+                f"{c.save} is complete (convert it with conversion/checkpoint_util.py --hf-convert); exit status "
                 f"{EXPORT_FAILED}")
             status = EXPORT_FAILED
     if dist.is_initialized():

@@ -1,4 +1,4 @@
-"""Model + optimizer + schedule handed to `deepspeed.initialize`, with the topology's grid as mpu."""
+"""Model + optimizer + schedule handed to `deepspeed.initialize`, with the layout's DeepSpeed grid as mpu."""
 
 from __future__ import annotations
 
@@ -7,89 +7,44 @@ import re
 
 import deepspeed
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from deepspeed.accelerator import get_accelerator
 
 from hybrid.config import RunConfig
 from hybrid.errors import ConfigError
-from hybrid.model.config import ModelConfig
-from hybrid.model.gpt import GPTModel, pipeline_layers
-from hybrid.model.embedding import LMLoss
+from hybrid.model import build as model_build
+from hybrid.model.moe.moe_layer import MoELayer
 from hybrid.model.naming import canonical_parameters
-from hybrid.model.transformer import TransformerLayer
-from hybrid.pipeline_plan import resolve_partition
 from hybrid.training.deepspeed_fixes import (ListPartitionPipelineModule, install_fp32_clipping, register_moe_layers,
-                                            skip_non_finite_steps, skip_one_rank_gradient_allreduce,
-                                            use_async_checkpoint_engine)
+                                             skip_non_finite_steps, skip_one_rank_gradient_allreduce,
+                                             use_async_checkpoint_engine)
 from hybrid.training.logging import log
+from hybrid.training.moe_hooks import keep_fp32_buffers
 from hybrid.training.schedules import MegatronLRScheduler
 
 _NO_DECAY = re.compile(r"(^|\.)bias$|norm\.weight$|norm\.bias$")
 
 
-def build_model(run: RunConfig, topology) -> nn.Module:
-    """GPTModel (PP = 1), DeepSpeed's pipeline stages of this rank (PP > 1, 1F1B) or its virtual
-    stages (the torch.distributed.pipelining schedules); with --torch-compile each
-    transformer layer is compiled."""
-    if run.pipeline_parallel == 1 and run.zero_stage == 3:
-        # ZeRO-3: each parameter is partitioned over the DP group as soon as its module is built,
-        # so no rank ever holds the whole model (the point of ZeRO-3 for models larger than a rank)
-        with deepspeed.zero.Init(config_dict_or_path=run.ds_config, mpu=topology.mpu,
-                                 data_parallel_group=topology.mpu.get_data_parallel_group()):
-            model = GPTModel(run.model, topology.groups)
-    elif run.pipeline_parallel == 1:
-        model = GPTModel(run.model, topology.groups)
-    elif run.virtual_pipeline:  # torch.distributed.pipelining runs this rank's virtual stages
-        from hybrid.training.pipelining import build_rank_model
-        model = build_rank_model(run.model, topology, run.pipeline_schedule, run.virtual_stages)
-    else:
-        model = build_pipeline_model(run.model, topology, run.pipeline_partition)
-    if run.train.torch_compile:
-        compile_layers(model)
-    return model
-
-
-def build_pipeline_model(config: ModelConfig, topology, partition_method: str = "parameters"):
-    """The model as DeepSpeed pipeline stages over `topology` (PP > 1), run by its 1F1B schedule."""
-    pp = topology.pp_world_size
-    if pp < 2:
-        raise ValueError("build_pipeline_model needs PP > 1; use GPTModel for PP = 1")
-    if config.num_layers < pp:
-        raise ConfigError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers "
-                          f"{config.num_layers}: every stage needs at least one layer.")
-    config.validate(topology.tp_world_size)
-    full_uniform = config.recompute_granularity == "full" and config.recompute_method == "uniform"
-    module = ListPartitionPipelineModule(
-        layers=pipeline_layers(config, topology.groups),
-        loss_fn=LMLoss(topology.groups, config.vocab_size),
-        topology=topology.ds_topology,
-        partition_method=resolve_partition(partition_method, config.num_layers, pp),
-        activation_checkpoint_interval=max(1, config.recompute_num_layers) if full_uniform else 0,
-        checkpointable_layers=["TransformerLayer"],
-    )
-    if config.recompute_granularity == "full" and config.recompute_method == "block":
-        stage_layers = [f for f in module.forward_funcs if isinstance(f, TransformerLayer)]
-        for layer in stage_layers[: config.recompute_num_layers]:
-            layer.recompute_whole = True
-    return module
-
-
-def compile_layers(model: nn.Module) -> int:
-    """Regional compilation (as torchtitan): `torch.compile` on every TransformerLayer, not on the
-    whole model, so the embedding, loss and DeepSpeed's hooks stay eager, identical layers share
-    one compiled graph, and compile time does not grow with depth. Returns the layer count."""
-    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
-    for layer in layers:
-        layer.compile()
-    return len(layers)
+def build_model(run: RunConfig, groups) -> nn.Module:
+    """This rank's model for the run's pipeline schedule (hybrid.model.build); under ZeRO-3 at PP = 1 built
+    inside `deepspeed.zero.Init`: each parameter is partitioned over DP x CP as soon as its module exists,
+    so no rank ever holds the whole model (the point of ZeRO-3 for models larger than a rank)."""
+    zero3 = run.parallel.pipeline_parallel == 1 and run.zero_stage == 3
+    init = deepspeed.zero.Init(config_dict_or_path=run.ds_config, mpu=groups.mpu,
+                               data_parallel_group=groups.mpu.get_data_parallel_group()) if zero3 else None
+    return model_build.build_model(run.model, groups, run.pipeline, init_context=init,
+                                   pipeline_module_class=ListPartitionPipelineModule,
+                                   compile_layers=run.training.torch_compile)
 
 
 def freeze(model: nn.Module, run: RunConfig) -> list[str]:
     """Apply --freeze-layers / --freeze-embeddings: no gradient, hence no optimizer state."""
     frozen = []
-    layers = {f"layers.{i}." for i in run.train.freeze_layers}
+    layers = {f"layers.{i}." for i in run.training.freeze_layers}
     for name, param in canonical_parameters(model, run.model.num_layers).items():
         if any(name.startswith(prefix) for prefix in layers) or (
-                run.train.freeze_embeddings and name.startswith("embedding.")):
+                run.training.freeze_embeddings and name.startswith("embedding.")):
             param.requires_grad_(False)
             frozen.append(name)
     return frozen
@@ -102,7 +57,7 @@ def param_groups(model: nn.Module, run: RunConfig) -> list[dict]:
         if not param.requires_grad:
             continue
         (no_decay if _NO_DECAY.search(name) else decay).append(param)
-    groups = [{"params": decay, "weight_decay": run.train.weight_decay}]
+    groups = [{"params": decay, "weight_decay": run.optimizer.weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     if run.model.num_experts:  # DeepSpeed splits named groups into dense and expert ones (its MoE convention)
@@ -116,45 +71,44 @@ def units_per_step(global_batch: int, seq_length: int, unit: str) -> int:
     return global_batch * (seq_length if unit == "tokens" else 1)
 
 
-def build_engine(run: RunConfig, topology):
+def build_engine(run: RunConfig, groups):
     """-> (DeepSpeed engine, the model it wraps). PP > 1 gives DeepSpeed's PipelineEngine."""
-    model = build_model(run, topology)
+    model = build_model(run, groups)
     _check_experts_on_every_stage(model, run)
-    register_moe_layers(model, topology, run.zero_stage)  # DeepSpeed's MoE handling (before initialize)
+    register_moe_layers(model, groups, run.zero_stage)  # DeepSpeed's MoE handling (before initialize)
     freeze(model, run)
-    train = run.train
+    training, optimizer = run.training, run.optimizer
 
-    def scheduler(optimizer):
-        first_batch = train.rampup.start if train.rampup else train.global_batch_size
-        return MegatronLRScheduler(optimizer, train.lr, train.min_lr, train.lr_warmup_steps, train.lr_decay_steps,
-                                   train.lr_decay_style, train.lr_unit,
-                                   units_per_step(first_batch, train.seq_length, train.lr_unit))
+    def scheduler(torch_optimizer):
+        first_batch = training.rampup.start if training.rampup else training.global_batch_size
+        return MegatronLRScheduler(torch_optimizer, optimizer.lr, optimizer.min_lr, optimizer.lr_warmup_steps,
+                                   optimizer.lr_decay_steps, optimizer.lr_decay_style, optimizer.lr_unit,
+                                   units_per_step(first_batch, training.seq_length, optimizer.lr_unit))
 
     if run.model.recompute_granularity:
-        deepspeed.checkpointing.configure(topology.mpu, deepspeed_config=run.ds_config)
+        deepspeed.checkpointing.configure(groups.mpu, deepspeed_config=run.ds_config)
     _sanitize_cuda_arch_list()
     try:
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, run), config=run.ds_config,
             # a PipelineModule brings its own grid
-            mpu=None if run.deepspeed_pipeline else topology.mpu,
+            mpu=None if run.deepspeed_pipeline else groups.mpu,
             lr_scheduler=scheduler, dist_init_required=False)
     except (RuntimeError, ValueError, OSError, ImportError) as error:
         _raise_if_op_build_failed(error)
         raise
     if run.model.num_experts:
-        from hybrid.model.moe import keep_fp32_buffers
         keep_fp32_buffers(engine.module)  # DeepSpeed's bf16/fp16 cast took the score bias and counts along
     log(f"optimizer: {describe_optimizer(engine)}")
     if run.zero_stage == 0:
         skip_one_rank_gradient_allreduce(engine)
-    if run.zero_stage == 0 and run.train.precision == "fp32":
-        install_fp32_clipping(engine, topology)
-        if run.train.check_nan:
+    if run.zero_stage == 0 and training.precision == "fp32":
+        install_fp32_clipping(engine, groups)
+        if training.check_nan:
             skip_non_finite_steps(engine)
-    if run.train.async_save:
+    if run.checkpoint.async_save:
         use_async_checkpoint_engine(engine)
-    if run.zero_stage == 3 and run.pipeline_parallel == 1 and run.model.tied_embeddings:
+    if run.zero_stage == 3 and run.parallel.pipeline_parallel == 1 and run.model.tied_embeddings:
         # The tied output head reads the embedding table outside the embedding's own forward.
         deepspeed.zero.register_external_parameter(engine.module, engine.module.embedding.word_embeddings.weight)
     return engine, model
@@ -164,17 +118,14 @@ def _check_experts_on_every_stage(model: nn.Module, run: RunConfig) -> None:
     """With PP, every pipeline rank needs an MoE layer: DeepSpeed's ZeRO reduces the gradient norm of
     each parameter group over the pipeline, and a rank without experts has fewer groups (its reduction
     would wait forever). One all-reduce at start."""
-    if not run.model.num_experts or run.pipeline_parallel == 1:
+    if not run.model.num_experts or run.parallel.pipeline_parallel == 1:
         return
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
-
-    from hybrid.model.moe import MoELayer
     count = torch.tensor([float(sum(isinstance(m, MoELayer) for m in model.modules()))],
                          device=get_accelerator().current_device_name())
     dist.all_reduce(count, op=dist.ReduceOp.MIN)
     if count.item() == 0:
-        raise ConfigError(f"--num-experts with --pipeline-model-parallel-size {run.pipeline_parallel}: a pipeline rank "
+        raise ConfigError(f"--num-experts with --pipeline-model-parallel-size {run.parallel.pipeline_parallel}: a "
+                          f"pipeline rank "
                           f"holds no MoE layer (--moe-layer-freq {run.model.moe_layer_freq!r} and this stage split); "
                           f"every pipeline rank needs at least one, as DeepSpeed reduces each optimizer group's "
                           f"gradient norm over the pipeline. Use --moe-layer-freq 1, or a --pipeline-partition giving "

@@ -9,6 +9,7 @@ import time
 from typing import Optional
 
 import torch.distributed as dist
+from tqdm import tqdm
 
 
 def is_rank_zero() -> bool:
@@ -67,17 +68,16 @@ class MetricsLogger:
             os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
             self.json_file = open(log_json, "a", buffering=1)
         if tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional: --tensorboard-dir only
             self.tensorboard = SummaryWriter(log_dir=tensorboard_dir)
         if wandb_project:
-            import wandb
+            import wandb  # optional: --wandb-project only (its import takes seconds)
             os.environ.setdefault("WANDB_MODE", "offline")  # no network unless the user says so
             if wandb_save_dir:
                 os.makedirs(wandb_save_dir, exist_ok=True)
             self.wandb_run = wandb.init(project=wandb_project, name=wandb_exp_name, config=run_config,
                                         dir=wandb_save_dir or tensorboard_dir or os.getcwd())
         if progress_bar and sys.stdout.isatty():
-            from tqdm import tqdm
             self.bar = tqdm(total=train_iters, initial=start_iteration, unit="it", dynamic_ncols=True)
 
     def advance(self) -> None:

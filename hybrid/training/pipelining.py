@@ -1,10 +1,10 @@
 """Interleaved and zero-bubble pipeline schedules from `torch.distributed.pipelining`, with DeepSpeed
-keeping the optimizer (ZeRO-1 partitions its state over DP).
+keeping the optimizer (ZeRO-1 partitions its state over DP x CP).
 
 PyTorch runs the schedule (which stage computes which micro-batch when, the activations and
 gradients sent between ranks, and for zero-bubble the split of each backward into its input- and
 weight-gradient halves); we give it this rank's virtual stages (hybrid.model.virtual_stages) and a
-loss; DeepSpeed then reduces the gradients over DP and steps, as its own PipelineEngine does
+loss; DeepSpeed then reduces the gradients over DP x CP and steps, as its own PipelineEngine does
 after its schedule's backward passes (`reduce_gradients(pipeline_parallel=True)` for ZeRO-1, the
 bucketed all-reduce without ZeRO). DeepSpeed's own 1F1B engine stays the `1f1b` default.
 """
@@ -13,49 +13,44 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining.schedules as schedules
+from torch.distributed.pipelining import PipelineStage
 
-from hybrid.model.virtual_stages import PipelineRankModel
 from hybrid.capabilities import TORCH_SCHEDULES, V_SHAPED
+from hybrid.model.loss import LMLoss
+from hybrid.model.virtual_stages import PipelineRankModel
 from hybrid.pipeline_plan import plan_stages
+from hybrid.training.reduction import PerTokenScale
 
 
 def schedule_class(name: str):
-    import torch.distributed.pipelining.schedules as schedules
     return getattr(schedules, TORCH_SCHEDULES[name])
-
-
-def build_rank_model(config, topology, schedule: str, virtual: int) -> PipelineRankModel:
-    plans = plan_stages(config.num_layers, topology.pp_world_size, virtual, schedule)
-    config.validate(topology.tp_world_size)
-    return PipelineRankModel(config, topology.groups, plans, topology.pp_rank)
 
 
 class TorchPipelineStep:
     """One training iteration (and evaluation) through a torch.distributed.pipelining schedule; the
     step interface of hybrid.training.steps."""
 
-    def __init__(self, engine, model: PipelineRankModel, topology, schedule: str, micro_batches: int, device,
+    def __init__(self, engine, model: PipelineRankModel, groups, schedule: str, micro_batches: int, device,
                  micro_batch: int, seq_length: int, per_token: bool = False):
-        from torch.distributed.pipelining import PipelineStage
-        from hybrid.model.embedding import LMLoss
-        from hybrid.training.reduction import PerTokenScale
-        self.engine, self.model, self.topology, self.device = engine, model, topology, device
+        self.engine, self.model, self.groups, self.device = engine, model, groups, device
         self.schedule_name = schedule
         self.micro_batches = micro_batches
-        self.plans = plan_stages(model.config.num_layers, topology.pp_world_size, len(model.stages), schedule)
-        self.stages = [PipelineStage(stage, stage.plan.index, len(self.plans), device, group=topology.pp_group,
+        self.plans = plan_stages(model.config.num_layers, groups.pp.size, len(model.stages), schedule)
+        self.stages = [PipelineStage(stage, stage.plan.index, len(self.plans), device, group=groups.pp.group,
                                      input_args=self._input_meta(stage, micro_batch, seq_length),
                                      output_args=self._output_meta(stage, micro_batch, seq_length))
                        for stage in model.stages]
         self.has_first = any(s.first for s in model.stages)
         self.has_last = any(s.last for s in model.stages)
-        self.lm_loss = lm_loss = LMLoss(topology.groups, model.config.vocab_size)
-        self.per_token = PerTokenScale(topology, device) if per_token else None
+        lm_loss = LMLoss(groups, model.config.vocab_size)
+        self.per_token = PerTokenScale(groups, device) if per_token else None
+        self.token_scale = None  # --calculate-per-token-loss: this iteration's factor
 
         def loss_fn(logits, labels):
-            # the mean over micro-batches is taken here (scale_grads=False), as DeepSpeed divides
-            # each micro-batch's loss by the accumulation steps
-            return lm_loss(logits, labels) / micro_batches
+            # whole-sequence labels (this rank's part taken there); the mean over micro-batches is taken here
+            # (scale_grads=False), as DeepSpeed divides each micro-batch's loss by the accumulation steps
+            return lm_loss.of_whole_sequences(logits, labels, self.token_scale) / micro_batches
 
         self.loss_fn = loss_fn
         self.schedule = schedule_class(schedule)(self.stages, n_microbatches=micro_batches, loss_fn=loss_fn,
@@ -64,7 +59,7 @@ class TorchPipelineStep:
         engine.set_gradient_accumulation_boundary(True)  # every engine.step() below is one optimizer step
         # the rank that computes the loss (last virtual stage), as a global rank in this PP group
         last_pp_rank = next(p.rank for p in self.plans if p.last)
-        self.loss_src = dist.get_global_rank(topology.pp_group, last_pp_rank)
+        self.loss_src = dist.get_global_rank(groups.pp.group, last_pp_rank)
 
     # The shapes each stage receives and sends, given to PipelineStage up front. Without them
     # PyTorch infers them by running every stage's forward and backward once on the first step,
@@ -73,8 +68,8 @@ class TorchPipelineStep:
         return next(self.model.parameters()).dtype
 
     def _hidden_meta(self, micro_batch: int, seq_length: int):
-        config, tp = self.model.config, self.topology.tp_world_size
-        seq = seq_length // self.topology.sequence_world_size  # this rank's part under CP / Ulysses
+        config, tp = self.model.config, self.groups.tp.size
+        seq = seq_length // self.groups.sequence_split  # this rank's part under CP / Ulysses
         seq = seq // tp if config.sequence_parallel else seq
         return torch.empty(seq, micro_batch, config.hidden_size, dtype=self._activation_dtype(), device="meta",
                            requires_grad=True)
@@ -87,28 +82,24 @@ class TorchPipelineStep:
     def _output_meta(self, stage, micro_batch: int, seq_length: int):
         if not stage.last:
             return self._hidden_meta(micro_batch, seq_length)
-        config, tp = self.model.config, self.topology.tp_world_size
+        config, tp = self.model.config, self.groups.tp.size
         vocab = config.vocab_size if tp == 1 else config.padded_vocab_size(tp) // tp  # see parallel_logits
-        return torch.empty(seq_length // self.topology.sequence_world_size, micro_batch, vocab,
+        return torch.empty(seq_length // self.groups.sequence_split, micro_batch, vocab,
                            dtype=self._activation_dtype(), device="meta",
                            requires_grad=True)
 
     def _tied_embedding_group(self):
-        """Loop placement with tied embeddings: a group per (TP, DP) position of the ranks holding
-        the first and last stages, whose two table copies' gradients are summed."""
+        """Loop placement with tied embeddings: the group of the ranks holding the first and last stages
+        (hybrid.parallel.groups' embedding axis), whose two table copies' gradients are summed."""
         if not self.model.config.tied_embeddings or self.schedule_name in V_SHAPED:
             return None
-        mine = None
-        for ranks in self.topology.ds_topology.get_axis_comm_lists("pipe"):
-            pair = sorted({ranks[0], ranks[-1]})
-            group = dist.new_group(ranks=pair)  # collective: every rank creates every pair
-            if dist.get_rank() in pair:
-                mine = group
-        return mine if self.model.tied_weight() is not None else None
+        if self.model.tied_weight() is None or self.groups.embedding.size == 1:
+            return None
+        return self.groups.embedding.group
 
     def _batch(self, batches):
         parts = [next(batches) for _ in range(self.micro_batches)]
-        self.lm_loss.token_scale = self.per_token(parts) if self.per_token else None
+        self.token_scale = self.per_token(parts) if self.per_token else None
         return torch.cat([ids for ids, _ in parts]), torch.cat([labels for _, labels in parts])
 
     def _run(self, method, ids, target, losses):
@@ -148,14 +139,14 @@ class TorchPipelineStep:
         rank runs its stages in stage order and sends asynchronously, so no rank waits on a later one."""
         ids, target = self._batch(batches)
         ids, target = ids.chunk(self.micro_batches), target.chunk(self.micro_batches)
-        group, sends, local, losses = self.topology.pp_group, [], {}, []
+        group, sends, local, losses = self.groups.pp.group, [], {}, []
         rank_of = {p.index: p.rank for p in self.plans}
         for stage in sorted(self.model.stages, key=lambda st: st.plan.index):
             index = stage.plan.index
             for mb in range(self.micro_batches):
                 if stage.first:
                     hidden = ids[mb]
-                elif rank_of[index - 1] == self.topology.pp_rank:
+                elif rank_of[index - 1] == self.groups.pp.rank:
                     hidden = local.pop((index, mb))
                 else:
                     hidden = torch.empty(self._hidden_meta(ids[0].size(0), ids[0].size(1)).shape,
@@ -164,7 +155,7 @@ class TorchPipelineStep:
                 out = stage(hidden, input_ids=ids[mb] if self.model.config.splits_documents else None)
                 if stage.last:
                     losses.append(self.loss_fn(out, target[mb]))
-                elif rank_of[index + 1] == self.topology.pp_rank:
+                elif rank_of[index + 1] == self.groups.pp.rank:
                     local[(index + 1, mb)] = out
                 else:
                     sends.append(dist.isend(out.contiguous(), group=group, group_dst=rank_of[index + 1]))
@@ -174,9 +165,9 @@ class TorchPipelineStep:
 
     def reduce(self, stacked: torch.Tensor) -> torch.Tensor:
         """Per-iteration losses from the loss rank to its whole pipeline, then the DP mean."""
-        if self.topology.pp_world_size > 1:
-            dist.broadcast(stacked, src=self.loss_src, group=self.topology.pp_group)
-        if self.topology.dp_world_size > 1:
-            dist.all_reduce(stacked, group=self.topology.dp_group)
-            stacked = stacked / self.topology.dp_world_size
+        if self.groups.pp.size > 1:
+            dist.broadcast(stacked, src=self.loss_src, group=self.groups.pp.group)
+        if self.groups.dp_cp.size > 1:
+            dist.all_reduce(stacked, group=self.groups.dp_cp.group)
+            stacked = stacked / self.groups.dp_cp.size
         return stacked

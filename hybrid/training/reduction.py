@@ -3,18 +3,21 @@ the DP mean of logged losses and `--calculate-per-token-loss`'s per-iteration sc
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
 from hybrid.parallel.cross_entropy import IGNORE_INDEX
 
 
-def dp_mean(values: torch.Tensor, topology) -> torch.Tensor:
-    """Mean over the DP group of per-rank values (a device tensor; no host sync here)."""
+def dp_mean(values: torch.Tensor, groups) -> torch.Tensor:
+    """Mean over the DP x CP ranks of per-rank values (a device tensor; no host sync here): each CP rank's
+    micro-batch loss is its part of the whole sequences' mean already scaled by CP (hybrid.model.loss)."""
     values = values.detach().float().clone()
-    if topology.dp_world_size > 1:
-        dist.all_reduce(values, group=topology.dp_group)
-        values /= topology.dp_world_size
+    if groups.dp_cp.size > 1:
+        dist.all_reduce(values, group=groups.dp_cp.group)
+        values /= groups.dp_cp.size
     return values
 
 
@@ -22,17 +25,28 @@ class PerTokenScale:
     """`--calculate-per-token-loss`: the factor GAS x DP / N by which each micro-batch's token sum is
     multiplied, N the valid tokens of the whole iteration over every DP rank (see the module docstring)."""
 
-    def __init__(self, topology, device):
-        self.topology, self.device = topology, device
+    def __init__(self, groups, device):
+        self.groups, self.device = groups, device
 
     def __call__(self, micro_batches: list) -> torch.Tensor:
         local = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in micro_batches]).sum()
         total = local.to(self.device, torch.float32).reshape(1)
-        dp = self.topology.dp_world_size  # DP x CP: every CP rank counted its samples' whole labels
-        if dp > 1:
-            dist.all_reduce(total, group=self.topology.dp_group)
-        total = total / self.topology.sequence_world_size
-        return (len(micro_batches) * dp / total.clamp(min=1.0)).reshape(())
+        dp_cp = self.groups.dp_cp.size  # every CP rank counted its samples' whole labels
+        if dp_cp > 1:
+            dist.all_reduce(total, group=self.groups.dp_cp.group)
+        total = total / self.groups.sequence_split
+        return (len(micro_batches) * dp_cp / total.clamp(min=1.0)).reshape(())
+
+
+def reduce_interval(step, losses: list, norm_flags: Optional[list] = None) -> list[float]:
+    """Pending per-iteration losses as their DP means (`step.reduce`: the layout's rule) and, given, their
+    gradient norms' finiteness flags (global norms: the same on every rank, no reduction): one collective
+    and one host sync for a whole log interval."""
+    stacked = step.reduce(torch.stack([loss.float().reshape(()) for loss in losses]))
+    if norm_flags is not None:
+        flags = torch.stack([torch.as_tensor(f, device=stacked.device).float().reshape(()) for f in norm_flags])
+        stacked = torch.cat([stacked, flags])
+    return stacked.tolist()
 
 
 def take(batches, count: int) -> list:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from hybrid.errors import ConfigError
+
 
 def megatron_lr(step: int, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int, style: str) -> float:
     """The learning rate after `step` optimizer steps (Megatron's OptimizerParamScheduler.get_lr):
@@ -68,7 +70,6 @@ class MegatronLRScheduler:
         if "unit" not in state:  # saved before schedules counted samples: its steps were iterations
             self.num_steps = int(state["num_steps"]) * self.units_per_step
         elif state["unit"] != self.unit:
-            from hybrid.errors import ConfigError
             raise ConfigError(f"the checkpoint's LR schedule counts {state['unit']}, this run's flags count "
                               f"{self.unit}; use the same --lr-*-tokens or --lr-*-samples/--lr-*-iters flags.")
         else:

@@ -24,25 +24,25 @@ from __future__ import annotations
 
 import torch
 
+from hybrid.training.pipelining import TorchPipelineStep
 from hybrid.training.reduction import PerTokenScale, dp_mean, take
 
 
 class EngineStep:
     """PP = 1: gradient-accumulation micro-steps on the plain DeepSpeed engine (it steps the optimizer
-    on the last); losses are this rank's, reduced over DP by `reduce`."""
+    on the last); losses are this rank's, reduced over DP x CP by `reduce`."""
 
-    def __init__(self, engine, topology, eval_micro_batches: int, per_token: bool = False):
-        self.engine, self.topology, self.eval_micro_batches = engine, topology, eval_micro_batches
-        self.loss_fn = engine.module.loss_fn
-        self.per_token = PerTokenScale(topology, torch.device(engine.device)) if per_token else None
+    def __init__(self, engine, groups, eval_micro_batches: int, per_token: bool = False):
+        self.engine, self.groups, self.eval_micro_batches = engine, groups, eval_micro_batches
+        self.per_token = PerTokenScale(groups, torch.device(engine.device)) if per_token else None
 
     def train(self, batches) -> torch.Tensor:
         steps = self.engine.gradient_accumulation_steps()  # changes under --rampup-batch-size
         micro = take(batches, steps)
-        self.loss_fn.token_scale = self.per_token(micro) if self.per_token else None
+        scale = self.per_token(micro) if self.per_token else None
         total = None
         for ids, labels in micro:
-            loss = self.engine(ids, labels)
+            loss = self.engine(ids, labels, token_scale=scale)
             self.engine.backward(loss)
             self.engine.step()
             total = loss.detach() if total is None else total + loss.detach()
@@ -51,21 +51,22 @@ class EngineStep:
     @torch.no_grad()
     def evaluate(self, batches) -> torch.Tensor:
         micro = take(batches, self.eval_micro_batches)
-        self.loss_fn.token_scale = self.per_token(micro) if self.per_token else None
-        return torch.stack([self.engine(ids, labels).detach().float() for ids, labels in micro]).mean()
+        scale = self.per_token(micro) if self.per_token else None
+        return torch.stack([self.engine(ids, labels, token_scale=scale).detach().float() for ids, labels in micro]).mean()
 
     def reduce(self, stacked: torch.Tensor) -> torch.Tensor:
-        return dp_mean(stacked, self.topology)
+        return dp_mean(stacked, self.groups)
 
 
 class DeepSpeedPipelineStep:
     """PP > 1 with DeepSpeed's PipelineEngine (its 1F1B TrainSchedule); DeepSpeed's returned loss is
-    already the DP mean, on every stage."""
+    already the DP mean, on every stage. The per-token scale goes to the pipeline's loss
+    (hybrid.model.deepspeed_pipeline.PipelineLoss), which the engine calls itself."""
 
-    def __init__(self, engine, topology, per_token: bool = False):
-        self.engine, self.topology = engine, topology
+    def __init__(self, engine, groups, per_token: bool = False):
+        self.engine, self.groups = engine, groups
         self.loss_fn = engine.module.loss_fn
-        self.per_token = PerTokenScale(topology, torch.device(engine.device)) if per_token else None
+        self.per_token = PerTokenScale(groups, torch.device(engine.device)) if per_token else None
 
     def _micro_batches(self, batches):
         micro = take(batches, self.engine.gradient_accumulation_steps())
@@ -83,15 +84,14 @@ class DeepSpeedPipelineStep:
         return stacked
 
 
-def build_step(run, topology, engine):
+def build_step(run, groups, engine):
     """The step of this run: DeepSpeed's pipeline, a torch.distributed.pipelining schedule, or the
     plain engine."""
-    per_token = run.train.per_token_loss
+    training = run.training
     if run.virtual_pipeline:
-        from hybrid.training.pipelining import TorchPipelineStep
-        return TorchPipelineStep(engine, engine.module, topology, run.pipeline_schedule, run.train.grad_acc_steps,
-                                 torch.device(engine.device), run.train.micro_batch_size, run.train.seq_length,
-                                 per_token)
+        return TorchPipelineStep(engine, engine.module, groups, run.pipeline.schedule, training.grad_acc_steps,
+                                 torch.device(engine.device), training.micro_batch_size, training.seq_length,
+                                 training.per_token_loss)
     if run.deepspeed_pipeline:
-        return DeepSpeedPipelineStep(engine, topology, per_token)
-    return EngineStep(engine, topology, run.train.grad_acc_steps, per_token)
+        return DeepSpeedPipelineStep(engine, groups, training.per_token_loss)
+    return EngineStep(engine, groups, training.grad_acc_steps, training.per_token_loss)

@@ -13,38 +13,40 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from hybrid.data.default import default_data_prefix
+from hybrid.data.gpt_dataset import MockGPTDataset, build_train_valid_test_datasets
 from hybrid.errors import ConfigError
 from hybrid.parallel.cross_entropy import IGNORE_INDEX
 
-from hybrid.data.gpt_dataset import MockGPTDataset, build_train_valid_test_datasets
+
+def num_samples(training) -> list[int]:
+    """Train, valid and test sample counts, as Megatron-LM computes them (`training`: the run's
+    hybrid.config.TrainingConfig)."""
+    t = training
+    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_interval else 0
+    return [t.train_samples or t.train_iters * t.global_batch_size, evals * t.global_batch_size,
+            t.eval_iters * t.global_batch_size]
 
 
-def num_samples(train) -> list[int]:
-    """Train, valid and test sample counts, as Megatron-LM computes them."""
-    evals = (train.train_iters // train.eval_interval + 1) * train.eval_iters if train.eval_interval else 0
-    return [train.train_samples or train.train_iters * train.global_batch_size, evals * train.global_batch_size,
-            train.eval_iters * train.global_batch_size]
-
-
-def build_datasets(train, vocab_size: int):
-    """(train, valid, test) datasets: mock tokens, the given --data-path, or the embedded corpus."""
-    counts = num_samples(train)
-    if train.mock_data:
-        return [MockGPTDataset(n, train.seq_length, vocab_size, train.seed + i) if n else None
+def build_datasets(data, training, vocab_size: int):
+    """(train, valid, test) datasets: mock tokens, the given --data-path, or the embedded corpus (`data`,
+    `training`: the run's hybrid.config.DataConfig and TrainingConfig)."""
+    counts = num_samples(training)
+    if data.mock_data:
+        return [MockGPTDataset(n, training.seq_length, vocab_size, training.seed + i) if n else None
                 for i, n in enumerate(counts)]
-    data_path = train.data_path
-    if not data_path and not any(train.split_data_paths or ()):
-        from hybrid.data.default import default_data_prefix
+    data_path = data.data_path
+    if not data_path and not any(data.split_data_paths or ()):
         if not dist.is_initialized() or dist.get_rank() == 0:
             default_data_prefix()  # tokenize the embedded corpus once, on rank 0
         if dist.is_initialized():
             dist.barrier()
         data_path = [default_data_prefix()]
     split_paths = None
-    if train.split_data_paths and any(train.split_data_paths):
-        split_paths = train.split_data_paths
-    return build_train_valid_test_datasets(data_path, train.split, counts, train.seq_length, train.seed,
-                                           cache_dir=train.data_cache_path, legacy=train.legacy_data_rules,
+    if data.split_data_paths and any(data.split_data_paths):
+        split_paths = data.split_data_paths
+    return build_train_valid_test_datasets(data_path, data.split, counts, training.seq_length, training.seed,
+                                           cache_dir=data.data_cache_path, legacy=data.legacy_data_rules,
                                            split_paths=split_paths)
 
 

@@ -1,0 +1,100 @@
+"""The model's architecture from Megatron-LM's flags (or a --load-hf model's config) with this run's
+settings (recompute, sequence parallelism, MoE training options), checked once (ModelConfig.validate)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from hybrid.conversion.families import infer_family
+from hybrid.errors import ConfigError
+from hybrid.model.config import LLAMA3_ROPE_DEFAULTS, ModelConfig
+
+
+def _rope_scaling(args) -> Optional[dict]:
+    if args.use_rope_scaling and args.rotary_seq_len_interpolation_factor:
+        raise ConfigError("--use-rope-scaling (llama3) and --rotary-seq-len-interpolation-factor (linear) are two "
+                          "rope scalings; give one.")
+    if args.use_rope_scaling:
+        return {"rope_type": "llama3", "factor": args.rope_scaling_factor, **LLAMA3_ROPE_DEFAULTS}
+    if args.rotary_seq_len_interpolation_factor:
+        return {"rope_type": "linear", "factor": float(args.rotary_seq_len_interpolation_factor)}
+    return None
+
+
+def _sliding_window(args) -> Optional[int]:
+    """Megatron's --window-size (left, right) -> the window transformers names (left + 1 keys)."""
+    if args.window_size is None:
+        return None
+    left, right = args.window_size
+    if right != 0:
+        raise ConfigError(f"--window-size {left},{right}: a causal model attends no later tokens; use {left},0.")
+    if left < -1:
+        raise ConfigError(f"--window-size {left},0: LEFT must be >= 0 (-1: no window).")
+    return None if left == -1 else left + 1
+
+
+def architecture_from_flags(args, vocab_size: int) -> ModelConfig:
+    """The model's shape and options from the flags (everything --load-hf takes from its config)."""
+    if args.group_query_attention and not args.num_query_groups:
+        raise ConfigError("--group-query-attention needs --num-query-groups N.")
+    kv_channels = args.kv_channels
+    if kv_channels and kv_channels * args.num_attention_heads == args.hidden_size:
+        kv_channels = None  # the default head dimension (so the config equals an imported model's)
+    return ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        vocab_size=vocab_size, max_position_embeddings=args.max_position_embeddings or args.seq_length,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups if args.group_query_attention or args.num_query_groups else None,
+        position_embedding_type="rope" if args.use_rotary_position_embeddings else args.position_embedding_type,
+        rotary_base=args.rotary_base, normalization=args.normalization, norm_epsilon=args.norm_epsilon,
+        swiglu=args.swiglu, add_bias_linear=not args.disable_bias_linear,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, kv_channels=kv_channels, add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm, sliding_window=_sliding_window(args), rope_scaling=_rope_scaling(args),
+        apply_layernorm_1p=args.apply_layernorm_1p, geglu=args.geglu, scale_embeddings=args.scale_embeddings,
+        **_moe_fields(args))
+
+
+MOE_FLAGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
+             "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
+             "moe_shared_expert_gate")  # the architecture (an imported model's config sets them)
+MOE_TRAINING_FLAGS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                      "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_expert_capacity_factor",
+                      "moe_token_drop_policy", "moe_grouped_gemm")  # how it trains (flags, also with --load-hf)
+
+
+MOE_NEEDS_SP = ("--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel (each TP rank "
+                "routes its own sequence shard, as in Megatron-LM).")
+
+
+def _moe_fields(args) -> dict:
+    return {name: getattr(args, name) for name in MOE_FLAGS} if args.num_experts else {}
+
+
+def model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = None) -> ModelConfig:
+    """The architecture (from the flags, or `base`: a --load-hf model's) with this run's settings."""
+    granularity = args.recompute_granularity or ("full" if args.checkpoint_activations else None)
+    num_layers = args.recompute_num_layers or args.checkpoint_num_layers or 1
+    if base is not None and vocab_size > base.vocab_size:
+        raise ConfigError(f"--load-hf {args.load_hf}: the tokenizer has {vocab_size} tokens but the model's "
+                          f"embedding only {base.vocab_size}; use the model's own tokenizer (drop the tokenizer flags).")
+    architecture = base or architecture_from_flags(args, vocab_size)
+    if architecture.family is None:  # recorded in the checkpoints, so export writes this family
+        architecture = dataclasses.replace(architecture, family=infer_family(architecture))
+    config = dataclasses.replace(
+        architecture, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling, use_flash_attn=args.use_flash_attn,
+        recompute_granularity=granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=num_layers, sequence_parallel=args.sequence_parallel and tp > 1, seed=args.seed,
+        async_tensor_model_parallel_allreduce=not args.no_async_tensor_model_parallel_allreduce,
+        **({name: getattr(args, name) for name in MOE_TRAINING_FLAGS} if architecture.num_experts else {}))
+    config.validate(tp)
+    if config.position_embedding_type == "learned_absolute" and args.seq_length > config.max_position_embeddings:
+        raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                          f"{config.max_position_embeddings}.")
+    if args.sequence_parallel and args.seq_length % tp != 0:
+        raise ConfigError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by "
+                          f"--tensor-model-parallel-size {tp}.")
+    return config

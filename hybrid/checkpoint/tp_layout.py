@@ -1,0 +1,76 @@
+"""Each parameter's tensor-parallel split, read from the layers' own attributes (`partition_dim`,
+`partition_stride`, `vocab_padded`, set where each parameter is made), not restated here; checkpoint
+partitioning, DeepSpeed's `universal_checkpoint_info` and conversion all derive from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+from typing import Optional
+
+from hybrid.model.config import ModelConfig
+from hybrid.model.gpt import GPTModel
+from hybrid.model.naming import pipeline_name
+from hybrid.parallel.groups import ParallelGroups
+
+
+@dataclasses.dataclass(frozen=True)
+class TPRule:
+    """How one parameter is split over TP ranks (read from the parameter's attributes)."""
+
+    dim: Optional[int]  # the split dimension; None: replicated on every TP rank
+    stride: int = 1  # 2: [gate; up] halves each split (SwiGLU's fc1)
+    vocab_padded: bool = False  # vocabulary rows, padded to a multiple of make-vocab-size-divisible-by x TP
+
+
+def tp_layout(config: ModelConfig) -> dict[str, TPRule]:
+    """Canonical name -> TPRule for every parameter of a model with this config."""
+    return dict(_tp_layout(json.dumps(dataclasses.asdict(config), sort_keys=True)))
+
+
+@functools.lru_cache(maxsize=16)
+def _tp_layout(config_json: str) -> tuple:
+    config = ModelConfig(**json.loads(config_json))
+    # a tiny model of the same structure (names and layers depend on the options, not the sizes)
+    tiny = dataclasses.replace(config, hidden_size=2 * config.num_attention_heads, ffn_hidden_size=2, vocab_size=8,
+                               max_position_embeddings=2, make_vocab_size_divisible_by=1,
+                               **({"moe_ffn_hidden_size": 2} if config.num_experts else {}),
+                               **({"moe_shared_expert_intermediate_size": 2}
+                                  if config.moe_shared_expert_intermediate_size else {}))
+    rules = []
+    for name, param in GPTModel(tiny, ParallelGroups.single()).named_parameters():
+        split = getattr(param, "tensor_model_parallel", False)
+        rules.append((name, TPRule(param.partition_dim if split else None, getattr(param, "partition_stride", 1),
+                                   getattr(param, "vocab_padded", False))))
+    return tuple(rules)
+
+
+def universal_checkpoint_info(config: ModelConfig, tp: int, pipeline: bool, tied_copy: Optional[str] = None) -> dict:
+    """DeepSpeed's `universal_checkpoint_info` for this model: one exact pattern per parameter (in
+    the names DeepSpeed's files use: pipeline names when `pipeline`), derived from tp_layout, so
+    `ds_to_universal` in strict mode finds every pattern used. `tied_copy`: the name of a second copy
+    of the tied embedding table (virtual pipeline stages), a vocabulary parameter too."""
+    from deepspeed.checkpoint import constants as c  # only here: the TP layout itself needs no DeepSpeed
+    groups = {c.VOCABULARY_PARAMETER_PATTERNS: [], c.TP_REPLICATED_PARAMETER_PATTERNS: [],
+              c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [], c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: []}
+    for name, rule in tp_layout(config).items():
+        pattern = "^" + re.escape(pipeline_name(name, config.num_layers, config.tied_embeddings) if pipeline
+                                  else name) + "$"
+        if rule.vocab_padded:
+            groups[c.VOCABULARY_PARAMETER_PATTERNS].append(pattern)
+        elif rule.dim is None:
+            groups[c.TP_REPLICATED_PARAMETER_PATTERNS].append(pattern)
+        elif rule.dim == 1:
+            groups[c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS].append(pattern)
+        elif rule.stride == 2:
+            groups[c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0].append(pattern)
+        # column-parallel (dim 0, stride 1) is DeepSpeed's default: concatenated along dim 0
+    if tied_copy is not None:
+        groups[c.VOCABULARY_PARAMETER_PATTERNS].append("^" + re.escape(tied_copy) + "$")
+    info = {c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+            c.ORIGINAL_VOCAB_SIZE: config.vocab_size, c.PADDED_VOCAB_SIZE: config.padded_vocab_size(tp),
+            c.PARAMETER_TO_AVERAGE_PATTERNS: []}
+    info.update({key: patterns for key, patterns in groups.items() if patterns})
+    return info

@@ -1,0 +1,45 @@
+"""The language-model loss of one micro-batch, from TP-split logits, as every step takes it (the plain
+engine through GPTModel, DeepSpeed's pipeline through its adapter, the torch schedules)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from hybrid.model.sequence import local_index
+from hybrid.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from hybrid.parallel.groups import as_groups
+
+
+class LMLoss:
+    """Next-token loss of one micro-batch from TP-split logits [s, b, V/tp] and labels [b, s], in which
+    positions that take no loss hold IGNORE_INDEX: the sum over valid tokens / their count (the mean
+    over the micro-batch's valid tokens), or with `token_scale` (--calculate-per-token-loss) the sum
+    times that factor (the training step computes it from the iteration's token count)."""
+
+    def __init__(self, groups, vocab_size: int):
+        self.groups, self.vocab_size = as_groups(groups), vocab_size
+        self.__name__ = "LMLoss"
+
+    def __call__(self, logits, labels, valid: Optional[torch.Tensor] = None,
+                 token_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`labels`: this rank's tokens'. `valid`: with context parallelism (or Ulysses) the valid tokens of
+        the whole sequences (this rank holds 1/CP of them, and DeepSpeed averages gradients over DP x CP,
+        hence the factor CP)."""
+        labels = labels.t()  # [b, s] -> [s, b], as the logits
+        per_token = vocab_parallel_cross_entropy(logits, labels, self.groups.tp_group, vocab_size=self.vocab_size)
+        if token_scale is not None:  # the token sum, scaled to the iteration's token count
+            return per_token.sum() * token_scale
+        if valid is None:
+            valid = (labels != IGNORE_INDEX).sum()  # on the device: no host sync
+        return per_token.sum() * self.groups.sequence_split / valid.clamp(min=1)
+
+    def of_whole_sequences(self, logits, labels, token_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The loss from whole-sequence labels [b, s] (a pipeline's last stage gets them whole): with a
+        sequence split this rank's part is taken, the valid tokens counted over the whole sequences."""
+        if self.groups.sequence_split == 1:
+            return self(logits, labels, token_scale=token_scale)
+        valid = (labels != IGNORE_INDEX).sum()
+        mine = labels.index_select(1, local_index(labels.size(1), self.groups, labels.device))
+        return self(logits, mine, valid, token_scale)

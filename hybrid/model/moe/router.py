@@ -1,0 +1,191 @@
+"""The router: h -> E scores (fp32), each token's top-k experts and their weights, Megatron-LM's
+balancing losses attached to the probabilities (router.py and moe_utils.py of megatron-core), and
+the capacity that drops (token, expert) pairs beyond each expert's share."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybrid.model.init import normal_init
+from hybrid.parallel import collectives as C
+from hybrid.parallel.groups import as_groups
+from hybrid.parallel.mappings import sync_replicated_grad
+
+
+class AuxLossBackward(torch.autograd.Function):
+    """forward: `output` unchanged; backward: also `scale` as the gradient of `aux_loss` (Megatron's
+    MoEAuxLossAutoScaler). `scale` is the factor the LM loss's own backward gets (1 / accumulation
+    steps, x the sequence split), so the auxiliary loss counts as if it were added to each micro-batch's loss."""
+
+    @staticmethod
+    def forward(ctx, output, aux_loss, scale: float):
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.full_like(aux_loss, ctx.scale), None
+
+
+# --- routing, pure functions on [tokens, experts] ------------------------------------------------
+
+def route(logits: torch.Tensor, config, score_bias: Optional[torch.Tensor] = None):
+    """logits [T, E] (fp32) -> (probs [T, k], expert indices [T, k]), Megatron's
+    topk_routing_with_score_function."""
+    k = config.moe_router_topk
+    if config.moe_router_score_function == "softmax":
+        if config.moe_router_pre_softmax:
+            probs, indices = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+        else:
+            top, indices = logits.topk(k, dim=-1)
+            probs = torch.softmax(top, dim=-1)
+    else:  # sigmoid: the bias chooses, the unbiased scores weigh
+        scores = torch.sigmoid(logits)
+        choice = scores if score_bias is None else scores + score_bias
+        indices = choice.topk(k, dim=-1).indices
+        probs = scores.gather(1, indices)
+        if k > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    if config.moe_router_topk_scaling_factor:
+        probs = probs * config.moe_router_topk_scaling_factor
+    return probs, indices
+
+
+def aux_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """The per-expert probabilities the balancing losses use: softmax over every expert, or the
+    sigmoid scores normalised per token."""
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1)
+    scores = torch.sigmoid(logits)
+    return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+def kept_choices(indices: torch.Tensor, keep: Optional[torch.Tensor], num_experts: int) -> torch.Tensor:
+    """[T k] the expert of each (token, choice) pair, row r being token r // k's choice r % k;
+    `num_experts` where the capacity dropped the pair (`keep` False), so dropped pairs sort last."""
+    chosen = indices.flatten()
+    return chosen if keep is None else chosen.masked_fill(~keep.flatten(), num_experts)
+
+
+def routing_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] (int64) the pairs routed to each expert, from indices or kept_choices (dropped pairs not counted)."""
+    return torch.bincount(chosen.flatten(), minlength=num_experts + 1)[:num_experts]
+
+
+def switch_balancing_loss(scores, counts, total_tokens: int, topk: int, num_experts: int,
+                          coeff: float) -> torch.Tensor:
+    """Megatron's switch_load_balancing_loss_func: E * coeff / (k T^2) * sum_e (sum_t p_te) * c_e, with the
+    counts c and T over every rank holding part of the tokens (the sums of p over this rank's)."""
+    return (scores.sum(dim=0) * counts).sum() * (num_experts * coeff / (topk * total_tokens * total_tokens))
+
+
+def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    """ST-MoE's router z-loss: coeff x mean over tokens of logsumexp(logits)^2."""
+    return torch.logsumexp(logits, dim=-1).square().mean() * coeff
+
+
+def capacity_keep(probs, indices, num_experts: int, capacity_factor: float, policy: str) -> Optional[torch.Tensor]:
+    """[T, k] bool: the (token, expert) pairs within each expert's capacity ceil(T k / E x factor), the
+    highest-probability ones (policy "probs") or the earliest ("position"), as Megatron's
+    apply_router_token_dropping; None when nothing can be dropped."""
+    tokens, k = indices.shape
+    capacity = math.ceil(tokens * k / num_experts * capacity_factor)
+    if capacity >= tokens:
+        return None
+    routed = torch.zeros(tokens, num_experts, dtype=torch.bool, device=indices.device).scatter(1, indices, True)
+    if policy == "probs":
+        dense = torch.zeros(tokens, num_experts, dtype=probs.dtype, device=probs.device)
+        order = dense.scatter(1, indices, probs.detach()).topk(capacity, dim=0).indices  # [capacity, E]
+    else:
+        order = torch.argsort(routed.int(), dim=0, descending=True, stable=True)[:capacity]
+    kept = torch.zeros_like(routed).scatter(0, order, True) & routed
+    return kept.gather(1, indices)
+
+
+# --- the router ------------------------------------------------------------------------------------
+
+class Router(nn.Module):
+    """h -> E logits (fp32 scores), top-k choice, balancing losses attached to the probabilities."""
+
+    def __init__(self, config, groups, name: str):
+        super().__init__()
+        self.config, self.groups = config, as_groups(groups)
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        normal_init(config.seed, f"{name}.router.weight", config.init_method_std)(self.weight)
+        if config.moe_router_enable_expert_bias:
+            self.register_buffer("score_bias", torch.zeros(config.num_experts))
+        else:
+            self.score_bias = None
+        # kept (token, expert) pairs since the last bias update (not saved: an update empties it)
+        self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
+        self.aux_loss_scale = 1.0  # the LM loss's backward factor, set before each step (training's MoE hooks)
+        self.logged: dict = {}  # detached sums of each auxiliary loss and of the counts, for the log
+
+    @property
+    def token_split(self) -> int:
+        """Ranks holding parts of the same tokens: TP under SP, times the sequence split (CP / Ulysses)."""
+        c, g = self.config, self.groups
+        return (g.tp_size if c.sequence_parallel else 1) * g.sequence_split
+
+    def _sum_over_token_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.config.sequence_parallel:
+            C.all_reduce(tensor, self.groups.tp_group)
+        C.all_reduce(tensor, self.groups.cp.group)
+        C.all_reduce(tensor, self.groups.ulysses.group)
+        return tensor
+
+    def forward(self, x: torch.Tensor, seq_length: int):
+        """x [T, h] (T = s x b, sequence-major) -> (probs [T, k] fp32, indices [T, k], logits [T, E])."""
+        weight = sync_replicated_grad(self.weight, self.groups.tp_group) if self.config.sequence_parallel \
+            else self.weight
+        logits = F.linear(x, weight).float()  # in the input's dtype, scored in fp32 (as transformers, Megatron)
+        probs, indices = route(logits, self.config, self.score_bias)
+        if self.training and torch.is_grad_enabled():  # once per micro-batch, in the recomputed pass under recompute
+            probs = self._attach_losses(probs, indices, logits, seq_length)
+        return probs, indices, logits
+
+    def _attach_losses(self, probs, indices, logits, seq_length: int):
+        c = self.config
+        total = None
+        kind = c.moe_router_load_balancing_type
+        if kind != "none" and c.moe_aux_loss_coeff:
+            scores = aux_scores(logits, c.moe_router_score_function)
+            if kind == "aux_loss":
+                counts = self._sum_over_token_ranks(routing_counts(indices, c.num_experts).float())
+                total = switch_balancing_loss(scores, counts, logits.size(0) * self.token_split, c.moe_router_topk,
+                                              c.num_experts, c.moe_aux_loss_coeff)
+            else:  # seq_aux_loss: per sequence, averaged over the batch
+                batch = logits.size(0) // seq_length
+                routed = torch.zeros_like(scores).scatter(1, indices, 1.0)
+                counts = self._sum_over_token_ranks(routed.view(seq_length, batch * c.num_experts).sum(0))
+                total = switch_balancing_loss(scores.reshape(seq_length, -1), counts, seq_length * self.token_split,
+                                              c.moe_router_topk, c.num_experts, c.moe_aux_loss_coeff) / batch
+            self._log("load_balancing_loss", total)
+        if c.moe_z_loss_coeff:
+            z = z_loss(logits, c.moe_z_loss_coeff / self.token_split)
+            self._log("z_loss", z)
+            total = z if total is None else total + z
+        if total is None:
+            return probs
+        return AuxLossBackward.apply(probs, total, self.aux_loss_scale)
+
+    def _log(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach()
+        self.logged[name] = value if name not in self.logged else self.logged[name] + value
+
+    def count(self, indices: torch.Tensor, keep: Optional[torch.Tensor]) -> None:
+        """Add this micro-batch's kept routing to the counts (the bias update's and the log's)."""
+        if not (self.training and torch.is_grad_enabled()):
+            return
+        with torch.no_grad():
+            experts = self.config.num_experts
+            counts = routing_counts(kept_choices(indices, keep, experts), experts).float()
+            self.tokens_per_expert += counts
+            self.logged["tokens_per_expert"] = counts + self.logged.get("tokens_per_expert", 0)

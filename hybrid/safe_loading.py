@@ -1,0 +1,136 @@
+"""Nothing hybrid loads runs code: every `torch.load` unpickles with `weights_only=True` and an
+allow-list of the few classes checkpoints hold, in this process and in the child processes hybrid
+starts (DeepSpeed's ds_to_universal).
+
+The ground floor: training, evaluation, conversion and the conversion child process all use this
+module, and it imports nothing of hybrid's but the error type.
+
+- `safe_load(path)`: one file, weights only, the allow-list;
+- `install_safe_torch_load(allow_unsafe)`: every later `torch.load` of the process (DeepSpeed's own
+  loads included) the same way, once, at an entry point;
+- `python -m hybrid.safe_loading [--allow-unsafe] MODULE ARGS...`: runs MODULE as `python -m MODULE
+  ARGS...` would, after installing the safe load (how conversion starts DeepSpeed's tools).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import runpy
+import sys
+
+import torch
+
+from hybrid.errors import ConfigError
+
+# The only classes DeepSpeed 0.19.8 pickles into the checkpoints hybrid writes (found by loading every
+# file of ZeRO-0/1/2/3, offload, bf16, pipeline, virtual-stage and universal checkpoints with
+# weights_only=True), plus fp16's dynamic loss scaler (GPU runs). Each is rebuilt from its fields
+# without running code of the file's choosing.
+SAFE_CHECKPOINT_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+UNSAFE_FLAG = "--allow-unsafe-checkpoint-load"  # restores full unpickling, for files one trusts
+_LOADS = {"unsafe": False}  # this process's choice (set once by the entry point)
+_ORIGINAL_TORCH_LOAD = torch.load
+
+
+class UnsafeCheckpointError(ConfigError):
+    """A file asked to unpickle something outside the allow-list (code could have run)."""
+
+
+def safe_checkpoint_classes() -> list:
+    """The allow-listed classes, imported by name (DeepSpeed's, so the import waits until a load)."""
+    classes = []
+    for path in SAFE_CHECKPOINT_CLASSES:
+        module, _, name = path.rpartition(".")
+        classes.append(getattr(importlib.import_module(module), name))
+    return classes
+
+
+def set_unsafe_loads(allowed: bool) -> None:
+    _LOADS["unsafe"] = bool(allowed)
+
+
+def unsafe_loads_allowed() -> bool:
+    """Whether this process was started with UNSAFE_FLAG (child tools inherit the choice)."""
+    return _LOADS["unsafe"]
+
+
+def refusal(path, error) -> UnsafeCheckpointError:
+    """The error for a file whose unpickling was refused: the file, the class, the way out."""
+    text = str(error)
+    refused = text.split("GLOBAL ", 1)[1].split()[0] if "GLOBAL " in text else text.splitlines()[0][:200]
+    name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else getattr(path, "name", repr(path))
+    return UnsafeCheckpointError(f"{name}: refused to unpickle {refused} (not one of the classes checkpoints "
+                                 f"hold; loading it could run code from the file). If you trust this file, add "
+                                 f"{UNSAFE_FLAG}.")
+
+
+def safe_load(path):
+    """torch.load with weights_only=True and the allow-list: no code from the file runs."""
+    # added for the process, not in torch's safe_globals context manager: its exit removes the classes
+    # again, also for the process-wide allow-list install_safe_torch_load sets
+    torch.serialization.add_safe_globals(safe_checkpoint_classes())
+    try:
+        return _ORIGINAL_TORCH_LOAD(path, map_location="cpu", weights_only=not unsafe_loads_allowed())
+    except pickle.UnpicklingError as error:
+        raise refusal(path, error) from None
+
+
+def install_safe_torch_load(allow_unsafe: bool = False) -> None:
+    """Make every `torch.load` of this process (hybrid's, DeepSpeed's `load_checkpoint`, its ZeRO and
+    universal-checkpoint loaders, zero_to_fp32, transformers') unpickle with `weights_only=True` and the
+    allow-list, whatever the caller passes: DeepSpeed 0.19 calls `torch.load(..., weights_only=False)`
+    in 20-odd places and has no hook for all of them (its checkpoint engine covers only some), so
+    `torch.load` itself is replaced. A refused file raises UnsafeCheckpointError naming the file and
+    the class. `allow_unsafe` (UNSAFE_FLAG) restores full unpickling, for files one trusts. Also sets
+    TORCH_FORCE_WEIGHTS_ONLY_LOAD for child processes that do not install this."""
+    set_unsafe_loads(allow_unsafe)
+    if allow_unsafe:
+        torch.load = _ORIGINAL_TORCH_LOAD
+        os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        return
+    torch.serialization.add_safe_globals(safe_checkpoint_classes())
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+
+    def load(f, *args, weights_only=None, **kwargs):
+        try:
+            return _ORIGINAL_TORCH_LOAD(f, *args, weights_only=True, **kwargs)
+        except pickle.UnpicklingError as error:
+            raise refusal(f, error) from None
+
+    load.__doc__ = _ORIGINAL_TORCH_LOAD.__doc__
+    torch.load = load
+
+
+def child_command(module: str, *args: str) -> list:
+    """The command line that runs `python -m module args...` in a child process under this process's
+    loading rules (safe, or UNSAFE_FLAG's choice)."""
+    unsafe = ["--allow-unsafe"] if unsafe_loads_allowed() else []
+    return [sys.executable, "-m", "hybrid.safe_loading", *unsafe, module, *map(str, args)]
+
+
+def main(argv: list) -> None:
+    """`python -m hybrid.safe_loading [--allow-unsafe] MODULE ARGS...`: MODULE's `__main__` with every
+    torch.load safe (a refused file exits with its one-line message)."""
+    allow_unsafe = bool(argv) and argv[0] == "--allow-unsafe"
+    argv = argv[1:] if allow_unsafe else argv
+    if not argv:
+        raise SystemExit("usage: python -m hybrid.safe_loading [--allow-unsafe] MODULE [ARGS...]")
+    install_safe_torch_load(allow_unsafe)
+    sys.argv = [argv[0], *argv[1:]]
+    try:
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    except UnsafeCheckpointError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

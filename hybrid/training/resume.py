@@ -1,0 +1,237 @@
+"""Where a run starts: a checkpoint in --load (DeepSpeed's own load at the same layout, a universal
+checkpoint at any layout, or weights only from any layout), --load-hf's weights, or from scratch."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
+from hybrid.capabilities import stage_placement
+from hybrid.checkpoint.client_state import ClientState, SavedLayout, read_client_state
+from hybrid.checkpoint.files import LATEST, LATEST_UNIVERSAL, first_model_file, iteration_of, load_file, read_tag
+from hybrid.checkpoint.manifest import complete_tags, verify_manifest
+from hybrid.config import RunConfig
+from hybrid.conversion.hf import read_hf_dir
+from hybrid.conversion.layout import load_full_state, read_hybrid
+from hybrid.errors import ConfigError
+from hybrid.model.naming import canonical_name
+from hybrid.parallel.random import set_rng_states
+from hybrid.safe_loading import UnsafeCheckpointError
+from hybrid.training import deepspeed_fixes
+from hybrid.training.logging import log
+
+
+def latest_tag(load_dir: str) -> Optional[str]:
+    return read_tag(load_dir, LATEST)
+
+
+def already_finished(run: RunConfig) -> bool:
+    """A restart (--load = --save) whose newest complete checkpoint is the run's last iteration has
+    nothing to do: it says so, and the caller exits before building anything (no process group, no save)."""
+    c = run.checkpoint
+    if not c.load or c.finetune or c.universal_checkpoint or not os.path.isdir(c.load):
+        return False
+    tag = read_tag(c.load)
+    iteration = iteration_of(tag)
+    if iteration is None or iteration < run.training.train_iters or verify_manifest(os.path.join(c.load, tag)):
+        return False
+    log(f"nothing to train: the newest checkpoint in {c.load} ({tag}) is at iteration {iteration}, the end of "
+        f"the run (--train-iters {run.training.train_iters}); exiting")
+    return True
+
+
+def start(engine, run: RunConfig, groups) -> tuple[int, int]:
+    """Where the run starts: the checkpoint in --load when there is one (a restart), else --load-hf's
+    weights, else --load's messages, else from scratch. Returns (iteration, consumed samples)."""
+    c = run.checkpoint
+    if c.load_hf and not (c.load and os.path.isdir(c.load) and latest_tag(c.load)):
+        return load_hf(engine, run, groups)
+    return load(engine, run, groups) if c.load else (0, 0)
+
+
+def load_hf(engine, run: RunConfig, groups) -> tuple[int, int]:
+    """--load-hf: the HF model's weights, converted to canonical names and sharded for this rank (every
+    layout, every ZeRO stage); the optimizer and LR schedule start fresh at iteration 0."""
+    state, _, _ = read_hf_dir(run.checkpoint.load_hf, flag="--load-hf")
+    load_full_state(engine.module, state, run.model, groups)
+    if hasattr(engine.optimizer, "refresh_fp32_params"):
+        engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights
+    log(f"loaded the {run.model.family} weights of {run.checkpoint.load_hf} (--load-hf); optimizer, schedule and "
+        f"iteration start fresh")
+    return 0, 0
+
+
+def load(engine, run: RunConfig, groups) -> tuple[int, int]:
+    """Load --load into the engine; returns (iteration, consumed samples) to continue from.
+
+    --finetune: weights only (from any TP/PP layout), fresh optimizer, schedule and counters.
+    --no-load-optim: no optimizer or schedule state. --no-load-rng: keep this run's seeds.
+    Checkpoints written by conversion hold weights only and load like --no-load-optim.
+    """
+    c = run.checkpoint
+    load_dir = c.load
+    if not os.path.isdir(load_dir) and os.path.abspath(load_dir) != os.path.abspath(c.save or ""):
+        raise ConfigError(f"--load {load_dir}: no such directory.")
+    tag = latest_tag(load_dir) if os.path.isdir(load_dir) else None
+    if tag is None:
+        if c.finetune:
+            raise ConfigError(f"--load {load_dir} --finetune: no checkpoint there (no '{LATEST}' file).")
+        log(f"WARNING: no checkpoint found in {load_dir} (no '{LATEST}' file); training from scratch.")
+        return 0, 0
+    if c.universal_checkpoint:
+        return _load_universal(engine, run, load_dir, groups)
+    tag = complete_tag(load_dir, tag)
+    saved = read_client_state(load_dir, tag)
+    if c.finetune or saved.weights_only:
+        return _load_weights_only(engine, run, groups, load_dir, tag, saved)
+    check_same_layout(saved, run, load_dir, tag)
+    try:
+        path, client_state = engine.load_checkpoint(
+            load_dir, tag=tag, load_optimizer_states=not c.no_load_optim,
+            load_lr_scheduler_states=not c.no_load_optim, load_module_only=c.no_load_optim)
+    except UnsafeCheckpointError:
+        raise
+    except (FileNotFoundError, RuntimeError, KeyError, AssertionError, ValueError, ZeRORuntimeException) as e:
+        raise ConfigError(f"--load {load_dir}: could not load checkpoint {tag}: {e}. To load it anyway, "
+                          f"{_fix_command(load_dir)}.") from None
+    if path is None:
+        raise ConfigError(f"--load {load_dir}: DeepSpeed could not load checkpoint {tag}.")
+    iteration, consumed = _restore_client_state(client_state, run, groups.sequence)
+    log(f"loaded checkpoint {load_dir}/{tag} at iteration {iteration}")
+    return iteration, consumed
+
+
+def complete_tag(load_dir: str, tag: str) -> str:
+    """`tag` if its files are as its manifest lists them; else the newest older complete checkpoint (said
+    in the log), or an error naming the file when there is none."""
+    problem = verify_manifest(os.path.join(load_dir, tag))
+    if problem is None:
+        return tag
+    older = [t for t in complete_tags(load_dir) if t < tag]
+    if not older:
+        raise ConfigError(f"--load {load_dir}: checkpoint {tag} is incomplete: {problem}; no complete older "
+                          f"checkpoint is there to resume from.")
+    log(f"WARNING: checkpoint {tag} in {load_dir} is incomplete ({problem}); resuming from {older[0]}, the newest "
+        f"complete checkpoint")
+    return older[0]
+
+
+def _restore_client_state(client_state: Optional[dict], run: RunConfig, sequence=None) -> tuple[int, int]:
+    state = ClientState.from_meta(client_state)
+    if not run.checkpoint.no_load_rng and state.rng_states is not None and not set_rng_states(state.rng_states,
+                                                                                              sequence):
+        log("the checkpoint's RNG states are for another number of context-parallel / Ulysses ranks: the dropout "
+            "streams continue from this run's seed")
+    return int(state.iteration), int(state.consumed_samples)
+
+
+def _fix_command(load_dir: str) -> str:
+    return (f"make a universal checkpoint of it (python conversion/checkpoint_util.py --saver universal "
+            f"--load-dir {load_dir}) and add --universal-checkpoint, which keeps the optimizer state; or load "
+            f"its weights only with --finetune")
+
+
+def _layout_differences(saved: SavedLayout, now: SavedLayout, with_optimizer: bool) -> list[str]:
+    """What a plain load cannot bridge, field by field: TP, PP and the stage placement always; with the
+    optimizer state also the ZeRO stage and, when ZeRO partitions it, DP and the sequence split."""
+    differences = [f"{flag} {getattr(saved, field)} (this run: {getattr(now, field)})" for flag, field in (
+        ("--tensor-model-parallel-size", "tensor_parallel"), ("--pipeline-model-parallel-size", "pipeline_parallel"))
+        if getattr(saved, field) != getattr(now, field)]
+    if now.pipeline_parallel > 1 and saved.pipeline_parallel == now.pipeline_parallel:
+        before = stage_placement(saved.pipeline_schedule, saved.virtual_stages)
+        after = stage_placement(now.pipeline_schedule, now.virtual_stages)
+        if before != after:
+            differences.append(f"pipeline stages: {before} (this run: {after})")
+    if not with_optimizer:
+        return differences
+    if saved.zero_stage != now.zero_stage:
+        differences.append(f"ZeRO stage {saved.zero_stage} (this run: {now.zero_stage})")
+    elif saved.zero_stage > 0 and saved.data_parallel != now.data_parallel:
+        differences.append(f"data-parallel size {saved.data_parallel} (this run: {now.data_parallel}; ZeRO "
+                           f"partitions the optimizer state over it)")
+    elif saved.zero_stage > 0 and (saved.context_parallel, saved.ulysses) != (now.context_parallel, now.ulysses):
+        differences.append(f"--context-parallel-size {saved.context_parallel} and --ds-sequence-parallel-size "
+                           f"{saved.ulysses} (this run: {now.context_parallel} and {now.ulysses}; ZeRO partitions "
+                           f"the optimizer state over DP x CP)")
+    return differences
+
+
+def check_same_layout(state: ClientState, run: RunConfig, load_dir: str, tag: str) -> None:
+    """A plain (non-universal) load needs the saved TP, PP, and, with ZeRO optimizer state, DP and
+    ZeRO stage: one message names what differs and the command that fixes it."""
+    saved, now = state.layout, run.saved_layout()
+    with_optimizer = not run.checkpoint.no_load_optim
+    if run.model.num_experts and saved.expert_parallel != now.expert_parallel and with_optimizer:
+        raise ConfigError(f"--load {load_dir}: checkpoint {tag} was saved with --expert-model-parallel-size "
+                          f"{saved.expert_parallel} (this run: {now.expert_parallel}; the experts' optimizer state is "
+                          f"partitioned over DP / EP). To resume at this layout with the optimizer, "
+                          f"{_fix_command(load_dir)}; or add --no-load-optim (the weights at this layout, a fresh "
+                          f"optimizer).")
+    differences = _layout_differences(saved, now, with_optimizer)
+    if differences:
+        raise ConfigError(f"--load {load_dir}: checkpoint {tag} was saved with {'; '.join(differences)}. To resume "
+                          f"at this layout, {_fix_command(load_dir)}.")
+
+
+def _load_universal(engine, run: RunConfig, load_dir: str, groups) -> tuple[int, int]:
+    """--universal-checkpoint: DeepSpeed loads the per-parameter fp32 weights and Adam moments and
+    slices them for this rank's TP/PP/DP position (its `load_universal` mode)."""
+    tag = read_tag(load_dir, LATEST_UNIVERSAL)
+    if tag is None:
+        raise ConfigError(f"--load {load_dir} --universal-checkpoint: no universal checkpoint there (no "
+                          f"'{LATEST_UNIVERSAL}' file). Make one from its last checkpoint with: python "
+                          f"conversion/checkpoint_util.py --saver universal --load-dir {load_dir}")
+    deepspeed_fixes.use_canonical_param_names(engine, run.model.num_layers)
+    try:
+        path, client_state = engine.load_checkpoint(load_dir, tag=tag)
+    except UnsafeCheckpointError:
+        raise
+    except (FileNotFoundError, RuntimeError, KeyError, AssertionError, ValueError) as e:
+        raise ConfigError(f"--load {load_dir} --universal-checkpoint: could not load {tag}: {type(e).__name__}: "
+                          f"{e}") from None
+    if path is None:
+        raise ConfigError(f"--load {load_dir}: DeepSpeed could not load universal checkpoint {tag}.")
+    if run.zero_stage == 3:
+        deepspeed_fixes.repair_zero3_universal_load(engine, os.path.join(load_dir, tag))
+    if run.model.num_experts:
+        _restore_score_biases(engine, os.path.join(load_dir, tag), run.model.num_layers)
+    iteration, consumed = _restore_client_state(client_state, run, groups.sequence)
+    decays = ", ".join(f"{group['weight_decay']:g}" for group in engine.optimizer.param_groups)
+    log(f"loaded universal checkpoint {load_dir}/{tag} at iteration {iteration} (weight decay per parameter "
+        f"group: {decays})")
+    return iteration, consumed
+
+
+def _restore_score_biases(engine, universal_dir: str, num_layers: int) -> None:
+    """A universal load restores parameters only (DeepSpeed 0.19 skips the module state there); the
+    routers' score biases are buffers, trained by their updates: copied from the source's model file."""
+    saved = {canonical_name(name, num_layers): value for name, value in
+             load_file(first_model_file(universal_dir))["module"].items() if name.endswith("router.score_bias")}
+    with torch.no_grad():
+        for name, buffer in engine.module.named_buffers():
+            if name.endswith("router.score_bias"):
+                buffer.copy_(saved[canonical_name(name, num_layers)])
+
+
+def _load_weights_only(engine, run: RunConfig, groups, load_dir: str, tag: str,
+                       saved: ClientState) -> tuple[int, int]:
+    """--finetune, or a converted checkpoint: weights from any layout, fresh optimizer and schedule."""
+    state, _ = read_hybrid(load_dir, tag)
+    load_full_state(engine.module, state, run.model, groups)
+    if hasattr(engine.optimizer, "refresh_fp32_params"):
+        engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights
+    if run.checkpoint.finetune:
+        log(f"loaded weights from {load_dir}/{tag} for fine-tuning; optimizer, schedule and iteration start fresh")
+        return 0, 0
+    iteration, consumed = int(saved.iteration), int(saved.consumed_samples)
+    # a pretraining run resumed from weights only: the LR schedule continues where the run was
+    # (Megatron's scheduler position is the consumed samples, or tokens), only Adam starts fresh
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None and hasattr(scheduler, "set_position"):
+        scheduler.set_position(consumed * (run.training.seq_length if scheduler.unit == "tokens" else 1))
+    log(f"loaded weights of {load_dir}/{tag} (a converted checkpoint: weights only, the optimizer starts "
+        f"fresh) at iteration {iteration}; the LR schedule continues from there")
+    return iteration, consumed

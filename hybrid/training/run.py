@@ -1,0 +1,131 @@
+"""launch/train.py's entry: flags -> configs (every flag checked before DeepSpeed is imported or a process
+group exists) -> the layout's groups -> model -> DeepSpeed engine -> the training loop -> the demo's export.
+A user's mistake ends in one message and exit status 2; a dead or silent peer in one message and PEER_FAILED.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+from hybrid.config import RunConfig, build_run_config, tokenizer_kwargs
+from hybrid.conversion.hf import read_hf_config
+from hybrid.data.tokenizer import build_tokenizer
+from hybrid.errors import ConfigError
+from hybrid.flags import build_parser
+from hybrid.safe_loading import install_safe_torch_load
+
+
+def _timeout_of(argv) -> float:
+    try:
+        return build_parser().parse_args(argv).distributed_timeout_minutes
+    except ConfigError:
+        return float("nan")
+
+
+def _quiet_deepspeed() -> None:
+    from deepspeed.utils import logger as ds_logger  # not at the top: flags are checked before DeepSpeed loads
+    if not os.environ.get("HYBRID_VERBOSE"):
+        ds_logger.setLevel(logging.WARNING)
+
+
+def run_training(argv: Optional[list[str]] = None) -> int:
+    """Parse flags, build everything, train. Returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    install_safe_torch_load(args.allow_unsafe_checkpoint_load)  # before anything reads a file
+    base_model = None
+    if args.load_hf:  # the architecture and tokenizer of a HuggingFace model
+        base_model = read_hf_config(args.load_hf, "--load-hf")
+        if args.tokenizer_type is None and not args.vocab_file:
+            args.tokenizer_type, args.tokenizer_model = "HFTokenizer", args.load_hf
+    tokenizer = build_tokenizer(**tokenizer_kwargs(args))
+    world_size = args.dry_run_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    run = build_run_config(args, world_size, tokenizer.vocab_size, base_model, getattr(tokenizer, "eod", None))
+    # What follows is imported only now, every flag being checked: DeepSpeed's import takes seconds and
+    # prints, and a mistake in the flags is answered without it.
+    if args.dry_run:  # the memory estimate: nothing built, no process group
+        from hybrid.dry_run import report  # (see above)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(report(run, args.gpu_memory_gb), flush=True)
+        return 0
+    # (see above)
+    from hybrid.training import resume
+    from hybrid.training.demo import finish
+    if not resume.already_finished(run):
+        _train(run, args, tokenizer)
+    return finish(run)
+
+
+def _train(run: RunConfig, args, tokenizer) -> None:
+    """The layout's groups, the seeds, the data, the engine, where to start, the loop."""
+    # imported here, after the flags are checked (see run_training)
+    from hybrid.data.batches import build_datasets
+    from hybrid.distributed import init_distributed
+    from hybrid.parallel.groups import build_groups
+    from hybrid.parallel.random import model_parallel_seed
+    from hybrid.training import resume
+    from hybrid.training.engine import build_engine
+    from hybrid.training.loop import Trainer
+    init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
+    _quiet_deepspeed()
+    groups = build_groups(run.parallel, experts=bool(run.model.num_experts))
+    model_parallel_seed(run.training.seed, groups.tp.rank, groups.sequence.rank)
+    datasets = build_datasets(run.data, run.training, tokenizer.vocab_size)
+    engine, _ = build_engine(run, groups)
+    iteration, consumed = resume.start(engine, run, groups)
+    Trainer(run, groups, engine, datasets, getattr(tokenizer, "eod", None)).train(iteration, consumed)
+
+
+ERROR_GRACE_SECONDS = 3.0
+PEER_FAILED = 4  # the exit status when a collective failed: a peer died or did not answer in time
+
+# what torch.distributed's backends say when a peer is gone or silent (gloo: RuntimeError texts; NCCL:
+# DistBackendError / its watchdog)
+_PEER_FAILURE_TEXTS = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer",
+                       "Connection refused", "NCCL", "Broken pipe")
+
+
+def _peer_failure(error: BaseException) -> bool:
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _PEER_FAILURE_TEXTS)
+
+
+def _report_peer_failure(error: BaseException, timeout_minutes: float) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+    print(f"error: rank {rank}: a collective with another rank failed ({first}). A rank died or did not answer "
+          f"within --distributed-timeout-minutes {timeout_minutes:g}; the newest complete checkpoint in --save is "
+          f"intact: restart the job with --load pointing at it (torchrun --max-restarts does this by itself).",
+          file=sys.stderr, flush=True)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point: a user's mistake ends in one message and exit code 2, not a traceback; a dead or
+    silent peer in one message and PEER_FAILED."""
+    try:
+        code = run_training(argv)
+    except RuntimeError as e:
+        if not _peer_failure(e):
+            raise
+        _report_peer_failure(e, _timeout_of(argv))
+        return PEER_FAILED  # no barrier or teardown: the groups are broken
+    except ConfigError as e:
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:  # every rank meets the same error; launchers kill the others when one exits: let rank 0 print
+            time.sleep(ERROR_GRACE_SECONDS)
+        code = 2
+    if dist.is_initialized():
+        if code != 2:  # 0, or the export failure of rank 0 alone (hybrid.training.demo.EXPORT_FAILED)
+            # every rank has finished its last collective and send before any rank tears its groups
+            # down (a rank destroying its gloo groups while a peer still talks to it can abort)
+            dist.barrier()
+        dist.destroy_process_group()
+    return code
