@@ -320,7 +320,8 @@ def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
 
 
 def _check_experts(model: ModelConfig, dims: ParallelDims) -> None:
-    """--expert-model-parallel-size: experts split evenly inside DP x CP; TP needs SP (as Megatron-LM)."""
+    """--expert-model-parallel-size: experts split evenly inside DP x CP (the sequence split's ranks route
+    their own tokens, as Megatron-LM's); TP needs SP (as Megatron-LM)."""
     ep, tp = dims.expert_parallel, dims.tensor_parallel
     if model.num_experts and tp > 1 and not model.sequence_parallel:
         raise ConfigError(MOE_NEEDS_SP.format(tp=tp))
@@ -329,10 +330,6 @@ def _check_experts(model: ModelConfig, dims: ParallelDims) -> None:
                           f"(give --num-experts, or drop --expert-model-parallel-size).")
     if model.num_experts and model.num_experts % ep != 0:
         raise ConfigError(f"--num-experts {model.num_experts} is not divisible by --expert-model-parallel-size {ep}.")
-    if ep > 1 and dims.sequence_split > 1:
-        raise ConfigError(f"--expert-model-parallel-size {ep} with --context-parallel-size / "
-                          f"--ds-sequence-parallel-size {dims.sequence_split}: expert groups inside the DP x CP axis "
-                          f"are not built yet; use one of them.")
 
 
 # --- build_run_config's steps ----------------------------------------------------------------------

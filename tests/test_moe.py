@@ -250,6 +250,10 @@ MOE_LAYOUTS = {  # name: (ranks, flags); every one must give the one-rank losses
     "ep2_pp2_interleaved_zero1": (4, EP2 + ["--pipeline-model-parallel-size", 2,
                                             "--num-virtual-stages-per-pipeline-rank", 2,
                                             "--deepspeed", "ds_configs/zero1.json"]),
+    # the sequence split: each CP / Ulysses rank routes its own tokens; expert groups over the DP x CP axis
+    "cp2_ep1": (2, ["--context-parallel-size", 2]),
+    "ep2_cp2_zero1": (4, EP2 + ["--context-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json"]),
+    "ep2_ulysses2_zero2": (4, EP2 + ["--ds-sequence-parallel-size", 2, "--deepspeed", "ds_configs/zero2.json"]),
 }
 
 
@@ -266,6 +270,22 @@ def test_launched_expert_parallel_runs_give_the_one_rank_losses(data, tmp_path, 
     records = read_log(log)
     assert_same_losses([r["lm_loss"] for r in records], [r["lm_loss"] for r in baseline])
     assert all(r["load_balancing_loss"] > 0 and r["expert_imbalance"] >= 1 for r in records)
+
+
+def test_ep2_without_zero_clips_and_logs_with_the_one_rank_gradient_norm(data, tmp_path):
+    """ZeRO-0 at EP 2 with a clip that acts (0.05 against norms near 0.8): each EP rank holds other experts,
+    so the norm sums their squares over the EP group; the logged norms and the losses are one rank's."""
+    from tests.launch_helpers import one_rank, read_log, run
+    from tests.test_training import TINY, assert_same_losses
+    clip = ["--clip-grad", 0.05]
+    baseline = one_rank(TINY + ["--data-path", data] + MOE_FLAGS + clip)
+    log = tmp_path / "log.jsonl"
+    run("torchrun", 2, TINY + ["--data-path", data, "--log-json", log] + MOE_FLAGS + clip + EP2)
+    records = read_log(log)
+    assert_same_losses([r["lm_loss"] for r in records], [r["lm_loss"] for r in baseline])
+    for got, want in zip(records, baseline):
+        assert want["grad_norm"] > 0.5 and abs(got["grad_norm"] - want["grad_norm"]) <= 1e-6 * want["grad_norm"], (
+            got["grad_norm"], want["grad_norm"])
 
 
 def test_ep2_zero2_gives_the_one_rank_losses_and_its_universal_checkpoint_resumes_at_ep1_zero1(data, tmp_path):
@@ -359,8 +379,6 @@ def assert_ep2_evaluation_is_transformers_loss(path, hf, data, tmp_path):
      "needs --moe-router-score-function sigmoid"),
     (["--num-experts", 4, "--disable-bias-linear", "--moe-router-topk", 5], 1, "must be between 1 and --num-experts 4"),
     (["--num-experts", 4, "--disable-bias-linear", "--moe-layer-freq", "[1,0]"], 1, "one 0 or 1 per layer"),
-    (["--num-experts", 4, "--disable-bias-linear", "--expert-model-parallel-size", 2, "--context-parallel-size", 2,
-      "--attention-dropout", 0], 4, "not built yet"),
     (["--num-experts", 4, "--disable-bias-linear", "--expert-model-parallel-size", 2, "--zero-stage", 3], 2,
      "ZeRO-3 at --expert-model-parallel-size 1"),
 ])

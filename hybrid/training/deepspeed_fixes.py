@@ -71,14 +71,16 @@ class ListPartitionPipelineModule(PipelineModule):
 # --- exact fp32 gradient clipping for TP x PP (ZeRO-0) ------------------------------------------
 
 def install_fp32_clipping(engine, groups) -> None:
-    """Replace DeepSpeed's fp32/ZeRO-0 gradient clipping with one that is exact for TP x PP.
+    """Replace DeepSpeed's fp32/ZeRO-0 gradient clipping with one that is exact for TP x PP x EP.
 
     DeepSpeed 0.19's `DeepSpeedEngine.clip_fp32_gradients` (called from `_take_model_step` when
     neither ZeRO nor bf16/fp16 wraps the optimizer) counts replicated parameters only on
     model-parallel rank 0 of the whole TP x PP group, so on pipeline stages after the first their norms
     are left out, and it discards the norm it computed. Here every TP-sharded gradient counts on its
     rank, each replicated one once per stage (TP rank 0), the tied embedding once (first stage), summed
-    over the TP x PP group; the norm is stored where `get_global_grad_norm()` reads it (the private
+    over the TP x PP group; expert parameters (DeepSpeed's `allreduce = False`), different on each EP
+    rank, are summed over the EP group as well, so every rank clips (and judges finiteness) with the one
+    global norm. The norm is stored where `get_global_grad_norm()` reads it (the private
     `_global_grad_norm`) for logging. The engine method is replaced on this engine object only.
     """
     # a tied embedding's copies on later pipeline stages, which DeepSpeed marks ds_pipe_replicated
@@ -86,17 +88,27 @@ def install_fp32_clipping(engine, groups) -> None:
     tied_copies = {id(p) for p in engine.module.parameters() if getattr(p, "ds_pipe_replicated", False)}
     model_group = groups.mpu.get_model_parallel_group()
 
+    def squared_norm(grads):
+        # torch's public clipping pieces (foreach kernels: one pass per dtype group, not per parameter)
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=engine.device)
+        return norm.double().square()
+
+    split_experts = groups.ep.size > 1  # each EP rank holds other experts: their squares add up over EP
+
     def clip_fp32_gradients():
-        params, counted = [], []
+        params, dense, experts = [], [], []
         for param in engine.module.parameters():
             if param.grad is None:
                 continue
             params.append(param)
             if (is_model_parallel_parameter(param) or groups.tp.rank == 0) and id(param) not in tied_copies:
-                counted.append(param.grad)
-        # torch's public clipping pieces (foreach kernels: one pass per dtype group, not per parameter)
-        local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=engine.device)
-        total = local.double().square()
+                expert = split_experts and getattr(param, "allreduce", True) is False
+                (experts if expert else dense).append(param.grad)
+        total = squared_norm(dense)
+        if split_experts:
+            expert_total = squared_norm(experts)
+            dist.all_reduce(expert_total, group=groups.ep.group)
+            total = total + expert_total
         if dist.get_world_size(group=model_group) > 1:
             dist.all_reduce(total, group=model_group)
         # On the device, with no host sync: the factor is 1 when the norm is below the threshold
