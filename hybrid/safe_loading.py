@@ -72,13 +72,14 @@ def refusal(path, error) -> UnsafeCheckpointError:
                                  f"{UNSAFE_FLAG}.")
 
 
-def safe_load(path):
-    """torch.load with weights_only=True and the allow-list: no code from the file runs."""
+def safe_load(path, mmap: bool = False):
+    """torch.load with weights_only=True and the allow-list: no code from the file runs. `mmap`: the
+    file is memory-mapped and each tensor read when it is used."""
     # added for the process, not in torch's safe_globals context manager: its exit removes the classes
     # again, also for the process-wide allow-list install_safe_torch_load sets
     torch.serialization.add_safe_globals(safe_checkpoint_classes())
     try:
-        return _ORIGINAL_TORCH_LOAD(path, map_location="cpu", weights_only=not unsafe_loads_allowed())
+        return _ORIGINAL_TORCH_LOAD(path, map_location="cpu", weights_only=not unsafe_loads_allowed(), mmap=mmap)
     except pickle.UnpicklingError as error:
         raise refusal(path, error) from None
 

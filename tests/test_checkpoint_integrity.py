@@ -38,6 +38,7 @@ def test_each_checkpoint_lists_every_file_with_its_size(saved):
         assert all(files[name]["size"] == os.path.getsize(ckpt / tag / name) for name in files)
 
 
+@pytest.mark.slow
 def test_a_truncated_newest_checkpoint_resumes_from_the_newest_complete_one(saved, data, tmp_path):
     ckpt = _copy(saved[0], tmp_path)
     partition = glob.glob(str(ckpt / "iter_0000008" / "*optim_states.pt"))[0]
@@ -54,6 +55,7 @@ def test_a_truncated_newest_checkpoint_resumes_from_the_newest_complete_one(save
     assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in saved[1][4:8]], "bitwise on CPU"
 
 
+@pytest.mark.slow
 def test_with_no_complete_checkpoint_the_error_names_the_file_and_conversion_refuses_it_too(saved, data, tmp_path):
     ckpt = _copy(saved[0], tmp_path)
     for tag in ("iter_0000004", "iter_0000008"):

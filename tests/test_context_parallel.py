@@ -72,6 +72,7 @@ def assert_ring_equals(results, want, want_grads):
         assert_close(got, wanted, 1e-5, f"grad {name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("documents,math", [(False, False), (True, False), (False, True), (True, True)])
 def test_ring_attention_equals_full_attention_with_gqa_and_documents(cp, documents, math):
@@ -203,6 +204,7 @@ LAUNCHED = {  # name: (ranks, extra flags, flags of the one-rank run it must equ
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAUNCHED))
 def test_launched_context_parallel_runs_give_the_one_rank_losses(data, tmp_path, name):
     from tests.launch_helpers import one_rank, read_log, run
@@ -216,6 +218,7 @@ def test_launched_context_parallel_runs_give_the_one_rank_losses(data, tmp_path,
     assert all(r["consumed_samples"] == 8 * r["iteration"] for r in records)
 
 
+@pytest.mark.slow
 def test_resume_at_cp2_with_dropout_is_bitwise_equal_to_straight(data, tmp_path):
     """Hidden and attention dropout on (the ring's masks from a seed drawn from the restored RNG streams)."""
     from tests.launch_helpers import read_log, run

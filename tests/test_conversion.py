@@ -73,6 +73,7 @@ def assert_state_equal(got: dict, want: dict):
         assert torch.equal(got[name], want[name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_hf_import_at_tp2_pp2_evaluates_to_transformers_loss_and_exports_back_exactly(family, data, tmp_path):
     from safetensors.torch import load_file
@@ -122,6 +123,7 @@ def test_resharding_tp2pp2_to_tp1pp1_to_tp4pp1_is_exact(family, tmp_path):
     assert_state_equal(read_hybrid(str(c))[0], full_a)
 
 
+@pytest.mark.slow
 def test_trained_tp2_zero1_checkpoint_exports_to_transformers_with_equal_logits(data, tmp_path):
     ckpt, hf_dir = tmp_path / "ckpt", tmp_path / "hf"
     flags = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 32,
@@ -150,6 +152,7 @@ def test_trained_tp2_zero1_checkpoint_exports_to_transformers_with_equal_logits(
     assert (got - want).abs().max().item() <= 1e-4
 
 
+@pytest.mark.slow
 def test_finetune_with_frozen_layers_leaves_them_bit_identical(data, tmp_path):
     make_llama(tmp_path / "hf")
     base, tuned = tmp_path / "base", tmp_path / "tuned"
@@ -235,6 +238,7 @@ def _tp2_shards_match_layout(config_kwargs, full, tp_rank):
     return True
 
 
+@pytest.mark.slow
 def test_resharded_checkpoint_continues_the_lr_schedule_and_finetune_restarts_it(data, tmp_path):
     """Weights-only loads: a pretraining run resumed from a converted checkpoint continues its LR
     schedule at the loaded iteration; --finetune starts it at 0 (as Megatron-LM)."""

@@ -4,10 +4,13 @@ positions, and a failed export is one line, the checkpoint kept, exit status EXP
 import os
 from types import SimpleNamespace
 
+import pytest
+
 from hybrid.training.demo import EXPORT_FAILED, finish
 from tests.launch_helpers import run
 
 
+@pytest.mark.slow
 def test_tp2_run_with_32_positions_exports_and_samples_within_them(tmp_path):
     """The case that crashed: the main job at TP 2 with --seq-length 32 --max-position-embeddings 32 (the
     sample ran past the 32-position table and rank 1 died on a closed connection)."""

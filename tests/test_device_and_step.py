@@ -148,6 +148,7 @@ TINY_RUN = ["--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4, 
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", 500]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_compiled_layers_give_the_eager_losses_at_tp1_and_tp2_with_sp(tmp_path):
     eager = tmp_path / "eager.jsonl"
@@ -165,6 +166,7 @@ def test_compiled_layers_give_the_eager_losses_at_tp1_and_tp2_with_sp(tmp_path):
             assert abs(g - w) <= 1e-5 * abs(w), f"{name} iteration {i + 1}: compiled {g} vs eager {w}"
 
 
+@pytest.mark.slow
 def test_compile_with_zero3_and_flash_attn_without_flash_attn_are_clear_errors():
     proc = run("python", 1, TINY_RUN + ["--use-flash-attn"], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
@@ -224,6 +226,7 @@ def _zero3_construction_memory():
     return peak, full, local
 
 
+@pytest.mark.slow
 def test_zero3_builds_each_rank_a_partition_not_the_whole_model():
     for peak, full, local in run_on_ranks(_zero3_construction_memory, 2):
         assert abs(local - full / 2) <= 0.01 * full, "each rank keeps half of the parameters"

@@ -122,6 +122,7 @@ def test_tp2_with_sp_equals_one_rank_on_packed_documents(style):
     compare_grads(assemble_grads(results), ref_grads, cfg["vocab_size"], 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style,cp", [("gpt2", 1), ("llama", 1), ("gpt2", 2)])
 def test_deepspeed_pipeline_carries_the_documents_to_every_stage(style, cp):
     """PP 2 on DeepSpeed's 1F1B engine (and x CP 2): the ids travel beside the hidden states, so every
@@ -151,6 +152,7 @@ def test_torch_schedules_give_every_stage_the_documents(style, schedule):
     compare_grads(assemble_grads(results), ref_grads, cfg["vocab_size"], 1e-5)
 
 
+@pytest.mark.slow
 def test_reset_flags_reach_training(tmp_path):
     from tests.launch_helpers import read_log, run
     flags = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 64,

@@ -57,6 +57,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_per_token_loss_equals_the_whole_batch_token_mean(short_documents, whole_batch, tmp_path, layout):
     launcher, nproc, extra = LAYOUTS[layout]

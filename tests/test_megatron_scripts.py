@@ -140,6 +140,7 @@ def scaled_down(argv, log):
     return out + ["--log-json", str(log), "--no-progress-bar", "--make-vocab-size-divisible-by", "8"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["megatron_lm_gpt2_345m_tp2_pp2", "megatron_deepspeed_llama2",
                                   "megatron_deepspeed_universal_ckpt_gpt", "megatron_lm_qwen3_0.6b",
                                   "megatron_lm_qwen2.5_0.5b", "megatron_lm_llama3.2_1b"])
@@ -179,6 +180,7 @@ def _records(tmp_path, name, flags, launcher="python", nproc=1, data=None):
     return [r for r in read_log(log) if "consumed_samples" in r]
 
 
+@pytest.mark.slow
 def test_sample_and_token_schedules_equal_the_iteration_schedule(tmp_path, data):
     iters = _records(tmp_path, "iters", ["--train-iters", 6, "--lr-warmup-iters", 2, "--lr-decay-iters", 5], data=data)
     samples = _records(tmp_path, "samples", ["--train-samples", 24, "--lr-warmup-samples", 8,
@@ -191,6 +193,7 @@ def test_sample_and_token_schedules_equal_the_iteration_schedule(tmp_path, data)
     assert iters[0]["lr"] == 0.0 and iters[2]["lr"] == 1e-3 and iters[-1]["lr"] == 1e-4
 
 
+@pytest.mark.slow
 def test_rampup_follows_megatron_core_and_is_the_same_at_dp2(tmp_path, data):
     from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
     flags = ["--train-samples", 40, "--rampup-batch-size", 2, 2, 12, "--global-batch-size", 8,
@@ -210,6 +213,7 @@ def test_rampup_follows_megatron_core_and_is_the_same_at_dp2(tmp_path, data):
         assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-5 * abs(a["lm_loss"]) and a["lr"] == b["lr"]
 
 
+@pytest.mark.slow
 def test_exit_duration_saves_and_stops_and_checkpoint_args_are_reused(tmp_path, data):
     ckpt = tmp_path / "ckpt"
     proc = run("python", 1, TINY + ["--data-path", data, "--train-iters", 50, "--exit-duration-in-mins", 1e-6,

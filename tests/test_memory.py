@@ -354,6 +354,7 @@ BIG = ["--dry-run", "--no-demo", "--num-layers", "24", "--hidden-size", "2048", 
        "--dry-run-world-size", "16", "--deepspeed", "ds_configs/zero1.json"]
 
 
+@pytest.mark.slow
 def test_dry_run_prints_table_and_json_and_advice_that_fits():
     result = _train(*BIG, "--gpu-memory-gb", "16")
     assert result.returncode == 0, result.stderr

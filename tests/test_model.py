@@ -35,6 +35,7 @@ def test_pp2_loss_and_every_grad_equal_one_rank(style):
     compare_grads(assemble_grads(results), ref_grads, cfg["vocab_size"], ATOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", ["gpt2", "llama", "family_options", "gemma"])
 def test_tp2_pp2_loss_and_every_grad_equal_one_rank(style):
     cfg, data = CONFIGS[style], batch()

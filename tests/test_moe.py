@@ -93,13 +93,19 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_moe_layer_equals_a_per_token_loop_over_the_chosen_experts_forward_and_gradients(case):
+def test_moe_layer_equals_a_per_token_loop_over_the_chosen_experts_forward_and_gradients(case, monkeypatch):
     torch.manual_seed(0)
     layer = build_moe(moe_config(**CASES[case]), ParallelGroups.single(), "layers.0.mlp")
     if layer.router.score_bias is not None:  # a bias that changes the choice of some tokens
         layer.router.score_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.25]))
     x, g = torch.randn(5, 3, 16), torch.randn(5, 3, 16)
+    calls, grouped_mm = [], torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
     out, dx, dw = grads(layer, x, layer, g)
+    if CASES[case].get("moe_grouped_gemm"):  # the grouped kernel ran, forward and backward, no silent fallback
+        assert layer.grouped_gemm and len(calls) == 2 + 4, calls
+    else:
+        assert calls == []
     ref, rdx, rdw = grads(layer, x, lambda t: reference(layer, t), g)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dx, rdx, rtol=1e-5, atol=1e-6)
@@ -257,6 +263,7 @@ MOE_LAYOUTS = {  # name: (ranks, flags); every one must give the one-rank losses
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MOE_LAYOUTS))
 def test_launched_expert_parallel_runs_give_the_one_rank_losses(data, tmp_path, name):
     """8 iterations (sigmoid routing with the score bias updated every step, balancing and z losses,
@@ -272,6 +279,7 @@ def test_launched_expert_parallel_runs_give_the_one_rank_losses(data, tmp_path, 
     assert all(r["load_balancing_loss"] > 0 and r["expert_imbalance"] >= 1 for r in records)
 
 
+@pytest.mark.slow
 def test_ep2_without_zero_clips_and_logs_with_the_one_rank_gradient_norm(data, tmp_path):
     """ZeRO-0 at EP 2 with a clip that acts (0.05 against norms near 0.8): each EP rank holds other experts,
     so the norm sums their squares over the EP group; the logged norms and the losses are one rank's."""
@@ -288,6 +296,7 @@ def test_ep2_without_zero_clips_and_logs_with_the_one_rank_gradient_norm(data, t
             got["grad_norm"], want["grad_norm"])
 
 
+@pytest.mark.slow
 def test_ep2_zero2_gives_the_one_rank_losses_and_its_universal_checkpoint_resumes_at_ep1_zero1(data, tmp_path):
     """EP 2 x DP 2 with ZeRO-2 equals one rank for 8 iterations; its checkpoint at 4, made universal (each
     rank's fp32 partitions and Adam moments of DeepSpeed's dense and expert groups, experts by global
@@ -313,6 +322,7 @@ def test_ep2_zero2_gives_the_one_rank_losses_and_its_universal_checkpoint_resume
     assert_same_losses([r["lm_loss"] for r in read_log(resumed)], baseline)
 
 
+@pytest.mark.slow
 def test_resume_at_ep2_with_dropout_is_bitwise_equal_to_straight(data, tmp_path):
     """DeepSpeed writes each expert to its own file (by global index) and reads them back on their EP
     ranks; with dropout on and the score bias saved, the resumed losses are the uninterrupted ones."""
@@ -331,6 +341,7 @@ def test_resume_at_ep2_with_dropout_is_bitwise_equal_to_straight(data, tmp_path)
     assert [r["lm_loss"] for r in resumed] == [r["lm_loss"] for r in straight[4:]], "bitwise on CPU"
 
 
+@pytest.mark.slow
 def test_load_hf_mixtral_trains_at_ep2_as_at_one_rank_evaluates_to_transformers_at_ep2_and_exports(data, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -474,6 +485,7 @@ def test_grouped_linear_backward_falls_back_to_a_loop_with_the_same_gradients(mo
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
 def test_qwen_moe_evaluates_to_transformers_loss_with_its_experts_split_over_2_ranks(family, data, tmp_path):
     """Shared expert with its gate and a dense layer (Qwen2-MoE), MoE every second layer with Q/K norms

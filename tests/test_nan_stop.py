@@ -15,6 +15,7 @@ DIVERGING[DIVERGING.index("--lr") + 1] = "1e4"  # the run the issue reports: NaN
 DIVERGING[DIVERGING.index("--train-iters") + 1] = "12"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher, nproc, extra", [("python", 1, []),
                                                     ("torchrun", 2, ["--deepspeed", "ds_configs/zero1.json"])],
                          ids=["zero0", "dp2_zero1"])
@@ -36,6 +37,7 @@ def test_a_diverging_run_stops_with_one_message_and_saves_nothing_after(data, tm
     assert all(r["iteration"] < stopped for r in records)
 
 
+@pytest.mark.slow
 def test_without_the_check_the_run_trains_on_to_the_end(data, tmp_path):
     log = tmp_path / "log.jsonl"
     run("python", 1, DIVERGING + ["--data-path", data, "--log-json", log, "--no-check-for-nan-in-loss-and-grad"])

@@ -26,6 +26,7 @@ UNTIED = ["--untie-embeddings-and-output-weights"]
 EVAL = ["--eval-iters", 2, "--eval-interval", 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, schedule, virtual, tp, sp", [
     ("gpt2", "interleaved-1f1b", 2, 1, False),  # tied: table copies on ranks 0 and 1, gradients summed
     ("gpt2", "zero-bubble", 2, 1, False),
@@ -61,6 +62,7 @@ def baseline(data, tmp_path_factory):
     return one_rank_runs(data, TINY + EVAL, UNTIED)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_training_losses_equal_one_rank(layout, data, baseline, tmp_path):
     nproc, flags = LAYOUTS[layout]
@@ -130,6 +132,7 @@ def test_flags_that_cannot_work_are_refused_with_the_fix(extra, layers, message)
     assert message in str(error.value), str(error.value)
 
 
+@pytest.mark.slow
 def test_bad_schedule_flags_end_in_one_message_and_exit_2(data):
     proc = run("torchrun", 2, TINY + ["--data-path", data, *PP2, "--num-virtual-stages-per-pipeline-rank", 3],
                check=False)
@@ -137,6 +140,7 @@ def test_bad_schedule_flags_end_in_one_message_and_exit_2(data):
     assert "error: --num-layers 4 does not split into 2 pipeline ranks x 3 virtual stages" in proc.stderr
 
 
+@pytest.mark.slow
 def test_plain_load_across_stage_layouts_names_the_difference_and_weights_convert(data, tmp_path):
     """A checkpoint of virtual stages: its weights read back (conversion's reader) equal a one-rank
     run's; a plain --load with DeepSpeed's 1F1B engine is one message with the fix."""
@@ -163,6 +167,7 @@ def test_plain_load_across_stage_layouts_names_the_difference_and_weights_conver
     assert "--saver universal" in str(error.value)
 
 
+@pytest.mark.slow
 def test_bubble_benchmark_measures_each_ranks_activations_as_planned(tmp_path, capsys):
     """benchmarks/pipeline_bubble.py (small: PP 2, 4 micro-batches): every schedule's measured peak of
     live activations per rank equals its own action order's and the estimator's; records are JSON."""

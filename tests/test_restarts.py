@@ -71,6 +71,7 @@ def _losses(log):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moment", ["mid-iteration", "mid-save", "mid-async-save", "after-the-last-save"])
 def test_a_rank_killed_at_any_moment_restarts_and_finishes_with_the_uninterrupted_losses(
         moment, data, uninterrupted, tmp_path):
@@ -110,6 +111,7 @@ def _tensors(obj, prefix=""):
             yield from _tensors(value, f"{prefix}[{i}]")
 
 
+@pytest.mark.slow
 def test_async_save_writes_the_synchronous_checkpoints_bit_for_bit_and_trains_the_same(data, uninterrupted, tmp_path):
     import torch
     losses, sync_dir = uninterrupted
@@ -130,6 +132,7 @@ def test_async_save_writes_the_synchronous_checkpoints_bit_for_bit_and_trains_th
             assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), (tag, name)
 
 
+@pytest.mark.slow
 def test_a_peer_that_stops_answering_ends_a_deepspeed_group_collective_within_the_timeout(tmp_path):
     """DeepSpeed makes its TP/DP/PP groups with torch's default timeout (30 minutes on gloo); hybrid
     makes --distributed-timeout-minutes the default of every group."""

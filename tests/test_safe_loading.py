@@ -69,6 +69,7 @@ def _refused(proc, path, marker):
     assert not os.path.exists(marker), "the planted command ran"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["model_states", "zero_partition", "universal_file"])
 def test_resume_refuses_a_planted_pickle(kind, saved, data, tmp_path):
     ckpt = _copy(saved[0], tmp_path)

@@ -107,6 +107,7 @@ def _check_embedding(tp, sequence_parallel):
     assert_close(emb.weight.grad, full_w.grad[rows], ATOL, "embedding weight grad")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_column_parallel_linear_matches_nn_linear(tp, sequence_parallel):

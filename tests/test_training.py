@@ -55,6 +55,7 @@ def assert_same_losses(got, want, rel=REL_TOL):
         assert abs(g - w) <= rel * abs(w), f"iteration {i + 1}: {g!r} vs one rank {w!r}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_losses_equal_one_rank(runs, layout):
     base = [r["lm_loss"] for r in runs("one_rank")]
@@ -79,6 +80,7 @@ def test_log_json_has_every_field_and_megatron_iteration_numbers(runs):
     assert records[0]["grad_norm"] > 1.0, "clipping must be active for these comparisons to cover it"
 
 
+@pytest.mark.slow
 def test_bf16_training_runs_close_to_fp32(runs):
     fp32 = [r["lm_loss"] for r in runs("one_rank")]
     bf16 = runs("bf16_zero1", "torchrun", 2, ["--bf16", "--deepspeed", "ds_configs/zero1_bf16.json"])
@@ -87,6 +89,7 @@ def test_bf16_training_runs_close_to_fp32(runs):
         assert abs(got - want) <= 2e-2 * want
 
 
+@pytest.mark.slow
 def test_tensorboard_and_wandb_offline_outputs(data, tmp_path):
     tb = tmp_path / "tb"
     run("python", 1, TINY + ["--data-path", data, "--train-iters", 2, "--tensorboard-dir", tb,
@@ -95,6 +98,7 @@ def test_tensorboard_and_wandb_offline_outputs(data, tmp_path):
     assert any("offline-run" in name for name in os.listdir(tb / "wandb"))
 
 
+@pytest.mark.slow
 def test_megatron_tutorial_script_runs_unchanged_but_for_the_script_name(tmp_path):
     """The Megatron-LM README's GPT recipe (TP=2, PP=1, 24 layers scaled down, --fp16 dropped on CPU)."""
     from hybrid.data.default import read_corpus
@@ -160,6 +164,7 @@ RESUME_LAYOUTS.pop("tp2_dp2_zero1")  # its parts are covered: TP 2 and DP 2 with
 # trimmed for the suite's time (each passed): tp2_sp and pp2 (their parts resume in tp2_pp2), dp2_zero3_cpu_offload
 # (ZeRO-3 resumes in dp2_zero3; offload trains in the layout test), dp2_zero2_accelerate_launcher (the launcher
 # trains in the layout test)
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["one_rank", "dp2_zero1_deepspeed_launcher", "dp2_zero3", "tp2_pp2",
                                     "interleaved_pp2_zero1", "zbv_pp2"])
 def test_resume_with_dropout_is_bitwise_equal_to_straight(data, tmp_path, layout):
@@ -186,6 +191,7 @@ def test_resume_with_dropout_is_bitwise_equal_to_straight(data, tmp_path, layout
     assert [r["consumed_samples"] for r in resumed] == [r["consumed_samples"] for r in straight[4:]]
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine_train_together_tp_inside_dp_across(runs, data, tmp_path):
     """Two `torchrun --nnodes 2 --node_rank {0,1}` invocations (2 ranks each): TP 2 inside a node,
     DP 2 across the nodes; the losses are the one-rank losses."""
@@ -206,6 +212,7 @@ def test_two_nodes_on_one_machine_train_together_tp_inside_dp_across(runs, data,
     assert_same_losses([r["lm_loss"] for r in read_log(log)], [r["lm_loss"] for r in runs("one_rank")])
 
 
+@pytest.mark.slow
 def test_readme_main_command_trains_saves_exports_and_samples(tmp_path):
     """The README's first command, at small scale (20 iterations, output in a temporary directory)."""
     import shlex

@@ -8,6 +8,8 @@ import glob
 import os
 import subprocess
 
+import pytest
+
 from tests.launch_helpers import BIN, ROOT, env
 
 
@@ -29,6 +31,7 @@ def _iteration(checkpoint_dir) -> str:
     return open(os.path.join(checkpoint_dir, "latest")).read().strip()
 
 
+@pytest.mark.slow
 def test_readme_tutorial_runs_block_by_block(tmp_path):
     for name in ("launch", "conversion", "ds_configs", "hybrid"):
         os.symlink(os.path.join(ROOT, name), tmp_path / name)

@@ -89,6 +89,7 @@ def universal_sources(data, tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_universal_checkpoint_resumes_at_another_layout_with_the_uninterrupted_losses(case, data, baseline,
                                                                                     universal_sources, tmp_path):
@@ -117,6 +118,7 @@ def _run_config(flags, world):
     return build_run_config(build_parser().parse_args([str(f) for f in TINY + flags]), world, 8192)
 
 
+@pytest.mark.slow
 def test_plain_load_at_another_layout_is_one_message_naming_the_difference_and_the_fix(data, tmp_path):
     from hybrid.checkpoint.client_state import read_client_state
     from hybrid.errors import ConfigError
@@ -150,6 +152,7 @@ def test_plain_load_at_another_layout_is_one_message_naming_the_difference_and_t
         checkpoint.load(None, _run_config(universal + ["--deepspeed", "ds_configs/zero1.json"], 1), None)
 
 
+@pytest.mark.slow
 def test_zero3_checkpoint_at_tp2_converts_to_huggingface_with_the_one_rank_weights(data, tmp_path):
     from safetensors.torch import load_file
     import torch

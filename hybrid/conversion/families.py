@@ -71,7 +71,22 @@ class Adapter:
     def hf_config(self, tokenizer_ids: dict):
         raise NotImplementedError
 
-    def to_canonical(self, hf_state: dict) -> dict:
+    def to_canonical(self, hf_state) -> dict:
+        """The whole model's canonical tensors from an HF state (a dict, or a lazy mapping that reads each
+        tensor when asked: hybrid.conversion.hf.HFTensors)."""
+        out = self.globals_to_canonical(hf_state)
+        for i in range(self.config.num_layers):
+            out.update(self.layer_to_canonical(hf_state, i))
+        return out
+
+    def globals_to_canonical(self, hf_state, wanted=None) -> dict:
+        """The tensors outside the transformer layers (embeddings, final norm, output head), those of
+        `wanted` (canonical names) only when given."""
+        raise NotImplementedError
+
+    def layer_to_canonical(self, hf_state, i: int, wanted=None) -> dict:
+        """Transformer layer `i`'s canonical tensors (reading only that layer's HF tensors; of an MoE layer's
+        experts only those in `wanted`, canonical names, when given)."""
         raise NotImplementedError
 
     def to_hf(self, state: dict) -> dict:
@@ -137,20 +152,30 @@ class GPT2Adapter(Adapter):
     def _join(self, t):
         return torch.cat(split_qkv_flat(t, 1, self.config.head_dim), dim=0)
 
-    def to_canonical(self, hf_state):
+    @staticmethod
+    def _key(hf_state, name: str) -> str:
+        """GPT-2 files name tensors with or without the `transformer.` prefix."""
+        return name if name in hf_state else "transformer." + name
+
+    def globals_to_canonical(self, hf_state, wanted=None):
         c, h = self.config, self.config.hidden_size
-        hf_state = {k[len("transformer."):] if k.startswith("transformer.") else k: v for k, v in hf_state.items()}
-        out = {ours: get(hf_state, hf_name) for hf_name, ours in self.GLOBAL_MAP.items()}
-        expect("wte.weight", out["embedding.word_embeddings.weight"], (c.vocab_size, h))
-        for i in range(c.num_layers):
-            for hf_tmpl, our_tmpl in self.LAYER_MAP.items():
-                hf_name, ours = hf_tmpl.format(i), our_tmpl.format(i)
-                t = get(hf_state, hf_name)
-                if hf_name.endswith("weight") and t.dim() == 2:
-                    t = t.t()  # Conv1D [in, out] -> Linear [out, in]
-                if "c_attn" in hf_name:
-                    t = self._split(expect(hf_name, t, (3 * h, h) if t.dim() == 2 else (3 * h,)))
-                out[ours] = t.contiguous()
+        out = {ours: get(hf_state, self._key(hf_state, hf_name)) for hf_name, ours in self.GLOBAL_MAP.items()
+               if wanted is None or ours in wanted}
+        if "embedding.word_embeddings.weight" in out:
+            expect("wte.weight", out["embedding.word_embeddings.weight"], (c.vocab_size, h))
+        return out
+
+    def layer_to_canonical(self, hf_state, i, wanted=None):
+        h = self.config.hidden_size
+        out = {}
+        for hf_tmpl, our_tmpl in self.LAYER_MAP.items():
+            hf_name, ours = hf_tmpl.format(i), our_tmpl.format(i)
+            t = get(hf_state, self._key(hf_state, hf_name))
+            if hf_name.endswith("weight") and t.dim() == 2:
+                t = t.t()  # Conv1D [in, out] -> Linear [out, in]
+            if "c_attn" in hf_name:
+                t = self._split(expect(hf_name, t, (3 * h, h) if t.dim() == 2 else (3 * h,)))
+            out[ours] = t.contiguous()
         return out
 
     def to_hf(self, state):
@@ -284,25 +309,31 @@ class LlamaAdapter(Adapter):
         fields.update(self.family_fields())  # a family's own fields (and its spelling of shared ones)
         return getattr(transformers, self.config_class)(**fields)
 
-    def to_canonical(self, hf_state):
+    def globals_to_canonical(self, hf_state, wanted=None):
+        c, h = self.config, self.config.hidden_size
+        names = {"embedding.word_embeddings.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight"}
+        if c.untie_embeddings_and_output_weights:
+            names["output_layer.weight"] = "lm_head.weight"
+        out = {ours: get(hf_state, hf) for ours, hf in names.items() if wanted is None or ours in wanted}
+        for ours in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            if ours in out:
+                expect(names[ours], out[ours], (c.vocab_size, h))
+        return out
+
+    def layer_to_canonical(self, hf_state, i, wanted=None):
         c = self.config
         groups, per_group, d, h = c.num_query_groups, c.num_attention_heads // c.num_query_groups, c.head_dim, c.hidden_size
-        out = {"embedding.word_embeddings.weight": expect("model.embed_tokens.weight",
-                                                          get(hf_state, "model.embed_tokens.weight"), (c.vocab_size, h)),
-               "final_norm.weight": get(hf_state, "model.norm.weight")}
-        if c.untie_embeddings_and_output_weights:
-            out["output_layer.weight"] = expect("lm_head.weight", get(hf_state, "lm_head.weight"), (c.vocab_size, h))
         shapes = {"q": (groups * per_group * d,), "k": (groups * d,), "v": (groups * d,)}
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}.self_attn."
-            for kind in ("weight", "bias") if self.qkv_bias else ("weight",):
-                tail = (h,) if kind == "weight" else ()
-                q, k, v = (expect(f"{p}{x}_proj.{kind}", get(hf_state, f"{p}{x}_proj.{kind}"), shapes[x] + tail)
-                           for x in "qkv")
-                out[f"layers.{i}.attention.qkv.{kind}"] = fuse_qkv(q, k, v, groups)
-            self.mlp_to_canonical(hf_state, i, out)
-            for hf_tmpl, our_tmpl in self._layer_map().items():
-                out[our_tmpl.format(i)] = get(hf_state, hf_tmpl.format(i))
+        out = {}
+        p = f"model.layers.{i}.self_attn."
+        for kind in ("weight", "bias") if self.qkv_bias else ("weight",):
+            tail = (h,) if kind == "weight" else ()
+            q, k, v = (expect(f"{p}{x}_proj.{kind}", get(hf_state, f"{p}{x}_proj.{kind}"), shapes[x] + tail)
+                       for x in "qkv")
+            out[f"layers.{i}.attention.qkv.{kind}"] = fuse_qkv(q, k, v, groups)
+        self.mlp_to_canonical(hf_state, i, out, wanted)
+        for hf_tmpl, our_tmpl in self._layer_map().items():
+            out[our_tmpl.format(i)] = get(hf_state, hf_tmpl.format(i))
         return out
 
     def _layer_map(self) -> dict:
@@ -322,7 +353,7 @@ class LlamaAdapter(Adapter):
         for n, t in zip(names, (gate, up, state[f"{ours}fc2.weight"])):
             out[f"{hf_prefix}{n}.weight"] = t.contiguous()
 
-    def mlp_to_canonical(self, hf_state: dict, i: int, out: dict) -> None:
+    def mlp_to_canonical(self, hf_state: dict, i: int, out: dict, wanted=None) -> None:
         self._gated_to_canonical(hf_state, f"model.layers.{i}.mlp.", f"layers.{i}.mlp.", out)
 
     def mlp_to_hf(self, state: dict, i: int, out: dict) -> None:
@@ -421,15 +452,17 @@ class _MoEFamily:
     def _moe_wanted(self) -> dict:
         return {}
 
-    def mlp_to_canonical(self, hf_state, i, out):
+    def mlp_to_canonical(self, hf_state, i, out, wanted=None):
         c = self.config
         if c.mlp_type_of(i) != "moe":
-            return super().mlp_to_canonical(hf_state, i, out)
+            return super().mlp_to_canonical(hf_state, i, out, wanted)
         hf, ours = f"model.layers.{i}.{self.moe_block}.", f"layers.{i}.mlp."
         out[ours + "router.weight"] = expect(hf + "gate.weight", get(hf_state, hf + "gate.weight"),
                                              (c.num_experts, c.hidden_size))
         for e in range(c.num_experts):
-            self._gated_to_canonical(hf_state, f"{hf}experts.{e}.", f"{ours}{EXPERTS[1:]}{e}.", out, self.expert_names)
+            expert = f"{ours}{EXPERTS[1:]}{e}."
+            if wanted is None or f"{expert}fc1.weight" in wanted:  # an EP rank reads its own experts only
+                self._gated_to_canonical(hf_state, f"{hf}experts.{e}.", expert, out, self.expert_names)
         if self.shared:
             self._gated_to_canonical(hf_state, hf + "shared_expert.", ours + "shared_mlp.", out)
             out[ours + "shared_gate"] = get(hf_state, hf + "shared_expert_gate.weight")

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable
+from collections.abc import Mapping
+from typing import Callable, Iterator
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from hybrid.checkpoint.files import atomic_directory
 from hybrid.conversion.families import BY_HF_CLASS, FAMILIES, Adapter, adapter_for_model
@@ -40,33 +42,89 @@ def read_hf_config(path: str, flag: str = "--load-dir") -> ModelConfig:
         raise ConfigError(f"{flag} {path}: {e}") from None
 
 
+class HFTensors(Mapping):
+    """The weight tensors of a local HF model directory by name, each read from its file when asked and
+    kept in the file's dtype: safetensors (one file or shards with `model.safetensors.index.json`) are
+    memory-mapped and copy out only the tensor asked for; `pytorch_model.bin` (or its shards with
+    `pytorch_model.bin.index.json`) loads weights-only and memory-mapped, a file when one of its tensors
+    is first asked for."""
+
+    def __init__(self, path: str, flag: str = "--load-dir"):
+        self.path, self.flag = path, flag
+        self.files: dict[str, str] = {}  # tensor name -> its file
+        self._open: dict[str, object] = {}  # file -> safe_open handle, or the bin file's loaded dict
+        for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            if os.path.isfile(os.path.join(path, index)):
+                with open(os.path.join(path, index)) as f:
+                    self.files = dict(json.load(f)["weight_map"])
+                break
+        else:
+            for single in ("model.safetensors", "pytorch_model.bin"):
+                if os.path.isfile(os.path.join(path, single)):
+                    self.files = {name: single for name in self._handle(single).keys()}
+                    break
+            else:
+                raise ConfigError(f"{flag} {path}: no model.safetensors, pytorch_model.bin or sharded index "
+                                  f"(model.safetensors.index.json, pytorch_model.bin.index.json).")
+        for name in sorted(set(self.files.values())):
+            if not os.path.isfile(os.path.join(path, name)):
+                raise ConfigError(f"{flag} {path}: weight shard {name} listed in the index is missing.")
+
+    def release(self) -> None:
+        """Unmap the safetensors files read so far: their pages no longer count in this process's resident
+        memory (the tensors handed out are copies); a later read maps its file again."""
+        for file in [f for f in self._open if f.endswith(".safetensors")]:
+            del self._open[file]
+
+    def _handle(self, file: str):
+        if file not in self._open:
+            full = os.path.join(self.path, file)
+            self._open[file] = safe_open(full, framework="pt") if file.endswith(".safetensors") else \
+                safe_load(full, mmap=True)
+        return self._open[file]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        handle = self._handle(self.files[name])
+        return handle.get_tensor(name) if hasattr(handle, "get_tensor") else handle[name]
+
+    def __iter__(self):
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __contains__(self, name) -> bool:
+        return name in self.files
+
+
 def read_hf_dir(path: str, progress: Callable = None, flag: str = "--load-dir") -> tuple[dict, ModelConfig, Adapter]:
-    """A local HF model directory -> (canonical full state dict in fp32, ModelConfig, adapter)."""
+    """A local HF model directory -> (canonical full state dict in fp32, ModelConfig, adapter): the whole
+    model at once, for conversion (training streams it: `hf_parts`)."""
     config = read_hf_config(path, flag)
     adapter = FAMILIES[config.family](config)
-    state = load_hf_weights(path, progress, flag)
-    return {k: v.float() for k, v in adapter.to_canonical(state).items()}, config, adapter
+    tensors = HFTensors(path, flag)
+    state = adapter.globals_to_canonical(tensors)
+    layers = range(config.num_layers)
+    for i in (progress(layers) if progress else layers):
+        state.update(adapter.layer_to_canonical(tensors, i))
+    return {k: v.float() for k, v in state.items()}, config, adapter
 
 
-def load_hf_weights(path: str, progress=None, flag: str = "--load-dir") -> dict:
-    """safetensors (single or sharded with an index), else pytorch_model.bin with weights_only=True."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
-        return safe_load(os.path.join(path, "pytorch_model.bin"))
-    else:
-        raise ConfigError(f"{flag} {path}: no model.safetensors, sharded index or pytorch_model.bin.")
-    state = {}
-    for name in (progress(files) if progress else files):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            raise ConfigError(f"{flag} {path}: weight shard {name} listed in the index is missing.")
-        state.update(load_file(file))
-    return state
+def hf_parts(path: str, config: ModelConfig, wanted: set, flag: str = "--load-hf") -> Iterator[dict]:
+    """The canonical tensors of `wanted` (this rank's parameters) from a local HF model directory, one
+    part at a time in the file's dtype: the embeddings, final norm and head it needs, then each transformer
+    layer it holds (of an MoE layer, only its own experts), so that no more than one part is ever read."""
+    adapter = FAMILIES[config.family](config)
+    tensors = HFTensors(path, flag)
+    globals_part = adapter.globals_to_canonical(tensors, {n for n in wanted if not n.startswith("layers.")})
+    tensors.release()
+    yield globals_part
+    del globals_part
+    for i in sorted({int(n.split(".")[1]) for n in wanted if n.startswith("layers.")}):
+        part = adapter.layer_to_canonical(tensors, i, wanted)
+        tensors.release()  # the files' pages of this part leave the resident set
+        yield part
+        del part
 
 
 def write_hf_dir(state: dict, config: ModelConfig, save_dir: str, tokenizer=None, max_shard_size: str = "5GB",

@@ -149,21 +149,37 @@ def shard_for_rank(name: str, tensor: torch.Tensor, config: ModelConfig, tp: int
 
 def load_full_state(model, state: dict, config: ModelConfig, groups) -> None:
     """Copy a full canonical state dict into this rank's parameters of `model` (any form: GPTModel, a
-    DeepSpeed pipeline stage, virtual stages), each TP-sharded for this rank; under ZeRO-3 the
-    partitioned parameters are gathered, written and re-partitioned (DeepSpeed's GatheredParameters)."""
-    params = canonical_parameters(model, config.num_layers)
-    missing = sorted(set(params) - set(state))
+    DeepSpeed pipeline stage, virtual stages); see load_parts."""
+    missing = sorted(set(canonical_parameters(model, config.num_layers)) - set(state))
     if missing:
         raise ConfigError(f"--load: the checkpoint lacks {missing[:5]} (a different model shape?).")
-    modifier = groups.dp_cp.ranks[0] if groups.dp_cp.ranks else 0  # ZeRO-3 re-partitions from here
-    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=modifier):
-        with torch.no_grad():
-            for name, param in params.items():
-                value = shard_for_rank(name, state[name], config, groups.tp.size, groups.tp.rank)
-                if tuple(value.shape) != tuple(param.shape):
-                    raise ConfigError(f"--load: {name} has shape {tuple(value.shape)} in the checkpoint but "
-                                      f"{tuple(param.shape)} in the model; check the model flags.")
-                param.copy_(value)
+    load_parts(model, [state], config, groups)
+
+
+def load_parts(model, parts, config: ModelConfig, groups) -> None:
+    """Copy full canonical tensors, given a part at a time (`parts`: dicts, such as one layer's, of any
+    dtype), into this rank's parameters of `model`, each TP-sharded for this rank and cast to the
+    parameter's dtype; tensors of other ranks' parameters are skipped. Only one part is held at a time and,
+    under ZeRO-3, only that part's parameters are gathered (DeepSpeed's GatheredParameters: written, then
+    re-partitioned). Every parameter of the rank must have been in some part."""
+    params = canonical_parameters(model, config.num_layers)
+    loaded = set()
+    for part in parts:
+        mine = {name: params[name] for name in part if name in params}
+        # DeepSpeed reads modifier_rank as the rank within each parameter's ZeRO group: its first rank writes
+        with deepspeed.zero.GatheredParameters(list(mine.values()), modifier_rank=0):
+            with torch.no_grad():
+                for name, param in mine.items():
+                    value = shard_for_rank(name, part[name], config, groups.tp.size, groups.tp.rank)
+                    if tuple(value.shape) != tuple(param.shape):
+                        raise ConfigError(f"--load: {name} has shape {tuple(value.shape)} in the checkpoint but "
+                                          f"{tuple(param.shape)} in the model; check the model flags.")
+                    param.copy_(value)
+        loaded.update(mine)
+        del part, mine
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ConfigError(f"--load: the checkpoint lacks {missing[:5]} (a different model shape?).")
 
 
 def check_target_layout(config: ModelConfig, tp: int, pp: int) -> None:

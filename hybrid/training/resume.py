@@ -14,10 +14,10 @@ from hybrid.checkpoint.client_state import ClientState, SavedLayout, read_client
 from hybrid.checkpoint.files import LATEST, LATEST_UNIVERSAL, first_model_file, iteration_of, load_file, read_tag
 from hybrid.checkpoint.manifest import complete_tags, verify_manifest
 from hybrid.config import RunConfig
-from hybrid.conversion.hf import read_hf_dir
-from hybrid.conversion.layout import load_full_state, read_hybrid
+from hybrid.conversion.hf import hf_parts
+from hybrid.conversion.layout import load_full_state, load_parts, read_hybrid
 from hybrid.errors import ConfigError
-from hybrid.model.naming import canonical_name
+from hybrid.model.naming import canonical_name, canonical_parameters
 from hybrid.parallel.random import set_rng_states
 from hybrid.safe_loading import UnsafeCheckpointError
 from hybrid.training import deepspeed_fixes
@@ -54,9 +54,10 @@ def start(engine, run: RunConfig, groups) -> tuple[int, int]:
 
 def load_hf(engine, run: RunConfig, groups) -> tuple[int, int]:
     """--load-hf: the HF model's weights, converted to canonical names and sharded for this rank (every
-    layout, every ZeRO stage); the optimizer and LR schedule start fresh at iteration 0."""
-    state, _, _ = read_hf_dir(run.checkpoint.load_hf, flag="--load-hf")
-    load_full_state(engine.module, state, run.model, groups)
+    layout, every ZeRO stage), read a layer at a time and only for this rank's stage and experts; the
+    optimizer and LR schedule start fresh at iteration 0."""
+    wanted = set(canonical_parameters(engine.module, run.model.num_layers))  # this rank's (stage, experts)
+    load_parts(engine.module, hf_parts(run.checkpoint.load_hf, run.model, wanted), run.model, groups)
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights
     log(f"loaded the {run.model.family} weights of {run.checkpoint.load_hf} (--load-hf); optimizer, schedule and "
