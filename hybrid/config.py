@@ -95,6 +95,7 @@ class CheckpointConfig:
     finetune: bool = False  # --finetune: weights of --load from any layout, a fresh schedule
     no_load_optim: bool = False  # --no-load-optim
     no_load_rng: bool = False  # --no-load-rng
+    no_save_rng: bool = False  # --no-save-rng: checkpoints hold no RNG states
     universal_checkpoint: bool = False  # --universal-checkpoint: --load a universal checkpoint, any layout
     load_hf: Optional[str] = None  # --load-hf: the HF model directory the run starts from (when --load has none)
     async_save: bool = False  # --async-save: checkpoints written in the background from a host copy
@@ -418,7 +419,8 @@ def _checkpoint(args, ds: dict) -> CheckpointConfig:
     universal = args.universal_checkpoint or bool((ds.get("checkpoint") or {}).get("load_universal"))
     return CheckpointConfig(
         save=args.save, load=args.load, save_interval=args.save_interval, finetune=args.finetune,
-        no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, universal_checkpoint=universal,
+        no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, no_save_rng=args.no_save_rng,
+        universal_checkpoint=universal,
         load_hf=args.load_hf, async_save=args.async_save, export_hf=args.export_hf, sample_prompt=args.sample_prompt)
 
 

@@ -171,7 +171,8 @@ def _add_checkpointing_args(p):
                         "--saver universal) at any TP/PP/DP/ZeRO layout, with optimizer state (Megatron-DeepSpeed)")
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model architecture and parallel sizes from the --load checkpoint")
-    g.add_argument("--no-save-optim", action="store_true", help="accepted; DeepSpeed always saves it")
+    g.add_argument("--no-save-rng", action="store_true",
+                   help="checkpoints hold no RNG states: a resumed run's dropout continues from its own seeds")
 
 
 def _add_mixed_precision_args(p):

@@ -48,6 +48,9 @@ _FLAGS = [
     CompatFlag("--abort-on-unmet-fused-kernel-constraints", "accepted", "no fused kernel has unmet constraints"),
     CompatFlag("--override-opt_param-scheduler", "accepted",
                "the LR schedule always comes from the flags; only its position is restored from a checkpoint"),
+    CompatFlag("--no-save-optim", "refused", "DeepSpeed's save_checkpoint always writes the optimizer state; drop "
+               "the flag (a checkpoint's weights alone: conversion/checkpoint_util.py --target-tensor-parallel-size N "
+               "writes them)"),
     CompatFlag("--use-checkpoint-opt_param-scheduler", "refused",
                "the LR schedule comes from the flags; give the same LR flags as the run that saved"),
     CompatFlag("--manual-gc", "accepted", "Python's garbage collector is left as it is (no numerical effect)"),

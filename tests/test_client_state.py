@@ -44,3 +44,29 @@ def test_checkpoints_of_the_one_dict_format_read_as_typed_records():
     assert state.storage == "virtual_stages"
     # a newer writer's extra fields are ignored, not an error
     assert ClientState.from_meta({"layout": {"tensor_parallel": 4, "some_new_axis": 8}}).layout.tensor_parallel == 4
+
+
+def test_no_save_rng_leaves_the_rng_states_out_and_no_save_optim_is_refused(tmp_path):
+    import pytest
+
+    from hybrid.config import build_run_config
+    from hybrid.errors import ConfigError
+    from hybrid.flags import build_parser
+    from hybrid.training.saving import write_files
+    from tests.test_capabilities import BASE
+
+    class Engine:  # records what DeepSpeed's save_checkpoint would write as client state
+        def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+            self.saved = client_state
+
+    def saved(*flags):
+        run = build_run_config(build_parser().parse_args([str(f) for f in BASE + ["--zero-stage", 1, *flags]]), 1, 64)
+        engine = Engine()
+        assert write_files(engine, run, str(tmp_path), 3, 24) == "iter_0000003"
+        return ClientState.from_meta(engine.saved)
+
+    assert saved().rng_states is not None
+    state = saved("--no-save-rng")
+    assert state.rng_states is None and state.iteration == 3 and state.consumed_samples == 24
+    with pytest.raises(ConfigError, match="--no-save-optim.*always writes the optimizer state"):
+        build_run_config(build_parser().parse_args([str(f) for f in BASE + ["--no-save-optim"]]), 1, 64)

@@ -27,6 +27,17 @@ def test_relied_on_deepspeed_internal_is_there(module, path, text):
         f"re-check that fix")
 
 
+def test_the_installed_deepspeed_is_in_the_series_pyproject_allows_and_the_fixes_were_checked_against():
+    import re
+
+    import deepspeed
+    pyproject = open(os.path.join(ROOT, "pyproject.toml")).read()
+    low, high = re.search(r'"deepspeed>=([\d.]+),<([\d.]+)"', pyproject).groups()
+    version = tuple(int(x) for x in deepspeed.__version__.split("+")[0].split(".")[:3])
+    assert tuple(map(int, low.split("."))) <= version < tuple(map(int, high.split(".")))
+    assert all(known.startswith(".".join(low.split(".")[:2])) for known in deepspeed_fixes.KNOWN_GOOD_DEEPSPEED)
+
+
 def _private_uses(path: str) -> list[str]:
     """`x._name` attribute accesses (not self./cls.) and `from m import _name` in one source file."""
     tree = ast.parse(open(path).read())

@@ -194,10 +194,14 @@ def _zero3_construction_memory():
     from hybrid.parallel.groups import build_groups
     from hybrid.parallel.random import model_parallel_seed
     from hybrid.training.engine import build_model
-    flags = ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "64",
+    # 16 layers: the largest parameter (the 8000-row table) is 7% of the model
+    flags = ["--num-layers", "16", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "64",
              "--micro-batch-size", "1", "--global-batch-size", "2", "--mock-data", "--tokenizer-type",
              "NullTokenizer", "--vocab-size", "8000", "--deepspeed", "ds_configs/zero3.json"]
     os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # glibc serves allocations of 64 KiB and more (every tensor here) from their own mappings, unmapped when
+    # freed, so the resident set follows the live tensors instead of what the allocator keeps (M_MMAP_THRESHOLD)
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)
     topology = build_groups()
     model_parallel_seed(1, 0)
     # A first, tiny build loads what a first build loads once (DeepSpeed's JIT-built communication op on a
@@ -211,7 +215,7 @@ def _zero3_construction_memory():
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
     peaks = []
-    for _ in range(2):  # resident-size peaks are noisy (allocator, gloo threads): the lower of two builds
+    for _ in range(3):  # resident-size peaks are noisy (allocator, gloo threads): the lowest of three builds
         model = None
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed pages back, so the next build's peak is its own
@@ -230,5 +234,6 @@ def _zero3_construction_memory():
 def test_zero3_builds_each_rank_a_partition_not_the_whole_model():
     for peak, full, local in run_on_ranks(_zero3_construction_memory, 2):
         assert abs(local - full / 2) <= 0.01 * full, "each rank keeps half of the parameters"
-        # half the parameters plus the largest one's full tensor while it is initialised (measured: 0.4-0.76x)
-        assert peak < 0.85 * full, f"building the model peaked at {peak / 2**20:.0f} MiB of {full / 2**20:.0f} MiB"
+        # half the parameters plus the largest one's full tensor while it is initialised (measured: 0.519-0.521x
+        # over 5 runs of 3 builds each; building the whole model is 1x)
+        assert peak < 0.6 * full, f"building the model peaked at {peak / 2**20:.0f} MiB of {full / 2**20:.0f} MiB"

@@ -165,3 +165,14 @@ def test_reset_flags_reach_training(tmp_path):
         run("python", 1, flags + extra + ["--log-json", log])
         losses[name] = [r["lm_loss"] for r in read_log(log) if "lm_loss" in r and "consumed_samples" in r]
     assert len(losses["documents"]) == 2 and losses["documents"] != losses["plain"]
+
+
+def test_a_flag_whose_backend_does_not_run_is_said_in_the_log_once():
+    from hybrid.model.attention import backend_notes
+    from hybrid.model.config import ModelConfig
+    assert backend_notes(ModelConfig(), 2) == []
+    assert backend_notes(ModelConfig(use_flash_attn=True), 1) == []
+    [ring] = backend_notes(ModelConfig(use_flash_attn=True), 2)
+    assert "--context-parallel-size 2" in ring and "not flash-attn" in ring
+    [documents] = backend_notes(ModelConfig(use_flash_attn=True, reset_attention_mask=True, eod_token=0), 1)
+    assert "--reset-attention-mask" in documents and "SDPA" in documents

@@ -3,6 +3,7 @@ SIGKILL mid-iteration, mid-save or after the last save is restarted and the job 
 uninterrupted run's losses (dropout on: bitwise), or exits at once when nothing is left; every process
 group honours --distributed-timeout-minutes, so a peer that stops answering ends a collective within it."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -167,10 +168,16 @@ def test_a_peer_that_stops_answering_ends_a_deepspeed_group_collective_within_th
     pytest.fail("the collective never returned")
 
 
+def _raise_in_a_collective(error):
+    """Raise `error` from a frame of torch.distributed, as gloo's and NCCL's failures arrive."""
+    exec(compile("raise error", os.path.join(os.sep, "torch", "distributed", "distributed_c10d.py"), "exec"),
+         {"error": error})
+
+
 def test_a_failed_collective_is_one_message_and_its_own_exit_status(capsys, monkeypatch):
     from hybrid.training import run as loop
     error = RuntimeError("[/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation")
-    monkeypatch.setattr(loop, "run_training", lambda argv: (_ for _ in ()).throw(error))
+    monkeypatch.setattr(loop, "run_training", lambda argv: _raise_in_a_collective(error))
     assert loop.main(["--distributed-timeout-minutes", "0.5"]) == loop.PEER_FAILED
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: rank 0: a collective with another rank failed")
@@ -178,4 +185,9 @@ def test_a_failed_collective_is_one_message_and_its_own_exit_status(capsys, monk
     other = RuntimeError("shape mismatch")  # not a communication failure: a real bug keeps its traceback
     monkeypatch.setattr(loop, "run_training", lambda argv: (_ for _ in ()).throw(other))
     with pytest.raises(RuntimeError, match="shape mismatch"):
+        loop.main([])
+    # a peer's words outside a collective (a data loader's own timeout) are not a dead peer either
+    loader = RuntimeError("DataLoader timed out after 5 seconds")
+    monkeypatch.setattr(loop, "run_training", lambda argv: (_ for _ in ()).throw(loader))
+    with pytest.raises(RuntimeError, match="DataLoader timed out"):
         loop.main([])

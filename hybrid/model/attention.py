@@ -118,6 +118,19 @@ class CoreAttention(nn.Module):
         return torch.matmul(probs, v)
 
 
+def backend_notes(config, context_parallel: int) -> list[str]:
+    """Where the attention runs another backend than a flag asks for: one line each, for the run's log."""
+    if not config.use_flash_attn:
+        return []
+    if context_parallel > 1:
+        return [f"--use-flash-attn with --context-parallel-size {context_parallel}: the ring attention runs its own "
+                f"block kernels (aten's fused kernel on CPU, the tiled math kernel elsewhere), not flash-attn"]
+    if config.reset_attention_mask:
+        return ["--use-flash-attn with --reset-attention-mask: packed documents run SDPA over document blocks "
+                "(flash-attn's variable-length form would read the document lengths on the host every step)"]
+    return []
+
+
 def allowed_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, window) -> torch.Tensor:
     """[queries, keys] bool: causal, and within the last `window` positions (the token itself included,
     transformers' sliding_window) when a window is set."""

@@ -23,6 +23,8 @@ from hybrid.model.naming import canonical_parameters
 from hybrid.pipeline_plan import list_partition_bounds
 from hybrid.training.async_save import BackgroundWriter
 
+KNOWN_GOOD_DEEPSPEED = ("0.19.8",)  # checked by tests/test_deepspeed_fixes.py; pyproject allows the 0.19 series
+
 # (module, attribute path, a text its source must contain) of every DeepSpeed internal used below
 RELIED_ON = [
     ("deepspeed.runtime.pipe.module", "PipelineModule._partition_layers", "def _partition_layers(self, method"),

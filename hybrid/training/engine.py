@@ -14,6 +14,7 @@ from deepspeed.accelerator import get_accelerator
 from hybrid.config import RunConfig
 from hybrid.errors import ConfigError
 from hybrid.model import build as model_build
+from hybrid.model.attention import backend_notes
 from hybrid.model.moe.moe_layer import MoELayer
 from hybrid.model.naming import canonical_parameters
 from hybrid.training.deepspeed_fixes import (ListPartitionPipelineModule, install_fp32_clipping, register_moe_layers,
@@ -73,6 +74,8 @@ def units_per_step(global_batch: int, seq_length: int, unit: str) -> int:
 
 def build_engine(run: RunConfig, groups):
     """-> (DeepSpeed engine, the model it wraps). PP > 1 gives DeepSpeed's PipelineEngine."""
+    for note in backend_notes(run.model, run.parallel.context_parallel):
+        log(note)
     model = build_model(run, groups)
     _check_experts_on_every_stage(model, run)
     register_moe_layers(model, groups, run.zero_stage)  # DeepSpeed's MoE handling (before initialize)

@@ -90,10 +90,29 @@ _PEER_FAILURE_TEXTS = ("Timed out", "timed out", "Connection closed by peer", "C
                        "Connection refused", "NCCL", "Broken pipe")
 
 
+# where a collective raises: torch.distributed's and DeepSpeed's communication modules, and hybrid's that wait
+# on asynchronous ones (the TP overlap, the ring, the pipeline's evaluation sends)
+_COLLECTIVE_MODULES = (os.sep.join(("torch", "distributed", "")), os.sep.join(("deepspeed", "comm", "")),
+                       os.sep.join(("hybrid", "parallel", "")), os.sep.join(("hybrid", "training", "pipelining.py")))
+
+
+def _raised_by_a_collective(error: BaseException) -> bool:
+    frame = error.__traceback__
+    while frame is not None:
+        if any(part in frame.tb_frame.f_code.co_filename for part in _COLLECTIVE_MODULES):
+            return True
+        frame = frame.tb_next
+    return False
+
+
 def _peer_failure(error: BaseException) -> bool:
+    """A peer died or did not answer: torch's distributed errors, or a RuntimeError that a collective raised
+    with a backend's words for a lost or silent peer (the same words from elsewhere, such as a data
+    loader's timeout, keep their traceback)."""
     if isinstance(error, getattr(dist, "DistError", ())):
         return True
-    return isinstance(error, RuntimeError) and any(text in str(error) for text in _PEER_FAILURE_TEXTS)
+    return (isinstance(error, RuntimeError) and any(text in str(error) for text in _PEER_FAILURE_TEXTS)
+            and _raised_by_a_collective(error))
 
 
 def _report_peer_failure(error: BaseException, timeout_minutes: float) -> None:

@@ -54,7 +54,8 @@ def write_files(engine, run: RunConfig, save_dir: str, iteration: int, consumed_
     summary = config_summary(run)
     client_state = ClientState(iteration=iteration, consumed_samples=consumed_samples, model=summary.pop("model"),
                                layout=run.saved_layout(), run=summary, args=run.args,
-                               rng_states=get_rng_states(sequence), universal_checkpoint_info=universal,
+                               rng_states=None if run.checkpoint.no_save_rng else get_rng_states(sequence),
+                               universal_checkpoint_info=universal,
                                optimizer_param_names=optimizer_param_names(engine, run))
     os.makedirs(save_dir, exist_ok=True)
     state = client_state.to_dict()
