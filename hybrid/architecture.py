@@ -65,10 +65,6 @@ MOE_TRAINING_FLAGS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "m
                       "moe_token_drop_policy", "moe_grouped_gemm")  # how it trains (flags, also with --load-hf)
 
 
-MOE_NEEDS_SP = ("--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel (each TP rank "
-                "routes its own sequence shard, as in Megatron-LM).")
-
-
 def _moe_fields(args) -> dict:
     return {name: getattr(args, name) for name in MOE_FLAGS} if args.num_experts else {}
 

@@ -51,6 +51,11 @@ class Setup:
     sliding_window: bool = False  # --window-size
     experts: bool = False  # --num-experts
     ep: int = 1  # --expert-model-parallel-size
+    sequence_parallel: bool = False  # --sequence-parallel (at TP > 1)
+    seq_length: int = 0  # --seq-length (0: not known, the length rules do not apply)
+    heads_per_tp: int = 0  # attention heads on one TP rank (0: not known)
+    groups_per_tp: int = 0  # KV groups on one TP rank (0: not known)
+    experts_on_every_stage: Optional[bool] = None  # every pipeline rank holds an MoE layer (None: not known yet)
 
     @property
     def torch_schedule(self) -> bool:
@@ -170,6 +175,54 @@ RULES = [
                    f"ZeRO-3 does not support its MoE expert groups. Use ds_configs/zero2.json or zero1.json with "
                    f"expert parallelism (expert optimizer states are partitioned over DP / EP), or ZeRO-3 at "
                    f"--expert-model-parallel-size 1 (experts partitioned over DP)."),
+    Rule("moe-tp-without-sp", "--num-experts at TP > 1 without --sequence-parallel",
+         "each TP rank routes its own sequence shard, as in Megatron-LM, so the tokens must be split over TP",
+         lambda s: s.experts and s.tp > 1 and not s.sequence_parallel,
+         lambda s: f"--num-experts with --tensor-model-parallel-size {s.tp} needs --sequence-parallel (each TP rank "
+                   f"routes its own sequence shard, as in Megatron-LM)."),
+    Rule("moe-stage-without-experts", "--num-experts with a pipeline rank that holds no MoE layer",
+         "DeepSpeed reduces each optimizer group's gradient norm over the pipeline: a rank without experts has "
+         "fewer groups and its reduction would wait forever",
+         lambda s: s.experts and s.pp > 1 and s.experts_on_every_stage is False,
+         lambda s: f"--num-experts with --pipeline-model-parallel-size {s.pp}: a pipeline rank holds no MoE layer "
+                   f"(with --moe-layer-freq and this stage split); every pipeline rank needs at least one, as DeepSpeed "
+                   f"reduces each optimizer group's gradient norm over the pipeline. Use --moe-layer-freq 1, or a "
+                   f"--pipeline-partition giving each rank an MoE layer."),
+    Rule("moe-universal-pipeline", "universal checkpoints of MoE models with pipeline parallelism",
+         "the expert groups' universal conversion is written for PP = 1 (DeepSpeed's own tool does not read "
+         "expert groups); not built for pipeline stages",
+         lambda s: s.experts and s.universal_checkpoint and s.pp > 1,
+         lambda s: f"universal checkpoints of MoE models with --pipeline-model-parallel-size {s.pp} are not built: "
+                   f"convert and resume at --pipeline-model-parallel-size 1 (any TP, DP and EP), or resume at the "
+                   f"saved layout without --universal-checkpoint."),
+    Rule("cp-sequence-chunks", "--context-parallel-size N with a --seq-length that 2 x N does not divide",
+         "the ring cuts each sequence into 2 x N chunks (Megatron's causal load balancing)",
+         lambda s: s.cp > 1 and s.seq_length and s.seq_length % (2 * s.cp) != 0,
+         lambda s: f"--context-parallel-size {s.cp} cuts each sequence into 2 x {s.cp} chunks: --seq-length "
+                   f"{s.seq_length} must be divisible by {2 * s.cp}."),
+    Rule("cp-sp-shards", "--context-parallel-size N and --sequence-parallel where TP does not divide s / N",
+         "each CP rank's tokens are split again over TP",
+         lambda s: s.cp > 1 and s.sequence_parallel and s.tp > 1 and s.seq_length and (s.seq_length // s.cp) % s.tp,
+         lambda s: f"--sequence-parallel with --context-parallel-size {s.cp}: each rank's {s.seq_length // s.cp} "
+                   f"tokens must be divisible by --tensor-model-parallel-size {s.tp}."),
+    Rule("ulysses-sequence", "--ds-sequence-parallel-size N with a --seq-length that N does not divide",
+         "Ulysses gives each rank a contiguous 1/N of the sequence",
+         lambda s: s.ulysses > 1 and s.seq_length and s.seq_length % s.ulysses != 0,
+         lambda s: f"--ds-sequence-parallel-size {s.ulysses}: --seq-length {s.seq_length} must be divisible by "
+                   f"{s.ulysses}."),
+    Rule("ulysses-heads", "--ds-sequence-parallel-size N where N does not divide the heads or KV groups per TP rank",
+         "Ulysses' all-to-all gives each rank 1/N of the attention heads and of the KV groups",
+         lambda s: s.ulysses > 1 and s.heads_per_tp and (s.heads_per_tp % s.ulysses or s.groups_per_tp % s.ulysses),
+         lambda s: f"--ds-sequence-parallel-size {s.ulysses}: Ulysses gives each rank 1/{s.ulysses} of the attention "
+                   f"heads and of the KV groups, but each TP rank has {s.heads_per_tp} heads and {s.groups_per_tp} KV "
+                   f"groups (--num-attention-heads / --num-query-groups over --tensor-model-parallel-size {s.tp}); use "
+                   f"a size that divides both, or --context-parallel-size (ring attention has no such rule)."),
+    Rule("ulysses-sp-shards", "--ds-sequence-parallel-size N and --sequence-parallel where TP does not divide s / N",
+         "each Ulysses rank's tokens are split again over TP",
+         lambda s: (s.ulysses > 1 and s.sequence_parallel and s.tp > 1 and s.seq_length
+                    and (s.seq_length // s.ulysses) % s.tp),
+         lambda s: f"--sequence-parallel with --ds-sequence-parallel-size {s.ulysses}: each rank's "
+                   f"{s.seq_length // s.ulysses} tokens must be divisible by --tensor-model-parallel-size {s.tp}."),
     Rule("grad-reduce-bf16-precision", "--grad-reduce-in-bf16 without --bf16",
          "gradients are reduced in the training precision's type (DeepSpeed's communication_data_type)",
          lambda s: s.grad_reduce_bf16 and s.precision != "bf16",

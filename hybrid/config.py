@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from hybrid import ds_config as dsc
-from hybrid.architecture import MOE_FLAGS, MOE_NEEDS_SP, model_config
+from hybrid.architecture import MOE_FLAGS, model_config
 from hybrid.capabilities import Setup, check
 from hybrid.checkpoint.client_state import SavedLayout, read_client_state
 from hybrid.checkpoint.files import read_tag
@@ -28,7 +28,7 @@ from hybrid.errors import ConfigError
 from hybrid.megatron_compat import check_compat
 from hybrid.model.config import ModelConfig
 from hybrid.parallel.dims import ParallelDims
-from hybrid.pipeline_plan import PipelineSchedule, resolve_virtual_stages
+from hybrid.pipeline_plan import PipelineSchedule, plan_stages, resolve_partition, resolve_virtual_stages
 from hybrid.run_length import RunLength, resolve_run_length
 
 
@@ -202,39 +202,32 @@ def tokenizer_kwargs(args) -> dict:
                 tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
 
 
-def _check_context_parallel(args, tp: int, cp: int) -> None:
-    """--context-parallel-size: 2 x CP chunks of the sequence (each SP-divisible by TP); the p2p ring."""
+def _check_cp_comm_type(args) -> None:
+    """--cp-comm-type: the K/V ring (p2p) is the context-parallel communication built."""
     unknown = [kind for kind in args.cp_comm_type if kind != "p2p"]
     if unknown:
         raise ConfigError(f"--cp-comm-type {' '.join(unknown)} is not supported: the K/V ring (p2p) is the "
                           f"context-parallel communication built; use --cp-comm-type p2p.")
-    if cp == 1:
-        return
-    if args.seq_length % (2 * cp) != 0:
-        raise ConfigError(f"--context-parallel-size {cp} cuts each sequence into 2 x {cp} chunks: --seq-length "
-                          f"{args.seq_length} must be divisible by {2 * cp}.")
-    if args.sequence_parallel and tp > 1 and (args.seq_length // cp) % tp != 0:
-        raise ConfigError(f"--sequence-parallel with --context-parallel-size {cp}: each rank's {args.seq_length // cp} "
-                          f"tokens must be divisible by --tensor-model-parallel-size {tp}.")
 
 
-def _check_ulysses(args, model, tp: int, ulysses: int) -> None:
-    """--ds-sequence-parallel-size N: the sequence in N parts, heads and KV groups (per TP rank) in N."""
-    if ulysses == 1:
-        return
-    if args.seq_length % ulysses != 0:
-        raise ConfigError(f"--ds-sequence-parallel-size {ulysses}: --seq-length {args.seq_length} must be "
-                          f"divisible by {ulysses}.")
-    heads, groups = model.num_attention_heads // tp, model.num_query_groups // tp
-    if heads % ulysses or groups % ulysses:
-        raise ConfigError(f"--ds-sequence-parallel-size {ulysses}: Ulysses gives each rank 1/{ulysses} of the "
-                          f"attention heads and of the KV groups, but each TP rank has {heads} heads and {groups} "
-                          f"KV groups (--num-attention-heads / --num-query-groups over --tensor-model-parallel-size "
-                          f"{tp}); use a size that divides both, or --context-parallel-size (ring attention has no "
-                          f"such rule).")
-    if args.sequence_parallel and tp > 1 and (args.seq_length // ulysses) % tp != 0:
-        raise ConfigError(f"--sequence-parallel with --ds-sequence-parallel-size {ulysses}: each rank's "
-                          f"{args.seq_length // ulysses} tokens must be divisible by --tensor-model-parallel-size {tp}.")
+def _experts_on_every_stage(model: ModelConfig, dims: ParallelDims, pipeline: PipelineSchedule) -> Optional[bool]:
+    """Whether every pipeline rank holds an MoE layer, where the flags decide it (the torch schedules' stage plan,
+    an explicit --pipeline-partition); None where DeepSpeed balances the stages by parameter counts when it
+    builds them (hybrid.training.engine checks it then, with the same rule)."""
+    pp = dims.pipeline_parallel
+    if not model.num_experts or pp == 1:
+        return None
+    moe = set(model.moe_layers)
+    if pipeline.on_torch(pp):
+        plans = plan_stages(model.num_layers, pp, pipeline.virtual_stages, pipeline.schedule)
+        return all(any(moe & set(p.layers) for p in plans if p.rank == rank) for rank in range(pp))
+    method = resolve_partition(pipeline.partition, model.num_layers, pp)
+    if not method.startswith("list:"):
+        return None
+    bounds = [0]
+    for count in map(int, method.split(":", 1)[1].split(",")):
+        bounds.append(bounds[-1] + count)
+    return all(moe & set(range(start, stop)) for start, stop in zip(bounds, bounds[1:]))
 
 
 def _check_data_flags(args) -> None:
@@ -322,10 +315,8 @@ def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
 
 def _check_experts(model: ModelConfig, dims: ParallelDims) -> None:
     """--expert-model-parallel-size: experts split evenly inside DP x CP (the sequence split's ranks route
-    their own tokens, as Megatron-LM's); TP needs SP (as Megatron-LM)."""
-    ep, tp = dims.expert_parallel, dims.tensor_parallel
-    if model.num_experts and tp > 1 and not model.sequence_parallel:
-        raise ConfigError(MOE_NEEDS_SP.format(tp=tp))
+    their own tokens, as Megatron-LM's)."""
+    ep = dims.expert_parallel
     if ep > 1 and not model.num_experts:
         raise ConfigError(f"--expert-model-parallel-size {ep} splits experts over ranks; the model has none "
                           f"(give --num-experts, or drop --expert-model-parallel-size).")
@@ -358,9 +349,7 @@ def _vocab_size(args, tokenizer_vocab_size: int) -> int:
 
 def _model(args, dims: ParallelDims, vocab_size: int, base_model, eod_token) -> ModelConfig:
     """The architecture with this run's settings, checked against the parallel sizes."""
-    tp = dims.tensor_parallel
-    model = model_config(args, vocab_size, tp, base_model)
-    _check_ulysses(args, model, tp, dims.ulysses)
+    model = model_config(args, vocab_size, dims.tensor_parallel, base_model)
     _check_experts(model, dims)
     if args.reset_attention_mask or args.reset_position_ids:
         if eod_token is None:
@@ -433,7 +422,8 @@ def _logging(args) -> LoggingConfig:
 
 def _check_capabilities(args, dims, pipeline, stage, model, training, checkpoint, ds_path) -> None:
     """The declared table of refused combinations (hybrid.capabilities), on what the flags resolved to."""
-    check(Setup(pp=dims.pipeline_parallel, tp=dims.tensor_parallel, schedule=pipeline.schedule, zero_stage=stage,
+    tp = dims.tensor_parallel
+    check(Setup(pp=dims.pipeline_parallel, tp=tp, schedule=pipeline.schedule, zero_stage=stage,
                 precision=training.precision, recompute=model.recompute_granularity, torch_compile=args.torch_compile,
                 micro_batches=training.grad_acc_steps, rampup=bool(training.rampup),
                 universal_checkpoint=checkpoint.universal_checkpoint, flash_attn=bool(args.use_flash_attn),
@@ -441,7 +431,9 @@ def _check_capabilities(args, dims, pipeline, stage, model, training, checkpoint
                 zero_source=ds_path or "--zero-stage", documents=model.splits_documents, cp=dims.context_parallel,
                 ulysses=dims.ulysses, attention_dropout=model.attention_dropout > 0,
                 sliding_window=model.sliding_window is not None, experts=bool(model.num_experts),
-                ep=dims.expert_parallel))
+                ep=dims.expert_parallel, sequence_parallel=model.sequence_parallel, seq_length=args.seq_length,
+                heads_per_tp=model.num_attention_heads // tp, groups_per_tp=model.num_query_groups // tp,
+                experts_on_every_stage=_experts_on_every_stage(model, dims, pipeline)))
 
 
 def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_size: int,
@@ -455,7 +447,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     dims = ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                         args.context_parallel_size, ulysses=args.ds_sequence_parallel_size,
                         expert_parallel=args.expert_model_parallel_size)
-    _check_context_parallel(args, dims.tensor_parallel, dims.context_parallel)
+    _check_cp_comm_type(args)
     model = _model(args, dims, _vocab_size(args, tokenizer_vocab_size), base_model, eod_token)
     batches = dsc.batch_sizes(args, ds, ds_path, dims.data_parallel)
     precision = dsc.precision_of(args, ds, ds_path)

@@ -34,7 +34,7 @@ def plan_from_run(run: RunConfig) -> MemoryPlan:
                       micro_batch=t.micro_batch_size, seq_length=t.seq_length, num_micro_batches=t.grad_acc_steps,
                       zero=settings, recompute=run.model.recompute_granularity, partition=run.pipeline.partition,
                       schedule=run.pipeline.schedule, virtual=run.pipeline.virtual_stages, cp=p.context_parallel,
-                      ulysses=p.ulysses, ep=p.expert_parallel)
+                      ulysses=p.ulysses, ep=p.expert_parallel, torch_compile=t.torch_compile)
 
 
 def peak_gib(plan: MemoryPlan) -> float:
@@ -47,21 +47,24 @@ def _with_recompute(plan: MemoryPlan, granularity: str) -> MemoryPlan:
 
 def _setup(plan: MemoryPlan):
     """The capability table's view of a plan (hybrid.capabilities)."""
+    model = plan.model
     return Setup(pp=plan.pp, tp=plan.tp, schedule=plan.schedule, zero_stage=plan.zero.stage,
                  precision=plan.zero.precision, recompute=plan.recompute, micro_batches=plan.num_micro_batches,
-                 cp=plan.cp, ulysses=plan.ulysses, attention_dropout=plan.model.attention_dropout > 0,
-                 sliding_window=plan.model.sliding_window is not None,
-                 documents=plan.model.splits_documents)
+                 cp=plan.cp, ulysses=plan.ulysses, attention_dropout=model.attention_dropout > 0,
+                 sliding_window=model.sliding_window is not None, documents=model.splits_documents,
+                 torch_compile=plan.torch_compile, experts=bool(model.num_experts), ep=plan.ep,
+                 sequence_parallel=model.sequence_parallel, seq_length=plan.seq_length,
+                 heads_per_tp=model.num_attention_heads // plan.tp, groups_per_tp=model.num_query_groups // plan.tp)
 
 
 def _fits_model(plan: MemoryPlan) -> bool:
-    """The model's shape rules at the plan's TP (heads, query groups, ffn divisible by TP)."""
+    """The model's shape rules at the plan's TP (heads, query groups, ffn divisible by TP) and the parallel
+    sizes' own (EP divides DP x CP); the combinations are the capability table's (`_setup`)."""
     try:
         plan.model.validate(plan.tp)
     except ConfigError:
         return False
-    local = plan.seq_length // (plan.cp * plan.ulysses)
-    return not (plan.model.sequence_parallel and local % plan.tp) and plan.seq_length % (2 * plan.cp) == 0
+    return (plan.dp * plan.cp * plan.ulysses) % plan.ep == 0
 
 
 def _resized(plan: MemoryPlan, tp: int, pp: int, cp: int = None) -> MemoryPlan:

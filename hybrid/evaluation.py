@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from hybrid.architecture import MOE_NEEDS_SP
+from hybrid.capabilities import Setup, check
 from hybrid.checkpoint.client_state import read_client_state
 from hybrid.checkpoint.files import read_tag
 from hybrid.conversion.layout import load_full_state, read_hybrid
@@ -77,8 +77,8 @@ def evaluate(args) -> dict:
     config.recompute_granularity = None
     tp, pp = saved.layout.tensor_parallel, saved.layout.pipeline_parallel
     config.sequence_parallel = args.sequence_parallel and tp > 1
-    if config.num_experts and tp > 1 and not config.sequence_parallel:
-        raise ConfigError(MOE_NEEDS_SP.format(tp=tp))
+    check(Setup(tp=tp, experts=bool(config.num_experts), sequence_parallel=config.sequence_parallel),
+          only=("moe-tp-without-sp",))
     if config.sequence_parallel and args.seq_length % tp:
         raise ConfigError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by the checkpoint's "
                           f"tensor-parallel size {tp}.")

@@ -431,6 +431,7 @@ class MemoryPlan:
     cp: int = 1  # --context-parallel-size
     ulysses: int = 1  # --ds-sequence-parallel-size
     ep: int = 1  # --expert-model-parallel-size: this rank holds 1/EP of each layer's experts
+    torch_compile: bool = False  # --torch-compile (no memory of its own; the advisor's proposals must allow it)
 
 
 def _stage_model_states(params: dict, plan: MemoryPlan) -> dict:

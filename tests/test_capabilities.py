@@ -38,6 +38,18 @@ EXAMPLES = {
     "moe-zero3-ep": (["--num-experts", 4, "--disable-bias-linear", "--zero-stage", 3, "--expert-model-parallel-size",
                       2], 2),
     "grad-reduce-bf16-precision": (["--grad-reduce-in-bf16"], 1),
+    "moe-tp-without-sp": (["--num-experts", 4, "--disable-bias-linear", "--tensor-model-parallel-size", 2], 2),
+    "moe-stage-without-experts": (PP2 + ["--num-experts", 4, "--disable-bias-linear", "--moe-layer-freq", "[1,1,0,0]",
+                                         "--pipeline-partition", "2,2"], 2),
+    "moe-universal-pipeline": (PP2 + ["--num-experts", 4, "--disable-bias-linear", "--universal-checkpoint", "--load",
+                                      "/tmp", "--zero-stage", 1], 2),
+    "cp-sequence-chunks": (["--context-parallel-size", 2, "--seq-length", 18], 2),
+    "cp-sp-shards": (["--context-parallel-size", 2, "--tensor-model-parallel-size", 4, "--sequence-parallel",
+                      "--seq-length", 12], 8),
+    "ulysses-sequence": (["--ds-sequence-parallel-size", 2, "--seq-length", 15], 2),
+    "ulysses-heads": (["--ds-sequence-parallel-size", 4, "--group-query-attention", "--num-query-groups", 2], 4),
+    "ulysses-sp-shards": (["--ds-sequence-parallel-size", 2, "--tensor-model-parallel-size", 2, "--sequence-parallel",
+                           "--seq-length", 18], 4),
 }
 
 
@@ -174,3 +186,21 @@ def test_advisor_never_proposes_what_the_table_refuses():
     assert not any(c.startswith("--recompute") for c in changes), "recompute is refused with ZB-V"
     assert not any(c.startswith("ZeRO-2") or c.startswith("ZeRO-3") for c in changes), "ZeRO-2/3 refused with PP"
     assert all(capabilities.allowed(_setup(candidate)) for candidate in changes.values())
+
+
+def test_advisor_proposals_respect_the_experts_ep_and_compile_rules():
+    from hybrid.dry_run import _candidates, _proposals
+    moe = dict(num_experts=4, add_bias_linear=False, moe_ffn_hidden_size=32)
+    plan = _plan(model=moe, ep=2)
+    proposed, allowed = dict(_proposals(plan)), dict(_candidates(plan))
+    assert "ZeRO-3 (ds_configs/zero3.json)" in proposed and "ZeRO-3 (ds_configs/zero3.json)" not in allowed, \
+        "ZeRO-3 at EP 2"
+    assert "--tensor-model-parallel-size 2" in proposed and "--tensor-model-parallel-size 2" not in allowed, \
+        "TP 2 for experts needs --sequence-parallel"
+    assert "ZeRO-2 (ds_configs/zero2.json)" in allowed
+    compiled = _plan(torch_compile=True)
+    assert "ZeRO-3 (ds_configs/zero3.json)" in dict(_proposals(compiled))
+    assert "ZeRO-3 (ds_configs/zero3.json)" not in dict(_candidates(compiled)), "--torch-compile with ZeRO-3"
+    # a DP the EP no longer divides is never proposed (TP 2 leaves DP 2 at EP 2: allowed with SP)
+    plan4 = _plan(model=dict(moe, sequence_parallel=True), ep=4)
+    assert "--tensor-model-parallel-size 2" not in dict(_candidates(plan4)), "EP 4 does not divide DP 2"

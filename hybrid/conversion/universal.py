@@ -18,6 +18,7 @@ import shutil
 import torch
 from deepspeed.checkpoint import constants as c
 
+from hybrid.capabilities import Setup, check
 from hybrid.checkpoint.client_state import ClientState, read_client_state
 from hybrid.checkpoint.files import (LATEST_UNIVERSAL, UNIVERSAL_SUFFIX, atomic_directory, first_model_file, load_file,
                                      model_file, write_atomic)
@@ -120,9 +121,11 @@ def _moe_zero_to_universal(ckpt: str, out_dir: str, config) -> None:
     meta = load_file(first_model_file(ckpt))
     saved = ClientState.from_meta(meta)
     tp, ep = saved.layout.tensor_parallel, saved.layout.expert_parallel
-    if saved.layout.pipeline_parallel > 1:
-        raise ConfigError(f"{ckpt}: universal checkpoints of MoE models with pipeline parallelism are not built; "
-                          f"convert a checkpoint saved at --pipeline-model-parallel-size 1.")
+    try:
+        check(Setup(pp=saved.layout.pipeline_parallel, experts=True, universal_checkpoint=True),
+              only=("moe-universal-pipeline",))
+    except ConfigError as error:
+        raise ConfigError(f"{ckpt}: {error}") from None
     local_experts = config.num_experts // ep
     if not glob.glob(os.path.join(ckpt, "zero_pp_rank_*_mp_rank_*_optim_states.pt")):
         raise ConfigError(f"{ckpt}: universal checkpoints of MoE models are made from ZeRO-1/2 checkpoints; this "

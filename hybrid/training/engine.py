@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from deepspeed.accelerator import get_accelerator
 
+from hybrid.capabilities import Setup, check
 from hybrid.config import RunConfig
 from hybrid.errors import ConfigError
 from hybrid.model import build as model_build
@@ -118,21 +119,16 @@ def build_engine(run: RunConfig, groups):
 
 
 def _check_experts_on_every_stage(model: nn.Module, run: RunConfig) -> None:
-    """With PP, every pipeline rank needs an MoE layer: DeepSpeed's ZeRO reduces the gradient norm of
-    each parameter group over the pipeline, and a rank without experts has fewer groups (its reduction
-    would wait forever). One all-reduce at start."""
+    """The capability table's rule that every pipeline rank holds an MoE layer, where DeepSpeed's own
+    partition (by parameter counts) decided the stages, so the flags could not tell (hybrid.config checks
+    the other partitions): one all-reduce at start."""
     if not run.model.num_experts or run.parallel.pipeline_parallel == 1:
         return
     count = torch.tensor([float(sum(isinstance(m, MoELayer) for m in model.modules()))],
                          device=get_accelerator().current_device_name())
     dist.all_reduce(count, op=dist.ReduceOp.MIN)
-    if count.item() == 0:
-        raise ConfigError(f"--num-experts with --pipeline-model-parallel-size {run.parallel.pipeline_parallel}: a "
-                          f"pipeline rank "
-                          f"holds no MoE layer (--moe-layer-freq {run.model.moe_layer_freq!r} and this stage split); "
-                          f"every pipeline rank needs at least one, as DeepSpeed reduces each optimizer group's "
-                          f"gradient norm over the pipeline. Use --moe-layer-freq 1, or a --pipeline-partition giving "
-                          f"each rank an MoE layer.")
+    check(Setup(pp=run.parallel.pipeline_parallel, experts=True, experts_on_every_stage=count.item() > 0),
+          only=("moe-stage-without-experts",))
 
 
 def _sanitize_cuda_arch_list() -> None:
