@@ -78,6 +78,11 @@ class Rule:
 
 
 RULES = [
+    Rule("cp-ulysses", "--context-parallel-size with --ds-sequence-parallel-size",
+         "the sequence is split one way (the K/V ring) or the other (all-to-all around attention), not both",
+         lambda s: s.cp > 1 and s.ulysses > 1,
+         lambda s: f"--context-parallel-size {s.cp} with --ds-sequence-parallel-size {s.ulysses}: the sequence is "
+                   f"split one way or the other; give one of them."),
     Rule("zero23-pipeline", "ZeRO-2/3 with pipeline parallelism (any schedule)",
          "DeepSpeed's pipeline engine supports ZeRO-0/1 only; with the torch schedules DeepSpeed's ZeRO-2 gradient "
          "hooks, which reduce each gradient once per backward pass, meet a parameter's backward once per "
@@ -235,11 +240,19 @@ def refusals(setup: Setup, only: Optional[tuple] = None) -> list[Rule]:
     return [rule for rule in RULES if (only is None or rule.name in only) and rule.refuses(setup)]
 
 
+class RefusedCombination(ConfigError):
+    """A combination the table refuses; `rule` names the rule."""
+
+    def __init__(self, rule: str, message: str):
+        super().__init__(message)
+        self.rule = rule
+
+
 def check(setup: Setup, only: Optional[tuple] = None) -> None:
-    """Raise ConfigError with the first refusal's message."""
+    """Raise RefusedCombination (a ConfigError) with the first refusal's message."""
     refused = refusals(setup, only)
     if refused:
-        raise ConfigError(refused[0].message(setup))
+        raise RefusedCombination(refused[0].name, refused[0].message(setup))
 
 
 def allowed(setup: Setup) -> bool:

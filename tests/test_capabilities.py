@@ -19,6 +19,7 @@ PP2 = ["--pipeline-model-parallel-size", 2]
 
 # one command line per rule that the rule (and no earlier one) refuses: (flags, world size)
 EXAMPLES = {
+    "cp-ulysses": (["--context-parallel-size", 2, "--ds-sequence-parallel-size", 2], 4),
     "zero23-pipeline": (PP2 + ["--zero-stage", 2], 2),
     "fp16-cpu": (["--fp16"], 1),
     "fp16-torch-schedule": None,  # needs CUDA (fp16 is refused on CPU first); checked on a Setup below

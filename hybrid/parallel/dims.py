@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid.capabilities import Setup, check
 from hybrid.errors import ConfigError
 
 
@@ -37,9 +38,7 @@ class ParallelDims:
                             ("--expert-model-parallel-size", self.expert_parallel)):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}.")
-        if self.context_parallel > 1 and self.ulysses > 1:
-            raise ConfigError(f"--context-parallel-size {self.context_parallel} with --ds-sequence-parallel-size "
-                              f"{self.ulysses}: the sequence is split one way or the other; give one of them.")
+        check(Setup(cp=self.context_parallel, ulysses=self.ulysses), only=("cp-ulysses",))
         model_parallel = self.tensor_parallel * self.sequence_split * self.pipeline_parallel
         if self.world_size % model_parallel != 0:
             split = (f"--ds-sequence-parallel-size ({self.ulysses})" if self.ulysses > 1

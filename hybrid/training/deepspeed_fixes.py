@@ -48,6 +48,11 @@ RELIED_ON = [
     ("deepspeed.runtime.engine", "DeepSpeedEngine._configure_distributed_model", "if isinstance(module, MoE):"),
     ("deepspeed.utils.groups", "_get_expert_parallel_group", "_EXPERT_PARALLEL_GROUP[group_name]"),
     ("deepspeed.utils.groups", "_get_expert_data_parallel_group", "_EXPERT_DATA_PARALLEL_GROUP[group_name]"),
+    ("deepspeed.utils.groups", "_get_max_expert_size", "for key in _EXPERT_PARALLEL_GROUP.keys():"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine._load_zero_checkpoint",
+     "self.optimizer.load_state_dict(state_dict_list=zero_sd_list"),
+    ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer._load_legacy_checkpoint", "state_dict_list[dp_rank]"),
+    ("deepspeed.ops.adam.cpu_adam", "DeepSpeedCPUAdam.step", "self.ds_opt_adam.adam_update(self.opt_id, state['step']"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine._save_moe_checkpoint",
      "moe_str_prefix = '.deepspeed_moe.experts.deepspeed_experts.'"),
 ]
@@ -210,6 +215,52 @@ def repair_zero3_universal_load(engine, universal_dir: str) -> None:
         group.update({key: value for key, value in saved_group.items() if key != "params"})
 
 
+# --- loading DeepSpeed checkpoints -----------------------------------------------------------------
+
+def load_checkpoint(engine, load_dir: str, tag: str, *, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+    """`engine.load_checkpoint`, with two DeepSpeed 0.19.8 bugs undone so a resume is bitwise:
+    1. bf16 without ZeRO on the pipeline engine wraps the optimizer in BF16_Optimizer, which saves its
+       state per DP rank in `bf16_zero_pp_rank_*` files, but the engine (since DeepSpeed PR 7786) hands
+       its load_state_dict the rank-0 dict of `mp_rank_*_model_states.pt` (`KeyError: 0`) and never
+       reads those files: the model and schedule load here without the optimizer, then the engine's
+       own ZeRO-file loader reads them (fp32 masters and moments of this rank's partition).
+    2. DeepSpeedCPUAdam (ZeRO offload) is resumed with its running beta products replayed
+       (`replay_cpu_adam_steps`)."""
+    bf16_wrapped = type(engine.optimizer).__name__ == "BF16_Optimizer" and not engine.zero_optimization()
+    fix_bf16 = bf16_wrapped and load_optimizer_states and not load_module_only
+    path, client_state = engine.load_checkpoint(
+        load_dir, tag=tag, load_optimizer_states=load_optimizer_states and not fix_bf16,
+        load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+    if path is not None and fix_bf16 and not engine._load_zero_checkpoint(load_dir, tag, load_optimizer_states=True):
+        raise FileNotFoundError(f"{load_dir}/{tag}: no bf16_zero_pp_rank_* optimizer files for this rank")
+    if path is not None and load_optimizer_states and not load_module_only:
+        replay_cpu_adam_steps(engine)
+    return path, client_state
+
+
+def replay_cpu_adam_steps(engine) -> None:
+    """DeepSpeed 0.19's DeepSpeedCPUAdam (ZeRO offload) keeps beta1^t and beta2^t in C++ as running products
+    (`beta_t *= beta` each step, cpu_adam.h IncrementStep), but a fresh optimizer resuming at step t
+    computes pow(beta, t): one float ulp apart (0.999^3: 0.9970031 against 0.997003), so the resumed run
+    leaves the uninterrupted one at its first step. Replaying one empty update per past step builds the
+    same products; the parameters and moments are untouched (zero-size tensors)."""
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    if type(inner).__name__ != "DeepSpeedCPUAdam":
+        return
+    steps = {int(state["step"]) for state in inner.state.values() if "step" in state}
+    if not steps:
+        return
+    if len(steps) != 1:
+        raise RuntimeError(f"DeepSpeedCPUAdam parameters resumed at different steps {sorted(steps)}")
+    empty = torch.empty(0, dtype=torch.float32)
+    group = inner.param_groups[0]
+    beta1, beta2 = group["betas"]
+    for step in range(1, steps.pop() + 1):
+        inner.ds_opt_adam.adam_update(inner.opt_id, step, group["lr"], beta1, beta2, group["eps"],
+                                      group["weight_decay"], group["bias_correction"], empty, empty, empty, empty)
+
+
 # --- --async-save: DeepSpeed's checkpoint engine writes in the background ------------------------
 
 def use_async_checkpoint_engine(engine):
@@ -272,6 +323,11 @@ def register_moe_layers(model, layout, zero_stage: int = 0) -> int:
         raise RuntimeError("the model has MoE layers but its groups were built without expert groups "
                            "(hybrid.parallel.groups.build_groups(..., experts=True))")
     name = layers[0].expert_group_name
+    # this model's groups only: DeepSpeed saves by the largest EP size registered, so the groups of an earlier
+    # model in this process (destroyed since) must not stay behind
+    for registry in (ds_groups._EXPERT_PARALLEL_GROUP, ds_groups._EXPERT_PARALLEL_GROUP_RANKS,
+                     ds_groups._EXPERT_DATA_PARALLEL_GROUP, ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        registry.clear()
     ds_groups._EXPERT_PARALLEL_GROUP[name] = layout.ep.group
     ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(layout.ep.ranks)
     ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = layout.edp.group

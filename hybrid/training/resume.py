@@ -90,8 +90,8 @@ def load(engine, run: RunConfig, groups) -> tuple[int, int]:
         return _load_weights_only(engine, run, groups, load_dir, tag, saved)
     check_same_layout(saved, run, load_dir, tag)
     try:
-        path, client_state = engine.load_checkpoint(
-            load_dir, tag=tag, load_optimizer_states=not c.no_load_optim,
+        path, client_state = deepspeed_fixes.load_checkpoint(
+            engine, load_dir, tag, load_optimizer_states=not c.no_load_optim,
             load_lr_scheduler_states=not c.no_load_optim, load_module_only=c.no_load_optim)
     except UnsafeCheckpointError:
         raise
@@ -187,7 +187,7 @@ def _load_universal(engine, run: RunConfig, load_dir: str, groups) -> tuple[int,
                           f"conversion/checkpoint_util.py --saver universal --load-dir {load_dir}")
     deepspeed_fixes.use_canonical_param_names(engine, run.model.num_layers)
     try:
-        path, client_state = engine.load_checkpoint(load_dir, tag=tag)
+        path, client_state = deepspeed_fixes.load_checkpoint(engine, load_dir, tag)
     except UnsafeCheckpointError:
         raise
     except (FileNotFoundError, RuntimeError, KeyError, AssertionError, ValueError) as e:

@@ -1,0 +1,296 @@
+"""Every pair of the axes and features the capability table knows (and the triples users run), on at most
+4 CPU ranks with a tiny model: each combination is either refused before any rank starts, by a rule of the
+table (hybrid.capabilities) with its message, or trains 4 iterations equal to one rank within 1e-5 (fp32,
+dropout off; bf16 within 2e-2 of one rank's bf16; with dropout, no comparison) and resumes from its
+iteration-2 checkpoint with iterations 3-4 bitwise those of the uninterrupted run.
+
+    python benchmarks/combinations.py                     # the whole sweep: matrix in benchmarks/results/
+    python benchmarks/combinations.py --only tp2_sp+pp2,ep2+cp2 --quick
+
+Writes benchmarks/results/combinations.md (the pair matrix and the triples) and combinations.png (a heatmap),
+and prints one JSON line per combination. The runs go through launch/train.py's own entry
+(hybrid.training.run.run_training) on gloo ranks kept in a pool (tests/rank_pool.py), so a combination
+costs seconds, not a process start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+MOE = ["--num-experts", 4, "--moe-router-topk", 2, "--moe-ffn-hidden-size", 24, "--disable-bias-linear",
+       "--moe-aux-loss-coeff", 0.1, "--moe-z-loss-coeff", 0.01]
+PP2 = ["--pipeline-model-parallel-size", 2]
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One axis or option: its flags, the ranks it multiplies the world by, what it changes."""
+
+    flags: tuple
+    ranks: int = 1  # the factor on the world size
+    kind: str = "layout"  # layout: same mathematics as one rank; model / precision / dropout: changes it
+    group: str = ""  # features of one group are alternatives (never paired)
+
+
+FEATURES = {
+    "dp2": Feature((), 2, group="dp"),
+    "tp2": Feature(("--tensor-model-parallel-size", 2), 2, group="tp"),
+    "tp2_sp": Feature(("--tensor-model-parallel-size", 2, "--sequence-parallel"), 2, group="tp"),
+    "cp2": Feature(("--context-parallel-size", 2), 2, group="sequence"),
+    "ulysses2": Feature(("--ds-sequence-parallel-size", 2), 2, group="sequence"),
+    "pp2": Feature(tuple(PP2), 2, group="pp"),
+    "pp2_interleaved": Feature(tuple(PP2 + ["--num-virtual-stages-per-pipeline-rank", 2]), 2, group="pp"),
+    "pp2_zero_bubble": Feature(tuple(PP2 + ["--pipeline-schedule", "zero-bubble",
+                                            "--num-virtual-stages-per-pipeline-rank", 2]), 2, group="pp"),
+    "pp2_zbv": Feature(tuple(PP2 + ["--pipeline-schedule", "zbv"]), 2, group="pp"),
+    "pp2_dualpipev": Feature(tuple(PP2 + ["--pipeline-schedule", "dualpipev"]), 2, group="pp"),
+    "ep2": Feature(tuple(MOE + ["--expert-model-parallel-size", 2]), 2, group="moe"),  # experts over DP 2
+    "zero1": Feature(("--zero-stage", 1), group="zero"),
+    "zero2": Feature(("--zero-stage", 2), group="zero"),
+    "zero3": Feature(("--zero-stage", 3), group="zero"),
+    "offload": Feature(("--deepspeed", os.path.join(ROOT, "ds_configs", "zero1_offload.json")), group="zero"),
+    "zero3_offload": Feature(("--deepspeed", os.path.join(ROOT, "ds_configs", "zero3_offload.json")), group="zero"),
+    "recompute_full": Feature(("--recompute-granularity", "full"), group="recompute"),
+    "recompute_selective": Feature(("--recompute-granularity", "selective"), group="recompute"),
+    "compile": Feature(("--torch-compile",)),
+    "moe": Feature(tuple(MOE), kind="model", group="moe"),
+    "documents": Feature(("--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"), kind="model"),
+    "llama": Feature(("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                      "--group-query-attention", "--num-query-groups", 2, "--untie-embeddings-and-output-weights"),
+                     kind="model", group="family"),
+    "qwen3": Feature(("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--qk-layernorm",
+                      "--kv-channels", 16, "--group-query-attention", "--num-query-groups", 2),
+                     kind="model", group="family"),
+    "gemma": Feature(("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--geglu",
+                      "--apply-layernorm-1p", "--scale-embeddings"), kind="model", group="family"),
+    "window": Feature(("--window-size", "4,0"), kind="model"),
+    "bf16": Feature(("--bf16",), kind="precision"),
+    "dropout": Feature(("--hidden-dropout", 0.1, "--attention-dropout", 0.1), kind="dropout"),
+}
+# the triples users run (TP x PP with ZeRO, CP x TP, EP x TP, EP x CP, ...), within 4 ranks
+TRIPLES = [("tp2_sp", "pp2", "zero1"), ("tp2_sp", "pp2_interleaved", "llama"), ("cp2", "tp2_sp", "llama"),
+           ("ep2", "tp2_sp", "zero1"), ("ep2", "cp2", "zero2"), ("cp2", "pp2", "documents"),
+           ("ulysses2", "tp2_sp", "documents"), ("tp2_sp", "pp2", "recompute_full"), ("dp2", "zero3", "llama"),
+           ("cp2", "dp2", "zero3")]
+MAX_RANKS = 4
+LOSS_TOL = {"fp32": 1e-5, "bf16": 2e-2}
+
+
+def _tiny(data: str, save: str) -> list:
+    assets = os.path.join(ROOT, "hybrid", "data", "default")
+    return [str(f) for f in ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
+            "--max-position-embeddings", 16, "--micro-batch-size", 2, "--global-batch-size", 8, "--train-iters", 4,
+            "--lr", 1e-3, "--min-lr", 1e-4, "--lr-decay-style", "cosine", "--lr-warmup-iters", 1, "--weight-decay", 0.01,
+            "--clip-grad", 1.0, "--hidden-dropout", 0, "--attention-dropout", 0, "--seed", 7, "--log-interval", 1,
+            "--eval-iters", 0, "--no-progress-bar", "--data-path", data, "--vocab-file",
+            os.path.join(assets, "vocab.json"), "--merge-file", os.path.join(assets, "merges.txt"),
+            "--make-vocab-size-divisible-by", 8, "--split", "98,2,0", "--save", save, "--save-interval", 2,
+            "--num-workers", 0]]
+
+
+def _flags(names) -> list:
+    out = []
+    for name in names:
+        out += list(FEATURES[name].flags)
+    return [str(f) for f in out]
+
+
+def _world(names) -> int:
+    world = 1
+    for name in names:
+        world *= FEATURES[name].ranks
+    return world
+
+
+def _refusal(argv: list, world: int):
+    """The table's rule refusing these flags at this world size (no rank is started), or None; other
+    ConfigErrors (a value no combination allows) are reported as refusals outside the table."""
+    from hybrid.capabilities import RefusedCombination
+    from hybrid.config import build_run_config, tokenizer_kwargs
+    from hybrid.data.tokenizer import build_tokenizer
+    from hybrid.errors import ConfigError
+    from hybrid.flags import build_parser
+    try:
+        args = build_parser().parse_args(argv)
+        tokenizer = build_tokenizer(**tokenizer_kwargs(args))
+        build_run_config(args, world, tokenizer.vocab_size, None, getattr(tokenizer, "eod", None))
+    except RefusedCombination as error:
+        return {"rule": error.rule, "message": str(error)}
+    except ConfigError as error:
+        return {"rule": None, "message": str(error)}
+    return None
+
+
+def _train_on_rank(argv: list) -> int:
+    """One launch/train.py run on this pool rank (its own process group of the world), its output to
+    /dev/null (the sweep prints one JSON line per combination)."""
+    from hybrid.training.run import run_training
+    saved = [os.dup(1), os.dup(2)]
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+        os.dup2(null.fileno(), 2)
+        try:
+            return run_training(argv)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def _run(argv: list, world: int, timeout: float) -> list:
+    from tests.launch_helpers import read_log
+    from tests.rank_pool import run_on_ranks
+    log = argv[argv.index("--log-json") + 1]
+    if os.path.exists(log):
+        os.remove(log)
+    codes = run_on_ranks(_train_on_rank, world, argv, timeout=timeout)
+    if any(codes):
+        raise RuntimeError(f"exit status {codes}")
+    return [r["lm_loss"] for r in read_log(log) if "consumed_samples" in r]
+
+
+def _rewind(save: str, to: str) -> None:
+    """The checkpoint directory as it was at iteration 2 (`to`: a copy)."""
+    shutil.copytree(save, to)
+    shutil.rmtree(os.path.join(to, "iter_0000004"), ignore_errors=True)
+    for pointer, value in (("latest", "iter_0000002"), ("latest_checkpointed_iteration.txt", "2")):
+        with open(os.path.join(to, pointer), "w") as f:
+            f.write(value)
+
+
+def evaluate_combination(names: tuple, data: str, work: str, baselines: dict, timeout: float = 300) -> dict:
+    """The outcome of one combination: skipped (over MAX_RANKS), refused (by a table rule), equal (and
+    resumed bitwise), differs, crashed."""
+    world = _world(names)
+    result = {"combination": "+".join(names), "ranks": world}
+    if world > MAX_RANKS:
+        return dict(result, status="skipped", why=f"needs {world} ranks")
+    save = os.path.join(work, result["combination"])
+    base = _tiny(data, save) + _flags(names)
+    refusal = _refusal(base, world)
+    if refusal is not None:
+        return dict(result, status="refused" if refusal["rule"] else "refused outside the table", **refusal)
+    start = time.time()
+    try:
+        losses = _run(base + ["--log-json", save + ".jsonl"], world, timeout)
+        rewound = save + "_rewound"
+        _rewind(save, rewound)
+        resumed = _run(_tiny(data, rewound) + _flags(names) + ["--load", rewound, "--log-json", save + "_r.jsonl"],
+                       world, timeout)
+    except Exception as error:  # a crash or a hang: the cell says so
+        return dict(result, status="crashed", error=f"{type(error).__name__}: {str(error)[-1500:]}",
+                    seconds=time.time() - start)
+    result.update(losses=losses, seconds=time.time() - start)
+    if resumed != losses[2:]:
+        return dict(result, status="resume differs", resumed=resumed)
+    kinds = {FEATURES[n].kind for n in names}
+    if "dropout" in kinds:  # layouts draw other masks (per TP / CP rank): only the resume is compared
+        return dict(result, status="equal")
+    model_names = tuple(n for n in names if FEATURES[n].kind in ("model", "precision")
+                        or n == "ep2")  # EP 2 brings its MoE model
+    key = tuple(sorted("moe" if n == "ep2" else n for n in model_names))
+    if key not in baselines:
+        one = [f for n in key for f in _flags([n])]
+        baselines[key] = _run(_tiny(data, save + "_one") + one + ["--log-json", save + "_one.jsonl"], 1, timeout)
+    want = baselines[key]
+    tol = LOSS_TOL["bf16" if "bf16" in names else "fp32"]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, want))
+    result.update(one_rank=want, max_relative_difference=worst)
+    return dict(result, status="equal" if worst <= tol and len(losses) == len(want) == 4 else "differs")
+
+
+def all_combinations() -> list:
+    pairs = [(a, b) for a, b in itertools.combinations(FEATURES, 2)
+             if not (FEATURES[a].group and FEATURES[a].group == FEATURES[b].group)]
+    return [(n,) for n in FEATURES] + pairs + TRIPLES
+
+
+def write_matrix(results: list, out_dir: str) -> None:
+    """combinations.md (pairs as a matrix, then the triples) and combinations.png (a heatmap)."""
+    by = {r["combination"]: r for r in results}
+    short = {"equal": "ok", "refused": "R", "refused outside the table": "R*", "skipped": "-", "differs": "DIFF",
+             "resume differs": "RESUME", "crashed": "CRASH"}
+    names = list(FEATURES)
+    lines = ["# Combination sweep (benchmarks/combinations.py)", "",
+             "ok: 4 iterations equal one rank (fp32 within 1e-5, bf16 within 2e-2, dropout: resume only) and the "
+             "resume from iteration 2 is bitwise; R: refused by a capability-table rule before any rank starts; "
+             "-: needs more than 4 ranks; DIFF / RESUME / CRASH: a failure. The diagonal is the feature alone.", "",
+             "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for a in names:
+        row = []
+        for b in names:
+            key = a if a == b else next((k for k in (f"{a}+{b}", f"{b}+{a}") if k in by), None)
+            row.append(short.get(by[key]["status"], "?") if key in by else "")
+        lines.append(f"| {a} | " + " | ".join(row) + " |")
+    lines += ["", "## Triples", "", "| combination | ranks | result |", "|---|---|---|"]
+    lines += [f"| {'+'.join(t)} | {by['+'.join(t)]['ranks']} | {by['+'.join(t)]['status']} |" for t in TRIPLES
+              if "+".join(t) in by]
+    refusals = sorted({(r["rule"], r["combination"]) for r in results if r.get("rule")})
+    lines += ["", "## Refusals (rule: combinations)", ""]
+    for rule in sorted({rule for rule, _ in refusals}):
+        lines.append(f"- `{rule}`: " + ", ".join(c for r, c in refusals if r == rule))
+    with open(os.path.join(out_dir, "combinations.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    colors = {"ok": 1.0, "R": 0.6, "R*": 0.4, "-": 0.8, "DIFF": 0.0, "RESUME": 0.1, "CRASH": 0.0, "": float("nan")}
+    grid = []
+    for line in lines[6:6 + len(names)]:
+        grid.append([colors.get(cell.strip(), float("nan")) for cell in line.split("|")[2:-1]])
+    fig, ax = plt.subplots(figsize=(11, 10))
+    ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1)
+    ax.set_xticks(range(len(names)), names, rotation=90)
+    ax.set_yticks(range(len(names)), names)
+    ax.set_title("pairs: green = equal one rank and resumes; yellow = refused by the table; grey = > 4 ranks")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "combinations.png"), dpi=80)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default=None, help="comma-separated combinations (features joined by +)")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    p.add_argument("--quick", action="store_true", help="do not write the matrix")
+    p.add_argument("--timeout", type=float, default=300)
+    a = p.parse_args()
+    from tests.launch_helpers import copy_default_corpus
+    work = tempfile.mkdtemp(prefix="combinations-")
+    data = copy_default_corpus(work)
+    combos = [tuple(c.split("+")) for c in a.only.split(",")] if a.only else all_combinations()
+    results, baselines, start = [], {}, time.time()
+    for names in combos:
+        result = evaluate_combination(names, data, work, baselines, a.timeout)
+        results.append(result)
+        print(json.dumps({k: v for k, v in result.items() if k not in ("losses", "one_rank")}), flush=True)
+    summary = {"combinations": len(results), "seconds": time.time() - start,
+               "by_status": {s: sum(r["status"] == s for r in results) for s in sorted({r["status"] for r in results})}}
+    print(json.dumps(summary), flush=True)
+    if not a.quick:
+        write_matrix(results, a.out)
+        with open(os.path.join(a.out, "combinations.json"), "w") as f:
+            json.dump({"summary": summary, "results": results}, f, indent=1)
+    from tests.rank_pool import close_pools
+    close_pools()
+    return 0 if all(r["status"] in ("equal", "refused", "skipped") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
