@@ -243,6 +243,11 @@ def write_matrix(results: list, out_dir: str) -> None:
     lines += ["", "## Refusals (rule: combinations)", ""]
     for rule in sorted({rule for rule, _ in refusals}):
         lines.append(f"- `{rule}`: " + ", ".join(c for r, c in refusals if r == rule))
+    reruns = [r for r in results if "rerun_of" in r]
+    if reruns:
+        lines += ["", "## Cells run again (--rerun-failed)", ""]
+        lines += [f"- {r['combination']}: {r['status']} in {r['seconds']:.0f} s; first {r['rerun_of']['status']} after "
+                  f"{r['rerun_of'].get('seconds', 0):.0f} s ({r['rerun_of'].get('error', '')[-120:]!r})" for r in reruns]
     with open(os.path.join(out_dir, "combinations.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
@@ -270,18 +275,33 @@ def main() -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--quick", action="store_true", help="do not write the matrix")
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--rerun-failed", action="store_true",
+                   help="run again only the failed cells of --out's combinations.json and rewrite the matrix")
     a = p.parse_args()
     from tests.launch_helpers import copy_default_corpus
     work = tempfile.mkdtemp(prefix="combinations-")
     data = copy_default_corpus(work)
     combos = [tuple(c.split("+")) for c in a.only.split(",")] if a.only else all_combinations()
+    earlier = {}
+    if a.rerun_failed:  # the earlier sweep's cells, its failures run again (each says it was rerun)
+        with open(os.path.join(a.out, "combinations.json")) as f:
+            saved = json.load(f)
+        earlier = {r["combination"]: r for r in saved["results"]}
     results, baselines, start = [], {}, time.time()
     for names in combos:
+        before = earlier.get("+".join(names))
+        if before is not None and before["status"] in ("equal", "refused", "skipped"):
+            results.append(before)
+            continue
         result = evaluate_combination(names, data, work, baselines, a.timeout)
+        if before is not None:
+            result["rerun_of"] = {k: v for k, v in before.items() if k in ("status", "error", "seconds")}
         results.append(result)
         print(json.dumps({k: v for k, v in result.items() if k not in ("losses", "one_rank")}), flush=True)
     summary = {"combinations": len(results), "seconds": time.time() - start,
                "by_status": {s: sum(r["status"] == s for r in results) for s in sorted({r["status"] for r in results})}}
+    if earlier:
+        summary["sweep_seconds"] = saved["summary"].get("sweep_seconds", saved["summary"]["seconds"])
     print(json.dumps(summary), flush=True)
     if not a.quick:
         write_matrix(results, a.out)

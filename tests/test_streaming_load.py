@@ -97,3 +97,87 @@ def test_each_rank_reads_only_its_stage_and_its_experts(pp, ep, tmp_path):
         else:  # 4 experts over 2 EP ranks
             assert experts == ({0, 1} if r["ep_rank"] == 0 else {2, 3})
         assert len(r["read"]) == len(set(r["read"])), "a tensor was read twice"
+
+
+@pytest.mark.slow
+def test_finetune_load_of_a_hybrid_checkpoint_adds_about_one_layer_to_the_peak_not_the_model(tmp_path):
+    """--finetune (and any weights-only load) reads a hybrid checkpoint a part at a time, memory-mapped,
+    in the file's dtype, at any storage; the weights are the whole-model reader's."""
+    from hybrid.checkpoint.client_state import ClientState
+    from hybrid.conversion.checkpoint_util import main as convert
+    from hybrid.conversion.layout import hybrid_parts, load_parts, read_hybrid
+    from hybrid.model.gpt import GPTModel
+    from hybrid.model.naming import canonical_parameters
+    from hybrid.parallel.groups import ParallelGroups
+    params = _llama(tmp_path / "hf", layers=16, hidden=576)  # 12 heads of 48
+    assert convert(["--loader", "hf", "--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "tp2"),
+                    "--target-tensor-parallel-size", "2", "--no-progress-bar"]) == 0
+    want, meta = read_hybrid(str(tmp_path / "tp2"))
+    config = ClientState.from_meta(meta).model_config()
+    model = GPTModel(config, ParallelGroups.single())
+    names = set(canonical_parameters(model, config.num_layers))
+    layer_fp32 = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0.")) * 4
+    embedding_fp32 = config.vocab_size * config.hidden_size * 4
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _resident("VmRSS:")
+    load_parts(model, hybrid_parts(str(tmp_path / "tp2"), None, config, names), config, ParallelGroups.single())
+    added = _resident("VmHWM:") - before
+    whole_fp32 = params * 4  # the files are fp32 (conversion writes what it read, in fp32)
+    # the largest part: the two [vocab, h] tables, their TP 2 shards joined; a layer's shards and join
+    assert added < 2 * 2 * embedding_fp32 + 3 * layer_fp32 + (16 << 20), (added, layer_fp32, embedding_fp32)
+    assert added < 0.4 * whole_fp32, (added, whole_fp32)
+    for name, param in canonical_parameters(model, config.num_layers).items():
+        torch.testing.assert_close(param[: want[name].size(0)], want[name], rtol=0, atol=0, msg=name)
+
+
+def _benchmarks():
+    """benchmarks/combinations.py, importable here and on pool ranks started before this test."""
+    import os
+    import sys
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    import combinations
+    return combinations
+
+
+def _save_tiny(save, names, data):
+    combinations = _benchmarks()
+    from hybrid.training.run import run_training
+    argv = combinations._tiny(data, save) + combinations._flags(names)
+    argv[argv.index("--train-iters") + 1] = "2"
+    assert run_training(argv) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("names", [("tp2",), ("tp2_sp", "pp2"), ("pp2_interleaved",), ("ep2",), ("ep2", "pp2")],
+                         ids=["plain_tp2", "layer_files_tp2_pp2", "virtual_stages", "experts", "experts_pp2"])
+def test_parts_of_every_checkpoint_storage_are_the_whole_readers_tensors(names, tmp_path):
+    """hybrid_parts, at each way DeepSpeed and the torch schedules store weights (module files, layer
+    files, virtual stages, MoE expert files), gives every tensor of read_hybrid exactly, each in one
+    part, the embeddings first and then each layer's in order; asked for a subset it reads only that."""
+    combinations = _benchmarks()
+    from tests.launch_helpers import copy_default_corpus
+    from tests.rank_pool import run_on_ranks
+    from hybrid.checkpoint.client_state import ClientState
+    from hybrid.conversion.layout import hybrid_parts, read_hybrid
+    data = copy_default_corpus(str(tmp_path))
+    save = str(tmp_path / "ckpt")
+    run_on_ranks(_save_tiny, combinations._world(names), save, names, data)
+    want, meta = read_hybrid(save)
+    config = ClientState.from_meta(meta).model_config()
+    parts = list(hybrid_parts(save, None, config, set(want)))
+    got = {}
+    for part in parts:
+        assert not set(part) & set(got), "a tensor in two parts"
+        got.update(part)
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], want[name]), name
+    layers = [sorted({int(n.split(".")[1]) for n in p if n.startswith("layers.")}) for p in parts]
+    assert layers == [[]] + [[i] for i in range(config.num_layers)]
+    one = {n for n in want if n.startswith("layers.1.")}
+    assert [set(p) for p in hybrid_parts(save, None, config, one)] == [one]

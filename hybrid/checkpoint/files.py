@@ -85,11 +85,12 @@ def layer_file(index: int, tp_rank: int) -> str:
     return f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt"
 
 
-def load_file(path: str) -> dict:
-    """One DeepSpeed checkpoint file (hybrid.safe_loading.safe_load), or a clear error when it is missing."""
+def load_file(path: str, mmap: bool = False) -> dict:
+    """One DeepSpeed checkpoint file (hybrid.safe_loading.safe_load; `mmap`: its tensors read when used),
+    or a clear error when it is missing."""
     if not os.path.isfile(path):
         raise ConfigError(f"checkpoint file {path} is missing; the checkpoint is incomplete.")
-    return safe_load(path)
+    return safe_load(path, mmap=mmap)
 
 
 def first_model_file(ckpt: str) -> str:

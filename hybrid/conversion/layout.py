@@ -12,7 +12,7 @@ from __future__ import annotations
 import glob
 import os
 import re
-from typing import Optional
+from typing import Iterator, Optional
 
 import deepspeed
 import torch
@@ -26,10 +26,10 @@ from hybrid.checkpoint.tp_layout import tp_layout
 from hybrid.conversion.ds_universal import read_fp32_state
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
-from hybrid.model.naming import EMBEDDING_WEIGHT, canonical_name, canonical_parameters, pipeline_index
+from hybrid.model.naming import EMBEDDING_WEIGHT, EXPERTS, canonical_name, canonical_parameters, pipeline_index
 from hybrid.parallel.layers import shard, unshard
 
-__all__ = ["read_hybrid", "write_hybrid", "shard_for_rank", "partition_rule", "load_full_state", "resolve_tag",
+__all__ = ["read_hybrid", "hybrid_parts", "write_hybrid", "shard_for_rank", "partition_rule", "load_full_state", "resolve_tag",
            "check_target_layout"]
 
 
@@ -50,9 +50,9 @@ def partition_rule(name: str, config: ModelConfig) -> Optional[tuple[int, int]]:
     return None if rule.dim is None else (rule.dim, rule.stride)
 
 
-def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tuple[dict, dict]:
-    """-> (canonical full fp32 state dict with padded vocab rows removed, rank 0's model-states file
-    without its weights). How the weights are stored comes from the recorded client state."""
+def _open_checkpoint(load_dir: str, tag: Optional[str]) -> tuple[str, dict, ClientState]:
+    """(the checkpoint's directory, rank 0's model-states file without its weights, its client state),
+    after the manifest says every file is there."""
     tag = resolve_tag(load_dir, tag)
     ckpt = os.path.join(load_dir, tag)
     if not os.path.isdir(ckpt):
@@ -60,62 +60,116 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
     problem = verify_manifest(ckpt)
     if problem is not None:
         raise ConfigError(f"checkpoint {ckpt} is incomplete: {problem}.")
-    meta = load_file(first_model_file(ckpt))
+    meta = load_file(first_model_file(ckpt), mmap=True)
     meta.pop("module", None)
     saved = ClientState.from_meta(meta)
     if not saved.model:
         raise ConfigError(f"{ckpt}: the checkpoint records no model; it was not written by hybrid.")
+    return ckpt, meta, saved
+
+
+def hybrid_parts(load_dir: str, tag: Optional[str], config: ModelConfig, wanted: set) -> Iterator[dict]:
+    """The canonical tensors of `wanted` (this rank's parameters) from a hybrid checkpoint of any TP x PP,
+    one part at a time in the file's dtype: the embeddings, final norm and head, then each transformer
+    layer (of an MoE layer, the experts asked for), TP shards joined, vocabulary padding removed. Files
+    are memory-mapped and opened again for each part, so a part's pages leave the resident set with it
+    (for --finetune: loading adds about one layer, not the model; `load_parts` takes the parts).
+    ZeRO-3 checkpoints are read whole (DeepSpeed's zero_to_fp32 consolidates all partitions at once)."""
+    ckpt, _, saved = _open_checkpoint(load_dir, tag)
+    if saved.storage == "zero3":
+        state, _ = read_hybrid(load_dir, tag)
+        yield {name: state.pop(name) for name in wanted if name in state}
+        return
+    where = _locate(ckpt, saved, config, wanted)
+    missing = sorted(wanted - set(where))
+    if missing:
+        raise ConfigError(f"--load {load_dir}: the checkpoint lacks {missing[:5]} (a different model shape?).")
+    layer_of = {name: int(name.split(".")[1]) if name.startswith("layers.") else -1 for name in where}
+    for layer in sorted(set(layer_of.values())):
+        part = _read_shards({name: where[name] for name in where if layer_of[name] == layer})
+        part = merge_shards(part, config, saved.layout.tensor_parallel, ckpt, dtype=None)
+        yield part
+        del part
+
+
+def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tuple[dict, dict]:
+    """-> (canonical full fp32 state dict with padded vocab rows removed, rank 0's model-states file
+    without its weights). How the weights are stored comes from the recorded client state."""
+    ckpt, meta, saved = _open_checkpoint(load_dir, tag)
     config = saved.model_config()
-    tp, pp = saved.layout.tensor_parallel, saved.layout.pipeline_parallel
-    shards: dict[str, dict[int, torch.Tensor]] = {}
-    if saved.storage == "virtual_stages":
-        # torch.distributed.pipelining schedules: one model file per TP x PP rank, parameters under
-        # canonical names; a tied table's second copy is the embedding's
-        expected = set(tp_layout(config))
-        for stage in range(pp):
-            for tp_rank in range(tp):
-                module = load_file(os.path.join(ckpt, model_file(tp_rank, stage, tp)))["module"]
-                for name, value in module.items():
-                    if name in expected:
-                        shards.setdefault(name, {})[tp_rank] = value
-    elif saved.storage == "layer_files":
-        for path in sorted(glob.glob(os.path.join(ckpt, "layer_*-model_*-model_states.pt"))):
-            index, tp_rank = map(int, re.search(r"layer_(\d+)-model_(\d+)-", os.path.basename(path)).groups())
-            for key, value in load_file(path).items():
-                name = canonical_name(f"{index}.{key}", config.num_layers)
-                if name is not None:
-                    shards.setdefault(name, {})[tp_rank] = value
-    elif saved.storage == "zero3":
+    tp = saved.layout.tensor_parallel
+    if saved.storage == "zero3":
         if tp > 1:  # DeepSpeed's zero_to_fp32 handles TP = 1 only; its ds_to_universal merges TP too
             full = read_fp32_state(ckpt, config)
         else:
             full = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag)
         shards = {name: {0: value} for name, value in full.items()}
     else:
-        for tp_rank in range(tp):
-            module = load_file(os.path.join(ckpt, model_file(tp_rank)))["module"]
-            for name, value in module.items():
-                shards.setdefault(name, {})[tp_rank] = value
-    if config.num_experts:
-        _read_expert_files(ckpt, config, shards)
+        shards = _read_shards(_locate(ckpt, saved, config, set(tp_layout(config))))
     return merge_shards(shards, config, tp, ckpt, progress), meta
 
 
-def _read_expert_files(ckpt: str, config: ModelConfig, shards: dict) -> None:
-    """DeepSpeed's MoE checkpoints keep each expert in `layer_{l}_expert_{e}_mp_rank_XX_model_states.pt`
-    (keys with the global expert index; experts are replicated over TP, so one TP rank's file is read).
-    Conversion's weights-only checkpoints have none: their experts are in the module files."""
-    paths = sorted(glob.glob(os.path.join(ckpt, "layer_*_expert_*_mp_rank_*_model_states.pt")))
-    seen = set()  # the expert files are what counts (a pipeline's layer files hold one EP rank's experts)
-    for path in paths:
-        for key, value in load_file(path).items():
-            name = canonical_name(key, config.num_layers)
-            if name is not None and name not in seen:
-                shards[name], _ = {0: value}, seen.add(name)
+def _locate(ckpt: str, saved: ClientState, config: ModelConfig, wanted: set) -> dict:
+    """{canonical name in `wanted`: [(file, key, TP rank)]}: where each tensor of the checkpoint is (its
+    files opened memory-mapped, to read their keys)."""
+    where: dict[str, list] = {}
+    for path, tp_rank, to_canonical in _weight_files(ckpt, saved, config):
+        for key in _tensors(path):
+            name = to_canonical(key)
+            # an expert is whole in each file holding it (replicated over TP): its first file counts
+            if name in wanted and not (EXPERTS in name and name in where):
+                where.setdefault(name, []).append((path, key, tp_rank))
+    return where
 
 
-def merge_shards(shards: dict, config: ModelConfig, tp: int, ckpt: str = "", progress=None) -> dict:
-    """{canonical name: {tp_rank: shard}} -> full fp32 tensors, vocabulary padding removed."""
+def _read_shards(where: dict) -> dict:
+    """{name: {TP rank: tensor}} of the located tensors, each file opened (memory-mapped) once."""
+    opened: dict[str, dict] = {}
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    for name, places in where.items():
+        for path, key, tp_rank in places:
+            if path not in opened:
+                opened[path] = _tensors(path)
+            shards.setdefault(name, {})[tp_rank] = opened[path][key]
+    return shards
+
+
+def _weight_files(ckpt: str, saved: ClientState, config: ModelConfig) -> list:
+    """[(file, its TP rank, key -> canonical name or None)] of a checkpoint's weights: DeepSpeed's MoE
+    expert files first (`layer_{l}_expert_{e}_mp_rank_XX_model_states.pt`, keys with the global expert
+    index, every expert), then the dense weights as stored: `mp_rank_XX` module files (PP = 1), per-layer
+    `layer_NN-model_TT` files (PP > 1; with MoE, DeepSpeed's engine writes one module file per model-
+    parallel rank, stage-major, under the pipeline's names instead), or one file per TP x PP rank (the
+    torch schedules' virtual stages, canonical names). Conversion's weights-only checkpoints keep their
+    experts in the module files."""
+    tp, pp = saved.layout.tensor_parallel, saved.layout.pipeline_parallel
+    names = lambda key: canonical_name(key, config.num_layers)  # noqa: E731
+    files = [(path, 0, names) for path in
+             sorted(glob.glob(os.path.join(ckpt, "layer_*_expert_*_mp_rank_*_model_states.pt")))]
+    layer_files = sorted(glob.glob(os.path.join(ckpt, "layer_*-model_*-model_states.pt")))
+    if saved.storage == "virtual_stages":
+        files += [(os.path.join(ckpt, model_file(t, stage, tp)), t, names) for stage in range(pp) for t in range(tp)]
+    elif saved.storage == "layer_files" and layer_files:
+        for path in layer_files:
+            index, tp_rank = map(int, re.search(r"layer_(\d+)-model_(\d+)-", os.path.basename(path)).groups())
+            files.append((path, tp_rank, lambda key, i=index: canonical_name(f"{i}.{key}", config.num_layers)))
+    elif saved.storage == "layer_files":
+        files += [(os.path.join(ckpt, model_file(m)), m % tp, names) for m in range(tp * pp)]
+    else:
+        files += [(os.path.join(ckpt, model_file(t)), t, names) for t in range(tp)]
+    return files
+
+
+def _tensors(path: str) -> dict:
+    """A checkpoint file's weights by key, memory-mapped (a module file's `module`, or a layer file)."""
+    content = load_file(path, mmap=True)
+    return content["module"] if isinstance(content.get("module"), dict) else content
+
+
+def merge_shards(shards: dict, config: ModelConfig, tp: int, ckpt: str = "", progress=None,
+                 dtype: Optional[torch.dtype] = torch.float32) -> dict:
+    """{canonical name: {tp_rank: shard}} -> full tensors (fp32 copies; `dtype=None`: the shards' dtype,
+    a lone shard as it is), vocabulary padding removed."""
     state = {}
     layout = tp_layout(config)
     names = sorted(n for n in shards if n in layout)  # parameters (buffers such as a router's score bias stay out)
@@ -131,7 +185,7 @@ def merge_shards(shards: dict, config: ModelConfig, tp: int, ckpt: str = "", pro
             tensor = pieces[0]
         if layout[name].vocab_padded:
             tensor = tensor[: config.vocab_size]
-        state[name] = tensor.float().clone()
+        state[name] = tensor if dtype is None else tensor.to(dtype).clone()
     return state
 
 

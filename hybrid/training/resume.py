@@ -15,7 +15,7 @@ from hybrid.checkpoint.files import LATEST, LATEST_UNIVERSAL, first_model_file, 
 from hybrid.checkpoint.manifest import complete_tags, verify_manifest
 from hybrid.config import RunConfig
 from hybrid.conversion.hf import hf_parts
-from hybrid.conversion.layout import load_full_state, load_parts, read_hybrid
+from hybrid.conversion.layout import hybrid_parts, load_parts
 from hybrid.errors import ConfigError
 from hybrid.model.naming import canonical_name, canonical_parameters
 from hybrid.parallel.random import set_rng_states
@@ -220,8 +220,8 @@ def _restore_score_biases(engine, universal_dir: str, num_layers: int) -> None:
 def _load_weights_only(engine, run: RunConfig, groups, load_dir: str, tag: str,
                        saved: ClientState) -> tuple[int, int]:
     """--finetune, or a converted checkpoint: weights from any layout, fresh optimizer and schedule."""
-    state, _ = read_hybrid(load_dir, tag)
-    load_full_state(engine.module, state, run.model, groups)
+    wanted = set(canonical_parameters(engine.module, run.model.num_layers))
+    load_parts(engine.module, hybrid_parts(load_dir, tag, run.model, wanted), run.model, groups)
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights
     if run.checkpoint.finetune:
