@@ -15,6 +15,17 @@ def _resident(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
 
 
+def _peak_added(load) -> int:
+    """Bytes `load()` adds to this process's peak resident memory (VmHWM restarted from the current size)."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) restarts from the current resident size
+    before = _resident("VmRSS:")
+    load()
+    return _resident("VmHWM:") - before
+
+
 def _llama(path, layers=8, hidden=768, vocab=8192, **fields):
     import transformers
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2048,
@@ -41,13 +52,8 @@ def test_load_hf_adds_about_one_layer_to_the_peak_not_the_model(tmp_path):
     names = set(canonical_parameters(model, config.num_layers))
     layer_bf16 = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0.")) * 2
     embedding_bf16 = config.vocab_size * config.hidden_size * 2
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak (VmHWM) restarts from the current resident size
-    before = _resident("VmRSS:")
-    load_parts(model, hf_parts(str(tmp_path / "hf"), config, names), config, ParallelGroups.single())
-    added = _resident("VmHWM:") - before
+    added = _peak_added(lambda: load_parts(model, hf_parts(str(tmp_path / "hf"), config, names), config,
+                                           ParallelGroups.single()))
     whole_fp32 = params * 4  # what reading the whole model in fp32 first would hold
     # the largest part is the embeddings and head (two [vocab, h] tables); a layer's read and fused copies
     assert added < 2 * embedding_bf16 + 3 * layer_bf16 + (32 << 20), (added, layer_bf16, embedding_bf16)
@@ -118,13 +124,8 @@ def test_finetune_load_of_a_hybrid_checkpoint_adds_about_one_layer_to_the_peak_n
     names = set(canonical_parameters(model, config.num_layers))
     layer_fp32 = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0.")) * 4
     embedding_fp32 = config.vocab_size * config.hidden_size * 4
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _resident("VmRSS:")
-    load_parts(model, hybrid_parts(str(tmp_path / "tp2"), None, config, names), config, ParallelGroups.single())
-    added = _resident("VmHWM:") - before
+    added = _peak_added(lambda: load_parts(model, hybrid_parts(str(tmp_path / "tp2"), None, config, names), config,
+                                           ParallelGroups.single()))
     whole_fp32 = params * 4  # the files are fp32 (conversion writes what it read, in fp32)
     # the largest part: the two [vocab, h] tables, their TP 2 shards joined; a layer's shards and join
     assert added < 2 * 2 * embedding_fp32 + 3 * layer_fp32 + (16 << 20), (added, layer_fp32, embedding_fp32)
