@@ -32,6 +32,7 @@ from hybrid.model.build import build_model
 from hybrid.parallel.dims import ParallelDims
 from hybrid.parallel.groups import build_groups
 from hybrid.pipeline_plan import PipelineSchedule
+from hybrid.conversion.megatron import iteration_dir, open_megatron
 from hybrid.safe_loading import install_safe_torch_load
 
 
@@ -48,6 +49,11 @@ def build_parser():
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism at TP > 1")
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="split an MoE checkpoint's experts over this many data-parallel ranks")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=None,
+                   help="with a Megatron-LM checkpoint: the TP to evaluate at (default: the one it was saved at); a "
+                        "hybrid checkpoint is evaluated at its own")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=None,
+                   help="with a Megatron-LM checkpoint: the PP to evaluate at (default: the one it was saved at)")
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None)
     return p
 
@@ -69,13 +75,21 @@ def stream_windows(prefix: str, seq_length: int, count: int) -> np.ndarray:
 def evaluate(args) -> dict:
     if len(args.data_path) != 1:
         raise ConfigError("--data-path: evaluate.py takes one dataset prefix (no blend weights).")
-    if not os.path.isdir(args.load) or read_tag(args.load) is None:
-        raise ConfigError(f"--load {args.load}: no hybrid checkpoint there (no 'latest' file).")
-    saved = read_client_state(args.load, read_tag(args.load))
-    config = saved.model_config()
+    megatron = open_megatron(args.load) if iteration_dir(args.load) is not None else None
+    if megatron is None and (not os.path.isdir(args.load) or read_tag(args.load) is None):
+        raise ConfigError(f"--load {args.load}: no hybrid checkpoint there (no 'latest' file) and no Megatron-LM "
+                          f"checkpoint (no latest_checkpointed_iteration.txt).")
+    if megatron is not None:  # the model its args describe, at the TP x PP asked for (default: its own)
+        config = megatron.config()
+        tp = args.tensor_model_parallel_size or int(getattr(megatron.args, "tensor_model_parallel_size", 1) or 1)
+        pp = args.pipeline_model_parallel_size or int(getattr(megatron.args, "pipeline_model_parallel_size", 1) or 1)
+        config.validate(tp)
+    else:
+        saved = read_client_state(args.load, read_tag(args.load))
+        config = saved.model_config()
+        tp, pp = saved.layout.tensor_parallel, saved.layout.pipeline_parallel
     config.hidden_dropout = config.attention_dropout = 0.0
     config.recompute_granularity = None
-    tp, pp = saved.layout.tensor_parallel, saved.layout.pipeline_parallel
     config.sequence_parallel = args.sequence_parallel and tp > 1
     check(Setup(tp=tp, experts=bool(config.num_experts), sequence_parallel=config.sequence_parallel),
           only=("moe-tp-without-sp",))
@@ -97,7 +111,7 @@ def evaluate(args) -> dict:
     windows = torch.from_numpy(stream_windows(args.data_path[0], args.seq_length,
                                               args.eval_iters * args.micro_batch_size))
     groups = build_groups(dims, experts=bool(config.num_experts))
-    state, _ = read_hybrid(args.load)
+    state = megatron.state(config) if megatron is not None else read_hybrid(args.load)[0]
     mine = [windows[k * args.micro_batch_size:(k + 1) * args.micro_batch_size]
             for k in range(args.eval_iters) if k % dp == groups.dp.rank]
     batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in mine]  # every position counts

@@ -14,6 +14,7 @@ module, and it imports nothing of hybrid's but the error type.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import pickle
@@ -35,6 +36,28 @@ SAFE_CHECKPOINT_CLASSES = (
     "deepspeed.utils.tensor_fragment.fragment_address",
 )
 
+# Megatron-LM checkpoints store its run's arguments (an argparse.Namespace: BUILD only sets attributes) whose
+# values include a few of megatron-core's enums (--attention-backend, ...): each is rebuilt as MegatronEnum,
+# a plain record of its name and value, so megatron-core need not be importable and none of its code runs.
+MEGATRON_ENUMS = (
+    "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.AttnMaskType",
+    "megatron.core.transformer.enums.CudaGraphScope",
+    "megatron.core.enums.ModelType",
+    "megatron.core.enums.Fp8Recipe",
+)
+
+
+class MegatronEnum:
+    """A megatron-core enum member read from a checkpoint's args: `value` (and the class's name)."""
+
+    def __init__(self, value=None):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"MegatronEnum({self.value!r})"
+
+
 UNSAFE_FLAG = "--allow-unsafe-checkpoint-load"  # restores full unpickling, for files one trusts
 _LOADS = {"unsafe": False}  # this process's choice (set once by the entry point)
 _ORIGINAL_TORCH_LOAD = torch.load
@@ -46,7 +69,7 @@ class UnsafeCheckpointError(ConfigError):
 
 def safe_checkpoint_classes() -> list:
     """The allow-listed classes, imported by name (DeepSpeed's, so the import waits until a load)."""
-    classes = []
+    classes = [argparse.Namespace, *((MegatronEnum, name) for name in MEGATRON_ENUMS)]
     for path in SAFE_CHECKPOINT_CLASSES:
         module, _, name = path.rpartition(".")
         classes.append(getattr(importlib.import_module(module), name))
@@ -82,6 +105,42 @@ def safe_load(path, mmap: bool = False):
         return _ORIGINAL_TORCH_LOAD(path, map_location="cpu", weights_only=not unsafe_loads_allowed(), mmap=mmap)
     except pickle.UnpicklingError as error:
         raise refusal(path, error) from None
+
+
+# What torch.distributed.checkpoint's `.metadata` pickle holds (torch 2.13; megatron-core's torch_dist adds
+# only its save plans): torch reads that file with a plain pickle.load, so hybrid reads it with this allow-list
+_DCP_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
+                                              "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex",
+                                              "_MEM_FORMAT_ENCODING", "StorageMeta"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    # megatron-core keeps its save plans in the metadata's planner_data (dataclasses of names and shapes)
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size", "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8",
+              "bool", "float8_e4m3fn", "float8_e5m2"},
+    "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath", "PurePosixPath"},  # torch's own writer records the checkpoint's path
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if name in _DCP_METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+
+
+def load_dcp_metadata(path: str):
+    """A torch.distributed.checkpoint `.metadata` file (its tensor shapes, chunks and where each chunk's bytes
+    are), unpickled with the allow-list above: no code from the file runs."""
+    with open(path, "rb") as f:
+        if unsafe_loads_allowed():
+            return pickle.load(f)
+        try:
+            return _MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as error:
+            raise refusal(path, error) from None
 
 
 def install_safe_torch_load(allow_unsafe: bool = False) -> None:

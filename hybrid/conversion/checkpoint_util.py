@@ -17,6 +17,8 @@ from tqdm import tqdm
 from hybrid.checkpoint.client_state import ClientState
 from hybrid.conversion.hf import read_hf_dir, write_hf_dir
 from hybrid.conversion.layout import check_target_layout, read_hybrid, resolve_tag, write_hybrid
+from hybrid.conversion.megatron import megatron_run_args, open_megatron
+from hybrid.conversion.megatron_write import write_megatron
 from hybrid.conversion.universal import to_universal
 from hybrid.data.tokenizer import GPT2BPETokenizer, HFTokenizer
 from hybrid.errors import ConfigError
@@ -29,13 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
                 allow_abbrev=False)
     p.add_argument("--model-type", default="GPT", choices=["GPT"])
     p.add_argument("--loader", default="hybrid", type=_format_alias,
-                   choices=["hybrid", "hf"],
-                   help="hybrid (aliases megatron, mcore, core, legacy): a launch/train.py checkpoint; "
-                        "hf (aliases llama_mistral, llama2_hf, loader_llama2_hf): a transformers directory")
-    p.add_argument("--saver", default="hybrid", type=_format_alias, choices=["hybrid", "hf", "universal"],
+                   choices=["hybrid", "hf", "megatron"],
+                   help="hybrid: a launch/train.py checkpoint; megatron (aliases mcore, core, legacy): a Megatron-LM "
+                        "checkpoint, --ckpt-format torch or torch_dist, any TP/PP; hf (aliases llama_mistral, "
+                        "llama2_hf, loader_llama2_hf): a transformers directory")
+    p.add_argument("--saver", default="hybrid", type=_format_alias, choices=["hybrid", "hf", "universal", "megatron"],
                    help="hybrid: weights at --target-*-parallel-size; hf: a transformers directory; universal: "
                         "DeepSpeed's universal checkpoint of --load-dir's last checkpoint, written beside it (with "
-                        "optimizer state; launch/train.py --load DIR --universal-checkpoint resumes it at any layout)")
+                        "optimizer state; launch/train.py --load DIR --universal-checkpoint resumes it at any layout); "
+                        "megatron: a Megatron-LM checkpoint (--ckpt-format torch) at --target-*")
+    p.add_argument("--ckpt-format", default="torch", choices=["torch", "torch_dist"],
+                   help="with --saver megatron: the legacy per-rank files (torch_dist is read, not written yet)")
+    p.add_argument("--true-vocab-size", type=int, default=None,
+                   help="with --loader megatron: the tokenizer's vocabulary; the embedding's padding rows beyond it "
+                        "are dropped (default: every row the checkpoint has, as Megatron's logits have)")
     p.add_argument("--checkpoint-type", default=None, choices=["hf", "meta"],
                    help="with a Llama loader: hf (a transformers directory); meta (raw weights) is refused")
     p.add_argument("--model-size", default=None, help="accepted: the model's shape is read from its config")
@@ -65,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _format_alias(value: str) -> str:
     """Megatron-LM's loader/saver names -> ours."""
     if value in ("megatron", "mcore", "core", "legacy"):
-        return "hybrid"
+        return "megatron"
     if value in ("llama_mistral", "llama2_hf", "loader_llama2_hf", "llama2"):
         return "hf"
     return value
@@ -91,7 +100,7 @@ def _tokenizer(args, saved_args: dict):
         return HFTokenizer(model_dir).to_transformers()
     if vocab and merges:
         return GPT2BPETokenizer(vocab, merges).to_transformers()
-    if not saved_args:
+    if not saved_args or saved_args.get("tokenizer_type") == "NullTokenizer":
         return None
     from hybrid.data import default as default_data  # the run trained with the embedded tokenizer
     return GPT2BPETokenizer(str(default_data.VOCAB), str(default_data.MERGES)).to_transformers()
@@ -113,6 +122,12 @@ def convert(args) -> str:
     if loader == "hf":
         state, config, _ = read_hf_dir(args.load_dir, _progress(show, "shards"))
         client_state = ClientState()
+    elif loader == "megatron":
+        source = open_megatron(args.load_dir, "--load-dir")
+        config = source.config(args.true_vocab_size)
+        state = source.state(config)
+        client_state = ClientState(iteration=source.iteration, consumed_samples=source.consumed_samples,
+                                   args=megatron_run_args(source.args))
     else:
         state, meta = read_hybrid(args.load_dir, progress=_progress(show, "reading"))
         saved = ClientState.from_meta(meta)
@@ -126,6 +141,9 @@ def convert(args) -> str:
         write_hf_dir(state, config, args.save_dir, tokenizer, args.max_shard_size, _progress(show, "writing"))
         return f"wrote HuggingFace model to {args.save_dir}"
     check_target_layout(config, tp, pp)
+    if saver == "megatron":
+        write_megatron(state, config, tp, pp, args.save_dir, client_state, args.ckpt_format, args.transformer_impl)
+        return f"wrote Megatron-LM checkpoint (--ckpt-format {args.ckpt_format}, TP={tp}, PP={pp}) to {args.save_dir}"
     write_hybrid(state, config, tp, pp, args.save_dir, client_state, _progress(show, "writing"))
     return f"wrote hybrid checkpoint (TP={tp}, PP={pp}) to {args.save_dir}"
 

@@ -16,6 +16,7 @@ from hybrid.checkpoint.manifest import complete_tags, verify_manifest
 from hybrid.config import RunConfig
 from hybrid.conversion.hf import hf_parts
 from hybrid.conversion.layout import hybrid_parts, load_parts
+from hybrid.conversion.megatron import iteration_dir, open_megatron
 from hybrid.errors import ConfigError
 from hybrid.model.naming import canonical_name, canonical_parameters
 from hybrid.parallel.random import set_rng_states
@@ -77,6 +78,8 @@ def load(engine, run: RunConfig, groups) -> tuple[int, int]:
     if not os.path.isdir(load_dir) and os.path.abspath(load_dir) != os.path.abspath(c.save or ""):
         raise ConfigError(f"--load {load_dir}: no such directory.")
     tag = latest_tag(load_dir) if os.path.isdir(load_dir) else None
+    if tag is None and iteration_dir(load_dir) is not None:
+        return _load_megatron(engine, run, groups, load_dir)
     if tag is None:
         if c.finetune:
             raise ConfigError(f"--load {load_dir} --finetune: no checkpoint there (no '{LATEST}' file).")
@@ -215,6 +218,31 @@ def _restore_score_biases(engine, universal_dir: str, num_layers: int) -> None:
         for name, buffer in engine.module.named_buffers():
             if name.endswith("router.score_bias"):
                 buffer.copy_(saved[canonical_name(name, num_layers)])
+
+
+def _load_megatron(engine, run: RunConfig, groups, load_dir: str) -> tuple[int, int]:
+    """A Megatron-LM checkpoint (either format, any TP x PP): its weights, resharded for this rank as they
+    are read (a layer at a time); its iteration, consumed samples and the LR schedule's position (Megatron's
+    scheduler counts samples) unless --finetune. Megatron's optimizer state is not mapped into DeepSpeed's:
+    Adam starts fresh, and the log says so."""
+    source = open_megatron(load_dir)
+    wanted = set(canonical_parameters(engine.module, run.model.num_layers))
+    load_parts(engine.module, source.parts(run.model, wanted), run.model, groups)
+    if hasattr(engine.optimizer, "refresh_fp32_params"):
+        engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights
+    what = f"Megatron-LM checkpoint {source.directory} (--ckpt-format {source.format})"
+    if run.checkpoint.finetune:
+        log(f"loaded the weights of the {what} for fine-tuning; optimizer, schedule and iteration start fresh")
+        return 0, 0
+    iteration, consumed = source.iteration, source.consumed_samples
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None and hasattr(scheduler, "set_position"):
+        scheduler.set_position(consumed * (run.training.seq_length if scheduler.unit == "tokens" else 1))
+    stored = "its optimizer state is not mapped into DeepSpeed's (Adam starts fresh)" if source.has_optimizer \
+        else "it holds no optimizer state (Adam starts fresh)"
+    log(f"loaded the weights of the {what} at iteration {iteration} ({consumed} consumed samples); the LR schedule "
+        f"continues from there; {stored}")
+    return iteration, consumed
 
 
 def _load_weights_only(engine, run: RunConfig, groups, load_dir: str, tag: str,

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from hybrid.config import RunConfig, build_run_config, tokenizer_kwargs
 from hybrid.conversion.hf import read_hf_config
+from hybrid.conversion.megatron import ARCHITECTURE_FLAGS, contradictions, iteration_dir, open_megatron
 from hybrid.data.tokenizer import build_tokenizer
 from hybrid.errors import ConfigError
 from hybrid.flags import build_parser
@@ -39,6 +40,8 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     install_safe_torch_load(args.allow_unsafe_checkpoint_load)  # before anything reads a file
     base_model = None
+    if args.load and not args.load_hf and iteration_dir(args.load) is not None:
+        base_model = megatron_base_model(args)
     if args.load_hf:  # the architecture and tokenizer of a HuggingFace model
         base_model = read_hf_config(args.load_hf, "--load-hf")
         if args.tokenizer_type is None and not args.vocab_file:
@@ -59,6 +62,19 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     if not resume.already_finished(run):
         _train(run, args, tokenizer)
     return finish(run)
+
+
+def megatron_base_model(args):
+    """--load names a Megatron-LM checkpoint: the model its stored args describe (as Megatron-LM's converter
+    builds it); architecture flags that contradict them are one message naming both values."""
+    source = open_megatron(args.load)
+    defaults = {name: build_parser().get_default(name) for name in ARCHITECTURE_FLAGS}
+    problems = contradictions(args, defaults, source.args)
+    if problems:
+        raise ConfigError(f"--load {args.load}: the Megatron-LM checkpoint's model differs from the flags: "
+                          f"{'; '.join(problems)}. Drop those flags (the model comes from the checkpoint) or load "
+                          f"another checkpoint.")
+    return source.config()
 
 
 def _train(run: RunConfig, args, tokenizer) -> None:

@@ -1,0 +1,427 @@
+"""Megatron-LM's own checkpoints, read: the legacy `--ckpt-format torch` (`iter_N/mp_rank_TT[_PPP]/
+model_optim_rng.pt`) and megatron-core's `torch_dist` (`iter_N/.metadata`, `*.distcp`, `common.pt`), at
+any TP x PP they were saved at, with the local spec's or Transformer Engine's key names.
+
+The model is the one the checkpoint's stored args describe (as Megatron-LM's own converter builds it);
+its weights come a transformer layer at a time (`parts`), TP shards joined by the same per-parameter
+rules as hybrid's (hybrid.checkpoint.tp_layout: megatron-core's QKV grouped per query group, fc1 of a
+gated MLP as [gate; up] per TP rank, the vocabulary split over TP). The vocabulary keeps every row the
+checkpoint has (Megatron's padding included, as its logits do); `true_vocab_size` drops the padding.
+
+What is refused, by name: MoE checkpoints (not read yet), pre-megatron-core layouts (`language_model.`),
+and the options hybrid's model does not compute (erf GeLU, partial or interleaved rotary, squared ReLU,
+multi-latent attention, uneven or virtual pipeline splits in the legacy format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import re
+from typing import Iterator, Optional
+
+import torch
+
+from hybrid.checkpoint.files import LATEST, MEGATRON_LATEST, load_file
+from hybrid.conversion.dcp_files import DCPCheckpoint
+from hybrid.errors import ConfigError
+from hybrid.model.config import LLAMA3_ROPE_DEFAULTS, ModelConfig
+
+RELEASE = "release"  # Megatron-LM's name for a checkpoint without an iteration
+LEGACY_FILE = "model_optim_rng.pt"
+MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+# inside decoder.layers.{i}.: Megatron's names (local spec, and Transformer Engine's fused norm + linear) -> ours
+LAYER_NAMES = {
+    "input_layernorm.weight": "input_norm.weight", "input_layernorm.bias": "input_norm.bias",
+    "self_attention.linear_qkv.layer_norm_weight": "input_norm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_norm.bias",
+    "self_attention.linear_qkv.weight": "attention.qkv.weight", "self_attention.linear_qkv.bias": "attention.qkv.bias",
+    "self_attention.q_layernorm.weight": "attention.q_norm.weight",
+    "self_attention.q_layernorm.bias": "attention.q_norm.bias",
+    "self_attention.k_layernorm.weight": "attention.k_norm.weight",
+    "self_attention.k_layernorm.bias": "attention.k_norm.bias",
+    "self_attention.linear_proj.weight": "attention.dense.weight",
+    "self_attention.linear_proj.bias": "attention.dense.bias",
+    "pre_mlp_layernorm.weight": "post_attention_norm.weight", "pre_mlp_layernorm.bias": "post_attention_norm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_norm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "post_attention_norm.bias",
+    "mlp.linear_fc1.weight": "mlp.fc1.weight", "mlp.linear_fc1.bias": "mlp.fc1.bias",
+    "mlp.linear_fc2.weight": "mlp.fc2.weight", "mlp.linear_fc2.bias": "mlp.fc2.bias",
+}
+GLOBAL_NAMES = {
+    "embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+    "embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
+    "decoder.final_layernorm.weight": "final_norm.weight", "decoder.final_layernorm.bias": "final_norm.bias",
+    "output_layer.weight": "output_layer.weight",
+}
+# the norms as each spelling names them (writing): the local spec's modules, or TE's fused ones
+NORM_NAMES = {
+    "local": {"input_norm": "input_layernorm.", "post_attention_norm": "pre_mlp_layernorm."},
+    "transformer_engine": {"input_norm": "self_attention.linear_qkv.layer_norm_",
+                           "post_attention_norm": "mlp.linear_fc1.layer_norm_"},
+}
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def megatron_layer_key(canonical_rest: str, spelling: str) -> str:
+    """The name inside decoder.layers.{i}. of one of our layer parameters (`attention.qkv.weight`, ...), the
+    norms spelled as `spelling` (local | transformer_engine) names them."""
+    module, _, field = canonical_rest.partition(".")
+    if module in NORM_NAMES[spelling]:
+        return NORM_NAMES[spelling][module] + field
+    return _UNNORMED[canonical_rest]
+
+
+_UNNORMED = {ours: theirs for theirs, ours in LAYER_NAMES.items() if not ours.startswith(tuple(NORM_NAMES["local"]))}
+
+
+def megatron_global_key(name: str) -> str:
+    return {ours: theirs for theirs, ours in GLOBAL_NAMES.items()}[name]
+
+
+def canonical_of(key: str, layer_offset: int = 0) -> Optional[str]:
+    """Our canonical name of a Megatron model key (its layer number + `layer_offset`); None for state
+    that is not a weight (`_extra_state`); an error for a weight hybrid does not know."""
+    if "_extra_state" in key:
+        return None
+    if key in GLOBAL_NAMES:
+        return GLOBAL_NAMES[key]
+    match = _LAYER_KEY.match(key)
+    if match and match.group(2) in LAYER_NAMES:
+        return f"layers.{int(match.group(1)) + layer_offset}.{LAYER_NAMES[match.group(2)]}"
+    raise ConfigError(f"Megatron checkpoint key {key!r} is not one hybrid reads (see hybrid/conversion/"
+                      f"megatron.py for the names it maps); the model has a part hybrid's does not.")
+
+
+def iteration_dir(path: str) -> Optional[str]:
+    """The iteration directory a Megatron-LM checkpoint path names: a save directory (its
+    `latest_checkpointed_iteration.txt` points at iter_N or `release`, and it has no hybrid `latest`), or an
+    iteration directory itself; None when `path` is not a Megatron-LM checkpoint."""
+    if not os.path.isdir(path):
+        return None
+    if _format_of(path) is not None:
+        return path
+    pointer = os.path.join(path, MEGATRON_LATEST)
+    if not os.path.isfile(pointer) or os.path.isfile(os.path.join(path, LATEST)):
+        return None
+    with open(pointer) as f:
+        text = f.read().strip()
+    tag = RELEASE if text == RELEASE else f"iter_{int(text):07d}" if text.isdigit() else None
+    if tag is None:
+        raise ConfigError(f"{pointer}: expected an iteration number or 'release', found {text[:40]!r}.")
+    directory = os.path.join(path, tag)
+    if not os.path.isdir(directory) or _format_of(directory) is None:
+        raise ConfigError(f"{path}: {MEGATRON_LATEST} names {tag}, but {directory} holds no Megatron checkpoint "
+                          f"(no .metadata, no mp_rank_*/{LEGACY_FILE}); the checkpoint is incomplete.")
+    return directory
+
+
+def _format_of(directory: str) -> Optional[str]:
+    if os.path.isfile(os.path.join(directory, ".metadata")) or os.path.isfile(os.path.join(directory, "metadata.json")):
+        return "torch_dist"
+    if glob.glob(os.path.join(directory, "mp_rank_*", LEGACY_FILE)):
+        return "torch"
+    return None
+
+
+@dataclasses.dataclass
+class MegatronCheckpoint:
+    """One Megatron-LM checkpoint: its format, stored args and counters; `config()`, `parts()`."""
+
+    directory: str  # the iteration directory
+    format: str  # "torch" (legacy) | "torch_dist"
+    args: argparse.Namespace
+    common: dict  # iteration, checkpoint_version, opt_param_scheduler, ...
+
+    @property
+    def iteration(self) -> int:
+        return int(self.common.get("iteration", 0) or 0)
+
+    @property
+    def consumed_samples(self) -> int:
+        return int(getattr(self.args, "consumed_train_samples", 0) or 0)
+
+    @property
+    def has_optimizer(self) -> bool:
+        return "optimizer" in self.common or bool(glob.glob(os.path.join(self.directory, "mp_rank_*",
+                                                                          "distrib_optim.pt")))
+
+    def config(self, true_vocab_size: Optional[int] = None) -> ModelConfig:
+        return config_from_args(self.args, true_vocab_size, self.directory)
+
+    def parts(self, config: ModelConfig, wanted: Optional[set] = None) -> Iterator[dict]:
+        """Canonical full tensors, a part at a time: the embeddings, final norm and head, then each layer
+        (of `wanted` only when given), in the checkpoint's dtype, vocabulary rows cut to config.vocab_size."""
+        reader = _DistParts(self) if self.format == "torch_dist" else _LegacyParts(self)
+        names = set(_expected(config))
+        wanted = names if wanted is None else wanted & names
+        seen = set()
+        for layer in [-1, *range(config.num_layers)]:
+            part = {name: tensor for name, tensor in reader.part(layer, config).items() if name in wanted}
+            for name, tensor in part.items():
+                if _expected(config)[name] and tensor.size(0) > config.vocab_size:
+                    part[name] = tensor[: config.vocab_size]
+            seen.update(part)
+            if part:
+                yield part
+        missing = sorted(wanted - seen)
+        if missing:
+            raise ConfigError(f"{self.directory}: the checkpoint lacks {missing[:5]}; its args describe another "
+                              f"model than its weights (or it is incomplete).")
+
+    def state(self, config: ModelConfig) -> dict:
+        state = {}
+        for part in self.parts(config):
+            state.update(part)
+        return state
+
+
+def _expected(config: ModelConfig) -> dict:
+    """Canonical names of the model -> whether the tensor has vocabulary rows."""
+    from hybrid.checkpoint.tp_layout import tp_layout  # builds a tiny model: only when weights are read
+    return {name: rule.vocab_padded for name, rule in tp_layout(config).items()}
+
+
+def open_megatron(path: str, flag: str = "--load") -> MegatronCheckpoint:
+    directory = iteration_dir(path)
+    if directory is None:
+        raise ConfigError(f"{flag} {path}: not a Megatron-LM checkpoint (no {MEGATRON_LATEST} pointing at an "
+                          f"iter_N directory with .metadata or mp_rank_*/{LEGACY_FILE}).")
+    fmt = _format_of(directory)
+    if fmt == "torch_dist":
+        common_path = os.path.join(directory, "common.pt")
+        if not os.path.isfile(common_path):
+            raise ConfigError(f"{directory}: no common.pt; the torch_dist checkpoint is incomplete (it holds the "
+                              f"run's args).")
+        common = _load(common_path)
+    else:
+        common = _load(_legacy_files(directory)[0][2], mmap=True)
+        common = {k: v for k, v in common.items() if not k.startswith("model")}
+    args = common.get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise ConfigError(f"{directory}: the checkpoint stores no args (Megatron-LM's --no-save-args?); hybrid "
+                          f"builds the model from them, as Megatron-LM's converter does.")
+    if float(common.get("checkpoint_version", 3.0) or 0) < 3.0:
+        raise ConfigError(f"{directory}: checkpoint_version {common.get('checkpoint_version')} is the layout before "
+                          f"megatron-core (language_model.encoder.*); load and save it once with a recent "
+                          f"Megatron-LM, then convert.")
+    return MegatronCheckpoint(directory=directory, format=fmt, args=args, common=common)
+
+
+def _load(path: str, mmap: bool = False):
+    try:
+        return load_file(path, mmap=mmap)
+    except (RuntimeError, EOFError, OSError) as error:
+        raise ConfigError(f"checkpoint file {path} is unreadable ({type(error).__name__}: "
+                          f"{str(error).splitlines()[0][:200]}); it is truncated or damaged.") from None
+
+
+def _arg(args, name, default=None):
+    return getattr(args, name, default)
+
+
+def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = None, where: str = "") -> ModelConfig:
+    """The model Megatron-LM's args describe (its argparse names), or one message naming what hybrid does
+    not compute."""
+    def refuse(what: str, why: str):
+        raise ConfigError(f"{where}: the checkpoint's model has {what}, which hybrid's model does not compute "
+                          f"({why}).")
+    if _arg(args, "num_experts"):
+        refuse(f"--num-experts {args.num_experts}", "Megatron MoE checkpoints are not read yet; convert the "
+               "weights to HuggingFace with Megatron-Bridge, then use --load-hf")
+    if _arg(args, "multi_latent_attention"):
+        refuse("multi-latent attention", "only multi-head / grouped-query attention")
+    if float(_arg(args, "rotary_percent", 1.0) or 1.0) != 1.0:
+        refuse(f"--rotary-percent {args.rotary_percent}", "rotary embeddings span the whole head")
+    if _arg(args, "rotary_interleaved"):
+        refuse("--rotary-interleaved", "rotary embeddings rotate halves, as transformers' Llama")
+    if _arg(args, "squared_relu"):
+        refuse("--squared-relu", "the MLP is SwiGLU, GeGLU or tanh-GeLU")
+    if _arg(args, "heterogeneous_layers_config_path") or _arg(args, "heterogeneous_layers_config_encoded_json"):
+        refuse("heterogeneous layers", "every layer has the same shape")
+    swiglu = bool(_arg(args, "swiglu", False))
+    bias = bool(_arg(args, "add_bias_linear", True))
+    if not swiglu and not _arg(args, "openai_gelu") and not (bias and _arg(args, "bias_gelu_fusion", True)):
+        refuse("the exact (erf) GeLU", "the GeLU MLP is the tanh approximation, which Megatron computes with "
+               "--openai-gelu or with its fused bias + GeLU (--add-bias-linear, bias_gelu_fusion)")
+    heads = int(args.num_attention_heads)
+    kv_channels = _arg(args, "kv_channels")
+    if kv_channels and int(kv_channels) * heads == int(args.hidden_size):
+        kv_channels = None
+    rope = _arg(args, "position_embedding_type", "learned_absolute") == "rope" or \
+        bool(_arg(args, "use_rotary_position_embeddings"))
+    rope_scaling = None
+    if _arg(args, "use_rope_scaling"):
+        rope_scaling = {"rope_type": "llama3", "factor": float(_arg(args, "rope_scaling_factor", 8.0)),
+                        **LLAMA3_ROPE_DEFAULTS}
+    elif _arg(args, "rotary_seq_len_interpolation_factor"):
+        rope_scaling = {"rope_type": "linear", "factor": float(args.rotary_seq_len_interpolation_factor)}
+    rows = int(_arg(args, "padded_vocab_size") or 0)
+    if not rows:
+        raise ConfigError(f"{where}: the checkpoint's args have no padded_vocab_size (the embedding's rows).")
+    if true_vocab_size is not None and not 0 < true_vocab_size <= rows:
+        raise ConfigError(f"--true-vocab-size {true_vocab_size}: must be between 1 and the checkpoint's "
+                          f"{rows} embedding rows.")
+    window = _arg(args, "window_size")
+    dtype = "bfloat16" if _arg(args, "bf16") else "float16" if _arg(args, "fp16") else None
+    return ModelConfig(
+        num_layers=int(args.num_layers), hidden_size=int(args.hidden_size), num_attention_heads=heads,
+        vocab_size=true_vocab_size or rows,
+        max_position_embeddings=int(_arg(args, "max_position_embeddings") or _arg(args, "seq_length")),
+        ffn_hidden_size=_arg(args, "ffn_hidden_size"),
+        num_query_groups=int(args.num_query_groups) if _arg(args, "group_query_attention") else None,
+        position_embedding_type="rope" if rope else "learned_absolute",
+        rotary_base=float(_arg(args, "rotary_base", 10000)), normalization=_arg(args, "normalization", "LayerNorm"),
+        norm_epsilon=float(_arg(args, "norm_epsilon", 1e-5)), swiglu=swiglu, add_bias_linear=bias,
+        untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)),
+        hidden_dropout=float(_arg(args, "hidden_dropout", 0.1)),
+        attention_dropout=float(_arg(args, "attention_dropout", 0.1)),
+        init_method_std=float(_arg(args, "init_method_std", 0.02)), kv_channels=kv_channels,
+        add_qkv_bias=bool(_arg(args, "add_qkv_bias", False)), qk_layernorm=bool(_arg(args, "qk_layernorm", False)),
+        sliding_window=None if not window or window[0] == -1 else int(window[0]) + 1, rope_scaling=rope_scaling,
+        apply_layernorm_1p=bool(_arg(args, "apply_layernorm_1p", False)),
+        make_vocab_size_divisible_by=int(_arg(args, "make_vocab_size_divisible_by", 128) or 128), hf_dtype=dtype)
+
+
+def megatron_run_args(args: argparse.Namespace) -> dict:
+    """A Megatron-LM run's args as hybrid records a run's flags (the same names; plain values only), so an
+    export finds its tokenizer and --use-checkpoint-args its architecture."""
+    out = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
+    out["disable_bias_linear"] = not bool(getattr(args, "add_bias_linear", True))
+    return out
+
+
+# the architecture flags a run's own flags may not contradict (launch/train.py --load, evaluate.py):
+# flag namespace attribute -> the stored args' attribute
+ARCHITECTURE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
+                      "normalization", "swiglu", "untie_embeddings_and_output_weights", "position_embedding_type",
+                      "qk_layernorm", "add_qkv_bias", "rotary_base", "max_position_embeddings")
+
+
+def contradictions(flags: argparse.Namespace, defaults: dict, args: argparse.Namespace) -> list[str]:
+    """The architecture flags given (not left at their defaults) whose values differ from the checkpoint's."""
+    out = []
+    for name in ARCHITECTURE_FLAGS:
+        given, stored = getattr(flags, name, None), getattr(args, name, None)
+        if given is None or given == defaults.get(name) or stored is None:
+            continue
+        if name == "position_embedding_type" and getattr(args, "use_rotary_position_embeddings", False):
+            stored = "rope"
+        if type(stored)(given) != stored:
+            out.append(f"--{name.replace('_', '-')} {given} (the checkpoint: {stored})")
+    if getattr(flags, "disable_bias_linear", False) and getattr(args, "add_bias_linear", True):
+        out.append("--disable-bias-linear (the checkpoint has biases)")
+    return out
+
+
+# --- the legacy format: one file per TP x PP (x EP) rank -------------------------------------------
+
+
+def _legacy_files(directory: str) -> list:
+    """[(tp_rank, pp_rank, path)] of a legacy checkpoint's files, sorted."""
+    files = []
+    for path in glob.glob(os.path.join(directory, "mp_rank_*", LEGACY_FILE)):
+        fields = [int(f) for f in os.path.basename(os.path.dirname(path))[len("mp_rank_"):].split("_")]
+        if len(fields) > 2:
+            raise ConfigError(f"{path}: an expert-parallel rank's file; Megatron MoE checkpoints are not read yet.")
+        files.append((fields[0], fields[1] if len(fields) > 1 else 0, path))
+    return sorted(files)
+
+
+class _LegacyParts:
+    def __init__(self, ckpt: MegatronCheckpoint):
+        self.ckpt = ckpt
+        args = ckpt.args
+        self.files = _legacy_files(ckpt.directory)
+        self.tp = max(t for t, _, _ in self.files) + 1
+        self.pp = max(p for _, p, _ in self.files) + 1
+        if len(self.files) != self.tp * self.pp:
+            raise ConfigError(f"{ckpt.directory}: {len(self.files)} mp_rank_* files for TP {self.tp} x PP {self.pp}; "
+                              f"the checkpoint is incomplete.")
+        if _arg(args, "virtual_pipeline_model_parallel_size") or _arg(args, "num_layers_per_virtual_pipeline_stage"):
+            raise ConfigError(f"{ckpt.directory}: a legacy checkpoint of an interleaved (virtual) pipeline is not "
+                              f"read; save it once as --ckpt-format torch_dist (global layer numbers), then convert.")
+        if _arg(args, "decoder_first_pipeline_num_layers") or _arg(args, "decoder_last_pipeline_num_layers"):
+            raise ConfigError(f"{ckpt.directory}: a legacy checkpoint with an uneven pipeline split is not read; save "
+                              f"it once as --ckpt-format torch_dist, then convert.")
+        if int(args.num_layers) % self.pp:
+            raise ConfigError(f"{ckpt.directory}: {args.num_layers} layers do not split evenly over PP {self.pp}.")
+        self.per_stage = int(args.num_layers) // self.pp
+        self.index = {}  # canonical name -> [(path, key, tp rank)]
+        for tp_rank, pp_rank, path in self.files:
+            for key in _legacy_model(path):
+                name = canonical_of(key, pp_rank * self.per_stage)
+                if name is not None and not (name == "output_layer.weight" and not
+                                             _arg(args, "untie_embeddings_and_output_weights", False)):
+                    if name == "embedding.word_embeddings.weight" and pp_rank > 0:
+                        continue  # the last stage's copy of a tied table
+                    self.index.setdefault(name, []).append((path, key, tp_rank))
+
+    def part(self, layer: int, config: ModelConfig) -> dict:
+        from hybrid.conversion.layout import merge_shards  # (layout imports DeepSpeed: only when reading)
+        mine = {name: places for name, places in self.index.items()
+                if (name.startswith(f"layers.{layer}.") if layer >= 0 else not name.startswith("layers."))}
+        opened, shards = {}, {}
+        for name, places in mine.items():
+            for path, key, tp_rank in places:
+                if path not in opened:
+                    opened[path] = _legacy_model(path)
+                shards.setdefault(name, {})[tp_rank] = opened[path][key]
+        full = dataclasses.replace(config, vocab_size=_rows(self.ckpt))  # rows are cut in parts()
+        return merge_shards(shards, full, self.tp, self.ckpt.directory, dtype=None)
+
+
+def _rows(ckpt: MegatronCheckpoint) -> int:
+    return int(ckpt.args.padded_vocab_size)
+
+
+def _legacy_model(path: str) -> dict:
+    """A legacy file's model weights by key (memory-mapped); one message for an unreadable file."""
+    content = _load(path, mmap=True)
+    models = [k for k in content if re.fullmatch(r"model\d*", k)]
+    if models != ["model"]:
+        raise ConfigError(f"{path}: holds {models or 'no model'}; expected one 'model' (an interleaved pipeline's "
+                          f"model0, model1, ... are not read in the legacy format).")
+    model = content["model"]
+    if any(k.startswith("language_model.") for k in model):
+        raise ConfigError(f"{path}: the layout before megatron-core (language_model.encoder.*); load and save it "
+                          f"once with a recent Megatron-LM, then convert.")
+    return {k: v for k, v in model.items() if torch.is_tensor(v)}
+
+
+# --- torch_dist: global tensors, every layer's weight of one kind stacked ---------------------------
+
+
+class _DistParts:
+    def __init__(self, ckpt: MegatronCheckpoint):
+        self.ckpt = ckpt
+        self.dcp = DCPCheckpoint(ckpt.directory)
+        self.layers = int(ckpt.args.num_layers)
+        self.keys = [k for k in self.dcp.tensors if k.startswith(MODEL_PREFIXES)]
+
+    def part(self, layer: int, config: ModelConfig) -> dict:
+        out = {}
+        tied = not config.untie_embeddings_and_output_weights
+        for key in self.keys:
+            if key.startswith("decoder.layers."):
+                rest = key[len("decoder.layers."):]
+                if _LAYER_KEY.match(key):  # non-homogeneous layers: one key per layer
+                    if int(rest.split(".", 1)[0]) == layer:
+                        name = canonical_of(key)
+                        if name is not None:
+                            out[name] = self.dcp.read(key)
+                elif layer >= 0:
+                    name = canonical_of(f"decoder.layers.{layer}.{rest}")
+                    if name is not None:
+                        if self.dcp.shape(key)[0] != self.layers:
+                            raise ConfigError(f"{self.ckpt.directory}: {key} stacks {self.dcp.shape(key)[0]} layers, "
+                                              f"the args say {self.layers}.")
+                        out[name] = self.dcp.read(key, layer)
+            elif layer < 0:
+                name = canonical_of(key)
+                if name is not None and not (name == "output_layer.weight" and tied):
+                    out[name] = self.dcp.read(key)
+        return out

@@ -1,0 +1,242 @@
+"""megatron-core itself as the reference for Megatron-LM checkpoints: builds its GPTModel at TP = the
+number of ranks (gloo, CPU), writes the checkpoints Megatron-LM's `save_checkpoint` writes, and its
+logits and per-token loss on a fixed batch.
+
+    python -m tests.megatron_reference OUT --family llama|qwen2|qwen3|gpt2 --tp 2 [--iteration 7]
+    python -m tests.megatron_reference OUT --family F --tp 2 --check WRITTEN_DIR torch  (megatron-core loads it)
+
+writes, under OUT:
+  torch_dist/  `--ckpt-format torch_dist` (megatron-core's dist_checkpointing.save of the model's
+               sharded_state_dict, with the common state Megatron-LM adds: args, iteration, ...)
+  torch/       `--ckpt-format torch` (legacy): iter_N/mp_rank_TT/model_optim_rng.pt, with Transformer
+               Engine's key names (`linear_qkv.layer_norm_weight`, `_extra_state`), as Megatron-LM saves
+               by default (Transformer Engine cannot be installed on a CPU machine; megatron-core's own
+               sharded_state_dict maps the local spec's norms to the same names)
+  reference.pt {"windows" (2 x seq + 1 tokens), "tokens", "labels" (the next tokens), "logits" (full
+               vocabulary), "loss" (per token: megatron-core's vocabulary-parallel cross-entropy), "args"}
+
+CPU stand-ins (megatron-core calls CUDA unconditionally): torch.cuda.synchronize / current_device for its
+writer, CudaRNGStatesTracker.fork for its forward (dropout is 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+FAMILIES = {
+    # Llama style: RMSNorm, SwiGLU, GQA, RoPE (llama3 scaling), no biases, untied output layer
+    "llama": dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, add_qkv_bias=False,
+                  qk_layernorm=False, position_embedding_type="rope", untie=True, num_query_groups=2,
+                  use_rope_scaling=True),
+    # Qwen2 style: Llama's with biases on Q, K, V and a tied output layer
+    "qwen2": dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, add_qkv_bias=True,
+                  qk_layernorm=False, position_embedding_type="rope", untie=False, num_query_groups=2,
+                  use_rope_scaling=False),
+    # Qwen3 style: Llama's with per-head Q/K norms
+    "qwen3": dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, add_qkv_bias=False,
+                  qk_layernorm=True, position_embedding_type="rope", untie=True, num_query_groups=2,
+                  use_rope_scaling=False),
+    # GPT-2 style: LayerNorm, fused bias + tanh GeLU, learned positions, biases, tied
+    "gpt2": dict(normalization="LayerNorm", swiglu=False, add_bias_linear=True, add_qkv_bias=False,
+                 qk_layernorm=False, position_embedding_type="learned_absolute", untie=False, num_query_groups=4,
+                 use_rope_scaling=False),
+}
+SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, seq_length=16, vocab=256)
+
+
+def _cpu_stand_ins() -> None:
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    from megatron.core.tensor_parallel import random as mrandom
+    mrandom.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
+
+
+def megatron_args(family: str, tp: int, iteration: int) -> argparse.Namespace:
+    """The args Megatron-LM's save_checkpoint stores (its argparse names and the values validate_args
+    derives), for this model."""
+    f, s = FAMILIES[family], SHAPE
+    from megatron.core.transformer.enums import AttnBackend
+    return argparse.Namespace(
+        num_layers=s["num_layers"], hidden_size=s["hidden_size"], ffn_hidden_size=s["ffn_hidden_size"],
+        num_attention_heads=s["num_attention_heads"], group_query_attention=f["num_query_groups"] != 4,
+        num_query_groups=f["num_query_groups"], kv_channels=s["hidden_size"] // s["num_attention_heads"],
+        max_position_embeddings=s["seq_length"], seq_length=s["seq_length"],
+        position_embedding_type=f["position_embedding_type"], rotary_base=10000, rotary_percent=1.0,
+        rotary_interleaved=False, use_rope_scaling=f["use_rope_scaling"], rope_scaling_factor=8.0,
+        rotary_seq_len_interpolation_factor=None, normalization=f["normalization"], norm_epsilon=1e-5,
+        apply_layernorm_1p=False, swiglu=f["swiglu"], openai_gelu=False, squared_relu=False,
+        bias_gelu_fusion=True, add_bias_linear=f["add_bias_linear"], add_qkv_bias=f["add_qkv_bias"],
+        qk_layernorm=f["qk_layernorm"], untie_embeddings_and_output_weights=f["untie"],
+        padded_vocab_size=s["vocab"], make_vocab_size_divisible_by=128, vocab_size=None,
+        tokenizer_type="NullTokenizer", tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1, num_experts=None,
+        transformer_impl="transformer_engine", ckpt_format="torch_dist", params_dtype=torch.float32,
+        bf16=False, fp16=False, attention_backend=AttnBackend.auto, multi_latent_attention=False,
+        consumed_train_samples=iteration * 8, consumed_valid_samples=0, global_batch_size=8, micro_batch_size=4,
+        train_iters=20, lr=3e-4, min_lr=3e-5, lr_decay_style="cosine", lr_decay_iters=20, lr_warmup_iters=2,
+        lr_warmup_fraction=None, lr_warmup_init=0.0, weight_decay=0.01, iteration=iteration)
+
+
+def _scheduler_state(args) -> dict:
+    """What Megatron-LM's OptimizerParamScheduler.state_dict() holds after `iteration` steps."""
+    return {"max_lr": args.lr, "lr_warmup_steps": args.lr_warmup_iters * args.global_batch_size,
+            "num_steps": args.consumed_train_samples, "lr_decay_style": args.lr_decay_style,
+            "lr_decay_steps": args.lr_decay_iters * args.global_batch_size, "min_lr": args.min_lr,
+            "start_wd": args.weight_decay, "end_wd": args.weight_decay, "wd_incr_style": "constant",
+            "wd_incr_steps": args.train_iters * args.global_batch_size}
+
+
+def build_model(family: str, tp: int):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    f, s = FAMILIES[family], SHAPE
+    gated = f["swiglu"]
+    config = TransformerConfig(
+        num_layers=s["num_layers"], hidden_size=s["hidden_size"], num_attention_heads=s["num_attention_heads"],
+        num_query_groups=f["num_query_groups"], ffn_hidden_size=s["ffn_hidden_size"], use_cpu_initialization=True,
+        gated_linear_unit=gated, activation_func=F.silu if gated else F.gelu, bias_activation_fusion=not gated,
+        normalization=f["normalization"], layernorm_epsilon=1e-5, add_bias_linear=f["add_bias_linear"],
+        add_qkv_bias=f["add_qkv_bias"], qk_layernorm=f["qk_layernorm"], hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.float32, tensor_model_parallel_size=tp, init_method_std=0.2)
+    spec = get_gpt_layer_local_spec(normalization=f["normalization"], qk_layernorm=f["qk_layernorm"])
+    model = GPTModel(config, spec, vocab_size=s["vocab"], max_sequence_length=s["seq_length"],
+                     position_embedding_type=f["position_embedding_type"], parallel_output=False,
+                     share_embeddings_and_output_weights=not f["untie"],
+                     rope_scaling=f["use_rope_scaling"], rope_scaling_factor=8.0)
+    with torch.no_grad():  # norms away from 1 and biases away from 0, so a swapped name shows
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "layernorm" in name or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+# Transformer Engine's spelling of the local spec's norms (its fused norm + linear modules)
+TE_NAMES = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+
+def te_state_dict(model) -> dict:
+    """The model's state dict as Megatron-LM with Transformer Engine saves it (legacy format)."""
+    out = {}
+    for name, value in model.state_dict().items():
+        for local, te in TE_NAMES.items():
+            name = name.replace(local, te)
+        out[name] = value if value is not None else None
+    for name in list(out):  # TE modules keep an _extra_state (FP8 metadata; empty here)
+        if name.endswith("linear_qkv.weight") or name.endswith("linear_fc1.weight"):
+            out[name.rsplit(".", 1)[0] + "._extra_state"] = None
+    return out
+
+
+def _rank(rank: int, world: int, out: str, family: str, iteration: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _cpu_stand_ins()
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    torch.manual_seed(1234)
+    model = build_model(family, world)
+    args = megatron_args(family, world, iteration)
+    tag = f"iter_{iteration:07d}"
+    common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+              "opt_param_scheduler": _scheduler_state(args), "num_floating_point_operations_so_far": 0}
+    dist_dir = os.path.join(out, "torch_dist", tag)
+    if rank == 0:
+        os.makedirs(dist_dir, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(dict(common, model=model.sharded_state_dict()), dist_dir)
+    legacy = os.path.join(out, "torch", tag, f"mp_rank_{rank:02d}")
+    os.makedirs(legacy, exist_ok=True)
+    torch.save(dict(common, args=argparse.Namespace(**dict(vars(args), ckpt_format="torch")),
+                    model=te_state_dict(model)), os.path.join(legacy, "model_optim_rng.pt"))
+    g = torch.Generator().manual_seed(7)  # two windows of seq + 1 tokens: inputs and their next tokens
+    windows = torch.randint(0, SHAPE["vocab"] - 1, (2, SHAPE["seq_length"] + 1), generator=g)
+    tokens, labels = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    positions = torch.arange(SHAPE["seq_length"]).expand(2, -1)
+    mask = torch.triu(torch.ones(1, 1, SHAPE["seq_length"], SHAPE["seq_length"]), 1).bool()
+    with torch.no_grad():
+        logits = model(tokens, positions, mask)  # gathered over TP (parallel_output=False)
+        model.output_layer.gather_output = False  # its loss: the vocabulary-parallel cross-entropy of each rank's
+        loss = model(tokens, positions, mask, labels=labels)
+    dist.barrier()
+    if rank == 0:
+        for fmt in ("torch_dist", "torch"):
+            with open(os.path.join(out, fmt, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(iteration))
+        torch.save({"windows": windows, "tokens": tokens, "labels": labels, "logits": logits, "loss": loss, "args": vars(args)},
+                   os.path.join(out, "reference.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _load_into(model, directory: str, fmt: str, rank: int) -> None:
+    """megatron-core's own loaders: dist_checkpointing.load (torch_dist), or Megatron-LM's legacy
+    torch.load + load_state_dict(strict=True)."""
+    from megatron.core import dist_checkpointing
+    with open(os.path.join(directory, "latest_checkpointed_iteration.txt")) as f:
+        tag = f"iter_{int(f.read().strip()):07d}"
+    if fmt == "torch_dist":
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, os.path.join(directory, tag))
+        model.load_state_dict(state["model"], strict=True)
+    else:
+        content = torch.load(os.path.join(directory, tag, f"mp_rank_{rank:02d}", "model_optim_rng.pt"),
+                             weights_only=False)
+        state = {}
+        for name, value in content["model"].items():  # Transformer Engine's names -> the local spec's
+            for local, te in TE_NAMES.items():
+                name = name.replace(te, local)
+            if not (name.endswith("._extra_state") and name not in model.state_dict()):
+                state[name] = value
+        model.load_state_dict(state, strict=True)
+
+
+def _check(rank: int, world: int, out: str, family: str, reference: str, written: str, fmt: str, port: int) -> None:
+    """Every tensor of `written` (loaded by megatron-core) against the reference checkpoint's."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _cpu_stand_ins()
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    torch.manual_seed(99)  # other initial weights: a tensor the load missed shows
+    source, target = build_model(family, world), build_model(family, world)
+    # the reference in the legacy format: megatron-core caches a torch_dist checkpoint's metadata per process
+    _load_into(source, os.path.join(reference, "torch"), "torch", rank)
+    _load_into(target, written, fmt, rank)
+    a, b = source.state_dict(), target.state_dict()
+    diffs = {k: (a[k] - b[k]).abs().max().item() for k in a if torch.is_tensor(a[k])}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, diffs)
+    if rank == 0:
+        torch.save({"diffs": gathered, "keys": sorted(diffs)}, os.path.join(out, f"check_{fmt}.pt"))
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--check", nargs=2, metavar=("WRITTEN_DIR", "FORMAT"), default=None,
+                   help="load WRITTEN_DIR (torch_dist | torch) with megatron-core and compare it with OUT's checkpoint")
+    p.add_argument("--family", default="llama", choices=sorted(FAMILIES))
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--iteration", type=int, default=7)
+    p.add_argument("--port", type=int, default=29611)
+    a = p.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    import torch.multiprocessing as mp
+    if a.check:
+        mp.spawn(_check, args=(a.tp, a.out, a.family, a.out, a.check[0], a.check[1], a.port), nprocs=a.tp)
+        return
+    mp.spawn(_rank, args=(a.tp, a.out, a.family, a.iteration, a.port), nprocs=a.tp)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
