@@ -115,7 +115,7 @@ def test_resharding_tp2pp2_to_tp1pp1_to_tp4pp1_is_exact(family, tmp_path):
     convert("--loader", "hf", "--load-dir", tmp_path / "hf", "--save-dir", a, "--target-tensor-parallel-size", 2,
             "--target-pipeline-parallel-size", 2)
     convert("--load-dir", a, "--save-dir", b, "--target-tensor-parallel-size", 1)
-    convert("--loader", "megatron", "--saver", "megatron", "--load-dir", b, "--save-dir", c,
+    convert("--loader", "megatron", "--saver", "hybrid", "--load-dir", b, "--save-dir", c,
             "--target-tensor-parallel-size", last_tp)
     assert len(list((c / "iter_0000000").glob("mp_rank_*_model_states.pt"))) == last_tp
     full_a, _ = read_hybrid(str(a))

@@ -21,7 +21,15 @@ pytest.importorskip("megatron.core.models.gpt", reason="megatron-core is not ins
 ITERATION = 7
 
 
-def _reference(out: str, family: str, port: int, *extra: str) -> None:
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reference(out: str, family: str, *extra: str) -> None:
+    port = _free_port()  # a fixed port can still be held by the previous call's ranks
     proc = subprocess.run([sys.executable, "-m", "tests.megatron_reference", out, "--family", family, "--tp", "2",
                            "--iteration", str(ITERATION), "--port", str(port), *extra], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=300)
@@ -31,7 +39,7 @@ def _reference(out: str, family: str, port: int, *extra: str) -> None:
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("megatron-llama"))
-    _reference(out, "llama", 29631)
+    _reference(out, "llama")
     return out
 
 
@@ -70,7 +78,7 @@ def test_other_families_export_with_megatron_core_logits(family, tmp_path):
     """Qwen2 (QKV bias, tied), Qwen3 (Q/K norms) and GPT-2 style (LayerNorm, fused bias + GeLU, learned
     positions, biases): read from torch_dist, exported to their transformers families."""
     out = str(tmp_path / "ref")
-    _reference(out, family, 29641)
+    _reference(out, family)
     _export_matches(os.path.join(out, "torch_dist"), out, str(tmp_path / "hf"))
 
 
@@ -160,7 +168,7 @@ def test_saver_megatron_loads_in_megatron_core(llama, spelling, tmp_path):
     os.makedirs(out)
     for name in ("torch", "reference.pt"):  # the source, as the check reads it
         os.symlink(os.path.join(llama, name), os.path.join(out, name))
-    _reference(out, "llama", 29651, "--check", written, "torch")
+    _reference(out, "llama", "--check", written, "torch")
     check = torch.load(os.path.join(out, "check_torch.pt"), weights_only=False)
     assert len(check["keys"]) == 15  # every weight of the 2-layer Llama
     assert all(diff == 0.0 for rank in check["diffs"] for diff in rank.values())

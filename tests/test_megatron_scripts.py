@@ -249,7 +249,7 @@ def test_megatron_conversion_flags_are_accepted(tmp_path):
                                         "--checkpoint-type", "hf", "--model-size", "llama2-7B", "--load-dir", "a",
                                         "--save-dir", "b", "--target-tensor-parallel-size", "2", "--bf16",
                                         "--megatron-path", "/x", "--loader-transformer-impl", "local"])
-    assert args.loader == "hf" and args.saver == "hybrid"
+    assert args.loader == "hf" and args.saver == "megatron"  # mcore: Megatron-LM's own format
     proc = run("python", 1, ["--loader", "llama_mistral", "--checkpoint-type", "meta", "--load-dir", tmp_path,
                              "--save-dir", tmp_path / "out"], script="conversion/checkpoint_util.py", check=False)
     assert proc.returncode == 2 and "--checkpoint-type meta" in proc.stderr

@@ -15,9 +15,10 @@ from typing import Optional
 from tqdm import tqdm
 
 from hybrid.checkpoint.client_state import ClientState
+from hybrid.checkpoint.files import read_tag
 from hybrid.conversion.hf import read_hf_dir, write_hf_dir
 from hybrid.conversion.layout import check_target_layout, read_hybrid, resolve_tag, write_hybrid
-from hybrid.conversion.megatron import megatron_run_args, open_megatron
+from hybrid.conversion.megatron import iteration_dir, megatron_run_args, open_megatron
 from hybrid.conversion.megatron_write import write_megatron
 from hybrid.conversion.universal import to_universal
 from hybrid.data.tokenizer import GPT2BPETokenizer, HFTokenizer
@@ -33,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loader", default="hybrid", type=_format_alias,
                    choices=["hybrid", "hf", "megatron"],
                    help="hybrid: a launch/train.py checkpoint; megatron (aliases mcore, core, legacy): a Megatron-LM "
-                        "checkpoint, --ckpt-format torch or torch_dist, any TP/PP; hf (aliases llama_mistral, "
+                        "checkpoint, --ckpt-format torch or torch_dist, any TP/PP (a launch/train.py checkpoint "
+                        "is read as hybrid); hf (aliases llama_mistral, "
                         "llama2_hf, loader_llama2_hf): a transformers directory")
     p.add_argument("--saver", default="hybrid", type=_format_alias, choices=["hybrid", "hf", "universal", "megatron"],
                    help="hybrid: weights at --target-*-parallel-size; hf: a transformers directory; universal: "
@@ -113,6 +115,8 @@ def convert(args) -> str:
                           "--loader hf (or llama_mistral) --checkpoint-type hf.")
     saver = "hf" if args.hf_convert else args.saver
     loader = args.loader
+    if loader == "megatron" and iteration_dir(args.load_dir) is None and read_tag(args.load_dir) is not None:
+        loader = "hybrid"  # a launch/train.py checkpoint named with Megatron's loader name (as before)
     if saver == "universal":
         return _universal(args)
     if not args.save_dir:
