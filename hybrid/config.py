@@ -97,6 +97,10 @@ class CheckpointConfig:
     no_load_rng: bool = False  # --no-load-rng
     no_save_rng: bool = False  # --no-save-rng: checkpoints hold no RNG states
     universal_checkpoint: bool = False  # --universal-checkpoint: --load a universal checkpoint, any layout
+    # --load names a Megatron-LM checkpoint whose Adam state DeepSpeed loads (as a universal checkpoint
+    # made beside --save); else why not (said in the log, and Adam starts fresh)
+    load_megatron_optimizer: bool = False
+    megatron_optimizer_problem: Optional[str] = None
     load_hf: Optional[str] = None  # --load-hf: the HF model directory the run starts from (when --load has none)
     async_save: bool = False  # --async-save: checkpoints written in the background from a host copy
     export_hf: Optional[str] = None  # --export-hf: HF directory written from the final checkpoint
@@ -420,10 +424,10 @@ def _logging(args) -> LoggingConfig:
         progress_bar=not args.no_progress_bar, log_memory=args.log_memory_to_tensorboard)
 
 
-def _check_capabilities(args, dims, pipeline, stage, model, training, checkpoint, ds_path) -> None:
-    """The declared table of refused combinations (hybrid.capabilities), on what the flags resolved to."""
+def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds_path) -> Setup:
+    """What the flags resolved to, as the capability table (hybrid.capabilities) reads it."""
     tp = dims.tensor_parallel
-    check(Setup(pp=dims.pipeline_parallel, tp=tp, schedule=pipeline.schedule, zero_stage=stage,
+    return Setup(pp=dims.pipeline_parallel, tp=tp, schedule=pipeline.schedule, zero_stage=stage,
                 precision=training.precision, recompute=model.recompute_granularity, torch_compile=args.torch_compile,
                 micro_batches=training.grad_acc_steps, rampup=bool(training.rampup),
                 universal_checkpoint=checkpoint.universal_checkpoint, flash_attn=bool(args.use_flash_attn),
@@ -433,7 +437,24 @@ def _check_capabilities(args, dims, pipeline, stage, model, training, checkpoint
                 sliding_window=model.sliding_window is not None, experts=bool(model.num_experts),
                 ep=dims.expert_parallel, sequence_parallel=model.sequence_parallel, seq_length=args.seq_length,
                 heads_per_tp=model.num_attention_heads // tp, groups_per_tp=model.num_query_groups // tp,
-                experts_on_every_stage=_experts_on_every_stage(model, dims, pipeline)))
+                experts_on_every_stage=_experts_on_every_stage(model, dims, pipeline))
+
+
+def _megatron_optimizer(args, checkpoint: CheckpointConfig, setup: Setup) -> None:
+    """--load of a Megatron-LM checkpoint: its Adam state is loaded when it maps (run.py found out) and the
+    table allows this run a universal load (how DeepSpeed takes it); else the reason is kept for the log."""
+    problem = getattr(args, "megatron_optimizer_problem", None)
+    if problem == "none" and (args.finetune or args.no_load_optim):
+        problem = "--finetune" if args.finetune else "--no-load-optim"
+    elif problem == "none" and not args.save:
+        problem = "there is no --save directory to write it in as DeepSpeed's universal checkpoint"
+    elif problem == "none":
+        try:
+            check(dataclasses.replace(setup, universal_checkpoint=True))
+        except ConfigError as error:
+            problem = f"DeepSpeed loads it as a universal checkpoint, which this run cannot: {error}"
+    checkpoint.load_megatron_optimizer = problem == "none"
+    checkpoint.megatron_optimizer_problem = None if problem == "none" else problem
 
 
 def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_size: int,
@@ -462,7 +483,10 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     checkpoint = _checkpoint(args, ds)
     pipeline = PipelineSchedule(*resolve_virtual_stages(args, model.num_layers, dims.pipeline_parallel),
                                 partition=args.pipeline_partition)
-    _check_capabilities(args, dims, pipeline, stage, model, training, checkpoint, ds_path)
+    setup = _setup(args, dims, pipeline, stage, model, training, checkpoint, ds_path)
+    check(setup)
+    if getattr(args, "megatron_optimizer_problem", None) is not None:
+        _megatron_optimizer(args, checkpoint, setup)
     run = RunConfig(model=model, parallel=dims, pipeline=pipeline, training=training,
                     optimizer=_optimizer(args, optimizer, clip, length), data=data, checkpoint=checkpoint,
                     logging=_logging(args), ds_config={}, args=dict(vars(args)))

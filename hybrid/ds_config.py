@@ -145,7 +145,8 @@ def final_ds_config(ds: dict, args, run, stage: int, optimizer: dict) -> dict:
     zero = dict(out.get("zero_optimization") or {})
     zero["stage"] = stage
     out["zero_optimization"] = zero
-    if run.checkpoint.universal_checkpoint:  # DeepSpeed's switch for loading universal checkpoints
+    if run.checkpoint.universal_checkpoint or run.checkpoint.load_megatron_optimizer:  # DeepSpeed's switch for
+        # loading universal checkpoints (a Megatron-LM checkpoint's Adam state is loaded as one)
         out["checkpoint"] = dict(out.get("checkpoint") or {}, load_universal=True)
     out.pop("scheduler", None)  # the LR schedule comes from the Megatron flags (hybrid.training.schedules)
     if training.precision == "bf16":

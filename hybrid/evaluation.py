@@ -22,13 +22,14 @@ from deepspeed.accelerator import get_accelerator
 from hybrid.capabilities import Setup, check
 from hybrid.checkpoint.client_state import read_client_state
 from hybrid.checkpoint.files import read_tag
-from hybrid.conversion.layout import load_full_state, read_hybrid
+from hybrid.conversion.layout import load_parts, read_hybrid
 from hybrid.data.batches import to_device
 from hybrid.data.indexed import IndexedDataset
 from hybrid.ds_config import pipeline_ds_config
 from hybrid.errors import ConfigError
 from hybrid.flags import FlagParser
 from hybrid.model.build import build_model
+from hybrid.model.naming import canonical_buffers, canonical_parameters
 from hybrid.parallel.dims import ParallelDims
 from hybrid.parallel.groups import build_groups
 from hybrid.pipeline_plan import PipelineSchedule
@@ -111,13 +112,20 @@ def evaluate(args) -> dict:
     windows = torch.from_numpy(stream_windows(args.data_path[0], args.seq_length,
                                               args.eval_iters * args.micro_batch_size))
     groups = build_groups(dims, experts=bool(config.num_experts))
-    state = megatron.state(config) if megatron is not None else read_hybrid(args.load)[0]
+    if megatron is not None:  # read a part at a time, this rank's tensors only (its stage, its experts)
+        def parts(wanted):
+            return megatron.parts(config, wanted)
+    else:
+        state = read_hybrid(args.load)[0]
+
+        def parts(wanted):
+            return [state]
     mine = [windows[k * args.micro_batch_size:(k + 1) * args.micro_batch_size]
             for k in range(args.eval_iters) if k % dp == groups.dp.rank]
     batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in mine]  # every position counts
     device = _device()
-    losses = (_pipeline_losses(config, groups, state, batches) if pp > 1
-              else _losses(config, groups, state, batches, device))
+    losses = (_pipeline_losses(config, groups, parts, batches) if pp > 1
+              else _losses(config, groups, parts, batches, device))
     # summed on the device the backend communicates on (NCCL needs CUDA tensors), in fp32
     total = torch.stack(losses).sum().reshape(1) if losses else torch.zeros(1, device=device)
     if dp > 1:
@@ -131,18 +139,24 @@ def _device() -> torch.device:
     return torch.device(get_accelerator().current_device_name())
 
 
+def _load(model, config, groups, parts) -> None:
+    """The checkpoint's tensors into this rank's model: `parts(wanted)` gives them a part at a time."""
+    wanted = set(canonical_parameters(model, config.num_layers)) | set(canonical_buffers(model, config.num_layers))
+    load_parts(model, parts(wanted), config, groups)
+
+
 @torch.no_grad()
-def _losses(config, groups, state, batches, device) -> list[torch.Tensor]:
+def _losses(config, groups, parts, batches, device) -> list[torch.Tensor]:
     model = build_model(config, groups).eval()
-    load_full_state(model, state, config, groups)
+    _load(model, config, groups, parts)
     model.to(device)
     return [model(*to_device(batch, device)).float() for batch in batches]
 
 
-def _pipeline_losses(config, groups, state, batches) -> list[float]:
+def _pipeline_losses(config, groups, parts, batches) -> list[float]:
     """PP > 1: the checkpoint's layers split uniformly over DeepSpeed's pipeline engine, forward only."""
     module = build_model(config, groups, PipelineSchedule(partition="uniform"))
-    load_full_state(module, state, config, groups)
+    _load(module, config, groups, parts)
     engine, *_ = deepspeed.initialize(model=module, config={
         "train_micro_batch_size_per_gpu": batches[0][0].size(0), "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9, **pipeline_ds_config(config)}, dist_init_required=False)

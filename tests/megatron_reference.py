@@ -2,27 +2,35 @@
 number of ranks (gloo, CPU), writes the checkpoints Megatron-LM's `save_checkpoint` writes, and its
 logits and per-token loss on a fixed batch.
 
-    python -m tests.megatron_reference OUT --family llama|qwen2|qwen3|gpt2 --tp 2 [--iteration 7]
+    python -m tests.megatron_reference OUT --family llama|qwen2|qwen3|gpt2|qwen2_moe|mixtral --tp 2 [--ep 1]
+        [--iteration 7]
     python -m tests.megatron_reference OUT --family F --tp 2 --check WRITTEN_DIR torch  (megatron-core loads it)
 
 writes, under OUT:
   torch_dist/  `--ckpt-format torch_dist` (megatron-core's dist_checkpointing.save of the model's
                sharded_state_dict, with the common state Megatron-LM adds: args, iteration, ...)
-  torch/       `--ckpt-format torch` (legacy): iter_N/mp_rank_TT/model_optim_rng.pt, with Transformer
+  torch/       `--ckpt-format torch` (legacy): iter_N/mp_rank_TT[_EEE]/model_optim_rng.pt, with Transformer
                Engine's key names (`linear_qkv.layer_norm_weight`, `_extra_state`), as Megatron-LM saves
                by default (Transformer Engine cannot be installed on a CPU machine; megatron-core's own
-               sharded_state_dict maps the local spec's norms to the same names)
+               sharded_state_dict maps the local spec's norms to the same names); experts as SequentialMLP
+               names them (`mlp.experts.local_experts.J.linear_fc1.weight`)
+  torch_te_grouped/, torch_grouped/ (MoE families) the legacy files with TEGroupedMLP's expert names
+               (`mlp.experts.linear_fc1.weightJ`), and with the legacy GroupedMLP's `mlp.experts.weight1/2`
+               (a GroupedMLP model that megatron-core's dist_checkpointing.load filled from torch_dist)
   reference.pt {"windows" (2 x seq + 1 tokens), "tokens", "labels" (the next tokens), "logits" (full
                vocabulary), "loss" (per token: megatron-core's vocabulary-parallel cross-entropy), "args"}
 
 CPU stand-ins (megatron-core calls CUDA unconditionally): torch.cuda.synchronize / current_device for its
-writer, CudaRNGStatesTracker.fork for its forward (dropout is 0).
+writer, CudaRNGStatesTracker.fork for its forward (dropout is 0); for MoE, its router's unbound
+te_general_gemm, GroupedMLP's grouped_gemm check (built and loaded, never run), and its torch norms'
+refusal of SP (which only concerns their gradients).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import sys
 
@@ -48,6 +56,23 @@ FAMILIES = {
                  qk_layernorm=False, position_embedding_type="learned_absolute", untie=False, num_query_groups=4,
                  use_rope_scaling=False),
 }
+# mixtures of experts: Qwen2-MoE style (softmax over every expert, then top-k unnormalised; a sigmoid-gated
+# shared expert) and Mixtral style (top-k softmax, no shared expert), every layer MoE
+MOE = {
+    "qwen2_moe": dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, add_qkv_bias=True,
+                      qk_layernorm=False, position_embedding_type="rope", untie=True, num_query_groups=2,
+                      use_rope_scaling=False),
+    "mixtral": dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, add_qkv_bias=False,
+                    qk_layernorm=False, position_embedding_type="rope", untie=True, num_query_groups=2,
+                    use_rope_scaling=False),
+}
+FAMILIES.update(MOE)
+MOE_ARGS = {
+    "qwen2_moe": dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_router_pre_softmax=True,
+                      moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True),
+    "mixtral": dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96, moe_router_pre_softmax=False,
+                    moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False),
+}
 SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, seq_length=16, vocab=256)
 
 
@@ -56,9 +81,20 @@ def _cpu_stand_ins() -> None:
     torch.cuda.current_device = lambda: "cpu"
     from megatron.core.tensor_parallel import random as mrandom
     mrandom.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
+    from megatron.core.transformer.moe import experts, moe_utils
+    moe_utils.te_general_gemm = None  # (an unbound name when Transformer Engine is absent)
+    experts.gg.assert_grouped_gemm_is_available = lambda: None  # GroupedMLP is built, never run
+    from megatron.core.transformer import torch_norm  # its norms refuse SP (their gradients' sync): forward only
+    new = torch_norm.WrappedTorchNorm.__new__
+
+    def norm_without_sp(cls, config, *args, **kwargs):
+        config = copy.copy(config)
+        config.sequence_parallel = False
+        return new(cls, config, *args, **kwargs)
+    torch_norm.WrappedTorchNorm.__new__ = norm_without_sp
 
 
-def megatron_args(family: str, tp: int, iteration: int) -> argparse.Namespace:
+def megatron_args(family: str, tp: int, iteration: int, ep: int = 1) -> argparse.Namespace:
     """The args Megatron-LM's save_checkpoint stores (its argparse names and the values validate_args
     derives), for this model."""
     f, s = FAMILIES[family], SHAPE
@@ -76,12 +112,15 @@ def megatron_args(family: str, tp: int, iteration: int) -> argparse.Namespace:
         qk_layernorm=f["qk_layernorm"], untie_embeddings_and_output_weights=f["untie"],
         padded_vocab_size=s["vocab"], make_vocab_size_divisible_by=128, vocab_size=None,
         tokenizer_type="NullTokenizer", tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1, num_experts=None,
+        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=ep,
+        sequence_parallel=family in MOE and tp > 1, moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
         transformer_impl="transformer_engine", ckpt_format="torch_dist", params_dtype=torch.float32,
         bf16=False, fp16=False, attention_backend=AttnBackend.auto, multi_latent_attention=False,
         consumed_train_samples=iteration * 8, consumed_valid_samples=0, global_batch_size=8, micro_batch_size=4,
         train_iters=20, lr=3e-4, min_lr=3e-5, lr_decay_style="cosine", lr_decay_iters=20, lr_warmup_iters=2,
-        lr_warmup_fraction=None, lr_warmup_init=0.0, weight_decay=0.01, iteration=iteration)
+        lr_warmup_fraction=None, lr_warmup_init=0.0, weight_decay=0.01, iteration=iteration,
+        **MOE_ARGS.get(family, {"num_experts": None}))
 
 
 def _scheduler_state(args) -> dict:
@@ -93,20 +132,30 @@ def _scheduler_state(args) -> dict:
             "wd_incr_steps": args.train_iters * args.global_batch_size}
 
 
-def build_model(family: str, tp: int):
+def build_model(family: str, tp: int, ep: int = 1, grouped: bool = False):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
     f, s = FAMILIES[family], SHAPE
     gated = f["swiglu"]
+    moe = {}
+    if family in MOE:
+        m = MOE_ARGS[family]
+        moe = dict(num_moe_experts=m["num_experts"], moe_router_topk=m["moe_router_topk"],
+                   moe_ffn_hidden_size=m["moe_ffn_hidden_size"], moe_router_pre_softmax=m["moe_router_pre_softmax"],
+                   moe_shared_expert_intermediate_size=m["moe_shared_expert_intermediate_size"],
+                   moe_shared_expert_gate=m["moe_shared_expert_gate"], moe_token_dispatcher_type="allgather",
+                   moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep,
+                   sequence_parallel=tp > 1, moe_grouped_gemm=grouped)
     config = TransformerConfig(
         num_layers=s["num_layers"], hidden_size=s["hidden_size"], num_attention_heads=s["num_attention_heads"],
         num_query_groups=f["num_query_groups"], ffn_hidden_size=s["ffn_hidden_size"], use_cpu_initialization=True,
         gated_linear_unit=gated, activation_func=F.silu if gated else F.gelu, bias_activation_fusion=not gated,
         normalization=f["normalization"], layernorm_epsilon=1e-5, add_bias_linear=f["add_bias_linear"],
         add_qkv_bias=f["add_qkv_bias"], qk_layernorm=f["qk_layernorm"], hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, tensor_model_parallel_size=tp, init_method_std=0.2)
-    spec = get_gpt_layer_local_spec(normalization=f["normalization"], qk_layernorm=f["qk_layernorm"])
+        params_dtype=torch.float32, tensor_model_parallel_size=tp, init_method_std=0.2, **moe)
+    spec = get_gpt_layer_local_spec(normalization=f["normalization"], qk_layernorm=f["qk_layernorm"],
+                                    num_experts=moe.get("num_moe_experts"), moe_grouped_gemm=grouped)
     model = GPTModel(config, spec, vocab_size=s["vocab"], max_sequence_length=s["seq_length"],
                      position_embedding_type=f["position_embedding_type"], parallel_output=False,
                      share_embeddings_and_output_weights=not f["untie"],
@@ -123,12 +172,22 @@ TE_NAMES = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
-def te_state_dict(model) -> dict:
-    """The model's state dict as Megatron-LM with Transformer Engine saves it (legacy format)."""
+def te_state_dict(model, experts: str = "sequential") -> dict:
+    """The model's state dict as Megatron-LM with Transformer Engine saves it (legacy format); an MoE
+    layer's norm before its experts stays a plain norm (no fc1 to fuse it into), and its experts are named
+    as SequentialMLP (`sequential`) or TEGroupedMLP (`te_grouped`) names them."""
+    import re
     out = {}
-    for name, value in model.state_dict().items():
+    state = model.state_dict()
+    moe = any(".mlp.router." in name for name in state)
+    for name, value in state.items():
         for local, te in TE_NAMES.items():
-            name = name.replace(local, te)
+            if not (moe and local == "pre_mlp_layernorm."):
+                name = name.replace(local, te)
+        if experts == "te_grouped":
+            name = re.sub(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$", r"mlp.experts.\2.weight\1", name)
+            if "local_experts" in name:
+                continue
         out[name] = value if value is not None else None
     for name in list(out):  # TE modules keep an _extra_state (FP8 metadata; empty here)
         if name.endswith("linear_qkv.weight") or name.endswith("linear_fc1.weight"):
@@ -136,16 +195,21 @@ def te_state_dict(model) -> dict:
     return out
 
 
-def _rank(rank: int, world: int, out: str, family: str, iteration: int, port: int) -> None:
+def _legacy_dir(out: str, fmt: str, tag: str, tp_rank: int, ep_rank: int, ep: int) -> str:
+    return os.path.join(out, fmt, tag, f"mp_rank_{tp_rank:02d}" + (f"_{ep_rank:03d}" if ep > 1 else ""))
+
+
+def _rank(rank: int, world: int, out: str, family: str, iteration: int, port: int, ep: int = 1) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     _cpu_stand_ins()
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
-    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    tp = world // ep
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     torch.manual_seed(1234)
-    model = build_model(family, world)
-    args = megatron_args(family, world, iteration)
+    model = build_model(family, tp, ep)
+    args = megatron_args(family, tp, iteration, ep)
     tag = f"iter_{iteration:07d}"
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
               "opt_param_scheduler": _scheduler_state(args), "num_floating_point_operations_so_far": 0}
@@ -154,10 +218,21 @@ def _rank(rank: int, world: int, out: str, family: str, iteration: int, port: in
         os.makedirs(dist_dir, exist_ok=True)
     dist.barrier()
     dist_checkpointing.save(dict(common, model=model.sharded_state_dict()), dist_dir)
-    legacy = os.path.join(out, "torch", tag, f"mp_rank_{rank:02d}")
-    os.makedirs(legacy, exist_ok=True)
-    torch.save(dict(common, args=argparse.Namespace(**dict(vars(args), ckpt_format="torch")),
-                    model=te_state_dict(model)), os.path.join(legacy, "model_optim_rng.pt"))
+    tp_rank, ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+    legacy_args = argparse.Namespace(**dict(vars(args), ckpt_format="torch"))
+    spellings = {"torch": te_state_dict(model)}
+    if family in MOE:
+        spellings["torch_te_grouped"] = te_state_dict(model, "te_grouped")
+        dist.barrier()
+        grouped = build_model(family, tp, ep, grouped=True)  # megatron-core fills GroupedMLP from torch_dist
+        loaded = dist_checkpointing.load({"model": grouped.sharded_state_dict()}, dist_dir)
+        grouped.load_state_dict(loaded["model"], strict=True)
+        spellings["torch_grouped"] = te_state_dict(grouped)
+    if rank == tp_rank + ep_rank * tp:  # one file per (TP, EP) rank
+        for fmt, state in spellings.items():
+            legacy = _legacy_dir(out, fmt, tag, tp_rank, ep_rank, ep)
+            os.makedirs(legacy, exist_ok=True)
+            torch.save(dict(common, args=legacy_args, model=state), os.path.join(legacy, "model_optim_rng.pt"))
     g = torch.Generator().manual_seed(7)  # two windows of seq + 1 tokens: inputs and their next tokens
     windows = torch.randint(0, SHAPE["vocab"] - 1, (2, SHAPE["seq_length"] + 1), generator=g)
     tokens, labels = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
@@ -169,7 +244,7 @@ def _rank(rank: int, world: int, out: str, family: str, iteration: int, port: in
         loss = model(tokens, positions, mask, labels=labels)
     dist.barrier()
     if rank == 0:
-        for fmt in ("torch_dist", "torch"):
+        for fmt in ("torch_dist", *spellings):
             with open(os.path.join(out, fmt, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write(str(iteration))
         torch.save({"windows": windows, "tokens": tokens, "labels": labels, "logits": logits, "loss": loss, "args": vars(args)},
@@ -178,7 +253,7 @@ def _rank(rank: int, world: int, out: str, family: str, iteration: int, port: in
     dist.destroy_process_group()
 
 
-def _load_into(model, directory: str, fmt: str, rank: int) -> None:
+def _load_into(model, directory: str, fmt: str, rank: int, ep: int = 1) -> None:
     """megatron-core's own loaders: dist_checkpointing.load (torch_dist), or Megatron-LM's legacy
     torch.load + load_state_dict(strict=True)."""
     from megatron.core import dist_checkpointing
@@ -188,8 +263,10 @@ def _load_into(model, directory: str, fmt: str, rank: int) -> None:
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, os.path.join(directory, tag))
         model.load_state_dict(state["model"], strict=True)
     else:
-        content = torch.load(os.path.join(directory, tag, f"mp_rank_{rank:02d}", "model_optim_rng.pt"),
-                             weights_only=False)
+        from megatron.core import parallel_state as ps
+        rank_dir = _legacy_dir(directory, "", tag, ps.get_tensor_model_parallel_rank(),
+                               ps.get_expert_model_parallel_rank(), ep)
+        content = torch.load(os.path.join(rank_dir, "model_optim_rng.pt"), weights_only=False)
         state = {}
         for name, value in content["model"].items():  # Transformer Engine's names -> the local spec's
             for local, te in TE_NAMES.items():
@@ -199,24 +276,133 @@ def _load_into(model, directory: str, fmt: str, rank: int) -> None:
         model.load_state_dict(state, strict=True)
 
 
-def _check(rank: int, world: int, out: str, family: str, reference: str, written: str, fmt: str, port: int) -> None:
+def _check(rank: int, world: int, out: str, family: str, reference: str, written: str, fmt: str, port: int,
+           ep: int = 1) -> None:
     """Every tensor of `written` (loaded by megatron-core) against the reference checkpoint's."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     _cpu_stand_ins()
     from megatron.core import parallel_state as ps
-    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    tp = world // ep
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     torch.manual_seed(99)  # other initial weights: a tensor the load missed shows
-    source, target = build_model(family, world), build_model(family, world)
+    source, target = build_model(family, tp, ep), build_model(family, tp, ep)
     # the reference in the legacy format: megatron-core caches a torch_dist checkpoint's metadata per process
-    _load_into(source, os.path.join(reference, "torch"), "torch", rank)
-    _load_into(target, written, fmt, rank)
+    _load_into(source, os.path.join(reference, "torch"), "torch", rank, ep)
+    _load_into(target, written, fmt, rank, ep)
     a, b = source.state_dict(), target.state_dict()
     diffs = {k: (a[k] - b[k]).abs().max().item() for k in a if torch.is_tensor(a[k])}
     gathered = [None] * world
     dist.all_gather_object(gathered, diffs)
     if rank == 0:
         torch.save({"diffs": gathered, "keys": sorted(diffs)}, os.path.join(out, f"check_{fmt}.pt"))
+    dist.destroy_process_group()
+
+
+# --- a short Megatron training run: megatron-core's data, model, DDP and optimizer ---------------------
+
+TRAIN = dict(global_batch_size=8, micro_batch_size=4, lr=1e-3, weight_decay=0.01, seed=1234, save_at=3, iterations=5)
+
+
+def _device_stand_ins() -> None:
+    """megatron-core's optimizer makes its scalars with device='cuda': made on the CPU instead."""
+    for fname in ("tensor", "zeros", "empty", "ones", "full"):
+        original = getattr(torch, fname)
+
+        def on_cpu(*args, _original=original, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return _original(*args, **kwargs)
+        setattr(torch, fname, on_cpu)
+
+
+def _train_batches(prefix: str, out: str, seq: int) -> list:
+    """Each iteration's global batch of megatron-core's GPTDataset (split 100,0,0, the run's seed), in the
+    order Megatron-LM's sampler serves them: samples [k gbs, (k + 1) gbs)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    class Tokenizer:  # what GPTDataset reads of a tokenizer (NullTokenizer --vocab-size 255: EOD 255)
+        vocab_size, eod, pad = 256, 255, -1
+        unique_identifiers = {"class": "NullTokenizer"}
+    t = TRAIN
+    config = GPTDatasetConfig(random_seed=t["seed"], sequence_length=seq, blend=([prefix], None), split="100,0,0",
+                              path_to_cache=os.path.join(out, "core_cache"), tokenizer=Tokenizer(),
+                              reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                              create_attention_mask=False)
+    total = t["iterations"] * t["global_batch_size"]
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [total, None, None], lambda: True, config).build()
+    samples = [train[i] for i in range(total)]
+    gbs = t["global_batch_size"]
+    return [(torch.stack([s["tokens"] for s in samples[k * gbs:(k + 1) * gbs]]),
+             torch.stack([s["labels"] for s in samples[k * gbs:(k + 1) * gbs]])) for k in range(t["iterations"])]
+
+
+def _train_rank(rank: int, world: int, out: str, family: str, prefix: str, port: int) -> None:
+    """TP = world: TRAIN["iterations"] Adam steps (megatron-core's FP32Optimizer, decoupled weight decay,
+    no clipping: its clipping asserts CUDA tensors) on megatron-core's batches; a torch_dist checkpoint
+    with the optimizer state (its model-space form, keyed by the model's sharded keys) after
+    TRAIN["save_at"] steps; every step's loss."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _cpu_stand_ins()
+    _device_stand_ins()
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    torch.manual_seed(1234)
+    t, seq = TRAIN, SHAPE["seq_length"]
+    model = build_model(family, world)
+    model.output_layer.gather_output = False  # its loss: the vocabulary-parallel cross-entropy (see _rank)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=t["lr"], weight_decay=t["weight_decay"],
+                                                       adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
+                                                       clip_grad=0.0, bf16=False), [ddp])
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    gbs, steps = t["global_batch_size"], t["iterations"] * t["global_batch_size"]
+    scheduler = OptimizerParamScheduler(  # as Megatron-LM's: per group lr x lr_mult, wd x wd_mult (0 on norms)
+        optimizer, init_lr=t["lr"], max_lr=t["lr"], min_lr=t["lr"], lr_warmup_steps=0, lr_decay_steps=steps,
+        lr_decay_style="constant", start_wd=t["weight_decay"], end_wd=t["weight_decay"], wd_incr_steps=steps,
+        wd_incr_style="constant")
+    batches = _train_batches(prefix, out, seq)  # (the builder's cache: rank 0 writes it, the others wait)
+    positions = torch.arange(seq).expand(t["micro_batch_size"], -1)
+    mask = torch.triu(torch.ones(1, 1, seq, seq), 1).bool()
+    micro = t["global_batch_size"] // t["micro_batch_size"]
+    losses = []
+    for iteration, (tokens, labels) in enumerate(batches, start=1):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        total = 0.0
+        for j in range(micro):
+            rows = slice(j * t["micro_batch_size"], (j + 1) * t["micro_batch_size"])
+            loss = ddp(tokens[rows], positions, mask, labels=labels[rows]).float().mean() / micro
+            loss.backward()
+            total += loss.item()
+        ddp.finish_grad_sync()
+        optimizer.step()
+        scheduler.step(increment=gbs)
+        losses.append(total)
+        if iteration == t["save_at"]:
+            args = megatron_args(family, world, iteration)
+            args.consumed_train_samples = iteration * t["global_batch_size"]
+            args.lr, args.min_lr, args.lr_decay_style, args.weight_decay = t["lr"], t["lr"], "constant", t["weight_decay"]
+            directory = os.path.join(out, "trained", f"iter_{iteration:07d}")
+            if rank == 0:
+                os.makedirs(directory, exist_ok=True)
+            dist.barrier()
+            model_state = model.sharded_state_dict()
+            metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+            dist_checkpointing.save({"model": model_state, "optimizer": optimizer.sharded_state_dict(
+                model_state, metadata=metadata), "args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                "num_floating_point_operations_so_far": 0, "opt_param_scheduler": scheduler.state_dict()}, directory)
+            if rank == 0:
+                with open(os.path.join(out, "trained", "latest_checkpointed_iteration.txt"), "w") as f:
+                    f.write(str(iteration))
+    if rank == 0:
+        torch.save({"losses": losses, "train": TRAIN}, os.path.join(out, "training.pt"))
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -227,15 +413,23 @@ def main(argv=None) -> None:
                    help="load WRITTEN_DIR (torch_dist | torch) with megatron-core and compare it with OUT's checkpoint")
     p.add_argument("--family", default="llama", choices=sorted(FAMILIES))
     p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--ep", type=int, default=1)
     p.add_argument("--iteration", type=int, default=7)
     p.add_argument("--port", type=int, default=29611)
+    p.add_argument("--train", metavar="DATA_PREFIX", default=None,
+                   help="train TRAIN['iterations'] steps on DATA_PREFIX (OUT/trained: the checkpoint after "
+                        "TRAIN['save_at'] steps, with the optimizer; OUT/training.pt: every step's loss)")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     import torch.multiprocessing as mp
-    if a.check:
-        mp.spawn(_check, args=(a.tp, a.out, a.family, a.out, a.check[0], a.check[1], a.port), nprocs=a.tp)
+    if a.train:
+        mp.spawn(_train_rank, args=(a.tp, a.out, a.family, a.train, a.port), nprocs=a.tp)
         return
-    mp.spawn(_rank, args=(a.tp, a.out, a.family, a.iteration, a.port), nprocs=a.tp)
+    if a.check:
+        mp.spawn(_check, args=(a.tp * a.ep, a.out, a.family, a.out, a.check[0], a.check[1], a.port, a.ep),
+                 nprocs=a.tp * a.ep)
+        return
+    mp.spawn(_rank, args=(a.tp * a.ep, a.out, a.family, a.iteration, a.port, a.ep), nprocs=a.tp * a.ep)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Megatron-LM's own checkpoints in and out, against megatron-core itself (tests/megatron_reference.py: its
-GPTModel at TP 2 on gloo writes a real torch_dist checkpoint and the legacy files, and gives the logits and
-its vocabulary-parallel loss): the HF export has megatron-core's logits, evaluate.py its loss, a run resumes
-it at TP 1 at the next iteration on Megatron's LR schedule, and what --saver megatron writes loads in
-megatron-core with every tensor equal."""
+GPTModel at TP 2 (or EP 2 with experts) on gloo writes a real torch_dist checkpoint and the legacy files,
+and gives the logits and its vocabulary-parallel loss; its DDP and optimizer train a few steps): the HF
+export has megatron-core's logits, evaluate.py its loss, a run resumes it at the next iteration on
+Megatron's LR schedule and, with Megatron's Adam state, with the losses Megatron's own next steps have,
+and what --saver megatron writes (both formats) loads in megatron-core with every tensor equal."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _reference(out: str, family: str, *extra: str) -> None:
+def _reference(out: str, family: str, *extra: str, tp: int = 2) -> None:
     port = _free_port()  # a fixed port can still be held by the previous call's ranks
-    proc = subprocess.run([sys.executable, "-m", "tests.megatron_reference", out, "--family", family, "--tp", "2",
+    proc = subprocess.run([sys.executable, "-m", "tests.megatron_reference", out, "--family", family, "--tp", str(tp),
                            "--iteration", str(ITERATION), "--port", str(port), *extra], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -40,6 +41,16 @@ def _reference(out: str, family: str, *extra: str) -> None:
 def llama(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("megatron-llama"))
     _reference(out, "llama")
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory):
+    """megatron-core's MoE GPTModel (Qwen2-MoE style: softmax over every expert then top-2, a sigmoid-gated
+    shared expert, QKV bias) at EP 2: torch_dist, and the legacy files (mp_rank_00_00E) in SequentialMLP's,
+    TEGroupedMLP's and the legacy GroupedMLP's expert names."""
+    out = str(tmp_path_factory.mktemp("megatron-qwen2-moe"))
+    _reference(out, "qwen2_moe", "--ep", "2", tp=1)
     return out
 
 
@@ -82,6 +93,28 @@ def test_other_families_export_with_megatron_core_logits(family, tmp_path):
     _export_matches(os.path.join(out, "torch_dist"), out, str(tmp_path / "hf"))
 
 
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", pytest.param("torch", marks=SLOW),
+                                 pytest.param("torch_te_grouped", marks=SLOW), "torch_grouped"])
+def test_moe_export_has_megatron_core_logits(qwen2_moe, fmt, tmp_path):
+    """An MoE checkpoint saved at EP 2 in every expert spelling megatron-core has (global [experts, ...]
+    tensors; local_experts.J / linear_fc1.weightJ / weight1-weight2 per EP rank's file) exports to
+    transformers' Qwen2-MoE with megatron-core's logits."""
+    _export_matches(os.path.join(qwen2_moe, fmt), qwen2_moe, str(tmp_path / "hf"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["torch", "torch_grouped"])
+def test_moe_with_expert_tensor_parallelism_exports(fmt, tmp_path):
+    """Mixtral style at TP 2 with SP: the legacy files split every expert over expert-TP 2 ([gate; up] per
+    rank of fc1, fc2 by columns; grouped: the experts packed in weight1/weight2), joined as they are read."""
+    out = str(tmp_path / "ref")
+    _reference(out, "mixtral")
+    _export_matches(os.path.join(out, fmt), out, str(tmp_path / "hf"))
+
+
 def _windows_dataset(reference: str, prefix: str) -> None:
     from hybrid.data.indexed import IndexedDatasetBuilder
     ref = torch.load(os.path.join(reference, "reference.pt"), weights_only=False)
@@ -104,6 +137,37 @@ def test_evaluate_gives_megatron_core_loss(llama, fmt, nproc, tmp_path):
         result = json.loads(f.read().strip().splitlines()[-1])
     ref = torch.load(os.path.join(llama, "reference.pt"), weights_only=False)
     assert abs(result["lm_loss"] - ref["loss"].mean().item()) < 1e-5
+
+
+def test_moe_evaluates_at_ep2_to_megatron_core_loss(qwen2_moe, tmp_path):
+    """evaluate.py --load (torch_dist, saved at EP 2) at EP 2: each rank reads its own experts only, and the
+    mean loss is megatron-core's."""
+    prefix = str(tmp_path / "windows")
+    _windows_dataset(qwen2_moe, prefix)
+    log = str(tmp_path / "eval.json")
+    run("torchrun", 2, ["--load", os.path.join(qwen2_moe, "torch_dist"), "--data-path", prefix, "--seq-length", 16,
+                        "--eval-iters", 2, "--log-json", log, "--expert-model-parallel-size", 2,
+                        "--tensor-model-parallel-size", 1], script="launch/evaluate.py")
+    with open(log) as f:
+        result = json.loads(f.read().strip().splitlines()[-1])
+    ref = torch.load(os.path.join(qwen2_moe, "reference.pt"), weights_only=False)
+    assert abs(result["lm_loss"] - ref["loss"].mean().item()) < 1e-5
+
+
+def test_moe_parts_read_only_the_ranks_experts(qwen2_moe):
+    """An EP rank's read of a torch_dist MoE checkpoint: only the experts it asks for come (a layer at a
+    time), equal to the same experts of the whole read."""
+    from hybrid.conversion.megatron import expert_name, open_megatron
+    from hybrid.safe_loading import install_safe_torch_load
+    install_safe_torch_load()
+    source = open_megatron(os.path.join(qwen2_moe, "torch_dist"))
+    config = source.config()
+    whole = source.state(config)
+    mine = {expert_name(layer, e, fc) for layer in range(config.num_layers) for e in (2, 3) for fc in ("fc1", "fc2")}
+    read = {}
+    for part in source.parts(config, mine):
+        read.update(part)
+    assert set(read) == mine and all(torch.equal(read[name], whole[name]) for name in mine)
 
 
 def _scheduler_lrs(args: dict, steps: list) -> list:
@@ -155,22 +219,44 @@ def test_contradicting_flags_are_one_message(llama, tmp_path):
     assert "--hidden-size 128 (the checkpoint: 64)" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("spelling", ["transformer_engine", "local"])
-def test_saver_megatron_loads_in_megatron_core(llama, spelling, tmp_path):
-    """--saver megatron (legacy format, TP 2, either key spelling) from the torch_dist source: megatron-core's
-    GPTModel loads it with load_state_dict(strict=True), every tensor equal to the source's."""
-    written = str(tmp_path / "written")
-    proc = _convert("--loader", "megatron", "--saver", "megatron", "--ckpt-format", "torch", "--saver-transformer-impl",
-                    spelling, "--load-dir", os.path.join(llama, "torch_dist"), "--save-dir", written,
-                    "--target-tensor-parallel-size", 2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def _check_in_megatron_core(reference: str, family: str, written: str, fmt: str, tmp_path, *extra) -> dict:
+    """megatron-core's own loader reads `written`: {"keys": its model's tensors, "diffs": per rank, each
+    tensor's largest difference from the reference checkpoint's}."""
     out = str(tmp_path / "check")
     os.makedirs(out)
     for name in ("torch", "reference.pt"):  # the source, as the check reads it
-        os.symlink(os.path.join(llama, name), os.path.join(out, name))
-    _reference(out, "llama", "--check", written, "torch")
-    check = torch.load(os.path.join(out, "check_torch.pt"), weights_only=False)
+        os.symlink(os.path.join(reference, name), os.path.join(out, name))
+    _reference(out, family, "--check", written, fmt, *extra)
+    return torch.load(os.path.join(out, f"check_{fmt}.pt"), weights_only=False)
+
+
+@pytest.mark.parametrize("fmt,spelling", [pytest.param("torch", "transformer_engine", marks=SLOW),
+                                          pytest.param("torch", "local", marks=SLOW), ("torch_dist", None)])
+def test_saver_megatron_loads_in_megatron_core(llama, fmt, spelling, tmp_path):
+    """--saver megatron (legacy format at TP 2 in either key spelling; torch_dist written at TP 1, whose
+    global tensors megatron-core's dist_checkpointing.load reads at its TP 2) from the torch_dist source:
+    megatron-core's GPTModel loads it (strict), every tensor equal to the source's."""
+    written = str(tmp_path / "written")
+    proc = _convert("--loader", "megatron", "--saver", "megatron", "--ckpt-format", fmt,
+                    *(["--saver-transformer-impl", spelling, "--target-tensor-parallel-size", 2] if spelling else []),
+                    "--load-dir", os.path.join(llama, "torch_dist"), "--save-dir", written)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check = _check_in_megatron_core(llama, "llama", written, fmt, tmp_path)
     assert len(check["keys"]) == 15  # every weight of the 2-layer Llama
+    assert all(diff == 0.0 for rank in check["diffs"] for diff in rank.values())
+
+
+@pytest.mark.parametrize("fmt", [pytest.param("torch_dist", marks=SLOW), "torch"])
+def test_moe_saver_megatron_loads_in_megatron_core(qwen2_moe, fmt, tmp_path):
+    """An MoE model written as Megatron-LM's (torch_dist: experts stacked [layers, experts, ...]; legacy: one
+    file per EP rank, local expert numbers) loads in megatron-core at EP 2 with every tensor equal."""
+    written = str(tmp_path / "written")
+    proc = _convert("--loader", "megatron", "--saver", "megatron", "--ckpt-format", fmt, "--target-expert-parallel-size",
+                    2, "--load-dir", os.path.join(qwen2_moe, "torch_dist"), "--save-dir", written)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check = _check_in_megatron_core(qwen2_moe, "qwen2_moe", written, fmt, tmp_path, "--ep", "2", "--tp", "1")
+    assert len(check["keys"]) == 29  # embeddings, head, final norm; per layer 2 norms, QKV (+bias), proj, router,
+    # 2 local experts x 2, shared expert fc1/fc2 and its gate
     assert all(diff == 0.0 for rank in check["diffs"] for diff in rank.values())
 
 
@@ -185,9 +271,10 @@ def test_bad_checkpoints_are_one_message(llama, tmp_path):
     proc = _convert("--loader", "megatron", "--saver", "hf", "--load-dir", broken, "--save-dir", tmp_path / "hf")
     assert proc.returncode == 2 and "truncated" in proc.stderr and chunk in proc.stderr
     assert "Traceback" not in proc.stderr and not os.path.exists(tmp_path / "hf")
-    proc = _convert("--loader", "megatron", "--saver", "megatron", "--ckpt-format", "torch_dist", "--load-dir",
-                    os.path.join(llama, "torch"), "--save-dir", tmp_path / "out")
-    assert proc.returncode == 2 and "--ckpt-convert-format torch_dist" in proc.stderr
+    proc = _convert("--loader", "megatron", "--saver", "universal", "--load-dir", os.path.join(llama, "torch"),
+                    "--save-dir", tmp_path / "out")  # the legacy files: weights only
+    assert proc.returncode == 2 and "optimizer state is not mapped" in proc.stderr and "Traceback" not in proc.stderr
+    assert not os.path.exists(tmp_path / "out")
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -215,3 +302,78 @@ def test_legacy_round_trip_at_tp2_pp2(llama, tied, tmp_path):
     read = back.state(back.config())
     assert sorted(read) == sorted(state)
     assert all(torch.equal(read[name], state[name]) for name in state)
+
+
+# --- Megatron's Adam state: a run trained by megatron-core continues here as it would have there ------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """megatron-core trains 5 steps at TP 2 (its GPTDataset's samples, DDP, FP32Optimizer, its LR scheduler:
+    no weight decay on norms) and saves torch_dist with its optimizer after step 3; its 5 losses."""
+    import numpy as np
+
+    from hybrid.data.indexed import IndexedDatasetBuilder
+    out = str(tmp_path_factory.mktemp("megatron-trained"))
+    prefix = os.path.join(out, "data")
+    rng = np.random.RandomState(0)
+    builder = IndexedDatasetBuilder(prefix, np.uint16)
+    for _ in range(60):  # documents ending in EOD (NullTokenizer --vocab-size 255: id 255)
+        builder.add_document(list(rng.randint(0, 255, size=int(rng.randint(5, 40)))) + [255])
+    builder.finalize()
+    _reference(out, "llama", "--train", prefix)
+    return out, prefix, torch.load(os.path.join(out, "training.pt"), weights_only=False)
+
+
+def _continue_training(trained, tmp_path, launcher="python", nproc=1, load=None, *flags) -> tuple:
+    """launch/train.py with the reference run's flags from its step-3 checkpoint: (losses of iterations 4
+    and 5, the run's output)."""
+    out, prefix, ref = trained
+    t = ref["train"]
+    log = str(tmp_path / "log.jsonl")
+    proc = run(launcher, nproc, [
+        "--load", load or os.path.join(out, "trained"), "--save", tmp_path / "ckpt", "--seq-length", 16,
+        "--micro-batch-size", t["micro_batch_size"], "--global-batch-size", t["global_batch_size"],
+        "--train-iters", t["iterations"], "--lr", t["lr"], "--min-lr", t["lr"], "--lr-decay-style", "constant",
+        "--weight-decay", t["weight_decay"], "--clip-grad", 0, "--data-path", prefix, "--split", "100,0,0",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", 255, "--seed", t["seed"], "--log-interval", 1,
+        "--save-interval", 100, "--eval-iters", 0, "--hidden-dropout", 0, "--attention-dropout", 0,
+        "--log-json", log, *flags])
+    records = [r for r in read_log(log) if "lm_loss" in r and "iteration" in r]
+    assert [r["iteration"] for r in records] == [4, 5]
+    return [r["lm_loss"] for r in records], proc.stdout + proc.stderr
+
+
+def test_resume_with_megatron_adam_state_continues_megatron_run(trained, tmp_path):
+    """--load of the step-3 checkpoint (saved at TP 2) at TP 1 with ZeRO-1: Megatron's Adam moments and step
+    come along (as DeepSpeed's universal checkpoint), so iterations 4 and 5 have the losses megatron-core's
+    own steps 4 and 5 had; with --no-load-optim (Adam fresh) step 5 differs."""
+    losses, out = _continue_training(trained, tmp_path / "adam", "python", 1, None, "--zero-stage", 1)
+    expected = trained[2]["losses"][3:]
+    assert losses == pytest.approx(expected, abs=1e-5)
+    assert "with its Adam state (step 3)" in out and not os.path.exists(tmp_path / "adam" / "ckpt" / ".megatron-universal")
+    fresh, out = _continue_training(trained, tmp_path / "fresh", "python", 1, None, "--zero-stage", 1,
+                                    "--no-load-optim")
+    assert fresh[0] == pytest.approx(expected[0], abs=1e-5) and abs(fresh[1] - expected[1]) > 1e-3
+    assert "Adam starts fresh: --no-load-optim" in out
+
+
+@pytest.mark.slow
+def test_megatron_adam_state_at_tp2_zero2_and_through_saver_universal(trained, tmp_path):
+    """The same continuation at TP 2 with ZeRO-2 (2 ranks), and at ZeRO-3 from `checkpoint_util.py --loader
+    megatron --saver universal` resumed with --universal-checkpoint (the architecture from the flags)."""
+    expected = trained[2]["losses"][3:]
+    losses, _ = _continue_training(trained, tmp_path / "tp2", "torchrun", 2, None, "--zero-stage", 2,
+                                   "--tensor-model-parallel-size", 2)
+    assert losses == pytest.approx(expected, abs=1e-5)
+    universal = str(tmp_path / "universal")
+    proc = _convert("--loader", "megatron", "--saver", "universal", "--load-dir", os.path.join(trained[0], "trained"),
+                    "--save-dir", universal)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    llama = ["--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4, "--group-query-attention",
+             "--num-query-groups", 2, "--swiglu", "--ffn-hidden-size", 96, "--normalization", "RMSNorm",
+             "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+             "--use-rope-scaling"]
+    losses, _ = _continue_training(trained, tmp_path / "z3", "python", 1, universal, "--zero-stage", 3,
+                                   "--universal-checkpoint", *llama)
+    assert losses == pytest.approx(expected, abs=1e-5)

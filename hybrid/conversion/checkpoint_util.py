@@ -19,6 +19,7 @@ from hybrid.checkpoint.files import read_tag
 from hybrid.conversion.hf import read_hf_dir, write_hf_dir
 from hybrid.conversion.layout import check_target_layout, read_hybrid, resolve_tag, write_hybrid
 from hybrid.conversion.megatron import iteration_dir, megatron_run_args, open_megatron
+from hybrid.conversion.megatron_universal import write_universal
 from hybrid.conversion.megatron_write import write_megatron
 from hybrid.conversion.universal import to_universal
 from hybrid.data.tokenizer import GPT2BPETokenizer, HFTokenizer
@@ -40,10 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--saver", default="hybrid", type=_format_alias, choices=["hybrid", "hf", "universal", "megatron"],
                    help="hybrid: weights at --target-*-parallel-size; hf: a transformers directory; universal: "
                         "DeepSpeed's universal checkpoint of --load-dir's last checkpoint, written beside it (with "
-                        "optimizer state; launch/train.py --load DIR --universal-checkpoint resumes it at any layout); "
+                        "optimizer state; launch/train.py --load DIR --universal-checkpoint resumes it at any layout), "
+                        "or with --loader megatron of a Megatron-LM checkpoint's weights and Adam state, in --save-dir; "
                         "megatron: a Megatron-LM checkpoint (--ckpt-format torch) at --target-*")
     p.add_argument("--ckpt-format", default="torch", choices=["torch", "torch_dist"],
-                   help="with --saver megatron: the legacy per-rank files (torch_dist is read, not written yet)")
+                   help="with --saver megatron: the legacy per-rank files (torch), or megatron-core's distributed "
+                        "checkpoint (torch_dist; global tensors, which Megatron-LM loads at any TP / PP / EP)")
     p.add_argument("--true-vocab-size", type=int, default=None,
                    help="with --loader megatron: the tokenizer's vocabulary; the embedding's padding rows beyond it "
                         "are dropped (default: every row the checkpoint has, as Megatron's logits have)")
@@ -58,9 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted: tensors keep the source's precision; training casts per its own flags")
     p.add_argument("--hf-convert", action="store_true", help="shorthand for --saver hf")
     p.add_argument("--load-dir", required=True)
-    p.add_argument("--save-dir", default=None, help="output directory (not with --saver universal)")
+    p.add_argument("--save-dir", default=None, help="output directory (with --saver universal: only for --loader megatron)")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--target-expert-parallel-size", type=int, default=1,
+                   help="with --saver megatron: the EP of the files written (the legacy format: one file per EP rank)")
     p.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json, exported with the model")
     p.add_argument("--merge-file", default=None, help="GPT-2 merges.txt, exported with the model")
     p.add_argument("--tokenizer-model", default=None, help="a local HF tokenizer directory to export")
@@ -118,7 +123,7 @@ def convert(args) -> str:
     if loader == "megatron" and iteration_dir(args.load_dir) is None and read_tag(args.load_dir) is not None:
         loader = "hybrid"  # a launch/train.py checkpoint named with Megatron's loader name (as before)
     if saver == "universal":
-        return _universal(args)
+        return _universal(argparse.Namespace(**dict(vars(args), loader=loader)))
     if not args.save_dir:
         raise ConfigError(f"--saver {saver} needs --save-dir DIR.")
     show = not args.no_progress_bar
@@ -146,14 +151,26 @@ def convert(args) -> str:
         return f"wrote HuggingFace model to {args.save_dir}"
     check_target_layout(config, tp, pp)
     if saver == "megatron":
-        write_megatron(state, config, tp, pp, args.save_dir, client_state, args.ckpt_format, args.transformer_impl)
-        return f"wrote Megatron-LM checkpoint (--ckpt-format {args.ckpt_format}, TP={tp}, PP={pp}) to {args.save_dir}"
+        ep = args.target_expert_parallel_size
+        write_megatron(state, config, tp, pp, args.save_dir, client_state, args.ckpt_format, args.transformer_impl, ep)
+        return (f"wrote Megatron-LM checkpoint (--ckpt-format {args.ckpt_format}, TP={tp}, PP={pp}"
+                f"{f', EP={ep}' if ep > 1 else ''}) to {args.save_dir}")
     write_hybrid(state, config, tp, pp, args.save_dir, client_state, _progress(show, "writing"))
     return f"wrote hybrid checkpoint (TP={tp}, PP={pp}) to {args.save_dir}"
 
 
 def _universal(args) -> str:
-    """Universal checkpoint of --load-dir's latest checkpoint, beside it (DeepSpeed's layout)."""
+    """Universal checkpoint of --load-dir's latest checkpoint, beside it (DeepSpeed's layout); of a
+    Megatron-LM checkpoint (its weights and Adam state), in --save-dir."""
+    if args.loader == "megatron" and iteration_dir(args.load_dir) is not None:
+        if not args.save_dir:
+            raise ConfigError("--loader megatron --saver universal needs --save-dir DIR (the universal checkpoint's "
+                              "directory; launch/train.py --load DIR --universal-checkpoint resumes it).")
+        source = open_megatron(args.load_dir, "--load-dir")
+        tag = write_universal(source, source.config(args.true_vocab_size), args.save_dir,
+                              log=lambda m: print(m, file=sys.stderr))
+        return (f"wrote universal checkpoint {os.path.join(args.save_dir, tag)}; resume it with launch/train.py --load "
+                f"{args.save_dir} --universal-checkpoint")
     if args.loader != "hybrid" or args.save_dir:
         raise ConfigError("--saver universal converts a launch/train.py checkpoint in place (--load-dir DIR, no "
                           "--save-dir): the universal checkpoint is written beside it as DIR/<tag>_universal.")

@@ -44,21 +44,27 @@ class DCPCheckpoint:
     def shape(self, key: str) -> tuple:
         return tuple(self.tensors[key].size)
 
-    def read(self, key: str, index: Optional[int] = None) -> torch.Tensor:
-        """The global tensor `key`, or with `index` its slice [index] along dim 0, assembled from the chunks
-        that overlap it (each chunk file read for its byte range only)."""
+    def holds(self, key: str, index=()) -> bool:
+        """Whether some chunk of `key` covers the slice [index] (leading indices; a layer of a stacked
+        tensor whose other layers hold other modules has none)."""
+        index = (index,) if isinstance(index, int) else tuple(index)
+        return any(_overlaps(chunk, index) for chunk in self.tensors[key].chunks)
+
+    def read(self, key: str, index=None) -> torch.Tensor:
+        """The global tensor `key`, or with `index` (an int or a tuple of leading indices) its slice
+        [index], assembled from the chunks that overlap it (each chunk file read for its byte range only)."""
         from torch.distributed.checkpoint.metadata import MetadataIndex  # (see __init__)
         md = self.tensors[key]
-        shape = tuple(md.size) if index is None else tuple(md.size)[1:]
-        out = torch.empty(shape, dtype=md.properties.dtype)
+        index = () if index is None else (index,) if isinstance(index, int) else tuple(index)
+        out = torch.empty(tuple(md.size)[len(index):], dtype=md.properties.dtype)
         filled = 0
         for chunk in md.chunks:
-            offsets, sizes = list(chunk.offsets), list(chunk.sizes)
-            if index is not None and not offsets[0] <= index < offsets[0] + sizes[0]:
+            if not _overlaps(chunk, index):
                 continue
+            offsets, sizes = list(chunk.offsets), list(chunk.sizes)
             value = self._chunk(MetadataIndex(key, chunk.offsets), key)
-            if index is not None:
-                value, offsets, sizes = value[index - offsets[0]], offsets[1:], sizes[1:]
+            for i in index:  # the slice's leading indices, relative to the chunk
+                value, offsets, sizes = value[i - offsets[0]], offsets[1:], sizes[1:]
             region = out
             for dim, (start, size) in enumerate(zip(offsets, sizes)):
                 region = region.narrow(dim, start, size)
@@ -86,3 +92,7 @@ class DCPCheckpoint:
         if len(data) != info.length:
             raise ConfigError(f"checkpoint file {path} is truncated (it ends before {key}'s bytes).")
         return safe_load(io.BytesIO(data))
+
+
+def _overlaps(chunk, index: tuple) -> bool:
+    return all(start <= i < start + size for i, start, size in zip(index, chunk.offsets, chunk.sizes))

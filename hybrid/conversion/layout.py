@@ -26,7 +26,8 @@ from hybrid.checkpoint.tp_layout import tp_layout
 from hybrid.conversion.ds_universal import read_fp32_state
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
-from hybrid.model.naming import EMBEDDING_WEIGHT, EXPERTS, canonical_name, canonical_parameters, pipeline_index
+from hybrid.model.naming import (EMBEDDING_WEIGHT, EXPERTS, canonical_buffers, canonical_name, canonical_parameters,
+                                 pipeline_index)
 from hybrid.parallel.layers import shard, unshard
 
 __all__ = ["read_hybrid", "hybrid_parts", "write_hybrid", "shard_for_rank", "partition_rule", "load_full_state", "resolve_tag",
@@ -215,10 +216,15 @@ def load_parts(model, parts, config: ModelConfig, groups) -> None:
     dtype), into this rank's parameters of `model`, each TP-sharded for this rank and cast to the
     parameter's dtype; tensors of other ranks' parameters are skipped. Only one part is held at a time and,
     under ZeRO-3, only that part's parameters are gathered (DeepSpeed's GatheredParameters: written, then
-    re-partitioned). Every parameter of the rank must have been in some part."""
+    re-partitioned). Every parameter of the rank must have been in some part. Buffers a part names (the
+    routers' score biases, replicated) are copied too."""
     params = canonical_parameters(model, config.num_layers)
+    buffers = canonical_buffers(model, config.num_layers)
     loaded = set()
     for part in parts:
+        with torch.no_grad():
+            for name in [n for n in part if n in buffers and n not in params]:
+                buffers[name].copy_(part[name])
         mine = {name: params[name] for name in part if name in params}
         # DeepSpeed reads modifier_rank as the rank within each parameter's ZeRO group: its first rank writes
         with deepspeed.zero.GatheredParameters(list(mine.values()), modifier_rank=0):

@@ -8,9 +8,17 @@ rules as hybrid's (hybrid.checkpoint.tp_layout: megatron-core's QKV grouped per 
 gated MLP as [gate; up] per TP rank, the vocabulary split over TP). The vocabulary keeps every row the
 checkpoint has (Megatron's padding included, as its logits do); `true_vocab_size` drops the padding.
 
-What is refused, by name: MoE checkpoints (not read yet), pre-megatron-core layouts (`language_model.`),
-and the options hybrid's model does not compute (erf GeLU, partial or interleaved rotary, squared ReLU,
-multi-latent attention, uneven or virtual pipeline splits in the legacy format).
+Mixture-of-experts checkpoints come in every spelling megatron-core saves experts: torch_dist's global
+`mlp.experts.experts.linear_fc{1,2}.weight` ([experts, ...] per layer; an EP rank reads its own experts'
+rows only), and in the legacy files (one per TP x PP x EP rank) SequentialMLP's
+`mlp.experts.local_experts.{j}.linear_fc{1,2}.weight`, TEGroupedMLP's `mlp.experts.linear_fc{1,2}.weight{j}` and
+the legacy GroupedMLP's `mlp.experts.weight1/weight2` ([h, experts x f] / [experts x f, h]); the router, its
+expert bias (hybrid's score bias), and shared experts with their gate.
+
+What is refused, by name: pre-megatron-core layouts (`language_model.`), the options hybrid's model does
+not compute (erf GeLU, partial or interleaved rotary, squared ReLU, multi-latent attention, grouped or
+jittered routing, Sinkhorn balancing), and in the legacy format uneven or virtual pipeline splits and an
+expert TP other than TP.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from hybrid.checkpoint.files import LATEST, MEGATRON_LATEST, load_file
 from hybrid.conversion.dcp_files import DCPCheckpoint
 from hybrid.errors import ConfigError
 from hybrid.model.config import LLAMA3_ROPE_DEFAULTS, ModelConfig
+from hybrid.model.naming import EXPERTS
 
 RELEASE = "release"  # Megatron-LM's name for a checkpoint without an iteration
 LEGACY_FILE = "model_optim_rng.pt"
@@ -50,7 +59,13 @@ LAYER_NAMES = {
     "mlp.linear_fc1.layer_norm_bias": "post_attention_norm.bias",
     "mlp.linear_fc1.weight": "mlp.fc1.weight", "mlp.linear_fc1.bias": "mlp.fc1.bias",
     "mlp.linear_fc2.weight": "mlp.fc2.weight", "mlp.linear_fc2.bias": "mlp.fc2.bias",
+    # an MoE layer's router, its expert bias (a buffer: hybrid's score bias) and shared experts
+    "mlp.router.weight": "mlp.router.weight", "mlp.router.expert_bias": "mlp.router.score_bias",
+    "mlp.shared_experts.linear_fc1.weight": "mlp.shared_mlp.fc1.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_mlp.fc2.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_gate",
 }
+BUFFERS = ("mlp.router.score_bias",)  # canonical names (inside a layer) of state that is not a parameter
 GLOBAL_NAMES = {
     "embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
     "embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
@@ -64,6 +79,13 @@ NORM_NAMES = {
                            "post_attention_norm": "mlp.linear_fc1.layer_norm_"},
 }
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# experts inside decoder.layers.{i}. (group 1: the expert index, local or global as the spelling has it)
+EXPERT_KEYS = {
+    "sequential": re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_(fc[12])\.weight$"),  # local index
+    "te_grouped": re.compile(r"^mlp\.experts\.linear_(fc[12])\.weight(\d+)$"),  # local index (groups swapped)
+    "grouped": re.compile(r"^mlp\.experts\.weight([12])$"),  # every local expert in one tensor
+    "dist": re.compile(r"^mlp\.experts\.experts\.linear_(fc[12])\.weight$"),  # torch_dist: [experts, ...] global
+}
 
 
 def megatron_layer_key(canonical_rest: str, spelling: str) -> str:
@@ -82,10 +104,20 @@ def megatron_global_key(name: str) -> str:
     return {ours: theirs for theirs, ours in GLOBAL_NAMES.items()}[name]
 
 
+def expert_name(layer: int, expert: int, fc: str) -> str:
+    """Our canonical name of one expert's fc1 / fc2 weight (the expert's global index)."""
+    return f"layers.{layer}.mlp{EXPERTS}{expert}.{fc}.weight"
+
+
+def is_buffer(name: str) -> bool:
+    return name.startswith("layers.") and name.split(".", 2)[2] in BUFFERS
+
+
 def canonical_of(key: str, layer_offset: int = 0) -> Optional[str]:
     """Our canonical name of a Megatron model key (its layer number + `layer_offset`); None for state
-    that is not a weight (`_extra_state`); an error for a weight hybrid does not know."""
-    if "_extra_state" in key:
+    that is not a weight (`_extra_state`, the router's token counts); an error for a weight hybrid does not
+    know. Expert weights are named by the readers (hybrid.conversion.megatron._expert_tensors)."""
+    if "_extra_state" in key or key.endswith("router.local_tokens_per_expert"):
         return None
     if key in GLOBAL_NAMES:
         return GLOBAL_NAMES[key]
@@ -152,17 +184,27 @@ class MegatronCheckpoint:
     def config(self, true_vocab_size: Optional[int] = None) -> ModelConfig:
         return config_from_args(self.args, true_vocab_size, self.directory)
 
-    def parts(self, config: ModelConfig, wanted: Optional[set] = None) -> Iterator[dict]:
+    def optimizer(self) -> "MegatronOptimizer":
+        """What of Megatron's optimizer state can be mapped (see MegatronOptimizer)."""
+        return _optimizer_of(self)
+
+    def parts(self, config: ModelConfig, wanted: Optional[set] = None, kind: str = "model") -> Iterator[dict]:
         """Canonical full tensors, a part at a time: the embeddings, final norm and head, then each layer
-        (of `wanted` only when given), in the checkpoint's dtype, vocabulary rows cut to config.vocab_size."""
-        reader = _DistParts(self) if self.format == "torch_dist" else _LegacyParts(self)
-        names = set(_expected(config))
-        wanted = names if wanted is None else wanted & names
+        (of `wanted` only when given: a rank's parameters, its experts among them, and the routers' score
+        biases when asked for), in the checkpoint's dtype, vocabulary rows cut to config.vocab_size.
+        `kind`: the weights ("model"), or one of the optimizer's tensors (OPTIMIZER_KINDS; torch_dist)."""
+        if kind == "model":
+            reader = _DistParts(self) if self.format == "torch_dist" else _LegacyParts(self)
+        else:
+            reader = _DistParts(self, f"{OPTIMIZER_PREFIX}{kind}.")
+        expected = _expected(config)
+        names = set(expected) | buffer_names(config)
+        wanted = set(expected) if wanted is None else wanted & names
         seen = set()
         for layer in [-1, *range(config.num_layers)]:
-            part = {name: tensor for name, tensor in reader.part(layer, config).items() if name in wanted}
+            part = {name: tensor for name, tensor in reader.part(layer, config, wanted).items() if name in wanted}
             for name, tensor in part.items():
-                if _expected(config)[name] and tensor.size(0) > config.vocab_size:
+                if expected.get(name) and tensor.size(0) > config.vocab_size:
                     part[name] = tensor[: config.vocab_size]
             seen.update(part)
             if part:
@@ -173,10 +215,102 @@ class MegatronCheckpoint:
                               f"model than its weights (or it is incomplete).")
 
     def state(self, config: ModelConfig) -> dict:
+        """Every canonical tensor (the routers' score biases too, when the model has them)."""
         state = {}
-        for part in self.parts(config):
+        for part in self.parts(config, set(_expected(config)) | buffer_names(config)):
             state.update(part)
         return state
+
+
+OPTIMIZER_PREFIX = "optimizer.state."  # megatron-core's model-space optimizer tensors: PREFIX + kind + "." + model key
+MOMENTS = ("exp_avg", "exp_avg_sq")
+MASTERS = ("fp32_param", "param")  # the fp32 master weights: Float16Optimizer's, the distributed optimizer's
+
+
+@dataclasses.dataclass
+class MegatronOptimizer:
+    """Megatron's Adam state as hybrid can map it: megatron-core's model-space form in torch_dist
+    (`optimizer.state.{exp_avg,exp_avg_sq}.<model key>`, and the fp32 masters as `fp32_param` / `param`
+    when the model is not fp32 itself), written by its FP32Optimizer / Float16Optimizer and by the
+    distributed optimizer with --dist-ckpt-optim-fully-reshardable. `problem`: why it cannot be
+    mapped (the log says so and Adam starts fresh), else None."""
+
+    problem: Optional[str] = None
+    master: Optional[str] = None  # the kind holding fp32 masters; None: the model's weights are the masters
+    step: int = 0  # Adam's step count
+    groups: tuple = ()  # ((lr, betas, eps, weight_decay) of the decayed group, and of the others)
+
+
+def _optimizer_of(ckpt: "MegatronCheckpoint") -> MegatronOptimizer:
+    common = ckpt.common
+    if ckpt.format != "torch_dist":
+        stored = "holds" if ckpt.has_optimizer else "holds no"
+        return MegatronOptimizer(problem=f"the legacy format {stored} optimizer state; hybrid maps megatron-core's "
+                                         f"model-space optimizer state of --ckpt-format torch_dist (re-save with "
+                                         f"--ckpt-format torch_dist --dist-ckpt-optim-fully-reshardable)")
+    keys = DCPCheckpoint(ckpt.directory).metadata.state_dict_metadata
+    kinds = {k[len(OPTIMIZER_PREFIX):].split(".", 1)[0] for k in keys if k.startswith(OPTIMIZER_PREFIX)}
+    if not set(MOMENTS) <= kinds:
+        sharded = any(k.startswith("optimizer.distributed.") for k in keys)
+        why = ("the distributed optimizer's buffers (Megatron-LM's default dp_reshardable form), which only "
+               "Megatron-LM at the same TP / PP reads; re-save with --dist-ckpt-optim-fully-reshardable"
+               if sharded else "no Adam moments")
+        return MegatronOptimizer(problem=f"the checkpoint holds {why}")
+    step = _optimizer_step(common.get("optimizer"))
+    if step is None:
+        return MegatronOptimizer(problem="its optimizer records no single step count")
+    groups = _optimizer_groups(common.get("optimizer"))
+    master = next((k for k in MASTERS if k in kinds), None)
+    if master is None and (_arg(ckpt.args, "bf16") or _arg(ckpt.args, "fp16")):
+        return MegatronOptimizer(problem="its optimizer state has no fp32 master weights")
+    return MegatronOptimizer(master=master, step=step, groups=groups)
+
+
+def _optimizer_states(node) -> Iterator[dict]:
+    """Every optimizer state dict (one with param_groups) in common.pt's `optimizer` (chained: nested)."""
+    if isinstance(node, dict):
+        if isinstance(node.get("param_groups"), list):
+            yield node
+        for value in node.values():
+            if isinstance(value, (dict, list)):
+                yield from _optimizer_states(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _optimizer_states(value)
+
+
+def _optimizer_step(node) -> Optional[int]:
+    """The step count every parameter shares: FP32/Float16Optimizer's `common_step`, the distributed
+    optimizer's per-group `step`."""
+    steps = set()
+    for state in _optimizer_states(node):
+        inner = state.get("state") if isinstance(state.get("state"), dict) else {}
+        if "common_step" in inner:
+            steps.add(int(inner["common_step"]))
+        steps.update(int(g["step"]) for g in state["param_groups"] if isinstance(g, dict) and "step" in g)
+    return steps.pop() if len(steps) == 1 else None
+
+
+def _optimizer_groups(node) -> tuple:
+    """((lr, betas, eps, weight decay) of the decayed parameters, and of the others): the hyperparameters
+    Megatron's scheduler left in its groups (weight decay x wd_mult, 0 on biases and norms)."""
+    groups = [g for state in _optimizer_states(node) for g in state["param_groups"] if isinstance(g, dict)]
+    if not groups:
+        return ()
+
+    def hyper(g):
+        return (float(g.get("lr", 0.0)), tuple(g.get("betas", (0.9, 0.999))), float(g.get("eps", 1e-8)),
+                float(g.get("weight_decay", 0.0)))
+    decayed = next((g for g in groups if float(g.get("wd_mult", 1.0)) != 0.0), groups[0])
+    others = next((g for g in groups if float(g.get("wd_mult", 1.0)) == 0.0), None)
+    return (hyper(decayed), hyper(others) if others else hyper(decayed)[:3] + (0.0,))
+
+
+def buffer_names(config: ModelConfig) -> set:
+    """Canonical names of the model's state that is not a parameter: the routers' score biases."""
+    if not config.num_experts or not config.moe_router_enable_expert_bias:
+        return set()
+    return {f"layers.{i}.mlp.router.score_bias" for i in config.moe_layers}
 
 
 def _expected(config: ModelConfig) -> dict:
@@ -198,7 +332,7 @@ def open_megatron(path: str, flag: str = "--load") -> MegatronCheckpoint:
                               f"run's args).")
         common = _load(common_path)
     else:
-        common = _load(_legacy_files(directory)[0][2], mmap=True)
+        common = _load(sorted(glob.glob(os.path.join(directory, "mp_rank_*", LEGACY_FILE)))[0], mmap=True)
         common = {k: v for k, v in common.items() if not k.startswith("model")}
     args = common.get("args")
     if not isinstance(args, argparse.Namespace):
@@ -229,9 +363,6 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
     def refuse(what: str, why: str):
         raise ConfigError(f"{where}: the checkpoint's model has {what}, which hybrid's model does not compute "
                           f"({why}).")
-    if _arg(args, "num_experts"):
-        refuse(f"--num-experts {args.num_experts}", "Megatron MoE checkpoints are not read yet; convert the "
-               "weights to HuggingFace with Megatron-Bridge, then use --load-hf")
     if _arg(args, "multi_latent_attention"):
         refuse("multi-latent attention", "only multi-head / grouped-query attention")
     if float(_arg(args, "rotary_percent", 1.0) or 1.0) != 1.0:
@@ -283,7 +414,44 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         add_qkv_bias=bool(_arg(args, "add_qkv_bias", False)), qk_layernorm=bool(_arg(args, "qk_layernorm", False)),
         sliding_window=None if not window or window[0] == -1 else int(window[0]) + 1, rope_scaling=rope_scaling,
         apply_layernorm_1p=bool(_arg(args, "apply_layernorm_1p", False)),
-        make_vocab_size_divisible_by=int(_arg(args, "make_vocab_size_divisible_by", 128) or 128), hf_dtype=dtype)
+        make_vocab_size_divisible_by=int(_arg(args, "make_vocab_size_divisible_by", 128) or 128), hf_dtype=dtype,
+        **_moe_fields(args, refuse))
+
+
+def _moe_fields(args: argparse.Namespace, refuse) -> dict:
+    """The ModelConfig fields of Megatron-LM's MoE args (the same names, as hybrid's flags have them)."""
+    experts = _arg(args, "num_experts") or _arg(args, "num_moe_experts")
+    if not experts:
+        return {}
+    for name, why in (("moe_router_num_groups", "device-limited (grouped) routing"),
+                      ("moe_router_group_topk", "device-limited (grouped) routing"),
+                      ("moe_input_jitter_eps", "input jitter"), ("moe_router_force_load_balancing", "forced routing"),
+                      ("moe_pad_expert_input_to_capacity", "padding experts to their capacity"),
+                      ("moe_latent_size", "latent MoE projections"), ("moe_router_padding_for_fp8", "FP8 padding")):
+        if _arg(args, name):
+            refuse(f"--{name.replace('_', '-')} {_arg(args, name)}", f"{why} is not implemented")
+    balancing = _arg(args, "moe_router_load_balancing_type", "aux_loss")
+    coeff = _arg(args, "moe_aux_loss_coeff", 0.0)
+    if isinstance(balancing, (list, tuple)) or isinstance(coeff, (list, tuple)):
+        refuse(f"--moe-router-load-balancing-type {balancing}", "one balancing loss per router")
+    if balancing not in ("aux_loss", "seq_aux_loss", "none"):
+        refuse(f"--moe-router-load-balancing-type {balancing}", "aux_loss, seq_aux_loss or none")
+    freq = _arg(args, "moe_layer_freq", 1)
+    return dict(
+        num_experts=int(experts), moe_layer_freq=list(freq) if isinstance(freq, (list, tuple)) else int(freq),
+        moe_ffn_hidden_size=_arg(args, "moe_ffn_hidden_size"), moe_router_topk=int(_arg(args, "moe_router_topk", 2)),
+        moe_router_score_function=_arg(args, "moe_router_score_function", "softmax") or "softmax",
+        moe_router_pre_softmax=bool(_arg(args, "moe_router_pre_softmax", False)),
+        moe_router_topk_scaling_factor=_arg(args, "moe_router_topk_scaling_factor"),
+        moe_router_load_balancing_type=balancing, moe_aux_loss_coeff=float(coeff or 0.0),
+        moe_z_loss_coeff=_arg(args, "moe_z_loss_coeff"),
+        moe_router_enable_expert_bias=bool(_arg(args, "moe_router_enable_expert_bias", False)),
+        moe_router_bias_update_rate=float(_arg(args, "moe_router_bias_update_rate", 1e-3) or 1e-3),
+        moe_shared_expert_intermediate_size=_arg(args, "moe_shared_expert_intermediate_size"),
+        moe_shared_expert_gate=bool(_arg(args, "moe_shared_expert_gate", False)),
+        moe_expert_capacity_factor=_arg(args, "moe_expert_capacity_factor"),
+        moe_token_drop_policy=_arg(args, "moe_token_drop_policy", "probs") or "probs",
+        moe_grouped_gemm=bool(_arg(args, "moe_grouped_gemm", False)))
 
 
 def megatron_run_args(args: argparse.Namespace) -> dict:
@@ -298,7 +466,8 @@ def megatron_run_args(args: argparse.Namespace) -> dict:
 # flag namespace attribute -> the stored args' attribute
 ARCHITECTURE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
                       "normalization", "swiglu", "untie_embeddings_and_output_weights", "position_embedding_type",
-                      "qk_layernorm", "add_qkv_bias", "rotary_base", "max_position_embeddings")
+                      "qk_layernorm", "add_qkv_bias", "rotary_base", "max_position_embeddings", "num_experts",
+                      "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
 
 
 def contradictions(flags: argparse.Namespace, defaults: dict, args: argparse.Namespace) -> list[str]:
@@ -320,27 +489,61 @@ def contradictions(flags: argparse.Namespace, defaults: dict, args: argparse.Nam
 # --- the legacy format: one file per TP x PP (x EP) rank -------------------------------------------
 
 
-def _legacy_files(directory: str) -> list:
-    """[(tp_rank, pp_rank, path)] of a legacy checkpoint's files, sorted."""
+def _legacy_files(directory: str, args: argparse.Namespace) -> list:
+    """[(tp_rank, pp_rank, ep_rank, path)] of a legacy checkpoint's files, sorted. Megatron-LM names them
+    mp_rank_TT, then _PPP when PP > 1, then _EEE when EP > 1 (so the args say which field is which)."""
+    pipeline = int(_arg(args, "pipeline_model_parallel_size", 1) or 1) > 1
+    expert = int(_arg(args, "expert_model_parallel_size", 1) or 1) > 1
     files = []
     for path in glob.glob(os.path.join(directory, "mp_rank_*", LEGACY_FILE)):
         fields = [int(f) for f in os.path.basename(os.path.dirname(path))[len("mp_rank_"):].split("_")]
-        if len(fields) > 2:
-            raise ConfigError(f"{path}: an expert-parallel rank's file; Megatron MoE checkpoints are not read yet.")
-        files.append((fields[0], fields[1] if len(fields) > 1 else 0, path))
+        if len(fields) != 1 + pipeline + expert:
+            raise ConfigError(f"{path}: the directory name does not fit the checkpoint's args (PP "
+                              f"{_arg(args, 'pipeline_model_parallel_size', 1)}, EP "
+                              f"{_arg(args, 'expert_model_parallel_size', 1)}).")
+        files.append((fields[0], fields[1] if pipeline else 0, fields[-1] if expert else 0, path))
     return sorted(files)
+
+
+def _expert_pieces(rest: str, first: int, local: int) -> list:
+    """[(global expert, fc, tensor -> that expert's [out, in] weight)] of one legacy expert key (the name
+    inside its layer), or [] when the key is not an expert's. `first`: this EP rank's first expert."""
+    for spelling, pattern in EXPERT_KEYS.items():
+        match = pattern.match(rest)
+        if match is None or spelling == "dist":
+            continue
+        if spelling == "sequential":
+            return [(first + int(match.group(1)), match.group(2), lambda t: t)]
+        if spelling == "te_grouped":
+            return [(first + int(match.group(2)), match.group(1), lambda t: t)]
+        if match.group(1) == "1":  # [h, experts x out]: expert j is view(E, h, out)[j], transposed
+            return [(first + j, "fc1", lambda t, j=j: t.view(local, t.size(0), -1)[j].t()) for j in range(local)]
+        return [(first + j, "fc2", lambda t, j=j: t.view(local, -1, t.size(1))[j].t()) for j in range(local)]
+    return []
+
+
+def _join_expert(name: str, shards: list, config: ModelConfig) -> torch.Tensor:
+    """An expert's weight from its expert-TP shards: fc1 by rows ([gate; up] per shard when gated), fc2 by
+    columns, as Megatron splits a dense MLP (hybrid's experts are whole on every rank)."""
+    from hybrid.parallel.layers import unshard  # (layout imports DeepSpeed: only when reading)
+    if len(shards) == 1:
+        return shards[0]
+    if name.endswith("fc1.weight"):
+        return unshard(shards, 0, 2 if config.gated_linear_unit else 1)
+    return unshard(shards, 1)
 
 
 class _LegacyParts:
     def __init__(self, ckpt: MegatronCheckpoint):
         self.ckpt = ckpt
         args = ckpt.args
-        self.files = _legacy_files(ckpt.directory)
-        self.tp = max(t for t, _, _ in self.files) + 1
-        self.pp = max(p for _, p, _ in self.files) + 1
-        if len(self.files) != self.tp * self.pp:
-            raise ConfigError(f"{ckpt.directory}: {len(self.files)} mp_rank_* files for TP {self.tp} x PP {self.pp}; "
-                              f"the checkpoint is incomplete.")
+        self.files = _legacy_files(ckpt.directory, args)
+        self.tp = max(t for t, _, _, _ in self.files) + 1
+        self.pp = max(p for _, p, _, _ in self.files) + 1
+        self.ep = max(e for _, _, e, _ in self.files) + 1
+        if len(self.files) != self.tp * self.pp * self.ep:
+            raise ConfigError(f"{ckpt.directory}: {len(self.files)} mp_rank_* files for TP {self.tp} x PP {self.pp} x "
+                              f"EP {self.ep}; the checkpoint is incomplete.")
         if _arg(args, "virtual_pipeline_model_parallel_size") or _arg(args, "num_layers_per_virtual_pipeline_stage"):
             raise ConfigError(f"{ckpt.directory}: a legacy checkpoint of an interleaved (virtual) pipeline is not "
                               f"read; save it once as --ckpt-format torch_dist (global layer numbers), then convert.")
@@ -349,29 +552,49 @@ class _LegacyParts:
                               f"it once as --ckpt-format torch_dist, then convert.")
         if int(args.num_layers) % self.pp:
             raise ConfigError(f"{ckpt.directory}: {args.num_layers} layers do not split evenly over PP {self.pp}.")
+        experts = int(_arg(args, "num_experts") or 0)
+        etp = int(_arg(args, "expert_tensor_parallel_size") or self.tp)
+        if experts and etp != self.tp:
+            raise ConfigError(f"{ckpt.directory}: a legacy MoE checkpoint with --expert-tensor-parallel-size {etp} "
+                              f"and TP {self.tp} is not read (its files interleave expert ranks over TP); save it once "
+                              f"as --ckpt-format torch_dist, then convert.")
+        local = experts // self.ep if experts else 0
         self.per_stage = int(args.num_layers) // self.pp
-        self.index = {}  # canonical name -> [(path, key, tp rank)]
-        for tp_rank, pp_rank, path in self.files:
+        self.index = {}  # canonical name -> [(path, key, tp rank, tensor -> the weight)]
+        for tp_rank, pp_rank, ep_rank, path in self.files:
+            offset = pp_rank * self.per_stage
             for key in _legacy_model(path):
-                name = canonical_of(key, pp_rank * self.per_stage)
+                match = _LAYER_KEY.match(key)
+                pieces = _expert_pieces(match.group(2), ep_rank * local, local) if match and experts else []
+                for expert, fc, pick in pieces:
+                    name = expert_name(int(match.group(1)) + offset, expert, fc)
+                    self.index.setdefault(name, []).append((path, key, tp_rank, pick))
+                if pieces or ep_rank > 0:  # other weights are in every EP rank's file: EP rank 0's are read
+                    continue
+                name = canonical_of(key, offset)
                 if name is not None and not (name == "output_layer.weight" and not
                                              _arg(args, "untie_embeddings_and_output_weights", False)):
                     if name == "embedding.word_embeddings.weight" and pp_rank > 0:
                         continue  # the last stage's copy of a tied table
-                    self.index.setdefault(name, []).append((path, key, tp_rank))
+                    self.index.setdefault(name, []).append((path, key, tp_rank, None))
 
-    def part(self, layer: int, config: ModelConfig) -> dict:
+    def part(self, layer: int, config: ModelConfig, wanted: set) -> dict:
         from hybrid.conversion.layout import merge_shards  # (layout imports DeepSpeed: only when reading)
-        mine = {name: places for name, places in self.index.items()
-                if (name.startswith(f"layers.{layer}.") if layer >= 0 else not name.startswith("layers."))}
-        opened, shards = {}, {}
+        mine = {name: places for name, places in self.index.items() if name in wanted and
+                (name.startswith(f"layers.{layer}.") if layer >= 0 else not name.startswith("layers."))}
+        opened, shards, whole = {}, {}, {}
         for name, places in mine.items():
-            for path, key, tp_rank in places:
+            for path, key, tp_rank, pick in places:
                 if path not in opened:
                     opened[path] = _legacy_model(path)
-                shards.setdefault(name, {})[tp_rank] = opened[path][key]
+                tensor = opened[path][key]
+                shards.setdefault(name, {})[tp_rank] = tensor if pick is None else pick(tensor)
+        for name in [n for n in shards if EXPERTS in n or is_buffer(n)]:  # joined here, not by the TP layout
+            by_rank = shards.pop(name)
+            whole[name] = _join_expert(name, [by_rank[r] for r in sorted(by_rank)], config) if EXPERTS in name \
+                else by_rank[0]
         full = dataclasses.replace(config, vocab_size=_rows(self.ckpt))  # rows are cut in parts()
-        return merge_shards(shards, full, self.tp, self.ckpt.directory, dtype=None)
+        return {**merge_shards(shards, full, self.tp, self.ckpt.directory, dtype=None), **whole}
 
 
 def _rows(ckpt: MegatronCheckpoint) -> int:
@@ -396,32 +619,54 @@ def _legacy_model(path: str) -> dict:
 
 
 class _DistParts:
-    def __init__(self, ckpt: MegatronCheckpoint):
+    """A torch_dist checkpoint's model tensors, or (`prefix` "optimizer.state.exp_avg." and so on) the
+    optimizer's tensors of one kind, which megatron-core keys by the model's sharded keys."""
+
+    def __init__(self, ckpt: MegatronCheckpoint, prefix: str = ""):
         self.ckpt = ckpt
         self.dcp = DCPCheckpoint(ckpt.directory)
         self.layers = int(ckpt.args.num_layers)
-        self.keys = [k for k in self.dcp.tensors if k.startswith(MODEL_PREFIXES)]
+        self.prefix = prefix
+        self.keys = [k[len(prefix):] for k in self.dcp.tensors
+                     if k.startswith(prefix) and k[len(prefix):].startswith(MODEL_PREFIXES)]
 
-    def part(self, layer: int, config: ModelConfig) -> dict:
+    def _read(self, key: str, index=None) -> torch.Tensor:
+        return self.dcp.read(self.prefix + key, index)
+
+    def _shape(self, key: str) -> tuple:
+        return self.dcp.shape(self.prefix + key)
+
+    def part(self, layer: int, config: ModelConfig, wanted: set) -> dict:
         out = {}
         tied = not config.untie_embeddings_and_output_weights
         for key in self.keys:
             if key.startswith("decoder.layers."):
                 rest = key[len("decoder.layers."):]
-                if _LAYER_KEY.match(key):  # non-homogeneous layers: one key per layer
-                    if int(rest.split(".", 1)[0]) == layer:
-                        name = canonical_of(key)
-                        if name is not None:
-                            out[name] = self.dcp.read(key)
+                match = _LAYER_KEY.match(key)
+                if match:  # non-homogeneous layers: one key per layer
+                    if int(match.group(1)) == layer:
+                        self._read_into(out, key, match.group(2), layer, (), wanted)
                 elif layer >= 0:
-                    name = canonical_of(f"decoder.layers.{layer}.{rest}")
-                    if name is not None:
-                        if self.dcp.shape(key)[0] != self.layers:
-                            raise ConfigError(f"{self.ckpt.directory}: {key} stacks {self.dcp.shape(key)[0]} layers, "
-                                              f"the args say {self.layers}.")
-                        out[name] = self.dcp.read(key, layer)
+                    if self._shape(key)[0] != self.layers:
+                        raise ConfigError(f"{self.ckpt.directory}: {key} stacks {self._shape(key)[0]} layers, "
+                                          f"the args say {self.layers}.")
+                    if self.dcp.holds(self.prefix + key, layer):  # (with dense and MoE layers, a key holds some of them)
+                        self._read_into(out, key, rest, layer, (layer,), wanted)
             elif layer < 0:
                 name = canonical_of(key)
                 if name is not None and not (name == "output_layer.weight" and tied):
-                    out[name] = self.dcp.read(key)
+                    out[name] = self._read(key)
         return out
+
+    def _read_into(self, out: dict, key: str, rest: str, layer: int, index: tuple, wanted: set) -> None:
+        """One layer's tensor of `key` (its slice [index]); experts one at a time, the wanted ones only."""
+        match = EXPERT_KEYS["dist"].match(rest)
+        if match is None:
+            name = canonical_of(f"decoder.layers.{layer}.{rest}")
+            if name is not None:
+                out[name] = self._read(key, index)
+            return
+        for expert in range(self._shape(key)[len(index)]):
+            name = expert_name(layer, expert, match.group(1))
+            if name in wanted:
+                out[name] = self._read(key, (*index, expert))

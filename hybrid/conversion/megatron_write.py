@@ -1,7 +1,15 @@
-"""Megatron-LM checkpoints, written (checkpoint_util.py --saver megatron): the legacy `--ckpt-format torch`
-files (one per TP x PP rank, layer numbers local to the stage, the norms spelled as --saver-transformer-impl
-says: transformer_engine, Megatron-LM's default, or local). megatron-core's `torch_dist` is read, not
-written yet (Megatron-LM converts the legacy files with --ckpt-convert-format torch_dist).
+"""Megatron-LM checkpoints, written (checkpoint_util.py --saver megatron), in both of its formats:
+
+- `--ckpt-format torch` (legacy): one `model_optim_rng.pt` per TP x PP (x EP) rank, layer numbers local to
+  the stage, the norms spelled as --saver-transformer-impl says (transformer_engine, Megatron-LM's default,
+  or local), experts as SequentialMLP names them (`mlp.experts.local_experts.J`, J local to the EP rank).
+- `--ckpt-format torch_dist` (megatron-core's dist_checkpointing): what `dist_checkpointing.save` writes for
+  the model's sharded_state_dict, in one process with torch.distributed.checkpoint (no process group):
+  global tensors under megatron-core's sharded keys (every layer's weight of one kind stacked
+  [num_layers, ...], or one key per layer when dense and MoE layers mix; experts [experts, ...]; the
+  norms under Transformer Engine's names, which megatron-core uses for both specs), the linear layers'
+  `_extra_state` objects (empty, as a model without FP8 state has them), `common.pt` (args, iteration)
+  and `metadata.json`. Any TP / PP / EP loads it.
 
 Weights only: Megatron-LM resumes it with --no-load-optim --no-load-rng (or --finetune); the args it
 stores describe the model (and the run's counters), so --use-checkpoint-args rebuilds it.
@@ -10,6 +18,7 @@ stores describe the model (and the run's counters), so --use-checkpoint-args reb
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Optional
 
@@ -17,16 +26,25 @@ import torch
 
 from hybrid.checkpoint.client_state import ClientState
 from hybrid.checkpoint.files import MEGATRON_LATEST, atomic_directory, tag_for
+from hybrid.checkpoint.tp_layout import tp_layout
 from hybrid.conversion.layout import shard_for_rank
-from hybrid.conversion.megatron import LEGACY_FILE, megatron_global_key, megatron_layer_key
+from hybrid.conversion.megatron import (LEGACY_FILE, buffer_names, is_buffer, megatron_global_key,
+                                        megatron_layer_key)
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
+from hybrid.model.naming import EXPERTS
+from hybrid.parallel.layers import shard
 
 LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+SHARED_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+EXPERT_LINEARS = ("linear_fc1", "linear_fc2")
+# megatron-core's torch_dist metadata.json (its sharded and common backends)
+DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                 "common_backend_version": 1}
 
 
-def megatron_args(config: ModelConfig, tp: int, pp: int, client_state: ClientState) -> argparse.Namespace:
-    """The args Megatron-LM stores (its argparse names) for this model at TP x PP, over the run's own."""
+def megatron_args(config: ModelConfig, tp: int, pp: int, client_state: ClientState, ep: int = 1) -> argparse.Namespace:
+    """The args Megatron-LM stores (its argparse names) for this model at TP x PP x EP, over the run's own."""
     run = {k: v for k, v in (client_state.args or {}).items() if isinstance(v, (str, int, float, bool, type(None)))}
     arch = dict(
         num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
@@ -47,10 +65,17 @@ def megatron_args(config: ModelConfig, tp: int, pp: int, client_state: ClientSta
         window_size=(config.sliding_window - 1, 0) if config.sliding_window else None,
         hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
         init_method_std=config.init_method_std, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1, num_experts=None,
-        multi_latent_attention=False, consumed_train_samples=int(client_state.consumed_samples),
-        consumed_valid_samples=0, iteration=int(client_state.iteration), bf16=config.hf_dtype == "bfloat16",
-        fp16=config.hf_dtype == "float16")
+        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+        num_experts=config.num_experts, multi_latent_attention=False,
+        consumed_train_samples=int(client_state.consumed_samples), consumed_valid_samples=0,
+        iteration=int(client_state.iteration), bf16=config.hf_dtype == "bfloat16", fp16=config.hf_dtype == "float16")
+    if config.num_experts:
+        arch.update({name: getattr(config, name) for name in (
+            "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
+            "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_load_balancing_type",
+            "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+            "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_expert_capacity_factor",
+            "moe_token_drop_policy")}, moe_grouped_gemm=False)
     run.pop("disable_bias_linear", None)
     return argparse.Namespace(**{**run, **arch})
 
@@ -61,52 +86,186 @@ def _common(args: argparse.Namespace, iteration: int, ckpt_format: str) -> dict:
 
 
 def write_megatron(state: dict, config: ModelConfig, tp: int, pp: int, save_dir: str, client_state: ClientState,
-                   ckpt_format: str = "torch", spelling: Optional[str] = None) -> str:
-    """Write `state` (canonical, full) as a Megatron-LM checkpoint in `save_dir`; atomic. Returns the tag."""
-    if ckpt_format != "torch":
-        raise ConfigError(f"--saver megatron --ckpt-format {ckpt_format}: only the legacy format (torch) is written "
-                          f"yet; write that, then let Megatron-LM re-save it as torch_dist (its --ckpt-convert-format "
-                          f"torch_dist --ckpt-convert-save DIR).")
+                   ckpt_format: str = "torch", spelling: Optional[str] = None, ep: int = 1) -> str:
+    """Write `state` (canonical, full; the routers' score biases too when the model has them) as a
+    Megatron-LM checkpoint in `save_dir`; atomic. Returns the tag."""
+    missing = sorted(buffer_names(config) - set(state))
+    if missing:
+        raise ConfigError(f"the model's routers have expert biases, and the source does not carry them ({missing[0]}, "
+                          f"...); convert from a checkpoint that has them (a Megatron-LM checkpoint, or launch/train.py "
+                          f"--save).")
+    if config.num_experts and config.num_experts % ep:
+        raise ConfigError(f"--target-expert-parallel-size {ep} does not divide the model's {config.num_experts} "
+                          f"experts.")
     iteration = int(client_state.iteration)
     tag = tag_for(iteration)
-    args = megatron_args(config, tp, pp, client_state)
+    args = megatron_args(config, tp, pp, client_state, ep)
     with atomic_directory(save_dir) as tmp:
         directory = os.path.join(tmp, tag)
         os.makedirs(directory)
-        _write_legacy(state, config, tp, pp, directory, _common(args, iteration, ckpt_format),
-                      spelling or "transformer_engine")
+        common = _common(args, iteration, ckpt_format)
+        if ckpt_format == "torch_dist":
+            _write_dist(state, config, tp, directory, common)
+        else:
+            _write_legacy(state, config, tp, pp, ep, directory, common, spelling or "transformer_engine")
         with open(os.path.join(tmp, MEGATRON_LATEST), "w") as f:
             f.write(str(iteration))
     return tag
 
 
-def _write_legacy(state: dict, config: ModelConfig, tp: int, pp: int, directory: str, common: dict,
+# --- the legacy format ----------------------------------------------------------------------------
+
+def _write_legacy(state: dict, config: ModelConfig, tp: int, pp: int, ep: int, directory: str, common: dict,
                   spelling: str) -> None:
     layers_per_stage = config.num_layers // pp
+    local_experts = (config.num_experts or 0) // ep
     for stage in range(pp):
         first, last = stage * layers_per_stage, (stage + 1) * layers_per_stage
-        for tp_rank in range(tp):
-            model = {}
-            for name in sorted(state):
-                if name.startswith("layers."):
-                    layer, rest = int(name.split(".")[1]), name.split(".", 2)[2]
-                    if first <= layer < last:
-                        key = f"decoder.layers.{layer - first}.{megatron_layer_key(rest, spelling)}"
-                        model[key] = shard_for_rank(name, state[name], config, tp, tp_rank).contiguous().clone()
-                    continue
-                on_first = name.startswith("embedding.")
-                if (on_first and stage == 0) or (not on_first and stage == pp - 1):
-                    model[megatron_global_key(name)] = shard_for_rank(name, state[name], config, tp,
-                                                                      tp_rank).contiguous().clone()
-            if stage == pp - 1 and pp > 1 and config.tied_embeddings:  # the last stage's copy of the table
-                model["output_layer.weight"] = shard_for_rank("embedding.word_embeddings.weight",
-                                                              state["embedding.word_embeddings.weight"], config, tp,
-                                                              tp_rank).contiguous().clone()
-            for i in range(last - first):
-                for module in LINEAR_MODULES:
-                    model[f"decoder.layers.{i}.{module}._extra_state"] = None
-            if stage == pp - 1 and (config.untie_embeddings_and_output_weights or pp > 1):
-                model["output_layer._extra_state"] = None
-            rank_dir = os.path.join(directory, f"mp_rank_{tp_rank:02d}" + (f"_{stage:03d}" if pp > 1 else ""))
-            os.makedirs(rank_dir)
-            torch.save(dict(common, model=model), os.path.join(rank_dir, LEGACY_FILE))
+        for ep_rank in range(ep):
+            experts = range(ep_rank * local_experts, (ep_rank + 1) * local_experts)
+            for tp_rank in range(tp):
+                model = _legacy_model(state, config, tp, tp_rank, stage, pp, first, last, experts, spelling)
+                name = f"mp_rank_{tp_rank:02d}" + (f"_{stage:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1
+                                                                                       else "")
+                os.makedirs(os.path.join(directory, name))
+                torch.save(dict(common, model=model), os.path.join(directory, name, LEGACY_FILE))
+
+
+def _legacy_model(state, config, tp, tp_rank, stage, pp, first, last, experts, spelling) -> dict:
+    """One legacy file's `model`: this stage's layers (stage-local numbers), this EP rank's experts, TP shards."""
+    model = {}
+    for name in sorted(state):
+        if name.startswith("layers."):
+            layer, rest = int(name.split(".")[1]), name.split(".", 2)[2]
+            if not first <= layer < last:
+                continue
+            moe = config.mlp_type_of(layer) == "moe"
+            prefix = f"decoder.layers.{layer - first}."
+            if EXPERTS in name:
+                expert, fc = rest[len("mlp") + len(EXPERTS):].split(".")[:2]
+                if int(expert) in experts:
+                    key = f"{prefix}mlp.experts.local_experts.{int(expert) - experts.start}.linear_{fc}.weight"
+                    model[key] = _expert_shard(state[name], fc, config, tp, tp_rank).contiguous().clone()
+                continue
+            key = prefix + ("pre_mlp_layernorm." + rest.split(".", 1)[1] if moe and rest.startswith("post_attention")
+                            else megatron_layer_key(rest, spelling))
+            value = state[name] if is_buffer(name) else shard_for_rank(name, state[name], config, tp, tp_rank)
+            model[key] = value.contiguous().clone()
+            continue
+        on_first = name.startswith("embedding.")
+        if (on_first and stage == 0) or (not on_first and stage == pp - 1):
+            model[megatron_global_key(name)] = shard_for_rank(name, state[name], config, tp, tp_rank).contiguous().clone()
+    if stage == pp - 1 and pp > 1 and config.tied_embeddings:  # the last stage's copy of the table
+        model["output_layer.weight"] = shard_for_rank("embedding.word_embeddings.weight",
+                                                      state["embedding.word_embeddings.weight"], config, tp,
+                                                      tp_rank).contiguous().clone()
+    for i in range(last - first):
+        for module in _linear_modules(config, first + i):
+            model[f"decoder.layers.{i}.{module}._extra_state"] = None
+        if config.mlp_type_of(first + i) == "moe":
+            for j in range(len(experts)):
+                for linear in EXPERT_LINEARS:
+                    model[f"decoder.layers.{i}.mlp.experts.local_experts.{j}.{linear}._extra_state"] = None
+    if stage == pp - 1 and (config.untie_embeddings_and_output_weights or pp > 1):
+        model["output_layer._extra_state"] = None
+    return model
+
+
+def _linear_modules(config: ModelConfig, layer: int) -> tuple:
+    """The linear layers of a layer that keep an `_extra_state` (not the experts')."""
+    if config.mlp_type_of(layer) != "moe":
+        return LINEAR_MODULES
+    return LINEAR_MODULES[:2] + (SHARED_LINEARS if config.moe_shared_expert_intermediate_size else ())
+
+
+def _expert_shard(tensor: torch.Tensor, fc: str, config: ModelConfig, tp: int, tp_rank: int) -> torch.Tensor:
+    """An expert's weight on one expert-TP rank (expert TP = TP, Megatron-LM's default): fc1 by rows
+    ([gate; up] per rank when gated), fc2 by columns, as a dense MLP."""
+    if fc == "fc1":
+        return shard(tensor, 0, tp_rank, tp, 2 if config.gated_linear_unit else 1)
+    return shard(tensor, 1, tp_rank, tp)
+
+
+# --- torch_dist -----------------------------------------------------------------------------------
+
+def _write_dist(state: dict, config: ModelConfig, tp: int, directory: str, common: dict) -> None:
+    """megatron-core's torch_dist layout of `state`, written by torch.distributed.checkpoint in this process."""
+    import torch.distributed.checkpoint as dcp  # torch's DCP: only when writing this format
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # (see above)
+    tensors = _dist_tensors(state, config, tp)
+    objects = {key: [None] for key in _dist_objects(config)}  # what a linear layer's get_extra_state gives
+    dcp.save({**tensors, **objects}, storage_writer=dcp.FileSystemWriter(directory),
+             planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+    torch.save(common, os.path.join(directory, "common.pt"))
+    with open(os.path.join(directory, "metadata.json"), "w") as f:
+        json.dump(DIST_METADATA, f)
+
+
+def homogeneous(config: ModelConfig) -> bool:
+    """megatron-core stacks each kind of layer weight over the layers only when every layer has the same
+    modules (its TransformerBlock.sharded_state_dict: no --moe-layer-freq list or N > 1)."""
+    freq = config.moe_layer_freq
+    return not config.num_experts or (not isinstance(freq, (list, tuple)) and int(freq) == 1)
+
+
+def _dist_key(layer: int, rest: str, stacked: bool) -> str:
+    return f"decoder.layers.{rest}" if stacked else f"decoder.layers.{layer}.{rest}"
+
+
+def _dist_tensors(state: dict, config: ModelConfig, tp: int) -> dict:
+    """{megatron-core sharded key: global tensor}: vocabulary rows padded as the args say, each layer's
+    weights stacked over the layers (homogeneous models), experts stacked over the experts."""
+    stacked = homogeneous(config)
+    per_key: dict[str, dict[int, torch.Tensor]] = {}  # key -> {layer: tensor}
+    out = {}
+    for name, tensor in state.items():
+        if not name.startswith("layers."):
+            out[megatron_global_key(name)] = _padded(name, tensor, config, tp).contiguous()
+            continue
+        layer, rest = int(name.split(".")[1]), name.split(".", 2)[2]
+        if EXPERTS in name:
+            expert, fc = rest[len("mlp") + len(EXPERTS):].split(".")[:2]
+            key = _dist_key(layer, f"mlp.experts.experts.linear_{fc}.weight", stacked)
+            per_key.setdefault(key, {}).setdefault(layer, {})[int(expert)] = tensor
+            continue
+        per_key.setdefault(_dist_key(layer, megatron_layer_key(rest, "transformer_engine"), stacked), {})[layer] = tensor
+    for key, layers in per_key.items():
+        values = [torch.stack([v[e] for e in sorted(v)]) if isinstance(v, dict) else v
+                  for _, v in sorted(layers.items())]
+        if stacked:
+            if len(values) != config.num_layers:
+                raise ConfigError(f"{key}: {len(values)} of {config.num_layers} layers in the source.")
+            out[key] = torch.stack(values)
+        else:
+            out[key] = values[0]
+    return out
+
+
+def _padded(name: str, tensor: torch.Tensor, config: ModelConfig, tp: int) -> torch.Tensor:
+    """A full tensor with its vocabulary rows padded as the model at TP pads them (the global tensor)."""
+    rows = config.padded_vocab_size(tp)
+    if not tp_layout(config)[name].vocab_padded or tensor.size(0) >= rows:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros((rows - tensor.size(0),) + tuple(tensor.shape[1:]))])
+
+
+def _dist_objects(config: ModelConfig) -> list:
+    """The unique keys of the linear layers' `_extra_state` ShardedObjects (`{key}/shard_{offsets}_{shape}`,
+    offsets and shape over the stacked axes: the layer, then the expert)."""
+    stacked, layers, experts = homogeneous(config), config.num_layers, config.num_experts or 0
+    keys = []
+    for layer in range(layers):
+        axes = ([layer], [layers]) if stacked else ([0], [1])
+        for module in _linear_modules(config, layer):
+            keys.append(_object_key(_dist_key(layer, f"{module}._extra_state", stacked), *axes))
+        if config.mlp_type_of(layer) == "moe":
+            for expert in range(experts):
+                for linear in EXPERT_LINEARS:
+                    key = _dist_key(layer, f"mlp.experts.experts.{linear}._extra_state", stacked)
+                    offsets, shape = ([layer, expert], [layers, experts]) if stacked else ([expert], [experts])
+                    keys.append(_object_key(key, offsets, shape))
+    return keys
+
+
+def _object_key(key: str, offsets: list, shape: list) -> str:
+    return f"{key}/shard_{'.'.join(map(str, offsets))}_{'.'.join(map(str, shape))}"

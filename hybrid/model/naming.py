@@ -86,6 +86,14 @@ def global_expert_name(name: str, expert_offsets: dict, default: int = 0) -> str
     return f"{prefix}{EXPERTS}{int(local) + expert_offsets.get(prefix, default)}.{tail}"
 
 
+def canonical_buffers(model, num_layers: int) -> dict:
+    """This rank's buffers under their canonical names (the routers' score biases among them), named as
+    canonical_parameters names parameters."""
+    offsets = {name: m.expert_offset for name, m in model.named_modules() if getattr(m, "expert_offset", 0)}
+    return {canonical_name(global_expert_name(name, offsets) if offsets else name, num_layers): buffer
+            for name, buffer in model.named_buffers()}
+
+
 def canonical_parameters(model, num_layers: int) -> dict:
     """This rank's parameters under their canonical names, for GPTModel, a DeepSpeed pipeline stage
     or a rank's virtual stages (whose copy of a tied embedding is the embedding's); a local expert is

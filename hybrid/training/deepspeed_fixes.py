@@ -55,6 +55,8 @@ RELIED_ON = [
     ("deepspeed.ops.adam.cpu_adam", "DeepSpeedCPUAdam.step", "self.ds_opt_adam.adam_update(self.opt_id, state['step']"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine._save_moe_checkpoint",
      "moe_str_prefix = '.deepspeed_moe.experts.deepspeed_experts.'"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._load_global_state",
+     "self.clip_grad = checkpoint_clip_grad"),
 ]
 
 
@@ -213,6 +215,14 @@ def repair_zero3_universal_load(engine, universal_dir: str) -> None:
                            f"this run {len(inner.param_groups)}")
     for group, saved_group in zip(inner.param_groups, saved):
         group.update({key: value for key, value in saved_group.items() if key != "params"})
+
+
+def keep_run_clipping(engine, clip_grad: float) -> None:
+    """DeepSpeed 0.19.8's universal load (ZeRO-1/2's `_load_global_state`, which the universal path calls)
+    sets the optimizer's gradient clipping to the checkpoint's `clip_grad`; this run's --clip-grad is put
+    back, as every other setting of a resumed run comes from its flags."""
+    if hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = clip_grad
 
 
 # --- loading DeepSpeed checkpoints -----------------------------------------------------------------

@@ -4,9 +4,11 @@ checkpoint at any layout, or weights only from any layout), --load-hf's weights,
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
 from hybrid.capabilities import stage_placement
@@ -17,12 +19,15 @@ from hybrid.config import RunConfig
 from hybrid.conversion.hf import hf_parts
 from hybrid.conversion.layout import hybrid_parts, load_parts
 from hybrid.conversion.megatron import iteration_dir, open_megatron
+from hybrid.conversion.megatron_universal import write_universal
 from hybrid.errors import ConfigError
-from hybrid.model.naming import canonical_name, canonical_parameters
+from hybrid.model.naming import canonical_buffers, canonical_name, canonical_parameters
 from hybrid.parallel.random import set_rng_states
 from hybrid.safe_loading import UnsafeCheckpointError
 from hybrid.training import deepspeed_fixes
 from hybrid.training.logging import log
+
+MEGATRON_UNIVERSAL = ".megatron-universal"  # under --save: a Megatron checkpoint's Adam state while it loads
 
 
 def latest_tag(load_dir: str) -> Optional[str]:
@@ -80,6 +85,8 @@ def load(engine, run: RunConfig, groups) -> tuple[int, int]:
     tag = latest_tag(load_dir) if os.path.isdir(load_dir) else None
     if tag is None and iteration_dir(load_dir) is not None:
         return _load_megatron(engine, run, groups, load_dir)
+    if c.universal_checkpoint and os.path.isdir(load_dir) and read_tag(load_dir, LATEST_UNIVERSAL) and tag is None:
+        return _load_universal(engine, run, load_dir, groups)  # one made from a Megatron-LM checkpoint
     if tag is None:
         if c.finetune:
             raise ConfigError(f"--load {load_dir} --finetune: no checkpoint there (no '{LATEST}' file).")
@@ -198,6 +205,7 @@ def _load_universal(engine, run: RunConfig, load_dir: str, groups) -> tuple[int,
                           f"{e}") from None
     if path is None:
         raise ConfigError(f"--load {load_dir}: DeepSpeed could not load universal checkpoint {tag}.")
+    deepspeed_fixes.keep_run_clipping(engine, run.optimizer.clip_grad)
     if run.zero_stage == 3:
         deepspeed_fixes.repair_zero3_universal_load(engine, os.path.join(load_dir, tag))
     if run.model.num_experts:
@@ -221,27 +229,54 @@ def _restore_score_biases(engine, universal_dir: str, num_layers: int) -> None:
 
 
 def _load_megatron(engine, run: RunConfig, groups, load_dir: str) -> tuple[int, int]:
-    """A Megatron-LM checkpoint (either format, any TP x PP): its weights, resharded for this rank as they
-    are read (a layer at a time); its iteration, consumed samples and the LR schedule's position (Megatron's
-    scheduler counts samples) unless --finetune. Megatron's optimizer state is not mapped into DeepSpeed's:
-    Adam starts fresh, and the log says so."""
+    """A Megatron-LM checkpoint (either format, any TP x PP x EP): unless --finetune, its iteration, consumed
+    samples and the LR schedule's position (Megatron's scheduler counts samples). Its Adam state, where it
+    maps (hybrid.conversion.megatron.MegatronOptimizer), is loaded with the weights by DeepSpeed's universal
+    loader from a universal checkpoint made beside --save (hybrid.conversion.megatron_universal), then
+    removed; otherwise the weights are resharded for this rank as they are read (a layer at a time) and
+    Adam starts fresh, the log says why."""
     source = open_megatron(load_dir)
+    what = f"Megatron-LM checkpoint {source.directory} (--ckpt-format {source.format})"
+    c = run.checkpoint
+    if c.load_megatron_optimizer:
+        return _load_megatron_with_optimizer(engine, run, groups, source, what)
     wanted = set(canonical_parameters(engine.module, run.model.num_layers))
+    wanted |= set(canonical_buffers(engine.module, run.model.num_layers))  # the routers' score biases
     load_parts(engine.module, source.parts(run.model, wanted), run.model, groups)
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights
-    what = f"Megatron-LM checkpoint {source.directory} (--ckpt-format {source.format})"
-    if run.checkpoint.finetune:
+    if c.finetune:
         log(f"loaded the weights of the {what} for fine-tuning; optimizer, schedule and iteration start fresh")
         return 0, 0
     iteration, consumed = source.iteration, source.consumed_samples
+    _schedule_at(engine, run, consumed)
+    log(f"loaded the weights of the {what} at iteration {iteration} ({consumed} consumed samples); the LR schedule "
+        f"continues from there; Adam starts fresh: {c.megatron_optimizer_problem or 'not loaded'}")
+    return iteration, consumed
+
+
+def _schedule_at(engine, run: RunConfig, consumed: int) -> None:
     scheduler = getattr(engine, "lr_scheduler", None)
     if scheduler is not None and hasattr(scheduler, "set_position"):
         scheduler.set_position(consumed * (run.training.seq_length if scheduler.unit == "tokens" else 1))
-    stored = "its optimizer state is not mapped into DeepSpeed's (Adam starts fresh)" if source.has_optimizer \
-        else "it holds no optimizer state (Adam starts fresh)"
-    log(f"loaded the weights of the {what} at iteration {iteration} ({consumed} consumed samples); the LR schedule "
-        f"continues from there; {stored}")
+
+
+def _load_megatron_with_optimizer(engine, run: RunConfig, groups, source, what: str) -> tuple[int, int]:
+    """The universal checkpoint of `source` is written by rank 0 under --save (every rank reads it there),
+    loaded, and removed."""
+    directory = os.path.join(run.checkpoint.save, MEGATRON_UNIVERSAL)
+    if dist.get_rank() == 0:
+        write_universal(source, run.model, directory, log=log, replace=True, clip_grad=run.optimizer.clip_grad)
+    dist.barrier()
+    try:
+        iteration, consumed = _load_universal(engine, run, directory, groups)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+    _schedule_at(engine, run, consumed)
+    log(f"loaded the {what} at iteration {iteration} ({consumed} consumed samples) with its Adam state "
+        f"(step {source.optimizer().step}); the LR schedule continues from there")
     return iteration, consumed
 
 

@@ -5,6 +5,7 @@ A user's mistake ends in one message and exit status 2; a dead or silent peer in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -13,6 +14,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from hybrid.architecture import MOE_TRAINING_FLAGS
 from hybrid.config import RunConfig, build_run_config, tokenizer_kwargs
 from hybrid.conversion.hf import read_hf_config
 from hybrid.conversion.megatron import ARCHITECTURE_FLAGS, contradictions, iteration_dir, open_megatron
@@ -74,7 +76,16 @@ def megatron_base_model(args):
         raise ConfigError(f"--load {args.load}: the Megatron-LM checkpoint's model differs from the flags: "
                           f"{'; '.join(problems)}. Drop those flags (the model comes from the checkpoint) or load "
                           f"another checkpoint.")
-    return source.config()
+    # dropout is the run's (Megatron-LM's --use-checkpoint-args takes the architecture, not the regularisation)
+    config = dataclasses.replace(source.config(), hidden_dropout=args.hidden_dropout,
+                                 attention_dropout=args.attention_dropout)
+    # whether its Adam state maps ("none": it does; the config decides whether this run loads it)
+    args.megatron_optimizer_problem = source.optimizer().problem or "none"
+    if config.num_experts:  # how the experts train: the flags given, else the checkpoint's (its expert bias)
+        for name in MOE_TRAINING_FLAGS:
+            if getattr(args, name) == build_parser().get_default(name):
+                setattr(args, name, getattr(config, name))
+    return config
 
 
 def _train(run: RunConfig, args, tokenizer) -> None:
