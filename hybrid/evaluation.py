@@ -33,7 +33,7 @@ from hybrid.model.naming import canonical_buffers, canonical_parameters
 from hybrid.parallel.dims import ParallelDims
 from hybrid.parallel.groups import build_groups
 from hybrid.pipeline_plan import PipelineSchedule
-from hybrid.conversion.megatron import iteration_dir, open_megatron
+from hybrid.conversion.megatron_source import megatron_kind, open_source
 from hybrid.safe_loading import install_safe_torch_load
 
 
@@ -76,7 +76,7 @@ def stream_windows(prefix: str, seq_length: int, count: int) -> np.ndarray:
 def evaluate(args) -> dict:
     if len(args.data_path) != 1:
         raise ConfigError("--data-path: evaluate.py takes one dataset prefix (no blend weights).")
-    megatron = open_megatron(args.load) if iteration_dir(args.load) is not None else None
+    megatron = open_source(args.load) if megatron_kind(args.load) else None
     if megatron is None and (not os.path.isdir(args.load) or read_tag(args.load) is None):
         raise ConfigError(f"--load {args.load}: no hybrid checkpoint there (no 'latest' file) and no Megatron-LM "
                           f"checkpoint (no latest_checkpointed_iteration.txt).")

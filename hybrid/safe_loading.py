@@ -67,9 +67,19 @@ class UnsafeCheckpointError(ConfigError):
     """A file asked to unpickle something outside the allow-list (code could have run)."""
 
 
+def _numpy_arrays() -> list:
+    """What a pickled numpy array needs (Megatron-LM's and Megatron-DeepSpeed's files keep numpy's RNG state,
+    a uint32 array): the array type, its rebuild from (type, shape, dtype) and the dtypes, as torch's
+    documentation allow-lists numpy arrays for weights_only loads; none of it runs code of the file's choosing."""
+    import numpy as np  # (with numpy's own module layout, 1.x or 2.x)
+    multiarray = getattr(np, "_core", None) or np.core
+    dtypes = [type(np.dtype(name)) for name in ("uint32", "int64", "int32", "float64", "float32", "bool", "uint8")]
+    return [multiarray.multiarray._reconstruct, np.ndarray, np.dtype, *dtypes]
+
+
 def safe_checkpoint_classes() -> list:
     """The allow-listed classes, imported by name (DeepSpeed's, so the import waits until a load)."""
-    classes = [argparse.Namespace, *((MegatronEnum, name) for name in MEGATRON_ENUMS)]
+    classes = [argparse.Namespace, *((MegatronEnum, name) for name in MEGATRON_ENUMS), *_numpy_arrays()]
     for path in SAFE_CHECKPOINT_CLASSES:
         module, _, name = path.rpartition(".")
         classes.append(getattr(importlib.import_module(module), name))

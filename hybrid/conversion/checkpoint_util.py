@@ -18,7 +18,8 @@ from hybrid.checkpoint.client_state import ClientState
 from hybrid.checkpoint.files import read_tag
 from hybrid.conversion.hf import read_hf_dir, write_hf_dir
 from hybrid.conversion.layout import check_target_layout, read_hybrid, resolve_tag, write_hybrid
-from hybrid.conversion.megatron import iteration_dir, megatron_run_args, open_megatron
+from hybrid.conversion.megatron import megatron_run_args
+from hybrid.conversion.megatron_source import megatron_kind, open_source
 from hybrid.conversion.megatron_universal import write_universal
 from hybrid.conversion.megatron_write import write_megatron
 from hybrid.conversion.universal import to_universal
@@ -34,9 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-type", default="GPT", choices=["GPT"])
     p.add_argument("--loader", default="hybrid", type=_format_alias,
                    choices=["hybrid", "hf", "megatron"],
-                   help="hybrid: a launch/train.py checkpoint; megatron (aliases mcore, core, legacy): a Megatron-LM "
-                        "checkpoint, --ckpt-format torch or torch_dist, any TP/PP (a launch/train.py checkpoint "
-                        "is read as hybrid); hf (aliases llama_mistral, "
+                   help="hybrid: a launch/train.py checkpoint; megatron (aliases mcore, core, legacy, "
+                        "megatron_deepspeed): a Megatron-LM checkpoint, --ckpt-format torch or torch_dist, or a "
+                        "Megatron-DeepSpeed one, any TP/PP (a launch/train.py checkpoint is read as hybrid); hf (aliases llama_mistral, "
                         "llama2_hf, loader_llama2_hf): a transformers directory")
     p.add_argument("--saver", default="hybrid", type=_format_alias, choices=["hybrid", "hf", "universal", "megatron"],
                    help="hybrid: weights at --target-*-parallel-size; hf: a transformers directory; universal: "
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _format_alias(value: str) -> str:
     """Megatron-LM's loader/saver names -> ours."""
-    if value in ("megatron", "mcore", "core", "legacy"):
+    if value in ("megatron", "mcore", "core", "legacy", "megatron_deepspeed", "megatron-deepspeed"):
         return "megatron"
     if value in ("llama_mistral", "llama2_hf", "loader_llama2_hf", "llama2"):
         return "hf"
@@ -120,7 +121,7 @@ def convert(args) -> str:
                           "--loader hf (or llama_mistral) --checkpoint-type hf.")
     saver = "hf" if args.hf_convert else args.saver
     loader = args.loader
-    if loader == "megatron" and iteration_dir(args.load_dir) is None and read_tag(args.load_dir) is not None:
+    if loader == "megatron" and not megatron_kind(args.load_dir) and read_tag(args.load_dir) is not None:
         loader = "hybrid"  # a launch/train.py checkpoint named with Megatron's loader name (as before)
     if saver == "universal":
         return _universal(argparse.Namespace(**dict(vars(args), loader=loader)))
@@ -132,7 +133,7 @@ def convert(args) -> str:
         state, config, _ = read_hf_dir(args.load_dir, _progress(show, "shards"))
         client_state = ClientState()
     elif loader == "megatron":
-        source = open_megatron(args.load_dir, "--load-dir")
+        source = open_source(args.load_dir, "--load-dir")
         config = source.config(args.true_vocab_size)
         state = source.state(config)
         client_state = ClientState(iteration=source.iteration, consumed_samples=source.consumed_samples,
@@ -162,11 +163,11 @@ def convert(args) -> str:
 def _universal(args) -> str:
     """Universal checkpoint of --load-dir's latest checkpoint, beside it (DeepSpeed's layout); of a
     Megatron-LM checkpoint (its weights and Adam state), in --save-dir."""
-    if args.loader == "megatron" and iteration_dir(args.load_dir) is not None:
+    if args.loader == "megatron" and megatron_kind(args.load_dir):
         if not args.save_dir:
             raise ConfigError("--loader megatron --saver universal needs --save-dir DIR (the universal checkpoint's "
                               "directory; launch/train.py --load DIR --universal-checkpoint resumes it).")
-        source = open_megatron(args.load_dir, "--load-dir")
+        source = open_source(args.load_dir, "--load-dir")
         tag = write_universal(source, source.config(args.true_vocab_size), args.save_dir,
                               log=lambda m: print(m, file=sys.stderr))
         return (f"wrote universal checkpoint {os.path.join(args.save_dir, tag)}; resume it with launch/train.py --load "

@@ -18,7 +18,7 @@ from hybrid.checkpoint.manifest import complete_tags, verify_manifest
 from hybrid.config import RunConfig
 from hybrid.conversion.hf import hf_parts
 from hybrid.conversion.layout import hybrid_parts, load_parts
-from hybrid.conversion.megatron import iteration_dir, open_megatron
+from hybrid.conversion.megatron_source import megatron_kind, open_source
 from hybrid.conversion.megatron_universal import write_universal
 from hybrid.errors import ConfigError
 from hybrid.model.naming import canonical_buffers, canonical_name, canonical_parameters
@@ -83,7 +83,7 @@ def load(engine, run: RunConfig, groups) -> tuple[int, int]:
     if not os.path.isdir(load_dir) and os.path.abspath(load_dir) != os.path.abspath(c.save or ""):
         raise ConfigError(f"--load {load_dir}: no such directory.")
     tag = latest_tag(load_dir) if os.path.isdir(load_dir) else None
-    if tag is None and iteration_dir(load_dir) is not None:
+    if megatron_kind(load_dir):  # Megatron-LM's (no hybrid `latest`) or Megatron-DeepSpeed's
         return _load_megatron(engine, run, groups, load_dir)
     if c.universal_checkpoint and os.path.isdir(load_dir) and read_tag(load_dir, LATEST_UNIVERSAL) and tag is None:
         return _load_universal(engine, run, load_dir, groups)  # one made from a Megatron-LM checkpoint
@@ -235,8 +235,9 @@ def _load_megatron(engine, run: RunConfig, groups, load_dir: str) -> tuple[int, 
     loader from a universal checkpoint made beside --save (hybrid.conversion.megatron_universal), then
     removed; otherwise the weights are resharded for this rank as they are read (a layer at a time) and
     Adam starts fresh, the log says why."""
-    source = open_megatron(load_dir)
-    what = f"Megatron-LM checkpoint {source.directory} (--ckpt-format {source.format})"
+    source = open_source(load_dir)
+    what = (f"Megatron-DeepSpeed checkpoint {source.directory}" if source.format == "megatron-deepspeed" else
+            f"Megatron-LM checkpoint {source.directory} (--ckpt-format {source.format})")
     c = run.checkpoint
     if c.load_megatron_optimizer:
         return _load_megatron_with_optimizer(engine, run, groups, source, what)

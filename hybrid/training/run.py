@@ -17,7 +17,8 @@ import torch.distributed as dist
 from hybrid.architecture import MOE_TRAINING_FLAGS
 from hybrid.config import RunConfig, build_run_config, tokenizer_kwargs
 from hybrid.conversion.hf import read_hf_config
-from hybrid.conversion.megatron import ARCHITECTURE_FLAGS, contradictions, iteration_dir, open_megatron
+from hybrid.conversion.megatron import ARCHITECTURE_FLAGS, contradictions
+from hybrid.conversion.megatron_source import megatron_kind, open_source
 from hybrid.data.tokenizer import build_tokenizer
 from hybrid.errors import ConfigError
 from hybrid.flags import build_parser
@@ -42,7 +43,7 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     install_safe_torch_load(args.allow_unsafe_checkpoint_load)  # before anything reads a file
     base_model = None
-    if args.load and not args.load_hf and iteration_dir(args.load) is not None:
+    if args.load and not args.load_hf and megatron_kind(args.load):
         base_model = megatron_base_model(args)
     if args.load_hf:  # the architecture and tokenizer of a HuggingFace model
         base_model = read_hf_config(args.load_hf, "--load-hf")
@@ -69,7 +70,7 @@ def run_training(argv: Optional[list[str]] = None) -> int:
 def megatron_base_model(args):
     """--load names a Megatron-LM checkpoint: the model its stored args describe (as Megatron-LM's converter
     builds it); architecture flags that contradict them are one message naming both values."""
-    source = open_megatron(args.load)
+    source = open_source(args.load)
     defaults = {name: build_parser().get_default(name) for name in ARCHITECTURE_FLAGS}
     problems = contradictions(args, defaults, source.args)
     if problems:
