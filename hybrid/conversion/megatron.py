@@ -160,11 +160,11 @@ def _format_of(directory: str) -> Optional[str]:
 
 
 @dataclasses.dataclass
-class MegatronCheckpoint:
-    """One Megatron-LM checkpoint: its format, stored args and counters; `config()`, `parts()`."""
+class MegatronSource:
+    """What both Megatron readers share (Megatron-LM's here, Megatron-DeepSpeed's in
+    hybrid.conversion.megatron_deepspeed): the stored args (Megatron-LM's spelling) and counters."""
 
-    directory: str  # the iteration directory
-    format: str  # "torch" (legacy) | "torch_dist"
+    directory: str  # the iteration (or tag) directory
     args: argparse.Namespace
     common: dict  # iteration, checkpoint_version, opt_param_scheduler, ...
 
@@ -175,6 +175,17 @@ class MegatronCheckpoint:
     @property
     def consumed_samples(self) -> int:
         return int(getattr(self.args, "consumed_train_samples", 0) or 0)
+
+    def state(self, config: ModelConfig) -> dict:
+        """Every canonical tensor (the routers' score biases too, when the model has them)."""
+        return whole_state(self, config)
+
+
+@dataclasses.dataclass
+class MegatronCheckpoint(MegatronSource):
+    """One Megatron-LM checkpoint: its format, stored args and counters; `config()`, `parts()`."""
+
+    format: str = "torch"  # "torch" (legacy) | "torch_dist"
 
     @property
     def has_optimizer(self) -> bool:
@@ -197,29 +208,37 @@ class MegatronCheckpoint:
             reader = _DistParts(self) if self.format == "torch_dist" else _LegacyParts(self)
         else:
             reader = _DistParts(self, f"{OPTIMIZER_PREFIX}{kind}.")
-        expected = _expected(config)
-        names = set(expected) | buffer_names(config)
-        wanted = set(expected) if wanted is None else wanted & names
-        seen = set()
-        for layer in [-1, *range(config.num_layers)]:
-            part = {name: tensor for name, tensor in reader.part(layer, config, wanted).items() if name in wanted}
-            for name, tensor in part.items():
-                if expected.get(name) and tensor.size(0) > config.vocab_size:
-                    part[name] = tensor[: config.vocab_size]
-            seen.update(part)
-            if part:
-                yield part
-        missing = sorted(wanted - seen)
-        if missing:
-            raise ConfigError(f"{self.directory}: the checkpoint lacks {missing[:5]}; its args describe another "
-                              f"model than its weights (or it is incomplete).")
+        return stream_parts(reader, config, wanted, self.directory)
 
-    def state(self, config: ModelConfig) -> dict:
-        """Every canonical tensor (the routers' score biases too, when the model has them)."""
-        state = {}
-        for part in self.parts(config, set(_expected(config)) | buffer_names(config)):
-            state.update(part)
-        return state
+
+def stream_parts(reader, config: ModelConfig, wanted: Optional[set], directory: str) -> Iterator[dict]:
+    """A reader's parts (`reader.part(layer, config, wanted)`: -1 for the tensors outside the layers), of
+    `wanted` only (default: every parameter), vocabulary rows cut to config.vocab_size; an error naming what
+    the checkpoint lacks."""
+    expected = _expected(config)
+    names = set(expected) | buffer_names(config)
+    wanted = set(expected) if wanted is None else wanted & names
+    seen = set()
+    for layer in [-1, *range(config.num_layers)]:
+        part = {name: tensor for name, tensor in reader.part(layer, config, wanted).items() if name in wanted}
+        for name, tensor in part.items():
+            if expected.get(name) and tensor.size(0) > config.vocab_size:
+                part[name] = tensor[: config.vocab_size]
+        seen.update(part)
+        if part:
+            yield part
+    missing = sorted(wanted - seen)
+    if missing:
+        raise ConfigError(f"{directory}: the checkpoint lacks {missing[:5]}; its args describe another model than "
+                          f"its weights (or it is incomplete).")
+
+
+def whole_state(source, config: ModelConfig) -> dict:
+    """Every canonical tensor of a source's parts (the routers' score biases too, when the model has them)."""
+    state = {}
+    for part in source.parts(config, set(_expected(config)) | buffer_names(config)):
+        state.update(part)
+    return state
 
 
 OPTIMIZER_PREFIX = "optimizer.state."  # megatron-core's model-space optimizer tensors: PREFIX + kind + "." + model key

@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 import torch
 
 from hybrid.checkpoint.files import LATEST, load_file, read_tag
-from hybrid.conversion.megatron import MegatronOptimizer, config_from_args
+from hybrid.conversion.megatron import MegatronOptimizer, MegatronSource, config_from_args, stream_parts
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
 
@@ -88,21 +88,11 @@ def megatron_lm_args(args: argparse.Namespace, where: str) -> argparse.Namespace
 
 
 @dataclasses.dataclass
-class MegatronDeepSpeedCheckpoint:
-    """One Megatron-DeepSpeed checkpoint: the interface of hybrid.conversion.megatron.MegatronCheckpoint."""
+class MegatronDeepSpeedCheckpoint(MegatronSource):
+    """One Megatron-DeepSpeed checkpoint (its tag directory, args in Megatron-LM's spelling, rank 0's
+    model-states file without weights): the interface of hybrid.conversion.megatron.MegatronCheckpoint."""
 
-    directory: str  # the tag directory
-    args: argparse.Namespace  # in Megatron-LM's spelling
-    common: dict  # rank 0's model-states file without its weights
     format: str = FORMAT
-
-    @property
-    def iteration(self) -> int:
-        return int(self.common.get("iteration", 0) or 0)
-
-    @property
-    def consumed_samples(self) -> int:
-        return int(getattr(self.args, "consumed_train_samples", 0) or 0)
 
     @property
     def has_optimizer(self) -> bool:
@@ -118,53 +108,43 @@ class MegatronDeepSpeedCheckpoint:
     def parts(self, config: ModelConfig, wanted: Optional[set] = None, kind: str = "model") -> Iterator[dict]:
         """Canonical full tensors a part at a time (the embeddings, final norm and head; then each layer),
         TP shards joined by hybrid's rules, vocabulary rows cut to config.vocab_size."""
-        from hybrid.conversion.layout import merge_shards  # (layout imports DeepSpeed: only when reading)
-        from hybrid.checkpoint.tp_layout import tp_layout  # (builds a tiny model: only when reading)
         if kind != "model":
             raise ConfigError(f"{self.directory}: {self.optimizer().problem}.")
-        expected = set(tp_layout(config))
-        wanted = expected if wanted is None else wanted & expected
-        index = _index(self)
-        full = dataclasses.replace(config, vocab_size=int(self.args.padded_vocab_size))
-        seen = set()
-        for layer in [-1, *range(config.num_layers)]:
-            names = [n for n in index if n in wanted and (n.startswith(f"layers.{layer}.") if layer >= 0
-                                                          else not n.startswith("layers."))]
-            opened, shards = {}, {}
-            for name in names:
-                for path, key, tp_rank in index[name]:
-                    if path not in opened:
-                        opened[path] = _tensors(path)
-                    shards.setdefault(name, {})[tp_rank] = opened[path][key]
-            if self._blocked_qkv:
-                for name in [n for n in shards if ".attention.qkv." in n]:
-                    shards[name] = {r: _grouped(t, config, self.tp) for r, t in shards[name].items()}
-            part = merge_shards(shards, full, self.tp, self.directory, dtype=None)
-            for name, tensor in part.items():
-                if tp_layout(config)[name].vocab_padded and tensor.size(0) > config.vocab_size:
-                    part[name] = tensor[: config.vocab_size]
-            seen.update(part)
-            if part:
-                yield part
-        missing = sorted(wanted - seen)
-        if missing:
-            raise ConfigError(f"{self.directory}: the checkpoint lacks {missing[:5]}; its args describe another "
-                              f"model than its weights (or it is incomplete).")
-
-    def state(self, config: ModelConfig) -> dict:
-        state = {}
-        for part in self.parts(config):
-            state.update(part)
-        return state
+        return stream_parts(_Parts(self), config, wanted, self.directory)
 
     @property
     def tp(self) -> int:
         return int(getattr(self.args, "tensor_model_parallel_size", 1) or 1)
 
     @property
-    def _blocked_qkv(self) -> bool:
+    def blocked_qkv(self) -> bool:
         """Megatron-DeepSpeed after its FPDT change: [all q | all k | all v] on each TP rank."""
         return hasattr(self.args, "ds_sequence_parallel_fpdt")
+
+
+class _Parts:
+    """One part's tensors: read from their files (memory-mapped), QKV regrouped where the version needs it,
+    TP shards joined by hybrid's rules."""
+
+    def __init__(self, ckpt: MegatronDeepSpeedCheckpoint):
+        self.ckpt, self.index = ckpt, _index(ckpt)
+
+    def part(self, layer: int, config: ModelConfig, wanted: set) -> dict:
+        from hybrid.conversion.layout import merge_shards  # (layout imports DeepSpeed: only when reading)
+        ckpt = self.ckpt
+        names = [n for n in self.index if n in wanted and (n.startswith(f"layers.{layer}.") if layer >= 0
+                                                           else not n.startswith("layers."))]
+        opened, shards = {}, {}
+        for name in names:
+            for path, key, tp_rank in self.index[name]:
+                if path not in opened:
+                    opened[path] = _tensors(path)
+                tensor = opened[path][key]
+                if ckpt.blocked_qkv and ".attention.qkv." in name:
+                    tensor = _grouped(tensor, config, ckpt.tp)
+                shards.setdefault(name, {})[tp_rank] = tensor
+        full = dataclasses.replace(config, vocab_size=int(ckpt.args.padded_vocab_size))  # rows are cut by the caller
+        return merge_shards(shards, full, ckpt.tp, ckpt.directory, dtype=None)
 
 
 def open_megatron_deepspeed(path: str) -> MegatronDeepSpeedCheckpoint:
