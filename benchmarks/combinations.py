@@ -76,6 +76,9 @@ FEATURES = {
                       "--apply-layernorm-1p", "--scale-embeddings"), kind="model", group="family"),
     "window": Feature(("--window-size", "4,0"), kind="model"),
     "bf16": Feature(("--bf16",), kind="precision"),
+    "fp8": Feature(("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"), kind="precision", group="fp8"),
+    "fp8_delayed": Feature(("--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", 4,
+                            "--fp8-amax-compute-algo", "max"), kind="precision", group="fp8"),
     "dropout": Feature(("--hidden-dropout", 0.1, "--attention-dropout", 0.1), kind="dropout"),
 }
 # the triples users run (TP x PP with ZeRO, CP x TP, EP x TP, EP x CP, ...), within 4 ranks

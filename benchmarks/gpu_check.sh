@@ -9,6 +9,7 @@
 # --torch-compile, ZeRO-3, full and selective recompute, launch/evaluate.py on the bf16
 # checkpoint, its HF export loaded by transformers (loss compared), and
 # benchmarks/bench_vs_transformers.py --preset gpu; with 2+ GPUs, every --pipeline-schedule at PP 2.
+# benchmarks/bench_fp8.py and an FP8 (delayed scaling) bf16 run;
 # Each step's log and JSON lines go to $OUT;
 # $OUT/summary.json has one line per step (ok, seconds, last logged metrics).
 set -uo pipefail
@@ -95,6 +96,11 @@ step recompute_full 120 python launch/train.py $MODEL $MOCK --bf16 --recompute-g
     --recompute-method uniform --recompute-num-layers 1 --train-iters 20 --log-json "$OUT/recompute_full.jsonl"
 step recompute_selective 120 python launch/train.py $MODEL $MOCK --bf16 --recompute-granularity selective \
     --train-iters 20 --log-json "$OUT/recompute_selective.jsonl"
+# FP8 GEMMs (torch._scaled_mm, compute capability 8.9+): delayed scaling in a bf16 run, and the benchmark
+# (Llama-3-8B GEMM shapes and layers against bf16, the loss gap after 200 steps)
+step fp8_delayed_bf16 120 python launch/train.py $MODEL $MOCK --bf16 --fp8-format hybrid --fp8-recipe delayed \
+    --fp8-amax-history-len 16 --fp8-amax-compute-algo max --train-iters 20 --log-json "$OUT/fp8_delayed_bf16.jsonl"
+step bench_fp8 240 python benchmarks/bench_fp8.py --preset gpu --repeats 5 --out "$OUT/bench_fp8.json"
 
 DATA=$(python -c "from hybrid.data.default import default_data_prefix; print(default_data_prefix())")
 step evaluate 120 python launch/evaluate.py --load "$OUT/ckpt" --data-path "$DATA" --seq-length "$SEQ" \

@@ -9,6 +9,7 @@ from typing import Optional
 from hybrid.conversion.families import infer_family
 from hybrid.errors import ConfigError
 from hybrid.model.config import LLAMA3_ROPE_DEFAULTS, ModelConfig
+from hybrid.parallel.fp8 import check_settings
 
 
 def _rope_scaling(args) -> Optional[dict]:
@@ -69,6 +70,17 @@ def _moe_fields(args) -> dict:
     return {name: getattr(args, name) for name in MOE_FLAGS} if args.num_experts else {}
 
 
+def fp8_fields(args) -> dict:
+    """The ModelConfig's FP8 fields from --fp8-* (a training setting, with any architecture)."""
+    check_settings(args.fp8_recipe, args.fp8_format, args.fp8_amax_history_len, args.fp8_amax_compute_algo)
+    ends = args.first_last_layers_bf16
+    return dict(fp8_recipe=args.fp8_recipe if args.fp8_format else None, fp8_format=args.fp8_format or "hybrid",
+                fp8_amax_history_len=args.fp8_amax_history_len, fp8_amax_compute_algo=args.fp8_amax_compute_algo,
+                fp8_margin=args.fp8_margin,
+                fp8_layers_start_high_precision=args.num_layers_at_start_in_bf16 if ends else 0,
+                fp8_layers_end_high_precision=args.num_layers_at_end_in_bf16 if ends else 0)
+
+
 def model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = None) -> ModelConfig:
     """The architecture (from the flags, or `base`: a --load-hf model's) with this run's settings."""
     granularity = args.recompute_granularity or ("full" if args.checkpoint_activations else None)
@@ -80,7 +92,7 @@ def model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = N
     if architecture.family is None:  # recorded in the checkpoints, so export writes this family
         architecture = dataclasses.replace(architecture, family=infer_family(architecture))
     config = dataclasses.replace(
-        architecture, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        architecture, **fp8_fields(args), make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling, use_flash_attn=args.use_flash_attn,
         recompute_granularity=granularity, recompute_method=args.recompute_method,
         recompute_num_layers=num_layers, sequence_parallel=args.sequence_parallel and tp > 1, seed=args.seed,

@@ -56,6 +56,8 @@ class Setup:
     heads_per_tp: int = 0  # attention heads on one TP rank (0: not known)
     groups_per_tp: int = 0  # KV groups on one TP rank (0: not known)
     experts_on_every_stage: Optional[bool] = None  # every pipeline rank holds an MoE layer (None: not known yet)
+    fp8: Optional[str] = None  # --fp8-recipe when --fp8-format is given
+    fp8_param_gather: bool = False  # --fp8-param-gather
 
     @property
     def torch_schedule(self) -> bool:
@@ -228,6 +230,21 @@ RULES = [
                     and (s.seq_length // s.ulysses) % s.tp),
          lambda s: f"--sequence-parallel with --ds-sequence-parallel-size {s.ulysses}: each rank's "
                    f"{s.seq_length // s.ulysses} tokens must be divisible by --tensor-model-parallel-size {s.tp}."),
+    Rule("fp8-mxfp8", "--fp8-recipe mxfp8",
+         "not built: MXFP8's GEMMs (torchao's MX formats) run on Blackwell GPUs (compute capability 10.0) only, and "
+         "their per-32-element scales would need their own TP / CP rules here",
+         lambda s: s.fp8 == "mxfp8",
+         lambda s: "--fp8-recipe mxfp8 is not built; use --fp8-recipe tensorwise, rowwise or delayed."),
+    Rule("fp8-blockwise", "--fp8-recipe blockwise",
+         "not built: DeepSeek-V3's 128 x 128 block scales have no GEMM in torchao's training path",
+         lambda s: s.fp8 == "blockwise",
+         lambda s: "--fp8-recipe blockwise is not built; use --fp8-recipe tensorwise, rowwise or delayed."),
+    Rule("fp8-param-gather", "--fp8-param-gather",
+         "not built: DeepSpeed's ZeRO keeps and gathers parameters in their own dtype (bf16 / fp32); FP8 weights "
+         "are cast from them for each GEMM",
+         lambda s: s.fp8_param_gather,
+         lambda s: "--fp8-param-gather is not built (DeepSpeed's ZeRO gathers parameters in their own dtype); drop "
+                   "it: the FP8 GEMMs cast the weights themselves."),
     Rule("grad-reduce-bf16-precision", "--grad-reduce-in-bf16 without --bf16",
          "gradients are reduced in the training precision's type (DeepSpeed's communication_data_type)",
          lambda s: s.grad_reduce_bf16 and s.precision != "bf16",

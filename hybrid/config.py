@@ -437,7 +437,8 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds_path) ->
                 sliding_window=model.sliding_window is not None, experts=bool(model.num_experts),
                 ep=dims.expert_parallel, sequence_parallel=model.sequence_parallel, seq_length=args.seq_length,
                 heads_per_tp=model.num_attention_heads // tp, groups_per_tp=model.num_query_groups // tp,
-                experts_on_every_stage=_experts_on_every_stage(model, dims, pipeline))
+                experts_on_every_stage=_experts_on_every_stage(model, dims, pipeline),
+                fp8=args.fp8_recipe if args.fp8_format else None, fp8_param_gather=args.fp8_param_gather)
 
 
 def _megatron_optimizer(args, checkpoint: CheckpointConfig, setup: Setup) -> None:

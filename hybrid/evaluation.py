@@ -8,6 +8,7 @@ multiple of it; data-parallel ranks split the micro-batches).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -19,9 +20,11 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from hybrid.architecture import fp8_fields
 from hybrid.capabilities import Setup, check
 from hybrid.checkpoint.client_state import read_client_state
 from hybrid.checkpoint.files import read_tag
+from hybrid.conversion.hf import hf_parts, read_hf_config
 from hybrid.conversion.layout import load_parts, read_hybrid
 from hybrid.data.batches import to_device
 from hybrid.data.indexed import IndexedDataset
@@ -38,8 +41,10 @@ from hybrid.safe_loading import install_safe_torch_load
 
 
 def build_parser():
-    p = FlagParser(description="Evaluate a hybrid checkpoint's LM loss on a dataset.", allow_abbrev=False)
-    p.add_argument("--load", required=True)
+    p = FlagParser(description="Evaluate a checkpoint's (or a HuggingFace model's) LM loss on a dataset.",
+                   allow_abbrev=False)
+    p.add_argument("--load", default=None, help="a hybrid, Megatron-LM or Megatron-DeepSpeed checkpoint")
+    p.add_argument("--load-hf", default=None, help="a local HuggingFace model directory (instead of --load)")
     p.add_argument("--allow-unsafe-checkpoint-load", action="store_true",
                    help="UNSAFE: unpickle checkpoint files fully (runs any code they hold); only for files you trust")
     p.add_argument("--data-path", required=True, nargs="+")
@@ -51,11 +56,20 @@ def build_parser():
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="split an MoE checkpoint's experts over this many data-parallel ranks")
     p.add_argument("--tensor-model-parallel-size", type=int, default=None,
-                   help="with a Megatron-LM checkpoint: the TP to evaluate at (default: the one it was saved at); a "
-                        "hybrid checkpoint is evaluated at its own")
+                   help="with a Megatron checkpoint or --load-hf: the TP to evaluate at (default: the one it was saved "
+                        "at; 1 for --load-hf); a hybrid checkpoint is evaluated at its own")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=None,
                    help="with a Megatron-LM checkpoint: the PP to evaluate at (default: the one it was saved at)")
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None)
+    g = p.add_argument_group("FP8 GEMMs (as launch/train.py's)")
+    g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"])
+    g.add_argument("--fp8-recipe", default="delayed", choices=["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise"])
+    g.add_argument("--fp8-amax-history-len", type=int, default=1)
+    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"])
+    g.add_argument("--fp8-margin", type=int, default=0)
+    g.add_argument("--first-last-layers-bf16", action="store_true")
+    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
+    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
     return p
 
 
@@ -76,11 +90,17 @@ def stream_windows(prefix: str, seq_length: int, count: int) -> np.ndarray:
 def evaluate(args) -> dict:
     if len(args.data_path) != 1:
         raise ConfigError("--data-path: evaluate.py takes one dataset prefix (no blend weights).")
-    megatron = open_source(args.load) if megatron_kind(args.load) else None
-    if megatron is None and (not os.path.isdir(args.load) or read_tag(args.load) is None):
+    if (args.load is None) == (args.load_hf is None):
+        raise ConfigError("give one of --load CHECKPOINT_DIR and --load-hf HF_MODEL_DIR.")
+    megatron = open_source(args.load) if args.load and megatron_kind(args.load) else None
+    if args.load_hf:  # its config, at the TP x PP asked for (default 1)
+        config = read_hf_config(args.load_hf, "--load-hf")
+        tp, pp = args.tensor_model_parallel_size or 1, args.pipeline_model_parallel_size or 1
+        config.validate(tp)
+    elif megatron is None and (not os.path.isdir(args.load) or read_tag(args.load) is None):
         raise ConfigError(f"--load {args.load}: no hybrid checkpoint there (no 'latest' file) and no Megatron-LM "
                           f"checkpoint (no latest_checkpointed_iteration.txt).")
-    if megatron is not None:  # the model its args describe, at the TP x PP asked for (default: its own)
+    elif megatron is not None:  # the model its args describe, at the TP x PP asked for (default: its own)
         config = megatron.config()
         tp = args.tensor_model_parallel_size or int(getattr(megatron.args, "tensor_model_parallel_size", 1) or 1)
         pp = args.pipeline_model_parallel_size or int(getattr(megatron.args, "pipeline_model_parallel_size", 1) or 1)
@@ -89,6 +109,8 @@ def evaluate(args) -> dict:
         saved = read_client_state(args.load, read_tag(args.load))
         config = saved.model_config()
         tp, pp = saved.layout.tensor_parallel, saved.layout.pipeline_parallel
+    config = dataclasses.replace(config, **fp8_fields(args))
+    check(Setup(fp8=config.fp8_recipe), only=("fp8-mxfp8", "fp8-blockwise"))
     config.hidden_dropout = config.attention_dropout = 0.0
     config.recompute_granularity = None
     config.sequence_parallel = args.sequence_parallel and tp > 1
@@ -115,6 +137,9 @@ def evaluate(args) -> dict:
     if megatron is not None:  # read a part at a time, this rank's tensors only (its stage, its experts)
         def parts(wanted):
             return megatron.parts(config, wanted)
+    elif args.load_hf:
+        def parts(wanted):
+            return hf_parts(args.load_hf, config, wanted)
     else:
         state = read_hybrid(args.load)[0]
 

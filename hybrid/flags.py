@@ -186,6 +186,24 @@ def _add_mixed_precision_args(p):
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="reduce gradients in bf16 (DeepSpeed's communication_data_type); needs --bf16")
+    # FP8 (Megatron-LM's flags) on torchao.float8's casts: hybrid.parallel.fp8
+    g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"],
+                   help="FP8 GEMMs in the transformer layers' linear layers: e4m3 everywhere, or hybrid (gradients "
+                        "e5m2); embeddings, output layer, norms and attention stay in the high precision")
+    g.add_argument("--fp8-recipe", default="delayed", choices=["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise"],
+                   help="scaling: tensorwise / rowwise (torchao's recipes), delayed (an amax history per tensor, "
+                        "Megatron-LM's default); mxfp8 and blockwise are refused (not built)")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1, help="delayed: iterations of amax history")
+    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
+                   help="delayed: the scale from the newest amax or the history's largest")
+    g.add_argument("--fp8-margin", type=int, default=0, help="delayed: scales divided by 2^margin")
+    g.add_argument("--first-last-layers-bf16", action="store_true",
+                   help="keep the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 "
+                        "transformer layers out of FP8")
+    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
+    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
+    g.add_argument("--fp8-param-gather", action="store_true",
+                   help="refused: DeepSpeed's ZeRO gathers parameters in their own dtype (see README)")
 
 
 def _moe_layer_freq(text: str):

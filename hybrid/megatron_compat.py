@@ -102,11 +102,6 @@ _FLAGS = [
     CompatFlag("--no-pipeline-parallel", "accepted", "with --pipeline-model-parallel-size 1 hybrid never builds "
                "pipeline stages (with a larger size it is refused)"),
     # numerics or features hybrid does not have
-    CompatFlag("--fp8-format", "refused", "fp8 training is not implemented; use --bf16", nargs="1"),
-    CompatFlag("--fp8-amax-history-len", "refused", "fp8 training is not implemented; use --bf16", nargs="1"),
-    CompatFlag("--fp8-amax-compute-algo", "refused", "fp8 training is not implemented; use --bf16", nargs="1"),
-    CompatFlag("--fp8-param-gather", "refused", "fp8 training is not implemented; use --bf16"),
-    CompatFlag("--fp8-recipe", "refused", "fp8 training is not implemented; use --bf16", nargs="1"),
     CompatFlag("--transformer-impl", "neutral", "Transformer Engine is not used", nargs="1", neutral="local"),
     CompatFlag("--embed-layernorm", "refused", "a norm after the embedding (BLOOM) is not implemented"),
     CompatFlag("--decoupled-lr", "refused", "a separate embedding/output learning rate is not implemented", nargs="1"),

@@ -479,10 +479,38 @@ def estimate(plan: MemoryPlan) -> list[dict]:
         row = dict(stage=stage, layers=layers, parameters=sum(n // (plan.ep if is_expert(name) else 1)
                                                               for name, (n, _) in info["params"].items()),
                    in_flight_micro_batches=in_flight, activation_bytes_per_layer=per_layer,
-                   activations=activations, **states)
-        row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"]
+                   activations=activations, fp8=fp8_bytes(config, info["layers"], act), **states)
+        row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"] + row["fp8"]
         rows.append(row)
     return rows
+
+
+def _fp8_linears(config: ModelConfig, layer: int, tp: int) -> list[tuple[int, int, int]]:
+    """(input features, output features on this rank, projections) of a layer's FP8 GEMMs (hybrid.parallel.fp8)."""
+    h, heads, groups, d = config.hidden_size, config.num_attention_heads, config.num_query_groups, config.head_dim
+    gated = 2 if config.gated_linear_unit else 1
+    ffn = config.moe_shared_expert_intermediate_size if config.mlp_type_of(layer) == "moe" else config.ffn_hidden_size
+    linears = [(h, (heads + 2 * groups) * d // tp, 3), (heads * d // tp, h, 1)]
+    if ffn:
+        linears += [(h, gated * ffn // tp, gated), (ffn // tp, h, 1)]
+    return linears
+
+
+def fp8_bytes(config: ModelConfig, layers: list, act: ActivationSettings) -> int:
+    """What FP8 GEMMs add on a rank holding `layers`: the FP8 copies of the largest GEMM's operands while it
+    runs (its weight, its input and its output gradient, one byte each; the high-precision ones are what is
+    saved for backward, as torchao's), and delayed scaling's amax histories (fp32, per linear layer:
+    history x (input, output gradient, each projection of the weight))."""
+    fp8_layers = [i for i in layers if config.fp8_layer(i)]
+    if not fp8_layers:
+        return 0
+    tokens = act.micro_batch * act.seq_length // (act.cp * act.ulysses)
+    linears = [lin for i in fp8_layers for lin in _fp8_linears(config, i, act.tp)]
+    transient = max(n_in * n_out + tokens * (n_in + n_out) for n_in, n_out, _ in linears)
+    history = 0
+    if config.fp8_recipe == "delayed":
+        history = sum(4 * config.fp8_amax_history_len * (2 + projections) for _, _, projections in linears)
+    return transient + history
 
 
 def _embedding_and_head_bytes(config: ModelConfig, act: ActivationSettings, first: bool, last: bool) -> int:
@@ -514,6 +542,11 @@ def format_table(rows: list[dict], plan: MemoryPlan) -> str:
     for r in rows:
         lines.append("  ".join([f"{r['stage']:>11}", f"{r['layers']:>11}"]
                                + [f"{r[c] / GiB:>11.3f}" for c in cols[2:]]))
+    if any(r["fp8"] for r in rows):
+        c = plan.model
+        lines.append(f"FP8 ({c.fp8_recipe}, {c.fp8_format}): {max(r['fp8'] for r in rows) / GiB:.3f} GiB per rank in "
+                     f"the totals: the FP8 copies of the largest GEMM's operands while it runs"
+                     f"{' and the amax histories' if c.fp8_recipe == 'delayed' else ''}")
     if any(r["host_optimizer"] for r in rows):
         lines.append(f"host memory for the offloaded optimizer: {max(r['host_optimizer'] for r in rows) / GiB:.3f} GiB "
                      f"per rank")

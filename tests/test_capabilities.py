@@ -51,6 +51,9 @@ EXAMPLES = {
     "ulysses-heads": (["--ds-sequence-parallel-size", 4, "--group-query-attention", "--num-query-groups", 2], 4),
     "ulysses-sp-shards": (["--ds-sequence-parallel-size", 2, "--tensor-model-parallel-size", 2, "--sequence-parallel",
                            "--seq-length", 18], 4),
+    "fp8-mxfp8": (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"], 1),
+    "fp8-blockwise": (["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], 1),
+    "fp8-param-gather": (["--fp8-format", "hybrid", "--fp8-param-gather"], 1),
 }
 
 

@@ -34,6 +34,14 @@ SAMPLE = {  # combination -> the outcome it must have (a rule's name for a refus
     "pp2+bf16": "equal",
     "offload+bf16": "equal",
     "cp2+ulysses2": "cp-ulysses",
+    # FP8 (torchao's casts, every amax over the whole tensor): the layouts equal one rank's FP8 run; delayed
+    # scaling's amax history (once per iteration, over every micro-batch and DP rank) resumes bitwise
+    "fp8+tp2_sp": "equal",
+    "fp8+pp2": "equal",
+    "fp8+cp2": "equal",
+    "fp8+ep2": "equal",
+    "fp8_delayed+dp2": "equal",
+    "fp8_delayed+tp2_sp": "equal",
 }
 
 

@@ -17,6 +17,7 @@ from hybrid.model.init import normal_init, output_layer_std
 from hybrid.model.norms import build_norm
 from hybrid.model.qkv import split_qkv
 from hybrid.model.rotary import RotaryEmbedding, apply_rotary
+from hybrid.parallel.fp8 import gemm_for
 from hybrid.parallel.groups import as_groups
 from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from hybrid.parallel.random import fork_tp_rng
@@ -187,11 +188,14 @@ class SelfAttention(nn.Module):
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.head_dim = config.head_dim
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * config.head_dim
+        d = config.head_dim  # a rank's QKV rows: per KV group its query heads (q), its key (k), its value (v)
+        projections = [(0, self.heads_per_group * d), (1, d), (2, d)] * (config.num_query_groups // tp)
         self.qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, groups,
             normal_init(config.seed, f"{name}.qkv.weight", config.init_method_std),
             bias=config.qkv_bias, sequence_parallel=config.sequence_parallel,
-            overlap=config.async_tensor_model_parallel_allreduce)
+            overlap=config.async_tensor_model_parallel_allreduce,
+            fp8=gemm_for(config, groups, name, "column", projections))
         # per-head norms of Q and K (Qwen3): each TP rank normalises its own heads, so their
         # replicated weights get partial gradients, summed over TP
         self.q_norm = build_norm(config, groups, config.head_dim, tp > 1) if config.qk_layernorm else None
@@ -201,7 +205,8 @@ class SelfAttention(nn.Module):
             config.num_attention_heads * config.head_dim, config.hidden_size, groups,
             normal_init(config.seed, f"{name}.dense.weight",
                         output_layer_std(config.init_method_std, config.num_layers)),
-            bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=config.sequence_parallel)
+            bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=config.sequence_parallel,
+            fp8=gemm_for(config, groups, name, "row"))
         self.rotary = (RotaryEmbedding(config.head_dim, config.rotary_base, config.rope_scaling)
                        if config.position_embedding_type == "rope" else None)
         self.recompute_core = config.recompute_granularity == "selective"

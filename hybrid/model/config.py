@@ -75,6 +75,13 @@ class ModelConfig:
     reset_attention_mask: bool = False  # --reset-attention-mask: a token attends its own document only (packed data)
     reset_position_ids: bool = False  # --reset-position-ids: positions restart at 0 after each EOD token
     eod_token: Optional[int] = None  # the end-of-document id at which those two split sequences (the tokenizer's)
+    fp8_recipe: Optional[str] = None  # --fp8-recipe when --fp8-format is given: tensorwise|rowwise|delayed; None: no FP8
+    fp8_format: str = "hybrid"  # --fp8-format e4m3|hybrid (hybrid: gradients in e5m2)
+    fp8_amax_history_len: int = 1  # --fp8-amax-history-len (delayed scaling)
+    fp8_amax_compute_algo: str = "most_recent"  # --fp8-amax-compute-algo most_recent|max (delayed scaling)
+    fp8_margin: int = 0  # --fp8-margin (delayed scaling)
+    fp8_layers_start_high_precision: int = 0  # --first-last-layers-bf16 --num-layers-at-start-in-bf16
+    fp8_layers_end_high_precision: int = 0  # --first-last-layers-bf16 --num-layers-at-end-in-bf16
     family: Optional[str] = None  # the HF family (hybrid.conversion.families); None: chosen from the options
     hf_dtype: Optional[str] = None  # the imported HF model's dtype ("bfloat16", ...): export writes it; None: fp32
 
@@ -97,6 +104,11 @@ class ModelConfig:
         freq = self.moe_layer_freq
         on = freq[layer] if isinstance(freq, (list, tuple)) else layer % int(freq) == 0
         return "moe" if on else "dense"
+
+    def fp8_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s linear layers run FP8 GEMMs (--fp8-format, outside the bf16 ends)."""
+        return self.fp8_recipe is not None and self.fp8_layers_start_high_precision <= layer < \
+            self.num_layers - self.fp8_layers_end_high_precision
 
     @property
     def moe_layers(self) -> list:

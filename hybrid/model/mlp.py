@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from hybrid.model.config import MLP_TYPES
 from hybrid.model.init import normal_init, output_layer_std
 from hybrid.model.moe.moe_layer import MoELayer
+from hybrid.parallel.fp8 import gemm_for
+from hybrid.parallel.groups import as_groups
 from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -89,15 +91,18 @@ class MLP(nn.Module):
         gated = config.gated_linear_unit
         ffn = ffn_hidden_size or config.ffn_hidden_size
         up_size = ffn * (2 if gated else 1)
+        local = ffn // as_groups(groups).tp_size  # a rank's fc1 rows: [gate; up] halves when gated
         self.fc1 = ColumnParallelLinear(
             config.hidden_size, up_size, groups,
             normal_init(config.seed, f"{name}.fc1.weight", config.init_method_std),
             bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel, skip_bias_add=True,
-            stride=2 if gated else 1, overlap=config.async_tensor_model_parallel_allreduce)
+            stride=2 if gated else 1, overlap=config.async_tensor_model_parallel_allreduce,
+            fp8=gemm_for(config, groups, name, "column", [(0, local), (1, local)] if gated else None))
         self.fc2 = RowParallelLinear(
             ffn, config.hidden_size, groups,
             normal_init(config.seed, f"{name}.fc2.weight", output_layer_std(config.init_method_std, config.num_layers)),
-            bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=config.sequence_parallel)
+            bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=config.sequence_parallel,
+            fp8=gemm_for(config, groups, name, "row"))
 
     def forward(self, x):
         y, bias = self.fc1(x)  # [s(/tp), b, h] -> [s, b, up/tp]

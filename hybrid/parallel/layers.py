@@ -9,7 +9,7 @@ hybrid.checkpoint.tp_layout reads for checkpoints, conversion and DeepSpeed's un
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel import mappings as M
+from hybrid.parallel.fp8 import fp8_linear
 from hybrid.parallel.groups import ParallelGroups, as_groups
 
 InitMethod = Callable[[torch.Tensor], None]  # fills a full (unsharded) tensor in place
@@ -121,9 +122,10 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, groups: ParallelGroups, init_method: InitMethod,
                  bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
                  skip_bias_add: bool = False, stride: int = 1, params_dtype=torch.float32, device=None,
-                 overlap: bool = True):
+                 overlap: bool = True, fp8: Optional[nn.Module] = None):
         super().__init__()
         self.overlap = overlap  # the backward's input-gradient collective beside the weight-gradient matmul
+        self.fp8 = fp8  # an Fp8Gemm (hybrid.parallel.fp8): the GEMMs in FP8; None: in the weights' dtype
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output is incompatible with sequence_parallel")
         self.groups = groups = as_groups(groups)
@@ -142,7 +144,12 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         bias = None if self.skip_bias_add else self.bias
         # [s(/tp), b, h] -> [s, b, out/tp]
-        y = column_parallel_matmul(x, self.weight, bias, self.groups, self.sequence_parallel, self.overlap)
+        if self.fp8 is not None:  # the input gathered (SP) or entered into the TP region, then FP8 GEMMs
+            x = (M.gather_from_sequence_parallel_region(x, self.tp_group) if self.sequence_parallel
+                 else M.copy_to_tp_region(x, self.tp_group))
+            y = fp8_linear(x, self.weight, bias, self.fp8)
+        else:
+            y = column_parallel_matmul(x, self.weight, bias, self.groups, self.sequence_parallel, self.overlap)
         if self.gather_output:
             y = M.gather_from_tp_region(y, self.tp_group)
         if self.skip_bias_add:
@@ -200,8 +207,9 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, groups: ParallelGroups, init_method: InitMethod,
                  bias: bool = True, input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 skip_bias_add: bool = False, params_dtype=torch.float32, device=None):
+                 skip_bias_add: bool = False, params_dtype=torch.float32, device=None, fp8: Optional[nn.Module] = None):
         super().__init__()
+        self.fp8 = fp8  # an Fp8Gemm (hybrid.parallel.fp8): the GEMM in FP8; None: in the weights' dtype
         self.groups = groups = as_groups(groups)
         self.tp_group, self.input_is_parallel = groups.tp_group, input_is_parallel
         self.sequence_parallel, self.skip_bias_add = sequence_parallel, skip_bias_add
@@ -217,7 +225,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = M.scatter_to_tp_region(x, self.tp_group)
-        partial = F.linear(x, self.weight)  # [s, b, in/tp] -> [s, b, out] (partial sum)
+        # [s, b, in/tp] -> [s, b, out] (partial sum)
+        partial = F.linear(x, self.weight) if self.fp8 is None else fp8_linear(x, self.weight, None, self.fp8)
         if self.sequence_parallel:
             y = M.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # -> [s/tp, b, out]
         else:

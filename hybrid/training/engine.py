@@ -18,6 +18,7 @@ from hybrid.model import build as model_build
 from hybrid.model.attention import backend_notes
 from hybrid.model.moe.moe_layer import MoELayer
 from hybrid.model.naming import canonical_parameters
+from hybrid.parallel import fp8
 from hybrid.training.deepspeed_fixes import (ListPartitionPipelineModule, install_fp32_clipping, register_moe_layers,
                                              skip_non_finite_steps, skip_one_rank_gradient_allreduce,
                                              use_async_checkpoint_engine)
@@ -77,6 +78,8 @@ def build_engine(run: RunConfig, groups):
     """-> (DeepSpeed engine, the model it wraps). PP > 1 gives DeepSpeed's PipelineEngine."""
     for note in backend_notes(run.model, run.parallel.context_parallel):
         log(note)
+    if run.model.fp8_recipe:
+        fp8.check_device(torch.device(get_accelerator().current_device_name()))
     model = build_model(run, groups)
     _check_experts_on_every_stage(model, run)
     register_moe_layers(model, groups, run.zero_stage)  # DeepSpeed's MoE handling (before initialize)
@@ -103,6 +106,7 @@ def build_engine(run: RunConfig, groups):
         raise
     if run.model.num_experts:
         keep_fp32_buffers(engine.module)  # DeepSpeed's bf16/fp16 cast took the score bias and counts along
+    fp8.keep_fp32_histories(engine.module)  # and delayed scaling's amax histories
     log(f"optimizer: {describe_optimizer(engine)}")
     if run.zero_stage == 0:
         skip_one_rank_gradient_allreduce(engine)

@@ -16,6 +16,7 @@ from hybrid.training.engine import units_per_step
 from hybrid.training.health import HealthCheck
 from hybrid.training.logging import MetricsLogger, Timer, log
 from hybrid.training.metrics import iteration_record
+from hybrid.parallel import fp8
 from hybrid.training.moe_hooks import MoEStepHooks
 from hybrid.training.reduction import reduce_interval
 from hybrid.training.saving import CheckpointSaver
@@ -38,6 +39,7 @@ class Trainer:
         # micro-steps on the plain engine; all take the same (ids, labels) micro-batches
         self.step = build_step(run, groups, engine)
         self.moe = MoEStepHooks.of(engine.module, run.parallel.sequence_split) if run.model.num_experts else None
+        self.fp8_delayed = fp8.has_delayed(engine.module)
         self.saver = CheckpointSaver(engine, run, groups.sequence, self.device)
         self.health = HealthCheck(run, engine, self.step, self.saver)
         self.skipped = 0
@@ -111,6 +113,8 @@ class Trainer:
         record = (self.step.train(batches), lr, self.health.norm_finite(), iteration + 1)
         if self.moe:
             self.moe.after()
+        if self.fp8_delayed:  # delayed scaling: the iteration's amaxes into the histories
+            fp8.end_iteration(self.engine.module, self.groups.dp.group)
         self.skipped += getattr(self.engine, "skipped_steps", 0) - skipped_before
         return record
 

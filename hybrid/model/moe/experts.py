@@ -9,6 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.model.init import normal_init, output_layer_std
+from hybrid.parallel.fp8 import fp8_linear, gemm_for
+from hybrid.parallel.groups import ParallelGroups
 from hybrid.parallel.mappings import sync_replicated_grad
 
 
@@ -40,6 +42,9 @@ class Experts(nn.Module):
     def __init__(self, config, name: str, first: int, count: int, ep_size: int):
         super().__init__()
         self.grouped = config.moe_grouped_gemm  # --moe-grouped-gemm; False once a device lacked the kernel
+        # FP8 (--fp8-format): per-token (rowwise) scales whatever the recipe, so an expert's GEMMs do not
+        # depend on which ranks' tokens it gets (EP-invariant); run per expert
+        self.fp8 = gemm_for(config, ParallelGroups.single(), name, "expert")
         self.deepspeed_experts = nn.ModuleList(ExpertMLP(config, f"{name}.experts.{first + j}") for j in range(count))
         for param in self.deepspeed_experts.parameters():
             param.allreduce = False  # reduced over the expert-data-parallel group, not DP
@@ -53,6 +58,10 @@ class Experts(nn.Module):
         fc1 = [sync_replicated_grad(e.fc1.weight, tp_group) for e in self.deepspeed_experts]
         fc2 = [sync_replicated_grad(e.fc2.weight, tp_group) for e in self.deepspeed_experts]
         up, f = fc1[0].size(0), fc2[0].size(1)
+        if self.fp8 is not None:
+            outputs = [fp8_linear(activation(fp8_linear(part, w1, None, self.fp8), None), w2, None, self.fp8)
+                       for part, w1, w2 in zip(rows.split(counts.tolist()), fc1, fc2)]
+            return torch.cat(outputs) if outputs else rows
         if self.grouped and rows.size(0) and grouped_gemm_fits(rows, rows.size(1), up, f):
             offsets = counts.cumsum(0).to(torch.int32)
             try:  # one grouped GEMM per projection, no host sync (torchtitan's and DeepSpeed AutoEP's path)

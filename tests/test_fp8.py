@@ -1,0 +1,175 @@
+"""FP8 training on torchao's float8 casts (hybrid.parallel.fp8): each GEMM equals torchao's Float8Linear
+bitwise (tensorwise and rowwise), a fused weight's projections scale as transformers' separate projections
+do, a model read from transformers evaluates at TP 2 to the loss torchao's float8 gives the transformers
+model, TP 2 + SP computes one rank's FP8 gradients, delayed scaling's history resumes bitwise, and an FP8
+run exports a bf16 model transformers loads. The launched layouts (TP 2 + SP, PP 2, CP 2, EP 2 and delayed
+scaling at DP 2, each 4 iterations equal to one rank and resumed bitwise) are cells of the combination
+sweep (tests/test_combinations.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install torchao)")
+
+from hybrid.model.config import ModelConfig  # noqa: E402
+from hybrid.parallel.fp8 import Fp8Gemm, Fp8Settings, end_iteration, fp8_linear  # noqa: E402
+from hybrid.parallel.groups import ParallelGroups  # noqa: E402
+from tests.launch_helpers import read_log, run  # noqa: E402
+from tests.model_harness import LLAMA, assemble_grads, batch, compare_grads, reference, sharded_run  # noqa: E402
+
+
+def _torchao(module, recipe: str, **kwargs):
+    """torchao's convert_to_float8_training with its recipe, emulated (CPU)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    config = Float8LinearConfig(**{**Float8LinearConfig.from_recipe_name(recipe).__dict__, "emulate": True})
+    convert_to_float8_training(module, config=config, **kwargs)
+    return module
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_an_fp8_gemm_is_torchaos_float8_linear_bitwise(recipe):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96, bias=False)
+    reference = _torchao(torch.nn.Sequential(copy.deepcopy(linear)), recipe)
+    x = torch.randn(8, 64, requires_grad=True)
+    ours_x = x.detach().clone().requires_grad_()
+    want = reference(x)
+    want.square().sum().backward()
+    got = fp8_linear(ours_x, linear.weight, None, Fp8Gemm(Fp8Settings(recipe), ParallelGroups.single(), "column"))
+    got.square().sum().backward()
+    assert torch.equal(got, want) and torch.equal(ours_x.grad, x.grad)
+    assert torch.equal(linear.weight.grad, reference[0].weight.grad)
+    assert (got - x.detach() @ linear.weight.detach().t()).abs().max() > 1e-3  # it is FP8
+
+
+def test_a_fused_weight_scales_each_projection_as_separate_linears():
+    """QKV as one weight: one scale per projection, the forward torchao's q/k/v Linears give (one scale
+    for the fused weight would not)."""
+    torch.manual_seed(1)
+    q, k, v = (torch.nn.Linear(32, n, bias=False) for n in (32, 8, 8))
+    with torch.no_grad():
+        k.weight.mul_(8.0)  # projections of different magnitudes
+    separate = _torchao(torch.nn.ModuleList([copy.deepcopy(m) for m in (q, k, v)]), "tensorwise")
+    x = torch.randn(6, 32)
+    want = torch.cat([m(x) for m in separate], dim=-1)
+    fused = torch.cat([q.weight, k.weight, v.weight]).detach()
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate((32, 8, 8))])
+    got = fp8_linear(x, fused, None, Fp8Gemm(Fp8Settings("tensorwise"), ParallelGroups.single(), "column", segments))
+    one_scale = fp8_linear(x, fused, None, Fp8Gemm(Fp8Settings("tensorwise"), ParallelGroups.single(), "column"))
+    # (the same FP8 operands; one GEMM's sums may round in another order than three GEMMs')
+    assert (got - want).abs().max() < 1e-6 and (one_scale - want).abs().max() > 1e-3
+
+
+FP8_LLAMA = dict(LLAMA, fp8_recipe="tensorwise")
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_tp2_sp_computes_one_ranks_fp8_gradients(recipe):
+    """Every amax over the whole tensor (TP-split weights and output gradients, SP-gathered inputs): TP 2 + SP
+    gives the one-rank FP8 model's loss and gradients."""
+    from tests.rank_pool import run_on_ranks
+    data = batch()
+    cfg = dict(FP8_LLAMA, fp8_recipe=recipe)
+    ref_loss, _, ref_grads = reference(cfg, data)
+    _, _, high_grads = reference(LLAMA, data)
+    results = run_on_ranks(sharded_run, 2, cfg, 2, 1, data, True)
+    assert abs(results[0]["loss"] - ref_loss) <= 1e-6
+    compare_grads(assemble_grads(results), ref_grads, cfg["vocab_size"], 1e-5)
+    assert (ref_grads["layers.0.attention.qkv.weight"] - high_grads["layers.0.attention.qkv.weight"]).abs().max() > 1e-4
+
+
+def test_delayed_scaling_history_resumes_bitwise():
+    """Delayed scaling: the history moves once per iteration (every micro-batch's amax), lives in the model's
+    buffers (saved with it), and a model loaded from them continues bitwise."""
+    from hybrid.model.gpt import GPTModel
+    config = ModelConfig(**dict(LLAMA, fp8_recipe="delayed", fp8_amax_history_len=3, fp8_amax_compute_algo="max"))
+
+    def step(model, optimizer, seed):
+        loss = sum(model(*batch(seed=seed + m)) for m in range(2)) / 2  # two micro-batches
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        end_iteration(model, None)
+        return loss.item()
+    model = GPTModel(config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = [step(model, optimizer, 10 * i) for i in range(2)]
+    saved = copy.deepcopy(model.state_dict())
+    assert saved["layers.0.attention.qkv.fp8.amax_history"][:2].gt(0).all()  # (input, grad, q, k, v) x 2 iterations
+    assert saved["layers.0.attention.qkv.fp8.amax_history"].shape == (3, 5)
+    uninterrupted = [step(model, optimizer, 10 * i) for i in range(2, 4)]
+    resumed_model = GPTModel(config)
+    resumed_model.load_state_dict(saved)
+    resumed_optimizer = torch.optim.SGD(resumed_model.parameters(), lr=0.1)
+    resumed = [step(resumed_model, resumed_optimizer, 10 * i) for i in range(2, 4)]
+    assert resumed == uninterrupted and losses[0] != uninterrupted[-1]
+
+
+def _windows(prefix, windows):
+    from hybrid.data.indexed import IndexedDatasetBuilder
+    builder = IndexedDatasetBuilder(prefix)
+    builder.add_document(windows.flatten().numpy())
+    builder.finalize()
+
+
+def _mean_loss(model, windows, micro_batch):
+    losses = []
+    with torch.no_grad():
+        for i in range(0, windows.size(0), micro_batch):
+            chunk = windows[i:i + micro_batch]
+            logits = model(chunk[:, :-1]).logits
+            losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten()).item())
+    return sum(losses) / len(losses)
+
+
+def test_evaluate_fp8_at_tp2_equals_torchao_on_the_transformers_model(tmp_path):
+    """evaluate.py --load-hf at TP 2 with --fp8-format e4m3 and --fp8-recipe tensorwise / rowwise: the loss of
+    the transformers model converted by torchao (its lm_head left out, as hybrid keeps the output layer in the
+    high precision), within 1e-4, and not the high-precision loss."""
+    from tests.hf_families import make_family
+    hf = make_family("llama3", tmp_path / "model")
+    windows = torch.randint(0, 8000, (4, 17), generator=torch.Generator().manual_seed(5))
+    _windows(str(tmp_path / "windows"), windows)
+    high = _mean_loss(hf, windows, 2)
+    for recipe in ("tensorwise", "rowwise"):
+        want = _mean_loss(_torchao(copy.deepcopy(hf), recipe, module_filter_fn=lambda m, fqn: fqn != "lm_head"),
+                          windows, 2)
+        log = str(tmp_path / f"{recipe}.json")
+        run("torchrun", 2, ["--load-hf", tmp_path / "model", "--data-path", tmp_path / "windows", "--seq-length", 16,
+                            "--micro-batch-size", 2, "--eval-iters", 2, "--tensor-model-parallel-size", 2,
+                            "--fp8-format", "e4m3", "--fp8-recipe", recipe, "--log-json", log],
+            script="launch/evaluate.py")
+        with open(log) as f:
+            got = json.loads(f.read().strip().splitlines()[-1])["lm_loss"]
+        assert abs(got - want) < 1e-4 and abs(got - high) > 1e-3, (recipe, got, want, high)
+
+
+@pytest.mark.slow
+def test_an_fp8_run_exports_a_bf16_model_transformers_loads(tmp_path):
+    """--load-hf of a bf16 model, trained with --bf16 and delayed FP8 scaling (first and last layers kept in
+    bf16), exported: transformers loads a bf16 model holding the trained weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf_families import make_family
+    from tests.launch_helpers import copy_default_corpus
+    make_family("llama3", tmp_path / "model", dtype="bfloat16")
+    data = copy_default_corpus(str(tmp_path))
+    log, export = tmp_path / "log.jsonl", tmp_path / "export"
+    run("python", 1, ["--load-hf", tmp_path / "model", "--data-path", data, "--seq-length", 32, "--micro-batch-size",
+                      2, "--global-batch-size", 4, "--train-iters", 3, "--lr", 1e-3, "--bf16", "--zero-stage", 1,
+                      "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", 4,
+                      "--first-last-layers-bf16", "--eval-iters", 0, "--log-interval", 1, "--log-json", log,
+                      "--save", tmp_path / "ckpt", "--export-hf", export, "--no-progress-bar"])
+    assert len([r for r in read_log(log) if "lm_loss" in r and "iteration" in r]) == 3
+    model = AutoModelForCausalLM.from_pretrained(export)
+    assert model.dtype == torch.bfloat16
+    original, trained = load_file(str(tmp_path / "model" / "model.safetensors")), load_file(str(export / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in trained.values())
+    assert any(not torch.equal(trained[k], original[k]) for k in original)
