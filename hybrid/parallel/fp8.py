@@ -107,6 +107,7 @@ class Fp8Gemm(nn.Module):
             self.register_buffer("amax_history", torch.zeros(settings.history_len, columns))
             self.register_buffer("amax_current", torch.zeros(columns), persistent=False)
         self._filled = None  # whether the history holds amaxes (None: not looked at since built or loaded)
+        self.register_load_state_dict_post_hook(lambda module, _: module.forget_filled())
 
     @property
     def delayed(self) -> bool:
@@ -119,9 +120,13 @@ class Fp8Gemm(nn.Module):
             self._filled = bool(self.amax_history.amax() > 0)
         return self._filled
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
+    def forget_filled(self) -> None:
+        """A loaded history is looked at again (it may hold amaxes or not)."""
         self._filled = None
+
+    def mark_filled(self) -> None:
+        """end_iteration rolled an amax into the history."""
+        self._filled = True
 
     def groups_of(self, operand: str) -> tuple:
         """(groups splitting dim 0, groups splitting dim 1) of a 2-D operand: x [tokens, in], w_t [in, out],
@@ -354,7 +359,7 @@ def end_iteration(model: nn.Module, data_group) -> None:
     for m, amax in zip(gemms, current.split([m.amax_current.numel() for m in gemms])):
         m.amax_history.copy_(torch.cat([amax.view(1, -1), m.amax_history[:-1]]))
         m.amax_current.zero_()
-        m._filled = True
+        m.mark_filled()
 
 
 def check_settings(recipe: Optional[str], fmt: Optional[str], history_len: int, compute_algo: str) -> None:
