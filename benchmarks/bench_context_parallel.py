@@ -91,9 +91,9 @@ def _ring_seconds(seq: int, repeats: int) -> tuple[float, float]:
     def compute_alone():
         for step in range(axis.size):
             _, rows, cols, causal = _step_plan(step, axis.rank, axis.size, local // 2)
-            out, lse = block_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], None, causal, d ** -0.5)
+            out, lse, state = block_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], None, causal, d ** -0.5)
             block_backward(grad[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out, lse, None, causal,
-                           d ** -0.5)
+                           d ** -0.5, state=state)
 
     timings = []
     for fn in (ring, compute_alone) * (repeats + 1):

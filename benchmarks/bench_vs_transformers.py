@@ -1,7 +1,8 @@
 """hybrid against plain transformers on one device: tokens/s, model TFLOP/s, MFU, peak memory, as JSON.
 
     python benchmarks/bench_vs_transformers.py                      # CPU: GPT-2 and Llama 4 x 512, seq 256, fp32
-    python benchmarks/bench_vs_transformers.py --preset gpu          # CUDA bf16: GPT-2 350M and Llama 0.85B
+    python benchmarks/bench_vs_transformers.py --preset gpu          # CUDA bf16: 4 Llama-3-8B-shaped layers
+    python benchmarks/bench_vs_transformers.py --preset gpu_small    # CUDA bf16: GPT-2 350M and Llama 0.85B
     python benchmarks/bench_vs_transformers.py --chart out.png       # and a bar chart (needs matplotlib)
 
 Same model dimensions, batch, optimizer (AdamW, lr 1e-4, weight decay 0.01), clipping (1.0) and no
@@ -32,14 +33,18 @@ PRESETS = {
                  vocab=50257, ffn=2048),
             dict(name="gpt2-4x512-v8k", family="gpt2", layers=4, hidden=512, heads=4, seq=256, batch=8,
                  vocab=8192, ffn=2048),
+            dict(name="gpt2-4x512-h8-v8k", family="gpt2", layers=4, hidden=512, heads=8, seq=256, batch=8,
+                 vocab=8192, ffn=2048),
             dict(name="llama-4x512", family="llama", layers=4, hidden=512, heads=8, groups=8, seq=256, batch=8,
                  vocab=8192, ffn=1376)],
-    "gpu": [dict(name="gpt2-350m", family="gpt2", layers=24, hidden=1024, heads=16, seq=1024, batch=8,
-                 vocab=50257, ffn=4096),
-            dict(name="llama-0.85b", family="llama", layers=16, hidden=2048, heads=16, groups=4, seq=2048,
-                 batch=4, vocab=32000, ffn=5632)],
+    # Llama-3-8B's layer shape (hidden 4096, 32 heads, 8 KV groups, FFN 14336, vocabulary 128256), 4 layers
+    "gpu": [dict(name="llama3-8b-4-layers", family="llama", layers=4, hidden=4096, heads=32, groups=8, seq=4096,
+                 batch=1, vocab=128256, ffn=14336)],
+    "gpu_small": [dict(name="gpt2-350m", family="gpt2", layers=24, hidden=1024, heads=16, seq=1024, batch=8,
+                       vocab=50257, ffn=4096),
+                  dict(name="llama-0.85b", family="llama", layers=16, hidden=2048, heads=16, groups=4, seq=2048,
+                       batch=4, vocab=32000, ffn=5632)],
 }
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16, vendor figures
 
 
 def _device() -> torch.device:
@@ -164,8 +169,8 @@ def bench_config(c: dict, device: torch.device, variants: list[str], rounds: int
                 peaks[name] = max(peaks.get(name, 0), torch.cuda.max_memory_allocated() - others)
     run = steps_by_name.get("hybrid") or steps_by_name.get("hybrid_compiled")
     flops = flops_per_iteration(run.run.model, c["batch"], c["seq"], run.run.model.padded_vocab_size(1))
-    gpu_name = torch.cuda.get_device_name() if device.type == "cuda" else ""
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in gpu_name), None)
+    from hybrid.training.profiling import device_peak_tflops  # the one table of peaks (the run's MFU's)
+    peak = device_peak_tflops(device, "bf16", False)
     out = {}
     for name in variants:
         seconds = statistics.median(times[name])
@@ -210,6 +215,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="steps per round per variant")
     parser.add_argument("--variants", default="hybrid,transformers_eager",
                         help="comma-separated: hybrid, hybrid_compiled, transformers_eager, transformers_compiled")
+    parser.add_argument("--configs", default=None, help="comma-separated config names of the preset (default: all)")
     parser.add_argument("--chart", default=None, help="write a PNG bar chart here")
     parser.add_argument("--json", default=None, help="also write the JSON report here")
     args = parser.parse_args()
@@ -223,7 +229,8 @@ def main() -> None:
     variants = args.variants.split(",")
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "precision": "bf16" if device.type == "cuda" else "fp32", "torch": torch.__version__,
-              "configs": [bench_config(c, device, variants, args.rounds, args.steps) for c in PRESETS[preset]]}
+              "configs": [bench_config(c, device, variants, args.rounds, args.steps) for c in PRESETS[preset]
+                          if not args.configs or c["name"] in args.configs.split(",")]}
     text = json.dumps(report)
     print(text)
     if args.json:

@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# Every GPU path of hybrid on one CUDA GPU, in under 8 minutes; installs nothing.
+# Every GPU path of hybrid on one CUDA GPU in one command, within GPU_CHECK_BUDGET_S (default 480 s: a step
+# that would start past it is reported as skipped, and each step's timeout is cut to what is left);
+# installs nothing.
 #
 #   bash benchmarks/gpu_check.sh            # results in $OUT (or ./gpu_check_out)
 #
 # Needs torch (CUDA build), transformers and an importable DeepSpeed (e.g. PYTHONPATH to a wheel
-# unpacked by shared/gpu's recipe). Runs: bf16 ZeRO-1 on the embedded corpus (saved), fp16 with
-# dynamic loss scaling (loss scale and skipped steps reported), flash-attn when installed,
-# --torch-compile, ZeRO-3, full and selective recompute, launch/evaluate.py on the bf16
-# checkpoint, its HF export loaded by transformers (loss compared), and
-# benchmarks/bench_vs_transformers.py --preset gpu; with 2+ GPUs, every --pipeline-schedule at PP 2.
-# benchmarks/bench_fp8.py and an FP8 (delayed scaling) bf16 run;
-# Each step's log and JSON lines go to $OUT;
-# $OUT/summary.json has one line per step (ok, seconds, last logged metrics).
+# unpacked by shared/gpu's recipe); torchao for the FP8 steps (skipped without it). Runs, most telling first:
+# benchmarks/gpu_paths.py (each CUDA-only path against its reference: NCCL, flash-attn vs SDPA, bf16/fp16
+# against fp32, the fp16 loss-scale stop, the ring's fused CUDA kernel vs full attention, grouped GEMM vs
+# the loop, async save vs sync, pinned batches, compile vs eager, FP8 GEMM vs torchao, --cpu-offloading vs
+# none, MoE host syncs; TP overlap, Ulysses and MoE all-to-all on NCCL with 2+ GPUs),
+# benchmarks/bench_vs_transformers.py --preset gpu (Llama-3-8B-shaped layers: tokens/s and MFU against
+# transformers eager and compiled), then bf16 ZeRO-1 on the embedded corpus (saved), fp16 with dynamic loss
+# scaling, flash-attn when installed, --torch-compile, ZeRO-3, full and selective recompute, FP8 (delayed
+# scaling) and benchmarks/bench_fp8.py, launch/evaluate.py on the bf16 checkpoint and its HF export loaded
+# by transformers (loss compared); with 2+ GPUs, every --pipeline-schedule at PP 2.
+# Each step's log and JSON lines go to $OUT; $OUT/summary.json has one line per step (ok, seconds, last
+# logged metrics); $OUT/gpu_paths.jsonl one line per GPU path.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
@@ -20,6 +26,7 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 SUMMARY="$OUT/summary.json"
 : > "$SUMMARY"
+BUDGET=${GPU_CHECK_BUDGET_S:-480}
 
 python - <<'EOF' > "$OUT/environment.json"
 import json, torch
@@ -46,8 +53,14 @@ MOCK="--mock-data --tokenizer-type NullTokenizer --vocab-size 50257"
 
 step() {  # step NAME TIMEOUT_S COMMAND...
     local name=$1 limit=$2; shift 2
-    local start=$SECONDS
+    local start=$SECONDS left=$((BUDGET - SECONDS))
     echo "=== $name"
+    if [ "$left" -lt 30 ]; then
+        echo "{\"step\": \"$name\", \"ok\": null, \"skipped\": \"past the ${BUDGET} s budget\"}" >> "$SUMMARY"
+        tail -n 1 "$SUMMARY"
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     python - "$name" "$rc" "$((SECONDS - start))" "$OUT" >> "$SUMMARY" <<'EOF'
@@ -78,6 +91,10 @@ EOF
     tail -n 1 "$SUMMARY"
 }
 
+step gpu_paths 240 python benchmarks/gpu_paths.py --out "$OUT/gpu_paths.jsonl"
+step bench_vs_transformers 180 python benchmarks/bench_vs_transformers.py $BENCH \
+    --variants hybrid,hybrid_compiled,transformers_eager,transformers_compiled \
+    --json "$OUT/bench_vs_transformers.json" --chart "$OUT/bench_vs_transformers.png"
 step bf16_zero1_save 240 python launch/train.py $MODEL --bf16 --deepspeed ds_configs/zero1.json --train-iters 40 \
     --save "$OUT/ckpt" --save-interval 40 --log-json "$OUT/bf16_zero1_save.jsonl"
 step fp16_dynamic_loss_scale 120 python launch/train.py $MODEL $MOCK --fp16 --train-iters 20 \
@@ -98,9 +115,13 @@ step recompute_selective 120 python launch/train.py $MODEL $MOCK --bf16 --recomp
     --train-iters 20 --log-json "$OUT/recompute_selective.jsonl"
 # FP8 GEMMs (torch._scaled_mm, compute capability 8.9+): delayed scaling in a bf16 run, and the benchmark
 # (Llama-3-8B GEMM shapes and layers against bf16, the loss gap after 200 steps)
-step fp8_delayed_bf16 120 python launch/train.py $MODEL $MOCK --bf16 --fp8-format hybrid --fp8-recipe delayed \
-    --fp8-amax-history-len 16 --fp8-amax-compute-algo max --train-iters 20 --log-json "$OUT/fp8_delayed_bf16.jsonl"
-step bench_fp8 240 python benchmarks/bench_fp8.py --preset gpu --repeats 5 --out "$OUT/bench_fp8.json"
+if python -c "import torchao.float8" 2>/dev/null; then
+    step fp8_delayed_bf16 120 python launch/train.py $MODEL $MOCK --bf16 --fp8-format hybrid --fp8-recipe delayed \
+        --fp8-amax-history-len 16 --fp8-amax-compute-algo max --train-iters 20 --log-json "$OUT/fp8_delayed_bf16.jsonl"
+    step bench_fp8 120 python benchmarks/bench_fp8.py --preset gpu --repeats 5 --out "$OUT/bench_fp8.json"
+else
+    echo '{"step": "fp8", "ok": null, "skipped": "torchao not installed"}' >> "$SUMMARY"
+fi
 
 DATA=$(python -c "from hybrid.data.default import default_data_prefix; print(default_data_prefix())")
 step evaluate 120 python launch/evaluate.py --load "$OUT/ckpt" --data-path "$DATA" --seq-length "$SEQ" \
@@ -134,8 +155,5 @@ if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; th
 else
     echo '{"step": "pipeline_schedules", "ok": null, "skipped": "needs 2 or more GPUs"}' >> "$SUMMARY"
 fi
-step bench_vs_transformers 300 python benchmarks/bench_vs_transformers.py $BENCH \
-    --variants hybrid,hybrid_compiled,transformers_eager,transformers_compiled \
-    --json "$OUT/bench_vs_transformers.json" --chart "$OUT/bench_vs_transformers.png"
 echo "=== summary ($SUMMARY)"
 cat "$SUMMARY"

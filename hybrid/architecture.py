@@ -63,7 +63,8 @@ MOE_FLAGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router
              "moe_shared_expert_gate")  # the architecture (an imported model's config sets them)
 MOE_TRAINING_FLAGS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                       "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_expert_capacity_factor",
-                      "moe_token_drop_policy", "moe_grouped_gemm")  # how it trains (flags, also with --load-hf)
+                      "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
+                      "moe_grouped_gemm")  # how it trains (flags, also with --load-hf)
 
 
 def _moe_fields(args) -> dict:

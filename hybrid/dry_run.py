@@ -34,7 +34,8 @@ def plan_from_run(run: RunConfig) -> MemoryPlan:
                       micro_batch=t.micro_batch_size, seq_length=t.seq_length, num_micro_batches=t.grad_acc_steps,
                       zero=settings, recompute=run.model.recompute_granularity, partition=run.pipeline.partition,
                       schedule=run.pipeline.schedule, virtual=run.pipeline.virtual_stages, cp=p.context_parallel,
-                      ulysses=p.ulysses, ep=p.expert_parallel, torch_compile=t.torch_compile)
+                      ulysses=p.ulysses, ep=p.expert_parallel, torch_compile=t.torch_compile,
+                      cpu_offloading=run.cpu_offloading)
 
 
 def peak_gib(plan: MemoryPlan) -> float:

@@ -127,6 +127,11 @@ def zero_stage(args, ds, ds_path, pp) -> int:
     return stage
 
 
+def cpu_offloading(args, ds: dict) -> bool:
+    """--cpu-offloading, or the config's activation_checkpointing.cpu_checkpointing (the one switch)."""
+    return bool(args.cpu_offloading or (ds.get("activation_checkpointing") or {}).get("cpu_checkpointing"))
+
+
 def final_ds_config(ds: dict, args, run, stage: int, optimizer: dict) -> dict:
     """The config handed to deepspeed.initialize for `run` (hybrid.config.RunConfig, all but this):
     batch sizes, clipping, optimizer, ZeRO stage and precision as resolved (a DeepSpeed "scheduler" is
@@ -148,6 +153,8 @@ def final_ds_config(ds: dict, args, run, stage: int, optimizer: dict) -> dict:
     if run.checkpoint.universal_checkpoint or run.checkpoint.load_megatron_optimizer:  # DeepSpeed's switch for
         # loading universal checkpoints (a Megatron-LM checkpoint's Adam state is loaded as one)
         out["checkpoint"] = dict(out.get("checkpoint") or {}, load_universal=True)
+    if cpu_offloading(args, ds):  # deepspeed.checkpointing.configure reads it (hybrid.training.engine)
+        out["activation_checkpointing"] = dict(out.get("activation_checkpointing") or {}, cpu_checkpointing=True)
     out.pop("scheduler", None)  # the LR schedule comes from the Megatron flags (hybrid.training.schedules)
     if training.precision == "bf16":
         out["bf16"] = dict(out.get("bf16") or {}, enabled=True)

@@ -69,9 +69,8 @@ _FLAGS = [
     CompatFlag("--timing-log-level", "accepted", "one iteration timer is logged", nargs="1"),
     CompatFlag("--timing-log-option", "accepted", "one iteration timer is logged", nargs="1"),
     CompatFlag("--valid-num-workers", "accepted", "evaluation reads samples in the main process", nargs="1"),
-    CompatFlag("--profile", "refused", "use torch.profiler or nsys around launch/train.py; drop the flag"),
-    CompatFlag("--profile-step-start", "refused", "see --profile", nargs="1"),
-    CompatFlag("--profile-step-end", "refused", "see --profile", nargs="1"),
+    CompatFlag("--use-pytorch-profiler", "accepted", "--profile always runs torch.profiler (its traces for "
+               "TensorBoard / Perfetto); under nsys the CUDA profiler range is opened over the same steps too"),
     CompatFlag("--codecarbon-dir", "refused", "CodeCarbon tracking is not built in; drop the flag", nargs="1"),
     # parallel sizes hybrid has at their neutral value only
     # Megatron-DeepSpeed's DeepSpeed-MoE spellings: Megatron-LM's flags are the ones built

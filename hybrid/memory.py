@@ -432,6 +432,7 @@ class MemoryPlan:
     ulysses: int = 1  # --ds-sequence-parallel-size
     ep: int = 1  # --expert-model-parallel-size: this rank holds 1/EP of each layer's experts
     torch_compile: bool = False  # --torch-compile (no memory of its own; the advisor's proposals must allow it)
+    cpu_offloading: bool = False  # --cpu-offloading: full recompute's checkpointed layer inputs in host memory
 
 
 def _stage_model_states(params: dict, plan: MemoryPlan) -> dict:
@@ -469,6 +470,9 @@ def estimate(plan: MemoryPlan) -> list[dict]:
         layers = len(info["layers"])
         in_flight = in_flight_micro_batches(stage, plan.pp, plan.num_micro_batches, plan.schedule, plan.virtual)
         activations = int(sum(each) * in_flight)
+        host_activations = 0
+        if plan.cpu_offloading and plan.recompute == "full":  # the layer inputs wait in host memory (DeepSpeed
+            host_activations, activations = activations, 0  # copies each back before its layer's backward)
         if plan.recompute == "full" and layers:  # backward rebuilds one chunk of layers at a time
             chunk = min(layers, max(1, config.recompute_num_layers))
             activations += chunk * max(layer_activation_bytes(config, ActivationSettings(**dict(asdict(act), recompute=None)),
@@ -479,7 +483,8 @@ def estimate(plan: MemoryPlan) -> list[dict]:
         row = dict(stage=stage, layers=layers, parameters=sum(n // (plan.ep if is_expert(name) else 1)
                                                               for name, (n, _) in info["params"].items()),
                    in_flight_micro_batches=in_flight, activation_bytes_per_layer=per_layer,
-                   activations=activations, fp8=fp8_bytes(config, info["layers"], act), **states)
+                   activations=activations, fp8=fp8_bytes(config, info["layers"], act),
+                   host_activations=host_activations, **states)
         row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"] + row["fp8"]
         rows.append(row)
     return rows
@@ -547,6 +552,9 @@ def format_table(rows: list[dict], plan: MemoryPlan) -> str:
         lines.append(f"FP8 ({c.fp8_recipe}, {c.fp8_format}): {max(r['fp8'] for r in rows) / GiB:.3f} GiB per rank in "
                      f"the totals: the FP8 copies of the largest GEMM's operands while it runs"
                      f"{' and the amax histories' if c.fp8_recipe == 'delayed' else ''}")
+    if any(r["host_activations"] for r in rows):
+        lines.append(f"host memory for the offloaded activations (--cpu-offloading: the checkpointed layer inputs): "
+                     f"{max(r['host_activations'] for r in rows) / GiB:.3f} GiB per rank")
     if any(r["host_optimizer"] for r in rows):
         lines.append(f"host memory for the offloaded optimizer: {max(r['host_optimizer'] for r in rows) / GiB:.3f} GiB "
                      f"per rank")

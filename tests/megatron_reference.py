@@ -38,19 +38,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+# Llama style: RMSNorm, SwiGLU, GQA, RoPE, no biases, untied output layer; the other families differ from it
+LLAMA = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False,
+             position_embedding_type="rope", untie=True, num_query_groups=2, use_rope_scaling=False)
 FAMILIES = {
-    # Llama style: RMSNorm, SwiGLU, GQA, RoPE (llama3 scaling), no biases, untied output layer
-    "llama": dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, add_qkv_bias=False,
-                  qk_layernorm=False, position_embedding_type="rope", untie=True, num_query_groups=2,
-                  use_rope_scaling=True),
+    "llama": dict(LLAMA, use_rope_scaling=True),  # llama3 rope scaling
     # Qwen2 style: Llama's with biases on Q, K, V and a tied output layer
-    "qwen2": dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, add_qkv_bias=True,
-                  qk_layernorm=False, position_embedding_type="rope", untie=False, num_query_groups=2,
-                  use_rope_scaling=False),
+    "qwen2": dict(LLAMA, add_qkv_bias=True, untie=False),
     # Qwen3 style: Llama's with per-head Q/K norms
-    "qwen3": dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, add_qkv_bias=False,
-                  qk_layernorm=True, position_embedding_type="rope", untie=True, num_query_groups=2,
-                  use_rope_scaling=False),
+    "qwen3": dict(LLAMA, qk_layernorm=True),
     # GPT-2 style: LayerNorm, fused bias + tanh GeLU, learned positions, biases, tied
     "gpt2": dict(normalization="LayerNorm", swiglu=False, add_bias_linear=True, add_qkv_bias=False,
                  qk_layernorm=False, position_embedding_type="learned_absolute", untie=False, num_query_groups=4,
@@ -58,14 +54,7 @@ FAMILIES = {
 }
 # mixtures of experts: Qwen2-MoE style (softmax over every expert, then top-k unnormalised; a sigmoid-gated
 # shared expert) and Mixtral style (top-k softmax, no shared expert), every layer MoE
-MOE = {
-    "qwen2_moe": dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, add_qkv_bias=True,
-                      qk_layernorm=False, position_embedding_type="rope", untie=True, num_query_groups=2,
-                      use_rope_scaling=False),
-    "mixtral": dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, add_qkv_bias=False,
-                    qk_layernorm=False, position_embedding_type="rope", untie=True, num_query_groups=2,
-                    use_rope_scaling=False),
-}
+MOE = {"qwen2_moe": dict(LLAMA, add_qkv_bias=True), "mixtral": dict(LLAMA)}
 FAMILIES.update(MOE)
 MOE_ARGS = {
     "qwen2_moe": dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_router_pre_softmax=True,

@@ -81,6 +81,62 @@ def test_ring_attention_equals_full_attention_with_gqa_and_documents(cp, documen
     assert_ring_equals(results, want, want_grads)
 
 
+def _flash_standins():
+    """CPU stand-ins for aten's CUDA flash-attention ops, keeping their contracts (torch 2.13's schemas): forward
+    (q, k, v, dropout_p, is_causal, return_debug_mask, *, scale) -> (out, logsumexp [b, nq, sq] fp32, cum_seq_q,
+    cum_seq_k, max_q, max_k, rng_state, unused, debug mask), GQA's K/V heads not repeated; backward takes the
+    merged out and log-sum-exp and forward's sequence offsets, lengths and RNG state, gives K/V gradients compact.
+    Each call is checked against what its forward returned for the same block."""
+    issued = {}
+
+    def forward(q, k, v, dropout_p, is_causal, return_debug_mask, *, scale=None):
+        assert dropout_p == 0.0 and not return_debug_mask and q.size(1) % k.size(1) == 0
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        seed = torch.tensor([len(issued)])
+        issued[int(seed)] = (q.size(2), k.size(2), is_causal)
+        return out, lse.float(), torch.empty(0), torch.empty(0), q.size(2), k.size(2), seed, torch.empty(0), torch.empty(0)
+
+    def backward(grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, *,
+                 scale=None):
+        assert issued[int(seed)] == (max_q, max_k, is_causal) == (q.size(2), k.size(2), is_causal)
+        assert lse.dtype == torch.float32 and lse.is_contiguous() and out.is_contiguous()
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, is_causal, scale=scale)
+    return {"flash": lambda: forward, "flash_backward": lambda: backward}
+
+
+def _ring_on_cuda_kernel_contract(documents: bool):
+    """_ring_on_rank with the CUDA kernel's wrapper chosen on CPU and run against the stand-ins."""
+    from hybrid.parallel import ring_attention as ring
+    fused, kernel = dict(ring.FUSED_OPS), ring.block_kernel
+    ring.FUSED_OPS.update(_flash_standins())
+    ring.block_kernel = lambda q, mask, dropout, math=False: "flash" if mask is None and dropout is None else "cpu"
+    try:
+        return _ring_on_rank(documents, False)
+    finally:  # the pool's processes run later tests
+        ring.FUSED_OPS.update(fused)
+        ring.block_kernel = kernel
+
+
+@pytest.mark.parametrize("cp", [2])
+def test_the_ring_merges_the_cuda_flash_kernel_by_its_contract(cp):
+    """The ring with its CUDA flash-attention wrapper (log-sum-exp out, merged output and log-sum-exp back, the
+    block's own offsets and RNG state to its backward, GQA's K/V compact) equals full attention: run on CPU
+    stand-ins that keep those aten ops' contracts (the GPU check runs the real kernel)."""
+    want, want_grads = _full_attention(False)
+    results = run_on_ranks(_ring_on_cuda_kernel_contract, cp, False)
+    assert_ring_equals(results, want, want_grads)
+
+
+def test_the_log_says_which_kernel_the_ring_runs():
+    from hybrid.parallel.ring_attention import kernel_note
+    assert "fused CUDA flash-attention" in kernel_note("cuda", torch.bfloat16, False, False)
+    assert "math kernel, because of packed documents" in kernel_note("cuda", torch.bfloat16, True, False)
+    assert "math kernel, because of attention dropout" in kernel_note("cuda", torch.bfloat16, False, True)
+    assert "math kernel, because of torch.float32" in kernel_note("cuda", torch.float32, False, False)
+    assert "fused CPU" in kernel_note("cpu", torch.float32, True, False)
+
+
 P_DROP, SEED = 0.3, 1234567
 
 

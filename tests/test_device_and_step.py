@@ -31,7 +31,8 @@ class RecordingEngine:
     def __init__(self):
         from types import SimpleNamespace
         self.device, self.seen, self.optimizer = META, [], None
-        self.module = SimpleNamespace(loss_fn=SimpleNamespace(token_scale=None))  # what the pipeline step sets
+        self.module = torch.nn.Module()  # what the trainer looks into (FP8 histories: none here)
+        self.module.loss_fn = SimpleNamespace(token_scale=None)  # what the pipeline step sets
 
     def _record(self, *tensors):
         for t in tensors:
@@ -237,3 +238,37 @@ def test_zero3_builds_each_rank_a_partition_not_the_whole_model():
         # half the parameters plus the largest one's full tensor while it is initialised (measured: 0.519-0.521x
         # over 5 runs of 3 builds each; building the whole model is 1x)
         assert peak < 0.6 * full, f"building the model peaked at {peak / 2**20:.0f} MiB of {full / 2**20:.0f} MiB"
+
+
+def test_peak_tflops_comes_from_the_gpu_name_and_precision(monkeypatch):
+    from hybrid.training.profiling import device_peak_tflops
+    assert device_peak_tflops(torch.device("cpu"), "bf16", False) is None
+    names = iter(["NVIDIA H200", "NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
+                  "NVIDIA A100-SXM4-80GB", "Some Future GPU"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: next(names))
+    cuda = torch.device("cuda", 0)
+    assert device_peak_tflops(cuda, "bf16", True) == 1978.9  # FP8 GEMMs: the FP8 peak
+    assert device_peak_tflops(cuda, "bf16", False) == 756.0  # the PCIe card before the plain H100
+    assert device_peak_tflops(cuda, "fp32", False) == 494.7  # fp32 runs TF32 GEMMs
+    assert device_peak_tflops(cuda, "fp16", False) == 312.0
+    assert device_peak_tflops(cuda, "bf16", True) is None  # no FP8 on an A100
+    assert device_peak_tflops(cuda, "bf16", False) is None  # unknown: --peak-tflops gives it
+
+
+def test_cpu_ranks_share_the_cores_unless_omp_num_threads_is_set(monkeypatch):
+    import os
+    from hybrid.distributed import share_cpu_cores
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's
+        assert share_cpu_cores() == max(1, cores // 2) == torch.get_num_threads()
+        monkeypatch.delenv("LOCAL_WORLD_SIZE")
+        monkeypatch.setenv("LOCAL_SIZE", str(cores * 2))  # DeepSpeed's launcher's; more ranks than cores
+        assert share_cpu_cores() == 1 == torch.get_num_threads()
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
+        torch.set_num_threads(before)
+        assert share_cpu_cores() is None and torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)

@@ -170,9 +170,11 @@ def test_reset_flags_reach_training(tmp_path):
 def test_a_flag_whose_backend_does_not_run_is_said_in_the_log_once():
     from hybrid.model.attention import backend_notes
     from hybrid.model.config import ModelConfig
-    assert backend_notes(ModelConfig(), 2) == []
+    assert backend_notes(ModelConfig(), 1) == []
+    [kernel] = backend_notes(ModelConfig(attention_dropout=0.0), 2)  # CP: which kernel the ring's blocks run
+    assert "--context-parallel-size 2: the ring's blocks run aten's fused CPU" in kernel
     assert backend_notes(ModelConfig(use_flash_attn=True), 1) == []
-    [ring] = backend_notes(ModelConfig(use_flash_attn=True), 2)
+    [_, ring] = backend_notes(ModelConfig(use_flash_attn=True), 2, "cuda", torch.bfloat16)
     assert "--context-parallel-size 2" in ring and "not flash-attn" in ring
     [documents] = backend_notes(ModelConfig(use_flash_attn=True, reset_attention_mask=True, eod_token=0), 1)
     assert "--reset-attention-mask" in documents and "SDPA" in documents

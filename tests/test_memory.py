@@ -376,6 +376,17 @@ def test_dry_run_prints_table_and_json_and_advice_that_fits():
     assert all(s["total"] == s["params"] + s["grads"] + s["optimizer"] + s["activations"] for s in stages)
 
 
+def test_dry_run_moves_offloaded_layer_inputs_to_host_memory():
+    full = [*BIG, "--recompute-granularity", "full", "--pipeline-model-parallel-size", "2"]
+    plain, offloaded = ([json.loads(_train(*full, *extra).stdout.strip().splitlines()[-1])["dry_run"]["stages"]
+                         for extra in ([], ["--cpu-offloading"])])
+    for before, after in zip(plain, offloaded):
+        assert before["host_activations"] == 0 and after["host_activations"] > 0
+        # what full recompute keeps per layer and micro-batch moves; the chunk rebuilt in backward stays
+        assert after["activations"] + after["host_activations"] == before["activations"]
+        assert after["total"] == before["total"] - after["host_activations"]
+
+
 def test_dry_run_bad_flag_is_one_message():
     result = _train(*BIG, "--tensor-model-parallel-size", "3")
     assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -101,6 +101,52 @@ def test_full_and_selective_recompute_give_the_same_gradients_as_none(style):
                 assert torch.equal(got["grads"][name][0], grad), (recompute, name)
 
 
+def _offloaded_recompute_grads(cfg, ds_config):
+    """Full recompute with dropout, DeepSpeed's checkpointing configured from `ds_config` as build_engine
+    does: the checkpointed inputs that took DeepSpeed's host-copy path, and the gradients."""
+    import deepspeed
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+    from hybrid.training.deepspeed_fixes import keep_host_activations_when_offloading
+    cfg = dict(cfg, hidden_dropout=0.1, attention_dropout=0.1)
+    deepspeed.init_distributed(dist_backend="gloo")  # (configure logs through DeepSpeed's comm)
+    deepspeed.checkpointing.configure(None, checkpoint_in_cpu=bool(
+        (ds_config.get("activation_checkpointing") or {}).get("cpu_checkpointing")))
+    keep_host_activations_when_offloading()
+    original, offloaded = checkpointing.get_cpu_activations_for_backward, []
+
+    def recording(args, inputs):
+        offloaded.extend(t.device.type for t in inputs if checkpointing.is_activation_to_checkpoint(t))
+        return original(args, inputs)
+
+    checkpointing.get_cpu_activations_for_backward = recording
+    try:
+        out = sharded_run(cfg, 2, 1, batch(), sequence_parallel=True, recompute_granularity="full",
+                          recompute_method="uniform", recompute_num_layers=1)
+    finally:
+        checkpointing.get_cpu_activations_for_backward = original
+        deepspeed.checkpointing.configure(None, checkpoint_in_cpu=False)
+    out["offloaded"] = offloaded
+    return out
+
+
+def test_cpu_offloading_moves_checkpointed_inputs_to_host_and_changes_no_gradient():
+    from tests.test_capabilities import _build
+    run = _build(["--recompute-granularity", "full", "--cpu-offloading"], 2)
+    assert run.cpu_offloading and run.ds_config["activation_checkpointing"]["cpu_checkpointing"] is True
+    plain = _build(["--recompute-granularity", "full"], 2)
+    assert not plain.cpu_offloading
+    cfg = CONFIGS["llama"]
+    baseline = run_on_ranks(_offloaded_recompute_grads, 2, cfg, plain.ds_config)
+    assert baseline[0]["offloaded"] == []
+    results = run_on_ranks(_offloaded_recompute_grads, 2, cfg, run.ds_config)
+    # two forward passes (logits, then loss) over 4 layers, one checkpoint per layer: each layer's input
+    assert results[0]["offloaded"] == ["cpu"] * 8
+    for base, got in zip(baseline, results):
+        assert got["loss"] == base["loss"]
+        for name, (grad, _, _) in base["grads"].items():
+            assert torch.equal(got["grads"][name][0], grad), name
+
+
 def test_rope_matches_complex_rotation_reference():
     from hybrid.model.rotary import RotaryEmbedding, apply_rotary
     s, b, n, d, base = 12, 2, 3, 8, 500.0

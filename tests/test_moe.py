@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
 from hybrid.model.mlp import build_moe
 from hybrid.model.moe.moe_layer import MoELayer
@@ -127,19 +128,23 @@ def test_expert_weights_are_drawn_by_global_name_so_an_ep_rank_holds_the_same_ex
     assert all(p.allreduce is False and p.group_name == "ep_size_2" for p in half.deepspeed_moe.parameters())
 
 
-def test_token_dropping_equals_a_loop_dropping_the_lowest_probability_tokens_over_capacity():
+@pytest.mark.parametrize("padded", [False, True], ids=["dropped", "padded-to-capacity"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
+def test_token_dropping_equals_a_loop_dropping_the_lowest_probability_tokens_over_capacity(padded, grouped):
     torch.manual_seed(1)
-    config = moe_config(moe_expert_capacity_factor=0.5)
+    config = moe_config(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=padded,
+                        moe_grouped_gemm=grouped)
     layer = build_moe(config, ParallelGroups.single(), "layers.0.mlp")
     x, g = torch.randn(8, 2, 16), torch.randn(8, 2, 16)
     logits = (x.reshape(16, 16) @ layer.router.weight.t()).float()
     probs, indices = route(logits, config)
-    capacity = math.ceil(16 * 2 / 4 * 0.5)
+    capacity = math.ceil(16 * 2 / 4 * 1.0)
     keep = set()
     for e in range(4):  # per expert: the routed tokens by probability, the first `capacity` kept
         routed = [(float(probs[t][list(indices[t]).index(e)]), t) for t in range(16) if e in indices[t]]
         keep |= {(t, e) for _, t in sorted(routed, reverse=True)[:capacity]}
-    assert len(keep) < 32  # something is dropped
+    counts = torch.bincount(indices.flatten(), minlength=4)
+    assert counts.max() > capacity > counts.min(), counts  # pairs dropped, and padding where padded
     out, dx, dw = grads(layer, x, layer, g)
     ref, rdx, rdw = grads(layer, x, lambda t: reference(layer, t, keep), g)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
@@ -147,10 +152,71 @@ def test_token_dropping_equals_a_loop_dropping_the_lowest_probability_tokens_ove
     for name in dw:
         torch.testing.assert_close(dw[name], rdw[name], rtol=1e-5, atol=1e-6, msg=name)
     # the position policy keeps the earliest tokens instead
-    kept = capacity_keep(probs, indices, 4, 0.5, "position")
+    kept = capacity_keep(probs, indices, 4, 1.0, "position")
     for e in range(4):
         routed = [t for t in range(16) if e in indices[t]]
         assert {t for t in routed if kept[t][list(indices[t]).index(e)]} == set(routed[:capacity])
+
+
+def _padded_ep2(padded: bool):
+    """Each of 2 EP ranks routes its own 24 tokens through the experts of both: output, input gradient
+    and its local experts' gradients (summed over both ranks' tokens before any reduction)."""
+    import torch.distributed as dist
+    from hybrid.parallel.groups import build_groups
+    groups = build_groups(expert_parallel=2, experts=True)
+    config = moe_config(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=padded,
+                        moe_grouped_gemm=True)
+    layer = build_moe(config, groups, "layers.0.mlp")
+    torch.manual_seed(3 + dist.get_rank())
+    x, g = torch.randn(6, 4, 16), torch.randn(6, 4, 16)
+    from benchmarks.bench_moe import HostReads
+    with HostReads() as recorder:
+        out, dx, dw = grads(layer, x, layer, g)
+    return dict(ep_rank=groups.ep.rank, x=x, g=g, out=out, dx=dx, dw=dw, host_reads=recorder.reads)
+
+
+def test_padded_all_to_all_at_ep2_equals_one_rank_with_the_same_drops():
+    from tests.rank_pool import run_on_ranks
+    config = moe_config(moe_expert_capacity_factor=1.0, moe_grouped_gemm=True)
+    whole = build_moe(config, ParallelGroups.single(), "layers.0.mlp")
+    expert_grads = {}
+    ranks = {padded: run_on_ranks(_padded_ep2, 2, padded) for padded in (False, True)}
+    for r in ranks[True]:  # capacity 12 of 48 pairs: some experts drop pairs, others are padded
+        _, indices = route((r["x"].reshape(24, 16) @ whole.router.weight.t()).float(), config)
+        counts = torch.bincount(indices.flatten(), minlength=4)
+        assert counts.max() > 12 > counts.min(), counts
+        out, dx, dw = grads(whole, r["x"], whole, r["g"])
+        torch.testing.assert_close(r["out"], out, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r["dx"], dx, rtol=1e-5, atol=1e-6)
+        for name, grad in dw.items():
+            expert_grads[name] = expert_grads.get(name, 0) + grad
+    for r in ranks[True]:
+        for name, grad in r["dw"].items():
+            if ".deepspeed_experts." in name:  # local expert j of EP rank r is global expert 2 r + j
+                j = int(name.split(".deepspeed_experts.")[1].split(".")[0])
+                name = name.replace(f".deepspeed_experts.{j}.", f".deepspeed_experts.{2 * r['ep_rank'] + j}.")
+                torch.testing.assert_close(grad, expert_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    for plain, padded in zip(ranks[False], ranks[True]):  # and the unpadded EP 2 dispatch agrees
+        torch.testing.assert_close(padded["out"], plain["out"], rtol=1e-5, atol=1e-6)
+        # padded: every all-to-all size is known on the host; unpadded: its sizes are read (one per layer)
+        assert padded["host_reads"] == [] and plain["host_reads"].count("tolist") == 1, plain["host_reads"]
+
+
+def test_dropless_and_padded_dispatch_at_ep1_read_nothing_on_the_host():
+    from benchmarks.bench_moe import HostReads
+    x = torch.randn(6, 4, 16)
+    for fields, expected in (({}, []), (dict(moe_expert_capacity_factor=1.0), ["__int__"]),
+                             (dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True), [])):
+        layer = build_moe(moe_config(moe_grouped_gemm=True, moe_aux_loss_coeff=0.01, **fields),
+                          ParallelGroups.single(), "layers.0.mlp")
+        with HostReads() as recorder:
+            layer(x).square().sum().backward()
+        assert layer.grouped_gemm and recorder.reads == expected, (fields, recorder.reads)
+
+
+def test_padding_to_capacity_needs_a_capacity():
+    with pytest.raises(ConfigError, match="--moe-expert-capacity-factor"):
+        moe_config(moe_pad_expert_input_to_capacity=True)
 
 
 def _aux_gradient_check(overrides, closed_form):

@@ -80,6 +80,25 @@ def test_log_json_has_every_field_and_megatron_iteration_numbers(runs):
     assert records[0]["grad_norm"] > 1.0, "clipping must be active for these comparisons to cover it"
 
 
+def test_profile_traces_the_chosen_iterations_and_the_log_has_mfu(data, tmp_path):
+    """Megatron-LM's --profile flags: the trace holds iterations 3 and 4 only (each runs two embeddings,
+    words and learned positions, per micro-batch, 4 micro-batches); --peak-tflops gives every log line its MFU."""
+    import json
+    log = tmp_path / "log.jsonl"
+    proc = run("python", 1, TINY + ["--data-path", data, "--train-iters", 5, "--log-json", log, "--profile",
+                                    "--profile-step-start", 2, "--profile-step-end", 4, "--profile-dir",
+                                    tmp_path / "prof", "--peak-tflops", 0.5])
+    trace = tmp_path / "prof" / "trace_rank0_iterations3-4.json"
+    assert os.listdir(tmp_path / "prof") == [trace.name] and f"--profile: wrote {trace}" in proc.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(e.get("name") == "aten::embedding" for e in events) == 2 * 2 * 4
+    records = read_log(log)
+    assert len(records) == 5
+    for r in records:
+        assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 0.5, rel=1e-12)
+    assert "| MFU: " in proc.stdout
+
+
 @pytest.mark.slow
 def test_bf16_training_runs_close_to_fp32(runs):
     fp32 = [r["lm_loss"] for r in runs("one_rank")]

@@ -445,7 +445,6 @@ def _moe_fields(args: argparse.Namespace, refuse) -> dict:
     for name, why in (("moe_router_num_groups", "device-limited (grouped) routing"),
                       ("moe_router_group_topk", "device-limited (grouped) routing"),
                       ("moe_input_jitter_eps", "input jitter"), ("moe_router_force_load_balancing", "forced routing"),
-                      ("moe_pad_expert_input_to_capacity", "padding experts to their capacity"),
                       ("moe_latent_size", "latent MoE projections"), ("moe_router_padding_for_fp8", "FP8 padding")):
         if _arg(args, name):
             refuse(f"--{name.replace('_', '-')} {_arg(args, name)}", f"{why} is not implemented")
@@ -470,6 +469,8 @@ def _moe_fields(args: argparse.Namespace, refuse) -> dict:
         moe_shared_expert_gate=bool(_arg(args, "moe_shared_expert_gate", False)),
         moe_expert_capacity_factor=_arg(args, "moe_expert_capacity_factor"),
         moe_token_drop_policy=_arg(args, "moe_token_drop_policy", "probs") or "probs",
+        moe_pad_expert_input_to_capacity=bool(_arg(args, "moe_pad_expert_input_to_capacity", False))
+        and _arg(args, "moe_expert_capacity_factor") is not None,
         moe_grouped_gemm=bool(_arg(args, "moe_grouped_gemm", False)))
 
 

@@ -21,7 +21,7 @@ from hybrid.parallel.fp8 import gemm_for
 from hybrid.parallel.groups import as_groups
 from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from hybrid.parallel.random import fork_tp_rng
-from hybrid.parallel.ring_attention import ring_attention
+from hybrid.parallel.ring_attention import kernel_note, ring_attention
 
 
 class CoreAttention(nn.Module):
@@ -119,17 +119,22 @@ class CoreAttention(nn.Module):
         return torch.matmul(probs, v)
 
 
-def backend_notes(config, context_parallel: int) -> list[str]:
-    """Where the attention runs another backend than a flag asks for: one line each, for the run's log."""
-    if not config.use_flash_attn:
-        return []
+def backend_notes(config, context_parallel: int, device_type: str = "cpu", dtype=torch.float32) -> list[str]:
+    """Which attention kernels run where a choice is made for the run: one line each, for the run's log."""
+    notes = []
     if context_parallel > 1:
-        return [f"--use-flash-attn with --context-parallel-size {context_parallel}: the ring attention runs its own "
-                f"block kernels (aten's fused kernel on CPU, the tiled math kernel elsewhere), not flash-attn"]
+        notes.append(f"--context-parallel-size {context_parallel}: the ring's blocks run "
+                     f"{kernel_note(device_type, dtype, config.splits_documents, config.attention_dropout > 0)}")
+    if not config.use_flash_attn:
+        return notes
+    if context_parallel > 1:
+        return notes + [f"--use-flash-attn with --context-parallel-size {context_parallel}: the ring attention runs "
+                        f"its own block kernels (above), not flash-attn"]
     if config.reset_attention_mask:
-        return ["--use-flash-attn with --reset-attention-mask: packed documents run SDPA over document blocks "
-                "(flash-attn's variable-length form would read the document lengths on the host every step)"]
-    return []
+        return notes + ["--use-flash-attn with --reset-attention-mask: packed documents run SDPA over document "
+                        "blocks (flash-attn's variable-length form would read the document lengths on the host every "
+                        "step)"]
+    return notes
 
 
 def allowed_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, window) -> torch.Tensor:

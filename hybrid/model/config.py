@@ -63,6 +63,7 @@ class ModelConfig:
     moe_shared_expert_gate: bool = False  # --moe-shared-expert-gate: sigmoid(x w) x shared output (Qwen2-MoE)
     moe_expert_capacity_factor: Optional[float] = None  # --moe-expert-capacity-factor; None = dropless
     moe_token_drop_policy: str = "probs"  # --moe-token-drop-policy probs|position: which tokens over capacity go
+    moe_pad_expert_input_to_capacity: bool = False  # --moe-pad-expert-input-to-capacity: fixed rows per expert
     moe_grouped_gemm: bool = False  # --moe-grouped-gemm: torch._grouped_mm where it runs, else a loop
     kv_channels: Optional[int] = None  # --kv-channels: the head dimension; None = hidden / heads
     add_qkv_bias: bool = False  # --add-qkv-bias: a bias on Q, K and V only (Qwen2), with or without others
@@ -217,6 +218,9 @@ class ModelConfig:
                               "shifts sigmoid scores, as DeepSeek-V3 and Megatron-LM).")
         if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor > 0:
             raise ConfigError(f"--moe-expert-capacity-factor must be positive, got {self.moe_expert_capacity_factor}.")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ConfigError("--moe-pad-expert-input-to-capacity pads each expert to its capacity: it needs "
+                              "--moe-expert-capacity-factor.")
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise ConfigError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size.")
 

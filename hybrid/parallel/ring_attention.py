@@ -21,12 +21,17 @@ without communication, backward regenerates it, and the masked probabilities are
 the blocks are merged (the merge is linear in each block's output, so this equals dropout on the whole
 sequence's softmax).
 
-Block kernels: on CPU aten's fused flash-attention for CPU (forward and backward, masks and GQA); on
-other devices an exact math kernel in query tiles (fp32 scores of at most MATH_TILE_BYTES at a
-time, recomputed in backward; no fused kernel yet, so on GPUs the ring is slower per FLOP than
-Ulysses, which runs flash-attn / SDPA). Written
-here because torch's own context parallel (torch.distributed.tensor.experimental) runs on DTensor
-with CUDA kernels only and has no document masks, and DeepSpeed has no ring attention.
+Block kernels (`block_kernel`): on CPU aten's fused flash-attention for CPU (forward and backward, masks
+and GQA); on CUDA in fp16/bf16 aten's fused flash-attention (`_scaled_dot_product_flash_attention` and its
+backward, called as torch's own context parallelism calls them: the log-sum-exp out, the merged one back
+in; GQA's K/V not repeated, the kernel shares each KV head); elsewhere, and on CUDA with document masks,
+dropout or fp32, an exact math kernel in query tiles (fp32 scores of at most MATH_TILE_BYTES at a time,
+recomputed in backward). Every kernel has one contract: a block's output and fp32 log-sum-exp
+[b, nq, sq] from (q, k, v, causal, scale), and the gradients from the merged output and log-sum-exp, so
+the merge and the ring are the same code whichever runs (the CPU suite runs the CUDA wrapper against
+stand-ins that keep those ops' contracts). Written here because torch's own context parallel
+(torch.distributed.tensor.experimental) runs on DTensor with CUDA kernels only and has no document masks,
+and DeepSpeed has no ring attention.
 """
 
 from __future__ import annotations
@@ -88,13 +93,46 @@ def _additive(mask, dtype):
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
+# aten's fused CUDA kernels, looked up when a block runs (tests substitute CPU stand-ins keeping their contracts)
+FUSED_OPS = {"flash": lambda: torch.ops.aten._scaled_dot_product_flash_attention,
+             "flash_backward": lambda: torch.ops.aten._scaled_dot_product_flash_attention_backward}
+
+
+def block_kernel(q: torch.Tensor, mask, dropout, math: bool = False) -> str:
+    """The kernel of a block: "cpu" (aten's fused CPU kernel: masks, GQA), "flash" (aten's CUDA flash-attention:
+    fp16/bf16, head dim <= 256, no mask, no dropout here: those run on the math kernel), or "math"."""
+    if math or dropout is not None:
+        return "math"
+    if q.device.type == "cpu":
+        return "cpu"
+    if q.device.type == "cuda" and mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) <= 256:
+        return "flash"
+    return "math"
+
+
+def kernel_note(device_type: str, dtype: torch.dtype, documents: bool, dropout: bool) -> str:
+    """Which kernel the ring's blocks run, and why (for the run's log)."""
+    if device_type == "cpu" and not dropout:
+        return "aten's fused CPU flash-attention kernel"
+    if device_type == "cuda" and not (documents or dropout) and dtype in (torch.float16, torch.bfloat16):
+        return "aten's fused CUDA flash-attention kernel (GQA without K/V copies)"
+    why = ("attention dropout (its masks hashed from full-sequence positions)" if dropout else
+           "packed documents (masks)" if documents else f"{dtype} (the fused kernel takes fp16/bf16)")
+    return f"the exact tiled math kernel, because of {why}"
+
+
 def block_forward(q, k, v, mask, causal: bool, scale: float, math: bool = False, dropout: "_Dropout" = None):
-    """One block's attention output [b, nq, sq, d] and log-sum-exp [b, nq, sq] (fp32; -inf where a
-    query may see no key of the block); with `dropout` the output of the kept probabilities (scaled),
-    the log-sum-exp of all of them (the merge's weights)."""
-    if q.device.type == "cpu" and not math and dropout is None:  # aten's fused CPU kernel (GQA included)
+    """One block's attention output [b, nq, sq, d], log-sum-exp [b, nq, sq] (fp32; -inf where a query may
+    see no key of the block) and the kernel's state for its backward; with `dropout` the output of the kept
+    probabilities (scaled), the log-sum-exp of all of them (the merge's weights)."""
+    kernel, state = block_kernel(q, mask, dropout, math), None
+    if kernel == "cpu":  # aten's fused CPU kernel (GQA included)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=None if mask is None else _additive(mask, q.dtype), scale=scale)
+        lse = lse.float()
+    elif kernel == "flash":  # its other results (sequence offsets, RNG state) are its backward's arguments
+        out, lse, *state = FUSED_OPS["flash"]()(q, k, v, 0.0, causal, False, scale=scale)
+        state = tuple(state[:6])  # cum_seq_q, cum_seq_k, max_q, max_k, philox seed, philox offset
         lse = lse.float()
     else:
         k, v = _expand(k, q), _expand(v, q)
@@ -112,17 +150,23 @@ def block_forward(q, k, v, mask, causal: bool, scale: float, math: bool = False,
         seen = mask.any(dim=-1)  # [b, 1, sq]
         lse = lse.masked_fill(~seen, float("-inf"))
         out = out.masked_fill(~seen[..., None], 0.0)
-    return out, lse
+    return out, lse, state
 
 
 def block_backward(grad_out, q, k, v, out, lse, mask, causal: bool, scale: float, math: bool = False,
-                   dropout: "_Dropout" = None):
+                   dropout: "_Dropout" = None, state=None):
     """Gradients of one block's q, k, v (k, v compact under GQA) given the merged output and
-    log-sum-exp of these queries (with `dropout`: the same kept probabilities as forward)."""
-    if q.device.type == "cpu" and not math and dropout is None:
+    log-sum-exp of these queries (with `dropout`: the same kept probabilities as forward; `state`: what the
+    block's forward kernel returned for its backward)."""
+    kernel = block_kernel(q, mask, dropout, math)
+    if kernel == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, causal,
             attn_mask=None if mask is None else _additive(mask, q.dtype), scale=scale)
+    if kernel == "flash":
+        cum_q, cum_k, max_q, max_k, seed, offset = state
+        return FUSED_OPS["flash_backward"]()(grad_out.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), cum_q,
+                                             cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
     groups = k.size(1)
     k32, v32 = _expand(k, q).float(), _expand(v, q).float()
     grad_q = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -180,6 +224,14 @@ def _scores(q, k, mask, causal, scale, first_row: int = 0):
     return scores
 
 
+def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
+    """Attention over the keys seen so far (fp32 `out`, `lse`) and over one more block's: the softmax
+    statistics combined exactly (queries that saw no key yet have lse -inf)."""
+    merged = torch.logaddexp(lse, block_lse)
+    return (out * torch.exp(lse - merged).nan_to_num(0.0)[..., None]
+            + block_out.float() * torch.exp(block_lse - merged).nan_to_num(0.0)[..., None]), merged
+
+
 # -- the ring -------------------------------------------------------------------------------------------
 
 class _Ring:
@@ -228,22 +280,22 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v]).contiguous()
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        states = []  # each block's kernel state, for its backward
         for step in range(size):
             wait = ring.shift(kv) if step < size - 1 else None
             source, rows, cols, causal = _step_plan(step, rank, size, chunk)
             mask = _mask(doc_of, rank, source, rows, cols, causal)
-            o, l_ = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], mask, causal and mask is None,
-                                  scale, math, dropouts and dropouts(source, rows, cols))
-            merged = torch.logaddexp(lse[:, :, rows], l_)
-            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).nan_to_num(0.0)[..., None]
-                               + o.float() * torch.exp(l_ - merged).nan_to_num(0.0)[..., None])
-            lse[:, :, rows] = merged
+            o, l_, state = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], mask,
+                                         causal and mask is None, scale, math, dropouts and dropouts(source, rows, cols))
+            states.append(state)
+            out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l_)
             if wait is not None:
                 kv = wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, documents if documents is not None else torch.empty(0),
                               seed if seed is not None else torch.empty(0))
         ctx.axis, ctx.scale, ctx.math, ctx.has_documents, ctx.p = axis, scale, math, documents is not None, p
+        ctx.states = states
         return out
 
     @staticmethod
@@ -266,7 +318,7 @@ class RingAttention(torch.autograd.Function):
             mask = _mask(doc_of, rank, source, rows, cols, causal)
             dq, dk, dv = block_backward(grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                                         out[:, :, rows], lse[:, :, rows], mask, causal and mask is None, scale, math,
-                                        dropouts and dropouts(source, rows, cols))
+                                        dropouts and dropouts(source, rows, cols), ctx.states[step])
             grad_q[:, :, rows] += dq.float()
             if pending is not None:  # the accumulated gradient of this block, from the previous rank
                 grad_kv = pending()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.activation_checkpointing import checkpointing
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils import groups as ds_groups
@@ -57,6 +58,10 @@ RELIED_ON = [
      "moe_str_prefix = '.deepspeed_moe.experts.deepspeed_experts.'"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._load_global_state",
      "self.clip_grad = checkpoint_clip_grad"),
+    ("deepspeed.runtime.activation_checkpointing.checkpointing", "get_cpu_activations_for_backward",
+     "arg.data = torch.empty([], device=arg.device).data"),
+    ("deepspeed.runtime.activation_checkpointing.checkpointing", "CheckpointFunction.forward",
+     "new_args = get_cpu_activations_for_backward(args, inputs)"),
 ]
 
 
@@ -75,6 +80,30 @@ class ListPartitionPipelineModule(PipelineModule):
         self.parts = list_partition_bounds(method, len(self._layer_specs))
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+
+# --- activation offloading on a host accelerator -----------------------------------------------------
+
+def keep_host_activations_when_offloading() -> None:
+    """DeepSpeed 0.19.8's blocking cpu_checkpointing path (the one synchronized accelerators take; CUDA takes
+    the async offload engine) copies each checkpointed input to the CPU with `.to("cpu")`, empties the
+    input, then keeps the copy. An input already in host memory (the CPU accelerator) *is* its copy:
+    `.to` returns the same tensor, and emptying it loses the activation (the backward then fails). This
+    keeps the copy's storage before the input is emptied; a real device-to-host copy is unaffected."""
+
+    def get_cpu_activations_for_backward(args, inputs):
+        new_args = []
+        for arg, inp in zip(args, inputs):
+            if not checkpointing.is_activation_to_checkpoint(arg):
+                new_args.append(arg)
+                continue
+            saved = inp.data  # read before `arg` is emptied: it may be the same tensor
+            arg.data = torch.empty([], device=arg.device).data
+            arg.saved_data = saved
+            new_args.append(arg)
+        return new_args
+
+    checkpointing.get_cpu_activations_for_backward = get_cpu_activations_for_backward
 
 
 # --- exact fp32 gradient clipping for TP x PP (ZeRO-0) ------------------------------------------

@@ -3,6 +3,8 @@ model TFLOP/s, the optimizer's state, the run's counters, and the MoE layers' lo
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -10,9 +12,10 @@ from hybrid.training.flops import flops_per_iteration
 
 
 def iteration_record(run, engine, device, iteration: int, consumed: int, loss: float, lr: float, seconds: float,
-                     batch: int, counters: dict, extra: dict) -> dict:
+                     batch: int, counters: dict, extra: dict, peak_tflops: Optional[float] = None) -> dict:
     """The record of a log line: `seconds` per iteration, `batch` this iteration's global batch,
-    `counters` the run's skipped / nan iteration counts, `extra` further values (MoE, checkpoint stall)."""
+    `counters` the run's skipped / nan iteration counts, `extra` further values (MoE, checkpoint stall);
+    with `peak_tflops` (the accelerator's), the model FLOPs utilisation `mfu`."""
     grad_norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
     if isinstance(grad_norm, torch.Tensor):
         grad_norm = grad_norm.item()  # logging only
@@ -25,10 +28,13 @@ def iteration_record(run, engine, device, iteration: int, consumed: int, loss: f
     if run.logging.log_memory and device.type == "cuda":
         memory = {"memory_allocated_gib": torch.cuda.memory_allocated(device) / 2**30,
                   "memory_max_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+    tflops = flops / seconds / world / 1e12
+    if peak_tflops:
+        extra = dict(extra, mfu=tflops / peak_tflops)
     return {**memory, **extra,
             "iteration": iteration, "consumed_samples": consumed, "lm_loss": loss, "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "loss_scale": float(scale), "skipped_iterations": counters["skipped"],
             "nan_iterations": counters["nan"], "tokens_per_s": batch * seq_length / seconds,
-            "tflops_per_gpu": flops / seconds / world / 1e12, "elapsed_ms_per_iter": seconds * 1000.0,
+            "tflops_per_gpu": tflops, "elapsed_ms_per_iter": seconds * 1000.0,
             "global_batch_size": batch}

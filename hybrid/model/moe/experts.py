@@ -50,17 +50,18 @@ class Experts(nn.Module):
             param.allreduce = False  # reduced over the expert-data-parallel group, not DP
             param.group_name = f"ep_size_{ep_size}"
 
-    def compute(self, rows: torch.Tensor, counts: torch.Tensor, activation, tp_group) -> torch.Tensor:
+    def compute(self, rows: torch.Tensor, counts: torch.Tensor, activation, tp_group, sizes=None) -> torch.Tensor:
         """rows [N, h] grouped by local expert (counts [local]) -> their experts' outputs [N, h]. Called as a
         method, not a module: under ZeRO-3 the MoE layer gathers these weights (external parameters).
         `activation`: on fc1's output; `tp_group`: the TP group under SP (experts are replicated over TP,
-        their gradients summed over it), else SINGLE_RANK."""
+        their gradients summed over it), else SINGLE_RANK; `sizes`: the counts as a host list where the
+        caller knows them without reading the device (padded to capacity), else None."""
         fc1 = [sync_replicated_grad(e.fc1.weight, tp_group) for e in self.deepspeed_experts]
         fc2 = [sync_replicated_grad(e.fc2.weight, tp_group) for e in self.deepspeed_experts]
         up, f = fc1[0].size(0), fc2[0].size(1)
         if self.fp8 is not None:
             outputs = [fp8_linear(activation(fp8_linear(part, w1, None, self.fp8), None), w2, None, self.fp8)
-                       for part, w1, w2 in zip(rows.split(counts.tolist()), fc1, fc2)]
+                       for part, w1, w2 in zip(rows.split(sizes or counts.tolist()), fc1, fc2)]
             return torch.cat(outputs) if outputs else rows
         if self.grouped and rows.size(0) and grouped_gemm_fits(rows, rows.size(1), up, f):
             offsets = counts.cumsum(0).to(torch.int32)
@@ -70,7 +71,7 @@ class Experts(nn.Module):
             except RuntimeError:  # a device without the kernel: the loop below from now on
                 self.grouped = False
         outputs = []
-        for part, w1, w2 in zip(rows.split(counts.tolist()), fc1, fc2):  # Megatron's SequentialMLP
+        for part, w1, w2 in zip(rows.split(sizes or counts.tolist()), fc1, fc2):  # Megatron's SequentialMLP
             outputs.append(F.linear(activation(F.linear(part, w1), None), w2))
         return torch.cat(outputs) if outputs else rows
 

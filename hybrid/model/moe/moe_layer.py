@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from hybrid.model.init import normal_init
 from hybrid.model.moe.experts import Experts, ExpertsHolder
-from hybrid.model.moe.router import Router, capacity_keep
+from hybrid.model.moe.router import Router, capacity_keep, expert_capacity
 from hybrid.model.moe.token_dispatcher import TokenDispatcher
 from hybrid.parallel import collectives as C
 from hybrid.parallel.groups import as_groups
@@ -58,13 +58,15 @@ class MoELayer(nn.Module):
         s, b, h = x.shape
         flat = x.reshape(s * b, h)
         probs, indices, _ = self.router(flat, s)
-        keep = None
+        keep, padded_to = None, None
         c = self.config
         if c.moe_expert_capacity_factor is not None:
             keep = capacity_keep(probs, indices, self.num_experts, c.moe_expert_capacity_factor,
                                  c.moe_token_drop_policy)
+            if c.moe_pad_expert_input_to_capacity:
+                padded_to = expert_capacity(*indices.shape, self.num_experts, c.moe_expert_capacity_factor)
         self.router.count(indices, keep)
-        out = self.dispatcher(flat, probs.to(x.dtype), indices, keep, self._experts).view(s, b, h)
+        out = self.dispatcher(flat, probs.to(x.dtype), indices, keep, self._experts, padded_to).view(s, b, h)
         if self.shared_mlp is not None:
             shared = self.shared_mlp(x)
             if self.shared_gate is not None:
@@ -74,6 +76,6 @@ class MoELayer(nn.Module):
             out = out + shared
         return out
 
-    def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _experts(self, rows: torch.Tensor, counts: torch.Tensor, sizes=None) -> torch.Tensor:
         tp = self.groups.tp_group if self.config.sequence_parallel else C.SINGLE_RANK
-        return self.deepspeed_moe.experts.compute(rows, counts, self.activation, tp)
+        return self.deepspeed_moe.experts.compute(rows, counts, self.activation, tp, sizes)

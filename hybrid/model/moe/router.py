@@ -75,8 +75,11 @@ def kept_choices(indices: torch.Tensor, keep: Optional[torch.Tensor], num_expert
 
 
 def routing_counts(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[E] (int64) the pairs routed to each expert, from indices or kept_choices (dropped pairs not counted)."""
-    return torch.bincount(chosen.flatten(), minlength=num_experts + 1)[:num_experts]
+    """[E] (int64) the pairs routed to each expert, from indices or kept_choices (dropped pairs not counted).
+    An index_add, not torch.bincount: bincount reads the largest index on the host first (a sync on CUDA)."""
+    chosen = chosen.flatten()
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=chosen.device)
+    return counts.index_add_(0, chosen, torch.ones_like(chosen, dtype=torch.long))[:num_experts]
 
 
 def switch_balancing_loss(scores, counts, total_tokens: int, topk: int, num_experts: int,
@@ -91,12 +94,17 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).square().mean() * coeff
 
 
+def expert_capacity(tokens: int, k: int, num_experts: int, capacity_factor: float) -> int:
+    """Each expert's capacity: ceil(T k / E x factor) pairs (Megatron's get_capacity)."""
+    return math.ceil(tokens * k / num_experts * capacity_factor)
+
+
 def capacity_keep(probs, indices, num_experts: int, capacity_factor: float, policy: str) -> Optional[torch.Tensor]:
-    """[T, k] bool: the (token, expert) pairs within each expert's capacity ceil(T k / E x factor), the
+    """[T, k] bool: the (token, expert) pairs within each expert's capacity (expert_capacity), the
     highest-probability ones (policy "probs") or the earliest ("position"), as Megatron's
     apply_router_token_dropping; None when nothing can be dropped."""
     tokens, k = indices.shape
-    capacity = math.ceil(tokens * k / num_experts * capacity_factor)
+    capacity = expert_capacity(tokens, k, num_experts, capacity_factor)
     if capacity >= tokens:
         return None
     routed = torch.zeros(tokens, num_experts, dtype=torch.bool, device=indices.device).scatter(1, indices, True)
