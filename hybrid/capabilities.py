@@ -58,6 +58,8 @@ class Setup:
     experts_on_every_stage: Optional[bool] = None  # every pipeline rank holds an MoE layer (None: not known yet)
     fp8: Optional[str] = None  # --fp8-recipe when --fp8-format is given
     fp8_param_gather: bool = False  # --fp8-param-gather
+    cpu_offloading: bool = False  # --cpu-offloading (or activation_checkpointing.cpu_checkpointing)
+    dpo: bool = False  # --dpo
 
     @property
     def torch_schedule(self) -> bool:
@@ -245,6 +247,18 @@ RULES = [
          lambda s: s.fp8_param_gather,
          lambda s: "--fp8-param-gather is not built (DeepSpeed's ZeRO gathers parameters in their own dtype); drop "
                    "it: the FP8 GEMMs cast the weights themselves."),
+    Rule("dpo-pipeline", "--dpo with --pipeline-model-parallel-size > 1",
+         "the frozen reference model runs its forward beside the plain engine's step; the pipeline schedules carry "
+         "no reference log-probabilities",
+         lambda s: s.dpo and s.pp > 1,
+         lambda s: f"--dpo runs at --pipeline-model-parallel-size 1 (got {s.pp}): the reference model's forward is "
+                   f"not carried through pipeline stages; split the model with TP (+ SP), CP or ZeRO-3 instead."),
+    Rule("cpu-offloading-recompute", "--cpu-offloading without --recompute-granularity full",
+         "the offloaded tensors are the checkpointed layer inputs (DeepSpeed's cpu_checkpointing), which only full "
+         "recompute keeps",
+         lambda s: s.cpu_offloading and s.recompute != "full",
+         lambda s: "--cpu-offloading moves the checkpointed layer inputs to host memory: it needs "
+                   "--recompute-granularity full."),
     Rule("grad-reduce-bf16-precision", "--grad-reduce-in-bf16 without --bf16",
          "gradients are reduced in the training precision's type (DeepSpeed's communication_data_type)",
          lambda s: s.grad_reduce_bf16 and s.precision != "bf16",

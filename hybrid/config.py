@@ -24,9 +24,11 @@ from hybrid.capabilities import Setup, check
 from hybrid.checkpoint.client_state import SavedLayout, read_client_state
 from hybrid.checkpoint.files import read_tag
 from hybrid.data import default as default_data
+from hybrid.data.chat import ChatOptions
 from hybrid.errors import ConfigError
 from hybrid.megatron_compat import check_compat
 from hybrid.model.config import ModelConfig
+from hybrid.model.preference import DPOOptions
 from hybrid.parallel.dims import ParallelDims
 from hybrid.pipeline_plan import PipelineSchedule, plan_stages, resolve_partition, resolve_virtual_stages
 from hybrid.run_length import RunLength, resolve_run_length
@@ -55,6 +57,7 @@ class TrainingConfig:
     check_nan: bool = True  # --check-for-nan-in-loss-and-grad: stop at the first non-finite loss or grad norm
     freeze_layers: list = field(default_factory=list)  # --freeze-layers, as layer numbers
     freeze_embeddings: bool = False  # --freeze-embeddings
+    dpo: Optional[DPOOptions] = None  # --dpo: the preference loss's options (hybrid.model.preference)
 
 
 @dataclass
@@ -83,6 +86,7 @@ class DataConfig:
     legacy_data_rules: bool = False  # --legacy-data-rules: Megatron-DeepSpeed split rounding and blend counts
     eod_mask_loss: bool = False  # --eod-mask-loss: positions whose input is EOD take no loss
     num_workers: int = 2  # --num-workers (DataLoader processes)
+    chat: Optional[ChatOptions] = None  # --sft: --data-path holds conversations (hybrid.data.chat), these options
 
 
 @dataclass
@@ -119,6 +123,19 @@ class LoggingConfig:
     wandb_save_dir: Optional[str] = None  # --wandb-save-dir
     progress_bar: bool = True  # a progress bar when stdout is a terminal
     log_memory: bool = False  # --log-memory-to-tensorboard
+    peak_tflops: Optional[float] = None  # --peak-tflops: the MFU's denominator (None: the GPU's from a table)
+    profile: Optional["ProfileConfig"] = None  # --profile / --record-memory-history: what to record, and where
+
+
+@dataclass
+class ProfileConfig:
+    """--profile and --record-memory-history (Megatron-LM's flags)."""
+
+    steps: tuple = (10, 12)  # --profile-step-start, --profile-step-end: iterations [start, end)
+    ranks: tuple = (0,)  # --profile-ranks
+    directory: str = "profile"  # --profile-dir (or where it defaults to)
+    trace: bool = False  # --profile: torch.profiler traces
+    memory_snapshot: Optional[str] = None  # --record-memory-history: the snapshot file
 
 
 @dataclass
@@ -149,6 +166,11 @@ class RunConfig:
     @property
     def zero_stage(self) -> int:
         return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+
+    @property
+    def cpu_offloading(self) -> bool:
+        """--cpu-offloading (or the config's activation_checkpointing.cpu_checkpointing)."""
+        return bool((self.ds_config.get("activation_checkpointing") or {}).get("cpu_checkpointing"))
 
     def saved_layout(self) -> SavedLayout:
         """The layout this run's checkpoints record (and a plain load compares, field by field)."""
@@ -254,18 +276,44 @@ def _demo_defaults(args) -> None:
     no_data = not (args.data_path or args.train_data_path or args.mock_data)
     if not no_data or args.no_demo:
         return
-    args.save = args.save or DEMO_DIR
-    args.export_hf = args.export_hf or os.path.join(args.save, "hf")
-    args.sample_prompt = args.sample_prompt if args.sample_prompt is not None else "The Python"
     # long enough on 2 CPU cores (~3 minutes) for the sample to be recognisable text; flags win
+    _demo_run(args, DEMO_DIR, "The Python", iterations=600, warmup=30)
+
+
+def _demo_run(args, save: str, prompt: str, iterations: int, warmup: int) -> None:
+    """A demo's defaults where the flags leave them open: where it saves and exports, the sample's prompt,
+    its length, micro batch 8 and the learning rate."""
+    args.save = args.save or save
+    args.export_hf = args.export_hf or os.path.join(args.save, "hf")
+    args.sample_prompt = args.sample_prompt if args.sample_prompt is not None else prompt
     if args.train_iters is None and not (args.train_samples or args.train_tokens):
-        args.train_iters = 600
+        args.train_iters = iterations
     if args.micro_batch_size is None and args.global_batch_size is None:
         args.micro_batch_size = 8
     if args.lr is None:
         args.lr, args.min_lr = 1e-3, args.min_lr or 1e-4
         if not (args.lr_warmup_iters or args.lr_warmup_fraction or args.lr_warmup_samples):
-            args.lr_warmup_iters = 30
+            args.lr_warmup_iters = warmup
+
+
+SFT_DEMO_DIR = os.path.join("runs", "sft")
+SFT_SAMPLE_PROMPT = "What is the `json` module for?"
+
+
+def apply_sft_tutorial_defaults(args) -> None:
+    """`--sft` with no data flags: the embedded chat set (conversations about Python from its documentation)
+    with the embedded tokenizer's ChatML version, ending, as the main job does, in runs/sft with a
+    HuggingFace export (tokenizer and chat template included) and an answer to a chat prompt (--no-demo: none).
+    Runs before the tokenizer is chosen, which it sets."""
+    if not args.sft or args.data_path or args.train_data_path or args.mock_data:
+        return
+    args.data_path = [str(default_data.CHAT)]
+    args.data_cache_path = args.data_cache_path or str(default_data.cache_dir())  # not inside the package
+    if not (args.load_hf or args.tokenizer_type or args.tokenizer_model or args.vocab_file):
+        args.tokenizer_type, args.tokenizer_model = "HFTokenizer", default_data.default_chat_tokenizer()
+    if args.no_demo:
+        return
+    _demo_run(args, SFT_DEMO_DIR, SFT_SAMPLE_PROMPT, iterations=300, warmup=20)
 
 
 def apply_megatron_aliases(args: argparse.Namespace) -> list[str]:
@@ -334,7 +382,41 @@ def _prepare_flags(args) -> None:
     """The saved run's architecture (--use-checkpoint-args), Megatron's other spellings, the demo's defaults."""
     apply_checkpoint_args(args)
     apply_megatron_aliases(args)
+    _sft_flags(args)
     _demo_defaults(args)
+
+
+def _sft_flags(args) -> None:
+    """--sft: conversations packed with their document masks and positions, the loss a token mean."""
+    if args.dpo:
+        _dpo_flags(args)
+    elif args.dpo_beta != 0.1 or args.dpo_label_smoothing or args.dpo_loss_type != "sigmoid":
+        raise ConfigError("--dpo-beta / --dpo-label-smoothing / --dpo-loss-type set the DPO loss: add --dpo.")
+    if not (args.sft or args.dpo):
+        if args.sft_train_on_prompt or args.sft_skip_bad or args.sft_truncation != "truncate":
+            raise ConfigError("--sft-train-on-prompt / --sft-skip-bad / --sft-truncation shape chat data: add --sft.")
+        return
+    if args.mock_data:
+        raise ConfigError("--sft trains on conversations: give --data-path FILE (JSONL or Parquet with 'messages', "
+                          "'conversations', Alpaca or pre-tokenized rows, or a datasets save_to_disk directory), or "
+                          "no data flag for the embedded chat set; not --mock-data.")
+    # packed conversations: no attention across them, positions from 0 in each, every assistant token weighs the same
+    args.reset_attention_mask = args.reset_position_ids = args.calculate_per_token_loss = True
+
+
+def _dpo_flags(args) -> None:
+    if args.sft:
+        raise ConfigError("--sft and --dpo are two trainings (on conversations; on preference pairs); give one.")
+    if not args.load_hf:
+        raise ConfigError("--dpo needs --load-hf DIR: the model to start from, which also stays, frozen, as the "
+                          "reference model.")
+    if not (args.data_path or args.train_data_path):
+        raise ConfigError("--dpo needs --data-path FILE of preference pairs (TRL's prompt / chosen / rejected rows).")
+    if args.dpo_beta <= 0 or not 0 <= args.dpo_label_smoothing < 0.5:
+        raise ConfigError(f"--dpo-beta {args.dpo_beta} must be positive and --dpo-label-smoothing "
+                          f"{args.dpo_label_smoothing} in [0, 0.5).")
+    if args.dpo_label_smoothing and args.dpo_loss_type != "sigmoid":
+        raise ConfigError("--dpo-label-smoothing applies to --dpo-loss-type sigmoid only (as TRL's).")
 
 
 def _vocab_size(args, tokenizer_vocab_size: int) -> int:
@@ -399,13 +481,16 @@ def _optimizer(args, optimizer: dict, clip: float, length: RunLength) -> Optimiz
         weight_decay=float(optimizer["params"].get("weight_decay", 0.0)), clip_grad=float(clip))
 
 
-def _data(args) -> DataConfig:
+def data_config(args) -> DataConfig:
+    """The data settings of the flags (checked)."""
     _check_data_flags(args)
     return DataConfig(
         data_path=args.data_path, split=args.split, mock_data=args.mock_data,
         split_data_paths=(args.train_data_path, args.valid_data_path, args.test_data_path),
         data_cache_path=args.data_cache_path, legacy_data_rules=args.legacy_data_rules,
-        eod_mask_loss=args.eod_mask_loss, num_workers=args.num_workers)
+        eod_mask_loss=args.eod_mask_loss, num_workers=args.num_workers,
+        chat=ChatOptions(args.sft_train_on_prompt, args.sft_truncation, args.sft_skip_bad, pairs=args.dpo)
+        if args.sft or args.dpo else None)
 
 
 def _checkpoint(args, ds: dict) -> CheckpointConfig:
@@ -421,10 +506,24 @@ def _logging(args) -> LoggingConfig:
     return LoggingConfig(
         log_interval=max(1, args.log_interval), log_json=args.log_json, tensorboard_dir=args.tensorboard_dir,
         wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,
-        progress_bar=not args.no_progress_bar, log_memory=args.log_memory_to_tensorboard)
+        progress_bar=not args.no_progress_bar, log_memory=args.log_memory_to_tensorboard,
+        peak_tflops=args.peak_tflops, profile=_profile(args))
 
 
-def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds_path) -> Setup:
+def _profile(args) -> Optional[ProfileConfig]:
+    if not (args.profile or args.record_memory_history):
+        return None
+    if not 0 <= args.profile_step_start < args.profile_step_end:
+        raise ConfigError(f"--profile-step-start {args.profile_step_start} and --profile-step-end "
+                          f"{args.profile_step_end}: the start must be >= 0 and before the end.")
+    directory = args.profile_dir or args.tensorboard_dir or (os.path.join(args.save, "profile") if args.save
+                                                               else "profile")
+    return ProfileConfig(steps=(args.profile_step_start, args.profile_step_end), ranks=tuple(args.profile_ranks),
+                         directory=directory, trace=args.profile,
+                         memory_snapshot=args.memory_snapshot_path if args.record_memory_history else None)
+
+
+def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path) -> Setup:
     """What the flags resolved to, as the capability table (hybrid.capabilities) reads it."""
     tp = dims.tensor_parallel
     return Setup(pp=dims.pipeline_parallel, tp=tp, schedule=pipeline.schedule, zero_stage=stage,
@@ -438,7 +537,8 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds_path) ->
                 ep=dims.expert_parallel, sequence_parallel=model.sequence_parallel, seq_length=args.seq_length,
                 heads_per_tp=model.num_attention_heads // tp, groups_per_tp=model.num_query_groups // tp,
                 experts_on_every_stage=_experts_on_every_stage(model, dims, pipeline),
-                fp8=args.fp8_recipe if args.fp8_format else None, fp8_param_gather=args.fp8_param_gather)
+                fp8=args.fp8_recipe if args.fp8_format else None, fp8_param_gather=args.fp8_param_gather,
+                cpu_offloading=dsc.cpu_offloading(args, ds), dpo=bool(args.dpo))
 
 
 def _megatron_optimizer(args, checkpoint: CheckpointConfig, setup: Setup) -> None:
@@ -476,15 +576,17 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     clip = dsc.agree(ds, "gradient_clipping", "--clip-grad", args.clip_grad, ds_path, 1.0)
     optimizer = dsc.optimizer_config(args, ds, ds_path)
     length = resolve_run_length(args, batches[1], batches[0] * dims.data_parallel, args.seq_length)
-    data = _data(args)
+    data = data_config(args)
     _check_start(args)
     training = _training(args, batches, precision, length, args.num_layers)
+    if args.dpo:
+        training.dpo = DPOOptions(args.dpo_beta, args.dpo_label_smoothing, args.dpo_loss_type, model.eod_token)
     if args.export_hf and not args.save:
         raise ConfigError("--export-hf needs --save (the checkpoint it exports).")
     checkpoint = _checkpoint(args, ds)
     pipeline = PipelineSchedule(*resolve_virtual_stages(args, model.num_layers, dims.pipeline_parallel),
                                 partition=args.pipeline_partition)
-    setup = _setup(args, dims, pipeline, stage, model, training, checkpoint, ds_path)
+    setup = _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path)
     check(setup)
     if getattr(args, "megatron_optimizer_problem", None) is not None:
         _megatron_optimizer(args, checkpoint, setup)

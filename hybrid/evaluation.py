@@ -1,9 +1,12 @@
-"""launch/evaluate.py: mean LM loss of a checkpoint over the first windows of a dataset's token stream.
+"""launch/evaluate.py: mean LM loss of a checkpoint over the first windows of a dataset's token stream, or
+with --sft over every assistant token of a file of conversations.
 
 Windows are consecutive and non-overlapping, S + 1 tokens each (S predictions), taken in order
 from the concatenation of the dataset's sequences: no shuffling, no sampling, so the same number
-comes out of `transformers` on the same windows. Runs at the checkpoint's TP x PP (world size a
-multiple of it; data-parallel ranks split the micro-batches).
+comes out of `transformers` on the same windows. --sft: the file's conversations in order, each once,
+packed as training packs them (hybrid.data.chat), the loss the token mean over every token that takes
+loss, as transformers computes it conversation by conversation with the assistant mask.
+Runs at the checkpoint's TP x PP (world size a multiple of it; data-parallel ranks split the micro-batches).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from hybrid.model.build import build_model
 from hybrid.model.naming import canonical_buffers, canonical_parameters
 from hybrid.parallel.dims import ParallelDims
 from hybrid.parallel.groups import build_groups
+from hybrid.parallel.cross_entropy import IGNORE_INDEX
 from hybrid.pipeline_plan import PipelineSchedule
 from hybrid.conversion.megatron_source import megatron_kind, open_source
 from hybrid.safe_loading import install_safe_torch_load
@@ -50,7 +54,16 @@ def build_parser():
     p.add_argument("--data-path", required=True, nargs="+")
     p.add_argument("--seq-length", type=int, required=True)
     p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--eval-iters", type=int, default=10)
+    p.add_argument("--eval-iters", type=int, default=None,
+                   help="micro-batches to evaluate (default: 10; with --sft every conversation of the file once)")
+    p.add_argument("--sft", action="store_true",
+                   help="--data-path is a file of conversations (as launch/train.py --sft reads): the loss over "
+                        "the assistant's tokens, rendered with the tokenizer's chat template")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="--sft: the HuggingFace tokenizer directory (default: --load-hf's)")
+    p.add_argument("--sft-train-on-prompt", action="store_true", help="--sft: every token takes loss")
+    p.add_argument("--sft-truncation", default="truncate", choices=["truncate", "drop"])
+    p.add_argument("--sft-skip-bad", action="store_true", help="--sft: count and skip malformed rows")
     p.add_argument("--log-json", default=None)
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism at TP > 1")
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
@@ -126,13 +139,20 @@ def evaluate(args) -> dict:
         raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the model's {config.num_experts} experts.")
     dims = ParallelDims(int(os.environ.get("WORLD_SIZE", "1")), tp, pp, expert_parallel=ep)
     dp = dims.data_parallel
-    if args.eval_iters % dp:
+    if args.eval_iters is None and not args.sft:
+        args.eval_iters = 10
+    if args.eval_iters is not None and args.eval_iters % dp:
         raise ConfigError(f"--eval-iters {args.eval_iters} must be a multiple of the data-parallel size {dp}.")
     if config.position_embedding_type == "learned_absolute" and args.seq_length > config.max_position_embeddings:
         raise ConfigError(f"--seq-length {args.seq_length} exceeds the model's max positions "
                           f"{config.max_position_embeddings}.")
-    windows = torch.from_numpy(stream_windows(args.data_path[0], args.seq_length,
-                                              args.eval_iters * args.micro_batch_size))
+    if args.sft:
+        config, batches, counts = _chat_batches(args, config, dp)
+    else:
+        windows = torch.from_numpy(stream_windows(args.data_path[0], args.seq_length,
+                                                  args.eval_iters * args.micro_batch_size))
+        # every position counts
+        batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows.split(args.micro_batch_size)]
     groups = build_groups(dims, experts=bool(config.num_experts))
     if megatron is not None:  # read a part at a time, this rank's tensors only (its stage, its experts)
         def parts(wanted):
@@ -145,18 +165,51 @@ def evaluate(args) -> dict:
 
         def parts(wanted):
             return [state]
-    mine = [windows[k * args.micro_batch_size:(k + 1) * args.micro_batch_size]
-            for k in range(args.eval_iters) if k % dp == groups.dp.rank]
-    batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in mine]  # every position counts
+    mine = [batch for k, batch in enumerate(batches) if k % dp == groups.dp.rank]
     device = _device()
-    losses = (_pipeline_losses(config, groups, parts, batches) if pp > 1
-              else _losses(config, groups, parts, batches, device))
+    token_sums = args.sft  # --sft: each micro-batch's sum over its loss tokens, divided by their count at the end
+    losses = (_pipeline_losses(config, groups, parts, mine, token_sums) if pp > 1
+              else _losses(config, groups, parts, mine, device, token_sums))
     # summed on the device the backend communicates on (NCCL needs CUDA tensors), in fp32
     total = torch.stack(losses).sum().reshape(1) if losses else torch.zeros(1, device=device)
     if dp > 1:
         dist.all_reduce(total, group=groups.dp.group)
-    return {"lm_loss": total.item() / args.eval_iters,
-            "tokens": args.eval_iters * args.micro_batch_size * args.seq_length}
+    if args.sft:
+        return {"lm_loss": total.item() / counts["loss_tokens"], **counts}
+    return {"lm_loss": total.item() / len(batches), "tokens": len(batches) * args.micro_batch_size * args.seq_length}
+
+
+def _chat_batches(args, config, dp: int):
+    """--sft: the file's conversations packed in order into (ids, labels) micro-batches (a multiple of the DP
+    size; the padding windows take no loss), the model splitting them at the separator; and the counts."""
+    from hybrid.data.batches import Collator
+    from hybrid.data.chat import ChatEncoder, ChatOptions, evaluation_windows
+    from hybrid.data.tokenizer import HFTokenizer
+    path = args.tokenizer_model or args.load_hf
+    if not path:
+        raise ConfigError("--sft needs the model's chat tokenizer: --tokenizer-model DIR (or --load-hf DIR, whose "
+                          "tokenizer is used).")
+    options = ChatOptions(args.sft_train_on_prompt, args.sft_truncation, args.sft_skip_bad)
+    encoder = ChatEncoder(HFTokenizer(path).to_transformers(), f"--tokenizer-model {path}", options)
+    tokens, mask, counts = evaluation_windows(args.data_path[0], args.seq_length, encoder)
+    micro = args.micro_batch_size
+    count = -(-len(tokens) // micro)
+    if args.eval_iters is not None:
+        count = min(count, args.eval_iters)
+    count = -(-count // dp) * dp
+    padding = count * micro - len(tokens)
+    if padding > 0:
+        tokens = np.concatenate([tokens, np.full((padding, tokens.shape[1]), encoder.separator, tokens.dtype)])
+        mask = np.concatenate([mask, np.zeros((padding, mask.shape[1]), bool)])
+    collate = Collator()
+    batches = [collate([{"text": torch.from_numpy(tokens[i].astype(np.int64)), "loss_mask": torch.from_numpy(mask[i])}
+                        for i in range(k * micro, (k + 1) * micro)]) for k in range(count)]
+    loss_tokens = int(sum((labels != IGNORE_INDEX).sum() for _, labels in batches))
+    config = dataclasses.replace(config, reset_attention_mask=True, reset_position_ids=True,
+                                 eod_token=encoder.separator)
+    return config, batches, {"loss_tokens": loss_tokens, "conversations": counts.conversations,
+                             "skipped_bad": counts.skipped_bad, "truncated": counts.truncated,
+                             "dropped": counts.dropped, "windows": len(tokens) - max(padding, 0)}
 
 
 def _device() -> torch.device:
@@ -171,17 +224,21 @@ def _load(model, config, groups, parts) -> None:
 
 
 @torch.no_grad()
-def _losses(config, groups, parts, batches, device) -> list[torch.Tensor]:
+def _losses(config, groups, parts, batches, device, token_sums: bool = False) -> list[torch.Tensor]:
+    """Each micro-batch's loss: the mean over its tokens, or (`token_sums`) their sum."""
     model = build_model(config, groups).eval()
     _load(model, config, groups, parts)
     model.to(device)
-    return [model(*to_device(batch, device)).float() for batch in batches]
+    scale = torch.ones((), device=device) if token_sums else None
+    return [model(*to_device(batch, device), token_scale=scale).float() for batch in batches]
 
 
-def _pipeline_losses(config, groups, parts, batches) -> list[float]:
+def _pipeline_losses(config, groups, parts, batches, token_sums: bool = False) -> list[float]:
     """PP > 1: the checkpoint's layers split uniformly over DeepSpeed's pipeline engine, forward only."""
     module = build_model(config, groups, PipelineSchedule(partition="uniform"))
     _load(module, config, groups, parts)
+    if token_sums:
+        module.loss_fn.token_scale = torch.ones((), device=_device())
     engine, *_ = deepspeed.initialize(model=module, config={
         "train_micro_batch_size_per_gpu": batches[0][0].size(0), "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9, **pipeline_ds_config(config)}, dist_init_required=False)

@@ -108,6 +108,9 @@ def _add_training_args(p):
                    help="ramp the global batch linearly from START by INCREMENT over SAMPLES samples")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None, help="run length in samples (Megatron-LM)")
+    g.add_argument("--train-epochs", type=int, default=None,
+                   help="--sft: run length in passes over the training conversations' packed windows "
+                        "(becomes --train-samples: epochs x windows)")
     g.add_argument("--train-tokens", type=int, default=None,
                    help="stop once this many tokens were consumed (Megatron-DeepSpeed)")
     g.add_argument("--exit-interval", type=int, default=None, help="stop after an iteration divisible by this")
@@ -120,6 +123,9 @@ def _add_training_args(p):
     g.add_argument("--checkpoint-activations", action="store_true", help="alias: --recompute-granularity full")
     g.add_argument("--checkpoint-num-layers", type=int, default=None, help="alias of --recompute-num-layers")
     g.add_argument("--recompute-activations", action="store_true", help="alias: --recompute-granularity selective")
+    g.add_argument("--cpu-offloading", action="store_true",
+                   help="with --recompute-granularity full: the checkpointed layer inputs wait for backward in host "
+                        "memory (DeepSpeed's activation_checkpointing.cpu_checkpointing; copied on a side CUDA stream)")
     g.add_argument("--activations-checkpoint-method", default=None, choices=["uniform", "block"],
                    help="older Megatron: --recompute-granularity full --recompute-method METHOD")
     g.add_argument("--freeze-layers", default=None, help="layer ranges to freeze, e.g. 0-5,8")
@@ -258,6 +264,9 @@ def _add_moe_args(p):
     g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
                    help="each expert takes at most ceil(tokens x k / E x factor) tokens; default dropless")
     g.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"])
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="with --moe-expert-capacity-factor: every expert gets exactly its capacity of rows (the "
+                        "kept ones, then zero-weight padding), so the dispatch needs no host sync at any EP")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="one grouped GEMM for all local experts (torch._grouped_mm) where the device has it")
     g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["alltoall", "allgather", "flex"],
@@ -330,6 +339,23 @@ def _add_data_args(p):
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="the iteration's loss is the mean over every valid token of the global batch (default: "
                         "the mean of each micro-batch's token mean; equal unless --eod-mask-loss masks tokens)")
+    g.add_argument("--sft", action="store_true",
+                   help="supervised fine-tuning on conversations: --data-path names JSONL / Parquet files or datasets "
+                        "save_to_disk directories (messages, ShareGPT, Alpaca, prompt/completion or input_ids rows), "
+                        "tokenized with the tokenizer's chat template, loss on the assistant's tokens, packed")
+    g.add_argument("--sft-train-on-prompt", action="store_true",
+                   help="--sft: every token of a conversation takes loss (default: the assistant's only)")
+    g.add_argument("--sft-truncation", default="truncate", choices=["truncate", "drop"],
+                   help="--sft: a conversation longer than --seq-length + 1 tokens is cut to it or dropped (counted)")
+    g.add_argument("--sft-skip-bad", action="store_true",
+                   help="--sft: count and skip malformed rows (default: stop at the first, naming file and line)")
+    g.add_argument("--dpo", action="store_true",
+                   help="direct preference optimisation: --data-path holds TRL's prompt/chosen/rejected rows; the "
+                        "reference model is --load-hf's, frozen")
+    g.add_argument("--dpo-beta", type=float, default=0.1, help="--dpo: the KL weight beta")
+    g.add_argument("--dpo-label-smoothing", type=float, default=0.0,
+                   help="--dpo: the probability that a preference label is wrong (conservative DPO; sigmoid loss)")
+    g.add_argument("--dpo-loss-type", default="sigmoid", choices=["sigmoid", "ipo"], help="--dpo: TRL's loss_type")
     g.add_argument("--legacy-data-rules", action="store_true",
                    help="split rounding and blended sample counts of Megatron-DeepSpeed / Megatron-LM before "
                         "megatron-core (default: megatron-core's rules), to resume runs started there")
@@ -363,6 +389,22 @@ def _add_logging_args(p):
     g.add_argument("--log-memory-to-tensorboard", action="store_true",
                    help="log allocated/peak accelerator memory with each log line")
     g.add_argument("--no-progress-bar", action="store_true")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="the accelerator's peak TFLOP/s for the logged MFU (default: the GPU's from a table of "
+                        "A100, H100, H200, GH200, B200, L40S, L4 in the run's precision; CPU: no MFU)")
+    g.add_argument("--profile", action="store_true",
+                   help="torch.profiler traces of iterations --profile-step-start to --profile-step-end on "
+                        "--profile-ranks, written to --profile-dir")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
+    g.add_argument("--profile-dir", default=None,
+                   help="where --profile writes (default: --tensorboard-dir, else SAVE/profile, else ./profile)")
+    g.add_argument("--record-memory-history", action="store_true",
+                   help="record CUDA allocations from the start and write a memory snapshot (torch's "
+                        "memory_viz format) at --profile-step-end, on --profile-ranks")
+    g.add_argument("--memory-snapshot-path", default="snapshot.pickle",
+                   help="the snapshot file (rank r > 0 adds .rank{r}); default snapshot.pickle")
 
 
 def _add_deepspeed_args(p):

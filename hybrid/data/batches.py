@@ -28,10 +28,13 @@ def num_samples(training) -> list[int]:
             t.eval_iters * t.global_batch_size]
 
 
-def build_datasets(data, training, vocab_size: int):
-    """(train, valid, test) datasets: mock tokens, the given --data-path, or the embedded corpus (`data`,
-    `training`: the run's hybrid.config.DataConfig and TrainingConfig)."""
+def build_datasets(data, training, vocab_size: int, tokenizer=None):
+    """(train, valid, test) datasets: mock tokens, the given --data-path, the embedded corpus, or with --sft
+    conversations through the tokenizer's chat template (`data`, `training`: the run's
+    hybrid.config.DataConfig and TrainingConfig)."""
     counts = num_samples(training)
+    if data.chat is not None:
+        return _chat_datasets(data, training, counts, tokenizer)
     if data.mock_data:
         return [MockGPTDataset(n, training.seq_length, vocab_size, training.seed + i) if n else None
                 for i, n in enumerate(counts)]
@@ -48,6 +51,19 @@ def build_datasets(data, training, vocab_size: int):
     return build_train_valid_test_datasets(data_path, data.split, counts, training.seq_length, training.seed,
                                            cache_dir=data.data_cache_path, legacy=data.legacy_data_rules,
                                            split_paths=split_paths)
+
+
+def _chat_datasets(data, training, counts, tokenizer):
+    """--sft: each file's conversations split by --split (or each split's own files), blended by weight."""
+    from hybrid.data import chat  # transformers' tokenizers: only for chat data
+    encoder = chat.ChatEncoder(tokenizer.to_transformers(), "--tokenizer-model", data.chat)
+
+    def split_datasets(path, ranges_of, wanted, seq_length, seed, cache_dir):
+        return chat.split_datasets(path, ranges_of, wanted, seq_length, seed, encoder, cache_dir)
+    split_paths = data.split_data_paths if any(data.split_data_paths or ()) else None
+    return build_train_valid_test_datasets(data.data_path, data.split, counts, training.seq_length, training.seed,
+                                           cache_dir=data.data_cache_path, legacy=data.legacy_data_rules,
+                                           split_paths=split_paths, split_datasets=split_datasets)
 
 
 class MegatronSampler:
@@ -70,7 +86,8 @@ class Collator:
     """Samples -> (input ids [b, s], labels [b, s]): the one batch encoding of every step.
 
     Positions that take no loss hold IGNORE_INDEX in the labels: with `eod_mask_loss` (Megatron's
-    --eod-mask-loss) those whose input token is EOD, exactly as megatron-core's GPTDataset masks them.
+    --eod-mask-loss) those whose input token is EOD, exactly as megatron-core's GPTDataset masks them;
+    with chat samples (a "loss_mask" beside the tokens) those whose target token is not the assistant's.
     """
 
     def __init__(self, eod_token: Optional[int] = None, eod_mask_loss: bool = False):
@@ -81,6 +98,8 @@ class Collator:
     def __call__(self, samples):
         tokens = torch.stack([s["text"] for s in samples])
         ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        if "loss_mask" in samples[0]:  # chat data (hybrid.data.chat): the tokens that take loss
+            labels = labels.masked_fill(~torch.stack([s["loss_mask"] for s in samples])[:, 1:], IGNORE_INDEX)
         if self.eod_mask_loss:
             labels = labels.masked_fill(ids == self.eod_token, IGNORE_INDEX)
         return ids, labels

@@ -81,7 +81,8 @@ def collect_corpus() -> list[str]:
 
 
 def build_assets(out_dir: pathlib.Path = ASSETS) -> None:
-    """Write corpus.jsonl.gz and train the BPE tokenizer on it (vocab.json, merges.txt)."""
+    """Write corpus.jsonl.gz and train the BPE tokenizer on it (vocab.json, merges.txt) (and, with
+    build_chat_asset, the --sft tutorial's chat.jsonl.gz)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     documents = collect_corpus()
     with gzip.GzipFile(out_dir / "corpus.jsonl.gz", "wb", mtime=0) as f:
@@ -91,6 +92,112 @@ def build_assets(out_dir: pathlib.Path = ASSETS) -> None:
     tokenizer.train_from_iterator(documents, vocab_size=VOCAB_SIZE, min_frequency=2,
                                   special_tokens=["<|endoftext|>"], show_progress=False)
     tokenizer.save_model(str(out_dir))
+
+
+CHAT = ASSETS / "chat.jsonl.gz"
+CHAT_SYSTEM = "You answer questions about Python briefly."
+_QUESTIONS = {"topic": ("Explain {} in Python.", "How does {} work in Python?", "What should I know about {}?"),
+              "module": ("What is the {} module for?", "What does Python's {} module do?", "Tell me about {}."),
+              "function": ("What does {} do?", "Explain {}.", "What is {} in the standard library?")}
+_ANSWER_CHARS = 360
+
+
+def _answer(text: str) -> str:
+    """The first paragraphs of a documentation text, at most about _ANSWER_CHARS, ending at a sentence."""
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text) if p.strip() and not p.startswith("*")]
+    out = ""
+    for para in paragraphs:
+        if out and len(out) + len(para) > _ANSWER_CHARS:
+            break
+        out = f"{out}\n\n{para}" if out else para
+    if len(out) > _ANSWER_CHARS:
+        cut = out[:_ANSWER_CHARS]
+        out = cut[:cut.rfind(". ") + 1] if ". " in cut else cut
+    return out.strip()
+
+
+def _questions_and_answers():
+    """(kind, subject, answer) from the help topics, module docstrings and function/class docstrings."""
+    import pydoc_data.topics  # the chat set's source, read once when it is built
+    for key in sorted(pydoc_data.topics.topics):
+        text = pydoc_data.topics.topics[key]
+        title, _, body = text.partition("\n")
+        body = body.lstrip("*\n")
+        if title.strip() and _answer(body):
+            yield "topic", title.strip(), _answer(body)
+    stdlib = pathlib.Path(os.__file__).parent
+    for path in sorted(stdlib.glob("*.py")):
+        if path.stem.startswith("_"):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        doc = ast.get_docstring(tree)
+        if doc and len(doc) > 80:
+            yield "module", f"`{path.stem}`", _answer(doc)
+        for node in tree.body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 60:
+                    yield "function", f"`{path.stem}.{node.name}`", _answer(doc)
+
+
+def collect_chat(limit: int = 1500) -> list[list[dict]]:
+    """Conversations about Python from its own documentation (one or two exchanges, some with a system
+    prompt), for the --sft tutorial; deterministic."""
+    import random
+    rng = random.Random(0)
+    pairs = [(rng.choice(_QUESTIONS[kind]).format(subject), answer) for kind, subject, answer in
+             _questions_and_answers() if answer]
+    rng.shuffle(pairs)
+    conversations, k = [], 0
+    while k < len(pairs) and len(conversations) < limit:
+        turns = [{"role": "system", "content": CHAT_SYSTEM}] if rng.random() < 0.3 else []
+        for question, answer in pairs[k:k + (2 if rng.random() < 0.25 else 1)]:
+            turns += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            k += 1
+        conversations.append(turns)
+    return conversations
+
+
+def build_chat_asset(out_dir: pathlib.Path = ASSETS) -> None:
+    """Write chat.jsonl.gz (messages rows)."""
+    with gzip.GzipFile(out_dir / "chat.jsonl.gz", "wb", mtime=0) as f:
+        for messages in collect_chat():
+            f.write((json.dumps({"messages": messages}) + "\n").encode())
+
+
+# ChatML (Qwen2's template) with transformers' {% generation %} markers around what the assistant writes
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{- '\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def default_chat_tokenizer() -> str:
+    """A transformers tokenizer directory: the embedded BPE with ChatML's <|im_start|> / <|im_end|> and
+    template (eos <|im_end|>, pad <|endoftext|>), made on first use (atomically) in the cache."""
+    directory = cache_dir() / "chat-tokenizer"
+    if (directory / "tokenizer_config.json").exists():
+        return str(directory)
+    from transformers import GPT2TokenizerFast  # transformers' import takes seconds: the --sft tutorial only
+    tok = GPT2TokenizerFast(vocab=str(VOCAB), merges=str(MERGES), eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                            bos_token=None, unk_token=None)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML_TEMPLATE
+    tmp = directory.with_name(f"chat-tokenizer.{os.getpid()}")
+    tok.save_pretrained(tmp)
+    try:
+        os.replace(tmp, directory)
+    except OSError:  # another process made it first
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(directory)
 
 
 def read_corpus() -> list[str]:
@@ -125,4 +232,5 @@ def default_data_prefix() -> str:
 
 if __name__ == "__main__":
     build_assets(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else ASSETS)
+    build_chat_asset(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else ASSETS)
     print(f"wrote {ASSETS}")

@@ -323,15 +323,18 @@ def _split_datasets(prefix, ranges_of, counts, seq_length, seed, cache_dir):
 
 
 def build_blend(data_path, ranges_of, num_samples, seq_length, seed, cache_dir=None, legacy=False,
-                flag="--data-path"):
-    """The datasets of each split from one blend (`a` or `w a w b ...`), as megatron-core's builder."""
+                flag="--data-path", split_datasets=None):
+    """The datasets of each split from one blend (`a` or `w a w b ...`), as megatron-core's builder
+    (`split_datasets(path, ranges_of, counts, seq_length, seed, cache_dir)`: one path's datasets per split;
+    default: GPT samples of a .bin/.idx prefix)."""
+    split_datasets = split_datasets or _split_datasets
     prefixes, weights = parse_data_path(data_path, flag)
     if weights is None:
-        return _split_datasets(prefixes[0], ranges_of, num_samples, seq_length, seed, cache_dir)
+        return split_datasets(prefixes[0], ranges_of, num_samples, seq_length, seed, cache_dir)
     weights = normalize(weights)
     per_split = [blended_sample_counts(weights, n, legacy) for n in num_samples]
-    per_prefix = [_split_datasets(prefix, ranges_of, [counts[k] for counts, _ in per_split], seq_length, seed,
-                                  cache_dir) for k, prefix in enumerate(prefixes)]
+    per_prefix = [split_datasets(prefix, ranges_of, [counts[k] for counts, _ in per_split], seq_length, seed,
+                                 cache_dir) for k, prefix in enumerate(prefixes)]
     out = []
     for split, (_, size) in enumerate(per_split):
         parts = [d[split] for d in per_prefix]
@@ -346,18 +349,19 @@ _NAMES = ("train", "valid", "test")
 def build_train_valid_test_datasets(data_path: Optional[Sequence[str]], splits: str, num_samples: Sequence[int],
                                     seq_length: int, seed: int, cache_dir: Optional[str] = None,
                                     legacy: bool = False,
-                                    split_paths: Optional[Sequence[Optional[Sequence[str]]]] = None
-                                    ) -> list[Optional[torch.utils.data.Dataset]]:
+                                    split_paths: Optional[Sequence[Optional[Sequence[str]]]] = None,
+                                    split_datasets=None) -> list[Optional[torch.utils.data.Dataset]]:
     """Train/valid/test datasets (None for an empty split or zero samples), blended if weighted.
 
     `data_path` with `splits` divides every dataset's documents by --split; `split_paths`
     (--train-data-path, --valid-data-path, --test-data-path) gives each split its own blend,
     all of whose documents it uses (megatron-core's `blend_per_split`). `legacy`: split
     rounding and blended sample counts of Megatron-DeepSpeed (see --legacy-data-rules).
+    `split_datasets`: how one path becomes its splits' datasets (build_blend's; chat data passes its own).
     """
     if split_paths is None:
         return build_blend(data_path, lambda n: split_ranges(splits, n, legacy), num_samples, seq_length, seed,
-                           cache_dir, legacy)
+                           cache_dir, legacy, split_datasets=split_datasets)
     out = []
     for k, (name, path) in enumerate(zip(_NAMES, split_paths)):
         if not path or num_samples[k] <= 0:
@@ -366,5 +370,5 @@ def build_train_valid_test_datasets(data_path: Optional[Sequence[str]], splits: 
         counts = [n if j == k else 0 for j, n in enumerate(num_samples)]
         whole = lambda n, k=k: [(0, n) if j == k else (0, 0) for j in range(3)]  # noqa: E731
         out.append(build_blend(path, whole, counts, seq_length, seed, cache_dir, legacy,
-                               f"--{name}-data-path")[k])
+                               f"--{name}-data-path", split_datasets)[k])
     return out

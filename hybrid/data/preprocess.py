@@ -41,6 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token")
     g.add_argument("--lang", default="english", help="accepted for compatibility")
+    g = p.add_argument_group("chat data (train.py --sft / --dpo)")
+    g.add_argument("--sft", action="store_true",
+                   help="--input holds conversations (JSONL, Parquet or a datasets directory, in any format "
+                        "train.py --sft reads), tokenized with --tokenizer-model's chat template: writes "
+                        "<prefix>_text_document and <prefix>_loss_mask_document (.bin/.idx) and "
+                        "<prefix>_text_document.sft.json; train with --sft --data-path <prefix>_text_document")
+    g.add_argument("--dpo", action="store_true", help="with --sft: --input holds preference pairs (train.py --dpo)")
+    g.add_argument("--sft-train-on-prompt", action="store_true",
+                   help="with --sft: every token takes loss (as train.py --sft-train-on-prompt)")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
     g.add_argument("--dataset-impl", default="mmap", choices=["mmap"], help="only mmap (Megatron's default)")
@@ -172,20 +181,119 @@ def _chunks(path: str, chunk_size: int):
             yield first, lines, path
 
 
-def preprocess(args: argparse.Namespace, log=print) -> dict:
-    """Run the conversion; returns counts and throughput."""
-    if args.split_sentences:
-        sentence_splitter(args.lang, args.keep_newlines, log)  # fail fast without nltk; say which model
-    if not os.path.isfile(args.input):
-        raise ConfigError(f"--input {args.input}: no such file.")
+def _init_chat_worker(tokenizer_kwargs: dict, options, source: str) -> None:
+    from hybrid.data.chat import ChatEncoder
+    _WORKER.update(encoder=ChatEncoder(build_tokenizer(**tokenizer_kwargs).to_transformers(), source, options))
+
+
+def _encode_chat_chunk(rows):
+    from hybrid.data.chat import encode_rows
+    return encode_rows(rows, _WORKER["encoder"])
+
+
+def _row_chunks(path: str, chunk_size: int):
+    from hybrid.data.chat import read_rows
+    rows = []
+    for item in read_rows(path):
+        rows.append(item)
+        if len(rows) == chunk_size:
+            yield rows
+            rows = []
+    if rows:
+        yield rows
+
+
+def _tokenizer_kwargs(args) -> dict:
+    kind = args.tokenizer_type
+    if args.sft and kind == "GPT2BPETokenizer" and args.tokenizer_model and not args.vocab_file:
+        kind = "HFTokenizer"  # --sft --tokenizer-model DIR: the chat model's tokenizer
+    return dict(tokenizer_type=kind, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+
+
+def _check_output(args) -> None:
     if args.workers < 1 or args.chunk_size < 1:
         raise ConfigError("--workers and --chunk-size must be >= 1.")
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     if not os.path.isdir(out_dir):
         raise ConfigError(f"--output-prefix {args.output_prefix}: directory {out_dir} does not exist.")
-    tokenizer_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
-                            merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-                            vocab_size=args.vocab_size)
+
+
+def preprocess_chat(args: argparse.Namespace, log=print) -> dict:
+    """--sft: conversations (or, with --dpo, preference pairs) through the tokenizer's chat template, as train.py
+    --sft tokenizes them (hybrid.data.chat), written as Megatron .bin/.idx files: each sequence a document of
+    tokens, beside it the same document of loss-mask bytes, and a description (the tokenizer's fingerprint, the
+    options, the counts) that train.py checks. Rows are tokenized by --workers processes in chunks, in order."""
+    from itertools import chain
+
+    from hybrid.data.chat import ChatEncoder, ChatOptions, collect, describe_preprocessed, preprocessed_files
+    if not os.path.exists(args.input):
+        raise ConfigError(f"--input {args.input}: no such file or directory.")
+    _check_output(args)
+    kwargs = _tokenizer_kwargs(args)
+    options = ChatOptions(train_on_prompt=args.sft_train_on_prompt, skip_bad=args.skip_bad_lines, pairs=args.dpo)
+    source = f"--tokenizer-model {args.tokenizer_model}"
+    tokenizer = build_tokenizer(**kwargs)
+    encoder = ChatEncoder(tokenizer.to_transformers(), source, options)  # fails fast without a template
+    text, mask, description = preprocessed_files(args.output_prefix)
+    builders = [IndexedDatasetBuilder(text, best_dtype(tokenizer.vocab_size)), IndexedDatasetBuilder(mask, np.uint8)]
+    stats = dict(sequences=0, tokens=0, loss_tokens=0)
+
+    def add(sequences):
+        for tokens, loss in sequences:
+            builders[0].add_document(tokens)
+            builders[1].add_document(np.asarray(loss, dtype=np.uint8))
+            stats["sequences"] += 1
+            stats["tokens"] += len(tokens)
+            stats["loss_tokens"] += int(sum(loss))
+
+    start = time.perf_counter()
+    pool = None
+    try:
+        chunks = _row_chunks(args.input, args.chunk_size)
+        if args.workers > 1:
+            pool = mp.get_context("fork").Pool(args.workers, initializer=_init_chat_worker,
+                                               initargs=(kwargs, options, source))
+            results = chain.from_iterable(pool.imap(_encode_chat_chunk, chunks))
+        else:
+            _WORKER.update(encoder=encoder)
+            results = chain.from_iterable(map(_encode_chat_chunk, chunks))
+        counts = collect(results, options, f"--input {args.input}", add)
+        for builder in builders:
+            builder.finalize()
+        tmp = f"{description}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(describe_preprocessed(encoder, counts, mask), f, indent=1)
+        os.replace(tmp, description)  # last: the files are complete when it exists
+    except BaseException:
+        for builder in builders:
+            builder.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+    elapsed = time.perf_counter() - start
+    stats.update(conversations=counts.conversations, skipped_bad=counts.skipped_bad, seconds=elapsed)
+    kind = "preference pairs" if args.dpo else "conversations"
+    log(f"done: {counts.conversations} {kind} ({stats['sequences']} sequences, {stats['tokens']} tokens, "
+        f"{stats['loss_tokens']} taking loss) in {elapsed:.1f}s ({counts.conversations / elapsed:.0f}/s); skipped "
+        f"{counts.skipped_bad} bad rows; wrote {text}.bin/.idx, {mask}.bin/.idx, {description}; train with "
+        f"--{'dpo' if args.dpo else 'sft'} --data-path {text}")
+    return stats
+
+
+def preprocess(args: argparse.Namespace, log=print) -> dict:
+    """Run the conversion; returns counts and throughput."""
+    if args.sft:
+        return preprocess_chat(args, log)
+    if args.dpo or args.sft_train_on_prompt:
+        raise ConfigError("--dpo / --sft-train-on-prompt describe chat data: add --sft.")
+    if args.split_sentences:
+        sentence_splitter(args.lang, args.keep_newlines, log)  # fail fast without nltk; say which model
+    if not os.path.isfile(args.input):
+        raise ConfigError(f"--input {args.input}: no such file.")
+    _check_output(args)
+    tokenizer_kwargs = _tokenizer_kwargs(args)
     tokenizer = build_tokenizer(**tokenizer_kwargs)  # fail fast, in this process, on bad tokenizer flags
     dtype = best_dtype(tokenizer.vocab_size)
     level = "sentence" if args.split_sentences else "document"  # Megatron-LM's output names

@@ -5,12 +5,16 @@ ones (hybrid.model.naming); the pipeline forms of the same model are hybrid.mode
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.nn as nn
 
+from hybrid.model import preference
 from hybrid.model.config import ModelConfig
 from hybrid.model.embedding import Embedding, OutputHead, parallel_logits
 from hybrid.model.loss import LMLoss
 from hybrid.model.norms import build_norm
+from hybrid.model.preference import DPOOptions, PreferenceStats
 from hybrid.model.recompute import run_layers
 from hybrid.model.sequence import sequence_layout
 from hybrid.model.transformer import TransformerLayer
@@ -30,10 +34,15 @@ class GPTModel(nn.Module):
         self.final_norm = build_norm(config, groups)
         self.output_layer = OutputHead(config, groups) if config.untie_embeddings_and_output_weights else None
         self.loss_fn = LMLoss(groups, config.vocab_size)
+        # --dpo (hybrid.model.preference): its options, and the rewards statistics since the last log line
+        self.preference: Optional[DPOOptions] = None
+        self.preference_stats = PreferenceStats()
 
-    def forward(self, input_ids, labels=None, token_scale=None):
+    def forward(self, input_ids, labels=None, token_scale=None, reference=None, document_logps=False):
         """input_ids [b, s] -> logits [b, s, V_padded/tp]; or, with labels [b, s] (IGNORE_INDEX where no
-        loss is taken), the micro-batch's LM loss (`token_scale`: --calculate-per-token-loss's factor)."""
+        loss is taken), the micro-batch's LM loss (`token_scale`: --calculate-per-token-loss's factor);
+        with --dpo, `document_logps`: each packed sequence's (log-probability sum, token count), or given the
+        reference model's (`reference`), the DPO loss (hybrid.model.preference)."""
         # packed documents' masks and positions, this CP rank's chunks of the sequence; or None
         layout = sequence_layout(input_ids, self.config, self.groups)
         hidden = self.embedding(input_ids if layout is None else layout.local(input_ids), layout)  # [s(/tp), b, h]
@@ -49,4 +58,12 @@ class GPTModel(nn.Module):
                                      self.config.async_tensor_model_parallel_allreduce)  # [s, b, V/tp]
         if not for_loss:
             return logits.transpose(0, 1)
+        if document_logps or reference is not None:
+            sums = preference.document_logps(logits, labels, input_ids, self.groups, self.config.vocab_size,
+                                             self.preference.separator)
+            if reference is None:
+                return sums
+            loss, stats = preference.dpo_loss(sums, reference, self.preference, token_scale)
+            self.preference_stats.add(stats)
+            return loss
         return self.loss_fn.of_whole_sequences(logits, labels, token_scale)  # this rank's part of the sequences

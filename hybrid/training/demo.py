@@ -30,13 +30,18 @@ def export_hf(save_dir: str, export_dir: str) -> None:
         f"(AutoModelForCausalLM.from_pretrained({export_dir!r}))")
 
 
-def sample(export_dir: str, prompt: str, seed: int, max_new_tokens: int = 48) -> str:
+def sample(export_dir: str, prompt: str, seed: int, max_new_tokens: int = 48, chat: bool = False) -> str:
     """A continuation of `prompt` by transformers' generate() on the exported model (top-k sampling),
-    kept within the model's positions (the prompt is cut from the left if it alone would fill them)."""
+    kept within the model's positions (the prompt is cut from the left if it alone would fill them);
+    `chat`: the answer to `prompt` as a user turn, through the export's chat template."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # only for the sample: its import takes seconds
     tokenizer = AutoTokenizer.from_pretrained(export_dir)
     model = AutoModelForCausalLM.from_pretrained(export_dir).eval()
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
     positions = max_positions(model.config)
     if positions is not None:
         ids = ids[:, -max(1, positions // 2):] if ids.size(1) >= positions else ids
@@ -75,8 +80,13 @@ def finish(run) -> int:
         try:
             export_hf(c.save, c.export_hf)
             if c.sample_prompt:
-                text = sample(c.export_hf, c.sample_prompt, run.training.seed)
-                log(f"sample (transformers, from {c.export_hf}):\n{c.sample_prompt}{text}")
+                if run.data.chat is not None:  # --sft: an answer through the export's chat template
+                    text = sample(c.export_hf, c.sample_prompt, run.training.seed, 96, chat=True)
+                    log(f"chat sample (transformers, apply_chat_template + generate, from {c.export_hf}):\n"
+                        f"user: {c.sample_prompt}\nassistant: {text}")
+                else:
+                    text = sample(c.export_hf, c.sample_prompt, run.training.seed)
+                    log(f"sample (transformers, from {c.export_hf}):\n{c.sample_prompt}{text}")
         except Exception as error:  # optional: report it, keep the run's result
             reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
             log(f"WARNING: the HuggingFace export or sample after training failed ({reason}); the checkpoint in "

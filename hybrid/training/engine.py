@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -17,9 +18,10 @@ from hybrid.errors import ConfigError
 from hybrid.model import build as model_build
 from hybrid.model.attention import backend_notes
 from hybrid.model.moe.moe_layer import MoELayer
-from hybrid.model.naming import canonical_parameters
+from hybrid.model.naming import canonical_buffers, canonical_parameters
 from hybrid.parallel import fp8
-from hybrid.training.deepspeed_fixes import (ListPartitionPipelineModule, install_fp32_clipping, register_moe_layers,
+from hybrid.training.deepspeed_fixes import (ListPartitionPipelineModule, install_fp32_clipping,
+                                             keep_host_activations_when_offloading, register_moe_layers,
                                              skip_non_finite_steps, skip_one_rank_gradient_allreduce,
                                              use_async_checkpoint_engine)
 from hybrid.training.logging import log
@@ -76,7 +78,8 @@ def units_per_step(global_batch: int, seq_length: int, unit: str) -> int:
 
 def build_engine(run: RunConfig, groups):
     """-> (DeepSpeed engine, the model it wraps). PP > 1 gives DeepSpeed's PipelineEngine."""
-    for note in backend_notes(run.model, run.parallel.context_parallel):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.training.precision, torch.float32)
+    for note in backend_notes(run.model, run.parallel.context_parallel, get_accelerator().device_name(), dtype):
         log(note)
     if run.model.fp8_recipe:
         fp8.check_device(torch.device(get_accelerator().current_device_name()))
@@ -94,6 +97,8 @@ def build_engine(run: RunConfig, groups):
 
     if run.model.recompute_granularity:
         deepspeed.checkpointing.configure(groups.mpu, deepspeed_config=run.ds_config)
+        if run.cpu_offloading:
+            keep_host_activations_when_offloading()
     _sanitize_cuda_arch_list()
     try:
         engine, _, _, _ = deepspeed.initialize(
@@ -120,6 +125,25 @@ def build_engine(run: RunConfig, groups):
         # The tied output head reads the embedding table outside the embedding's own forward.
         deepspeed.zero.register_external_parameter(engine.module, engine.module.embedding.word_embeddings.weight)
     return engine, model
+
+
+def build_reference(run: RunConfig, groups, engine) -> nn.Module:
+    """--dpo: the frozen reference model, the --load-hf weights at this run's layout (PP = 1), in eval mode
+    (no dropout) and the training precision, beside the engine (never partitioned: it has no optimizer);
+    the policy and it get the loss's options."""
+    from hybrid.conversion.hf import hf_parts  # (the HF reader: only for --dpo here)
+    from hybrid.conversion.layout import load_parts
+    config = dataclasses.replace(run.model, hidden_dropout=0.0, attention_dropout=0.0, recompute_granularity=None)
+    reference = model_build.build_model(config, groups).eval()
+    wanted = set(canonical_parameters(reference, config.num_layers)) | set(canonical_buffers(reference, config.num_layers))
+    load_parts(reference, hf_parts(run.checkpoint.load_hf, config, wanted), config, groups)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.training.precision, torch.float32)
+    reference.requires_grad_(False)
+    reference.to(torch.device(engine.device), dtype)
+    reference.preference = engine.module.preference = run.training.dpo
+    log(f"--dpo: the reference model is {run.checkpoint.load_hf}, frozen ({run.training.dpo.loss_type} loss, beta "
+        f"{run.training.dpo.beta})")
+    return reference
 
 
 def _check_experts_on_every_stage(model: nn.Module, run: RunConfig) -> None:

@@ -35,16 +35,25 @@ def format_iteration(m: dict, train_iters: int) -> str:
             f"loss scale: {m['loss_scale']:.1f} | grad norm: {m['grad_norm']:.3f} | "
             f"number of skipped iterations: {m['skipped_iterations']:3d} | "
             f"number of nan iterations: {m['nan_iterations']:3d} | tokens per second: {m['tokens_per_s']:.1f} | "
-            f"TFLOPs per GPU: {m['tflops_per_gpu']:.3f} |{_moe_part(m)} ETA: {_eta(m, train_iters)}")
+            f"TFLOPs per GPU: {m['tflops_per_gpu']:.3f} |{_mfu_part(m)}{_extra_part(m)} ETA: {_eta(m, train_iters)}")
 
 
-_MOE_NAMES = {"load_balancing_loss": "load balancing loss", "z_loss": "z loss", "expert_imbalance": "expert imbalance"}
+def _mfu_part(m: dict) -> str:
+    """The model FLOPs utilisation, where the accelerator's peak is known (not on a CPU)."""
+    return f" MFU: {100.0 * m['mfu']:.1f}% |" if "mfu" in m else ""
 
 
-def _moe_part(m: dict) -> str:
-    """The MoE layers' auxiliary losses and balance (max / mean tokens per expert), where there are any."""
-    return "".join(f" {label}: {m[key]:.6E} |" if key != "expert_imbalance" else f" {label}: {m[key]:.3f} |"
-                   for key, label in _MOE_NAMES.items() if key in m)
+# Metrics some runs add to the line (MoE layers; --dpo's rewards, as TRL names them): key -> (label, format)
+_EXTRA_PARTS = {"load_balancing_loss": ("load balancing loss", ".6E"), "z_loss": ("z loss", ".6E"),
+                "expert_imbalance": ("expert imbalance", ".3f"), "rewards_chosen": ("rewards chosen", ".4f"),
+                "rewards_rejected": ("rewards rejected", ".4f"), "rewards_margin": ("rewards margin", ".4f"),
+                "rewards_accuracy": ("rewards accuracy", ".3f")}
+
+
+def _extra_part(m: dict) -> str:
+    """The MoE layers' auxiliary losses and balance (max / mean tokens per expert), --dpo's rewards: those
+    the record has."""
+    return "".join(f" {label}: {m[key]:{spec}} |" for key, (label, spec) in _EXTRA_PARTS.items() if key in m)
 
 
 def _eta(m: dict, train_iters: int) -> str:

@@ -12,12 +12,13 @@ import torch.distributed as dist
 
 from hybrid.config import RunConfig, config_summary
 from hybrid.data.batches import Collator, micro_batches
+from hybrid.parallel import fp8
 from hybrid.training.engine import units_per_step
 from hybrid.training.health import HealthCheck
 from hybrid.training.logging import MetricsLogger, Timer, log
 from hybrid.training.metrics import iteration_record
-from hybrid.parallel import fp8
 from hybrid.training.moe_hooks import MoEStepHooks
+from hybrid.training.profiling import StepProfiler, device_peak_tflops
 from hybrid.training.reduction import reduce_interval
 from hybrid.training.saving import CheckpointSaver
 from hybrid.training.steps import build_step
@@ -30,16 +31,20 @@ class Trainer:
     (and at evaluation/save), so the accelerator is never idle between iterations.
     """
 
-    def __init__(self, run: RunConfig, groups, engine, datasets, eod_token: Optional[int] = None):
+    def __init__(self, run: RunConfig, groups, engine, datasets, eod_token: Optional[int] = None, reference=None):
         self.run, self.groups, self.engine = run, groups, engine
         self.train_ds, self.valid_ds, _ = datasets
         self.collator = Collator(eod_token, run.data.eod_mask_loss)
         self.device = torch.device(engine.device)
         # chosen once: DeepSpeed's pipeline schedule, a torch.distributed.pipelining schedule, or
         # micro-steps on the plain engine; all take the same (ids, labels) micro-batches
-        self.step = build_step(run, groups, engine)
+        self.step = build_step(run, groups, engine, reference)
+        self.preference = engine.module.preference_stats if reference is not None else None  # --dpo's rewards
         self.moe = MoEStepHooks.of(engine.module, run.parallel.sequence_split) if run.model.num_experts else None
         self.fp8_delayed = fp8.has_delayed(engine.module)
+        self.profiler = StepProfiler(run.logging.profile, dist.get_rank() if dist.is_initialized() else 0, self.device)
+        self.peak_tflops = run.logging.peak_tflops or device_peak_tflops(
+            self.device, run.training.precision, run.model.fp8_recipe is not None)
         self.saver = CheckpointSaver(engine, run, groups.sequence, self.device)
         self.health = HealthCheck(run, engine, self.step, self.saver)
         self.skipped = 0
@@ -59,7 +64,10 @@ class Trainer:
             return None
         self.engine.eval()
         batches = self._batches(self.valid_ds, self.consumed_valid, wrap=True)
+        pending = list(self.preference.pending) if self.preference else None
         losses = [self.step.evaluate(batches) for _ in range(t.eval_iters)]
+        if self.preference:  # the training interval's rewards only
+            self.preference.pending = pending
         self.consumed_valid += t.eval_iters * t.global_batch_size
         self.engine.train()
         values = reduce_interval(self.step, losses)
@@ -87,6 +95,8 @@ class Trainer:
         self.health.check_loss_scale(self.skipped)
         per_iteration = seconds() / len(pending)
         extra = dict(self.moe.metrics() if self.moe else {})  # this rank's MoE layers, per micro-batch
+        if self.preference:  # --dpo: rewards, margin and accuracy over the interval's pairs (every DP rank's)
+            extra.update(self.preference.metrics(self.groups.dp))
         stall = self.saver.take_stall()
         if stall:  # the time the training thread spent saving since the last record (not in the iteration time)
             extra["checkpoint_stall_s"] = stall
@@ -94,7 +104,7 @@ class Trainer:
         counters = {"skipped": self.skipped, "nan": self.health.nan_iterations}
         logger.iteration(iteration_record(self.run, self.engine, self.device, iteration, consumed,
                                           sum(values) / len(values), pending[-1][1], per_iteration, batch, counters,
-                                          extra), write_line=True)
+                                          extra, self.peak_tflops), write_line=True)
         self.saver.finish(blocking=False)  # --async-save: a checkpoint whose writes are done is completed here
 
     def _save(self, pending, iteration: int, consumed: int) -> None:
@@ -110,7 +120,9 @@ class Trainer:
         skipped_before = getattr(self.engine, "skipped_steps", 0)
         if self.moe:
             self.moe.before(self.engine.gradient_accumulation_steps())
+        self.profiler.before(iteration)
         record = (self.step.train(batches), lr, self.health.norm_finite(), iteration + 1)
+        self.profiler.after(iteration + 1)
         if self.moe:
             self.moe.after()
         if self.fp8_delayed:  # delayed scaling: the iteration's amaxes into the histories

@@ -28,8 +28,12 @@ class PerTokenScale:
     def __init__(self, groups, device):
         self.groups, self.device = groups, device
 
+    def count(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """What the iteration's loss is a mean over, in one micro-batch: its valid tokens."""
+        return (labels != IGNORE_INDEX).sum()
+
     def __call__(self, micro_batches: list) -> torch.Tensor:
-        local = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in micro_batches]).sum()
+        local = torch.stack([self.count(ids, labels) for ids, labels in micro_batches]).sum()
         total = local.to(self.device, torch.float32).reshape(1)
         dp_cp = self.groups.dp_cp.size  # every CP rank counted its samples' whole labels
         if dp_cp > 1:
@@ -52,3 +56,21 @@ def reduce_interval(step, losses: list, norm_flags: Optional[list] = None) -> li
 def take(batches, count: int) -> list:
     """The next `count` micro-batches of an iterator, as a list."""
     return [next(batches) for _ in range(count)]
+
+
+class PerPairScale(PerTokenScale):
+    """--dpo: the same factor with preference pairs in place of tokens (the loss is the mean over the pairs of
+    the iteration; hybrid.model.preference)."""
+
+    def __init__(self, groups, device, separator: int):
+        super().__init__(groups, device)
+        self.separator = separator
+
+    def count(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from hybrid.model.preference import pairs_in
+        return pairs_in(ids, labels, self.separator)
+
+    def __call__(self, micro_batches: list) -> torch.Tensor:
+        # A token's loss is on one sequence rank, a pair's on all of them (their parts are summed before the
+        # loss): each rank's share is the whole, so the CP / Ulysses factor of the token case is taken out.
+        return super().__call__(micro_batches) / self.groups.sequence_split

@@ -15,7 +15,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from hybrid.architecture import MOE_TRAINING_FLAGS
-from hybrid.config import RunConfig, build_run_config, tokenizer_kwargs
+from hybrid.config import RunConfig, apply_sft_tutorial_defaults, build_run_config, tokenizer_kwargs
 from hybrid.conversion.hf import read_hf_config
 from hybrid.conversion.megatron import ARCHITECTURE_FLAGS, contradictions
 from hybrid.conversion.megatron_source import megatron_kind, open_source
@@ -49,9 +49,13 @@ def run_training(argv: Optional[list[str]] = None) -> int:
         base_model = read_hf_config(args.load_hf, "--load-hf")
         if args.tokenizer_type is None and not args.vocab_file:
             args.tokenizer_type, args.tokenizer_model = "HFTokenizer", args.load_hf
+    apply_sft_tutorial_defaults(args)
     tokenizer = build_tokenizer(**tokenizer_kwargs(args))
     world_size = args.dry_run_world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    run = build_run_config(args, world_size, tokenizer.vocab_size, base_model, getattr(tokenizer, "eod", None))
+    separator = _document_end(args, tokenizer)
+    if args.train_epochs is not None:
+        _epochs_as_samples(args, tokenizer)
+    run = build_run_config(args, world_size, tokenizer.vocab_size, base_model, separator)
     # What follows is imported only now, every flag being checked: DeepSpeed's import takes seconds and
     # prints, and a mistake in the flags is answered without it.
     if args.dry_run:  # the memory estimate: nothing built, no process group
@@ -65,6 +69,44 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     if not resume.already_finished(run):
         _train(run, args, tokenizer)
     return finish(run)
+
+
+def _document_end(args, tokenizer) -> Optional[int]:
+    """The token packed samples are split at: the tokenizer's end of document, or with --sft the separator
+    between packed conversations (a special token the chat template never emits; hybrid.data.chat)."""
+    if not (args.sft or args.dpo):
+        return getattr(tokenizer, "eod", None)
+    from hybrid.data.chat import ChatEncoder  # chat data only
+    source = (f"--load-hf {args.load_hf}" if args.load_hf and args.tokenizer_model == args.load_hf else
+              f"--tokenizer-model {args.tokenizer_model}" if args.tokenizer_model else
+              f"--tokenizer-type {args.tokenizer_type or 'GPT2BPETokenizer'}")
+    if not hasattr(tokenizer, "to_transformers"):
+        raise ConfigError(f"--sft renders conversations with a HuggingFace tokenizer's chat template: {source} has "
+                          f"none; use --load-hf DIR or --tokenizer-type HFTokenizer --tokenizer-model DIR.")
+    return ChatEncoder(tokenizer.to_transformers(), source).separator
+
+
+def _epochs_as_samples(args, tokenizer) -> None:
+    """--train-epochs N (--sft): the run is N passes over the training windows, i.e. --train-samples N x windows
+    rounded up to whole global batches (the conversations are tokenized and packed now, on rank 0, into the
+    cache the run then reads)."""
+    from hybrid.config import data_config
+    from hybrid.data.chat import ChatEncoder, train_windows
+    from hybrid.training.logging import log
+    if not (args.sft or args.dpo):
+        raise ConfigError("--train-epochs counts passes over chat data: it needs --sft or --dpo (pretraining runs give "
+                          "--train-iters, --train-samples or --train-tokens).")
+    if args.train_iters or args.train_samples or args.train_tokens or args.train_epochs < 1:
+        raise ConfigError(f"--train-epochs {args.train_epochs}: a positive number of epochs, instead of "
+                          f"--train-iters / --train-samples / --train-tokens (give one).")
+    data = data_config(args)
+    encoder = ChatEncoder(tokenizer.to_transformers(), "--tokenizer-model", data.chat)
+    windows = train_windows(data, args.seq_length, args.seed, encoder)
+    # whole iterations covering every window N times (the last one may start the next epoch)
+    batch = args.global_batch_size or args.micro_batch_size or 1
+    args.train_samples = -(-args.train_epochs * windows // batch) * batch
+    log(f"--train-epochs {args.train_epochs}: {windows} training windows an epoch -> --train-samples "
+        f"{args.train_samples} (whole global batches of {batch})")
 
 
 def megatron_base_model(args):
@@ -97,16 +139,17 @@ def _train(run: RunConfig, args, tokenizer) -> None:
     from hybrid.parallel.groups import build_groups
     from hybrid.parallel.random import model_parallel_seed
     from hybrid.training import resume
-    from hybrid.training.engine import build_engine
+    from hybrid.training.engine import build_engine, build_reference
     from hybrid.training.loop import Trainer
     init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
     _quiet_deepspeed()
     groups = build_groups(run.parallel, experts=bool(run.model.num_experts))
     model_parallel_seed(run.training.seed, groups.tp.rank, groups.sequence.rank)
-    datasets = build_datasets(run.data, run.training, tokenizer.vocab_size)
+    datasets = build_datasets(run.data, run.training, tokenizer.vocab_size, tokenizer)
     engine, _ = build_engine(run, groups)
+    reference = build_reference(run, groups, engine) if run.training.dpo else None
     iteration, consumed = resume.start(engine, run, groups)
-    Trainer(run, groups, engine, datasets, getattr(tokenizer, "eod", None)).train(iteration, consumed)
+    Trainer(run, groups, engine, datasets, getattr(tokenizer, "eod", None), reference).train(iteration, consumed)
 
 
 ERROR_GRACE_SECONDS = 3.0

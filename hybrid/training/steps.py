@@ -25,16 +25,26 @@ from __future__ import annotations
 import torch
 
 from hybrid.training.pipelining import TorchPipelineStep
-from hybrid.training.reduction import PerTokenScale, dp_mean, take
+from hybrid.training.reduction import PerPairScale, PerTokenScale, dp_mean, take
 
 
 class EngineStep:
     """PP = 1: gradient-accumulation micro-steps on the plain DeepSpeed engine (it steps the optimizer
     on the last); losses are this rank's, reduced over DP x CP by `reduce`."""
 
-    def __init__(self, engine, groups, eval_micro_batches: int, per_token: bool = False):
+    def __init__(self, engine, groups, eval_micro_batches: int, per_token: bool = False, reference=None):
         self.engine, self.groups, self.eval_micro_batches = engine, groups, eval_micro_batches
         self.per_token = PerTokenScale(groups, torch.device(engine.device)) if per_token else None
+        self.reference = reference  # --dpo: the frozen starting model, whose log-probabilities each batch needs
+        if reference is not None:
+            self.per_token = PerPairScale(groups, torch.device(engine.device), reference.preference.separator)
+
+    def _forward(self, ids, labels, scale):
+        if self.reference is None:
+            return self.engine(ids, labels, token_scale=scale)
+        with torch.no_grad():
+            reference = self.reference(ids, labels, document_logps=True)
+        return self.engine(ids, labels, token_scale=scale, reference=reference)
 
     def train(self, batches) -> torch.Tensor:
         steps = self.engine.gradient_accumulation_steps()  # changes under --rampup-batch-size
@@ -42,7 +52,7 @@ class EngineStep:
         scale = self.per_token(micro) if self.per_token else None
         total = None
         for ids, labels in micro:
-            loss = self.engine(ids, labels, token_scale=scale)
+            loss = self._forward(ids, labels, scale)
             self.engine.backward(loss)
             self.engine.step()
             total = loss.detach() if total is None else total + loss.detach()
@@ -52,7 +62,7 @@ class EngineStep:
     def evaluate(self, batches) -> torch.Tensor:
         micro = take(batches, self.eval_micro_batches)
         scale = self.per_token(micro) if self.per_token else None
-        return torch.stack([self.engine(ids, labels, token_scale=scale).detach().float() for ids, labels in micro]).mean()
+        return torch.stack([self._forward(ids, labels, scale).detach().float() for ids, labels in micro]).mean()
 
     def reduce(self, stacked: torch.Tensor) -> torch.Tensor:
         return dp_mean(stacked, self.groups)
@@ -84,9 +94,9 @@ class DeepSpeedPipelineStep:
         return stacked
 
 
-def build_step(run, groups, engine):
+def build_step(run, groups, engine, reference=None):
     """The step of this run: DeepSpeed's pipeline, a torch.distributed.pipelining schedule, or the
-    plain engine."""
+    plain engine (`reference`: --dpo's frozen model; PP = 1 only, the capability table says)."""
     training = run.training
     if run.virtual_pipeline:
         return TorchPipelineStep(engine, engine.module, groups, run.pipeline.schedule, training.grad_acc_steps,
@@ -94,4 +104,4 @@ def build_step(run, groups, engine):
                                  training.per_token_loss)
     if run.deepspeed_pipeline:
         return DeepSpeedPipelineStep(engine, groups, training.per_token_loss)
-    return EngineStep(engine, groups, training.grad_acc_steps, training.per_token_loss)
+    return EngineStep(engine, groups, training.grad_acc_steps, training.per_token_loss, reference)

@@ -1,0 +1,477 @@
+"""--sft: conversations in the formats people bring, the model's own chat template and its assistant mask,
+packing with no attention across conversations; the loss equals transformers' over the assistant tokens, and
+every layout equals one rank."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid.data.chat import (ChatEncoder, ChatOptions, Counts, evaluation_windows, load_tokenized, pack,
+                               tokenize_file)
+from hybrid.errors import ConfigError
+from tests.chat_helpers import (CHATML_PLAIN, as_row, conversations, make_chat_model, make_chat_tokenizer,
+                                write_jsonl)
+
+SEQ = 128
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    """A tiny Qwen2 with the ChatML tokenizer and a file of 40 conversations (some longer than a window)."""
+    d = tmp_path_factory.mktemp("chat")
+    model, tok = make_chat_model(d / "hf", max_position_embeddings=256)
+    convs = conversations(40, seed=3, long_every=7)
+    return {"dir": d, "hf": str(d / "hf"), "model": model, "tok": tok, "convs": convs,
+            "data": write_jsonl(d / "chat.jsonl", [as_row(c, "messages") for c in convs])}
+
+
+def transformers_loss(model, tok, convs, width: int = SEQ + 1) -> tuple[float, int]:
+    """The token mean of transformers' cross-entropy over the tokens apply_chat_template(
+    return_assistant_tokens_mask=True) marks, each conversation alone (cut to `width` tokens)."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for c in convs:
+            out = tok.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            ids = torch.tensor([out["input_ids"][:width]])
+            mask = torch.tensor(out["assistant_masks"][:width], dtype=torch.bool)
+            logits = model(ids).logits[0, :-1].double()
+            ce = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
+            total += ce[mask[1:]].sum().item()
+            count += int(mask[1:].sum())
+    return total / count, count
+
+
+def test_every_row_format_gives_the_same_tokens_and_mask(tmp_path):
+    """messages, ShareGPT, Alpaca (single exchanges), prompt/completion, JSONL, Parquet and a datasets directory."""
+    import datasets
+    tok = make_chat_tokenizer()
+    encoder = ChatEncoder(tok, "test")
+    convs = [c[:3] if c[0]["role"] == "system" else c[:2] for c in conversations(12, seed=1)]  # one exchange
+    want = tokenize_file(write_jsonl(tmp_path / "m.jsonl", [as_row(c, "messages") for c in convs]), encoder)
+    rows = {fmt: [as_row(c, fmt) for c in convs] for fmt in ("sharegpt", "alpaca")}
+    rows["completion"] = [{"prompt": c[:-1], "completion": c[-1]["content"]} for c in convs]
+    paths = [write_jsonl(tmp_path / f"{fmt}.jsonl", r) for fmt, r in rows.items()]
+    datasets.Dataset.from_list([as_row(c, "sharegpt") for c in convs]).to_parquet(str(tmp_path / "s.parquet"))
+    datasets.Dataset.from_list([as_row(c, "messages") for c in convs]).save_to_disk(str(tmp_path / "saved"))
+    paths += [str(tmp_path / "s.parquet"), str(tmp_path / "saved")]
+    for path in paths:
+        got = tokenize_file(path, encoder)
+        assert np.array_equal(got.ids, want.ids) and np.array_equal(got.mask, want.mask), path
+        assert np.array_equal(got.offsets, want.offsets), path
+    # pre-tokenized rows: transformers' labels (-100 where no loss) give the same mask
+    pre = [{"input_ids": want.conversation(k)[0].tolist(),
+            "labels": [int(t) if m else -100 for t, m in zip(*want.conversation(k))]} for k in range(len(want))]
+    got = tokenize_file(write_jsonl(tmp_path / "pre.jsonl", pre), encoder)
+    assert np.array_equal(got.ids, want.ids) and np.array_equal(got.mask, want.mask)
+
+
+def test_the_mask_covers_what_the_assistant_writes_with_or_without_generation_markers():
+    """With {% generation %} markers: transformers' assistant mask; without (Qwen2's shipped template): the same
+    spans found by rendering turn by turn; --sft-train-on-prompt: every token."""
+    tagged = ChatEncoder(make_chat_tokenizer(), "tagged")
+    plain = ChatEncoder(make_chat_tokenizer(template=CHATML_PLAIN), "plain")
+    assert tagged.generation_tags and not plain.generation_tags
+    for c in conversations(30, seed=2):
+        ids, mask = tagged.encode(c, "x")
+        assert plain.encode(c, "x") == (ids, mask)
+        answers = "".join(m["content"] + "<|im_end|>" for m in c if m["role"] == "assistant")
+        assert tagged.tok.decode([t for t, m in zip(ids, mask) if m]) == answers
+    everything = ChatEncoder(make_chat_tokenizer(), "all", ChatOptions(train_on_prompt=True))
+    ids, mask = everything.encode(conversations(1)[0], "x")
+    assert all(mask) and ids == tagged.encode(conversations(1)[0], "x")[0]
+    assert tagged.separator == tagged.tok.pad_token_id  # <|endoftext|>: ChatML never writes it
+
+
+def test_packing_keeps_each_conversation_whole_and_apart():
+    tok = make_chat_tokenizer()
+    encoder = ChatEncoder(tok, "t")
+    from hybrid.data.chat import Tokenized
+    convs = conversations(25, seed=4, long_every=6)
+    encoded = [encoder.encode(c, "x") for c in convs]
+    offsets = np.cumsum([0] + [len(i) for i, _ in encoded])
+    data = Tokenized(np.concatenate([i for i, _ in encoded]).astype(np.int32),
+                     np.concatenate([m for _, m in encoded]).astype(bool), offsets, Counts())
+    for truncation in ("truncate", "drop"):
+        counts = Counts()
+        tokens, mask = pack(data, range(len(convs)), SEQ + 1, encoder.separator, truncation, counts)
+        pieces = [p for row in tokens for p in np.split(row, np.flatnonzero(row == encoder.separator)) if len(p)]
+        pieces = [p[1:] if p[0] == encoder.separator else p for p in pieces]
+        kept = [(i[:SEQ + 1], m) for i, m in encoded if truncation == "truncate" or len(i) <= SEQ + 1]
+        assert [p.tolist() for p in pieces if len(p)] == [i for i, _ in kept]
+        long = sum(len(i) > SEQ + 1 for i, _ in encoded)
+        assert long and (counts.truncated, counts.dropped) == ((long, 0) if truncation == "truncate" else (0, long))
+        assert not mask[tokens == encoder.separator].any()
+
+
+@pytest.mark.parametrize("row,message", [
+    ('{"messages": [{"role": "user", "content": "hi"}', "bad.jsonl line 2: not valid JSON"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "bad.jsonl line 2: turn 0 has the unknown role 'wizard'"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "bad.jsonl line 2: the conversation has no assistant turn"),
+    ({"text": "hi"}, "bad.jsonl line 2: no conversation in the row"),
+    ({"input_ids": [1, 2], "labels": [5, -100]}, "'labels' must hold each input id or -100"),
+    ({"messages": [{"role": "user", "content": "a<|endoftext|>"}, {"role": "assistant", "content": "b"}]},
+     "holds token 0 ('<|endoftext|>'), which separates packed conversations"),
+])
+def test_a_bad_row_is_one_message_naming_file_and_line_or_counted_with_skip_bad(tmp_path, row, message):
+    good = as_row(conversations(1)[0], "messages")
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(good) + "\n" + (row if isinstance(row, str) else json.dumps(row)) + "\n")
+    tok = make_chat_tokenizer()
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        tokenize_file(str(path), ChatEncoder(tok, "t"))
+    data = tokenize_file(str(path), ChatEncoder(tok, "t", ChatOptions(skip_bad=True)))
+    assert (data.counts.conversations, data.counts.skipped_bad) == (1, 1)
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path):
+    tok = make_chat_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(ConfigError, match="--tokenizer-model X: the tokenizer has no chat template"):
+        ChatEncoder(tok, "--tokenizer-model X")
+
+
+def test_packed_conversations_give_transformers_loss_over_the_assistant_tokens(chat):
+    """One rank, in process: the packed windows through the model built from the HF weights (no attention
+    across conversations, positions from 0 in each) = transformers on each conversation alone."""
+    from hybrid.conversion.hf import hf_parts, read_hf_config
+    from hybrid.conversion.layout import load_parts
+    from hybrid.data.batches import Collator
+    from hybrid.model.build import build_model
+    from hybrid.model.naming import canonical_parameters
+    from hybrid.parallel.groups import ParallelGroups
+    import dataclasses
+    encoder = ChatEncoder(chat["tok"], "t")
+    tokens, mask, counts = evaluation_windows(chat["data"], SEQ, encoder)
+    config = dataclasses.replace(read_hf_config(chat["hf"], "--load-hf"), reset_attention_mask=True,
+                                 reset_position_ids=True, eod_token=encoder.separator)
+    groups = ParallelGroups.single()
+    model = build_model(config, groups).eval()
+    load_parts(model, hf_parts(chat["hf"], config, set(canonical_parameters(model, config.num_layers))), config, groups)
+    ids, labels = Collator()([{"text": torch.from_numpy(t.astype(np.int64)), "loss_mask": torch.from_numpy(m)}
+                              for t, m in zip(tokens, mask)])
+    with torch.no_grad():
+        total = model(ids, labels, token_scale=torch.ones(())).item()
+    want, count = transformers_loss(chat["model"], chat["tok"], chat["convs"])
+    assert count == int((labels != -100).sum()) and counts.truncated > 0
+    assert abs(total / count - want) <= 1e-5 * want
+
+
+@pytest.mark.slow
+def test_evaluate_sft_at_tp2_equals_transformers_over_the_assistant_tokens(chat, tmp_path):
+    from tests.launch_helpers import read_log, run
+    log = tmp_path / "eval.jsonl"
+    run("torchrun", 2, ["--load-hf", chat["hf"], "--sft", "--data-path", chat["data"], "--seq-length", SEQ,
+                        "--micro-batch-size", 2, "--tensor-model-parallel-size", 2, "--sequence-parallel",
+                        "--log-json", log], script="launch/evaluate.py")
+    [result] = read_log(log)
+    want, count = transformers_loss(chat["model"], chat["tok"], chat["convs"])
+    assert result["loss_tokens"] == count and result["conversations"] == 40
+    assert abs(result["lm_loss"] - want) <= 1e-5 * want
+
+
+RUN = ["--sft", "--seq-length", SEQ, "--micro-batch-size", 2, "--global-batch-size", 8, "--train-iters", 8,
+       "--lr", 1e-3, "--min-lr", 1e-4, "--lr-warmup-iters", 1, "--eval-iters", 0, "--log-interval", 1,
+       "--no-progress-bar", "--split", "100,0,0"]
+TRAIN = RUN + ["--hidden-dropout", 0, "--attention-dropout", 0]
+LAYOUTS = {  # name: (ranks, flags)
+    "tp2_sp": (2, ["--tensor-model-parallel-size", 2, "--sequence-parallel"]),
+    "cp2": (2, ["--context-parallel-size", 2]),
+    "pp2": (2, ["--pipeline-model-parallel-size", 2]),
+    "dp2_zero3": (2, ["--deepspeed", "ds_configs/zero3.json"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_sft_training_at_every_layout_gives_the_one_rank_losses(chat, tmp_path, name):
+    from tests.launch_helpers import one_rank, read_log, run
+    from tests.test_training import assert_same_losses
+    base = TRAIN + ["--load-hf", chat["hf"], "--data-path", chat["data"]]
+    want = [r["lm_loss"] for r in one_rank(base)]
+    ranks, extra = LAYOUTS[name]
+    log = tmp_path / "log.jsonl"
+    run("torchrun", ranks, base + extra + ["--log-json", log])
+    assert_same_losses([r["lm_loss"] for r in read_log(log)], want)
+
+
+@pytest.mark.slow
+def test_sft_resume_mid_epoch_with_dropout_is_bitwise(chat, tmp_path):
+    """30 windows, 8 a batch: the resumed run starts inside the first epoch and crosses into the second."""
+    from tests.launch_helpers import read_log, run
+    base = RUN + ["--hidden-dropout", 0.1, "--attention-dropout", 0.1, "--load-hf", chat["hf"], "--data-path", chat["data"],
+        "--train-iters", 6]
+    straight, resumed, ckpt = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
+    run("python", 1, base + ["--log-json", straight, "--save", ckpt, "--save-interval", 2])
+    (ckpt / "latest").write_text("iter_0000002")
+    run("python", 1, base + ["--log-json", resumed, "--save", ckpt, "--load", ckpt])
+    a, b = read_log(straight), read_log(resumed)
+    assert [r["iteration"] for r in b] == [3, 4, 5, 6]
+    assert [r["lm_loss"] for r in b] == [r["lm_loss"] for r in a[2:]]
+
+
+def test_weighted_paths_blend_and_split_gives_validation_windows(tmp_path):
+    """`--data-path 0.75 A 0.25 B` blends the two files' windows by weight (megatron-core's blending), and
+    --split gives each its validation conversations."""
+    from hybrid.config import DataConfig, TrainingConfig
+    from hybrid.data.batches import build_datasets
+    from hybrid.data.chat import ChatOptions
+    from hybrid.data.tokenizer import HFTokenizer
+    make_chat_tokenizer(tmp_path / "tok")
+    a = write_jsonl(tmp_path / "a.jsonl", [as_row(c, "messages") for c in conversations(60, seed=5)])
+    b = write_jsonl(tmp_path / "b.jsonl", [as_row(c, "sharegpt") for c in conversations(60, seed=6)])
+    data = DataConfig(data_path=["0.75", a, "0.25", b], split="80,20,0", chat=ChatOptions())
+    training = TrainingConfig(micro_batch_size=2, global_batch_size=8, grad_acc_steps=4, train_iters=10,
+                              seq_length=64, precision="fp32", seed=1, eval_interval=5, eval_iters=1)
+    train, valid, test = build_datasets(data, training, 0, HFTokenizer(str(tmp_path / "tok")))
+    assert len(train) >= 80 and len(valid) >= 24 and test is None
+    firsts = {k: {bytes(train.datasets[k].tokens[w]) for w in range(train.datasets[k].windows)} for k in (0, 1)}
+    drawn = [0 if bytes(train[i]["text"].numpy().astype(np.int32)) in firsts[0] else 1 for i in range(80)]
+    assert drawn.count(0) == 60 and drawn.count(1) == 20
+    valid_windows = {bytes(d.tokens[w]) for d in valid.datasets for w in range(d.windows)}
+    assert valid_windows and valid_windows.isdisjoint(firsts[0] | firsts[1])  # other conversations
+
+
+@pytest.mark.slow
+def test_readme_fine_tuning_blocks_run_as_written(tmp_path):
+    import os
+    import subprocess
+    from tests.launch_helpers import BIN, ROOT, env
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    blocks = [part.split("```bash", 1)[1].split("```", 1)[0] for part in readme.split("<!-- sft-tutorial -->")[1:]]
+    assert len(blocks) == 2, "the README's fine-tuning section has two blocks: the embedded tutorial, your model"
+    for name in ("launch", "conversion", "ds_configs", "hybrid"):
+        os.symlink(os.path.join(ROOT, name), tmp_path / name)
+    (tmp_path / "tutorial").mkdir()
+    environment = dict(env(), PATH=os.path.abspath(BIN) + os.pathsep + os.environ.get("PATH", ""), HYBRID_CACHE=str(tmp_path / "cache"))
+    outputs = []
+    for block in blocks:
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=environment,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, f"{block}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        outputs.append(proc.stdout + proc.stderr)
+    assert "user: What is the `json` module for?" in outputs[0] and "assistant:" in outputs[0]
+    assert (tmp_path / "tutorial" / "sft" / "hf" / "chat_template.jinja").exists()
+    assert "TP=2" in outputs[1] and "loaded the qwen2 weights of tutorial/qwen-chat (--load-hf)" in outputs[1]
+    [result] = [json.loads(line) for line in outputs[1].splitlines() if line.startswith('{"lm_loss"')]
+    assert result["conversations"] == 790 and result["loss_tokens"] > 10_000
+    assert "answer: '" in outputs[1]
+    assert "rewards margin: " in outputs[1]
+    assert (tmp_path / "tutorial" / "qwen-dpo" / "hf" / "chat_template.jinja").exists()
+
+
+@pytest.mark.slow
+def test_train_epochs_is_whole_batches_covering_every_window_that_many_times(chat, tmp_path):
+    from hybrid.data.chat import train_windows
+    from hybrid.config import DataConfig
+    from tests.launch_helpers import read_log, run
+    windows = train_windows(DataConfig(data_path=[chat["data"]], split="100,0,0", chat=ChatOptions()), SEQ, 1234,
+                            ChatEncoder(chat["tok"], "t"))
+    log = tmp_path / "log.jsonl"
+    at = TRAIN.index("--train-iters")
+    flags = TRAIN[:at] + TRAIN[at + 2:]
+    proc = run("python", 1, flags + ["--load-hf", chat["hf"], "--data-path", chat["data"], "--train-epochs", 2,
+                                     "--log-json", log])
+    records = read_log(log)
+    assert len(records) == -(-2 * windows // 8) and records[-1]["consumed_samples"] >= 2 * windows
+    assert f"--train-epochs 2: {windows} training windows an epoch" in proc.stdout + proc.stderr
+
+
+def test_preprocess_sft_files_serve_the_windows_the_jsonl_gives(chat, tmp_path):
+    """launch/preprocess_data.py --sft (2 workers, chunks of 7 rows, a bad row counted) writes Megatron .bin/.idx
+    files that the training split, the packed windows and evaluate.py's windows read exactly as from the file;
+    with --dpo the pairs too."""
+    import subprocess
+    import sys
+    from hybrid.config import DataConfig, TrainingConfig
+    from hybrid.data.batches import build_datasets
+    from hybrid.data.tokenizer import HFTokenizer
+    from tests.chat_helpers import preference_rows
+    from tests.launch_helpers import ROOT, env
+    rows = [as_row(c, "sharegpt") for c in chat["convs"]]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows[:20] + [{"conversations": [{"from": "alien", "value": "x"}]}]
+                       + rows[20:])
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(9, seed=2))
+    for source, extra in ((data, []), (pairs, ["--dpo"])):
+        prefix = str(tmp_path / ("pairs" if extra else "chat"))
+        proc = subprocess.run([sys.executable, "launch/preprocess_data.py", "--sft", "--input", source, "--tokenizer-model",
+                               chat["hf"], "--output-prefix", prefix, "--workers", "2", "--chunk-size", "7",
+                               "--skip-bad-lines"] + extra, cwd=ROOT, env=env(), capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"--data-path {prefix}_text_document" in proc.stdout + proc.stderr
+        options = ChatOptions(skip_bad=True, pairs=bool(extra))
+        encoder = ChatEncoder(chat["tok"], "t", options)
+        want, got = tokenize_file(source, encoder), load_tokenized(prefix + "_text_document", encoder)
+        assert len(got) == len(want) == (9 if extra else 40) and got.counts.skipped_bad == (0 if extra else 1)
+        assert all(np.array_equal(a, b) for a, b in ((got.ids, want.ids), (got.mask, want.mask),
+                                                      (got.offsets, want.offsets)))
+    training = TrainingConfig(micro_batch_size=2, global_batch_size=8, grad_acc_steps=4, train_iters=4,
+                              seq_length=SEQ, precision="fp32", seed=1, eval_interval=2, eval_iters=1)
+    built = [build_datasets(DataConfig(data_path=[path], split="80,20,0", chat=ChatOptions(skip_bad=True)), training,
+                            0, HFTokenizer(chat["hf"])) for path in (data, str(tmp_path / "chat_text_document"))]
+    for a, b in zip(built[0][:2], built[1][:2]):
+        assert all(np.array_equal(a[i]["text"], b[i]["text"]) and np.array_equal(a[i]["loss_mask"], b[i]["loss_mask"])
+                   for i in range(len(a)))
+    encoder = ChatEncoder(chat["tok"], "t", ChatOptions(skip_bad=True))
+    for x, y in zip(evaluation_windows(data, SEQ, encoder), evaluation_windows(str(tmp_path / "chat_text_document"),
+                                                                                  SEQ, encoder)):
+        assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x.conversations == y.conversations
+
+
+def test_preprocessed_files_made_another_way_are_one_message(chat, tmp_path):
+    from hybrid.data.preprocess import main
+    prefix = str(tmp_path / "chat")
+    assert main(["--sft", "--input", chat["data"], "--tokenizer-model", chat["hf"], "--output-prefix", prefix]) == 0
+    with pytest.raises(ConfigError, match="made by launch/preprocess_data.py --sft with another tokenizer, chat "
+                                          "template or --sft-train-on-prompt"):
+        load_tokenized(prefix + "_text_document", ChatEncoder(chat["tok"], "t", ChatOptions(train_on_prompt=True)))
+    with pytest.raises(ConfigError, match=r"holds conversations; this run \(--dpo\) trains on preference pairs"):
+        load_tokenized(prefix + "_text_document", ChatEncoder(chat["tok"], "t", ChatOptions(pairs=True)))
+    make_chat_tokenizer(tmp_path / "plain", template=None)
+    assert main(["--sft", "--input", chat["data"], "--tokenizer-model", str(tmp_path / "plain"),
+                 "--output-prefix", str(tmp_path / "x")]) == 2
+    assert not list(tmp_path.glob("x_*"))  # nothing half-written
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--vocab-file", "{V}", "--merge-file", "{M}"], "--tokenizer-type GPT2BPETokenizer: the tokenizer has no chat template"),
+    (["--mock-data"], "--sft trains on conversations"),
+    (["--train-epochs", 0], "--train-epochs 0: a positive number of epochs"),
+])
+def test_sft_flag_mistakes_are_one_message(chat, flags, message):
+    from hybrid.training.run import run_training
+    from tests.launch_helpers import MERGES, VOCAB
+    flags = [str(f).replace("{V}", VOCAB).replace("{M}", MERGES) for f in flags]
+    base = ["--sft"] + ([] if "--mock-data" in flags else ["--data-path", chat["data"]])
+    if "--vocab-file" not in flags:
+        base += ["--load-hf", chat["hf"]]
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        run_training(base + flags)
+
+
+# ------------------------------------------------------------------------------------------------------ DPO
+
+def transformers_dpo(policy, reference, tok, rows, beta, loss_type="sigmoid", smoothing=0.0):
+    """TRL's DPO loss with transformers models: log p summed (ipo: averaged) over each answer's tokens after the
+    prompt's generation prompt, those tokens being what apply_chat_template's assistant mask marks."""
+    import torch.nn.functional as F
+
+    def logps(model, prompt, side):
+        head = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        out = tok.apply_chat_template(prompt + side, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids = torch.tensor([out["input_ids"]])
+        mask = torch.tensor([bool(m) and k >= len(head) for k, m in enumerate(out["assistant_masks"])], dtype=torch.bool)
+        logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1).gather(1, ids[0, 1:, None])[:, 0]
+        total = logp[mask[1:]].sum()
+        return total / mask[1:].sum() if loss_type == "ipo" else total
+
+    losses = []
+    for row in rows:
+        with torch.no_grad():
+            ref = [logps(reference, row["prompt"], row[k]) for k in ("chosen", "rejected")]
+        pol = [logps(policy, row["prompt"], row[k]) for k in ("chosen", "rejected")]
+        h = (pol[0] - pol[1]) - (ref[0] - ref[1])
+        if loss_type == "ipo":
+            losses.append((h - 1 / (2 * beta)) ** 2)
+        else:
+            losses.append(-F.logsigmoid(beta * h) * (1 - smoothing) - F.logsigmoid(-beta * h) * smoothing)
+    return torch.stack(losses).mean()
+
+
+@pytest.fixture(scope="module")
+def pairs(chat):
+    from tests.chat_helpers import preference_rows
+    d = chat["dir"]
+    reference, _ = make_chat_model(d / "ref", seed=1, max_position_embeddings=256)
+    rows = preference_rows(24, seed=7)
+    return {"rows": rows, "data": write_jsonl(d / "pairs.jsonl", rows), "reference": reference, "ref": str(d / "ref")}
+
+
+def _ours(path, separator, options):
+    import dataclasses
+    from hybrid.conversion.hf import hf_parts, read_hf_config
+    from hybrid.conversion.layout import load_parts
+    from hybrid.model.build import build_model
+    from hybrid.model.naming import canonical_parameters
+    from hybrid.parallel.groups import ParallelGroups
+    config = dataclasses.replace(read_hf_config(path, "--load-hf"), reset_attention_mask=True, reset_position_ids=True,
+                                 eod_token=separator)
+    groups = ParallelGroups.single()
+    model = build_model(config, groups)
+    load_parts(model, hf_parts(path, config, set(canonical_parameters(model, config.num_layers))), config, groups)
+    model.preference = options
+    return model
+
+
+@pytest.mark.parametrize("loss_type,smoothing", [("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0)])
+def test_dpo_loss_and_gradient_equal_transformers(chat, pairs, loss_type, smoothing):
+    """One rank: pairs packed side by side, the policy (the chat model) against a reference (another model, so
+    the margins are not zero); loss and the gradients of the embedding, a layer's norm and the final norm."""
+    from hybrid.data.batches import Collator
+    from hybrid.model.preference import DPOOptions
+    encoder = ChatEncoder(chat["tok"], "t", ChatOptions(pairs=True))
+    tokens, mask, counts = evaluation_windows(pairs["data"], 2 * SEQ, encoder)
+    assert counts.truncated == 0  # every pair whole, as transformers sees it
+    ids, labels = Collator()([{"text": torch.from_numpy(t.astype(np.int64)), "loss_mask": torch.from_numpy(m)}
+                              for t, m in zip(tokens, mask)])
+    options = DPOOptions(0.5, smoothing, loss_type, encoder.separator)
+    policy, reference = _ours(chat["hf"], encoder.separator, options), _ours(pairs["ref"], encoder.separator, options)
+    with torch.no_grad():
+        ref = reference(ids, labels, document_logps=True)
+    loss = policy(ids, labels, reference=ref)
+    loss.backward()
+    hf = chat["model"]
+    hf.zero_grad()
+    want = transformers_dpo(hf, pairs["reference"], chat["tok"], pairs["rows"], 0.5, loss_type, smoothing)
+    want.backward()
+    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
+    vocab = hf.config.vocab_size
+    for ours, theirs in [(policy.embedding.word_embeddings.weight.grad[:vocab], hf.model.embed_tokens.weight.grad),
+                         (policy.final_norm.weight.grad, hf.model.norm.weight.grad),
+                         (policy.layers[1].input_norm.weight.grad, hf.model.layers[1].input_layernorm.weight.grad)]:
+        torch.testing.assert_close(ours, theirs.float(), rtol=1e-4, atol=1e-6 * theirs.abs().max().item())
+    stats = policy.preference_stats.metrics()
+    assert stats["rewards_accuracy"] in [k / 24 for k in range(25)] and len(stats) == 4
+
+
+def test_dpo_flag_mistakes_are_one_message(chat, pairs):
+    from hybrid.training.run import run_training
+    base = ["--dpo", "--data-path", pairs["data"], "--load-hf", chat["hf"]]
+    for flags, message in [(["--pipeline-model-parallel-size", 2], "--dpo runs at --pipeline-model-parallel-size 1"),
+                           (["--sft"], "--sft and --dpo are two trainings"),
+                           (["--dpo-loss-type", "ipo", "--dpo-label-smoothing", 0.1], "applies to --dpo-loss-type sigmoid")]:
+        with pytest.raises(ConfigError, match=message):
+            run_training([str(f) for f in base + flags + ["--dry-run-world-size", 2]])
+    with pytest.raises(ConfigError, match="--dpo needs --load-hf DIR"):
+        run_training(["--dpo", "--data-path", pairs["data"], "--tokenizer-model", chat["hf"]])
+    bad = write_jsonl(chat["dir"] / "bad_pairs.jsonl", [{"prompt": "hi", "chosen": "yes", "rejected": ""}])
+    with pytest.raises(ConfigError, match="bad_pairs.jsonl line 1: the pair's 'rejected' is empty"):
+        tokenize_file(bad, ChatEncoder(chat["tok"], "t", ChatOptions(pairs=True)))
+
+
+DPO_RUN = ["--dpo", "--dpo-beta", 0.5, "--seq-length", 2 * SEQ, "--micro-batch-size", 2, "--global-batch-size", 8,
+           "--train-iters", 8, "--lr", 1e-3, "--min-lr", 1e-4, "--lr-warmup-iters", 1, "--eval-iters", 0,
+           "--log-interval", 1, "--no-progress-bar", "--split", "100,0,0", "--hidden-dropout", 0,
+           "--attention-dropout", 0]
+DPO_LAYOUTS = {"tp2_sp": LAYOUTS["tp2_sp"], "cp2": LAYOUTS["cp2"], "dp2_zero3": LAYOUTS["dp2_zero3"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(DPO_LAYOUTS))
+def test_dpo_training_at_every_layout_gives_the_one_rank_losses_and_rewards(chat, pairs, tmp_path, name):
+    from tests.launch_helpers import one_rank, read_log, run
+    from tests.test_training import assert_same_losses
+    base = DPO_RUN + ["--load-hf", chat["hf"], "--data-path", pairs["data"]]
+    want = one_rank(base)
+    ranks, extra = DPO_LAYOUTS[name]
+    log = tmp_path / "log.jsonl"
+    run("torchrun", ranks, base + extra + ["--log-json", log])
+    got = read_log(log)
+    assert_same_losses([r["lm_loss"] for r in got], [r["lm_loss"] for r in want])
+    assert abs(want[0]["lm_loss"] - 0.6931471805599453) < 1e-6  # the policy starts as the reference
+    for key in ("rewards_margin", "rewards_chosen"):
+        assert all(abs(a[key] - b[key]) <= 1e-4 * max(1e-3, abs(b[key])) for a, b in zip(got, want)), key
+    assert [r["rewards_accuracy"] for r in got] == [r["rewards_accuracy"] for r in want]
