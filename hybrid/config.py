@@ -390,8 +390,9 @@ def _sft_flags(args) -> None:
     """--sft: conversations packed with their document masks and positions, the loss a token mean."""
     if args.dpo:
         _dpo_flags(args)
-    elif args.dpo_beta != 0.1 or args.dpo_label_smoothing or args.dpo_loss_type != "sigmoid":
-        raise ConfigError("--dpo-beta / --dpo-label-smoothing / --dpo-loss-type set the DPO loss: add --dpo.")
+    elif args.dpo_beta != 0.1 or args.dpo_label_smoothing or args.dpo_loss_type != "sigmoid" or args.dpo_reference_logps:
+        raise ConfigError("--dpo-beta / --dpo-label-smoothing / --dpo-loss-type / --dpo-reference-logps set the DPO "
+                          "loss: add --dpo.")
     if not (args.sft or args.dpo):
         if args.sft_train_on_prompt or args.sft_skip_bad or args.sft_truncation != "truncate":
             raise ConfigError("--sft-train-on-prompt / --sft-skip-bad / --sft-truncation shape chat data: add --sft.")
@@ -580,7 +581,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     _check_start(args)
     training = _training(args, batches, precision, length, args.num_layers)
     if args.dpo:
-        training.dpo = DPOOptions(args.dpo_beta, args.dpo_label_smoothing, args.dpo_loss_type, model.eod_token)
+        training.dpo = DPOOptions(args.dpo_beta, args.dpo_label_smoothing, args.dpo_loss_type, model.eod_token,
+                                  args.dpo_reference_logps)
     if args.export_hf and not args.save:
         raise ConfigError("--export-hf needs --save (the checkpoint it exports).")
     checkpoint = _checkpoint(args, ds)

@@ -17,6 +17,22 @@ import torch.distributed as dist
 from hybrid.torch_fixes import groups_time_out_after
 
 
+def is_rank_zero() -> bool:
+    """Rank 0 of the job (before torch.distributed starts: the launcher's RANK)."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def log(message: str, all_ranks: bool = False) -> None:
+    """Print on rank 0 (or every rank, prefixed with its number): the one log of every floor (the training
+    loop's metrics go through hybrid.training.logging)."""
+    if all_ranks and dist.is_initialized():
+        print(f"[rank {dist.get_rank()}] {message}", flush=True)
+    elif is_rank_zero():
+        print(message, flush=True)
+
+
 def free_port() -> int:
     """A TCP port on localhost that nothing listens on now."""
     with socket.socket() as sock:

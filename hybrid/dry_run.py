@@ -35,7 +35,8 @@ def plan_from_run(run: RunConfig) -> MemoryPlan:
                       zero=settings, recompute=run.model.recompute_granularity, partition=run.pipeline.partition,
                       schedule=run.pipeline.schedule, virtual=run.pipeline.virtual_stages, cp=p.context_parallel,
                       ulysses=p.ulysses, ep=p.expert_parallel, torch_compile=t.torch_compile,
-                      cpu_offloading=run.cpu_offloading)
+                      cpu_offloading=run.cpu_offloading,
+                      reference_model=bool(t.dpo and not t.dpo.reference_logps))
 
 
 def peak_gib(plan: MemoryPlan) -> float:

@@ -29,8 +29,10 @@ from hybrid.checkpoint.client_state import read_client_state
 from hybrid.checkpoint.files import read_tag
 from hybrid.conversion.hf import hf_parts, read_hf_config
 from hybrid.conversion.layout import load_parts, read_hybrid
-from hybrid.data.batches import to_device
+from hybrid.data.batches import Collator, to_device
+from hybrid.data.chat import ChatEncoder, ChatOptions, evaluation_windows
 from hybrid.data.indexed import IndexedDataset
+from hybrid.data.tokenizer import HFTokenizer
 from hybrid.ds_config import pipeline_ds_config
 from hybrid.errors import ConfigError
 from hybrid.flags import FlagParser
@@ -182,9 +184,6 @@ def evaluate(args) -> dict:
 def _chat_batches(args, config, dp: int):
     """--sft: the file's conversations packed in order into (ids, labels) micro-batches (a multiple of the DP
     size; the padding windows take no loss), the model splitting them at the separator; and the counts."""
-    from hybrid.data.batches import Collator
-    from hybrid.data.chat import ChatEncoder, ChatOptions, evaluation_windows
-    from hybrid.data.tokenizer import HFTokenizer
     path = args.tokenizer_model or args.load_hf
     if not path:
         raise ConfigError("--sft needs the model's chat tokenizer: --tokenizer-model DIR (or --load-hf DIR, whose "

@@ -356,6 +356,9 @@ def _add_data_args(p):
     g.add_argument("--dpo-label-smoothing", type=float, default=0.0,
                    help="--dpo: the probability that a preference label is wrong (conservative DPO; sigmoid loss)")
     g.add_argument("--dpo-loss-type", default="sigmoid", choices=["sigmoid", "ipo"], help="--dpo: TRL's loss_type")
+    g.add_argument("--dpo-reference-logps", default=None, metavar="FILE",
+                   help="--dpo: the reference model's log-probabilities of every window, read from FILE, or computed "
+                        "once before training and written there; either way training holds no reference model")
     g.add_argument("--legacy-data-rules", action="store_true",
                    help="split rounding and blended sample counts of Megatron-DeepSpeed / Megatron-LM before "
                         "megatron-core (default: megatron-core's rules), to resume runs started there")

@@ -433,6 +433,7 @@ class MemoryPlan:
     ep: int = 1  # --expert-model-parallel-size: this rank holds 1/EP of each layer's experts
     torch_compile: bool = False  # --torch-compile (no memory of its own; the advisor's proposals must allow it)
     cpu_offloading: bool = False  # --cpu-offloading: full recompute's checkpointed layer inputs in host memory
+    reference_model: bool = False  # --dpo without --dpo-reference-logps: a frozen copy of the weights on every rank
 
 
 def _stage_model_states(params: dict, plan: MemoryPlan) -> dict:
@@ -480,12 +481,15 @@ def estimate(plan: MemoryPlan) -> list[dict]:
         activations += int(_embedding_and_head_bytes(config, act, info["first"], info["last"]) * in_flight)
         if layers:
             activations += sequence_split_buffer_bytes(config, act, plan.device_type)
-        row = dict(stage=stage, layers=layers, parameters=sum(n // (plan.ep if is_expert(name) else 1)
-                                                              for name, (n, _) in info["params"].items()),
-                   in_flight_micro_batches=in_flight, activation_bytes_per_layer=per_layer,
-                   activations=activations, fp8=fp8_bytes(config, info["layers"], act),
-                   host_activations=host_activations, **states)
-        row["total"] = row["params"] + row["grads"] + row["optimizer"] + row["activations"] + row["fp8"]
+        parameters = sum(n // (plan.ep if is_expert(name) else 1) for name, (n, _) in info["params"].items())
+        # --dpo's reference model: its weights in the training precision, sharded as the model's (never by ZeRO)
+        reference = parameters * _BYTES[precision] if plan.reference_model else 0
+        row = dict(stage=stage, layers=layers, parameters=parameters, in_flight_micro_batches=in_flight,
+                   activation_bytes_per_layer=per_layer, activations=activations,
+                   fp8=fp8_bytes(config, info["layers"], act), host_activations=host_activations,
+                   reference=reference, **states)
+        row["total"] = (row["params"] + row["grads"] + row["optimizer"] + row["activations"] + row["fp8"]
+                        + row["reference"])
         rows.append(row)
     return rows
 
@@ -552,6 +556,9 @@ def format_table(rows: list[dict], plan: MemoryPlan) -> str:
         lines.append(f"FP8 ({c.fp8_recipe}, {c.fp8_format}): {max(r['fp8'] for r in rows) / GiB:.3f} GiB per rank in "
                      f"the totals: the FP8 copies of the largest GEMM's operands while it runs"
                      f"{' and the amax histories' if c.fp8_recipe == 'delayed' else ''}")
+    if any(r["reference"] for r in rows):
+        lines.append(f"--dpo reference model: {max(r['reference'] for r in rows) / GiB:.3f} GiB per rank in the totals "
+                     f"(its frozen weights; --dpo-reference-logps scores the windows once and frees it)")
     if any(r["host_activations"] for r in rows):
         lines.append(f"host memory for the offloaded activations (--cpu-offloading: the checkpointed layer inputs): "
                      f"{max(r['host_activations'] for r in rows) / GiB:.3f} GiB per rank")

@@ -102,6 +102,9 @@ class Collator:
             labels = labels.masked_fill(~torch.stack([s["loss_mask"] for s in samples])[:, 1:], IGNORE_INDEX)
         if self.eod_mask_loss:
             labels = labels.masked_fill(ids == self.eod_token, IGNORE_INDEX)
+        if "reference_logps" in samples[0]:  # --dpo-reference-logps: each document's reference sum, padded to s
+            reference = torch.stack([s["reference_logps"] for s in samples])
+            return ids, labels, torch.nn.functional.pad(reference, (0, ids.size(1) - reference.size(1)))
         return ids, labels
 
 

@@ -34,6 +34,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybrid.data.gpt_dataset import parse_data_path, split_ranges
+from hybrid.data.indexed import IndexedDataset
+from hybrid.distributed import log
 from hybrid.errors import ConfigError
 
 # ShareGPT's speakers (and the roles messages use) -> the chat template's roles
@@ -116,7 +119,7 @@ def read_rows(path: str) -> Iterator[tuple[str, object]]:
 
 def _dataset_rows(path: str):
     try:
-        import datasets
+        import datasets  # optional: only for save_to_disk directories
     except ImportError:
         raise ConfigError(f"--data-path {path}: a directory is read as a `datasets` save_to_disk directory, which "
                           f"needs the datasets package: pip install datasets.") from None
@@ -383,7 +386,6 @@ def collect(encoded, options: ChatOptions, source: str, add) -> Counts:
     """Encoded rows (encode_rows' pairs, in file order; `source`: the flag and file, for messages) ->
     `add(sequences)` for each usable one; a bad row stops
     with one message, or is counted with --sft-skip-bad; a log line every 10 seconds with the rate."""
-    from hybrid.training.logging import log  # the rank-aware logger
     counts = Counts()
     start = last = time.time()
     for _, sequences in encoded:
@@ -448,7 +450,6 @@ def describe_preprocessed(encoder: ChatEncoder, counts: Counts, mask_prefix: str
 def load_preprocessed(path: str, encoder: ChatEncoder) -> Tokenized:
     """The conversations of `<prefix>_text_document` (tokens) and its loss masks, memory-mapped; refused when
     they were made with another tokenizer, chat template or option than the run's."""
-    from hybrid.data.indexed import IndexedDataset
     with open(path + PREPROCESSED_SUFFIX) as f:
         meta = json.load(f)
     made = "launch/preprocess_data.py --sft" + (" --dpo" if meta.get("pairs") else "") + (
@@ -566,6 +567,7 @@ class ChatDataset(torch.utils.data.Dataset):
     def __init__(self, tokens: np.ndarray, mask: np.ndarray, num_samples: int, seed: int, shuffle: bool = True):
         self.tokens, self.mask, self.num_samples, self.seed, self.shuffle = tokens, mask, num_samples, seed, shuffle
         self._orders = {}
+        self.reference_logps: Optional[np.ndarray] = None  # --dpo-reference-logps: [windows, documents] sums
 
     @property
     def windows(self) -> int:
@@ -583,14 +585,16 @@ class ChatDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         epoch, k = divmod(int(index), self.windows)
         w = self._order(epoch)[k]
-        return {"text": torch.from_numpy(self.tokens[w].astype(np.int64)), "loss_mask": torch.from_numpy(self.mask[w])}
+        sample = {"text": torch.from_numpy(self.tokens[w].astype(np.int64)), "loss_mask": torch.from_numpy(self.mask[w])}
+        if self.reference_logps is not None:
+            sample["reference_logps"] = torch.from_numpy(self.reference_logps[w])
+        return sample
 
 
 def split_datasets(path: str, ranges_of, num_samples, seq_length: int, seed: int, encoder: ChatEncoder,
                    cache_dir: Optional[str] = None) -> list[Optional[ChatDataset]]:
     """One ChatDataset per split of one file (conversation ranges from `ranges_of(n)`, as --split divides
     documents); each split's conversations shuffled by the seed, then packed. None where a split is empty."""
-    from hybrid.training.logging import log
     data = cached_tokenize(path, encoder, cache_dir)
     out, counts = [], Counts(conversations=len(data), skipped_bad=data.counts.skipped_bad)
     for name, (start, stop), wanted in zip(("train", "valid", "test"), ranges_of(len(data)), num_samples):
@@ -616,7 +620,6 @@ def split_datasets(path: str, ranges_of, num_samples, seq_length: int, seed: int
 def train_windows(data_config, seq_length: int, seed: int, encoder: ChatEncoder) -> int:
     """How many packed windows one epoch of the training conversations is (for --train-epochs): the train
     split of --data-path (one file) or all of --train-data-path, packed exactly as split_datasets packs it."""
-    from hybrid.data.gpt_dataset import parse_data_path, split_ranges
     own = (data_config.split_data_paths or (None,))[0]
     paths, weights = parse_data_path(own or data_config.data_path, "--train-data-path" if own else "--data-path")
     if weights is not None and len(paths) > 1:

@@ -15,7 +15,9 @@ import hashlib
 import json
 import os
 import pathlib
+import random
 import re
+import shutil
 import sys
 
 from tokenizers import ByteLevelBPETokenizer
@@ -146,7 +148,6 @@ def _questions_and_answers():
 def collect_chat(limit: int = 1500) -> list[list[dict]]:
     """Conversations about Python from its own documentation (one or two exchanges, some with a system
     prompt), for the --sft tutorial; deterministic."""
-    import random
     rng = random.Random(0)
     pairs = [(rng.choice(_QUESTIONS[kind]).format(subject), answer) for kind, subject, answer in
              _questions_and_answers() if answer]
@@ -195,7 +196,6 @@ def default_chat_tokenizer() -> str:
     try:
         os.replace(tmp, directory)
     except OSError:  # another process made it first
-        import shutil
         shutil.rmtree(tmp, ignore_errors=True)
     return str(directory)
 

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from itertools import chain
 from typing import Optional
 
 import numpy as np
@@ -182,17 +183,17 @@ def _chunks(path: str, chunk_size: int):
 
 
 def _init_chat_worker(tokenizer_kwargs: dict, options, source: str) -> None:
-    from hybrid.data.chat import ChatEncoder
+    from hybrid.data.chat import ChatEncoder  # chat data's module (and torch): only for --sft
     _WORKER.update(encoder=ChatEncoder(build_tokenizer(**tokenizer_kwargs).to_transformers(), source, options))
 
 
 def _encode_chat_chunk(rows):
-    from hybrid.data.chat import encode_rows
+    from hybrid.data.chat import encode_rows  # chat data's module (and torch): only for --sft
     return encode_rows(rows, _WORKER["encoder"])
 
 
 def _row_chunks(path: str, chunk_size: int):
-    from hybrid.data.chat import read_rows
+    from hybrid.data.chat import read_rows  # chat data's module (and torch): only for --sft
     rows = []
     for item in read_rows(path):
         rows.append(item)
@@ -224,8 +225,7 @@ def preprocess_chat(args: argparse.Namespace, log=print) -> dict:
     --sft tokenizes them (hybrid.data.chat), written as Megatron .bin/.idx files: each sequence a document of
     tokens, beside it the same document of loss-mask bytes, and a description (the tokenizer's fingerprint, the
     options, the counts) that train.py checks. Rows are tokenized by --workers processes in chunks, in order."""
-    from itertools import chain
-
+    # chat data's module (and torch): only for --sft
     from hybrid.data.chat import ChatEncoder, ChatOptions, collect, describe_preprocessed, preprocessed_files
     if not os.path.exists(args.input):
         raise ConfigError(f"--input {args.input}: no such file or directory.")

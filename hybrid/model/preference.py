@@ -39,6 +39,7 @@ class DPOOptions:
     label_smoothing: float = 0.0  # --dpo-label-smoothing (conservative DPO)
     loss_type: str = "sigmoid"  # --dpo-loss-type
     separator: int = 0  # the token after every sequence of a packed window
+    reference_logps: Optional[str] = None  # --dpo-reference-logps: the reference's values computed once, in a file
 
 
 class _SumOverSequenceRanks(torch.autograd.Function):

@@ -131,7 +131,8 @@ def build_reference(run: RunConfig, groups, engine) -> nn.Module:
     """--dpo: the frozen reference model, the --load-hf weights at this run's layout (PP = 1), in eval mode
     (no dropout) and the training precision, beside the engine (never partitioned: it has no optimizer);
     the policy and it get the loss's options."""
-    from hybrid.conversion.hf import hf_parts  # (the HF reader: only for --dpo here)
+    # the HF reader: only for --dpo here
+    from hybrid.conversion.hf import hf_parts
     from hybrid.conversion.layout import load_parts
     config = dataclasses.replace(run.model, hidden_dropout=0.0, attention_dropout=0.0, recompute_granularity=None)
     reference = model_build.build_model(config, groups).eval()

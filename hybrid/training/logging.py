@@ -8,23 +8,9 @@ import sys
 import time
 from typing import Optional
 
-import torch.distributed as dist
 from tqdm import tqdm
 
-
-def is_rank_zero() -> bool:
-    """Rank 0 of the job (before torch.distributed starts: the launcher's RANK)."""
-    if dist.is_initialized():
-        return dist.get_rank() == 0
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def log(message: str, all_ranks: bool = False) -> None:
-    """Print on rank 0 (or every rank, prefixed with its number)."""
-    if all_ranks and dist.is_initialized():
-        print(f"[rank {dist.get_rank()}] {message}", flush=True)
-    elif is_rank_zero():
-        print(message, flush=True)
+from hybrid.distributed import is_rank_zero, log  # noqa: F401  (one definition; this module's users import them here)
 
 
 def format_iteration(m: dict, train_iters: int) -> str:

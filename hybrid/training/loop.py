@@ -39,7 +39,7 @@ class Trainer:
         # chosen once: DeepSpeed's pipeline schedule, a torch.distributed.pipelining schedule, or
         # micro-steps on the plain engine; all take the same (ids, labels) micro-batches
         self.step = build_step(run, groups, engine, reference)
-        self.preference = engine.module.preference_stats if reference is not None else None  # --dpo's rewards
+        self.preference = engine.module.preference_stats if run.training.dpo else None  # --dpo's rewards
         self.moe = MoEStepHooks.of(engine.module, run.parallel.sequence_split) if run.model.num_experts else None
         self.fp8_delayed = fp8.has_delayed(engine.module)
         self.profiler = StepProfiler(run.logging.profile, dist.get_rank() if dist.is_initialized() else 0, self.device)

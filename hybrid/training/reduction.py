@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from hybrid.model.preference import pairs_in
 from hybrid.parallel.cross_entropy import IGNORE_INDEX
 
 
@@ -33,7 +34,7 @@ class PerTokenScale:
         return (labels != IGNORE_INDEX).sum()
 
     def __call__(self, micro_batches: list) -> torch.Tensor:
-        local = torch.stack([self.count(ids, labels) for ids, labels in micro_batches]).sum()
+        local = torch.stack([self.count(ids, labels) for ids, labels, *_ in micro_batches]).sum()
         total = local.to(self.device, torch.float32).reshape(1)
         dp_cp = self.groups.dp_cp.size  # every CP rank counted its samples' whole labels
         if dp_cp > 1:
@@ -67,7 +68,6 @@ class PerPairScale(PerTokenScale):
         self.separator = separator
 
     def count(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        from hybrid.model.preference import pairs_in
         return pairs_in(ids, labels, self.separator)
 
     def __call__(self, micro_batches: list) -> torch.Tensor:

@@ -15,14 +15,16 @@ from typing import Optional
 import torch.distributed as dist
 
 from hybrid.architecture import MOE_TRAINING_FLAGS
-from hybrid.config import RunConfig, apply_sft_tutorial_defaults, build_run_config, tokenizer_kwargs
+from hybrid.config import RunConfig, apply_sft_tutorial_defaults, build_run_config, data_config, tokenizer_kwargs
 from hybrid.conversion.hf import read_hf_config
 from hybrid.conversion.megatron import ARCHITECTURE_FLAGS, contradictions
 from hybrid.conversion.megatron_source import megatron_kind, open_source
+from hybrid.data.chat import ChatEncoder, train_windows
 from hybrid.data.tokenizer import build_tokenizer
 from hybrid.errors import ConfigError
 from hybrid.flags import build_parser
 from hybrid.safe_loading import install_safe_torch_load
+from hybrid.training.logging import log
 
 
 def _timeout_of(argv) -> float:
@@ -76,7 +78,6 @@ def _document_end(args, tokenizer) -> Optional[int]:
     between packed conversations (a special token the chat template never emits; hybrid.data.chat)."""
     if not (args.sft or args.dpo):
         return getattr(tokenizer, "eod", None)
-    from hybrid.data.chat import ChatEncoder  # chat data only
     source = (f"--load-hf {args.load_hf}" if args.load_hf and args.tokenizer_model == args.load_hf else
               f"--tokenizer-model {args.tokenizer_model}" if args.tokenizer_model else
               f"--tokenizer-type {args.tokenizer_type or 'GPT2BPETokenizer'}")
@@ -90,9 +91,6 @@ def _epochs_as_samples(args, tokenizer) -> None:
     """--train-epochs N (--sft): the run is N passes over the training windows, i.e. --train-samples N x windows
     rounded up to whole global batches (the conversations are tokenized and packed now, on rank 0, into the
     cache the run then reads)."""
-    from hybrid.config import data_config
-    from hybrid.data.chat import ChatEncoder, train_windows
-    from hybrid.training.logging import log
     if not (args.sft or args.dpo):
         raise ConfigError("--train-epochs counts passes over chat data: it needs --sft or --dpo (pretraining runs give "
                           "--train-iters, --train-samples or --train-tokens).")
@@ -138,7 +136,7 @@ def _train(run: RunConfig, args, tokenizer) -> None:
     from hybrid.distributed import init_distributed
     from hybrid.parallel.groups import build_groups
     from hybrid.parallel.random import model_parallel_seed
-    from hybrid.training import resume
+    from hybrid.training import reference_logps, resume
     from hybrid.training.engine import build_engine, build_reference
     from hybrid.training.loop import Trainer
     init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
@@ -147,7 +145,7 @@ def _train(run: RunConfig, args, tokenizer) -> None:
     model_parallel_seed(run.training.seed, groups.tp.rank, groups.sequence.rank)
     datasets = build_datasets(run.data, run.training, tokenizer.vocab_size, tokenizer)
     engine, _ = build_engine(run, groups)
-    reference = build_reference(run, groups, engine) if run.training.dpo else None
+    reference = reference_logps.prepare(run, groups, engine, datasets, build_reference) if run.training.dpo else None
     iteration, consumed = resume.start(engine, run, groups)
     Trainer(run, groups, engine, datasets, getattr(tokenizer, "eod", None), reference).train(iteration, consumed)
 

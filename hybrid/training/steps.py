@@ -32,18 +32,22 @@ class EngineStep:
     """PP = 1: gradient-accumulation micro-steps on the plain DeepSpeed engine (it steps the optimizer
     on the last); losses are this rank's, reduced over DP x CP by `reduce`."""
 
-    def __init__(self, engine, groups, eval_micro_batches: int, per_token: bool = False, reference=None):
+    def __init__(self, engine, groups, eval_micro_batches: int, per_token: bool = False, dpo=None, reference=None):
         self.engine, self.groups, self.eval_micro_batches = engine, groups, eval_micro_batches
         self.per_token = PerTokenScale(groups, torch.device(engine.device)) if per_token else None
-        self.reference = reference  # --dpo: the frozen starting model, whose log-probabilities each batch needs
-        if reference is not None:
-            self.per_token = PerPairScale(groups, torch.device(engine.device), reference.preference.separator)
+        self.dpo = dpo  # --dpo's options; the frozen starting model, or None when the batches carry its values
+        self.reference = reference
+        if dpo is not None:
+            self.per_token = PerPairScale(groups, torch.device(engine.device), dpo.separator)
 
-    def _forward(self, ids, labels, scale):
-        if self.reference is None:
+    def _forward(self, ids, labels, scale, extra=()):
+        if self.dpo is None:
             return self.engine(ids, labels, token_scale=scale)
-        with torch.no_grad():
-            reference = self.reference(ids, labels, document_logps=True)
+        if self.reference is not None:
+            with torch.no_grad():
+                reference = self.reference(ids, labels, document_logps=True)
+        else:  # --dpo-reference-logps: the window's values (hybrid.training.reference_logps)
+            reference = (extra[0], None)
         return self.engine(ids, labels, token_scale=scale, reference=reference)
 
     def train(self, batches) -> torch.Tensor:
@@ -51,8 +55,8 @@ class EngineStep:
         micro = take(batches, steps)
         scale = self.per_token(micro) if self.per_token else None
         total = None
-        for ids, labels in micro:
-            loss = self._forward(ids, labels, scale)
+        for ids, labels, *extra in micro:
+            loss = self._forward(ids, labels, scale, extra)
             self.engine.backward(loss)
             self.engine.step()
             total = loss.detach() if total is None else total + loss.detach()
@@ -62,7 +66,8 @@ class EngineStep:
     def evaluate(self, batches) -> torch.Tensor:
         micro = take(batches, self.eval_micro_batches)
         scale = self.per_token(micro) if self.per_token else None
-        return torch.stack([self._forward(ids, labels, scale).detach().float() for ids, labels in micro]).mean()
+        return torch.stack([self._forward(ids, labels, scale, extra).detach().float()
+                            for ids, labels, *extra in micro]).mean()
 
     def reduce(self, stacked: torch.Tensor) -> torch.Tensor:
         return dp_mean(stacked, self.groups)
@@ -96,7 +101,8 @@ class DeepSpeedPipelineStep:
 
 def build_step(run, groups, engine, reference=None):
     """The step of this run: DeepSpeed's pipeline, a torch.distributed.pipelining schedule, or the
-    plain engine (`reference`: --dpo's frozen model; PP = 1 only, the capability table says)."""
+    plain engine (`reference`: --dpo's frozen model, None where --dpo-reference-logps puts its values in the
+    batches; PP = 1 only, the capability table says)."""
     training = run.training
     if run.virtual_pipeline:
         return TorchPipelineStep(engine, engine.module, groups, run.pipeline.schedule, training.grad_acc_steps,
@@ -104,4 +110,4 @@ def build_step(run, groups, engine, reference=None):
                                  training.per_token_loss)
     if run.deepspeed_pipeline:
         return DeepSpeedPipelineStep(engine, groups, training.per_token_loss)
-    return EngineStep(engine, groups, training.grad_acc_steps, training.per_token_loss, reference)
+    return EngineStep(engine, groups, training.grad_acc_steps, training.per_token_loss, training.dpo, reference)

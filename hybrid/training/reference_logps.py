@@ -1,0 +1,136 @@
+"""--dpo-reference-logps FILE: the frozen reference model's log-probabilities computed once, not every batch.
+
+As TRL's `precompute_ref_log_probs`: before the first iteration the reference model scores every packed
+window of the training (and validation) data once; each window's per-document sums of log p over the answer
+tokens (hybrid.model.preference.document_logps; documents 2k, 2k + 1 are pair k's chosen and rejected
+answers) are written to FILE, and the reference model is freed, so training holds one model. A later run with
+the same windows reads FILE and never builds the reference model. The windows come with their values in the
+batch (the chat dataset's "reference_logps"; hybrid.data.chat.ChatDataset), so every layout and order uses
+them as they are.
+
+The file is keyed by the windows themselves (a hash of their tokens and loss masks, so of the data, the
+tokenizer, its template, --seq-length, --split and --seed): other windows are one message, never wrong values.
+Each DP rank scores every DP-th window (all ranks the same number of forwards, so expert-parallel all-to-alls
+match), the ranks' rows are summed over DP, and rank 0 writes the file (a temporary name, renamed when whole).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybrid.data.batches import Collator, to_device
+from hybrid.errors import ConfigError
+from hybrid.training.logging import log
+
+_VERSION = 1
+
+
+def chat_parts(dataset) -> list:
+    """The packed-window datasets (hybrid.data.chat.ChatDataset) a split is made of: a blend's parts, or itself."""
+    return list(getattr(dataset, "datasets", None) or [dataset])
+
+
+def windows_key(parts: list) -> str:
+    """What the values belong to: every window's tokens and loss mask, in order."""
+    h = hashlib.sha256(repr((_VERSION, [p.tokens.shape for p in parts])).encode())
+    for p in parts:
+        h.update(np.ascontiguousarray(p.tokens).tobytes())
+        h.update(np.ascontiguousarray(p.mask).tobytes())
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def score_windows(reference, part, groups, device: torch.device, micro: int) -> np.ndarray:
+    """[windows, D] float32: each window's per-document log-probability sums under `reference` (D: up to the
+    last document any window has with loss tokens), the same on every rank."""
+    collate, dp = Collator(), groups.dp
+    n = part.windows
+    per_rank = -(-n // dp.size)
+    mine = [dp.rank + dp.size * i for i in range(per_rank)]
+    rows, width = {}, 1
+    for start in range(0, per_rank, micro):
+        chunk = mine[start:start + micro]
+        chunk += [chunk[-1]] * (micro - len(chunk))  # the same forwards on every rank; the copies are not kept
+        windows = [min(w, n - 1) for w in chunk]
+        ids, labels = to_device(collate([{"text": torch.from_numpy(part.tokens[w].astype(np.int64)),
+                                          "loss_mask": torch.from_numpy(part.mask[w])} for w in windows]), device)
+        sums, counts = reference(ids, labels, document_logps=True)
+        # each row up to its last document with loss tokens (the rest of a window is separators)
+        last = torch.where(counts > 0, torch.arange(counts.size(1), device=device), -1).max(1).values.tolist()
+        for row, w in enumerate(chunk):
+            if w < n and w not in rows:
+                rows[w] = sums[row, :last[row] + 1].clone()
+                width = max(width, last[row] + 1)
+    size = torch.tensor([width], device=device)
+    if dp.size > 1:
+        dist.all_reduce(size, op=dist.ReduceOp.MAX, group=dp.group)
+    width = int(size)
+    table = torch.zeros(n, width, device=device, dtype=torch.float32)
+    for w, values in rows.items():
+        table[w, :len(values)] = values
+    if dp.size > 1:
+        dist.all_reduce(table, group=dp.group)  # each window is one DP rank's
+    return table.cpu().numpy()
+
+
+def _read(path: str, key: str, count: int) -> list[np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            stored = str(f["key"])
+            tables = [f[f"windows_{k}"] for k in range(int(f["parts"]))]
+    except (OSError, KeyError, ValueError) as e:
+        raise ConfigError(f"--dpo-reference-logps {path}: not a file of reference log-probabilities this tool "
+                          f"wrote ({e}); delete it or name another file to compute them again.") from None
+    if stored != key or len(tables) != count:
+        raise ConfigError(f"--dpo-reference-logps {path}: holds the reference log-probabilities of other windows "
+                          f"(another data file, tokenizer, --seq-length, --split or --seed); delete it or name another "
+                          f"file to compute them for this run.")
+    return tables
+
+
+def _write(path: str, key: str, tables: list[np.ndarray]) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp.npz")
+    np.savez(tmp, key=np.array(key), parts=np.array(len(tables)),
+             **{f"windows_{k}": table for k, table in enumerate(tables)})
+    os.replace(tmp, path)
+
+
+def prepare(run, groups, engine, datasets, build_reference) -> Optional[torch.nn.Module]:
+    """--dpo: the reference model for the steps, or None when its log-probabilities ride with the windows
+    (--dpo-reference-logps: read from FILE, or computed here, written and the model freed)."""
+    options = run.training.dpo
+    engine.module.preference = options
+    path = options.reference_logps
+    parts = [p for ds in datasets[:2] if ds is not None for p in chat_parts(ds)]
+    key = windows_key(parts) if path else None
+    if path and os.path.exists(path):
+        tables = _read(path, key, len(parts))
+        log(f"--dpo-reference-logps {path}: the reference log-probabilities of {sum(map(len, tables))} windows, "
+            f"read; no reference model is built")
+    else:
+        reference = build_reference(run, groups, engine)
+        if not path:
+            return reference
+        start = time.perf_counter()
+        device = torch.device(engine.device)
+        tables = [score_windows(reference, p, groups, device, run.training.micro_batch_size) for p in parts]
+        del reference
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if dist.get_rank() == 0:
+            _write(path, key, tables)
+        dist.barrier()
+        log(f"--dpo-reference-logps {path}: scored {sum(map(len, tables))} windows with the reference model in "
+            f"{time.perf_counter() - start:.1f}s, written; the reference model is freed")
+    for part, table in zip(parts, tables):
+        part.reference_logps = table
+    return None
