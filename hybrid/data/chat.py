@@ -468,8 +468,7 @@ def load_preprocessed(path: str, encoder: ChatEncoder) -> Tokenized:
         raise ConfigError(f"--data-path {path}: its loss masks {masks.prefix} do not match its sequences; "
                           f"preprocess it again.")
     offsets = np.concatenate([[0], np.cumsum(tokens.sizes, dtype=np.int64)])
-    ids = np.frombuffer(tokens._bin, dtype=tokens.dtype, count=int(offsets[-1]))
-    mask = np.frombuffer(masks._bin, dtype=np.uint8, count=int(offsets[-1])).view(bool)
+    ids, mask = tokens.flat(), masks.flat().view(bool)
     return Tokenized(ids, mask, offsets, Counts(**meta["counts"]), 2 if encoder.options.pairs else 1)
 
 

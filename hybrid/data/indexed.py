@@ -171,3 +171,7 @@ class IndexedDataset:
 
     def __getitem__(self, index: int) -> np.ndarray:
         return self.get(index)
+
+    def flat(self) -> np.ndarray:
+        """Every sequence's tokens back to back, in order (memory-mapped, nothing read yet)."""
+        return np.frombuffer(self._bin, dtype=self.dtype, count=self.num_tokens)
