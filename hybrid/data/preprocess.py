@@ -8,6 +8,7 @@ Output goes to temporary names, renamed when complete.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -204,6 +205,33 @@ def _row_chunks(path: str, chunk_size: int):
         yield rows
 
 
+@contextlib.contextmanager
+def _ordered_map(workers: int, initializer, initargs):
+    """A `map` over tasks whose results come in task order: in this process, or in a pool of `workers` forked
+    processes (each set up by `initializer`), ended with the block."""
+    if workers <= 1:
+        initializer(*initargs)
+        yield map
+        return
+    pool = mp.get_context("fork").Pool(workers, initializer=initializer, initargs=initargs)
+    try:
+        yield pool.imap
+    finally:
+        pool.terminate()
+
+
+@contextlib.contextmanager
+def _written(builders):
+    """Output files that appear only whole: each builder renames its files in finalize; an error before then
+    removes them."""
+    try:
+        yield
+    except BaseException:
+        for builder in builders:
+            builder.abort()
+        raise
+
+
 def _tokenizer_kwargs(args) -> dict:
     kind = args.tokenizer_type
     if args.sft and kind == "GPT2BPETokenizer" and args.tokenizer_model and not args.vocab_file:
@@ -248,16 +276,8 @@ def preprocess_chat(args: argparse.Namespace, log=print) -> dict:
             stats["loss_tokens"] += int(sum(loss))
 
     start = time.perf_counter()
-    pool = None
-    try:
-        chunks = _row_chunks(args.input, args.chunk_size)
-        if args.workers > 1:
-            pool = mp.get_context("fork").Pool(args.workers, initializer=_init_chat_worker,
-                                               initargs=(kwargs, options, source))
-            results = chain.from_iterable(pool.imap(_encode_chat_chunk, chunks))
-        else:
-            _WORKER.update(encoder=encoder)
-            results = chain.from_iterable(map(_encode_chat_chunk, chunks))
+    with _written(builders), _ordered_map(args.workers, _init_chat_worker, (kwargs, options, source)) as ordered:
+        results = chain.from_iterable(ordered(_encode_chat_chunk, _row_chunks(args.input, args.chunk_size)))
         counts = collect(results, options, f"--input {args.input}", add)
         for builder in builders:
             builder.finalize()
@@ -265,13 +285,6 @@ def preprocess_chat(args: argparse.Namespace, log=print) -> dict:
         with open(tmp, "w") as f:
             json.dump(describe_preprocessed(encoder, counts, mask), f, indent=1)
         os.replace(tmp, description)  # last: the files are complete when it exists
-    except BaseException:
-        for builder in builders:
-            builder.abort()
-        raise
-    finally:
-        if pool is not None:
-            pool.terminate()
     elapsed = time.perf_counter() - start
     stats.update(conversations=counts.conversations, skipped_bad=counts.skipped_bad, seconds=elapsed)
     kind = "preference pairs" if args.dpo else "conversations"
@@ -302,14 +315,8 @@ def preprocess(args: argparse.Namespace, log=print) -> dict:
             args.split_sentences, args.lang, args.keep_newlines)
     stats = dict(documents=0, skipped_bad_lines=0, skipped_empty=0, tokens=0, bytes=0)
     start = time.perf_counter()
-    pool = None
-    try:
-        if args.workers > 1:
-            pool = mp.get_context("fork").Pool(args.workers, initializer=_init_worker, initargs=init)
-            results = pool.imap(_encode_chunk, _chunks(args.input, args.chunk_size))
-        else:
-            _init_worker(*init)
-            results = map(_encode_chunk, _chunks(args.input, args.chunk_size))
+    with _written(builders.values()), _ordered_map(args.workers, _init_worker, init) as ordered:
+        results = ordered(_encode_chunk, _chunks(args.input, args.chunk_size))
         next_log = args.log_interval
         for result, error in results:
             if error:
@@ -331,13 +338,6 @@ def preprocess(args: argparse.Namespace, log=print) -> dict:
             raise ConfigError(f"--input {args.input}: no non-empty documents found.")
         for builder in builders.values():
             builder.finalize()
-    except BaseException:
-        for builder in builders.values():
-            builder.abort()
-        raise
-    finally:
-        if pool is not None:
-            pool.terminate()
     elapsed = time.perf_counter() - start
     stats.update(seconds=elapsed, docs_per_s=stats["documents"] / elapsed, mb_per_s=stats["bytes"] / elapsed / 1e6)
     log(f"done: {stats['documents']} documents, {stats['tokens']} tokens in {elapsed:.1f}s "
