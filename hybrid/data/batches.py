@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from hybrid.data import chat
 from hybrid.data.default import default_data_prefix
 from hybrid.data.gpt_dataset import MockGPTDataset, build_train_valid_test_datasets
 from hybrid.errors import ConfigError
@@ -55,7 +56,6 @@ def build_datasets(data, training, vocab_size: int, tokenizer=None):
 
 def _chat_datasets(data, training, counts, tokenizer):
     """--sft: each file's conversations split by --split (or each split's own files), blended by weight."""
-    from hybrid.data import chat  # transformers' tokenizers: only for chat data
     encoder = chat.ChatEncoder(tokenizer.to_transformers(), "--tokenizer-model", data.chat)
 
     def split_datasets(path, ranges_of, wanted, seq_length, seed, cache_dir):
