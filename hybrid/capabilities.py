@@ -60,6 +60,7 @@ class Setup:
     fp8_param_gather: bool = False  # --fp8-param-gather
     cpu_offloading: bool = False  # --cpu-offloading (or activation_checkpointing.cpu_checkpointing)
     dpo: bool = False  # --dpo
+    dpo_precomputed: bool = False  # --dpo-reference-logps FILE
 
     @property
     def torch_schedule(self) -> bool:
@@ -247,12 +248,19 @@ RULES = [
          lambda s: s.fp8_param_gather,
          lambda s: "--fp8-param-gather is not built (DeepSpeed's ZeRO gathers parameters in their own dtype); drop "
                    "it: the FP8 GEMMs cast the weights themselves."),
-    Rule("dpo-pipeline", "--dpo with --pipeline-model-parallel-size > 1",
-         "the frozen reference model runs its forward beside the plain engine's step; the pipeline schedules carry "
-         "no reference log-probabilities",
-         lambda s: s.dpo and s.pp > 1,
-         lambda s: f"--dpo runs at --pipeline-model-parallel-size 1 (got {s.pp}): the reference model's forward is "
-                   f"not carried through pipeline stages; split the model with TP (+ SP), CP or ZeRO-3 instead."),
+    Rule("dpo-pipeline-reference", "--dpo with --pipeline-model-parallel-size > 1 without --dpo-reference-logps",
+         "a frozen reference model beside the pipeline would need its own pass through every stage; the pipeline "
+         "scores the windows itself from the starting weights, once, into the file",
+         lambda s: s.dpo and s.pp > 1 and not s.dpo_precomputed,
+         lambda s: f"--dpo at --pipeline-model-parallel-size {s.pp} takes the reference log-probabilities from a "
+                   f"file: add --dpo-reference-logps FILE (the pipeline scores every window with the starting "
+                   f"weights once before the first iteration and writes FILE; later runs read it)."),
+    Rule("dpo-torch-schedule", "--dpo with interleaved/zero-bubble/ZB-V/DualPipeV",
+         "the torch schedules hand the loss one target tensor per micro-batch; the pair loss needs the ids and the "
+         "reference values beside the labels (DeepSpeed's 1F1B carries them)",
+         lambda s: s.dpo and s.torch_schedule,
+         lambda s: f"--dpo with --pipeline-schedule {s.schedule}: the pair loss runs with DeepSpeed's 1f1b schedule; "
+                   f"use --pipeline-schedule 1f1b (and --dpo-reference-logps FILE)."),
     Rule("cpu-offloading-recompute", "--cpu-offloading without --recompute-granularity full",
          "the offloaded tensors are the checkpointed layer inputs (DeepSpeed's cpu_checkpointing), which only full "
          "recompute keeps",

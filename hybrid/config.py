@@ -394,15 +394,27 @@ def _sft_flags(args) -> None:
         raise ConfigError("--dpo-beta / --dpo-label-smoothing / --dpo-loss-type / --dpo-reference-logps set the DPO "
                           "loss: add --dpo.")
     if not (args.sft or args.dpo):
-        if args.sft_train_on_prompt or args.sft_skip_bad or args.sft_truncation != "truncate":
-            raise ConfigError("--sft-train-on-prompt / --sft-skip-bad / --sft-truncation shape chat data: add --sft.")
+        if args.sft_train_on_prompt or args.sft_skip_bad or args.sft_truncation != "truncate" or args.sft_streaming:
+            raise ConfigError("--sft-train-on-prompt / --sft-skip-bad / --sft-truncation / --sft-streaming shape chat "
+                              "data: add --sft.")
         return
+    if args.sft_streaming:
+        _streaming_flags(args)
     if args.mock_data:
         raise ConfigError("--sft trains on conversations: give --data-path FILE (JSONL or Parquet with 'messages', "
                           "'conversations', Alpaca or pre-tokenized rows, or a datasets save_to_disk directory), or "
                           "no data flag for the embedded chat set; not --mock-data.")
     # packed conversations: no attention across them, positions from 0 in each, every assistant token weighs the same
     args.reset_attention_mask = args.reset_position_ids = args.calculate_per_token_loss = True
+
+
+def _streaming_flags(args) -> None:
+    """--sft-streaming: what needs every window before the first iteration cannot stream."""
+    if args.sft_shuffle_buffer < 1:
+        raise ConfigError(f"--sft-shuffle-buffer {args.sft_shuffle_buffer}: at least 1 (1: the file's order).")
+    if args.dpo and args.dpo_reference_logps:
+        raise ConfigError("--dpo-reference-logps with --sft-streaming: the reference values are scored for every "
+                          "window before the first iteration; drop --sft-streaming (or --dpo-reference-logps).")
 
 
 def _dpo_flags(args) -> None:
@@ -490,7 +502,8 @@ def data_config(args) -> DataConfig:
         split_data_paths=(args.train_data_path, args.valid_data_path, args.test_data_path),
         data_cache_path=args.data_cache_path, legacy_data_rules=args.legacy_data_rules,
         eod_mask_loss=args.eod_mask_loss, num_workers=args.num_workers,
-        chat=ChatOptions(args.sft_train_on_prompt, args.sft_truncation, args.sft_skip_bad, pairs=args.dpo)
+        chat=ChatOptions(args.sft_train_on_prompt, args.sft_truncation, args.sft_skip_bad, pairs=args.dpo,
+                         stream_buffer=args.sft_shuffle_buffer if args.sft_streaming else 0)
         if args.sft or args.dpo else None)
 
 
@@ -539,7 +552,8 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path
                 heads_per_tp=model.num_attention_heads // tp, groups_per_tp=model.num_query_groups // tp,
                 experts_on_every_stage=_experts_on_every_stage(model, dims, pipeline),
                 fp8=args.fp8_recipe if args.fp8_format else None, fp8_param_gather=args.fp8_param_gather,
-                cpu_offloading=dsc.cpu_offloading(args, ds), dpo=bool(args.dpo))
+                cpu_offloading=dsc.cpu_offloading(args, ds), dpo=bool(args.dpo),
+                dpo_precomputed=bool(args.dpo and args.dpo_reference_logps))
 
 
 def _megatron_optimizer(args, checkpoint: CheckpointConfig, setup: Setup) -> None:

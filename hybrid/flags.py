@@ -349,6 +349,12 @@ def _add_data_args(p):
                    help="--sft: a conversation longer than --seq-length + 1 tokens is cut to it or dropped (counted)")
     g.add_argument("--sft-skip-bad", action="store_true",
                    help="--sft: count and skip malformed rows (default: stop at the first, naming file and line)")
+    g.add_argument("--sft-streaming", action="store_true",
+                   help="--sft / --dpo: tokenize the training rows in a background process while training runs "
+                        "(a shuffle buffer, a cache of tokenized blocks beside the data) instead of the whole file "
+                        "before the first iteration")
+    g.add_argument("--sft-shuffle-buffer", type=int, default=10000, metavar="N",
+                   help="--sft-streaming: conversations held in the shuffle buffer (datasets' IterableDataset.shuffle)")
     g.add_argument("--dpo", action="store_true",
                    help="direct preference optimisation: --data-path holds TRL's prompt/chosen/rejected rows; the "
                         "reference model is --load-hf's, frozen")

@@ -55,7 +55,8 @@ EXAMPLES = {
     "fp8-blockwise": (["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], 1),
     "fp8-param-gather": (["--fp8-format", "hybrid", "--fp8-param-gather"], 1),
     "cpu-offloading-recompute": (["--cpu-offloading", "--recompute-granularity", "selective"], 1),
-    "dpo-pipeline": None,  # --dpo needs pair data and --load-hf: tests/test_sft.py checks the refusal
+    "dpo-pipeline-reference": None,  # --dpo needs pair data and --load-hf: tests/test_sft.py checks the refusal
+    "dpo-torch-schedule": None,  # the same
 }
 
 

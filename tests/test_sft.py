@@ -5,6 +5,7 @@ every layout equals one rank."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import numpy as np
@@ -183,7 +184,22 @@ LAYOUTS = {  # name: (ranks, flags)
     "cp2": (2, ["--context-parallel-size", 2]),
     "pp2": (2, ["--pipeline-model-parallel-size", 2]),
     "dp2_zero3": (2, ["--deepspeed", "ds_configs/zero3.json"]),
+    "ulysses2_zero2_recompute": (2, ["--ds-sequence-parallel-size", 2, "--deepspeed", "ds_configs/zero2.json",
+                                     "--recompute-granularity", "full", "--recompute-method", "uniform"]),
+    "pp2_zbv": (2, ["--pipeline-model-parallel-size", 2, "--pipeline-schedule", "zbv", "--deepspeed",
+                    "ds_configs/zero1.json"]),
+    # an MoE model from scratch with the chat tokenizer: experts split over the two DP ranks
+    "ep2_moe": (2, ["--expert-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json"]),
 }
+
+
+def _sft_base(chat, name: str) -> list:
+    if not name.startswith("ep"):
+        return TRAIN + ["--load-hf", chat["hf"], "--data-path", chat["data"]]
+    from tests.test_moe import MOE_FLAGS
+    return TRAIN + MOE_FLAGS + ["--tokenizer-type", "HFTokenizer", "--tokenizer-model", chat["hf"], "--data-path",
+                                chat["data"], "--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4,
+                                "--max-position-embeddings", SEQ]
 
 
 @pytest.mark.slow
@@ -191,9 +207,9 @@ LAYOUTS = {  # name: (ranks, flags)
 def test_sft_training_at_every_layout_gives_the_one_rank_losses(chat, tmp_path, name):
     from tests.launch_helpers import one_rank, read_log, run
     from tests.test_training import assert_same_losses
-    base = TRAIN + ["--load-hf", chat["hf"], "--data-path", chat["data"]]
-    want = [r["lm_loss"] for r in one_rank(base)]
+    base = _sft_base(chat, name)
     ranks, extra = LAYOUTS[name]
+    want = [r["lm_loss"] for r in one_rank(base)]
     log = tmp_path / "log.jsonl"
     run("torchrun", ranks, base + extra + ["--log-json", log])
     assert_same_losses([r["lm_loss"] for r in read_log(log)], want)
@@ -331,6 +347,10 @@ def test_preprocessed_files_made_another_way_are_one_message(chat, tmp_path):
         load_tokenized(prefix + "_text_document", ChatEncoder(chat["tok"], "t", ChatOptions(train_on_prompt=True)))
     with pytest.raises(ConfigError, match=r"holds conversations; this run \(--dpo\) trains on preference pairs"):
         load_tokenized(prefix + "_text_document", ChatEncoder(chat["tok"], "t", ChatOptions(pairs=True)))
+    from hybrid.data.chat_stream import split_datasets
+    with pytest.raises(ConfigError, match="preprocessed files are read memory-mapped already; drop --sft-streaming"):
+        split_datasets(prefix + "_text_document", lambda n: [(0, n), (0, 0), (0, 0)], [8, 0, 0], SEQ, 1,
+                       ChatEncoder(chat["tok"], "t", ChatOptions(stream_buffer=8)))
     make_chat_tokenizer(tmp_path / "plain", template=None)
     assert main(["--sft", "--input", chat["data"], "--tokenizer-model", str(tmp_path / "plain"),
                  "--output-prefix", str(tmp_path / "x")]) == 2
@@ -341,6 +361,8 @@ def test_preprocessed_files_made_another_way_are_one_message(chat, tmp_path):
     (["--vocab-file", "{V}", "--merge-file", "{M}"], "--tokenizer-type GPT2BPETokenizer: the tokenizer has no chat template"),
     (["--mock-data"], "--sft trains on conversations"),
     (["--train-epochs", 0], "--train-epochs 0: a positive number of epochs"),
+    (["--train-epochs", 2, "--sft-streaming"], "--train-epochs with --sft-streaming: an epoch's windows are known"),
+    (["--sft-streaming", "--sft-shuffle-buffer", 0], "--sft-shuffle-buffer 0: at least 1"),
 ])
 def test_sft_flag_mistakes_are_one_message(chat, flags, message):
     from hybrid.training.run import run_training
@@ -441,8 +463,11 @@ def test_dpo_loss_and_gradient_equal_transformers(chat, pairs, loss_type, smooth
 def test_dpo_flag_mistakes_are_one_message(chat, pairs):
     from hybrid.training.run import run_training
     base = ["--dpo", "--data-path", pairs["data"], "--load-hf", chat["hf"]]
-    for flags, message in [(["--pipeline-model-parallel-size", 2], "--dpo runs at --pipeline-model-parallel-size 1"),
+    for flags, message in [(["--pipeline-model-parallel-size", 2], "add --dpo-reference-logps FILE"),
+                           (["--pipeline-model-parallel-size", 2, "--pipeline-schedule", "zero-bubble", "--micro-batch-size", 1, "--global-batch-size", 4,
+                             "--dpo-reference-logps", "r.npz"], "the pair loss runs with DeepSpeed's 1f1b schedule"),
                            (["--sft"], "--sft and --dpo are two trainings"),
+                           (["--sft-streaming", "--dpo-reference-logps", "r.npz"], "drop --sft-streaming"),
                            (["--dpo-loss-type", "ipo", "--dpo-label-smoothing", 0.1], "applies to --dpo-loss-type sigmoid")]:
         with pytest.raises(ConfigError, match=message):
             run_training([str(f) for f in base + flags + ["--dry-run-world-size", 2]])
@@ -457,7 +482,10 @@ DPO_RUN = ["--dpo", "--dpo-beta", 0.5, "--seq-length", 2 * SEQ, "--micro-batch-s
            "--train-iters", 8, "--lr", 1e-3, "--min-lr", 1e-4, "--lr-warmup-iters", 1, "--eval-iters", 0,
            "--log-interval", 1, "--no-progress-bar", "--split", "100,0,0", "--hidden-dropout", 0,
            "--attention-dropout", 0]
-DPO_LAYOUTS = {"tp2_sp": LAYOUTS["tp2_sp"], "cp2": LAYOUTS["cp2"], "dp2_zero3": LAYOUTS["dp2_zero3"]}
+REFERENCE_FILE = "{reference_logps}"  # a layout's placeholder for a file of its own test
+DPO_LAYOUTS = {"tp2_sp": LAYOUTS["tp2_sp"], "cp2": LAYOUTS["cp2"], "dp2_zero3": LAYOUTS["dp2_zero3"],
+               # the pipeline scores the reference values itself (from the starting weights), then trains with them
+               "pp2_1f1b": (2, LAYOUTS["pp2"][1] + ["--dpo-reference-logps", REFERENCE_FILE])}
 
 
 @pytest.mark.slow
@@ -468,6 +496,9 @@ def test_dpo_training_at_every_layout_gives_the_one_rank_losses_and_rewards(chat
     base = DPO_RUN + ["--load-hf", chat["hf"], "--data-path", pairs["data"]]
     want = one_rank(base)
     ranks, extra = DPO_LAYOUTS[name]
+    ckpt, restarts = tmp_path / "ckpt", REFERENCE_FILE in extra
+    extra = [tmp_path / "reference.npz" if f == REFERENCE_FILE else f for f in extra]
+    extra += ["--save", ckpt, "--save-interval", 4] if restarts else []
     log = tmp_path / "log.jsonl"
     run("torchrun", ranks, base + extra + ["--log-json", log])
     got = read_log(log)
@@ -476,6 +507,18 @@ def test_dpo_training_at_every_layout_gives_the_one_rank_losses_and_rewards(chat
     for key in ("rewards_margin", "rewards_chosen"):
         assert all(abs(a[key] - b[key]) <= 1e-4 * max(1e-3, abs(b[key])) for a, b in zip(got, want)), key
     assert [r["rewards_accuracy"] for r in got] == [r["rewards_accuracy"] for r in want]
+    if restarts:
+        # a restart at iteration 4 whose file is gone: the pipeline scores the --load-hf weights again, then loads
+        # the checkpoint over them
+        written = (tmp_path / "reference.npz").read_bytes()
+        (tmp_path / "reference.npz").unlink()
+        (ckpt / "latest").write_text("iter_0000004")
+        resumed = tmp_path / "resumed.jsonl"
+        run("torchrun", ranks, base + extra + ["--load", ckpt, "--log-json", resumed])
+        again = read_log(resumed)
+        assert [r["iteration"] for r in again] == [5, 6, 7, 8]
+        assert [r["lm_loss"] for r in again] == [r["lm_loss"] for r in got[4:]]  # the straight run's, bitwise
+        assert (tmp_path / "reference.npz").read_bytes() == written
 
 
 def test_dry_run_counts_the_dpo_reference_model_unless_its_values_are_precomputed(chat, pairs, tmp_path):
@@ -513,3 +556,87 @@ def test_dpo_reference_logps_computed_once_at_dp2_then_read_gives_the_reference_
     from hybrid.training.reference_logps import _read
     with pytest.raises(ConfigError, match="holds the reference log-probabilities of other windows"):
         _read(str(logps), "the key of other windows", 1)
+
+
+# ------------------------------------------------------------------------------------------- --sft-streaming
+
+def _stream(path, encoder, rows, seed=1, buffer=64, cache=None, writer=True):
+    from hybrid.data import chat_stream
+    cache = cache or chat_stream.stream_cache(path, encoder, rows, None)
+    return chat_stream.StreamingChatDataset(path, rows, encoder, SEQ + 1, seed, buffer, 10 ** 6, cache, writer)
+
+
+def _documents(windows, separator):
+    """The token sequences packed in windows (split at the separator)."""
+    out = []
+    for tokens in windows:
+        cut = np.flatnonzero(tokens == separator)
+        for lo, hi in zip(np.concatenate([[-1], cut]), np.concatenate([cut, [len(tokens)]])):
+            if hi - lo > 1:
+                out.append(tuple(tokens[lo + 1:hi].tolist()))
+    return out
+
+
+def test_streamed_windows_hold_every_conversation_once_an_epoch_the_same_way_from_any_start(chat, tmp_path):
+    """--sft-streaming: the background process's windows are a function of the file and the seed: an epoch
+    holds every conversation once; a stream started at window k (a resumed run) sends what a stream from 0
+    sends from k; a second reader takes the cached blocks and tokenizes nothing; a buffer of 1 is the file's
+    order packed; and the worker stays a bounded number of windows ahead of the run."""
+    from hybrid.data import chat_stream
+    convs = conversations(2600, seed=5)
+    path = write_jsonl(tmp_path / "many.jsonl", [as_row(c, "messages") for c in convs])
+    encoder = ChatEncoder(chat["tok"], "t", ChatOptions())
+    whole = tokenize_file(path, encoder)
+    rows = (0, len(convs))
+    first = _stream(path, encoder, rows)
+    first[0]
+    shards = lambda: len([f for f in os.listdir(first.arguments["cache"]) if f.startswith("shard_")])  # noqa: E731
+    assert shards() <= 1  # 3 blocks of 1024 rows in the file: the worker waits for the run
+    epochs = [[], []]
+    index = 0
+    while True:
+        epoch, tokens, _ = first._window(index)
+        if epoch == 2:
+            break
+        epochs[epoch].append(tokens)
+        index += 1
+    first.close()
+    assert shards() == 3
+    want = sorted(tuple(whole.conversation(k)[0].tolist()) for k in range(len(whole)))
+    for windows in epochs:
+        assert sorted(_documents(windows, encoder.separator)) == want
+    assert _documents(epochs[0], encoder.separator) != _documents(epochs[1], encoder.separator)  # reshuffled
+    counts = Counts()
+    resumed = _stream(path, encoder, rows, writer=False)
+    k = len(epochs[0]) - 3  # across the epoch boundary
+    assert [resumed[i]["text"].numpy().astype(np.int32).tolist() for i in range(k, k + 6)] == \
+        [t.tolist() for t in (epochs[0] + epochs[1])[k:k + 6]]
+    resumed.close()
+    cached = list(chat_stream._tokenized_rows(path, rows, encoder, first.arguments["cache"], False, counts))
+    assert counts.conversations == 0 and len(cached) == len(whole)
+    in_order = _stream(path, encoder, rows, buffer=1, cache=str(tmp_path / "other"), writer=False)
+    tokens, _ = pack(whole, range(len(whole)), SEQ + 1, encoder.separator, "truncate", Counts())
+    assert all((in_order[i]["text"].numpy() == tokens[i]).all() for i in range(len(tokens)))
+    in_order.close()
+
+
+@pytest.mark.slow
+def test_streamed_training_at_dp2_equals_one_rank_and_resumes_at_the_next_window(chat, tmp_path):
+    """--sft-streaming in training: DP 2 (each rank's worker makes the same stream, each rank keeps its windows)
+    gives the one-rank losses, and a run resumed at iteration 4 (its worker makes the stream again from the
+    cache and sends from the next window) continues with the straight run's losses, bitwise."""
+    from tests.launch_helpers import read_log, run
+    from tests.test_training import assert_same_losses
+    data = write_jsonl(tmp_path / "chat.jsonl", [as_row(c, "messages") for c in chat["convs"]])
+    base = TRAIN + ["--load-hf", chat["hf"], "--data-path", data, "--sft-streaming", "--sft-shuffle-buffer", 16]
+    straight, ckpt = tmp_path / "straight.jsonl", tmp_path / "ckpt"
+    proc = run("python", 1, base + ["--log-json", straight, "--save", ckpt, "--save-interval", 4])
+    assert "streamed (tokenized as the batches need them" in proc.stdout + proc.stderr
+    want = [r["lm_loss"] for r in read_log(straight)]
+    dp2 = tmp_path / "dp2.jsonl"
+    run("torchrun", 2, base + ["--log-json", dp2, "--deepspeed", "ds_configs/zero1.json"])
+    assert_same_losses([r["lm_loss"] for r in read_log(dp2)], want)
+    (ckpt / "latest").write_text("iter_0000004")
+    resumed = tmp_path / "resumed.jsonl"
+    run("python", 1, base + ["--log-json", resumed, "--load", ckpt])
+    assert [r["lm_loss"] for r in read_log(resumed)] == want[4:]

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hybrid.data import chat
+from hybrid.data import chat, chat_stream
 from hybrid.data.default import default_data_prefix
 from hybrid.data.gpt_dataset import MockGPTDataset, build_train_valid_test_datasets
 from hybrid.errors import ConfigError
@@ -59,7 +59,8 @@ def _chat_datasets(data, training, counts, tokenizer):
     encoder = chat.ChatEncoder(tokenizer.to_transformers(), "--tokenizer-model", data.chat)
 
     def split_datasets(path, ranges_of, wanted, seq_length, seed, cache_dir):
-        return chat.split_datasets(path, ranges_of, wanted, seq_length, seed, encoder, cache_dir)
+        split = chat_stream.split_datasets if data.chat.stream_buffer else chat.split_datasets
+        return split(path, ranges_of, wanted, seq_length, seed, encoder, cache_dir)
     split_paths = data.split_data_paths if any(data.split_data_paths or ()) else None
     return build_train_valid_test_datasets(data.data_path, data.split, counts, training.seq_length, training.seed,
                                            cache_dir=data.data_cache_path, legacy=data.legacy_data_rules,
@@ -120,6 +121,8 @@ def micro_batches(dataset, consumed: int, micro: int, dp_rank: int, dp_size: int
     sampler = MegatronSampler(len(dataset), consumed, micro, dp_rank, dp_size, wrap)
     # The loader gets its own generator: making an iterator draws a base seed from it, which from
     # the global generator would shift every later dropout mask of a resumed run by one draw.
+    if any(getattr(part, "streams", False) for part in getattr(dataset, "datasets", [dataset])):
+        num_workers = 0  # --sft-streaming: the stream has its own worker process (hybrid.data.chat_stream)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=collator or Collator(), persistent_workers=num_workers > 0,
                                          pin_memory=torch.device(device).type == "cuda",

@@ -59,6 +59,7 @@ class ChatOptions:
     truncation: str = "truncate"  # --sft-truncation: a conversation longer than a window is cut ("truncate") or dropped
     skip_bad: bool = False  # --sft-skip-bad: malformed rows are counted and skipped instead of stopping the run
     pairs: bool = False  # --dpo: rows are preference pairs (prompt, chosen, rejected), packed side by side
+    stream_buffer: int = 0  # --sft-streaming's shuffle buffer (hybrid.data.chat_stream); 0: the whole file up front
 
 
 @dataclass
@@ -516,18 +517,16 @@ def cached_tokenize(path: str, encoder: ChatEncoder, cache_dir: Optional[str] = 
 
 # ------------------------------------------------------------------------------------------------- packing
 
-def pack(data: Tokenized, order, width: int, separator: int, truncation: str, counts: Counts
-         ) -> tuple[np.ndarray, np.ndarray]:
-    """The units (conversations, or preference pairs side by side) in `order` packed into windows of `width`
-    tokens (seq_length + 1), each sequence followed by the separator; the rest of a window is separators.
-    -> tokens [n, width] int32, loss mask [n, width] bool. A unit longer than `width` is truncated to it (a
-    pair: each side to half) or dropped (`truncation`), counted in `counts`."""
-    windows, masks = [], []
+def pack_units(units, width: int, separator: int, truncation: str, counts: Counts) -> Iterator[tuple]:
+    """Units (each a list of (ids, loss mask) sequences: a conversation, or a preference pair's two sides) packed
+    in the order given into windows of `width` tokens (seq_length + 1), each sequence followed by the separator;
+    the rest of a window is separators. Yields (tokens [width] int32, loss mask [width] bool) as each window is
+    full. A unit longer than `width` is truncated to it (a pair: each side to half) or dropped (`truncation`),
+    counted in `counts`."""
     tokens = np.full(width, separator, dtype=np.int32)
     mask = np.zeros(width, dtype=bool)
     fill = 0
-    for k in order:
-        unit = data.unit(int(k))
+    for unit in units:
         size = sum(len(ids) for ids, _ in unit) + len(unit) - 1
         if size > width:
             if truncation == "drop":
@@ -541,8 +540,7 @@ def pack(data: Tokenized, order, width: int, separator: int, truncation: str, co
                 continue
             size = sum(len(ids) for ids, _ in unit) + len(unit) - 1
         if fill and fill + 1 + size > width:  # does not fit after a separator: the next window
-            windows.append(tokens)
-            masks.append(mask)
+            yield tokens, mask
             tokens, mask, fill = np.full(width, separator, dtype=np.int32), np.zeros(width, dtype=bool), 0
         for ids, loss in unit:
             start = fill + 1 if fill else 0
@@ -552,11 +550,16 @@ def pack(data: Tokenized, order, width: int, separator: int, truncation: str, co
             fill = start + len(ids)
             counts.loss_tokens += int(mask[start:fill].sum())
     if fill:
-        windows.append(tokens)
-        masks.append(mask)
+        yield tokens, mask
+
+
+def pack(data: Tokenized, order, width: int, separator: int, truncation: str, counts: Counts
+         ) -> tuple[np.ndarray, np.ndarray]:
+    """The units of `data` in `order` packed (pack_units) -> tokens [n, width] int32, loss mask [n, width] bool."""
+    windows = list(pack_units((data.unit(int(k)) for k in order), width, separator, truncation, counts))
     if not windows:
         return np.zeros((0, width), dtype=np.int32), np.zeros((0, width), dtype=bool)
-    return np.stack(windows), np.stack(masks)
+    return np.stack([t for t, _ in windows]), np.stack([m for _, m in windows])
 
 
 class ChatDataset(torch.utils.data.Dataset):

@@ -23,11 +23,13 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from hybrid.errors import ConfigError
+from hybrid.model import preference
 from hybrid.model.config import ModelConfig
 from hybrid.model.embedding import Embedding, OutputHead, TiedOutputEmbedding
 from hybrid.model.loss import LMLoss
 from hybrid.model.naming import TIED_KEY
 from hybrid.model.norms import build_norm
+from hybrid.model.preference import DPOOptions, PreferenceStats
 from hybrid.model.recompute import checkpoint
 from hybrid.model.sequence import sequence_layout, stage_layout_of
 from hybrid.model.transformer import TransformerLayer
@@ -89,15 +91,30 @@ class PipelineOutputHead(nn.Module):
 class PipelineLoss:
     """DeepSpeed's `loss_fn(outputs, labels)`: the LM loss from the last stage's logits and the
     micro-batch's whole-sequence labels. `token_scale`: --calculate-per-token-loss's factor for this
-    iteration, set by the step before the engine runs it (None: the mean over valid tokens)."""
+    iteration, set by the step before the engine runs it (None: the mean over valid tokens).
+
+    --dpo (`preference` set): the labels are a tuple, `(labels, ids)` -> the per-document log-probability sums
+    and counts stacked, [2, b, s] (the pipeline scoring the reference values), or `(labels, ids, reference
+    sums)` -> the pair loss (hybrid.model.preference), its rewards statistics kept in `preference_stats`."""
 
     def __init__(self, groups, vocab_size: int):
+        self.groups, self.vocab_size = groups, vocab_size
         self.lm_loss = LMLoss(groups, vocab_size)
         self.token_scale: Optional[torch.Tensor] = None
+        self.preference: Optional[DPOOptions] = None
+        self.preference_stats = PreferenceStats()
         self.__name__ = "LMLoss"  # DeepSpeed logs the loss function's name
 
     def __call__(self, logits, labels):
-        return self.lm_loss.of_whole_sequences(logits, labels, self.token_scale)
+        if not isinstance(labels, tuple):
+            return self.lm_loss.of_whole_sequences(logits, labels, self.token_scale)
+        labels, ids, *reference = labels
+        sums = preference.document_logps(logits, labels, ids, self.groups, self.vocab_size, self.preference.separator)
+        if not reference:
+            return torch.stack(sums)
+        loss, stats = preference.dpo_loss(sums, (reference[0], None), self.preference, self.token_scale)
+        self.preference_stats.add(stats)
+        return loss
 
 
 def pipeline_layers(config: ModelConfig, groups) -> list:
@@ -139,6 +156,7 @@ def build_pipeline_module(config: ModelConfig, groups, partition: str = "paramet
         activation_checkpoint_interval=max(1, config.recompute_num_layers) if full_uniform else 0,
         checkpointable_layers=[PipelineTransformerLayer.__name__],
     )
+    module.preference_stats = module.loss_fn.preference_stats  # --dpo's rewards (the last stage's), as GPTModel's
     if config.recompute_granularity == "full" and config.recompute_method == "block":
         stage_layers = [f for f in module.forward_funcs if isinstance(f, PipelineTransformerLayer)]
         for layer in stage_layers[: config.recompute_num_layers]:

@@ -134,13 +134,17 @@ class PreferenceStats:
     def add(self, stats: torch.Tensor) -> None:
         self.pending.append(stats)
 
-    def metrics(self, dp=None) -> dict:
+    def metrics(self, dp=None, pp=None, device=None) -> dict:
         """Means over the pairs of every DP rank (`dp`: the data-parallel Axis): rewards of the chosen and rejected
-        answers, margin, accuracy."""
-        if not self.pending:
+        answers, margin, accuracy. With a pipeline (`pp`, its Axis; `device`: where the sums are), the last
+        stage's, given to every stage; every rank calls this at the same iteration."""
+        staged = pp is not None and pp.size > 1
+        if not self.pending and not staged:
             return {}
-        total = torch.stack(self.pending).sum(0)
+        total = torch.stack(self.pending).sum(0) if self.pending else torch.zeros(4, device=device)
         self.pending = []
+        if staged:  # only the last stage computed the loss: a sum over the stages is its values
+            dist.all_reduce(total, group=pp.group)
         if dp is not None and dp.size > 1:
             dist.all_reduce(total, group=dp.group)
         chosen, rejected, correct, pairs = total.tolist()

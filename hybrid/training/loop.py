@@ -96,7 +96,7 @@ class Trainer:
         per_iteration = seconds() / len(pending)
         extra = dict(self.moe.metrics() if self.moe else {})  # this rank's MoE layers, per micro-batch
         if self.preference:  # --dpo: rewards, margin and accuracy over the interval's pairs (every DP rank's)
-            extra.update(self.preference.metrics(self.groups.dp))
+            extra.update(self.preference.metrics(self.groups.dp, self.groups.pp, self.device))
         stall = self.saver.take_stall()
         if stall:  # the time the training thread spent saving since the last record (not in the iteration time)
             extra["checkpoint_stall_s"] = stall

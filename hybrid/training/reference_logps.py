@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from hybrid.data.batches import Collator, to_device
 from hybrid.errors import ConfigError
+from hybrid.training import resume
 from hybrid.training.logging import log
 
 _VERSION = 1
@@ -46,22 +47,46 @@ def windows_key(parts: list) -> str:
     return h.hexdigest()
 
 
+def model_scorer(reference):
+    """Scores micro-batches with a whole model (PP = 1): each one's (sums, counts) [b, s]."""
+    return lambda batches: [reference(ids, labels, document_logps=True) for ids, labels in batches]
+
+
+def pipeline_scorer(engine):
+    """Scores micro-batches with DeepSpeed's pipeline (its forward-only schedule, dropout off): the last stage
+    gets each one's (sums, counts) [b, s] from the pipeline's loss (hybrid.model.deepspeed_pipeline.PipelineLoss,
+    labels `(labels, ids)`); the other stages get None."""
+    def score(batches):
+        outputs = engine.eval_batch(data_iter=iter([(ids, (labels, ids)) for ids, labels in batches]),
+                                    reduce_output=None, bcast_loss=False, num_micro_batches=len(batches))
+        engine.module.train()
+        return [tuple(values) for values in outputs] if engine.is_last_stage() else None
+    return score
+
+
 @torch.no_grad()
-def score_windows(reference, part, groups, device: torch.device, micro: int) -> np.ndarray:
-    """[windows, D] float32: each window's per-document log-probability sums under `reference` (D: up to the
-    last document any window has with loss tokens), the same on every rank."""
-    collate, dp = Collator(), groups.dp
+def score_windows(score, part, groups, device: torch.device, micro: int, per_call: int = 1) -> np.ndarray:
+    """[windows, D] float32: each window's per-document log-probability sums (D: up to the last document any
+    window has with loss tokens), the same on every rank. `score`: a list of `per_call` micro-batches of `micro`
+    windows -> their (sums, counts), or None on a rank that does not compute them (a pipeline's other stages)."""
+    collate, dp, pp = Collator(), groups.dp, groups.pp
     n = part.windows
     per_rank = -(-n // dp.size)
     mine = [dp.rank + dp.size * i for i in range(per_rank)]
     rows, width = {}, 1
-    for start in range(0, per_rank, micro):
-        chunk = mine[start:start + micro]
-        chunk += [chunk[-1]] * (micro - len(chunk))  # the same forwards on every rank; the copies are not kept
+    step = micro * per_call
+    for start in range(0, per_rank, step):
+        chunk = mine[start:start + step]
+        chunk += [chunk[-1]] * (step - len(chunk))  # the same forwards on every rank; the copies are not kept
         windows = [min(w, n - 1) for w in chunk]
-        ids, labels = to_device(collate([{"text": torch.from_numpy(part.tokens[w].astype(np.int64)),
-                                          "loss_mask": torch.from_numpy(part.mask[w])} for w in windows]), device)
-        sums, counts = reference(ids, labels, document_logps=True)
+        batches = [to_device(collate([{"text": torch.from_numpy(part.tokens[w].astype(np.int64)),
+                                       "loss_mask": torch.from_numpy(part.mask[w])} for w in windows[k:k + micro]]),
+                             device) for k in range(0, step, micro)]
+        scored = score(batches)
+        if scored is None:
+            continue
+        sums = torch.cat([s for s, _ in scored])
+        counts = torch.cat([c for _, c in scored])
         # each row up to its last document with loss tokens (the rest of a window is separators)
         last = torch.where(counts > 0, torch.arange(counts.size(1), device=device), -1).max(1).values.tolist()
         for row, w in enumerate(chunk):
@@ -69,14 +94,17 @@ def score_windows(reference, part, groups, device: torch.device, micro: int) -> 
                 rows[w] = sums[row, :last[row] + 1].clone()
                 width = max(width, last[row] + 1)
     size = torch.tensor([width], device=device)
-    if dp.size > 1:
-        dist.all_reduce(size, op=dist.ReduceOp.MAX, group=dp.group)
+    for axis in (dp, pp):
+        if axis.size > 1:
+            dist.all_reduce(size, op=dist.ReduceOp.MAX, group=axis.group)
     width = int(size)
     table = torch.zeros(n, width, device=device, dtype=torch.float32)
     for w, values in rows.items():
         table[w, :len(values)] = values
     if dp.size > 1:
         dist.all_reduce(table, group=dp.group)  # each window is one DP rank's
+    if pp.size > 1:  # the last stage's values, to every stage (the others' are zeros)
+        dist.all_reduce(table, group=pp.group)
     return table.cpu().numpy()
 
 
@@ -104,33 +132,50 @@ def _write(path: str, key: str, tables: list[np.ndarray]) -> None:
     os.replace(tmp, path)
 
 
-def prepare(run, groups, engine, datasets, build_reference) -> Optional[torch.nn.Module]:
+def _score(run, groups, engine, parts, score, per_call: int, scorer: str) -> list[np.ndarray]:
+    """Every part's table, written to --dpo-reference-logps (rank 0; a temporary name, renamed when whole)."""
+    path, begun, device = run.training.dpo.reference_logps, time.perf_counter(), torch.device(engine.device)
+    tables = [score_windows(score, p, groups, device, run.training.micro_batch_size, per_call) for p in parts]
+    if dist.get_rank() == 0:
+        _write(path, windows_key(parts), tables)
+    dist.barrier()
+    log(f"--dpo-reference-logps {path}: scored {sum(map(len, tables))} windows with {scorer} (the --load-hf weights) "
+        f"in {time.perf_counter() - begun:.1f}s, written")
+    return tables
+
+
+def prepare(run, groups, engine, datasets, build_reference, start) -> tuple[Optional[torch.nn.Module], tuple]:
     """--dpo: the reference model for the steps, or None when its log-probabilities ride with the windows
-    (--dpo-reference-logps: read from FILE, or computed here, written and the model freed)."""
+    (--dpo-reference-logps: read from FILE, or computed here and written); and `start()`'s result (where the run
+    starts: hybrid.training.resume.start), called here because a pipeline scores with its own weights once they
+    are --load-hf's: after `start()` loaded them, or before `start()` loads a checkpoint over them."""
     options = run.training.dpo
     engine.module.preference = options
+    if run.deepspeed_pipeline:
+        engine.module.loss_fn.preference = options
     path = options.reference_logps
     parts = [p for ds in datasets[:2] if ds is not None for p in chat_parts(ds)]
-    key = windows_key(parts) if path else None
     if path and os.path.exists(path):
-        tables = _read(path, key, len(parts))
+        tables = _read(path, windows_key(parts), len(parts))
         log(f"--dpo-reference-logps {path}: the reference log-probabilities of {sum(map(len, tables))} windows, "
             f"read; no reference model is built")
-    else:
+        begun = start()
+    elif not run.deepspeed_pipeline:  # a frozen copy of the --load-hf model (before start(), which restores RNG)
         reference = build_reference(run, groups, engine)
         if not path:
-            return reference
-        start = time.perf_counter()
-        device = torch.device(engine.device)
-        tables = [score_windows(reference, p, groups, device, run.training.micro_batch_size) for p in parts]
-        del reference
-        if device.type == "cuda":
+            return reference, start()
+        tables = _score(run, groups, engine, parts, model_scorer(reference), 1, "the reference model")
+        del reference  # freed: training holds one model
+        if torch.device(engine.device).type == "cuda":
             torch.cuda.empty_cache()
-        if dist.get_rank() == 0:
-            _write(path, key, tables)
-        dist.barrier()
-        log(f"--dpo-reference-logps {path}: scored {sum(map(len, tables))} windows with the reference model in "
-            f"{time.perf_counter() - start:.1f}s, written; the reference model is freed")
+        begun = start()
+    else:  # the pipeline itself, holding the --load-hf weights
+        from_hf = resume.starts_from_hf(run)
+        begun = start() if from_hf else resume.load_hf(engine, run, groups)
+        tables = _score(run, groups, engine, parts, pipeline_scorer(engine), engine.gradient_accumulation_steps(),
+                        "the pipeline")
+        if not from_hf:
+            begun = start()  # the checkpoint over the --load-hf weights
     for part, table in zip(parts, tables):
         part.reference_logps = table
-    return None
+    return None, begun

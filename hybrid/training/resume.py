@@ -52,10 +52,15 @@ def already_finished(run: RunConfig) -> bool:
 def start(engine, run: RunConfig, groups) -> tuple[int, int]:
     """Where the run starts: the checkpoint in --load when there is one (a restart), else --load-hf's
     weights, else --load's messages, else from scratch. Returns (iteration, consumed samples)."""
-    c = run.checkpoint
-    if c.load_hf and not (c.load and os.path.isdir(c.load) and latest_tag(c.load)):
+    if starts_from_hf(run):
         return load_hf(engine, run, groups)
-    return load(engine, run, groups) if c.load else (0, 0)
+    return load(engine, run, groups) if run.checkpoint.load else (0, 0)
+
+
+def starts_from_hf(run: RunConfig) -> bool:
+    """The run begins at --load-hf's weights: given, and no checkpoint in --load to restart from."""
+    c = run.checkpoint
+    return bool(c.load_hf) and not (c.load and os.path.isdir(c.load) and latest_tag(c.load))
 
 
 def load_hf(engine, run: RunConfig, groups) -> tuple[int, int]:

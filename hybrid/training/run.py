@@ -6,6 +6,7 @@ A user's mistake ends in one message and exit status 2; a dead or silent peer in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -97,6 +98,9 @@ def _epochs_as_samples(args, tokenizer) -> None:
     if args.train_iters or args.train_samples or args.train_tokens or args.train_epochs < 1:
         raise ConfigError(f"--train-epochs {args.train_epochs}: a positive number of epochs, instead of "
                           f"--train-iters / --train-samples / --train-tokens (give one).")
+    if args.sft_streaming:
+        raise ConfigError("--train-epochs with --sft-streaming: an epoch's windows are known only once the file is "
+                          "tokenized; give --train-iters or --train-samples, or drop --sft-streaming.")
     data = data_config(args)
     encoder = ChatEncoder(tokenizer.to_transformers(), "--tokenizer-model", data.chat)
     windows = train_windows(data, args.seq_length, args.seed, encoder)
@@ -145,8 +149,11 @@ def _train(run: RunConfig, args, tokenizer) -> None:
     model_parallel_seed(run.training.seed, groups.tp.rank, groups.sequence.rank)
     datasets = build_datasets(run.data, run.training, tokenizer.vocab_size, tokenizer)
     engine, _ = build_engine(run, groups)
-    reference = reference_logps.prepare(run, groups, engine, datasets, build_reference) if run.training.dpo else None
-    iteration, consumed = resume.start(engine, run, groups)
+    start = functools.partial(resume.start, engine, run, groups)
+    if run.training.dpo:  # the reference model, or its values read or scored with the windows; then the start
+        reference, (iteration, consumed) = reference_logps.prepare(run, groups, engine, datasets, build_reference, start)
+    else:
+        reference, (iteration, consumed) = None, start()
     Trainer(run, groups, engine, datasets, getattr(tokenizer, "eod", None), reference).train(iteration, consumed)
 
 

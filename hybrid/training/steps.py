@@ -76,16 +76,22 @@ class EngineStep:
 class DeepSpeedPipelineStep:
     """PP > 1 with DeepSpeed's PipelineEngine (its 1F1B TrainSchedule); DeepSpeed's returned loss is
     already the DP mean, on every stage. The per-token scale goes to the pipeline's loss
-    (hybrid.model.deepspeed_pipeline.PipelineLoss), which the engine calls itself."""
+    (hybrid.model.deepspeed_pipeline.PipelineLoss), which the engine calls itself. With --dpo the labels
+    travel to the last stage as `(labels, ids, reference sums)` (the values ride in the batches:
+    --dpo-reference-logps), the scale is per pair."""
 
-    def __init__(self, engine, groups, per_token: bool = False):
-        self.engine, self.groups = engine, groups
+    def __init__(self, engine, groups, per_token: bool = False, dpo=None):
+        self.engine, self.groups, self.dpo = engine, groups, dpo
         self.loss_fn = engine.module.loss_fn
         self.per_token = PerTokenScale(groups, torch.device(engine.device)) if per_token else None
+        if dpo is not None:
+            self.per_token = PerPairScale(groups, torch.device(engine.device), dpo.separator)
 
     def _micro_batches(self, batches):
         micro = take(batches, self.engine.gradient_accumulation_steps())
         self.loss_fn.token_scale = self.per_token(micro) if self.per_token else None
+        if self.dpo is not None:
+            return iter([(ids, (labels, ids, *extra)) for ids, labels, *extra in micro])
         return iter(micro)
 
     def train(self, batches) -> torch.Tensor:
@@ -101,13 +107,13 @@ class DeepSpeedPipelineStep:
 
 def build_step(run, groups, engine, reference=None):
     """The step of this run: DeepSpeed's pipeline, a torch.distributed.pipelining schedule, or the
-    plain engine (`reference`: --dpo's frozen model, None where --dpo-reference-logps puts its values in the
-    batches; PP = 1 only, the capability table says)."""
+    plain engine (`reference`: --dpo's frozen model at PP = 1, None where --dpo-reference-logps puts its values in
+    the batches, as a pipeline needs; the capability table says)."""
     training = run.training
     if run.virtual_pipeline:
         return TorchPipelineStep(engine, engine.module, groups, run.pipeline.schedule, training.grad_acc_steps,
                                  torch.device(engine.device), training.micro_batch_size, training.seq_length,
                                  training.per_token_loss)
     if run.deepspeed_pipeline:
-        return DeepSpeedPipelineStep(engine, groups, training.per_token_loss)
+        return DeepSpeedPipelineStep(engine, groups, training.per_token_loss, training.dpo)
     return EngineStep(engine, groups, training.grad_acc_steps, training.per_token_loss, training.dpo, reference)
