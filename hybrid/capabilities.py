@@ -255,12 +255,6 @@ RULES = [
          lambda s: f"--dpo at --pipeline-model-parallel-size {s.pp} takes the reference log-probabilities from a "
                    f"file: add --dpo-reference-logps FILE (the pipeline scores every window with the starting "
                    f"weights once before the first iteration and writes FILE; later runs read it)."),
-    Rule("dpo-torch-schedule", "--dpo with interleaved/zero-bubble/ZB-V/DualPipeV",
-         "the torch schedules hand the loss one target tensor per micro-batch; the pair loss needs the ids and the "
-         "reference values beside the labels (DeepSpeed's 1F1B carries them)",
-         lambda s: s.dpo and s.torch_schedule,
-         lambda s: f"--dpo with --pipeline-schedule {s.schedule}: the pair loss runs with DeepSpeed's 1f1b schedule; "
-                   f"use --pipeline-schedule 1f1b (and --dpo-reference-logps FILE)."),
     Rule("cpu-offloading-recompute", "--cpu-offloading without --recompute-granularity full",
          "the offloaded tensors are the checkpointed layer inputs (DeepSpeed's cpu_checkpointing), which only full "
          "recompute keeps",

@@ -56,7 +56,8 @@ def _setup(plan: MemoryPlan):
                  sliding_window=model.sliding_window is not None, documents=model.splits_documents,
                  torch_compile=plan.torch_compile, experts=bool(model.num_experts), ep=plan.ep,
                  sequence_parallel=model.sequence_parallel, seq_length=plan.seq_length,
-                 heads_per_tp=model.num_attention_heads // plan.tp, groups_per_tp=model.num_query_groups // plan.tp)
+                 heads_per_tp=model.num_attention_heads // plan.tp, groups_per_tp=model.num_query_groups // plan.tp,
+                 dpo=plan.reference_model)  # --dpo without precomputed values (with them nothing is refused)
 
 
 def _fits_model(plan: MemoryPlan) -> bool:
@@ -85,6 +86,8 @@ def _proposals(plan: MemoryPlan):
     """Single changes that lower memory, in the order a user would try them: recompute, ZeRO stage,
     micro batch (global batch kept), optimizer offload, then more TP or PP (DP shrinks)."""
     world = plan.tp * plan.pp * plan.dp * plan.cp * plan.ulysses
+    if plan.reference_model:  # --dpo: the reference values scored once, before training, instead of a second model
+        yield "--dpo-reference-logps FILE", replace(plan, reference_model=False)
     if plan.recompute is None:
         yield "--recompute-granularity selective", _with_recompute(plan, "selective")
     if plan.recompute != "full":

@@ -56,7 +56,6 @@ EXAMPLES = {
     "fp8-param-gather": (["--fp8-format", "hybrid", "--fp8-param-gather"], 1),
     "cpu-offloading-recompute": (["--cpu-offloading", "--recompute-granularity", "selective"], 1),
     "dpo-pipeline-reference": None,  # --dpo needs pair data and --load-hf: tests/test_sft.py checks the refusal
-    "dpo-torch-schedule": None,  # the same
 }
 
 

@@ -464,8 +464,6 @@ def test_dpo_flag_mistakes_are_one_message(chat, pairs):
     from hybrid.training.run import run_training
     base = ["--dpo", "--data-path", pairs["data"], "--load-hf", chat["hf"]]
     for flags, message in [(["--pipeline-model-parallel-size", 2], "add --dpo-reference-logps FILE"),
-                           (["--pipeline-model-parallel-size", 2, "--pipeline-schedule", "zero-bubble", "--micro-batch-size", 1, "--global-batch-size", 4,
-                             "--dpo-reference-logps", "r.npz"], "the pair loss runs with DeepSpeed's 1f1b schedule"),
                            (["--sft"], "--sft and --dpo are two trainings"),
                            (["--sft-streaming", "--dpo-reference-logps", "r.npz"], "drop --sft-streaming"),
                            (["--dpo-loss-type", "ipo", "--dpo-label-smoothing", 0.1], "applies to --dpo-loss-type sigmoid")]:
@@ -485,7 +483,8 @@ DPO_RUN = ["--dpo", "--dpo-beta", 0.5, "--seq-length", 2 * SEQ, "--micro-batch-s
 REFERENCE_FILE = "{reference_logps}"  # a layout's placeholder for a file of its own test
 DPO_LAYOUTS = {"tp2_sp": LAYOUTS["tp2_sp"], "cp2": LAYOUTS["cp2"], "dp2_zero3": LAYOUTS["dp2_zero3"],
                # the pipeline scores the reference values itself (from the starting weights), then trains with them
-               "pp2_1f1b": (2, LAYOUTS["pp2"][1] + ["--dpo-reference-logps", REFERENCE_FILE])}
+               "pp2_1f1b": (2, LAYOUTS["pp2"][1] + ["--dpo-reference-logps", REFERENCE_FILE]),
+               "pp2_zbv": (2, LAYOUTS["pp2_zbv"][1] + ["--dpo-reference-logps", REFERENCE_FILE])}
 
 
 @pytest.mark.slow
@@ -496,7 +495,7 @@ def test_dpo_training_at_every_layout_gives_the_one_rank_losses_and_rewards(chat
     base = DPO_RUN + ["--load-hf", chat["hf"], "--data-path", pairs["data"]]
     want = one_rank(base)
     ranks, extra = DPO_LAYOUTS[name]
-    ckpt, restarts = tmp_path / "ckpt", REFERENCE_FILE in extra
+    ckpt, restarts = tmp_path / "ckpt", name == "pp2_1f1b"  # a restart that scores the reference values again
     extra = [tmp_path / "reference.npz" if f == REFERENCE_FILE else f for f in extra]
     extra += ["--save", ckpt, "--save-interval", 4] if restarts else []
     log = tmp_path / "log.jsonl"
@@ -538,6 +537,11 @@ def test_dry_run_counts_the_dpo_reference_model_unless_its_values_are_precompute
     assert precomputed["reference"] == 0
     assert with_reference["total"] - precomputed["total"] == with_reference["reference"]
     assert "--dpo reference model:" in outputs[0] and "--dpo reference model:" not in outputs[1]
+    # a device between the two: the advisor's first proposal is to compute the reference values once
+    gib = (with_reference["total"] + precomputed["total"]) / 2 / 0.9 / 2 ** 30
+    proc = _train(*map(str, flags + ["--gpu-memory-gb", gib]))
+    advice = json.loads(proc.stdout.strip().splitlines()[-1])["dry_run"]["advice"]
+    assert not advice["fits"] and advice["change"] == "--dpo-reference-logps FILE", advice
 
 
 @pytest.mark.slow

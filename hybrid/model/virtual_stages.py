@@ -18,6 +18,7 @@ from hybrid.model.config import ModelConfig
 from hybrid.model.embedding import Embedding, OutputHead, TiedOutputEmbedding, parallel_logits
 from hybrid.model.naming import TIED_COPY
 from hybrid.model.norms import build_norm
+from hybrid.model.preference import PreferenceStats
 from hybrid.model.recompute import run_layers
 from hybrid.model.sequence import sequence_layout, stage_layout_of
 from hybrid.model.transformer import TransformerLayer
@@ -52,6 +53,7 @@ class PipelineRankModel(nn.Module):
             self.tied_output.word_embeddings.weight.ds_pipe_replicated = True
         # plain list: the stages are views, not a second registration of the same parameters
         self.stages = [VirtualStage(self, plan) for plan in self.plans]
+        self.preference_stats = PreferenceStats()  # --dpo's rewards (the last stage's), as GPTModel's
 
     def tied_weight(self):
         """This rank's copy of a tied embedding table that another rank also holds (loop placement)."""

@@ -17,10 +17,11 @@ import torch.distributed.pipelining.schedules as schedules
 from torch.distributed.pipelining import PipelineStage
 
 from hybrid.capabilities import TORCH_SCHEDULES, V_SHAPED
+from hybrid.model import preference
 from hybrid.model.loss import LMLoss
 from hybrid.model.virtual_stages import PipelineRankModel
 from hybrid.pipeline_plan import plan_stages
-from hybrid.training.reduction import PerTokenScale
+from hybrid.training.reduction import PerPairScale, PerTokenScale
 
 
 def schedule_class(name: str):
@@ -32,7 +33,7 @@ class TorchPipelineStep:
     step interface of hybrid.training.steps."""
 
     def __init__(self, engine, model: PipelineRankModel, groups, schedule: str, micro_batches: int, device,
-                 micro_batch: int, seq_length: int, per_token: bool = False):
+                 micro_batch: int, seq_length: int, per_token: bool = False, dpo=None):
         self.engine, self.model, self.groups, self.device = engine, model, groups, device
         self.schedule_name = schedule
         self.micro_batches = micro_batches
@@ -46,10 +47,17 @@ class TorchPipelineStep:
         lm_loss = LMLoss(groups, model.config.vocab_size)
         self.per_token = PerTokenScale(groups, device) if per_token else None
         self.token_scale = None  # --calculate-per-token-loss: this iteration's factor
+        self.dpo = dpo  # --dpo: the targets carry the ids and the reference values (preference_target)
+        if dpo is not None:
+            self.per_token = PerPairScale(groups, device, dpo.separator)
 
         def loss_fn(logits, labels):
             # whole-sequence labels (this rank's part taken there); the mean over micro-batches is taken here
             # (scale_grads=False), as DeepSpeed divides each micro-batch's loss by the accumulation steps
+            if dpo is not None:
+                loss, stats = preference_loss(logits, labels, groups, model.config.vocab_size, dpo, self.token_scale)
+                model.preference_stats.add(stats)
+                return loss / micro_batches
             return lm_loss.of_whole_sequences(logits, labels, self.token_scale) / micro_batches
 
         self.loss_fn = loss_fn
@@ -100,7 +108,10 @@ class TorchPipelineStep:
     def _batch(self, batches):
         parts = [next(batches) for _ in range(self.micro_batches)]
         self.token_scale = self.per_token(parts) if self.per_token else None
-        return torch.cat([ids for ids, _ in parts]), torch.cat([labels for _, labels in parts])
+        ids = torch.cat([ids for ids, *_ in parts])
+        if self.dpo is not None:
+            return ids, torch.cat([preference_target(ids, labels, *extra) for ids, labels, *extra in parts])
+        return ids, torch.cat([labels for _, labels, *_ in parts])
 
     def _run(self, method, ids, target, losses):
         args = (ids,) if self.has_first else ()
@@ -133,34 +144,11 @@ class TorchPipelineStep:
 
     @torch.no_grad()
     def evaluate(self, batches) -> torch.Tensor:
-        """Forward only, every micro-batch through the virtual stages in order; returns the mean loss on
-        the loss rank. Written here because torch 2.13's `schedule.eval()` runs the backward actions of
-        its V-shaped schedules ("can't steal_bwd_input if this stage doesn't have backward"); each
-        rank runs its stages in stage order and sends asynchronously, so no rank waits on a later one."""
+        """Forward only, every micro-batch through the virtual stages in order (forward_only); returns the mean
+        loss on the loss rank."""
         ids, target = self._batch(batches)
-        ids, target = ids.chunk(self.micro_batches), target.chunk(self.micro_batches)
-        group, sends, local, losses = self.groups.pp.group, [], {}, []
-        rank_of = {p.index: p.rank for p in self.plans}
-        for stage in sorted(self.model.stages, key=lambda st: st.plan.index):
-            index = stage.plan.index
-            for mb in range(self.micro_batches):
-                if stage.first:
-                    hidden = ids[mb]
-                elif rank_of[index - 1] == self.groups.pp.rank:
-                    hidden = local.pop((index, mb))
-                else:
-                    hidden = torch.empty(self._hidden_meta(ids[0].size(0), ids[0].size(1)).shape,
-                                         dtype=self._activation_dtype(), device=self.device)
-                    dist.irecv(hidden, group=group, group_src=rank_of[index - 1]).wait()
-                out = stage(hidden, input_ids=ids[mb] if self.model.config.splits_documents else None)
-                if stage.last:
-                    losses.append(self.loss_fn(out, target[mb]))
-                elif rank_of[index + 1] == self.groups.pp.rank:
-                    local[(index + 1, mb)] = out
-                else:
-                    sends.append(dist.isend(out.contiguous(), group=group, group_dst=rank_of[index + 1]))
-        for work in sends:
-            work.wait()
+        losses = forward_only(self.model, self.plans, self.groups, self.device, ids.chunk(self.micro_batches),
+                              lambda mb, out: self.loss_fn(out, target.chunk(self.micro_batches)[mb]))
         return self._sum(losses)
 
     def reduce(self, stacked: torch.Tensor) -> torch.Tensor:
@@ -171,3 +159,77 @@ class TorchPipelineStep:
             dist.all_reduce(stacked, group=self.groups.dp_cp.group)
             stacked = stacked / self.groups.dp_cp.size
         return stacked
+
+
+@torch.no_grad()
+def forward_only(model: PipelineRankModel, plans, groups, device, ids: tuple, on_output) -> list:
+    """Every micro-batch of `ids` (a tuple of [b, s] chunks) through this rank's virtual stages in stage order;
+    `on_output(mb, logits)` on the last stage's outputs, their values returned in order (empty on the other
+    ranks). Written here because torch 2.13's `schedule.eval()` runs the backward actions of its V-shaped
+    schedules ("can't steal_bwd_input if this stage doesn't have backward"); each rank runs its stages in
+    stage order and sends asynchronously, so no rank waits on a later one."""
+    group, sends, local, outputs = groups.pp.group, [], {}, []
+    rank_of = {p.index: p.rank for p in plans}
+    config = model.config
+    for stage in sorted(model.stages, key=lambda st: st.plan.index):
+        index = stage.plan.index
+        for mb in range(len(ids)):
+            if stage.first:
+                hidden = ids[mb]
+            elif rank_of[index - 1] == groups.pp.rank:
+                hidden = local.pop((index, mb))
+            else:
+                seq = ids[mb].size(1) // groups.sequence_split
+                seq = seq // groups.tp.size if config.sequence_parallel else seq
+                hidden = torch.empty(seq, ids[mb].size(0), config.hidden_size,
+                                     dtype=next(model.parameters()).dtype, device=device)
+                dist.irecv(hidden, group=group, group_src=rank_of[index - 1]).wait()
+            out = stage(hidden, input_ids=ids[mb] if config.splits_documents else None)
+            if stage.last:
+                outputs.append(on_output(mb, out))
+            elif rank_of[index + 1] == groups.pp.rank:
+                local[(index + 1, mb)] = out
+            else:
+                sends.append(dist.isend(out.contiguous(), group=group, group_dst=rank_of[index + 1]))
+    for work in sends:
+        work.wait()
+    return outputs
+
+
+# --dpo through the torch schedules: the schedule splits one target tensor into micro-batches, so the labels,
+# the ids (the packed documents) and the reference sums (fp32, their bits) travel as its rows.
+
+def preference_target(ids, labels, reference=None) -> torch.Tensor:
+    """[b, 2 or 3, s] int64: labels, ids and (when given) the reference sums' fp32 bits."""
+    rows = [labels, ids] + ([reference.float().contiguous().view(torch.int32).long()] if reference is not None else [])
+    return torch.stack(rows, 1)
+
+
+def preference_loss(logits, target, groups, vocab_size: int, options, scale):
+    """The pair loss and its rewards statistics from a preference_target with reference sums; without them
+    (2 rows) the policy's per-document (sums, counts) stacked [2, b, s], the values the reference scores."""
+    labels, ids = target[:, 0], target[:, 1]
+    sums = preference.document_logps(logits, labels, ids, groups, vocab_size, options.separator)
+    if target.size(1) == 2:
+        return torch.stack(sums), None
+    reference = target[:, 2].int().view(torch.float32)
+    return preference.dpo_loss(sums, (reference, None), options, scale)
+
+
+def torch_pipeline_scorer(model: PipelineRankModel, groups, schedule: str, device, options):
+    """Scores micro-batches with the virtual stages (forward only): each one's (sums, counts) [b, s] on the
+    rank holding the last stage, None on the others (hybrid.training.reference_logps)."""
+    plans = plan_stages(model.config.num_layers, groups.pp.size, len(model.stages), schedule)
+    has_last = any(s.last for s in model.stages)
+
+    def score(batches):
+        was_training = model.training
+        model.eval()
+        ids = tuple(i for i, _ in batches)
+        targets = [preference_target(i, labels) for i, labels in batches]
+        outputs = forward_only(model, plans, groups, device, ids,
+                               lambda mb, out: preference_loss(out, targets[mb], groups, model.config.vocab_size,
+                                                               options, None)[0])
+        model.train(was_training)
+        return [tuple(values) for values in outputs] if has_last else None
+    return score

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from hybrid.data.batches import Collator, to_device
 from hybrid.errors import ConfigError
 from hybrid.training import resume
+from hybrid.training.pipelining import torch_pipeline_scorer
 from hybrid.training.logging import log
 
 _VERSION = 1
@@ -153,6 +154,7 @@ def prepare(run, groups, engine, datasets, build_reference, start) -> tuple[Opti
     engine.module.preference = options
     if run.deepspeed_pipeline:
         engine.module.loss_fn.preference = options
+    pipeline = run.deepspeed_pipeline or run.virtual_pipeline
     path = options.reference_logps
     parts = [p for ds in datasets[:2] if ds is not None for p in chat_parts(ds)]
     if path and os.path.exists(path):
@@ -160,7 +162,7 @@ def prepare(run, groups, engine, datasets, build_reference, start) -> tuple[Opti
         log(f"--dpo-reference-logps {path}: the reference log-probabilities of {sum(map(len, tables))} windows, "
             f"read; no reference model is built")
         begun = start()
-    elif not run.deepspeed_pipeline:  # a frozen copy of the --load-hf model (before start(), which restores RNG)
+    elif not pipeline:  # a frozen copy of the --load-hf model (before start(), which restores RNG)
         reference = build_reference(run, groups, engine)
         if not path:
             return reference, start()
@@ -172,8 +174,9 @@ def prepare(run, groups, engine, datasets, build_reference, start) -> tuple[Opti
     else:  # the pipeline itself, holding the --load-hf weights
         from_hf = resume.starts_from_hf(run)
         begun = start() if from_hf else resume.load_hf(engine, run, groups)
-        tables = _score(run, groups, engine, parts, pipeline_scorer(engine), engine.gradient_accumulation_steps(),
-                        "the pipeline")
+        score = (pipeline_scorer(engine) if run.deepspeed_pipeline else
+                 torch_pipeline_scorer(engine.module, groups, run.pipeline.schedule, torch.device(engine.device), options))
+        tables = _score(run, groups, engine, parts, score, run.training.grad_acc_steps, "the pipeline")
         if not from_hf:
             begun = start()  # the checkpoint over the --load-hf weights
     for part, table in zip(parts, tables):

@@ -113,7 +113,7 @@ def build_step(run, groups, engine, reference=None):
     if run.virtual_pipeline:
         return TorchPipelineStep(engine, engine.module, groups, run.pipeline.schedule, training.grad_acc_steps,
                                  torch.device(engine.device), training.micro_batch_size, training.seq_length,
-                                 training.per_token_loss)
+                                 training.per_token_loss, training.dpo)
     if run.deepspeed_pipeline:
         return DeepSpeedPipelineStep(engine, groups, training.per_token_loss, training.dpo)
     return EngineStep(engine, groups, training.grad_acc_steps, training.per_token_loss, training.dpo, reference)
