@@ -644,3 +644,22 @@ def test_streamed_training_at_dp2_equals_one_rank_and_resumes_at_the_next_window
     resumed = tmp_path / "resumed.jsonl"
     run("python", 1, base + ["--log-json", resumed, "--load", ckpt])
     assert [r["lm_loss"] for r in read_log(resumed)] == want[4:]
+
+
+def test_a_bad_row_met_by_the_stream_is_one_message_naming_file_and_line_or_counted(chat, tmp_path):
+    rows = [as_row(c, "messages") for c in conversations(30, seed=2)]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows[:20]) + "\n{not json\n" +
+                    "\n".join(json.dumps(r) for r in rows[20:]) + "\n")
+    strict = _stream(str(path), ChatEncoder(chat["tok"], "t", ChatOptions()), (0, 31), buffer=4)
+    with pytest.raises(ConfigError, match=r"bad.jsonl line 21: not valid JSON .*\(--sft-skip-bad counts"):
+        for index in range(31):  # when the stream reaches the row
+            strict[index]
+    strict.close()
+    encoder = ChatEncoder(chat["tok"], "t", ChatOptions(skip_bad=True))
+    lenient = _stream(str(path), encoder, (0, 31), buffer=4, cache=str(tmp_path / "lenient"))
+    windows = []
+    while not windows or lenient._window(len(windows) - 1)[0] == 0:
+        windows.append(lenient[len(windows)]["text"].numpy())
+    lenient.close()
+    assert len(_documents(windows[:-1], encoder.separator)) == 30  # the epoch: every good row, the bad one skipped

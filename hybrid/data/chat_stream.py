@@ -160,16 +160,27 @@ def stream_windows(path: str, rows: tuple[int, int], encoder: ChatEncoder, width
                 f"{encoder.options.truncation}); {counts.conversations} tokenized in {time.time() - started:.1f}s")
 
 
-def _produce(out, first: int, arguments: dict) -> None:
+def _produce(out, first: int, arguments: dict, parent: int) -> None:
     """The background process: windows `first`, `first + 1`, ... into `out` (a bounded queue), each as
-    (index, epoch, tokens, mask); a bad row ends the stream with ("error", message)."""
+    (index, epoch, tokens, mask); a bad row ends the stream with ("error", message). It ends itself when the
+    training process `parent` is gone (killed, so it never closed the stream)."""
     torch.set_num_threads(1)
+
+    def put(item):
+        while True:
+            try:
+                out.put(item, timeout=5.0)
+                return
+            except queue.Full:
+                if os.getppid() != parent:
+                    raise SystemExit(0) from None
+
     try:
         for index, (epoch, tokens, mask) in enumerate(stream_windows(**arguments)):
             if index >= first:
-                out.put((index, epoch, tokens, mask))
+                put((index, epoch, tokens, mask))
     except (BadRow, ConfigError) as e:
-        out.put(("error", str(e)))
+        put(("error", str(e)))
 
 
 class StreamingChatDataset(torch.utils.data.Dataset):
@@ -192,8 +203,8 @@ class StreamingChatDataset(torch.utils.data.Dataset):
     def _start(self, first: int) -> None:
         context = multiprocessing.get_context("fork")
         self._queue = context.Queue(maxsize=AHEAD)
-        self._process = context.Process(target=_produce, args=(self._queue, first, self.arguments), daemon=True,
-                                        name="hybrid-sft-stream")
+        self._process = context.Process(target=_produce, args=(self._queue, first, self.arguments, os.getpid()),
+                                        daemon=True, name="hybrid-sft-stream")
         self._process.start()
         self._next = first
 

@@ -28,7 +28,6 @@ import torch.distributed as dist
 from hybrid.data.batches import Collator, to_device
 from hybrid.errors import ConfigError
 from hybrid.training import resume
-from hybrid.training.pipelining import torch_pipeline_scorer
 from hybrid.training.logging import log
 
 _VERSION = 1
@@ -174,8 +173,13 @@ def prepare(run, groups, engine, datasets, build_reference, start) -> tuple[Opti
     else:  # the pipeline itself, holding the --load-hf weights
         from_hf = resume.starts_from_hf(run)
         begun = start() if from_hf else resume.load_hf(engine, run, groups)
-        score = (pipeline_scorer(engine) if run.deepspeed_pipeline else
-                 torch_pipeline_scorer(engine.module, groups, run.pipeline.schedule, torch.device(engine.device), options))
+        if run.deepspeed_pipeline:
+            score = pipeline_scorer(engine)
+        else:
+            # not at the top: torch.distributed.pipelining takes 1.3 s to import, and only these schedules use it
+            from hybrid.training.pipelining import torch_pipeline_scorer
+            score = torch_pipeline_scorer(engine.module, groups, run.pipeline.schedule, torch.device(engine.device),
+                                          options)
         tables = _score(run, groups, engine, parts, score, run.training.grad_acc_steps, "the pipeline")
         if not from_hf:
             begun = start()  # the checkpoint over the --load-hf weights

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.training.pipelining import TorchPipelineStep
 from hybrid.training.reduction import PerPairScale, PerTokenScale, dp_mean, take
 
 
@@ -111,6 +110,8 @@ def build_step(run, groups, engine, reference=None):
     the batches, as a pipeline needs; the capability table says)."""
     training = run.training
     if run.virtual_pipeline:
+        # not at the top: torch.distributed.pipelining takes 1.3 s to import, and only these schedules use it
+        from hybrid.training.pipelining import TorchPipelineStep
         return TorchPipelineStep(engine, engine.module, groups, run.pipeline.schedule, training.grad_acc_steps,
                                  torch.device(engine.device), training.micro_batch_size, training.seq_length,
                                  training.per_token_loss, training.dpo)
