@@ -76,11 +76,8 @@ class TorchPipelineStep:
         return next(self.model.parameters()).dtype
 
     def _hidden_meta(self, micro_batch: int, seq_length: int):
-        config, tp = self.model.config, self.groups.tp.size
-        seq = seq_length // self.groups.sequence_split  # this rank's part under CP / Ulysses
-        seq = seq // tp if config.sequence_parallel else seq
-        return torch.empty(seq, micro_batch, config.hidden_size, dtype=self._activation_dtype(), device="meta",
-                           requires_grad=True)
+        return torch.empty(hidden_shape(self.model.config, self.groups, micro_batch, seq_length),
+                           dtype=self._activation_dtype(), device="meta", requires_grad=True)
 
     def _input_meta(self, stage, micro_batch: int, seq_length: int):
         if stage.first:
@@ -147,8 +144,9 @@ class TorchPipelineStep:
         """Forward only, every micro-batch through the virtual stages in order (forward_only); returns the mean
         loss on the loss rank."""
         ids, target = self._batch(batches)
+        targets = target.chunk(self.micro_batches)
         losses = forward_only(self.model, self.plans, self.groups, self.device, ids.chunk(self.micro_batches),
-                              lambda mb, out: self.loss_fn(out, target.chunk(self.micro_batches)[mb]))
+                              lambda mb, out: self.loss_fn(out, targets[mb]))
         return self._sum(losses)
 
     def reduce(self, stacked: torch.Tensor) -> torch.Tensor:
@@ -159,6 +157,13 @@ class TorchPipelineStep:
             dist.all_reduce(stacked, group=self.groups.dp_cp.group)
             stacked = stacked / self.groups.dp_cp.size
         return stacked
+
+
+def hidden_shape(config, groups, micro_batch: int, seq_length: int) -> tuple:
+    """The hidden states one stage sends the next: [s, b, h], s this rank's part under CP / Ulysses and SP."""
+    seq = seq_length // groups.sequence_split
+    seq = seq // groups.tp.size if config.sequence_parallel else seq
+    return seq, micro_batch, config.hidden_size
 
 
 @torch.no_grad()
@@ -179,9 +184,7 @@ def forward_only(model: PipelineRankModel, plans, groups, device, ids: tuple, on
             elif rank_of[index - 1] == groups.pp.rank:
                 hidden = local.pop((index, mb))
             else:
-                seq = ids[mb].size(1) // groups.sequence_split
-                seq = seq // groups.tp.size if config.sequence_parallel else seq
-                hidden = torch.empty(seq, ids[mb].size(0), config.hidden_size,
+                hidden = torch.empty(hidden_shape(config, groups, ids[mb].size(0), ids[mb].size(1)),
                                      dtype=next(model.parameters()).dtype, device=device)
                 dist.irecv(hidden, group=group, group_src=rank_of[index - 1]).wait()
             out = stage(hidden, input_ids=ids[mb] if config.splits_documents else None)
