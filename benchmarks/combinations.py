@@ -41,6 +41,7 @@ class Feature:
     ranks: int = 1  # the factor on the world size
     kind: str = "layout"  # layout: same mathematics as one rank; model / precision / dropout: changes it
     group: str = ""  # features of one group are alternatives (never paired)
+    paired: bool = True  # in the sweep's singles and pairs (False: only in the triples that name it)
 
 
 FEATURES = {
@@ -80,12 +81,20 @@ FEATURES = {
     "fp8_delayed": Feature(("--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", 4,
                             "--fp8-amax-compute-algo", "max"), kind="precision", group="fp8"),
     "dropout": Feature(("--hidden-dropout", 0.1, "--attention-dropout", 0.1), kind="dropout"),
+    # one sample per micro-batch: as many micro-batches at DP 2 as DualPipeV's 2 x PP needs (the one-rank run's
+    # mean over the same 8 samples is the same)
+    "micro1": Feature(("--micro-batch-size", 1), group="batch", paired=False),
 }
+PIPELINES = ("pp2", "pp2_interleaved", "pp2_zero_bubble", "pp2_zbv", "pp2_dualpipev")
 # the triples users run (TP x PP with ZeRO, CP x TP, EP x TP, EP x CP, ...), within 4 ranks
 TRIPLES = [("tp2_sp", "pp2", "zero1"), ("tp2_sp", "pp2_interleaved", "llama"), ("cp2", "tp2_sp", "llama"),
            ("ep2", "tp2_sp", "zero1"), ("ep2", "cp2", "zero2"), ("cp2", "pp2", "documents"),
            ("ulysses2", "tp2_sp", "documents"), ("tp2_sp", "pp2", "recompute_full"), ("dp2", "zero3", "llama"),
            ("cp2", "dp2", "zero3")]
+# every schedule at PP 2 x DP 2 with ZeRO-2, ZeRO-3 and ZeRO-3 + offload (the one runtime), and TP 2 x PP 2 ZeRO-3
+TRIPLES += [("dp2", pipeline, *(("micro1",) if pipeline == "pp2_dualpipev" else ()), zero)
+            for pipeline in PIPELINES for zero in ("zero2", "zero3", "zero3_offload")]
+TRIPLES += [("tp2_sp", "pp2", "zero3")]
 MAX_RANKS = 4
 LOSS_TOL = {"fp32": 1e-5, "bf16": 2e-2}
 
@@ -217,9 +226,10 @@ def evaluate_combination(names: tuple, data: str, work: str, baselines: dict, ti
 
 
 def all_combinations() -> list:
-    pairs = [(a, b) for a, b in itertools.combinations(FEATURES, 2)
+    singles = [n for n in FEATURES if FEATURES[n].paired]
+    pairs = [(a, b) for a, b in itertools.combinations(singles, 2)
              if not (FEATURES[a].group and FEATURES[a].group == FEATURES[b].group)]
-    return [(n,) for n in FEATURES] + pairs + TRIPLES
+    return [(n,) for n in singles] + pairs + TRIPLES
 
 
 def write_matrix(results: list, out_dir: str) -> None:
@@ -227,7 +237,7 @@ def write_matrix(results: list, out_dir: str) -> None:
     by = {r["combination"]: r for r in results}
     short = {"equal": "ok", "refused": "R", "refused outside the table": "R*", "skipped": "-", "differs": "DIFF",
              "resume differs": "RESUME", "crashed": "CRASH"}
-    names = list(FEATURES)
+    names = [n for n in FEATURES if FEATURES[n].paired]
     lines = ["# Combination sweep (benchmarks/combinations.py)", "",
              "ok: 4 iterations equal one rank (fp32 within 1e-5, bf16 within 2e-2, dropout: resume only) and the "
              "resume from iteration 2 is bitwise; R: refused by a capability-table rule before any rank starts; "

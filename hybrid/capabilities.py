@@ -14,14 +14,16 @@ from typing import Callable, Optional
 
 from hybrid.errors import ConfigError
 
-# --pipeline-schedule name -> torch.distributed.pipelining class ("1f1b" is DeepSpeed's engine)
+# --pipeline-schedule name -> its torch.distributed.pipelining class (every schedule runs on it; 1f1b with fewer
+# micro-batches than stages runs as ScheduleGPipe, which its warmup then is)
 TORCH_SCHEDULES = {
+    "1f1b": "Schedule1F1B",
     "interleaved-1f1b": "ScheduleInterleaved1F1B",
     "zero-bubble": "ScheduleInterleavedZeroBubble",
     "zbv": "ScheduleZBVZeroBubble",
     "dualpipev": "ScheduleDualPipeV",
 }
-SCHEDULE_NAMES = ("1f1b", *TORCH_SCHEDULES)
+SCHEDULE_NAMES = tuple(TORCH_SCHEDULES)
 SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # backward split into input- and weight-gradient steps
 V_SHAPED = ("zbv", "dualpipev")  # first and last stage on rank 0
 
@@ -61,10 +63,12 @@ class Setup:
     cpu_offloading: bool = False  # --cpu-offloading (or activation_checkpointing.cpu_checkpointing)
     dpo: bool = False  # --dpo
     dpo_precomputed: bool = False  # --dpo-reference-logps FILE
+    fp32_grad_accumulation: bool = False  # the DeepSpeed config's data_types.grad_accum_dtype fp32 (with --bf16)
 
     @property
     def torch_schedule(self) -> bool:
-        return self.pp > 1 and self.schedule != "1f1b"
+        """A pipeline: its schedule runs on torch.distributed.pipelining (every schedule does)."""
+        return self.pp > 1
 
     @property
     def split_backward(self) -> bool:
@@ -88,55 +92,31 @@ RULES = [
          lambda s: s.cp > 1 and s.ulysses > 1,
          lambda s: f"--context-parallel-size {s.cp} with --ds-sequence-parallel-size {s.ulysses}: the sequence is "
                    f"split one way or the other; give one of them."),
-    Rule("zero23-pipeline", "ZeRO-2/3 with pipeline parallelism (any schedule)",
-         "DeepSpeed's pipeline engine supports ZeRO-0/1 only; with the torch schedules DeepSpeed's ZeRO-2 gradient "
-         "hooks, which reduce each gradient once per backward pass, meet a parameter's backward once per "
-         "micro-batch (tried: 'Gradient computed twice for this partition')",
-         lambda s: s.pp > 1 and s.zero_stage >= 2,
-         lambda s: f"ZeRO stage {s.zero_stage} (from {s.zero_source}) with --pipeline-model-parallel-size {s.pp}: "
-                   f"DeepSpeed's pipeline engine supports ZeRO-0/1 only, and with the other --pipeline-schedule "
-                   f"choices DeepSpeed's ZeRO-2/3 gradient hooks, which reduce each gradient once per backward pass, "
-                   f"meet a parameter's backward once per micro-batch. Use ds_configs/zero1.json (or "
-                   f"zero1_offload.json) with pipeline parallelism, or set --pipeline-model-parallel-size 1 for "
-                   f"ZeRO-2/3."),
     Rule("fp16-cpu", "--fp16 on a CPU", "DeepSpeed's CPU accelerator does not support fp16",
          lambda s: s.precision == "fp16" and s.accelerator == "cpu",
          lambda s: "--fp16 needs a GPU: DeepSpeed's CPU accelerator does not support fp16. Use --bf16, or drop --fp16 "
                    "to train in fp32."),
-    Rule("fp16-torch-schedule", "--fp16 with interleaved/zero-bubble/ZB-V/DualPipeV",
-         "the torch schedules run the backward themselves, without DeepSpeed's loss scaling",
-         lambda s: s.torch_schedule and s.precision == "fp16",
-         lambda s: f"--pipeline-schedule {s.schedule} with --fp16: the torch schedules run the backward themselves, "
-                   f"without DeepSpeed's loss scaling. Use --bf16."),
-    Rule("bf16-zero0-torch-schedule", "--bf16 without ZeRO with interleaved/zero-bubble/ZB-V/DualPipeV",
-         "DeepSpeed's bf16 optimizer without ZeRO accumulates gradients in its own backward",
-         lambda s: s.torch_schedule and s.precision == "bf16" and s.zero_stage == 0,
-         lambda s: f"--pipeline-schedule {s.schedule} with --bf16 needs ZeRO-1 (ds_configs/zero1.json): DeepSpeed's "
-                   f"bf16 optimizer without ZeRO accumulates gradients in its own backward."),
-    Rule("recompute-split-backward", "activation recompute with zero-bubble/ZB-V/DualPipeV",
-         "tried (full and selective): DeepSpeed's reentrant checkpoint raises 'Checkpointing is not compatible "
-         "with .grad()' in the input-gradient step, which uses torch.autograd.grad",
-         lambda s: s.split_backward and bool(s.recompute),
-         lambda s: f"--recompute-granularity with --pipeline-schedule {s.schedule}: activation recompute "
-                   f"(DeepSpeed's reentrant checkpoint) cannot run inside a backward split into input- and "
-                   f"weight-gradient steps (torch.autograd.grad). Use --pipeline-schedule interleaved-1f1b with "
-                   f"recompute, or drop --recompute-granularity."),
-    Rule("compile-split-backward", "--torch-compile with zero-bubble/ZB-V/DualPipeV",
-         "tried: a compiled layer's backward is one graph computing input and weight gradients together; run in "
-         "two parts its gradients came out wrong (losses off by 1e-3 after two steps)",
-         lambda s: s.split_backward and s.torch_compile,
-         lambda s: f"--torch-compile with --pipeline-schedule {s.schedule}: a compiled layer's backward is one "
-                   f"graph, which a backward split into input- and weight-gradient steps cannot run in two parts. "
-                   f"Use --pipeline-schedule interleaved-1f1b with --torch-compile, or drop --torch-compile."),
+    Rule("bf16-fp32-accumulation-pipeline",
+         "--bf16 with ZeRO-1 and fp32 gradient accumulation (data_types.grad_accum_dtype) with pipeline parallelism",
+         "DeepSpeed 0.19's BF16_Optimizer (what that combination selects) adds every parameter's bf16 gradient to "
+         "its fp32 accumulators after each backward pass and clears them at each forward; a pipeline rank runs "
+         "several stages' backward passes between forwards (tried: the gradients came out wrong)",
+         lambda s: s.pp > 1 and s.precision == "bf16" and s.zero_stage == 1 and s.fp32_grad_accumulation,
+         lambda s: f"--bf16 with ZeRO-1 and \"data_types\": {{\"grad_accum_dtype\": \"fp32\"}} (from {s.zero_source}) "
+                   f"at --pipeline-model-parallel-size {s.pp}: DeepSpeed's BF16_Optimizer, which that selects, "
+                   f"accumulates once per forward, not per pipeline backward. Drop grad_accum_dtype (ZeRO-1 "
+                   f"accumulates bf16 gradients into its fp32 partition), or use ZeRO-2."),
     Rule("dualpipev-micro-batches", "DualPipeV with fewer than 2 x PP micro-batches",
          "its schedule needs as many micro-batches as stages",
          lambda s: s.torch_schedule and s.schedule == "dualpipev" and s.micro_batches < 2 * s.pp,
          lambda s: f"--pipeline-schedule dualpipev needs at least as many micro-batches per iteration as stages "
                    f"(2 x {s.pp}); this run has {s.micro_batches} (--global-batch-size / (--micro-batch-size x "
                    f"data-parallel size)). Raise --global-batch-size."),
-    Rule("torch-schedule-micro-batches", "a torch schedule with fewer micro-batches than PP",
-         "torch.distributed.pipelining needs at least one micro-batch per pipeline rank",
-         lambda s: s.torch_schedule and s.micro_batches < s.pp,
+    Rule("torch-schedule-micro-batches",
+         "interleaved 1F1B, zero-bubble or ZB-V with fewer micro-batches than PP",
+         "torch.distributed.pipelining's multi-stage schedules need at least one micro-batch per pipeline rank (1f1b "
+         "with fewer runs them all forward, then all backward: its own warmup and cooldown)",
+         lambda s: s.torch_schedule and s.schedule != "1f1b" and s.micro_batches < s.pp,
          lambda s: f"--pipeline-schedule {s.schedule} needs at least as many micro-batches per iteration as "
                    f"pipeline ranks ({s.pp}); this run has {s.micro_batches} (--global-batch-size / "
                    f"(--micro-batch-size x data-parallel size)). Raise --global-batch-size."),
@@ -147,10 +127,10 @@ RULES = [
                    "hooks that torch.compile cannot trace. Use ZeRO-1/2 (ds_configs/zero1.json, zero2.json) with "
                    "--torch-compile, or drop --torch-compile."),
     Rule("rampup-pipeline", "--rampup-batch-size with pipeline parallelism",
-         "the pipeline schedules fix their micro-batch count when they are built",
+         "torch.distributed.pipelining's schedules take their micro-batch count when they are built",
          lambda s: s.rampup and s.pp > 1,
-         lambda s: "--rampup-batch-size with --pipeline-model-parallel-size > 1 is not supported (DeepSpeed's "
-                   "pipeline engine fixes its micro-batch count); use a constant --global-batch-size."),
+         lambda s: "--rampup-batch-size with --pipeline-model-parallel-size > 1 is not supported (a pipeline "
+                   "schedule fixes its micro-batch count when it is built); use a constant --global-batch-size."),
     Rule("universal-zero0-fp32", "--universal-checkpoint without ZeRO in fp32",
          "DeepSpeed loads universal checkpoints into its ZeRO-1/2/3 optimizers only",
          lambda s: s.universal_checkpoint and s.zero_stage == 0 and s.precision == "fp32",
@@ -294,9 +274,9 @@ def allowed(setup: Setup) -> bool:
 
 def stage_placement(schedule: str, virtual: int) -> str:
     """Which layers each pipeline rank holds; checkpoints load plainly between runs with the same
-    placement (interleaved 1F1B and zero-bubble at the same v; ZB-V and DualPipeV)."""
-    if schedule == "1f1b":
-        return "one per rank (DeepSpeed's 1F1B engine)"
+    placement (1F1B; interleaved 1F1B and zero-bubble at the same v; ZB-V and DualPipeV)."""
+    if schedule == "1f1b" and virtual == 1:
+        return "one per rank (--pipeline-schedule 1f1b)"
     placement = "V" if schedule in V_SHAPED else "loop"
     return f"{virtual} virtual per rank, {placement} placement (--pipeline-schedule {schedule})"
 

@@ -30,7 +30,8 @@ from hybrid.megatron_compat import check_compat
 from hybrid.model.config import ModelConfig
 from hybrid.model.preference import DPOOptions
 from hybrid.parallel.dims import ParallelDims
-from hybrid.pipeline_plan import PipelineSchedule, plan_stages, resolve_partition, resolve_virtual_stages
+from hybrid.memory import partition_layers
+from hybrid.pipeline_plan import PipelineSchedule, plan_stages, resolve_virtual_stages
 from hybrid.run_length import RunLength, resolve_run_length
 
 
@@ -105,6 +106,10 @@ class CheckpointConfig:
     # made beside --save); else why not (said in the log, and Adam starts fresh)
     load_megatron_optimizer: bool = False
     megatron_optimizer_problem: Optional[str] = None
+    # --load holds DeepSpeed pipeline-engine layer files (written before the one runtime): their optimizer state
+    # loads through a universal checkpoint made beside --save (hybrid.training.resume); else why not
+    load_pipeline_engine: bool = False
+    pipeline_engine_problem: Optional[str] = None
     load_hf: Optional[str] = None  # --load-hf: the HF model directory the run starts from (when --load has none)
     async_save: bool = False  # --async-save: checkpoints written in the background from a host copy
     export_hf: Optional[str] = None  # --export-hf: HF directory written from the final checkpoint
@@ -154,14 +159,9 @@ class RunConfig:
     args: dict  # the parsed flags, saved in checkpoints
 
     @property
-    def deepspeed_pipeline(self) -> bool:
-        """Pipeline stages run by DeepSpeed's PipelineEngine (PP > 1, --pipeline-schedule 1f1b)."""
-        return self.pipeline.on_deepspeed(self.parallel.pipeline_parallel)
-
-    @property
-    def virtual_pipeline(self) -> bool:
-        """Virtual stages run by a torch.distributed.pipelining schedule (PP > 1, any other schedule)."""
-        return self.pipeline.on_torch(self.parallel.pipeline_parallel)
+    def pipelined(self) -> bool:
+        """Pipeline stages run by a torch.distributed.pipelining schedule (PP > 1)."""
+        return self.parallel.pipeline_parallel > 1
 
     @property
     def zero_stage(self) -> int:
@@ -178,7 +178,9 @@ class RunConfig:
         return SavedLayout(tensor_parallel=p.tensor_parallel, pipeline_parallel=p.pipeline_parallel,
                            data_parallel=p.data_parallel, context_parallel=p.context_parallel, ulysses=p.ulysses,
                            expert_parallel=p.expert_parallel, pipeline_schedule=self.pipeline.schedule,
-                           virtual_stages=self.pipeline.virtual_stages, zero_stage=self.zero_stage)
+                           virtual_stages=self.pipeline.virtual_stages, zero_stage=self.zero_stage,
+                           stage_files="stages" if p.pipeline_parallel > 1 else "",
+                           stage_layers=tuple(self.pipeline.stage_layers or ()))
 
 
 def config_summary(run: RunConfig) -> dict:
@@ -237,23 +239,13 @@ def _check_cp_comm_type(args) -> None:
 
 
 def _experts_on_every_stage(model: ModelConfig, dims: ParallelDims, pipeline: PipelineSchedule) -> Optional[bool]:
-    """Whether every pipeline rank holds an MoE layer, where the flags decide it (the torch schedules' stage plan,
-    an explicit --pipeline-partition); None where DeepSpeed balances the stages by parameter counts when it
-    builds them (hybrid.training.engine checks it then, with the same rule)."""
+    """Whether every pipeline rank holds an MoE layer (the stage plan); None without a pipeline of MoE layers."""
     pp = dims.pipeline_parallel
     if not model.num_experts or pp == 1:
         return None
     moe = set(model.moe_layers)
-    if pipeline.on_torch(pp):
-        plans = plan_stages(model.num_layers, pp, pipeline.virtual_stages, pipeline.schedule)
-        return all(any(moe & set(p.layers) for p in plans if p.rank == rank) for rank in range(pp))
-    method = resolve_partition(pipeline.partition, model.num_layers, pp)
-    if not method.startswith("list:"):
-        return None
-    bounds = [0]
-    for count in map(int, method.split(":", 1)[1].split(",")):
-        bounds.append(bounds[-1] + count)
-    return all(moe & set(range(start, stop)) for start, stop in zip(bounds, bounds[1:]))
+    plans = plan_stages(model.num_layers, pp, pipeline.virtual_stages, pipeline.schedule, pipeline.stage_layers)
+    return all(any(moe & set(p.layers) for p in plans if p.rank == rank) for rank in range(pp))
 
 
 def _check_data_flags(args) -> None:
@@ -537,6 +529,16 @@ def _profile(args) -> Optional[ProfileConfig]:
                          memory_snapshot=args.memory_snapshot_path if args.record_memory_history else None)
 
 
+def _pipeline(args, model: ModelConfig, dims: ParallelDims) -> PipelineSchedule:
+    """The schedule, its virtual stages and, with one stage per rank, each stage's layers (--pipeline-partition,
+    divided as DeepSpeed's PipelineModule divided them: hybrid.memory.partition_layers)."""
+    schedule, virtual = resolve_virtual_stages(args, model.num_layers, dims.pipeline_parallel)
+    layers = None
+    if dims.pipeline_parallel > 1 and virtual == 1:
+        layers = partition_layers(model, dims.tensor_parallel, dims.pipeline_parallel, args.pipeline_partition)
+    return PipelineSchedule(schedule, virtual, args.pipeline_partition, layers)
+
+
 def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path) -> Setup:
     """What the flags resolved to, as the capability table (hybrid.capabilities) reads it."""
     tp = dims.tensor_parallel
@@ -553,7 +555,8 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path
                 experts_on_every_stage=_experts_on_every_stage(model, dims, pipeline),
                 fp8=args.fp8_recipe if args.fp8_format else None, fp8_param_gather=args.fp8_param_gather,
                 cpu_offloading=dsc.cpu_offloading(args, ds), dpo=bool(args.dpo),
-                dpo_precomputed=bool(args.dpo and args.dpo_reference_logps))
+                dpo_precomputed=bool(args.dpo and args.dpo_reference_logps),
+                fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds))
 
 
 def _megatron_optimizer(args, checkpoint: CheckpointConfig, setup: Setup) -> None:
@@ -571,6 +574,32 @@ def _megatron_optimizer(args, checkpoint: CheckpointConfig, setup: Setup) -> Non
             problem = f"DeepSpeed loads it as a universal checkpoint, which this run cannot: {error}"
     checkpoint.load_megatron_optimizer = problem == "none"
     checkpoint.megatron_optimizer_problem = None if problem == "none" else problem
+
+
+def _pipeline_engine_checkpoint(args, checkpoint: CheckpointConfig, setup: Setup) -> None:
+    """--load of a checkpoint DeepSpeed's pipeline engine wrote (its layer files; every 1f1b checkpoint before the
+    one runtime): with its optimizer state it loads as a universal checkpoint, where this run can load one."""
+    if not (args.load and os.path.isdir(args.load)) or args.finetune or args.universal_checkpoint:
+        return
+    tag = read_tag(args.load)
+    if tag is None or not os.path.isdir(os.path.join(args.load, tag)):
+        return
+    try:
+        saved = read_client_state(args.load, tag)
+    except ConfigError:
+        return  # resume names what is wrong with the file
+    if saved.layout.storage != "layer_files" or saved.weights_only:
+        return
+    if args.no_load_optim:
+        checkpoint.pipeline_engine_problem = "--no-load-optim"
+    elif not args.save:
+        checkpoint.pipeline_engine_problem = "there is no --save directory to write it in as a universal checkpoint"
+    else:
+        try:
+            check(dataclasses.replace(setup, universal_checkpoint=True))
+        except ConfigError as error:
+            checkpoint.pipeline_engine_problem = f"this run cannot load it as a universal checkpoint: {error}"
+    checkpoint.load_pipeline_engine = checkpoint.pipeline_engine_problem is None
 
 
 def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_size: int,
@@ -600,12 +629,12 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     if args.export_hf and not args.save:
         raise ConfigError("--export-hf needs --save (the checkpoint it exports).")
     checkpoint = _checkpoint(args, ds)
-    pipeline = PipelineSchedule(*resolve_virtual_stages(args, model.num_layers, dims.pipeline_parallel),
-                                partition=args.pipeline_partition)
+    pipeline = _pipeline(args, model, dims)
     setup = _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path)
     check(setup)
     if getattr(args, "megatron_optimizer_problem", None) is not None:
         _megatron_optimizer(args, checkpoint, setup)
+    _pipeline_engine_checkpoint(args, checkpoint, setup)
     run = RunConfig(model=model, parallel=dims, pipeline=pipeline, training=training,
                     optimizer=_optimizer(args, optimizer, clip, length), data=data, checkpoint=checkpoint,
                     logging=_logging(args), ds_config={}, args=dict(vars(args)))

@@ -115,16 +115,19 @@ def batch_sizes(args, ds, ds_path, dp):
 
 
 def zero_stage(args, ds, ds_path, pp) -> int:
-    """The ZeRO stage from the config, --zero-stage or --use-distributed-optimizer; 0/1 with PP."""
+    """The ZeRO stage from the config, --zero-stage or --use-distributed-optimizer."""
     zero = ds.get("zero_optimization", {}) or {}
     stage = zero.get("stage")
     if args.zero_stage is not None:
         stage = agree(zero, "stage", "--zero-stage", args.zero_stage, ds_path, None, int)
     if stage is None:
         stage = 1 if args.use_distributed_optimizer else 0
-    stage = int(stage)
-    check(Setup(pp=pp, zero_stage=stage, zero_source=ds_path or "--zero-stage"), only=("zero23-pipeline",))
-    return stage
+    return int(stage)
+
+
+def fp32_grad_accumulation(ds: dict) -> bool:
+    """The config accumulates gradients in fp32 (data_types.grad_accum_dtype)."""
+    return (ds.get("data_types") or {}).get("grad_accum_dtype") in ("fp32", "float32")
 
 
 def cpu_offloading(args, ds: dict) -> bool:
@@ -145,13 +148,16 @@ def final_ds_config(ds: dict, args, run, stage: int, optimizer: dict) -> dict:
                train_batch_size=training.global_batch_size * run.parallel.sequence_split,
                gradient_accumulation_steps=training.grad_acc_steps, gradient_clipping=run.optimizer.clip_grad,
                optimizer=optimizer)
+    if run.parallel.pipeline_parallel > 1:
+        out.update(pipeline_accumulation(training.micro_batch_size, run.parallel.dp_cp))
     out.setdefault("steps_per_print", 10**9)
     out.setdefault("wall_clock_breakdown", False)
     zero = dict(out.get("zero_optimization") or {})
     zero["stage"] = stage
     out["zero_optimization"] = zero
-    if run.checkpoint.universal_checkpoint or run.checkpoint.load_megatron_optimizer:  # DeepSpeed's switch for
-        # loading universal checkpoints (a Megatron-LM checkpoint's Adam state is loaded as one)
+    c = run.checkpoint
+    if c.universal_checkpoint or c.load_megatron_optimizer or c.load_pipeline_engine:  # DeepSpeed's switch for
+        # loading universal checkpoints (a Megatron-LM or pipeline-engine checkpoint's optimizer is loaded as one)
         out["checkpoint"] = dict(out.get("checkpoint") or {}, load_universal=True)
     if cpu_offloading(args, ds):  # deepspeed.checkpointing.configure reads it (hybrid.training.engine)
         out["activation_checkpointing"] = dict(out.get("activation_checkpointing") or {}, cpu_checkpointing=True)
@@ -175,19 +181,14 @@ def final_ds_config(ds: dict, args, run, stage: int, optimizer: dict) -> dict:
     else:
         for key in ("fp16", "bf16", "bfloat16"):
             out.pop(key, None)
-    if run.model.sequence_parallel and run.parallel.pipeline_parallel > 1:
-        out.update(pipeline_ds_config(run.model))
     return out
 
 
-def pipeline_ds_config(config) -> dict:
-    """The DeepSpeed "pipeline" settings this model needs.
-
-    DeepSpeed's pipeline engine by default splits each activation sent between stages over the
-    TP group and all-gathers it on arrival, assuming activations are identical on TP ranks.
-    Under sequence parallelism each TP rank holds a different sequence shard, so that would mix
-    shards from different ranks: turn it off.
-    """
-    if config.sequence_parallel:
-        return {"pipeline": {"pipe_partitioned": False, "grad_partitioned": False}}
-    return {}
+def pipeline_accumulation(micro_batch: int, dp_cp: int) -> dict:
+    """PP > 1: the pipeline schedule owns gradient accumulation (hybrid.training.runtime). DeepSpeed's
+    caller-owned mode (`managed_gradient_accumulation: false`) makes every backward a non-boundary one and
+    `engine.step()` the boundary, and one accumulation step per engine step keeps DeepSpeed from scaling the
+    gradients that torch's schedule sends between stages (the runtime divides each micro-batch's loss by
+    their number itself)."""
+    return {"gradient_accumulation_steps": 1, "train_batch_size": micro_batch * dp_cp,
+            "managed_gradient_accumulation": False}

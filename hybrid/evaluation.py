@@ -17,7 +17,6 @@ import os
 import sys
 from typing import Optional
 
-import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -33,10 +32,12 @@ from hybrid.data.batches import Collator, to_device
 from hybrid.data.chat import ChatEncoder, ChatOptions, evaluation_windows
 from hybrid.data.indexed import IndexedDataset
 from hybrid.data.tokenizer import HFTokenizer
-from hybrid.ds_config import pipeline_ds_config
 from hybrid.errors import ConfigError
 from hybrid.flags import FlagParser
+from hybrid.memory import partition_layers
 from hybrid.model.build import build_model
+from hybrid.model.forward_only import forward_only
+from hybrid.model.objectives import LanguageModeling
 from hybrid.model.naming import canonical_buffers, canonical_parameters
 from hybrid.parallel.dims import ParallelDims
 from hybrid.parallel.groups import build_groups
@@ -170,10 +171,11 @@ def evaluate(args) -> dict:
     mine = [batch for k, batch in enumerate(batches) if k % dp == groups.dp.rank]
     device = _device()
     token_sums = args.sft  # --sft: each micro-batch's sum over its loss tokens, divided by their count at the end
-    losses = (_pipeline_losses(config, groups, parts, mine, token_sums) if pp > 1
-              else _losses(config, groups, parts, mine, device, token_sums))
+    losses = _losses(config, groups, parts, mine, device, token_sums)
     # summed on the device the backend communicates on (NCCL needs CUDA tensors), in fp32
     total = torch.stack(losses).sum().reshape(1) if losses else torch.zeros(1, device=device)
+    if pp > 1:  # the last stage's sum (the other stages hold none)
+        dist.all_reduce(total, group=groups.pp.group)
     if dp > 1:
         dist.all_reduce(total, group=groups.dp.group)
     if args.sft:
@@ -224,30 +226,20 @@ def _load(model, config, groups, parts) -> None:
 
 @torch.no_grad()
 def _losses(config, groups, parts, batches, device, token_sums: bool = False) -> list[torch.Tensor]:
-    """Each micro-batch's loss: the mean over its tokens, or (`token_sums`) their sum."""
-    model = build_model(config, groups).eval()
+    """Each micro-batch's loss, the mean over its tokens or (`token_sums`) their sum, through the training
+    runtime's forward-only pass over this rank's stages (one stage at PP = 1; a pipeline's layers split as
+    evenly as --pipeline-partition uniform splits them), on the rank holding the last stage."""
+    pipeline = PipelineSchedule()
+    if groups.pp.size > 1:
+        pipeline = PipelineSchedule(stage_layers=partition_layers(config, groups.tp.size, groups.pp.size, "uniform"))
+    model = build_model(config, groups, pipeline).eval()
     _load(model, config, groups, parts)
     model.to(device)
+    objective = LanguageModeling(groups, config.vocab_size, per_token=token_sums)
     scale = torch.ones((), device=device) if token_sums else None
-    return [model(*to_device(batch, device), token_scale=scale).float() for batch in batches]
-
-
-def _pipeline_losses(config, groups, parts, batches, token_sums: bool = False) -> list[float]:
-    """PP > 1: the checkpoint's layers split uniformly over DeepSpeed's pipeline engine, forward only."""
-    module = build_model(config, groups, PipelineSchedule(partition="uniform"))
-    _load(module, config, groups, parts)
-    if token_sums:
-        module.loss_fn.token_scale = torch.ones((), device=_device())
-    engine, *_ = deepspeed.initialize(model=module, config={
-        "train_micro_batch_size_per_gpu": batches[0][0].size(0), "gradient_accumulation_steps": 1,
-        "steps_per_print": 10**9, **pipeline_ds_config(config)}, dist_init_required=False)
-    engine.eval()
-    losses = []
-    for batch in batches:
-        loss = engine.eval_batch(data_iter=iter([to_device(batch, engine.device)]), reduce_output="avg",
-                                 bcast_loss=True)
-        losses.append(loss.detach().float().reshape(()))
-    return losses
+    moved = [to_device(batch, device) for batch in batches]
+    return forward_only(model, groups, device, [ids for ids, _ in moved],
+                        lambda mb, logits: objective.loss(logits, moved[mb][1], scale).float())
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -290,13 +290,15 @@ def _add_distributed_args(p):
                    help="context-parallel communication: p2p (the K/V ring; the one built)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--pipeline-partition", "--pp-partition-method", dest="pipeline_partition", default="parameters",
-                   help="parameters | uniform | comma-separated layers per stage (e.g. 3,5)")
+                   help="1f1b: how the layers are divided over the stages, as DeepSpeed's PipelineModule divides "
+                        "them: parameters (balanced by parameter counts) | uniform | comma-separated layers per stage "
+                        "(e.g. 3,5)")
     g.add_argument("--pipeline-schedule", default=None,
                    choices=SCHEDULE_NAMES,
-                   help="1f1b: DeepSpeed's pipeline engine, one stage per rank (default). The others run in "
-                        "torch.distributed.pipelining with DeepSpeed's optimizer: interleaved-1f1b (Megatron's "
-                        "virtual stages; default when virtual stages are set), zero-bubble (interleaved, each "
-                        "backward split into input- and weight-gradient steps), zbv (zero-bubble V: 2 stages per "
+                   help="every schedule runs in torch.distributed.pipelining, each stage registered with DeepSpeed "
+                        "(ZeRO-0/1/2/3, offload): 1f1b (one stage per rank, the default), interleaved-1f1b "
+                        "(Megatron's virtual stages; default when virtual stages are set), zero-bubble (interleaved, "
+                        "each backward split into input- and weight-gradient steps), zbv (zero-bubble V: 2 stages per "
                         "rank, first and last on rank 0), dualpipev (DeepSeek's DualPipe on a V)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="layers in each virtual stage; virtual stages per rank = num-layers / (PP x this)")

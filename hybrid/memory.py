@@ -16,9 +16,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from deepspeed.runtime import utils as ds_utils
-
 from hybrid.checkpoint.tp_layout import tp_layout
+from hybrid.errors import ConfigError
 from hybrid.model.attention import window_blocks
 from hybrid.model.config import ModelConfig
 from hybrid.model.naming import EXPERTS
@@ -81,7 +80,7 @@ def is_expert(name: str) -> bool:
 
 
 def _pipeline_units(config: ModelConfig, inventory: dict) -> list[list[str]]:
-    """Parameter names per pipeline layer, in hybrid.model.gpt.pipeline_layers order: embedding,
+    """Parameter names per pipeline layer, in the order of DeepSpeed's PipelineModule layer list: embedding,
     transformer layers, final norm, output head (tied: a second copy of the word embeddings)."""
     def names(prefix):
         return [n for n in inventory if n.startswith(prefix)]
@@ -92,49 +91,62 @@ def _pipeline_units(config: ModelConfig, inventory: dict) -> list[list[str]]:
     return units
 
 
-def stage_parameters(config: ModelConfig, tp: int, pp: int, partition: str = "parameters",
-                     schedule: str = "1f1b", virtual: int = 1) -> list[dict]:
-    """Per pipeline rank: {name: (elements, decayed)}, the transformer layers it runs and whether it
-    holds the embedding (`first`) and the final norm and head (`last`). DeepSpeed's 1F1B engine splits
-    as its PipelineModule does (its own `partition_balanced` on parameter counts,
-    `type:TransformerLayer` for uniform, or an explicit list); the torch.distributed.pipelining
-    schedules as hybrid.pipeline_plan places their virtual stages."""
-
+def partition_layers(config: ModelConfig, tp: int, pp: int, partition: str = "parameters") -> tuple:
+    """Transformer layers per pipeline stage with one stage per rank (--pipeline-schedule 1f1b), divided as
+    DeepSpeed's PipelineModule divides its layer list (embedding, transformer layers, final norm, head):
+    its own `partition_balanced` on parameter counts (`parameters`, the default), on transformer layers
+    (`uniform`), or an explicit list; so checkpoints DeepSpeed's pipeline engine wrote keep their stages. The
+    embedding stays with the first stage, the final norm and head with the last."""
+    if config.num_layers < pp:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {config.num_layers}: "
+                          f"every stage needs at least one layer.")
+    from deepspeed.runtime import utils as ds_utils  # not at the top: flags are checked before DeepSpeed loads
     inventory = parameter_inventory(config, tp)
     units = _pipeline_units(config, inventory)
-    if pp == 1:
-        return [{"params": inventory, "layers": list(range(config.num_layers)), "first": True, "last": True}]
-    if schedule != "1f1b":
-        return _virtual_stage_parameters(config, inventory, units, pp, schedule, virtual)
     method = resolve_partition(partition, config.num_layers, pp)
     if method == "parameters":
         bounds = ds_utils.partition_balanced([sum(inventory[n][0] for n in u) for u in units], pp)
     elif method.startswith("type:"):
-        weights = [0] + [1] * config.num_layers + [0, 0]
-        bounds = ds_utils.partition_balanced(weights, pp)
+        bounds = ds_utils.partition_balanced([0] + [1] * config.num_layers + [0, 0], pp)
     else:
         bounds = list_partition_bounds(method, len(units))
-    stages = []
-    for s in range(pp):
-        names = [n for u in units[bounds[s]:bounds[s + 1]] for n in u]
-        layers = [i for i in range(config.num_layers) if bounds[s] <= i + 1 < bounds[s + 1]]
-        stages.append({"params": {n: inventory[n] for n in dict.fromkeys(names)}, "layers": layers,
-                       "first": s == 0, "last": s == pp - 1})
-    return stages
+    counts = tuple(sum(1 for i in range(config.num_layers) if bounds[s] <= i + 1 < bounds[s + 1]) for s in range(pp))
+    if min(counts) < 1:
+        raise ConfigError(f"--pipeline-partition {partition} gives the {pp} stages {list(counts)} transformer layers "
+                          f"(the embedding and head weigh as much as the layers between them); every stage needs "
+                          f"one: use --pipeline-partition uniform, or a list such as "
+                          f"{','.join([str(config.num_layers // pp)] * pp)}.")
+    return counts
 
 
-def _virtual_stage_parameters(config, inventory, units, pp, schedule, virtual) -> list[dict]:
-    """Each rank's virtual stages (hybrid.model.virtual_stages.PipelineRankModel): its layers, the
-    embedding with stage 0, final norm and head with the last stage (a tied table once per rank)."""
-    plans = plan_stages(config.num_layers, pp, virtual, schedule)
+def stage_parameters(config: ModelConfig, tp: int, pp: int, partition: str = "parameters",
+                     schedule: str = "1f1b", virtual: int = 1, stage_layers: Optional[tuple] = None) -> list[dict]:
+    """Per pipeline rank: {name: (elements, decayed)} of the parameters it holds (the optimizer's), the
+    transformer layers it runs, whether it holds the embedding (`first`) and the final norm and head
+    (`last`), and `replica`: the elements of a tied table's copy it reads without owning (loop placement:
+    the last stage's, a plain tensor with a gradient but no optimizer state). The stages are
+    hybrid.pipeline_plan's (with one stage per rank, `stage_layers` or partition_layers')."""
+    inventory = parameter_inventory(config, tp)
+    if pp == 1:
+        return [{"params": inventory, "layers": list(range(config.num_layers)), "first": True, "last": True,
+                 "replica": 0}]
+    if virtual == 1 and stage_layers is None:
+        stage_layers = partition_layers(config, tp, pp, partition)
+    units = _pipeline_units(config, inventory)
+    plans = plan_stages(config.num_layers, pp, virtual, schedule, stage_layers)
     ranks = []
     for rank in range(pp):
         mine = [p for p in plans if p.rank == rank]
         first, last = any(p.first for p in mine), any(p.last for p in mine)
         chosen = (units[0] if first else []) + [n for p in mine for i in p.layers for n in units[i + 1]]
+        replica = 0
         if last:
-            chosen += units[-2] + units[-1]
-        ranks.append({"params": {n: inventory[n] for n in dict.fromkeys(chosen)},
+            chosen += units[-2]
+            if config.tied_embeddings and not first:
+                replica = inventory["embedding.word_embeddings.weight"][0]
+            else:
+                chosen += units[-1]
+        ranks.append({"params": {n: inventory[n] for n in dict.fromkeys(chosen)}, "replica": replica,
                       "layers": sorted(i for p in mine for i in p.layers), "first": first, "last": last})
     return ranks
 
@@ -466,6 +478,9 @@ def estimate(plan: MemoryPlan) -> list[dict]:
     for stage, info in enumerate(stage_parameters(config, plan.tp, plan.pp, plan.partition, plan.schedule,
                                                   plan.virtual)):
         states = _stage_model_states(info["params"], plan)
+        if info["replica"]:  # a tied table's copy: its weights and gradient in the working precision, whole
+            states["params"] += info["replica"] * _BYTES[precision]
+            states["grads"] += info["replica"] * _BYTES[precision]
         each = [layer_activation_bytes(config, act, layer=i) for i in info["layers"]]
         per_layer = max(each, default=layer_activation_bytes(config, act))
         layers = len(info["layers"])

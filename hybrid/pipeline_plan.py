@@ -1,10 +1,11 @@
 """Pipeline schedules and virtual stages, planned from the flags before anything is built.
 
-`--pipeline-schedule 1f1b` (the default) is DeepSpeed's PipelineEngine; the others run in
-`torch.distributed.pipelining` (hybrid.training.pipelining). With v virtual stages per pipeline
-rank the model has S = PP x v stages of equal layer counts (Megatron-LM's interleaving: stage s
-holds layers [s L/S, (s+1) L/S)), the embedding with stage 0, the final norm and head with stage
-S - 1. Two placements, as torch.distributed.pipelining's schedules expect them:
+Every `--pipeline-schedule` (1f1b, the default, and the others) runs on `torch.distributed.pipelining`
+(hybrid.training.runtime). With v virtual stages per pipeline rank the model has S = PP x v stages of equal
+layer counts (Megatron-LM's interleaving: stage s holds layers [s L/S, (s+1) L/S)), the embedding with stage 0,
+the final norm and head with stage S - 1; with one stage per rank (1f1b) the layer counts may differ, as
+--pipeline-partition gives them (`PipelineSchedule.stage_layers`). Two placements, as
+torch.distributed.pipelining's schedules expect them:
 
 - loop (interleaved 1F1B, interleaved zero-bubble): stage s runs on rank s mod PP;
 - V (ZB-V, DualPipeV; v = 2): stage s on rank s for s < PP, on rank 2 PP - 1 - s after, so rank 0
@@ -16,6 +17,7 @@ No torch.distributed or DeepSpeed import here: the flags are checked first.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from hybrid.capabilities import V_SHAPED  # the schedules' names and kinds are declared there
 from hybrid.errors import ConfigError
@@ -23,20 +25,13 @@ from hybrid.errors import ConfigError
 
 @dataclass(frozen=True)
 class PipelineSchedule:
-    """How the pipeline runs (with --pipeline-model-parallel-size > 1): DeepSpeed's 1F1B engine or a
-    torch.distributed.pipelining schedule, its virtual stages per rank, DeepSpeed's partition method."""
+    """How the pipeline runs (with --pipeline-model-parallel-size > 1): the torch.distributed.pipelining
+    schedule, its virtual stages per rank and, with one stage per rank, each stage's transformer layers."""
 
-    schedule: str = "1f1b"  # --pipeline-schedule: "1f1b" (DeepSpeed's engine) or a key of TORCH_SCHEDULES
-    virtual_stages: int = 1  # virtual pipeline stages per rank (torch schedules)
-    partition: str = "parameters"  # --pipeline-partition (DeepSpeed's engine)
-
-    def on_deepspeed(self, pp: int) -> bool:
-        """Stages run by DeepSpeed's PipelineEngine."""
-        return pp > 1 and self.schedule == "1f1b"
-
-    def on_torch(self, pp: int) -> bool:
-        """Virtual stages run by a torch.distributed.pipelining schedule."""
-        return pp > 1 and self.schedule != "1f1b"
+    schedule: str = "1f1b"  # --pipeline-schedule: a key of hybrid.capabilities.TORCH_SCHEDULES
+    virtual_stages: int = 1  # virtual pipeline stages per rank
+    partition: str = "parameters"  # --pipeline-partition (1f1b: how the layers are divided over the stages)
+    stage_layers: Optional[tuple] = None  # 1f1b: transformer layers per stage (None: equal counts)
 
 
 def resolve_virtual_stages(args, num_layers: int, pp: int) -> tuple[str, int]:
@@ -116,8 +111,20 @@ def stage_rank(index: int, pp: int, v_shaped: bool) -> int:
     return index if index < pp else 2 * pp - 1 - index
 
 
-def plan_stages(num_layers: int, pp: int, virtual: int, schedule: str) -> list[StagePlan]:
-    """All S = pp x virtual stages, checked: every stage gets the same whole number of layers."""
+def plan_stages(num_layers: int, pp: int, virtual: int, schedule: str,
+                stage_layers: Optional[tuple] = None) -> list[StagePlan]:
+    """All S = pp x virtual stages, checked: every stage gets the same whole number of layers, or with one
+    stage per rank the counts of `stage_layers` (each at least 1, summing to the layers)."""
+    if stage_layers is not None and virtual == 1 and len(stage_layers) == pp:
+        if sum(stage_layers) != num_layers or min(stage_layers) < 1:
+            raise ConfigError(f"--pipeline-partition: {pp} stages of {list(stage_layers)} transformer layers do not "
+                              f"cover --num-layers {num_layers} with at least one layer each.")
+        starts = [sum(stage_layers[:s]) for s in range(pp)]
+        return [StagePlan(s, s, range(starts[s], starts[s] + stage_layers[s]), s == 0, s == pp - 1)
+                for s in range(pp)]
+    if num_layers < pp:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {num_layers}: every "
+                          f"stage needs at least one layer.")
     stages = pp * virtual
     if schedule in V_SHAPED and virtual != 2:
         raise ConfigError(f"--pipeline-schedule {schedule} runs exactly 2 virtual stages per pipeline rank "

@@ -55,44 +55,28 @@ class RecordingSGD(torch.optim.SGD):
 
 def sharded_run(cfg: dict, tp: int, pp: int, data, sequence_parallel=False, grad_acc=2, partition="parameters",
                 cp=1, **overrides):
-    """On each rank: loss, this rank's logits shard (PP = 1), and canonical-named grad shards."""
+    """On each rank: loss, this rank's logits shard (PP = 1), and canonical-named grad shards (PP > 1: one
+    iteration of the runtime's 1F1B schedule, `grad_acc` micro-batches, the stages split by `partition`)."""
     from hybrid.model.config import ModelConfig
-    from hybrid.ds_config import pipeline_ds_config
     from hybrid.model.gpt import GPTModel
     from hybrid.model.naming import canonical_parameters
     from hybrid.parallel.random import model_parallel_seed
-    from hybrid.model.deepspeed_pipeline import build_pipeline_module
     from hybrid.parallel.groups import build_groups
-    from hybrid.training.deepspeed_fixes import ListPartitionPipelineModule
 
+    if pp > 1:
+        return scheduled_run(cfg, tp, pp, data, "1f1b", 1, micro_batches=grad_acc,
+                             sequence_parallel=sequence_parallel, partition=partition, cp=cp, **overrides)
     topo = build_groups(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp)
     model_parallel_seed(1, topo.tp.rank)
     config = ModelConfig(**dict(cfg, sequence_parallel=sequence_parallel, **overrides))
     ids, labels = data
-    logits = None
-    if pp == 1:
-        model = GPTModel(config, topo)
-        logits = model(ids).detach()
-        loss = model(ids, labels)
-        loss.backward()
-        params = canonical_parameters(model, config.num_layers)
-        grads = {n: p.grad for n, p in params.items()}
-        loss = loss.item()
-    else:
-        import deepspeed
-        module = build_pipeline_module(config, topo, partition, ListPartitionPipelineModule)
-        params = canonical_parameters(module, config.num_layers)
-        optimizer = RecordingSGD(module.parameters(), lr=0.0)
-        micro = ids.size(0) // grad_acc
-        engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config={
-            "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": grad_acc,
-            "steps_per_print": 10**9, "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0,
-            **pipeline_ds_config(config)})
-        micro_batches = [(ids[i:i + micro], labels[i:i + micro])
-                         for i in range(0, ids.size(0), micro)]
-        loss = engine.train_batch(data_iter=iter(micro_batches)).item()
-        grads = {n: optimizer.recorded[id(p)] for n, p in params.items()}
-    return _result(topo, loss, logits, params, grads)
+    model = GPTModel(config, topo)
+    logits = model(ids).detach()
+    loss = model(ids, labels)
+    loss.backward()
+    params = canonical_parameters(model, config.num_layers)
+    grads = {n: p.grad for n, p in params.items()}
+    return _result(topo, loss.item(), logits, params, grads)
 
 
 def _result(topo, loss, logits, params, grads) -> dict:
@@ -129,37 +113,55 @@ def compare_grads(full: dict, ref: dict, vocab: int, atol: float):
         assert_close(got, want, atol, f"grad {name}")
 
 
-def scheduled_run(cfg: dict, tp: int, pp: int, data, schedule: str, virtual: int, micro_batches: int = 4,
-                  sequence_parallel=False, **overrides):
-    """One iteration through a torch.distributed.pipelining schedule (DeepSpeed engine, ZeRO-0,
-    lr 0): this rank's loss and canonical-named gradient shards, as `sharded_run` returns them."""
+def runtime_iteration(model, groups, pipeline, micro_batches: list, zero_stage: int = 0):
+    """One training iteration of the runtime (hybrid.training.runtime) over `micro_batches` [(ids, labels)] with
+    a DeepSpeed engine around `model` (lr 0, no clipping): (the DP-mean loss, {id(param): the gradient DeepSpeed
+    applied}, the runtime)."""
     import deepspeed
+    from hybrid.ds_config import pipeline_accumulation
+    from hybrid.model.objectives import LanguageModeling
+    from hybrid.training.deepspeed_fixes import prepare_pipeline_engine
+    from hybrid.training.runtime import Runtime
+    optimizer = RecordingSGD(model.parameters(), lr=0.0)
+    micro = micro_batches[0][0].size(0)
+    config = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 10**9, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": zero_stage}, "gradient_accumulation_steps": len(micro_batches)}
+    if groups.pp.size > 1:
+        config.update(pipeline_accumulation(micro, groups.dp_cp.size))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, mpu=groups.mpu, config=config)
+    if groups.pp.size > 1:
+        prepare_pipeline_engine(engine, groups.mpu)
+    runtime = Runtime(engine, groups, LanguageModeling(groups, model.config.vocab_size), len(micro_batches),
+                      len(micro_batches), pipeline, micro, micro_batches[0][0].size(1), full_backward=zero_stage >= 2)
+    loss = runtime.reduce(runtime.train(iter(micro_batches)).reshape(1)).item()
+    return loss, optimizer.recorded, runtime
+
+
+def scheduled_run(cfg: dict, tp: int, pp: int, data, schedule: str, virtual: int, micro_batches: int = 4,
+                  sequence_parallel=False, partition="parameters", cp=1, zero_stage=0, **overrides):
+    """One iteration of the runtime's schedule (lr 0): this rank's loss and canonical-named gradient shards, as
+    `sharded_run` returns them, and the same batch's evaluation loss."""
+    from hybrid.memory import partition_layers
+    from hybrid.model.build import build_model
     from hybrid.model.config import ModelConfig
     from hybrid.model.naming import canonical_parameters
-    from hybrid.parallel.random import model_parallel_seed
-    from hybrid.model.build import build_rank_model
     from hybrid.parallel.groups import build_groups
+    from hybrid.parallel.random import model_parallel_seed
     from hybrid.pipeline_plan import PipelineSchedule
-    from hybrid.training.pipelining import TorchPipelineStep
 
-    topo = build_groups(tensor_parallel=tp, pipeline_parallel=pp)
+    topo = build_groups(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp)
     model_parallel_seed(1, topo.tp.rank)
     config = ModelConfig(**dict(cfg, sequence_parallel=sequence_parallel, **overrides))
-    model = build_rank_model(config, topo, PipelineSchedule(schedule, virtual))
+    layers = partition_layers(config, tp, pp, partition) if virtual == 1 and pp > 1 else None
+    pipeline = PipelineSchedule(schedule, virtual, partition, layers)
+    model = build_model(config, topo, pipeline)
     params = canonical_parameters(model, config.num_layers)
-    optimizer = RecordingSGD(model.parameters(), lr=0.0)
     ids, labels = data
     micro = ids.size(0) // micro_batches
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, mpu=topo.mpu, config={
-        "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": micro_batches,
-        "steps_per_print": 10**9, "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0})
-    step = TorchPipelineStep(engine, model, topo, schedule, micro_batches, torch.device("cpu"), micro,
-                             ids.size(1))
-    batches = iter([(ids[i:i + micro], labels[i:i + micro]) for i in range(0, ids.size(0), micro)])
-    loss = step.reduce(step.train(batches).reshape(1)).item()
-    grads = {n: optimizer.recorded[id(p)] for n, p in params.items()}
+    chunks = [(ids[i:i + micro], labels[i:i + micro]) for i in range(0, ids.size(0), micro)]
+    loss, recorded, runtime = runtime_iteration(model, topo, pipeline, chunks, zero_stage)
+    grads = {n: recorded[id(p)] for n, p in params.items()}
     result = _result(topo, loss, None, params, grads)
-    # the same batch through the schedule's evaluation (forward only; lr 0 left the weights as they were)
-    batches = iter([(ids[i:i + micro], labels[i:i + micro]) for i in range(0, ids.size(0), micro)])
-    result["eval_loss"] = step.reduce(step.evaluate(batches).reshape(1)).item()
+    # the same batch through the runtime's evaluation (forward only; lr 0 left the weights as they were)
+    result["eval_loss"] = runtime.reduce(runtime.evaluate(iter(chunks)).reshape(1)).item()
     return result

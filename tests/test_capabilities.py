@@ -20,12 +20,8 @@ PP2 = ["--pipeline-model-parallel-size", 2]
 # one command line per rule that the rule (and no earlier one) refuses: (flags, world size)
 EXAMPLES = {
     "cp-ulysses": (["--context-parallel-size", 2, "--ds-sequence-parallel-size", 2], 4),
-    "zero23-pipeline": (PP2 + ["--zero-stage", 2], 2),
     "fp16-cpu": (["--fp16"], 1),
-    "fp16-torch-schedule": None,  # needs CUDA (fp16 is refused on CPU first); checked on a Setup below
-    "bf16-zero0-torch-schedule": (PP2 + ["--pipeline-schedule", "zbv", "--bf16"], 2),
-    "recompute-split-backward": (PP2 + ["--pipeline-schedule", "zbv", "--recompute-granularity", "full"], 2),
-    "compile-split-backward": (PP2 + ["--pipeline-schedule", "zero-bubble", "--torch-compile"], 2),
+    "bf16-fp32-accumulation-pipeline": None,  # a DeepSpeed config's data_types: checked with one below
     "dualpipev-micro-batches": (PP2 + ["--pipeline-schedule", "dualpipev", "--global-batch-size", 2], 2),
     "torch-schedule-micro-batches": (PP2 + ["--pipeline-schedule", "zbv", "--global-batch-size", 1], 2),
     "compile-zero3": (["--torch-compile", "--zero-stage", 3], 1),
@@ -111,12 +107,36 @@ def test_the_same_flags_without_the_conflict_build():
     _build(PP2 + ["--pipeline-schedule", "zbv"], 2)  # ZB-V itself is fine: the rules above refuse combinations
     _build(PP2 + ["--zero-stage", 1], 2)
     _build(["--torch-compile", "--zero-stage", 2], 1)
+    # lifted with the one runtime: ZeRO-2/3 and bf16 on every schedule, recompute and compile with zero-bubble
+    for schedule in ("1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"):
+        extra = [] if schedule in ("1f1b", "zbv", "dualpipev") else ["--num-virtual-stages-per-pipeline-rank", 2]
+        for zero in (2, 3):
+            _build(PP2 + ["--pipeline-schedule", schedule, *extra, "--zero-stage", zero, "--global-batch-size", 8], 4)
+        _build(PP2 + ["--pipeline-schedule", schedule, *extra, "--bf16", "--global-batch-size", 8], 2)
+    _build(PP2 + ["--pipeline-schedule", "zbv", "--recompute-granularity", "full"], 2)
+    _build(PP2 + ["--pipeline-schedule", "zero-bubble", "--num-virtual-stages-per-pipeline-rank", 2,
+                  "--torch-compile"], 2)
+    _build(PP2 + ["--global-batch-size", 1], 2)  # 1f1b with fewer micro-batches than stages (torch's GPipe order)
 
 
-def test_fp16_with_a_torch_schedule_is_refused_on_a_gpu_setup():
-    setup = Setup(pp=2, schedule="interleaved-1f1b", precision="fp16", zero_stage=1, micro_batches=4)
-    assert [r.name for r in capabilities.refusals(setup)] == ["fp16-torch-schedule"]
-    assert capabilities.refusals(Setup(pp=2, schedule="1f1b", precision="fp16", micro_batches=4)) == []
+def test_fp16_with_a_pipeline_is_allowed_on_a_gpu_setup():
+    for schedule in ("1f1b", "interleaved-1f1b", "zbv"):
+        for zero in (0, 1, 3):
+            assert capabilities.allowed(Setup(pp=2, schedule=schedule, precision="fp16", zero_stage=zero,
+                                              micro_batches=4))
+
+
+def test_bf16_fp32_accumulation_with_zero1_is_refused_at_pp_only(tmp_path):
+    import json
+    config = tmp_path / "zero1_fp32_accum.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
+                                  "data_types": {"grad_accum_dtype": "fp32"}}))
+    with pytest.raises(ConfigError, match="BF16_Optimizer"):
+        _build(PP2 + ["--deepspeed", config], 2)
+    _build(["--deepspeed", config], 1)
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+                                  "data_types": {"grad_accum_dtype": "fp32"}}))
+    _build(PP2 + ["--deepspeed", config], 2)
 
 
 def test_flash_attn_needs_a_gpu_and_half_precision():
@@ -129,7 +149,7 @@ def test_flash_attn_needs_a_gpu_and_half_precision():
 def test_zero_stages_and_stage_placement_come_from_the_table():
     allowed_stages = {pp: [z for z in range(4) if capabilities.allowed(Setup(pp=pp, zero_stage=z, micro_batches=4))]
                       for pp in (1, 2)}
-    assert allowed_stages == {1: [0, 1, 2, 3], 2: [0, 1]}
+    assert allowed_stages == {1: [0, 1, 2, 3], 2: [0, 1, 2, 3]}
     assert capabilities.stage_placement("zbv", 2) == capabilities.stage_placement("zbv", 2)
     assert capabilities.stage_placement("zero-bubble", 2) != capabilities.stage_placement("zbv", 2)
 
@@ -189,8 +209,7 @@ def test_advisor_never_proposes_what_the_table_refuses():
     from hybrid.dry_run import _candidates, _setup
     plan = _plan(pp=2, dp=2, schedule="zbv", virtual=2, num_micro_batches=4, zero=_plan().zero.__class__(stage=1, dp=2))
     changes = dict(_candidates(plan))
-    assert not any(c.startswith("--recompute") for c in changes), "recompute is refused with ZB-V"
-    assert not any(c.startswith("ZeRO-2") or c.startswith("ZeRO-3") for c in changes), "ZeRO-2/3 refused with PP"
+    assert any(c.startswith("ZeRO-3") for c in changes), "ZeRO-3 with PP (the one runtime)"
     assert all(capabilities.allowed(_setup(candidate)) for candidate in changes.values())
 
 

@@ -219,9 +219,9 @@ def _cp_mean(results):
 
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
-def test_cp2_pp2_deepspeed_pipeline_equals_one_rank(style):
-    """DeepSpeed's 1F1B engine: the first stage takes its part of the whole ids, later stages derive
-    theirs from the hidden states, the last takes its labels; DeepSpeed averages over DP x CP."""
+def test_cp2_pp2_1f1b_equals_one_rank(style):
+    """The runtime's 1F1B: the first stage takes its part of the whole ids, later stages derive theirs from the
+    hidden states, the last takes its labels; DeepSpeed averages over DP x CP."""
     from tests.model_harness import batch, sharded_run
     cfg = dict(CONFIGS[style], max_position_embeddings=64)
     data = batch(batch_size=4, seq=64)  # as many ignored labels in each of the two micro-batches

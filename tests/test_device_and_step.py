@@ -25,14 +25,16 @@ SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 
 
 class RecordingEngine:
-    """Stands in for DeepSpeed's engine on a device the host cannot compute on: records the
-    device of every tensor the trainer hands it (plain or pipeline engine API)."""
+    """Stands in for DeepSpeed's engine on a device the host cannot compute on: records the device of every
+    tensor the runtime hands it."""
 
     def __init__(self):
-        from types import SimpleNamespace
+        from hybrid.model.config import ModelConfig
+        from hybrid.model.gpt import GPTModel
         self.device, self.seen, self.optimizer = META, [], None
-        self.module = torch.nn.Module()  # what the trainer looks into (FP8 histories: none here)
-        self.module.loss_fn = SimpleNamespace(token_scale=None)  # what the pipeline step sets
+        # what the runtime looks into (its stages, FP8 histories: none here); the engine computes nothing
+        self.module = GPTModel(ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=64,
+                                           max_position_embeddings=16))
 
     def _record(self, *tensors):
         for t in tensors:
@@ -41,20 +43,9 @@ class RecordingEngine:
             elif t is not None:
                 self.seen.append(t.device)
 
-    def __call__(self, ids, labels, token_scale=None):
-        self._record(ids, labels, token_scale)
-        return torch.tensor(2.0)
-
-    def _pipeline(self, data_iter, steps):
-        for _ in range(steps):
-            self._record(*next(data_iter))
-        return torch.tensor(2.0)
-
-    def train_batch(self, data_iter):
-        return self._pipeline(data_iter, self.gas)
-
-    def eval_batch(self, data_iter):
-        return self._pipeline(data_iter, self.gas)
+    def __call__(self, ids, stage=0, batch_ids=None):
+        self._record(ids, batch_ids)
+        return ids  # the recording objective takes it for logits
 
     def backward(self, loss):
         pass
@@ -75,19 +66,93 @@ class RecordingEngine:
         return self.gas
 
 
-@pytest.mark.parametrize("pipeline", [False, True], ids=["pp1", "pp2"])
-def test_training_and_evaluation_batches_reach_the_engine_device(pipeline, tmp_path):
-    flags = SMALL + (["--pipeline-model-parallel-size", "2"] if pipeline else []) + ["--eod-mask-loss"]
-    run = build_run_config(build_parser().parse_args(flags), 2 if pipeline else 1, 64)
+class RecordingObjective:
+    """Stands in for the run's objective: records the device of every target and scale the runtime makes, and
+    gives a host loss (the engine's device cannot compute one)."""
+
+    name, per_item = "recording", True
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def target(self, ids, labels, extra=()):
+        self.engine._record(ids, labels)
+        return labels
+
+    def count(self, ids, labels):
+        self.engine._record(ids, labels)
+        return torch.ones((), device=META)
+
+    def sequence_factor(self, split):
+        return split
+
+    def loss(self, logits, target, scale):
+        self.engine._record(logits, target, scale)
+        return torch.tensor(2.0)
+
+    def metrics(self, groups=None, device=None):
+        return {}
+
+    def discard_pending(self):
+        return []
+
+    def restore_pending(self, pending):
+        pass
+
+
+def test_training_and_evaluation_batches_reach_the_engine_device(tmp_path, monkeypatch):
+    from hybrid.training import loop
+    run = build_run_config(build_parser().parse_args(SMALL + ["--eod-mask-loss"]), 1, 64)
     run.logging.log_json = str(tmp_path / "log.jsonl")
     engine = RecordingEngine()
     engine.gas = run.training.grad_acc_steps
+    monkeypatch.setattr(loop, "objective_for", lambda *args, **kwargs: RecordingObjective(engine))
     datasets = [MockGPTDataset(64, 16, 64, seed) for seed in (1, 2, 3)]
     Trainer(run, ParallelGroups.single(), engine, datasets, eod_token=63).train(0, 0)
-    # 3 iterations x 2 micro-batches x (ids, labels) + final evaluation 2 x 2 x 2
-    assert len(engine.seen) == 3 * 2 * 2 + 2 * 2 * 2
+    assert len(engine.seen) > 3 * 2 * 2 + 2 * 2 * 2  # every micro-batch of 3 iterations and the evaluation
     assert set(engine.seen) == {META}, f"tensors left on the host: {engine.seen}"
     assert [r["iteration"] for r in read_log(run.logging.log_json) if "consumed_samples" in r] == [3]
+
+
+def test_a_pipeline_hands_its_schedule_only_device_tensors():
+    """PP > 1: what the runtime gives torch's schedule (the micro-batches' ids and targets, joined) stays on the
+    engine's device (the schedule itself is torch's; its sends use the tensors it is handed)."""
+    from types import SimpleNamespace
+
+    from hybrid.training.pipeline_stages import PipelineSchedules
+    seen = []
+
+    class Schedule:
+        def step(self, *args, **kwargs):
+            seen.extend([a.device for a in args] + [v.device for v in kwargs.values() if torch.is_tensor(v)])
+
+    class Tied:
+        def sync_once(self):
+            pass
+
+        def begin(self, n):
+            pass
+
+        def end(self):
+            pass
+
+        def sync(self):
+            pass
+
+    engine = RecordingEngine()
+    engine.optimizer = SimpleNamespace()
+    engine.zero_optimization_stage = lambda: 0
+    engine.fp16_enabled = lambda: False
+    objective = RecordingObjective(engine)
+    runtime = SimpleNamespace(engine=engine, tied=Tied(), objective=objective, device=META,
+                              model=SimpleNamespace(config=SimpleNamespace(splits_documents=True)))
+    pipeline = PipelineSchedules.__new__(PipelineSchedules)
+    pipeline.runtime, pipeline.schedule, pipeline.has_first, pipeline.has_last = runtime, Schedule(), True, True
+    micro = [(torch.zeros(2, 16, dtype=torch.long, device=META), torch.zeros(2, 16, dtype=torch.long, device=META))
+             for _ in range(4)]
+    pipeline.train(micro, None)
+    assert len(seen) == 3 and set(seen) == {META}  # ids, target, batch ids
+    assert set(engine.seen) == {META}
 
 
 def _count_host_syncs(iterations, extra=()):

@@ -124,9 +124,9 @@ def test_tp2_with_sp_equals_one_rank_on_packed_documents(style):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("style,cp", [("gpt2", 1), ("llama", 1), ("gpt2", 2)])
-def test_deepspeed_pipeline_carries_the_documents_to_every_stage(style, cp):
-    """PP 2 on DeepSpeed's 1F1B engine (and x CP 2): the ids travel beside the hidden states, so every
-    stage masks by document; equal to one rank (labels without ignored positions, so the two
+def test_1f1b_pipeline_carries_the_documents_to_every_stage(style, cp):
+    """PP 2 with 1F1B (and x CP 2): every stage is handed the whole-sequence ids beside the hidden states, so
+    every stage masks by document; equal to one rank (labels without ignored positions, so the two
     micro-batches' token means average to the batch's)."""
     cfg = dict(CONFIGS[style], max_position_embeddings=64, **DOCUMENTS)
     ids, labels = packed_batch(rows=4, seq=64, seed=4)

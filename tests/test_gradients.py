@@ -218,26 +218,28 @@ def _hf_batch(seq=16, batch=2):
 
 def _family_gradients(path: str, layout: str) -> dict:
     """On each rank: the loss and this rank's canonical gradient shards of one backward of the imported
-    family (GPTModel at TP 2 + SP, or DeepSpeed's pipeline engine over 2 stages), dropout off."""
+    family (GPTModel at TP 2 + SP, or the runtime's 1F1B over 2 stages), dropout off."""
     import dataclasses
-
-    import deepspeed
 
     from hybrid.conversion.hf import read_hf_dir
     from hybrid.conversion.layout import load_full_state
-    from hybrid.ds_config import pipeline_ds_config
+    from hybrid.memory import partition_layers
     from hybrid.model.build import build_model
     from hybrid.model.naming import canonical_parameters
     from hybrid.parallel.groups import build_groups
     from hybrid.pipeline_plan import PipelineSchedule
     from hybrid.training.deepspeed_fixes import register_moe_layers
-    from tests.model_harness import RecordingSGD, _result
+    from tests.model_harness import _result, runtime_iteration
     state, config, _ = read_hf_dir(path)
     config = dataclasses.replace(config, hidden_dropout=0.0, attention_dropout=0.0,
                                  sequence_parallel=layout == "tp2_sp")
     groups = build_groups(experts=bool(config.num_experts), **FAMILY_LAYOUTS[layout])
     ids, labels = _hf_batch()
-    model = build_model(config, groups, PipelineSchedule(partition="uniform")).train()
+    pipeline = PipelineSchedule(partition="uniform")
+    if groups.pp.size > 1:
+        pipeline = PipelineSchedule(partition="uniform", stage_layers=partition_layers(config, 1, groups.pp.size,
+                                                                                     "uniform"))
+    model = build_model(config, groups, pipeline).train()
     load_full_state(model, state, config, groups)
     params = canonical_parameters(model, config.num_layers)
     if layout == "tp2_sp":
@@ -246,12 +248,8 @@ def _family_gradients(path: str, layout: str) -> dict:
         grads, loss = {n: p.grad for n, p in params.items()}, loss.item()
     else:
         register_moe_layers(model, groups)
-        optimizer = RecordingSGD(model.parameters(), lr=0.0)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config={
-            "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-            "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0, **pipeline_ds_config(config)})
-        loss = engine.train_batch(data_iter=iter([(ids, labels)])).item()
-        grads = {n: optimizer.recorded[id(p)] for n, p in params.items()}
+        loss, recorded, _ = runtime_iteration(model, groups, pipeline, [(ids, labels)])
+        grads = {n: recorded[id(p)] for n, p in params.items()}
     return _result(groups, loss, None, params, grads)
 
 

@@ -242,16 +242,44 @@ def test_korthikanti_gpt3_figure():
 
 
 def _real_stage_parameters(config_kwargs: dict, tp: int, pp: int, partition: str) -> dict:
-    """On a rank of a real TP x PP topology: its stage and canonical parameter sizes."""
+    """On a rank of a real TP x PP topology: its stage, the canonical parameter sizes of the model the runtime
+    builds there (1f1b, the stages as --pipeline-partition divides them), and DeepSpeed's own PipelineModule
+    partition of the same layer list (the split its pipeline engine gave checkpoints: the reference)."""
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    from hybrid.memory import partition_layers
+    from hybrid.model.build import build_rank_model
+    from hybrid.model.embedding import Embedding, OutputHead
     from hybrid.model.naming import canonical_parameters
+    from hybrid.model.norms import LayerNorm, RMSNorm
+    from hybrid.model.transformer import TransformerLayer
     from hybrid.parallel.groups import build_groups
-    from hybrid.model.deepspeed_pipeline import build_pipeline_module
-    from hybrid.training.deepspeed_fixes import ListPartitionPipelineModule
+    from hybrid.pipeline_plan import PipelineSchedule, resolve_partition
     topology = build_groups(tensor_parallel=tp, pipeline_parallel=pp)
     config = ModelConfig(**config_kwargs)
-    params = canonical_parameters(build_pipeline_module(config, topology, partition, ListPartitionPipelineModule),
-                                  config.num_layers)
-    return {"stage": topology.pp.rank, "params": {n: p.numel() for n, p in params.items()}}
+    layers = partition_layers(config, tp, pp, partition)
+    model = build_rank_model(config, topology, PipelineSchedule("1f1b", 1, partition, layers))
+    params = canonical_parameters(model, config.num_layers)
+    method = resolve_partition(partition, config.num_layers, pp)
+    specs = ([LayerSpec(Embedding, config, topology)] + [LayerSpec(TransformerLayer, config, topology, i)
+                                                         for i in range(config.num_layers)]
+             + [LayerSpec(RMSNorm if config.normalization == "RMSNorm" else LayerNorm, config.hidden_size,
+                          config.norm_epsilon, topology, False, one_plus=config.apply_layernorm_1p),
+                LayerSpec(_TiedHead if config.tied_embeddings else OutputHead, config, topology)])
+    reference = None
+    if not method.startswith("list:"):
+        reference = PipelineModule(layers=specs, topology=topology.ds_topology, partition_method=method).parts
+    return {"stage": topology.pp.rank, "params": {n: p.numel() for n, p in params.items()}, "layers": layers,
+            "deepspeed_bounds": reference}
+
+
+class _TiedHead(__import__("torch").nn.Module):
+    """What DeepSpeed's TiedLayerSpec put on the last stage: the word embeddings again (counted in its partition)."""
+
+    def __init__(self, config, groups):
+        super().__init__()
+        from hybrid.model.embedding import Embedding
+        self.word_embeddings = Embedding(config, groups).word_embeddings
 
 
 def _shapes_only_parameters(config_kwargs: dict, tp: int) -> list[dict]:
@@ -278,16 +306,20 @@ def test_parameter_inventory_equals_the_real_model_per_rank_and_stage(style, tp,
     for real in reals:
         estimated = {n: numel for n, (numel, _) in stages[real["stage"]]["params"].items()}
         assert estimated == real["params"]
+        if real.get("deepspeed_bounds"):  # the transformer layers per stage, as DeepSpeed's PipelineModule splits
+            bounds = real["deepspeed_bounds"]
+            assert list(real["layers"]) == [sum(1 for i in range(5) if bounds[s] <= i + 1 < bounds[s + 1])
+                                            for s in range(pp)]
 
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 @pytest.mark.parametrize("schedule,virtual", [("interleaved-1f1b", 2), ("zero-bubble", 1), ("zbv", 2)])
 def test_parameter_inventory_equals_each_ranks_virtual_stages(style, schedule, virtual):
     """The estimator's per-rank parameters for the torch.distributed.pipelining schedules equal what
-    PipelineRankModel builds on each of 2 pipeline ranks (tied tables: a copy on the last stage's
-    rank in a loop, one table on rank 0 in a V)."""
+    RankModel builds on each of 2 pipeline ranks (tied tables: the parameter on rank 0, a copy without optimizer
+    state on the last stage's rank in a loop; one table on rank 0 in a V)."""
     from hybrid.model.naming import canonical_parameters
-    from hybrid.model.virtual_stages import PipelineRankModel
+    from hybrid.model.virtual_stages import RankModel
     from hybrid.parallel.groups import ParallelGroups
     from hybrid.pipeline_plan import plan_stages
     kwargs = dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=1000, max_position_embeddings=32)
@@ -298,9 +330,11 @@ def test_parameter_inventory_equals_each_ranks_virtual_stages(style, schedule, v
     ranks = memory.stage_parameters(config, 1, 2, schedule=schedule, virtual=virtual)
     plans = plan_stages(4, 2, virtual, schedule)
     for rank in range(2):
-        real = canonical_parameters(PipelineRankModel(config, ParallelGroups.single(), plans, rank), config.num_layers)
+        model = RankModel(config, ParallelGroups.single(), plans, rank)
+        real = canonical_parameters(model, config.num_layers)
         estimated = {n: numel for n, (numel, _) in ranks[rank]["params"].items()}
         assert estimated == {n: p.numel() for n, p in real.items()}
+        assert ranks[rank]["replica"] == (model.tied_table.numel() if model.tied_table is not None else 0)
         assert ranks[rank]["layers"] == sorted(i for p in plans if p.rank == rank for i in p.layers)
 
 

@@ -223,19 +223,13 @@ def test_model_config_errors_name_the_flag():
         ModelConfig(**dict(CONFIGS["gpt2"], hidden_size=30))
 
 
-def _pp_too_large():
-    from hybrid.model.deepspeed_pipeline import build_pipeline_module
-    from hybrid.parallel.groups import build_groups
-    try:
-        build_pipeline_module(ModelConfig(**dict(CONFIGS["gpt2"], num_layers=1)), build_groups(pipeline_parallel=2))
-    except ConfigError as e:
-        return str(e)
-    return None
-
-
 def test_pipeline_larger_than_layers_is_a_clear_error():
-    messages = run_on_ranks(_pp_too_large, 2)
-    assert all(m and "--pipeline-model-parallel-size 2 is larger than --num-layers 1" in m for m in messages)
+    from hybrid.memory import partition_layers
+    from hybrid.pipeline_plan import plan_stages
+    config = ModelConfig(**dict(CONFIGS["gpt2"], num_layers=1))
+    for check in (lambda: partition_layers(config, 1, 2), lambda: plan_stages(1, 2, 1, "1f1b")):
+        with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 2 is larger than --num-layers 1"):
+            check()
 
 
 def test_query_key_layer_scaling_math_equals_plain_attention():

@@ -425,7 +425,6 @@ def _ours(path, separator, options):
     groups = ParallelGroups.single()
     model = build_model(config, groups)
     load_parts(model, hf_parts(path, config, set(canonical_parameters(model, config.num_layers))), config, groups)
-    model.preference = options
     return model
 
 
@@ -434,7 +433,9 @@ def test_dpo_loss_and_gradient_equal_transformers(chat, pairs, loss_type, smooth
     """One rank: pairs packed side by side, the policy (the chat model) against a reference (another model, so
     the margins are not zero); loss and the gradients of the embedding, a layer's norm and the final norm."""
     from hybrid.data.batches import Collator
+    from hybrid.model.objectives import PreferencePairs
     from hybrid.model.preference import DPOOptions
+    from hybrid.parallel.groups import ParallelGroups
     encoder = ChatEncoder(chat["tok"], "t", ChatOptions(pairs=True))
     tokens, mask, counts = evaluation_windows(pairs["data"], 2 * SEQ, encoder)
     assert counts.truncated == 0  # every pair whole, as transformers sees it
@@ -442,9 +443,9 @@ def test_dpo_loss_and_gradient_equal_transformers(chat, pairs, loss_type, smooth
                               for t, m in zip(tokens, mask)])
     options = DPOOptions(0.5, smoothing, loss_type, encoder.separator)
     policy, reference = _ours(chat["hf"], encoder.separator, options), _ours(pairs["ref"], encoder.separator, options)
-    with torch.no_grad():
-        ref = reference(ids, labels, document_logps=True)
-    loss = policy(ids, labels, reference=ref)
+    # the objective as the runtime runs it: the target (scored by the frozen reference), then the loss
+    objective = PreferencePairs(ParallelGroups.single(), policy.config.vocab_size, options, reference)
+    loss = objective.loss(policy(ids, stage=0), objective.target(ids, labels), None)
     loss.backward()
     hf = chat["model"]
     hf.zero_grad()
@@ -456,7 +457,7 @@ def test_dpo_loss_and_gradient_equal_transformers(chat, pairs, loss_type, smooth
                          (policy.final_norm.weight.grad, hf.model.norm.weight.grad),
                          (policy.layers[1].input_norm.weight.grad, hf.model.layers[1].input_layernorm.weight.grad)]:
         torch.testing.assert_close(ours, theirs.float(), rtol=1e-4, atol=1e-6 * theirs.abs().max().item())
-    stats = policy.preference_stats.metrics()
+    stats = objective.metrics()
     assert stats["rewards_accuracy"] in [k / 24 for k in range(25)] and len(stats) == 4
 
 

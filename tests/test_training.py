@@ -150,8 +150,6 @@ def test_megatron_tutorial_script_runs_unchanged_but_for_the_script_name(tmp_pat
     (["--tensor-model-parallel-size", 2], "world size 1 is not a multiple of --tensor-model-parallel-size (2)"),
     (["--data-path", "/nonexistent/corpus_text_document"], "/nonexistent/corpus_text_document.idx does not exist"),
     (["--fp16"], "--fp16 needs a GPU"),
-    (["--pipeline-model-parallel-size", 2, "--deepspeed", "ds_configs/zero2.json"],
-     "DeepSpeed's pipeline engine supports ZeRO-0/1 only"),
     (["--deepspeed_config", "/nonexistent.json"], "--deepspeed_config /nonexistent.json: no such file"),
     (["--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt: no such directory"),
     (["--vocab-size", 100], "--vocab-size 100 is smaller than the tokenizer's vocabulary (8192)"),

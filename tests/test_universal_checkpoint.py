@@ -4,6 +4,7 @@ with optimizer state, LR schedule, iteration and consumed samples: iterations 5-
 uninterrupted one-rank run within 1e-5 (fp32, dropout off). Plain loads at another layout end in one
 message naming what differs and the fix. ZeRO-3 checkpoints at TP 2 consolidate to HuggingFace."""
 
+import os
 import re
 
 import pytest
@@ -14,15 +15,18 @@ from tests.test_training import TINY, assert_same_losses
 UNTIED = ["--untie-embeddings-and-output-weights"]
 
 # (source launcher, ranks, flags) -> (target launcher, ranks, flags)
-# trimmed for the suite's time (each passed when removed): tp2_to_tp1_dp2 (TP changes stay in
+# trimmed for the suite's time (each passed when removed): dp2_zero3_to_tp2_zero1 (pp2_dp2_zero3_to_tp2_zero1 and
+# dp2_to_dp1_zero3), tp2_to_tp1_dp2 (TP changes stay in
 # tp2_pp2_to_tp1_pp2_dp2), dp2_zero2_to_tp2_zero1 (dp2_zero3_to_tp2_zero1), tp2_zero0_to_dp2_zero2 (pp2_zero0_to_pp1_zero1),
 # deepspeed_1f1b_pp2_to_interleaved_pp2_dp2 (interleaved_pp2_v2_to_pp1 and tp2_to_zbv_pp2)
 CASES = {
     "dp2_to_dp1_zero3": (("torchrun", 2, ["--deepspeed", "ds_configs/zero3.json"]),
                          ("python", 1, ["--deepspeed", "ds_configs/zero3.json"])),
-    "dp2_zero3_to_tp2_zero1": (("torchrun", 2, ["--deepspeed", "ds_configs/zero3.json"]),
-                               ("torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed",
-                                                "ds_configs/zero1.json"])),
+    # ZeRO-3 under a pipeline (the one runtime) to TP 2 with ZeRO-1, the optimizer kept
+    "pp2_dp2_zero3_to_tp2_zero1": (("torchrun", 4, ["--pipeline-model-parallel-size", 2, "--deepspeed",
+                                                    "ds_configs/zero3.json"]),
+                                   ("torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed",
+                                                    "ds_configs/zero1.json"])),
     "tp2_zero1_to_dp2_zero3_padded_vocab": (
         ("torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json",
                          "--make-vocab-size-divisible-by", 60]),
@@ -168,3 +172,36 @@ def test_zero3_checkpoint_at_tp2_converts_to_huggingface_with_the_one_rank_weigh
     assert exported["zero3_tp2"].keys() == exported["one_rank"].keys()
     for key, value in exported["one_rank"].items():  # 4 Adam steps at either layout: the same weights
         torch.testing.assert_close(exported["zero3_tp2"][key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+PIPELINE_ENGINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pipeline_engine")
+ENGINE_FLAGS = ["--num-layers", 2, "--hidden-size", 16, "--num-attention-heads", 2, "--seq-length", 16,
+                "--max-position-embeddings", 16, "--micro-batch-size", 2, "--global-batch-size", 4, "--lr", 1e-2,
+                "--min-lr", 1e-3, "--lr-decay-style", "cosine", "--lr-warmup-iters", 1, "--weight-decay", 0.01,
+                "--clip-grad", 1.0, "--hidden-dropout", 0, "--attention-dropout", 0, "--seed", 7, "--mock-data",
+                "--tokenizer-type", "NullTokenizer", "--vocab-size", 63, "--make-vocab-size-divisible-by", 8,
+                "--log-interval", 1, "--eval-iters", 0, "--no-progress-bar", "--num-workers", 0, "--train-iters", 4]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_deepspeeds_pipeline_engine_wrote_resumes_with_its_optimizer(tmp_path):
+    """tests/data/pipeline_engine (made by its make.sh with the last hybrid that ran 1f1b on DeepSpeed's
+    PipelineEngine: layer files, ZeRO-1, PP 2, a tied table): a plain --load resumes it on the one runtime with its
+    Adam state (a universal checkpoint made under --save, removed after) and iterations 3-4 equal that engine's
+    uninterrupted run; --finetune reads its weights."""
+    want = [r["lm_loss"] for r in read_log(os.path.join(PIPELINE_ENGINE, "uninterrupted.jsonl"))]
+    log, save = tmp_path / "log.jsonl", tmp_path / "save"
+    proc = run("torchrun", 2, ENGINE_FLAGS + ["--pipeline-model-parallel-size", 2, "--deepspeed",
+                                              "ds_configs/zero1.json", "--load", os.path.join(PIPELINE_ENGINE, "ckpt"),
+                                              "--save", save, "--log-json", log])
+    assert "written by DeepSpeed's pipeline engine, with its optimizer state" in proc.stdout + proc.stderr
+    records = [r for r in read_log(log) if "consumed_samples" in r]
+    assert [r["iteration"] for r in records] == [3, 4]
+    got = [r["lm_loss"] for r in records]
+    assert all(abs(g - w) <= 1e-6 * abs(w) for g, w in zip(got, want[2:])), (got, want)
+    assert not os.path.exists(os.path.join(save, ".pipeline-engine-universal"))
+    # its weights into another layout, a fresh optimizer
+    proc = run("python", 1, ENGINE_FLAGS + ["--load", os.path.join(PIPELINE_ENGINE, "ckpt"), "--finetune",
+                                            "--log-json", tmp_path / "finetune.jsonl"])
+    first = [r for r in read_log(tmp_path / "finetune.jsonl") if "consumed_samples" in r][0]
+    assert first["iteration"] == 1 and abs(first["lm_loss"] - want[0]) > 1e-4  # trained weights, not a fresh model

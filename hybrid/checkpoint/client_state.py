@@ -28,9 +28,13 @@ class SavedLayout:
     context_parallel: int = 1  # --context-parallel-size
     ulysses: int = 1  # --ds-sequence-parallel-size
     expert_parallel: int = 1  # --expert-model-parallel-size
-    pipeline_schedule: str = "1f1b"  # --pipeline-schedule (1f1b: DeepSpeed's engine, its layer files)
+    pipeline_schedule: str = "1f1b"  # --pipeline-schedule
     virtual_stages: int = 1  # virtual pipeline stages per rank
     zero_stage: int = 0  # the ZeRO stage the optimizer state is partitioned by
+    # "stages": one file per TP x PP rank under canonical names (every schedule since the one runtime); "" in
+    # older checkpoints, whose 1f1b files are DeepSpeed's pipeline engine's (one file per layer)
+    stage_files: str = ""
+    stage_layers: tuple = ()  # 1f1b: transformer layers per stage (empty: not recorded)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -45,11 +49,14 @@ class SavedLayout:
     @property
     def storage(self) -> str:
         """How weights with optimizer state are stored: "module" (one mp_rank file per TP rank), "zero3"
-        (ZeRO-3 partitions), "layer_files" (DeepSpeed's pipeline engine: one file per layer and TP rank)
-        or "virtual_stages" (one file per TP x PP rank, canonical names)."""
+        (ZeRO-3 partitions, any TP x PP), "layer_files" (DeepSpeed's pipeline engine, in older checkpoints: one
+        file per layer and TP rank) or "virtual_stages" (one file per TP x PP rank, canonical names)."""
+        if self.zero_stage == 3:
+            return "zero3"
         if self.pipeline_parallel > 1:
-            return "layer_files" if self.pipeline_schedule == "1f1b" else "virtual_stages"
-        return "zero3" if self.zero_stage == 3 else "module"
+            legacy = self.pipeline_schedule == "1f1b" and not self.stage_files
+            return "layer_files" if legacy else "virtual_stages"
+        return "module"
 
 
 @dataclasses.dataclass

@@ -47,11 +47,13 @@ def _tp_layout(config_json: str) -> tuple:
     return tuple(rules)
 
 
-def universal_checkpoint_info(config: ModelConfig, tp: int, pipeline: bool, tied_copy: Optional[str] = None) -> dict:
-    """DeepSpeed's `universal_checkpoint_info` for this model: one exact pattern per parameter (in
-    the names DeepSpeed's files use: pipeline names when `pipeline`), derived from tp_layout, so
-    `ds_to_universal` in strict mode finds every pattern used. `tied_copy`: the name of a second copy
-    of the tied embedding table (virtual pipeline stages), a vocabulary parameter too."""
+def universal_checkpoint_info(config: ModelConfig, tp: int, pipeline: bool = False,
+                              tied_copy: Optional[str] = None) -> dict:
+    """DeepSpeed's `universal_checkpoint_info` for this model: one exact pattern per parameter (in the names
+    DeepSpeed's files use: canonical names, or with `pipeline` those of DeepSpeed's pipeline engine, whose
+    layer files older checkpoints hold), derived from tp_layout, so `ds_to_universal` in strict mode finds every
+    pattern used. `tied_copy`: the name of a second copy of the tied embedding table (the virtual stages of
+    older checkpoints kept one as a parameter), a vocabulary parameter too."""
     from deepspeed.checkpoint import constants as c  # only here: the TP layout itself needs no DeepSpeed
     groups = {c.VOCABULARY_PARAMETER_PATTERNS: [], c.TP_REPLICATED_PARAMETER_PATTERNS: [],
               c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [], c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: []}

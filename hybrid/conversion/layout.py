@@ -100,7 +100,8 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
     config = saved.model_config()
     tp = saved.layout.tensor_parallel
     if saved.storage == "zero3":
-        if tp > 1:  # DeepSpeed's zero_to_fp32 handles TP = 1 only; its ds_to_universal merges TP too
+        if tp > 1 or saved.layout.pipeline_parallel > 1:  # DeepSpeed's zero_to_fp32 handles one model-parallel
+            # rank only; its ds_to_universal merges TP and PP too
             full = read_fp32_state(ckpt, config)
         else:
             full = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag)

@@ -13,7 +13,7 @@ from hybrid.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding,
 from hybrid.parallel.random import fork_tp_rng
 
 
-def _word_init(config):
+def word_init(config):
     return vocab_rows_init(normal_init(config.seed, "embedding.word_embeddings.weight", config.init_method_std),
                            config.vocab_size)
 
@@ -26,7 +26,7 @@ class Embedding(nn.Module):
         groups = as_groups(groups)
         self.config, self.groups, self.tp_group = config, groups, groups.tp_group
         self.word_embeddings = VocabParallelEmbedding(
-            config.padded_vocab_size(groups.tp_size), config.hidden_size, groups, _word_init(config))
+            config.padded_vocab_size(groups.tp_size), config.hidden_size, groups, word_init(config))
         if config.position_embedding_type == "learned_absolute":
             # initialised before the module exists (ZeRO-3's zero.Init partitions it on construction)
             full = torch.empty(config.max_position_embeddings, config.hidden_size, dtype=torch.float32)
@@ -92,20 +92,3 @@ class OutputHead(ColumnParallelLinear):
         if self.groups.tp_size == 1:
             return F.linear(hidden, self.weight[:self.vocab_size])
         return self(hidden)
-
-
-class TiedOutputEmbedding(nn.Module):
-    """The last pipeline stage's copy of the word embeddings, used as the output head.
-
-    DeepSpeed's TiedLayerSpec keeps it equal to stage 0's table and sums their gradients.
-    """
-
-    def __init__(self, config, groups):
-        super().__init__()
-        self.config, self.groups = config, as_groups(groups)
-        self.word_embeddings = VocabParallelEmbedding(
-            config.padded_vocab_size(self.groups.tp_size), config.hidden_size, self.groups, _word_init(config))
-
-    def forward(self, hidden):  # feeds the pipeline's loss_fn only
-        return parallel_logits(hidden, self.word_embeddings.weight, self.groups, self.config.sequence_parallel,
-                               self.config.vocab_size, self.config.async_tensor_model_parallel_allreduce)

@@ -9,12 +9,12 @@ Canonical names (GPTModel's, used by checkpoints, conversion and the optimizer's
   .weight (e global, as DeepSpeed names experts in its expert files), layers.{i}.mlp.shared_mlp.{fc1,fc2}.weight,
   layers.{i}.mlp.shared_gate.
 
-Other forms:
-- DeepSpeed's PipelineModule names a layer by its index in the full LayerSpec list (embedding 0,
-  transformer layer i at i + 1, final norm L + 1, head L + 2) whatever the stage split; a tied
-  embedding lives under `tied_modules.embed.` on the first and last stages.
-- Virtual pipeline stages (hybrid.model.virtual_stages) use canonical names, plus `tied_output.` for the
-  last stage's copy of a tied table (loop placement).
+Other names, in checkpoints written before (read by hybrid.conversion):
+- DeepSpeed's PipelineModule (its 1F1B engine, and Megatron-DeepSpeed) names a layer by its index in the full
+  LayerSpec list (embedding 0, transformer layer i at i + 1, final norm L + 1, head L + 2) whatever the stage
+  split; a tied embedding lives under `tied_modules.embed.` on the first and last stages.
+- Earlier virtual pipeline stages kept the last stage's copy of a tied table under `tied_output.` (loop
+  placement); the copy is no parameter now (hybrid.model.virtual_stages).
 
 Pure: no torch.distributed, no DeepSpeed.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-TIED_KEY = "embed"  # the key of the word embeddings' TiedLayerSpec (hybrid.model.deepspeed_pipeline)
+TIED_KEY = "embed"  # the key of the word embeddings' TiedLayerSpec in DeepSpeed pipeline layer files
 TIED_PREFIX = f"tied_modules.{TIED_KEY}."  # what DeepSpeed names that TiedLayerSpec's parameters
 TIED_COPY = "tied_output"  # the last virtual stage's copy of a tied embedding (loop placement, PP > 1)
 TIED_COPY_WEIGHT = f"{TIED_COPY}.word_embeddings.weight"

@@ -1,110 +1,137 @@
-"""The model cut into virtual pipeline stages, for the schedules of `torch.distributed.pipelining`.
+"""The one form of the model: the parameters one pipeline rank holds (`RankModel`) and its virtual stages, run by
+every schedule of hybrid.training.runtime (PP = 1 is one stage holding everything: hybrid.model.gpt.GPTModel).
 
-The stage plan (which layers, which rank, loop or V placement) is hybrid.pipeline_plan's. With the
-loop placement a tied embedding is two copies, on the ranks of the first and last stages, whose
-gradients are summed (as DeepSpeed's TiedLayerSpec does); with the V placement rank 0 holds both
-ends and the table is one parameter used twice.
+The stage plan (which layers, which rank, loop or V placement) is hybrid.pipeline_plan's. A rank's parameters
+live under their canonical names (`embedding.*`, `layers.{i}.*`, `final_norm.*`, `output_layer.weight`), so
+checkpoints, conversion and the optimizer's parameter names are the same at every layout; the stages are views
+onto its submodules.
 
-A rank's parameters live in one `PipelineRankModel` under their canonical names (`embedding.*`,
-`layers.{i}.*`, `final_norm.*`, `output_layer.weight`), so checkpoints, conversion and the
-optimizer's parameter names are those of GPTModel; the stages are views onto its submodules.
+A tied embedding with the loop placement (the first and last stages on different ranks) is one parameter, the
+first stage's; the last stage reads a copy of it, `tied_table`, a plain tensor the runtime keeps equal to the
+parameter and whose gradient it adds to the parameter's (hybrid.training.runtime.TiedTable), so the table has
+one gradient and one optimizer state. With the V placement rank 0 holds both ends: one parameter used twice.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
 import torch.nn as nn
 
 from hybrid.model.config import ModelConfig
-from hybrid.model.embedding import Embedding, OutputHead, TiedOutputEmbedding, parallel_logits
-from hybrid.model.naming import TIED_COPY
+from hybrid.model.embedding import Embedding, OutputHead, word_init, parallel_logits
 from hybrid.model.norms import build_norm
-from hybrid.model.preference import PreferenceStats
 from hybrid.model.recompute import run_layers
 from hybrid.model.sequence import sequence_layout, stage_layout_of
 from hybrid.model.transformer import TransformerLayer
 from hybrid.parallel.groups import as_groups
 from hybrid.pipeline_plan import StagePlan
 
-assert TIED_COPY == "tied_output"  # the attribute below
+
+class Layers(nn.ModuleDict):
+    """A rank's transformer layers under their global index (parameter names `layers.{i}.*` at every layout):
+    `layers[i]` by that index, iteration over the layers in order (as a ModuleList of all of them would)."""
+
+    def __getitem__(self, index) -> nn.Module:
+        return super().__getitem__(str(index))
+
+    def __iter__(self):
+        return iter(self._modules.values())
 
 
-class PipelineRankModel(nn.Module):
-    """Every parameter one pipeline rank holds, under canonical names, and its virtual stages."""
+class RankModel(nn.Module):
+    """Every parameter one pipeline rank holds, under canonical names, and its virtual stages.
 
-    def __init__(self, config: ModelConfig, groups, plans: list[StagePlan], pp_rank: int):
+    `forward(hidden, stage, batch_ids)` runs virtual stage `stage` (its index among this rank's stages): the
+    first stage takes the micro-batch's whole-sequence ids [b, s], the others the previous stage's hidden
+    states; the last returns the logits that feed the loss, [s(/cp), b, V/tp]. `batch_ids`: the whole-sequence
+    ids, given to every stage when sequences are packed documents (each stage finds the documents itself)."""
+
+    def __init__(self, config: ModelConfig, groups, plans: list[StagePlan], pp_rank: int = 0):
         super().__init__()
         self.groups = groups = as_groups(groups)
+        config.validate(groups.tp_size)
         self.config = config
+        self.all_plans = list(plans)  # every rank's stages (where each one runs)
         self.plans = [p for p in plans if p.rank == pp_rank]
         holds_first = any(p.first for p in self.plans)
         holds_last = any(p.last for p in self.plans)
         self.embedding = Embedding(config, groups) if holds_first else None
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, groups, i)
-                                     for p in self.plans for i in p.layers})
+        self.layers = Layers({str(i): TransformerLayer(config, groups, i) for p in self.plans for i in p.layers})
         self.final_norm = build_norm(config, groups) if holds_last else None
-        self.output_layer = None
-        self.tied_output = None
-        if holds_last and not config.tied_embeddings:
-            self.output_layer = OutputHead(config, groups)
-        elif holds_last and not holds_first:
-            # DeepSpeed skips parameters marked ds_pipe_replicated when it computes the gradient
-            # norm, so the tied table counts once (as for its own TiedLayerSpec copies)
-            self.tied_output = TiedOutputEmbedding(config, groups)
-            self.tied_output.word_embeddings.weight.ds_pipe_replicated = True
+        self.output_layer = OutputHead(config, groups) if holds_last and not config.tied_embeddings else None
+        # the last stage's copy of a tied table held by another rank (see the module docstring): not a
+        # parameter, so neither DeepSpeed nor a checkpoint sees it
+        self.tied_table: Optional[torch.Tensor] = None
+        if holds_last and config.tied_embeddings and not holds_first:
+            self.tied_table = _tied_table(config, groups)
         # plain list: the stages are views, not a second registration of the same parameters
         self.stages = [VirtualStage(self, plan) for plan in self.plans]
-        self.preference_stats = PreferenceStats()  # --dpo's rewards (the last stage's), as GPTModel's
 
-    def tied_weight(self):
-        """This rank's copy of a tied embedding table that another rank also holds (loop placement)."""
-        if not self.config.tied_embeddings:
-            return None
-        if self.tied_output is not None:
-            return self.tied_output.word_embeddings.weight
-        if self.embedding is not None and not any(p.last for p in self.plans):
-            return self.embedding.word_embeddings.weight
-        return None
+    @property
+    def holds_tied_copy(self) -> bool:
+        """This rank reads a tied table that another rank's first stage holds (loop placement)."""
+        return self.tied_table is not None
 
-    def logits(self, hidden):
-        """final-normed hidden -> logits that feed the loss (TP-split over the vocabulary)."""
+    @property
+    def holds_tied_parameter(self) -> bool:
+        """This rank holds a tied table's parameter whose last stage runs on another rank."""
+        return self.config.tied_embeddings and self.embedding is not None and self.final_norm is None
+
+    def forward(self, hidden, stage: int = 0, batch_ids=None):
+        return self.stages[stage](hidden, batch_ids)
+
+    def head_weight(self):
+        """The table the output head multiplies by: the untied head's, the tied parameter, or its copy."""
         if self.output_layer is not None:
-            return self.output_layer.loss_logits(hidden)
-        table = self.tied_output if self.tied_output is not None else self.embedding
-        weight = table.word_embeddings.weight
-        return parallel_logits(hidden, weight, self.groups, self.config.sequence_parallel, self.config.vocab_size,
+            return self.output_layer.weight
+        return self.tied_table if self.tied_table is not None else self.embedding.word_embeddings.weight
+
+    def logits(self, hidden, for_loss: bool = True):
+        """final-normed hidden -> logits split over the vocabulary over TP, [s, b, V/tp]; `for_loss` leaves out
+        the vocabulary's padding rows at TP = 1 (see parallel_logits)."""
+        if self.output_layer is not None:
+            return self.output_layer.loss_logits(hidden) if for_loss else self.output_layer(hidden)
+        return parallel_logits(hidden, self.head_weight(), self.groups, self.config.sequence_parallel,
+                               self.config.vocab_size if for_loss else None,
                                self.config.async_tensor_model_parallel_allreduce)
 
 
-class VirtualStage(nn.Module):
-    """One virtual stage as the module `torch.distributed.pipelining.PipelineStage` runs."""
+def _tied_table(config: ModelConfig, groups) -> torch.Tensor:
+    """This TP rank's rows of the word embeddings, initialised as the embedding initialises them (the runtime
+    copies the parameter over it before it is used)."""
+    rows = config.padded_vocab_size(groups.tp_size) // groups.tp_size
+    full = torch.empty(config.padded_vocab_size(groups.tp_size), config.hidden_size)
+    word_init(config)(full)
+    return full[groups.tp_rank * rows:(groups.tp_rank + 1) * rows].clone()
 
-    def __init__(self, owner: PipelineRankModel, plan: StagePlan):
+
+class VirtualStage(nn.Module):
+    """One virtual stage: the first takes whole-sequence ids and embeds this rank's part of them; the last
+    ends in the final norm and the logits. Its children are the owner's modules it runs, so `parameters()`
+    are this stage's (what a zero-bubble schedule's weight-gradient step differentiates); the owner is not
+    a child of it, nor it of the owner."""
+
+    def __init__(self, owner: RankModel, plan: StagePlan):
         super().__init__()
         self.plan = plan
         self.first, self.last = plan.first, plan.last
+        object.__setattr__(self, "_owner", owner)
         self.embedding = owner.embedding if plan.first else None
         self.layers = nn.ModuleList(owner.layers[str(i)] for i in plan.layers)
         self.final_norm = owner.final_norm if plan.last else None
-        head = owner.output_layer if owner.output_layer is not None else owner.tied_output
-        self.head = head if plan.last else None
-        object.__setattr__(self, "_owner", owner)  # not a child: no second path to the same parameters
-        if plan.last and owner.config.tied_embeddings and owner.tied_output is None:
-            # V placement: the table is the embedding's, used a second time here; name it a child so
-            # this stage's parameters() (what zero-bubble's weight-gradient step differentiates) include it
-            self.head = owner.embedding
+        # the head's table: the untied head, or (V placement) the embedding used a second time
+        self.head = (owner.output_layer if owner.output_layer is not None else owner.embedding) if plan.last else None
 
-    def forward(self, hidden, input_ids=None):
-        """`input_ids`: the micro-batch's whole-sequence ids [b, s], given to every stage (the schedule's
-        keyword arguments reach each stage) when sequences are packed documents, so each stage finds the
-        documents and positions itself; between stages only the hidden states travel. The first stage
-        gets the whole-sequence ids as `hidden` and takes this rank's part of them."""
+    def forward(self, hidden, batch_ids=None, for_loss: bool = True):
         owner = self._owner
         if self.first:
             layout = sequence_layout(hidden, owner.config, owner.groups)
-            hidden = self.embedding(hidden if layout is None else layout.local(hidden), layout)
+            hidden = owner.embedding(hidden if layout is None else layout.local(hidden), layout)
         else:
-            layout = stage_layout_of(hidden, input_ids, owner.config, owner.groups)
+            layout = stage_layout_of(hidden, batch_ids, owner.config, owner.groups)
         hidden = run_layers(list(self.layers), hidden, owner.config, owner.training, layout)
         if self.last:
-            hidden = owner.logits(self.final_norm(hidden))
+            hidden = owner.logits(owner.final_norm(hidden), for_loss)
         return hidden

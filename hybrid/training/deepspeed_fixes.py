@@ -12,25 +12,44 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.moe.layer import MoE
-from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.activation_checkpointing import checkpointing
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils import groups as ds_groups
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
 from hybrid.checkpoint.files import load_file
 from hybrid.model.moe.moe_layer import MoELayer
 from hybrid.model.naming import canonical_parameters
-from hybrid.pipeline_plan import list_partition_bounds
 from hybrid.training.async_save import BackgroundWriter
 
 KNOWN_GOOD_DEEPSPEED = ("0.19.8",)  # checked by tests/test_deepspeed_fixes.py; pyproject allows the 0.19 series
 
 # (module, attribute path, a text its source must contain) of every DeepSpeed internal used below
 RELIED_ON = [
-    ("deepspeed.runtime.pipe.module", "PipelineModule._partition_layers", "def _partition_layers(self, method"),
-    ("deepspeed.runtime.pipe.module", "PipelineModule._set_bounds", "def _set_bounds(self, start=None, stop=None)"),
-    ("deepspeed.runtime.pipe.module", "PipelineModule.__init__", "self._partition_layers(method=partition_method)"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.__init__", "self._support_torch_style_backward = True"),
+    ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload.setup_zero_stage3_hooks",
+     "self.fwd_pre_hook = self.module.register_forward_pre_hook(_start_of_forward_hook)"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct",
+     "is_model_parallel_parameter(p) or (self.model_parallel_rank == 0)"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.__init__",
+     "self.model_parallel_rank = mpu.get_model_parallel_rank()"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine._backward_post_hook", "needs_scaler and not self._manual_backward_expected"),
+    ("deepspeed.runtime.fp16.fused_optimizer", "FP16_Optimizer.backward",
+     "scaled_loss = (loss.float()) * self.loss_scale_config.cur_scale"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.setup_buckets",
+     "if not self.ready_for_gradients:"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine._flush_coalesced_reduction_zero12", "optimizer.setup_buckets()"),
+    ("deepspeed.runtime.base_optimizer", "ZeROOptimizer.clear_backward_seen_flag",
+     "self._backward_hook_state.reset_for_new_step()"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.forward", "self.optimizer.clear_backward_seen_flag()"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.partition_grads",
+     "if self.micro_step_id == 0:  # don't accumulate"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._setup_for_real_optimizer",
+     "self.grad_partitions_flat_buffer: Tensor = torch.zeros("),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu",
+     "if self.micro_step_id > 0:"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine._take_model_step", "self.clip_fp32_gradients()"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.get_global_grad_norm", "self._global_grad_norm"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.allreduce_no_retain",
@@ -65,21 +84,104 @@ RELIED_ON = [
 ]
 
 
-# --- explicit pipeline partitions ---------------------------------------------------------------
+# --- pipeline schedules on the plain engine (hybrid.training.runtime) ------------------------------
 
-class ListPartitionPipelineModule(PipelineModule):
-    """DeepSpeed's PipelineModule plus an explicit partition: `partition_method="list:3,5"` gives 3
-    transformer layers to stage 0 and 5 to stage 1 (embedding with the first stage, final norm and head
-    with the last). DeepSpeed 0.19 has no such method and no public hook for one: this overrides its
-    private `_partition_layers` and calls its `_set_bounds`, reading `_topo` and `_layer_specs` (set in
-    PipelineModule.__init__ before partitioning)."""
+def runs_tensor_backward(engine) -> bool:
+    """Whether the engine follows backward passes that torch runs itself (`tensor.backward()` on outputs of
+    `engine(...)`): DeepSpeed 0.19.8 does so for its ZeRO optimizers (ZeRO-1/2/3 and its bf16 optimizer), whose
+    gradient hooks end each such pass with its epilogue; without them (fp32 / fp16 without ZeRO) gradients
+    accumulate in `.grad` and the step reduces them."""
+    return bool(engine._support_torch_style_backward)
 
-    def _partition_layers(self, method="uniform"):
-        if not method.lower().startswith("list:"):
-            return super()._partition_layers(method)
-        self.parts = list_partition_bounds(method, len(self._layer_specs))
-        stage_id = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+def prepare_pipeline_engine(engine, mpu) -> None:
+    """PP > 1 on the plain engine, two things of DeepSpeed 0.19.8's ZeRO-3:
+    1. its coordinator resets its trace of fetched modules at every forward of the top module
+       (`DeepSpeedZeRoOffload.fwd_pre_hook`) and, when a recorded trace completes, checks it equal on every rank
+       of the world (`assert_ints_same_as_other_ranks`, default group): a pipeline's stages run different
+       modules, and each stage forward is a forward of the top module. Without the reset the trace stays
+       invalid: parameters are gathered when a module runs (no trace-driven prefetch) and released after,
+       forward and backward, as ZeRO-3 does without a trace;
+    2. its gradient norm counts a parameter that is not split over TP only where `model_parallel_rank == 0`,
+       the rank in the whole TP x PP group (`mpu.get_model_parallel_rank()`), so every later stage's norms and
+       biases were left out of the norm that clipping uses; ZeRO-1/2 take the TP rank
+       (`bwc_tensor_model_parallel_rank`), as this sets it here."""
+    optimizer = engine.optimizer
+    offload = getattr(optimizer, "parameter_offload", None)
+    if offload is not None and getattr(offload, "fwd_pre_hook", None) is not None:
+        offload.fwd_pre_hook.remove()
+        offload.fwd_pre_hook = None
+    if engine.zero_optimization_stage() == 3:
+        optimizer.model_parallel_rank = bwc_tensor_model_parallel_rank(mpu)
+
+
+def loss_scale(engine) -> float:
+    """fp16: DeepSpeed 0.19.8's current loss scale (`loss_scale` of its ZeRO optimizers and of FP16_Optimizer);
+    1.0 otherwise."""
+    if not engine.fp16_enabled():
+        return 1.0
+    return float(engine.optimizer.loss_scale)
+
+
+def scaled_for_backward(engine, loss):
+    """A pipeline's loss as DeepSpeed 0.19.8's fp16 loss scaling wants it for a backward that torch's schedule
+    runs: `engine.scale(loss)` with a ZeRO optimizer (DeepSpeed's API for backward passes it does not run itself),
+    the fp32 loss times FP16_Optimizer's loss scale without ZeRO (what its own `backward` multiplies by);
+    unchanged in bf16 and fp32. The step unscales the gradients and skips it on overflow, as after
+    engine.backward."""
+    if not engine.fp16_enabled():
+        return loss
+    if isinstance(engine.optimizer, ZeROOptimizer):
+        return engine.scale(loss)
+    return loss.float() * engine.optimizer.loss_scale
+
+
+def start_backward(engine) -> None:
+    """Before each backward a pipeline schedule runs: DeepSpeed 0.19.8 resets its per-backward hook state
+    (`BackwardHookStateManager.reset_for_new_step`, from `ZeROOptimizer.clear_backward_seen_flag`) only in
+    `engine.forward`, so the second of two backwards without a forward between them (a pipeline's cooldown)
+    queues no epilogue: its gradients would never be reduced. This runs that reset (the base class's part
+    only: ZeRO-1/2's override also drops the fp32 `grad_accum` of the iteration, which the step still needs)."""
+    optimizer = engine.optimizer
+    if isinstance(optimizer, ZeROOptimizer):
+        ZeROOptimizer.clear_backward_seen_flag(optimizer)
+        if engine.fp16_enabled():
+            # fp16: each of the schedule's backward passes carries the scaled loss's gradient (the last stage's
+            # from `scaled_for_backward`, the others' received from it); DeepSpeed checks that engine.scale ran
+            # for the backward (`_manual_backward_expected`), which it did only on the last stage
+            engine._manual_backward_expected = True
+
+
+def begin_accumulation(engine) -> None:
+    """Before an iteration's schedule (PP > 1, caller-owned accumulation). DeepSpeed 0.19.8's ZeRO-3 copies a
+    parameter's gradient partition on the iteration's first backward (`micro_step_id == 0`) and adds it on the
+    later ones, and ZeRO-1/2 with optimizer offload do the same with their host accumulators; in a pipeline a
+    rank's first backward does not reach every parameter (interleaved stages, a stage's weight step), so a
+    parameter first reached later would add to the last iteration's values. Here the accumulators start at
+    zero and every backward adds (0 + g is g: the values are those of DeepSpeed's own accumulation). The full
+    `clear_backward_seen_flag` runs as a forward would run it first."""
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, ZeROOptimizer):
+        return
+    optimizer.clear_backward_seen_flag()
+    if engine.zero_optimization_stage() == 3:
+        optimizer.grad_partitions_flat_buffer.zero_()
+        optimizer.micro_step_id = 1
+    elif getattr(optimizer, "cpu_offload", False):
+        for buffer in getattr(optimizer, "accumulated_grads_in_cpu", {}).values():
+            buffer.zero_()
+        optimizer.micro_step_id = max(optimizer.micro_step_id, 1)
+
+
+def ensure_reduction_buckets(engine) -> None:
+    """Before a pipeline's `engine.step()` with ZeRO-1/2: the reduction buckets exist. DeepSpeed 0.19.8 allocates
+    them in the gradient hooks of a backward (`setup_buckets`, from `process_gradients`) and frees them at each
+    backward's epilogue; a zero-bubble weight step hands its gradients over without hooks, so the step's
+    reduction (ZeRO-1, caller-owned accumulation) could find none (`IndexError` in
+    `reduce_independent_p_g_buckets_and_remove_grads`). DeepSpeed's own coalesced flush calls it the same way."""
+    optimizer = engine.optimizer
+    if engine.zero_optimization_stage() in (1, 2) and hasattr(optimizer, "setup_buckets"):
+        optimizer.setup_buckets()
 
 
 # --- activation offloading on a host accelerator -----------------------------------------------------

@@ -8,22 +8,18 @@ import re
 
 import deepspeed
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from deepspeed.accelerator import get_accelerator
 
-from hybrid.capabilities import Setup, check
 from hybrid.config import RunConfig
 from hybrid.errors import ConfigError
 from hybrid.model import build as model_build
 from hybrid.model.attention import backend_notes
-from hybrid.model.moe.moe_layer import MoELayer
 from hybrid.model.naming import canonical_buffers, canonical_parameters
 from hybrid.parallel import fp8
-from hybrid.training.deepspeed_fixes import (ListPartitionPipelineModule, install_fp32_clipping,
-                                             keep_host_activations_when_offloading, register_moe_layers,
-                                             skip_non_finite_steps, skip_one_rank_gradient_allreduce,
-                                             use_async_checkpoint_engine)
+from hybrid.training.deepspeed_fixes import (install_fp32_clipping, keep_host_activations_when_offloading,
+                                             prepare_pipeline_engine, register_moe_layers, skip_non_finite_steps,
+                                             skip_one_rank_gradient_allreduce, use_async_checkpoint_engine)
 from hybrid.training.logging import log
 from hybrid.training.moe_hooks import keep_fp32_buffers
 from hybrid.training.schedules import MegatronLRScheduler
@@ -32,14 +28,13 @@ _NO_DECAY = re.compile(r"(^|\.)bias$|norm\.weight$|norm\.bias$")
 
 
 def build_model(run: RunConfig, groups) -> nn.Module:
-    """This rank's model for the run's pipeline schedule (hybrid.model.build); under ZeRO-3 at PP = 1 built
-    inside `deepspeed.zero.Init`: each parameter is partitioned over DP x CP as soon as its module exists,
-    so no rank ever holds the whole model (the point of ZeRO-3 for models larger than a rank)."""
-    zero3 = run.parallel.pipeline_parallel == 1 and run.zero_stage == 3
+    """This rank's model for the run's pipeline schedule (hybrid.model.build); under ZeRO-3 built inside
+    `deepspeed.zero.Init`: each parameter is partitioned over its stage's DP x CP ranks as soon as its module
+    exists, so no rank ever holds its whole stage (the point of ZeRO-3 for models larger than a rank)."""
+    zero3 = run.zero_stage == 3
     init = deepspeed.zero.Init(config_dict_or_path=run.ds_config, mpu=groups.mpu,
                                data_parallel_group=groups.mpu.get_data_parallel_group()) if zero3 else None
     return model_build.build_model(run.model, groups, run.pipeline, init_context=init,
-                                   pipeline_module_class=ListPartitionPipelineModule,
                                    compile_layers=run.training.torch_compile)
 
 
@@ -84,7 +79,6 @@ def build_engine(run: RunConfig, groups):
     if run.model.fp8_recipe:
         fp8.check_device(torch.device(get_accelerator().current_device_name()))
     model = build_model(run, groups)
-    _check_experts_on_every_stage(model, run)
     register_moe_layers(model, groups, run.zero_stage)  # DeepSpeed's MoE handling (before initialize)
     freeze(model, run)
     training, optimizer = run.training, run.optimizer
@@ -102,9 +96,7 @@ def build_engine(run: RunConfig, groups):
     _sanitize_cuda_arch_list()
     try:
         engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=param_groups(model, run), config=run.ds_config,
-            # a PipelineModule brings its own grid
-            mpu=None if run.deepspeed_pipeline else groups.mpu,
+            model=model, model_parameters=param_groups(model, run), config=run.ds_config, mpu=groups.mpu,
             lr_scheduler=scheduler, dist_init_required=False)
     except (RuntimeError, ValueError, OSError, ImportError) as error:
         _raise_if_op_build_failed(error)
@@ -121,16 +113,19 @@ def build_engine(run: RunConfig, groups):
             skip_non_finite_steps(engine)
     if run.checkpoint.async_save:
         use_async_checkpoint_engine(engine)
-    if run.zero_stage == 3 and run.parallel.pipeline_parallel == 1 and run.model.tied_embeddings:
-        # The tied output head reads the embedding table outside the embedding's own forward.
+    if run.parallel.pipeline_parallel > 1:
+        prepare_pipeline_engine(engine, groups.mpu)
+    if run.zero_stage == 3 and run.model.tied_embeddings and model.embedding is not None and model.final_norm is not None:
+        # The tied output head (PP = 1, or a V placement's last stage) reads the embedding table outside the
+        # embedding's own forward.
         deepspeed.zero.register_external_parameter(engine.module, engine.module.embedding.word_embeddings.weight)
     return engine, model
 
 
 def build_reference(run: RunConfig, groups, engine) -> nn.Module:
     """--dpo: the frozen reference model, the --load-hf weights at this run's layout (PP = 1), in eval mode
-    (no dropout) and the training precision, beside the engine (never partitioned: it has no optimizer);
-    the policy and it get the loss's options."""
+    (no dropout) and the training precision, beside the engine (never partitioned: it has no optimizer); the
+    DPO objective scores each micro-batch with it (hybrid.model.objectives.PreferencePairs)."""
     # the HF reader: only for --dpo here
     from hybrid.conversion.hf import hf_parts
     from hybrid.conversion.layout import load_parts
@@ -141,23 +136,9 @@ def build_reference(run: RunConfig, groups, engine) -> nn.Module:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.training.precision, torch.float32)
     reference.requires_grad_(False)
     reference.to(torch.device(engine.device), dtype)
-    reference.preference = engine.module.preference = run.training.dpo
     log(f"--dpo: the reference model is {run.checkpoint.load_hf}, frozen ({run.training.dpo.loss_type} loss, beta "
         f"{run.training.dpo.beta})")
     return reference
-
-
-def _check_experts_on_every_stage(model: nn.Module, run: RunConfig) -> None:
-    """The capability table's rule that every pipeline rank holds an MoE layer, where DeepSpeed's own
-    partition (by parameter counts) decided the stages, so the flags could not tell (hybrid.config checks
-    the other partitions): one all-reduce at start."""
-    if not run.model.num_experts or run.parallel.pipeline_parallel == 1:
-        return
-    count = torch.tensor([float(sum(isinstance(m, MoELayer) for m in model.modules()))],
-                         device=get_accelerator().current_device_name())
-    dist.all_reduce(count, op=dist.ReduceOp.MIN)
-    check(Setup(pp=run.parallel.pipeline_parallel, experts=True, experts_on_every_stage=count.item() > 0),
-          only=("moe-stage-without-experts",))
 
 
 def _sanitize_cuda_arch_list() -> None:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from hybrid.config import RunConfig, config_summary
 from hybrid.data.batches import Collator, micro_batches
+from hybrid.model.objectives import objective_for
 from hybrid.parallel import fp8
 from hybrid.training.engine import units_per_step
 from hybrid.training.health import HealthCheck
@@ -21,7 +22,7 @@ from hybrid.training.moe_hooks import MoEStepHooks
 from hybrid.training.profiling import StepProfiler, device_peak_tflops
 from hybrid.training.reduction import reduce_interval
 from hybrid.training.saving import CheckpointSaver
-from hybrid.training.steps import build_step
+from hybrid.training.runtime import build_runtime
 
 
 class Trainer:
@@ -36,10 +37,9 @@ class Trainer:
         self.train_ds, self.valid_ds, _ = datasets
         self.collator = Collator(eod_token, run.data.eod_mask_loss)
         self.device = torch.device(engine.device)
-        # chosen once: DeepSpeed's pipeline schedule, a torch.distributed.pipelining schedule, or
-        # micro-steps on the plain engine; all take the same (ids, labels) micro-batches
-        self.step = build_step(run, groups, engine, reference)
-        self.preference = engine.module.preference_stats if run.training.dpo else None  # --dpo's rewards
+        # what the run trains for (LM, SFT, DPO), handed to the one runtime of every layout and schedule
+        self.objective = objective_for(run.training, run.model, groups, reference)
+        self.step = build_runtime(run, groups, engine, self.objective)
         self.moe = MoEStepHooks.of(engine.module, run.parallel.sequence_split) if run.model.num_experts else None
         self.fp8_delayed = fp8.has_delayed(engine.module)
         self.profiler = StepProfiler(run.logging.profile, dist.get_rank() if dist.is_initialized() else 0, self.device)
@@ -64,10 +64,10 @@ class Trainer:
             return None
         self.engine.eval()
         batches = self._batches(self.valid_ds, self.consumed_valid, wrap=True)
-        pending = list(self.preference.pending) if self.preference else None
+        pending = self.objective.discard_pending()  # the log line's statistics are the training interval's
         losses = [self.step.evaluate(batches) for _ in range(t.eval_iters)]
-        if self.preference:  # the training interval's rewards only
-            self.preference.pending = pending
+        self.objective.discard_pending()
+        self.objective.restore_pending(pending)
         self.consumed_valid += t.eval_iters * t.global_batch_size
         self.engine.train()
         values = reduce_interval(self.step, losses)
@@ -82,6 +82,7 @@ class Trainer:
         if size != self.current_batch:
             # more or fewer micro-batches, same micro-batch size (DeepSpeed's batch counts CP ranks)
             self.engine.set_train_batch_size(size * self.run.parallel.sequence_split)
+            self.step.micro_batches = self.engine.gradient_accumulation_steps()
             self.engine.lr_scheduler.units_per_step = units_per_step(size, t.seq_length, self.run.optimizer.lr_unit)
             if self.current_batch is not None:
                 log(f"global batch size {self.current_batch} -> {size} after {consumed} samples")
@@ -95,8 +96,8 @@ class Trainer:
         self.health.check_loss_scale(self.skipped)
         per_iteration = seconds() / len(pending)
         extra = dict(self.moe.metrics() if self.moe else {})  # this rank's MoE layers, per micro-batch
-        if self.preference:  # --dpo: rewards, margin and accuracy over the interval's pairs (every DP rank's)
-            extra.update(self.preference.metrics(self.groups.dp, self.groups.pp, self.device))
+        # the objective's own (--dpo: rewards, margin and accuracy over the interval's pairs, every DP rank's)
+        extra.update(self.objective.metrics(self.groups, self.device))
         stall = self.saver.take_stall()
         if stall:  # the time the training thread spent saving since the last record (not in the iteration time)
             extra["checkpoint_stall_s"] = stall
@@ -119,7 +120,7 @@ class Trainer:
         lr = self.engine.get_lr()[0]
         skipped_before = getattr(self.engine, "skipped_steps", 0)
         if self.moe:
-            self.moe.before(self.engine.gradient_accumulation_steps())
+            self.moe.before(self.step.micro_batches)
         self.profiler.before(iteration)
         record = (self.step.train(batches), lr, self.health.norm_finite(), iteration + 1)
         self.profiler.after(iteration + 1)

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from hybrid.data.batches import Collator, to_device
+from hybrid.model.forward_only import forward_only
+from hybrid.model.objectives import DocumentScores
 from hybrid.errors import ConfigError
 from hybrid.training import resume
 from hybrid.training.logging import log
@@ -47,20 +49,21 @@ def windows_key(parts: list) -> str:
     return h.hexdigest()
 
 
-def model_scorer(reference):
-    """Scores micro-batches with a whole model (PP = 1): each one's (sums, counts) [b, s]."""
-    return lambda batches: [reference(ids, labels, document_logps=True) for ids, labels in batches]
+def scorer(model, groups, device, separator: int):
+    """Scores micro-batches forward only with `model` (the frozen reference at PP = 1, or the pipeline's own
+    stages holding the --load-hf weights; dropout off): each one's (sums, counts) [b, s] on the rank holding the
+    last stage, None on the others (hybrid.model.objectives.DocumentScores through hybrid.model.forward_only)."""
+    objective = DocumentScores(groups, model.config.vocab_size, separator)
+    holds_last = any(stage.last for stage in model.stages)
 
-
-def pipeline_scorer(engine):
-    """Scores micro-batches with DeepSpeed's pipeline (its forward-only schedule, dropout off): the last stage
-    gets each one's (sums, counts) [b, s] from the pipeline's loss (hybrid.model.deepspeed_pipeline.PipelineLoss,
-    labels `(labels, ids)`); the other stages get None."""
     def score(batches):
-        outputs = engine.eval_batch(data_iter=iter([(ids, (labels, ids)) for ids, labels in batches]),
-                                    reduce_output=None, bcast_loss=False, num_micro_batches=len(batches))
-        engine.module.train()
-        return [tuple(values) for values in outputs] if engine.is_last_stage() else None
+        was_training = model.training
+        model.eval()
+        targets = [objective.target(ids, labels) for ids, labels in batches]
+        outputs = forward_only(model, groups, device, [ids for ids, _ in batches],
+                               lambda mb, out: objective.loss(out, targets[mb], None))
+        model.train(was_training)
+        return [tuple(values) for values in outputs] if holds_last else None
     return score
 
 
@@ -150,10 +153,8 @@ def prepare(run, groups, engine, datasets, build_reference, start) -> tuple[Opti
     starts: hybrid.training.resume.start), called here because a pipeline scores with its own weights once they
     are --load-hf's: after `start()` loaded them, or before `start()` loads a checkpoint over them."""
     options = run.training.dpo
-    engine.module.preference = options
-    if run.deepspeed_pipeline:
-        engine.module.loss_fn.preference = options
-    pipeline = run.deepspeed_pipeline or run.virtual_pipeline
+    pipeline = run.pipelined
+    device = torch.device(engine.device)
     path = options.reference_logps
     parts = [p for ds in datasets[:2] if ds is not None for p in chat_parts(ds)]
     if path and os.path.exists(path):
@@ -165,7 +166,8 @@ def prepare(run, groups, engine, datasets, build_reference, start) -> tuple[Opti
         reference = build_reference(run, groups, engine)
         if not path:
             return reference, start()
-        tables = _score(run, groups, engine, parts, model_scorer(reference), 1, "the reference model")
+        tables = _score(run, groups, engine, parts, scorer(reference, groups, device, options.separator), 1,
+                        "the reference model")
         del reference  # freed: training holds one model
         if torch.device(engine.device).type == "cuda":
             torch.cuda.empty_cache()
@@ -173,13 +175,7 @@ def prepare(run, groups, engine, datasets, build_reference, start) -> tuple[Opti
     else:  # the pipeline itself, holding the --load-hf weights
         from_hf = resume.starts_from_hf(run)
         begun = start() if from_hf else resume.load_hf(engine, run, groups)
-        if run.deepspeed_pipeline:
-            score = pipeline_scorer(engine)
-        else:
-            # not at the top: torch.distributed.pipelining takes 1.3 s to import, and only these schedules use it
-            from hybrid.training.pipelining import torch_pipeline_scorer
-            score = torch_pipeline_scorer(engine.module, groups, run.pipeline.schedule, torch.device(engine.device),
-                                          options)
+        score = scorer(engine.module, groups, device, options.separator)
         tables = _score(run, groups, engine, parts, score, run.training.grad_acc_steps, "the pipeline")
         if not from_hf:
             begun = start()  # the checkpoint over the --load-hf weights

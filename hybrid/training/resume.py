@@ -13,13 +13,15 @@ from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
 from hybrid.capabilities import stage_placement
 from hybrid.checkpoint.client_state import ClientState, SavedLayout, read_client_state
-from hybrid.checkpoint.files import LATEST, LATEST_UNIVERSAL, first_model_file, iteration_of, load_file, read_tag
+from hybrid.checkpoint.files import (LATEST, LATEST_UNIVERSAL, first_model_file, iteration_of, load_file, read_tag,
+                                     write_atomic)
 from hybrid.checkpoint.manifest import complete_tags, verify_manifest
 from hybrid.config import RunConfig
 from hybrid.conversion.hf import hf_parts
 from hybrid.conversion.layout import hybrid_parts, load_parts
 from hybrid.conversion.megatron_source import megatron_kind, open_source
 from hybrid.conversion.megatron_universal import write_universal
+from hybrid.conversion.universal import convert
 from hybrid.errors import ConfigError
 from hybrid.model.naming import canonical_buffers, canonical_name, canonical_parameters
 from hybrid.parallel.random import set_rng_states
@@ -28,6 +30,7 @@ from hybrid.training import deepspeed_fixes
 from hybrid.training.logging import log
 
 MEGATRON_UNIVERSAL = ".megatron-universal"  # under --save: a Megatron checkpoint's Adam state while it loads
+PIPELINE_ENGINE_UNIVERSAL = ".pipeline-engine-universal"  # under --save: the same for a pipeline-engine checkpoint
 
 
 def latest_tag(load_dir: str) -> Optional[str]:
@@ -103,6 +106,8 @@ def load(engine, run: RunConfig, groups) -> tuple[int, int]:
     saved = read_client_state(load_dir, tag)
     if c.finetune or saved.weights_only:
         return _load_weights_only(engine, run, groups, load_dir, tag, saved)
+    if saved.layout.storage == "layer_files":  # DeepSpeed's pipeline engine wrote it
+        return _load_pipeline_engine(engine, run, groups, load_dir, tag, saved)
     check_same_layout(saved, run, load_dir, tag)
     try:
         path, client_state = deepspeed_fixes.load_checkpoint(
@@ -161,6 +166,9 @@ def _layout_differences(saved: SavedLayout, now: SavedLayout, with_optimizer: bo
         after = stage_placement(now.pipeline_schedule, now.virtual_stages)
         if before != after:
             differences.append(f"pipeline stages: {before} (this run: {after})")
+        elif saved.stage_layers and now.stage_layers and saved.stage_layers != now.stage_layers:
+            differences.append(f"--pipeline-partition: stages of {list(saved.stage_layers)} transformer layers (this "
+                               f"run: {list(now.stage_layers)})")
     if not with_optimizer:
         return differences
     if saved.zero_stage != now.zero_stage:
@@ -286,8 +294,37 @@ def _load_megatron_with_optimizer(engine, run: RunConfig, groups, source, what: 
     return iteration, consumed
 
 
+def _load_pipeline_engine(engine, run: RunConfig, groups, load_dir: str, tag: str,
+                          saved: ClientState) -> tuple[int, int]:
+    """A checkpoint of DeepSpeed's pipeline engine (layer files; every 1f1b checkpoint before the one runtime),
+    at any layout: with its optimizer state through a universal checkpoint (hybrid.conversion.universal, DeepSpeed's
+    ds_to_universal) written under --save, loaded and removed; else (the config says why) its weights, the LR
+    schedule continuing from its position."""
+    c = run.checkpoint
+    if not c.load_pipeline_engine:
+        return _load_weights_only(engine, run, groups, load_dir, tag, saved,
+                                  f"written by DeepSpeed's pipeline engine; its optimizer state is not loaded: "
+                                  f"{c.pipeline_engine_problem}")
+    directory = os.path.join(run.checkpoint.save, PIPELINE_ENGINE_UNIVERSAL)
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+        os.makedirs(directory)
+        convert(os.path.join(load_dir, tag), os.path.join(directory, tag), saved.model_config(), log=log)
+        write_atomic(os.path.join(directory, LATEST_UNIVERSAL), tag)
+    dist.barrier()
+    try:
+        iteration, consumed = _load_universal(engine, run, directory, groups)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+    log(f"loaded {load_dir}/{tag}, written by DeepSpeed's pipeline engine, with its optimizer state (through a "
+        f"universal checkpoint) at iteration {iteration}")
+    return iteration, consumed
+
+
 def _load_weights_only(engine, run: RunConfig, groups, load_dir: str, tag: str,
-                       saved: ClientState) -> tuple[int, int]:
+                       saved: ClientState, why: str = "a converted checkpoint: weights only") -> tuple[int, int]:
     """--finetune, or a converted checkpoint: weights from any layout, fresh optimizer and schedule."""
     wanted = set(canonical_parameters(engine.module, run.model.num_layers))
     load_parts(engine.module, hybrid_parts(load_dir, tag, run.model, wanted), run.model, groups)
@@ -302,6 +339,6 @@ def _load_weights_only(engine, run: RunConfig, groups, load_dir: str, tag: str,
     scheduler = getattr(engine, "lr_scheduler", None)
     if scheduler is not None and hasattr(scheduler, "set_position"):
         scheduler.set_position(consumed * (run.training.seq_length if scheduler.unit == "tokens" else 1))
-    log(f"loaded weights of {load_dir}/{tag} (a converted checkpoint: weights only, the optimizer starts "
-        f"fresh) at iteration {iteration}; the LR schedule continues from there")
+    log(f"loaded weights of {load_dir}/{tag} ({why}; the optimizer starts fresh) at iteration {iteration}; the LR "
+        f"schedule continues from there")
     return iteration, consumed

@@ -22,7 +22,7 @@ from hybrid.checkpoint.files import LATEST, MEGATRON_LATEST, iteration_of, tag_f
 from hybrid.checkpoint.manifest import write_manifest
 from hybrid.checkpoint.tp_layout import universal_checkpoint_info
 from hybrid.config import RunConfig, config_summary
-from hybrid.model.naming import TIED_COPY_WEIGHT, canonical_parameters
+from hybrid.model.naming import canonical_parameters
 from hybrid.parallel.random import get_rng_states
 from hybrid.training.logging import log
 
@@ -37,10 +37,8 @@ def optimizer_param_names(engine, run: RunConfig) -> Optional[list]:
 
 
 def _universal_info(run: RunConfig) -> dict:
-    """DeepSpeed's pipeline engine names parameters by layer index; the virtual stages (and PP = 1)
-    by canonical name, plus the last stage's copy of a tied table."""
-    tied_copy = TIED_COPY_WEIGHT if run.virtual_pipeline and run.model.tied_embeddings else None
-    return universal_checkpoint_info(run.model, run.parallel.tensor_parallel, run.deepspeed_pipeline, tied_copy)
+    """Every layout names parameters by their canonical names (a tied table's copy is not a parameter)."""
+    return universal_checkpoint_info(run.model, run.parallel.tensor_parallel)
 
 
 def write_files(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples: int, sequence=None) -> str:

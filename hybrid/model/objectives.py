@@ -1,0 +1,155 @@
+"""What a run trains for, as one object each (megatron-core's contract: the forward step gives the output, the
+loss function comes with the objective): language modelling (pretraining and --sft) and --dpo's preference
+pairs, plus the forward-only scoring of those pairs' log-probabilities (--dpo-reference-logps).
+
+An `Objective` says what it needs from a micro-batch (`target`: one tensor [b, ...] that rides with the
+micro-batch to the last pipeline stage; a torch schedule splits it along dim 0 like the ids), how the last
+stage turns the logits and that target into the micro-batch's loss (`loss`), what the iteration's loss is a
+mean over when it is taken per token or per pair (`count`), and what it logs (`metrics`). The runtime
+(hybrid.training.runtime) runs every schedule, PP = 1 included, without knowing which objective it runs;
+evaluation and the reference scorer take the same objects.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from hybrid.model import preference
+from hybrid.model.loss import LMLoss
+from hybrid.model.preference import DPOOptions, PreferenceStats
+from hybrid.parallel.cross_entropy import IGNORE_INDEX
+
+
+class Objective:
+    """The interface (see the module docstring). `per_item`: the iteration's loss is a mean over the items
+    `count` counts (tokens, pairs) of the whole global batch, not over micro-batches."""
+
+    name = "objective"
+    per_item = False
+
+    def target(self, ids: torch.Tensor, labels: torch.Tensor, extra: tuple = ()) -> torch.Tensor:
+        raise NotImplementedError
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def count(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The items of one micro-batch the iteration's loss is a mean over (on its device)."""
+        return (labels != IGNORE_INDEX).sum()
+
+    def sequence_factor(self, sequence_split: int) -> int:
+        """By how much each sequence rank's count is divided (the ranks holding parts of one sequence)."""
+        return sequence_split
+
+    def metrics(self, groups=None, device=None) -> dict:
+        """What the log line adds for the micro-batches since the last call (every rank calls it)."""
+        return {}
+
+    def discard_pending(self) -> list:
+        """The statistics gathered since the last log line, taken out (evaluation keeps them apart)."""
+        return []
+
+    def restore_pending(self, pending: list) -> None:
+        pass
+
+
+class LanguageModeling(Objective):
+    """Next-token loss over the labels that are not IGNORE_INDEX: each micro-batch's mean over its valid
+    tokens (Megatron-LM's default), or with `per_token` (--calculate-per-token-loss, and every --sft run)
+    the token sum times the iteration's factor, so the iteration's loss is the mean over all its tokens."""
+
+    name = "lm"
+
+    def __init__(self, groups, vocab_size: int, per_token: bool = False):
+        self.lm_loss = LMLoss(groups, vocab_size)
+        self.per_item = per_token
+
+    def target(self, ids, labels, extra=()):
+        return labels
+
+    def loss(self, logits, target, scale):
+        return self.lm_loss.of_whole_sequences(logits, target, scale)
+
+
+class PreferencePairs(Objective):
+    """--dpo: TRL's DPO loss on packed pairs (hybrid.model.preference). The target stacks, per row, the labels,
+    the ids (the packed documents) and the reference model's per-document log-probability sums as fp32 bits
+    ([b, 3, s] int64): they come with the batch (--dpo-reference-logps) or from `reference`, the frozen model
+    beside the engine (PP = 1), scored here when the target is made. The rewards are logged."""
+
+    name = "dpo"
+    per_item = True
+
+    def __init__(self, groups, vocab_size: int, options: DPOOptions, reference=None):
+        self.groups, self.vocab_size, self.options = groups, vocab_size, options
+        self.reference = reference  # the frozen starting model (a one-stage RankModel), or None
+        self.stats = PreferenceStats()
+
+    def target(self, ids, labels, extra=()):
+        if extra:
+            reference = extra[0]
+        else:
+            with torch.no_grad():  # the frozen model's loss logits of the same micro-batch
+                logits = self.reference(ids, stage=0)
+                reference = preference.document_logps(logits, labels, ids, self.groups, self.vocab_size,
+                                                      self.options.separator)[0]
+        return pair_target(ids, labels, reference)
+
+    def loss(self, logits, target, scale):
+        labels, ids, reference = target[:, 0], target[:, 1], target[:, 2].int().view(torch.float32)
+        sums = preference.document_logps(logits, labels, ids, self.groups, self.vocab_size, self.options.separator)
+        loss, stats = preference.dpo_loss(sums, (reference, None), self.options, scale)
+        self.stats.add(stats)
+        return loss
+
+    def count(self, ids, labels):
+        return preference.pairs_in(ids, labels, self.options.separator)
+
+    def sequence_factor(self, sequence_split: int) -> int:
+        # a token's loss is on one sequence rank, a pair's on all of them (their parts are summed first)
+        return 1
+
+    def metrics(self, groups=None, device=None) -> dict:
+        dp = groups.dp if groups is not None else None
+        pp = groups.pp if groups is not None else None
+        return self.stats.metrics(dp, pp, device)
+
+    def discard_pending(self) -> list:
+        pending, self.stats.pending = self.stats.pending, []
+        return pending
+
+    def restore_pending(self, pending: list) -> None:
+        self.stats.pending = pending
+
+
+class DocumentScores(Objective):
+    """Forward only: each micro-batch's per-document (log-probability sums, token counts) over its loss tokens,
+    stacked [2, b, s] fp32 (what --dpo-reference-logps stores for the reference model)."""
+
+    name = "document-logps"
+
+    def __init__(self, groups, vocab_size: int, separator: int):
+        self.groups, self.vocab_size, self.separator = groups, vocab_size, separator
+
+    def target(self, ids, labels, extra=()):
+        return torch.stack([labels, ids], 1)
+
+    def loss(self, logits, target, scale):
+        sums = preference.document_logps(logits, target[:, 0], target[:, 1], self.groups, self.vocab_size,
+                                         self.separator)
+        return torch.stack(sums)
+
+
+def pair_target(ids: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """[b, 3, s] int64: labels, ids and the reference sums' fp32 bits (one tensor, split into micro-batches
+    along dim 0 like the ids)."""
+    return torch.stack([labels, ids, reference.float().contiguous().view(torch.int32).long()], 1)
+
+
+def objective_for(run_training, model_config, groups, reference=None) -> Objective:
+    """The run's objective from its training settings (hybrid.config.TrainingConfig)."""
+    if run_training.dpo is not None:
+        return PreferencePairs(groups, model_config.vocab_size, run_training.dpo, reference)
+    return LanguageModeling(groups, model_config.vocab_size, run_training.per_token_loss)
