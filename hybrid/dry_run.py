@@ -14,7 +14,7 @@ from hybrid.config import RunConfig
 from hybrid.errors import ConfigError
 from hybrid.memory import GiB, MemoryPlan, ZeroSettings, estimate, format_table
 
-# CUDA context, allocator fragmentation and ZeRO's communication buckets are not in the estimate
+# CUDA context and allocator fragmentation are not in the estimate
 USABLE_FRACTION = 0.9
 
 
@@ -29,7 +29,11 @@ def plan_from_run(run: RunConfig) -> MemoryPlan:
     settings = ZeroSettings(stage=run.zero_stage, dp=p.dp_cp, precision=t.precision,
                             offload_optimizer=offload("offload_optimizer"), offload_param=offload("offload_param"),
                             persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 100_000)),
-                            fp32_grad_accumulation=grad_accum in ("fp32", "float32"))
+                            fp32_grad_accumulation=grad_accum in ("fp32", "float32"),
+                            reduce_bucket_size=int(zero.get("reduce_bucket_size", 500_000_000)),
+                            prefetch_bucket_size=int(zero.get("stage3_prefetch_bucket_size", 50_000_000)),
+                            overlap_comm=bool(zero.get("overlap_comm", run.zero_stage == 3)),
+                            contiguous_gradients=bool(zero.get("contiguous_gradients", True)))
     return MemoryPlan(model=run.model, tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=p.data_parallel,
                       micro_batch=t.micro_batch_size, seq_length=t.seq_length, num_micro_batches=t.grad_acc_steps,
                       zero=settings, recompute=run.model.recompute_granularity, partition=run.pipeline.partition,

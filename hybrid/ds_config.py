@@ -161,7 +161,7 @@ def final_ds_config(ds: dict, args, run, stage: int, optimizer: dict) -> dict:
         out["checkpoint"] = dict(out.get("checkpoint") or {}, load_universal=True)
     if cpu_offloading(args, ds):  # deepspeed.checkpointing.configure reads it (hybrid.training.engine)
         out["activation_checkpointing"] = dict(out.get("activation_checkpointing") or {}, cpu_checkpointing=True)
-    out.pop("scheduler", None)  # the LR schedule comes from the Megatron flags (hybrid.training.schedules)
+    out.pop("scheduler", None)  # the LR schedule comes from the Megatron flags (hybrid.training.lr_schedules)
     if training.precision == "bf16":
         out["bf16"] = dict(out.get("bf16") or {}, enabled=True)
         out.pop("fp16", None)

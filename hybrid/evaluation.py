@@ -38,7 +38,7 @@ from hybrid.memory import partition_layers
 from hybrid.model.build import build_model
 from hybrid.model.forward_only import forward_only
 from hybrid.model.objectives import LanguageModeling
-from hybrid.model.naming import canonical_buffers, canonical_parameters
+from hybrid.model.naming import names_to_load
 from hybrid.parallel.dims import ParallelDims
 from hybrid.parallel.groups import build_groups
 from hybrid.parallel.cross_entropy import IGNORE_INDEX
@@ -220,7 +220,7 @@ def _device() -> torch.device:
 
 def _load(model, config, groups, parts) -> None:
     """The checkpoint's tensors into this rank's model: `parts(wanted)` gives them a part at a time."""
-    wanted = set(canonical_parameters(model, config.num_layers)) | set(canonical_buffers(model, config.num_layers))
+    wanted = names_to_load(model, config.num_layers)
     load_parts(model, parts(wanted), config, groups)
 
 

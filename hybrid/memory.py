@@ -164,6 +164,10 @@ class ZeroSettings:
     offload_param: bool = False  # zero_optimization.offload_param (ZeRO-3)
     persistence_threshold: int = 100_000  # stage3_param_persistence_threshold (ZeRO-3)
     fp32_grad_accumulation: bool = False  # data_types.grad_accum_dtype fp32 with bf16
+    reduce_bucket_size: int = 500_000_000  # zero_optimization.reduce_bucket_size (elements; DeepSpeed's default)
+    prefetch_bucket_size: int = 50_000_000  # stage3_prefetch_bucket_size (elements)
+    overlap_comm: bool = False  # zero_optimization.overlap_comm (ZeRO-1/2: two reduce buckets)
+    contiguous_gradients: bool = True  # zero_optimization.contiguous_gradients (ZeRO-1/2: a reduce bucket)
 
 
 def model_state_bytes(groups: list[list[int]], zero: ZeroSettings) -> dict:
@@ -201,6 +205,28 @@ def model_state_bytes(groups: list[list[int]], zero: ZeroSettings) -> dict:
     if zero.offload_optimizer:
         return dict(params=params, grads=grads, optimizer=0, host_optimizer=optimizer)
     return dict(params=params, grads=grads, optimizer=optimizer, host_optimizer=0)
+
+
+def zero_buffer_bytes(params: dict, zero: ZeroSettings, pp: int) -> int:
+    """ZeRO's working memory on one rank beside the partitioned states (DeepSpeed 0.19 allocates its buckets whole):
+    ZeRO-1's whole gradients, which wait in `.grad` until the step reduces them, and its reduce bucket; ZeRO-2's
+    reduce bucket (two with overlap_comm; none without contiguous gradients), into which each backward's gradients
+    are reduced as they come; ZeRO-3's reduce bucket and the gathered parameters of the module running (the largest
+    one), plus at PP = 1 the parameters its trace prefetches (a pipeline's stages run without a trace:
+    hybrid.training.deepspeed_fixes.prepare_pipeline_engine)."""
+    e = _BYTES[zero.precision]
+    if zero.stage == 0:
+        return 0
+    sizes = [n for n, _ in params.values()]
+    total = sum(sizes)
+    if zero.stage in (1, 2):
+        buckets = (2 if zero.overlap_comm else 1) if zero.contiguous_gradients else 0
+        whole_gradients = total if zero.stage == 1 else 0
+        return (buckets * min(zero.reduce_bucket_size, total) + whole_gradients) * e
+    gathered = max(sizes, default=0)
+    if pp == 1:
+        gathered += min(zero.prefetch_bucket_size, total)
+    return (min(zero.reduce_bucket_size, total) + (0 if zero.offload_param else gathered)) * e
 
 
 # --- activations ---------------------------------------------------------------------------------
@@ -481,6 +507,7 @@ def estimate(plan: MemoryPlan) -> list[dict]:
         if info["replica"]:  # a tied table's copy: its weights and gradient in the working precision, whole
             states["params"] += info["replica"] * _BYTES[precision]
             states["grads"] += info["replica"] * _BYTES[precision]
+        buffers = zero_buffer_bytes(info["params"], plan.zero, plan.pp)
         each = [layer_activation_bytes(config, act, layer=i) for i in info["layers"]]
         per_layer = max(each, default=layer_activation_bytes(config, act))
         layers = len(info["layers"])
@@ -503,7 +530,8 @@ def estimate(plan: MemoryPlan) -> list[dict]:
                    activation_bytes_per_layer=per_layer, activations=activations,
                    fp8=fp8_bytes(config, info["layers"], act), host_activations=host_activations,
                    reference=reference, **states)
-        row["total"] = (row["params"] + row["grads"] + row["optimizer"] + row["activations"] + row["fp8"]
+        row["buffers"] = buffers
+        row["total"] = (row["params"] + row["grads"] + row["optimizer"] + row["buffers"] + row["activations"] + row["fp8"]
                         + row["reference"])
         rows.append(row)
     return rows
@@ -561,7 +589,7 @@ def format_table(rows: list[dict], plan: MemoryPlan) -> str:
             f"seq {plan.seq_length}, recompute {plan.recompute or 'none'}"
             f"{', SP' if plan.model.sequence_parallel else ''}"
             f"{f', {plan.schedule} x {plan.virtual} virtual stages' if plan.pp > 1 and plan.schedule != '1f1b' else ''}")
-    cols = ("stage", "layers", "params", "grads", "optimizer", "activations", "total")
+    cols = ("stage", "layers", "params", "grads", "optimizer", "buffers", "activations", "total")
     lines = [head, "  ".join(f"{c:>11}" for c in cols)]
     for r in rows:
         lines.append("  ".join([f"{r['stage']:>11}", f"{r['layers']:>11}"]

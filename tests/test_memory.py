@@ -440,3 +440,35 @@ def test_moe_layer_activation_bytes_within_10pct_of_saved_tensors(moe):
     estimated = sum(memory.layer_activation_bytes(config, memory.ActivationSettings(
         2, 64, precision="fp32", attention_kernel="flash", mask_bytes=4), layer=i) for i in range(2)) / 2
     assert abs(estimated - measured) <= 0.10 * measured, (estimated, measured)
+
+
+def test_dry_run_counts_zero3_under_a_pipeline_stage_by_stage():
+    """PP 2 x DP 2: ZeRO-3 divides a stage's parameters, gradients and optimizer by the stage's DP and adds the
+    gathered module and the reduce bucket (no prefetch under a pipeline); ZeRO-1 keeps the parameters and
+    gradients whole; the tied table's copy on the last stage is weights and a gradient, whole."""
+    from hybrid.config import build_run_config
+    from hybrid.dry_run import plan_from_run
+    from hybrid.flags import build_parser
+    base = ["--num-layers", 4, "--hidden-size", 512, "--num-attention-heads", 8, "--seq-length", 32,
+            "--max-position-embeddings", 32, "--micro-batch-size", 1, "--global-batch-size", 8, "--train-iters", 1,
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", 1000, "--pipeline-model-parallel-size",
+            2]
+    rows = {}
+    for zero in (1, 3):
+        run = build_run_config(build_parser().parse_args([str(f) for f in base + ["--zero-stage", zero]]), 4, 1000)
+        plan = plan_from_run(run)
+        rows[zero] = memory.estimate(plan)
+        stages = memory.stage_parameters(run.model, 1, 2, stage_layers=run.pipeline.stage_layers)
+        for row, stage in zip(rows[zero], stages):
+            numel = sum(n for n, _ in stage["params"].values())
+            states = memory.model_state_bytes([[n for n, _ in stage["params"].values()]], plan.zero)
+            assert row["params"] == states["params"] + 4 * stage["replica"]
+            assert row["buffers"] == memory.zero_buffer_bytes(stage["params"], plan.zero, 2)
+            bucket = min(plan.zero.reduce_bucket_size, numel)
+            if zero == 3:  # the reduce bucket and the largest module's parameters, gathered
+                assert row["buffers"] == 4 * (bucket + max(n for n, _ in stage["params"].values()))
+            else:  # the whole gradients until the step, and the reduce bucket
+                assert row["buffers"] == 4 * (bucket + numel)
+    assert stages[1]["replica"] > 0 and stages[0]["replica"] == 0  # the tied table's copy: the last stage's
+    for zero1, zero3 in zip(rows[1], rows[3]):
+        assert zero3["params"] < zero1["params"] and zero3["total"] < zero1["total"]

@@ -31,7 +31,17 @@ UNIVERSAL_INFO = "hybrid_universal.json"  # what the universal checkpoint was ma
 
 def run_ds_to_universal(ckpt: str, out_dir: str, config, log=print) -> None:
     """DeepSpeed's ds_to_universal (strict mode) from the ZeRO checkpoint `ckpt` into the new directory
-    `out_dir`, then the parameter directories renamed to canonical names and normalised."""
+    `out_dir`, then the parameter directories renamed to canonical names and normalised. ZeRO-3 under a pipeline:
+    stage by stage (`_zero3_stages`)."""
+    stages = _zero3_stages(ckpt)
+    if stages > 1:
+        _zero3_per_stage(ckpt, out_dir, config, stages, log)
+        return
+    _run_tool(ckpt, out_dir, config, log)
+
+
+def _run_tool(ckpt: str, out_dir: str, config, log) -> None:
+    """DeepSpeed's ds_to_universal on one checkpoint as its tool reads it, then canonical names."""
     log(f"converting {ckpt} with DeepSpeed's ds_to_universal (strict)")
     # DeepSpeed's tool, in a process whose every torch.load is weights-only with the allow-list: it
     # reads the checkpoint's files
@@ -55,6 +65,57 @@ def run_ds_to_universal(ckpt: str, out_dir: str, config, log=print) -> None:
     drop_tied_copy(zero)
     normalize(zero, config, _param_shapes(out_dir, config))
     alias_model_files(out_dir)
+
+
+def _zero3_stages(ckpt: str) -> int:
+    """The pipeline stages of a ZeRO-3 checkpoint (1 for every other kind): its recorded PP size."""
+    files = [n for n in os.listdir(ckpt) if re.fullmatch(r"zero_pp_rank_0_mp_rank_\d+_model_states\.pt", n)]
+    if not files:
+        return 1
+    layout = safe_load(os.path.join(ckpt, sorted(files)[0])).get("layout") or {}
+    return int(layout.get("pipeline_parallel", 1) or 1)
+
+
+def _zero3_per_stage(ckpt: str, out_dir: str, config, stages: int, log) -> None:
+    """DeepSpeed 0.19.8's ds_to_universal reads a ZeRO-3 checkpoint's `mp_rank` as the TP rank (ZeRO-3 never ran
+    under DeepSpeed's pipeline), so a pipeline's stages (mp_rank = stage x TP + TP rank) would be merged as TP
+    shards. Each stage is converted on its own, from a directory of links naming its files as a one-stage
+    checkpoint's, and the stages' parameter directories (disjoint canonical names) are put together."""
+    names = os.listdir(ckpt)
+    ranks = sorted({int(m.group(1)) for n in names if (m := re.fullmatch(r"zero_pp_rank_\d+_mp_rank_(\d+)_.*", n))})
+    tp = len(ranks) // stages
+    os.makedirs(out_dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".tmp-stages-", dir=os.path.dirname(os.path.abspath(out_dir)))
+    try:
+        for stage in range(stages):
+            view = os.path.join(work, f"stage{stage}", os.path.basename(ckpt))
+            os.makedirs(view)
+            for name in names:
+                m = re.fullmatch(r"(zero_pp_rank_\d+_mp_rank_)(\d+)(_.*)", name)
+                if m and stage * tp <= int(m.group(2)) < (stage + 1) * tp:
+                    os.symlink(os.path.abspath(os.path.join(ckpt, name)),
+                               os.path.join(view, f"{m.group(1)}{int(m.group(2)) - stage * tp:02d}{m.group(3)}"))
+            for name in ("latest",):
+                if os.path.exists(os.path.join(os.path.dirname(ckpt), name)):
+                    shutil.copy2(os.path.join(os.path.dirname(ckpt), name), os.path.dirname(view))
+            part = os.path.join(work, f"stage{stage}_universal")
+            log(f"converting stage {stage} of {stages} of {ckpt} with DeepSpeed's ds_to_universal (strict)")
+            _run_tool(view, part, config, log=lambda message: None)
+            for name in os.listdir(os.path.join(part, "zero")):
+                target = os.path.join(out_dir, "zero", name)
+                if name == "optimizer_state.pt" and stage > 0:
+                    continue  # the same hyperparameters and step on every stage: the first's
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                os.replace(os.path.join(part, "zero", name), target)
+            for name in os.listdir(part):  # the model-states files (client state, schedule), under global mp ranks
+                m = re.fullmatch(r"(.*mp_rank_)(\d+)(_model_states\.pt)", name)
+                if m:
+                    os.replace(os.path.join(part, name),
+                               os.path.join(out_dir, f"{m.group(1)}{int(m.group(2)) + stage * tp:02d}{m.group(3)}"))
+                elif name != "zero" and stage == 0:
+                    os.replace(os.path.join(part, name), os.path.join(out_dir, name))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def drop_tied_copy(zero: str) -> None:

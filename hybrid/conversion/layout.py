@@ -218,14 +218,19 @@ def load_parts(model, parts, config: ModelConfig, groups) -> None:
     parameter's dtype; tensors of other ranks' parameters are skipped. Only one part is held at a time and,
     under ZeRO-3, only that part's parameters are gathered (DeepSpeed's GatheredParameters: written, then
     re-partitioned). Every parameter of the rank must have been in some part. Buffers a part names (the
-    routers' score biases, replicated) are copied too."""
+    routers' score biases, replicated) are copied too, and a last stage's copy of a tied table
+    (hybrid.model.virtual_stages.RankModel.tied_table) gets the word embeddings where a part has them."""
     params = canonical_parameters(model, config.num_layers)
     buffers = canonical_buffers(model, config.num_layers)
+    copy = getattr(model, "tied_table", None)
     loaded = set()
     for part in parts:
         with torch.no_grad():
             for name in [n for n in part if n in buffers and n not in params]:
                 buffers[name].copy_(part[name])
+            if copy is not None and EMBEDDING_WEIGHT in part and EMBEDDING_WEIGHT not in params:
+                copy.copy_(shard_for_rank(EMBEDDING_WEIGHT, part[EMBEDDING_WEIGHT], config, groups.tp.size,
+                                          groups.tp.rank))
         mine = {name: params[name] for name in part if name in params}
         # DeepSpeed reads modifier_rank as the rank within each parameter's ZeRO group: its first rank writes
         with deepspeed.zero.GatheredParameters(list(mine.values()), modifier_rank=0):

@@ -101,3 +101,15 @@ def canonical_parameters(model, num_layers: int) -> dict:
     offsets = {name: m.expert_offset for name, m in model.named_modules() if getattr(m, "expert_offset", 0)}
     return {canonical_name(global_expert_name(name, offsets) if offsets else name, num_layers): param
             for name, param in model.named_parameters()}
+
+
+def names_to_load(model, num_layers: int, buffers: bool = True) -> set:
+    """What a checkpoint reader gives this rank's model: its parameters (and `buffers`) under canonical names and,
+    for a last stage's copy of a tied table (hybrid.model.virtual_stages.RankModel.tied_table), the word
+    embeddings."""
+    names = set(canonical_parameters(model, num_layers))
+    if buffers:
+        names |= set(canonical_buffers(model, num_layers))
+    if getattr(model, "tied_table", None) is not None:
+        names.add(EMBEDDING_WEIGHT)
+    return names

@@ -22,7 +22,7 @@ from hybrid.training.deepspeed_fixes import (install_fp32_clipping, keep_host_ac
                                              skip_one_rank_gradient_allreduce, use_async_checkpoint_engine)
 from hybrid.training.logging import log
 from hybrid.training.moe_hooks import keep_fp32_buffers
-from hybrid.training.schedules import MegatronLRScheduler
+from hybrid.training.lr_schedules import MegatronLRScheduler
 
 _NO_DECAY = re.compile(r"(^|\.)bias$|norm\.weight$|norm\.bias$")
 

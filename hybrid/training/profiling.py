@@ -86,3 +86,36 @@ class StepProfiler:
             torch.cuda.memory._dump_snapshot(path)
             torch.cuda.memory._record_memory_history(enabled=None)
             log(f"--record-memory-history: wrote {path} (open it at pytorch.org/memory_viz)", all_ranks=True)
+
+
+MEMORY_REPORT = "HYBRID_MEMORY_REPORT"  # a file: each rank appends its peak resident memory of the run (benchmarks)
+
+
+class PeakResidentMemory:
+    """The peak resident memory a run adds to its process on a host (benchmarks/bench_memory.py): Linux's
+    peak-RSS counter is reset once imports and process groups exist (`/proc/self/clear_refs`, "5"), and at the end
+    the peak over that baseline is appended as JSON to the file named by $HYBRID_MEMORY_REPORT. Nothing happens
+    without that variable."""
+
+    def __init__(self):
+        self.path = os.environ.get(MEMORY_REPORT)
+        self.baseline = 0
+        if self.path:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.baseline = self._status("VmRSS")
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def report(self, rank: int) -> None:
+        if not self.path:
+            return
+        import json
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"rank": rank, "peak_bytes": self._status("VmHWM") - self.baseline}) + "\n")

@@ -23,7 +23,7 @@ from hybrid.conversion.megatron_source import megatron_kind, open_source
 from hybrid.conversion.megatron_universal import write_universal
 from hybrid.conversion.universal import convert
 from hybrid.errors import ConfigError
-from hybrid.model.naming import canonical_buffers, canonical_name, canonical_parameters
+from hybrid.model.naming import canonical_name, names_to_load
 from hybrid.parallel.random import set_rng_states
 from hybrid.safe_loading import UnsafeCheckpointError
 from hybrid.training import deepspeed_fixes
@@ -70,7 +70,7 @@ def load_hf(engine, run: RunConfig, groups) -> tuple[int, int]:
     """--load-hf: the HF model's weights, converted to canonical names and sharded for this rank (every
     layout, every ZeRO stage), read a layer at a time and only for this rank's stage and experts; the
     optimizer and LR schedule start fresh at iteration 0."""
-    wanted = set(canonical_parameters(engine.module, run.model.num_layers))  # this rank's (stage, experts)
+    wanted = names_to_load(engine.module, run.model.num_layers, buffers=False)  # this rank's (stage, experts)
     load_parts(engine.module, hf_parts(run.checkpoint.load_hf, run.model, wanted), run.model, groups)
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights
@@ -254,8 +254,7 @@ def _load_megatron(engine, run: RunConfig, groups, load_dir: str) -> tuple[int, 
     c = run.checkpoint
     if c.load_megatron_optimizer:
         return _load_megatron_with_optimizer(engine, run, groups, source, what)
-    wanted = set(canonical_parameters(engine.module, run.model.num_layers))
-    wanted |= set(canonical_buffers(engine.module, run.model.num_layers))  # the routers' score biases
+    wanted = names_to_load(engine.module, run.model.num_layers)  # with the routers' score biases
     load_parts(engine.module, source.parts(run.model, wanted), run.model, groups)
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights
@@ -326,7 +325,7 @@ def _load_pipeline_engine(engine, run: RunConfig, groups, load_dir: str, tag: st
 def _load_weights_only(engine, run: RunConfig, groups, load_dir: str, tag: str,
                        saved: ClientState, why: str = "a converted checkpoint: weights only") -> tuple[int, int]:
     """--finetune, or a converted checkpoint: weights from any layout, fresh optimizer and schedule."""
-    wanted = set(canonical_parameters(engine.module, run.model.num_layers))
+    wanted = names_to_load(engine.module, run.model.num_layers, buffers=False)
     load_parts(engine.module, hybrid_parts(load_dir, tag, run.model, wanted), run.model, groups)
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights

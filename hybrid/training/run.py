@@ -143,9 +143,11 @@ def _train(run: RunConfig, args, tokenizer) -> None:
     from hybrid.training import reference_logps, resume
     from hybrid.training.engine import build_engine, build_reference
     from hybrid.training.loop import Trainer
+    from hybrid.training.profiling import PeakResidentMemory
     init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
     _quiet_deepspeed()
     groups = build_groups(run.parallel, experts=bool(run.model.num_experts))
+    memory = PeakResidentMemory()
     model_parallel_seed(run.training.seed, groups.tp.rank, groups.sequence.rank)
     datasets = build_datasets(run.data, run.training, tokenizer.vocab_size, tokenizer)
     engine, _ = build_engine(run, groups)
@@ -155,6 +157,7 @@ def _train(run: RunConfig, args, tokenizer) -> None:
     else:
         reference, (iteration, consumed) = None, start()
     Trainer(run, groups, engine, datasets, getattr(tokenizer, "eod", None), reference).train(iteration, consumed)
+    memory.report(dist.get_rank())
 
 
 ERROR_GRACE_SECONDS = 3.0

@@ -15,4 +15,6 @@ export OMP_NUM_THREADS=1
 mkdir -p "$out"
 torchrun --nproc_per_node 2 --master_port 29577 launch/train.py "${flags[@]}" --train-iters 4 \
     --log-json "$out/uninterrupted.jsonl"
-torchrun --nproc_per_node 2 --master_port 29578 launch/train.py "${flags[@]}" --train-iters 2 --save "$out/ckpt"
+torchrun --nproc_per_node 2 --master_port 29578 launch/train.py "${flags[@]}" --train-iters 4 --save "$out/ckpt" \
+    --save-interval 2 --exit-interval 2
+rm -f "$out"/ckpt/zero_to_*.py

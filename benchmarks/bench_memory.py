@@ -1,0 +1,97 @@
+"""The largest rank's peak memory at PP 2 x DP 2 under ZeRO-1, -2 and -3 (the one runtime), measured and as
+`--dry-run` estimates it, for a GPT-2-small-sized model (~160M parameters), as JSON.
+
+    python benchmarks/bench_memory.py [--num-layers 12 --hidden-size 768 --seq-length 128]
+
+Each ZeRO stage is one launch/train.py run on 4 CPU ranks (--mock-data, 2 iterations): each rank resets its
+peak resident set (Linux's /proc/self/clear_refs) after the imports and process groups and reads it after
+training (hybrid.training.run's --memory-report hook, HYBRID_MEMORY_REPORT), so the figure is what the model,
+its gradients, ZeRO's buffers, the optimizer and the activations took; the estimate is hybrid.memory's for the
+same flags. Writes benchmarks/results/memory_cpu.json (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+GiB = 1024 ** 3
+
+
+def _flags(a, zero: int, bucket: int, config_dir: str) -> list:
+    config = os.path.join(config_dir, f"zero{zero}.json")
+    with open(config, "w") as f:
+        json.dump({"zero_optimization": {"stage": zero, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                                         "stage3_prefetch_bucket_size": bucket, "overlap_comm": False,
+                                         "contiguous_gradients": True},
+                   "gradient_clipping": 1.0, "steps_per_print": 10**9}, f)
+    return [str(x) for x in [
+        "--num-layers", a.num_layers, "--hidden-size", a.hidden_size, "--num-attention-heads", a.hidden_size // 64,
+        "--seq-length", a.seq_length, "--max-position-embeddings", a.seq_length, "--micro-batch-size", 1,
+        "--global-batch-size", 4, "--train-iters", 2, "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", 50256, "--lr", 1e-4, "--log-interval", 1, "--eval-iters", 0, "--no-progress-bar",
+        "--num-workers", 0, "--pipeline-model-parallel-size", 2, "--deepspeed", config]]
+
+
+def estimated(flags: list) -> int:
+    """The dry run's peak bytes over the stages (a rank of each stage holds the same)."""
+    from hybrid.config import build_run_config
+    from hybrid.dry_run import plan_from_run
+    from hybrid.flags import build_parser
+    from hybrid.memory import estimate
+    run = build_run_config(build_parser().parse_args(flags), 4, 50257)
+    return max(row["total"] for row in estimate(plan_from_run(run)))
+
+
+def measured(flags: list, report: str) -> int:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HYBRID_MEMORY_REPORT=report)
+    from hybrid.distributed import free_port
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+                           str(free_port()), os.path.join(ROOT, "launch", "train.py"), *flags], env=env, cwd=ROOT,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"train.py failed:\n{proc.stderr[-4000:]}")
+    with open(report) as f:
+        peaks = [json.loads(line)["peak_bytes"] for line in f]
+    return max(peaks)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-layers", type=int, default=12)
+    p.add_argument("--hidden-size", type=int, default=768)
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--bucket", type=int, default=5_000_000, help="ZeRO's reduce / gather / prefetch buckets (elements)")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "memory_cpu.json"))
+    a = p.parse_args()
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for zero in (1, 2, 3):
+            flags = _flags(a, zero, a.bucket, tmp)
+            report = os.path.join(tmp, f"zero{zero}.jsonl")
+            got, want = measured(flags, report), estimated(flags)
+            rows[f"zero{zero}"] = {"measured_gib": got / GiB, "estimated_gib": want / GiB,
+                                   "estimate_over_measured": want / got}
+            print(json.dumps({f"zero{zero}": rows[f"zero{zero}"]}), file=sys.stderr, flush=True)
+    from hybrid.memory import parameter_inventory
+    from hybrid.model.config import ModelConfig
+    params = sum(n for n, _ in parameter_inventory(ModelConfig(
+        num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.hidden_size // 64, vocab_size=50257,
+        max_position_embeddings=a.seq_length), 1).values())
+    result = {"benchmark": "memory_pp2_dp2_cpu", "parameters": params, "largest_rank": rows,
+              "zero3_below_zero1_gib": rows["zero1"]["measured_gib"] - rows["zero3"]["measured_gib"],
+              "config": vars(a)}
+    text = json.dumps(result, indent=2)
+    print(text)
+    with open(a.out, "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
