@@ -106,3 +106,17 @@ def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = Non
         dist.init_process_group(resolve_backend(backend), timeout=timeout, **_restart_safe_store(timeout))
     # Wraps the existing process group; DeepSpeed's grid and engine call deepspeed.comm.
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, timeout=timeout)
+
+
+def end_distributed(owned: bool, clean: bool) -> None:
+    """An entry point's last step. `owned`: torch.distributed was not initialised when the entry started (it
+    made the groups, so it tears them down; a caller that made them, such as a pool of ranks running entries
+    in turn, keeps them). `clean`: every rank reached this point (no error on some ranks only), so a barrier
+    first lets every rank finish its last collective and send before any rank destroys its groups (a rank
+    destroying its gloo groups while a peer still talks to it aborts the peer)."""
+    if not dist.is_initialized():
+        return
+    if clean:
+        dist.barrier()
+    if owned:
+        dist.destroy_process_group()

@@ -32,6 +32,7 @@ from hybrid.data.batches import Collator, to_device
 from hybrid.data.chat import ChatEncoder, ChatOptions, evaluation_windows
 from hybrid.data.indexed import IndexedDataset
 from hybrid.data.tokenizer import HFTokenizer
+from hybrid.distributed import end_distributed
 from hybrid.errors import ConfigError
 from hybrid.flags import FlagParser
 from hybrid.memory import partition_layers
@@ -243,6 +244,7 @@ def _losses(config, groups, parts, batches, device, token_sums: bool = False) ->
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    owned = not dist.is_initialized()
     try:
         args = build_parser().parse_args(argv)
         install_safe_torch_load(args.allow_unsafe_checkpoint_load)
@@ -257,6 +259,5 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"error: {e}", file=sys.stderr)
         code = 2
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    end_distributed(owned, clean=code == 0)
     return code

@@ -10,7 +10,6 @@ in the one runtime) with DeepSpeed's optimizer: the same mathematics as one rank
 """
 
 import argparse
-import os
 
 import pytest
 

@@ -4,6 +4,7 @@ torch.profiler traces of chosen iterations (--profile, Megatron-LM's flags) and 
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
@@ -116,6 +117,5 @@ class PeakResidentMemory:
     def report(self, rank: int) -> None:
         if not self.path:
             return
-        import json
         with open(self.path, "a") as f:
             f.write(json.dumps({"rank": rank, "peak_bytes": self._status("VmHWM") - self.baseline}) + "\n")

@@ -22,6 +22,7 @@ from hybrid.conversion.megatron import ARCHITECTURE_FLAGS, contradictions
 from hybrid.conversion.megatron_source import megatron_kind, open_source
 from hybrid.data.chat import ChatEncoder, train_windows
 from hybrid.data.tokenizer import build_tokenizer
+from hybrid.distributed import end_distributed
 from hybrid.errors import ConfigError
 from hybrid.flags import build_parser
 from hybrid.safe_loading import install_safe_torch_load
@@ -206,6 +207,7 @@ def _report_peer_failure(error: BaseException, timeout_minutes: float) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point: a user's mistake ends in one message and exit code 2, not a traceback; a dead or
     silent peer in one message and PEER_FAILED."""
+    owned = not dist.is_initialized()
     try:
         code = run_training(argv)
     except RuntimeError as e:
@@ -220,10 +222,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:  # every rank meets the same error; launchers kill the others when one exits: let rank 0 print
             time.sleep(ERROR_GRACE_SECONDS)
         code = 2
-    if dist.is_initialized():
-        if code != 2:  # 0, or the export failure of rank 0 alone (hybrid.training.demo.EXPORT_FAILED)
-            # every rank has finished its last collective and send before any rank tears its groups
-            # down (a rank destroying its gloo groups while a peer still talks to it can abort)
-            dist.barrier()
-        dist.destroy_process_group()
+    # 0, or the export failure of rank 0 alone (hybrid.training.demo.EXPORT_FAILED), came after every rank's
+    # last collective; 2 (a flag error) may come before some ranks' first
+    end_distributed(owned, clean=code != 2)
     return code
