@@ -43,14 +43,85 @@ def command(launcher: str, nproc: int, script: str) -> list[str]:
     raise ValueError(launcher)
 
 
+# the entry scripts a test may run on warm pool ranks instead of a new launch: script -> module with `main(argv)`
+IN_PROCESS = {"launch/train.py": "hybrid.training.run", "launch/evaluate.py": "hybrid.evaluation",
+              "conversion/checkpoint_util.py": "hybrid.conversion.checkpoint_util"}
+REAL_LAUNCHES = "HYBRID_TEST_REAL_LAUNCHES"  # set to 1: every run() starts its launcher, as before the pool
+
+
 def run(launcher: str, nproc: int, flags: list[str], script: str = "launch/train.py", timeout: int = 600,
-        check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(command(launcher, nproc, script) + [str(f) for f in flags], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=timeout)
+        check: bool = True, launch: bool = False) -> subprocess.CompletedProcess:
+    """`script flags` on `nproc` ranks -> its exit status and output.
+
+    The entry runs on warm gloo ranks of the pool (tests/rank_pool.py: imports done once per module, the
+    script's own `main(argv)` called on every rank, its output captured), which is what a launcher would run
+    minus the process start; the tests that are about launching itself (the launchers, restarts, signals,
+    process memory) pass `launch=True`, as do the `deepspeed` and `accelerate` launchers."""
+    argv = [str(f) for f in flags]
+    if launch or launcher in ("deepspeed", "accelerate") or script not in IN_PROCESS or os.environ.get(REAL_LAUNCHES):
+        proc = subprocess.run(command(launcher, nproc, script) + argv, cwd=ROOT, env=env(), capture_output=True,
+                              text=True, timeout=timeout)
+    else:
+        assert launcher in ("python", "torchrun") and (nproc == 1 or launcher == "torchrun"), (launcher, nproc)
+        proc = _run_in_pool(launcher, nproc, script, argv, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{launcher} x{nproc} {script} exited {proc.returncode}\n--- stdout ---\n"
                              f"{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
+
+
+def _run_in_pool(launcher: str, nproc: int, script: str, argv: list, timeout: int) -> subprocess.CompletedProcess:
+    """The pooled run: each rank's exit status, stdout and stderr; a rank that gave none within 15 s of another
+    rank's failure (waiting in a collective its failed peer never joins) counts as killed, as a launcher kills
+    it. torchrun's status is 1 when any rank failed (its ChildFailedError), python's the rank's own."""
+    from tests.rank_pool import run_on_ranks
+    results = run_on_ranks(_entry_on_rank, nproc, script, argv, timeout=timeout,
+                           failed=lambda result: result[0] != 0, partial=True)
+    results = [r if r is not None else (-9, "", "(killed: no result after a peer failed)\n") for r in results]
+    codes = [code for code, _, _ in results]
+    code = codes[0] if launcher == "python" else int(any(codes))
+    return subprocess.CompletedProcess(argv, code, "".join(out for _, out, _ in results),
+                                       "".join(err for _, _, err in results))
+
+
+def _entry_on_rank(script: str, argv: list):
+    """On a pool rank: the script's `main(argv)` in ROOT with file descriptors 1 and 2 captured -> (exit status,
+    stdout, stderr), with a launched interpreter's outcomes for SystemExit and uncaught exceptions."""
+    import importlib
+    import tempfile
+    import traceback
+    main = importlib.import_module(IN_PROCESS[script]).main
+    cwd = os.getcwd()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = [os.dup(1), os.dup(2)]
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        os.chdir(ROOT)
+        try:
+            try:
+                code = main(argv)
+            except SystemExit as error:  # as the interpreter reports it
+                code = error.code if isinstance(error.code, int) else 0 if error.code is None else 1
+                if not isinstance(error.code, (int, type(None))):
+                    print(error.code, file=sys.stderr)
+            except BaseException:  # an uncaught exception: its traceback and status 1
+                traceback.print_exc()
+                code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            os.chdir(cwd)
+        texts = []
+        for f in (out, err):
+            f.seek(0)
+            texts.append(f.read().decode("utf-8", "replace"))
+    return (code or 0, *texts)
 
 
 _ONE_RANK: dict = {}  # flags -> log records, for the whole test run

@@ -15,7 +15,7 @@ import os
 import queue
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -28,8 +28,14 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process is gone (the ranks are not daemons: see RankPool)
+                break
+            continue
         if task is None:
             break
         fn, args, kwargs = task
@@ -62,18 +68,24 @@ class RankPool:
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
+        # not daemons: a run on a rank starts processes of its own (data-loader workers, the chat stream), which
+        # multiprocessing forbids a daemon; a rank ends when the test process does (_worker watches its parent)
         self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results),
-                                  daemon=True) for r in range(world_size)]
+                                  daemon=False) for r in range(world_size)]
         for p in self.procs:
             p.start()
 
-    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float,
+            failed: Optional[Callable[[Any], bool]] = None, partial: bool = False) -> list[Any]:
+        """`fn` on every rank. Once a rank raised (or returned a value `failed` calls a failure), the others get
+        15 s more: a rank that failed alone leaves its peers waiting in a collective. `partial`: ranks that gave
+        no result then are None in the list (the pool is killed), instead of an AssertionError."""
         for q in self.tasks:
             q.put((fn, args, kwargs))
         outputs: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + timeout
         while len(outputs) < self.world_size:
-            if any(not ok for ok, _ in outputs.values()):
+            if any(not ok or (failed is not None and failed(value)) for ok, value in outputs.values()):
                 deadline = min(deadline, time.monotonic() + 15)  # the others are likely stuck
             try:
                 rank, ok, value = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
@@ -83,6 +95,10 @@ class RankPool:
                     break
         failures = {r: v for r, (ok, v) in outputs.items() if not ok}
         missing = sorted(set(range(self.world_size)) - set(outputs))
+        if partial and not failures:
+            if missing:
+                self.close(force=True)
+            return [outputs[r][1] if r in outputs else None for r in range(self.world_size)]
         if failures or missing:
             self.close(force=True)
             message = [f"{getattr(fn, '__name__', fn)} failed on {self.world_size} ranks"]
@@ -111,16 +127,17 @@ class RankPool:
 _POOLS: dict[int, RankPool] = {}
 
 
-def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 300, **kwargs) -> list[Any]:
+def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 300,
+                 failed: Optional[Callable[[Any], bool]] = None, partial: bool = False, **kwargs) -> list[Any]:
     """Call `fn(*args, **kwargs)` on each of `world_size` gloo ranks; return the results by rank.
 
     `fn` must be importable (a module-level function). Raises AssertionError carrying every
-    failing rank's traceback.
+    failing rank's traceback (`failed` and `partial`: see RankPool.run).
     """
     pool = _POOLS.get(world_size)
     if pool is None or not all(p.is_alive() for p in pool.procs):
         pool = _POOLS[world_size] = RankPool(world_size)
-    return pool.run(fn, args, kwargs, timeout)
+    return pool.run(fn, args, kwargs, timeout, failed=failed, partial=partial)
 
 
 @atexit.register

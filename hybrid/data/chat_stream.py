@@ -209,10 +209,10 @@ class StreamingChatDataset(torch.utils.data.Dataset):
         self._next = first
 
     def close(self) -> None:
-        if self._process is not None:
+        if self._process is not None and self._process.pid is not None:  # started (a failed start has no pid)
             self._process.kill()
             self._process.join()
-            self._process = None
+        self._process = None
 
     def __del__(self):
         if not sys.is_finalizing():  # at exit the daemon process is ended by multiprocessing itself
