@@ -10,6 +10,7 @@ reported.
 from __future__ import annotations
 
 import atexit
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -45,7 +46,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         except BaseException:  # report everything, including assertion failures
             results.put((rank, False, traceback.format_exc()))
         # Each task's topology/engine creates process groups whose gloo threads keep polling;
-        # destroy them so idle pool ranks do not slow down everything that runs later.
+        # destroy them so idle pool ranks do not slow down everything that runs later (and collect the
+        # task's objects first: a group's threads end only when its last reference goes).
+        gc.collect()
         for group in set(_process_groups()) - groups_before:
             try:
                 dist.destroy_process_group(group)

@@ -28,6 +28,11 @@ KNOWN_GOOD_DEEPSPEED = ("0.19.8",)  # checked by tests/test_deepspeed_fixes.py; 
 
 # (module, attribute path, a text its source must contain) of every DeepSpeed internal used below
 RELIED_ON = [
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.destroy", "optimizer.destroy()"),
+    ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.__init__",
+     "self.__n_available_params"),
+    ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload.setup_zero_stage3_hooks",
+     "FWD_MODULE_STACK.append(self.module)"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.__init__", "self._support_torch_style_backward = True"),
     ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload.setup_zero_stage3_hooks",
      "self.fwd_pre_hook = self.module.register_forward_pre_hook(_start_of_forward_hook)"),
@@ -84,6 +89,31 @@ RELIED_ON = [
 ]
 
 
+# --- an engine's end --------------------------------------------------------------------------------
+
+def release_engine(engine) -> None:
+    """After a run, what keeps DeepSpeed 0.19.8's engine alive once the run drops it, removed, so a process that
+    trains again (an RL loop building engines, a pool of test ranks) does not keep every earlier engine, its
+    buffers and its process groups (gloo's threads end only with their group's last reference):
+    1. `engine.destroy()`, DeepSpeed's own release: the gradient hooks on the parameters hold the optimizer and
+       engine through C++ autograd nodes, which Python's collector cannot follow;
+    2. ZeRO-3 pushes the top module on its module-level `FWD_MODULE_STACK` when it sets its hooks up and never
+       pops it (the module's forward hooks hold the engine);
+    3. ZeRO-3's parameter coordinator caches `__params_to_release` with `functools.lru_cache` on the class, which
+       keeps every coordinator and module it was called with (emptied: another live engine recomputes its
+       entries on their next use)."""
+    engine.destroy()
+    # (imported here: only ZeRO-3 engines put anything in either)
+    from deepspeed.runtime.zero import parameter_offload, partitioned_param_coordinator
+    mine = {id(m) for m in engine.module.modules()}
+    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in mine]
+    cached = vars(partitioned_param_coordinator.PartitionedParameterCoordinator)[
+        "_PartitionedParameterCoordinator__params_to_release"]
+    while not hasattr(cached, "cache_clear"):  # under DeepSpeed's nvtx wrapper: the function it closes over
+        cached = next(cell.cell_contents for cell in cached.__closure__ if callable(cell.cell_contents))
+    cached.cache_clear()
+
+
 # --- pipeline schedules on the plain engine (hybrid.training.runtime) ------------------------------
 
 def runs_tensor_backward(engine) -> bool:
@@ -109,8 +139,7 @@ def prepare_pipeline_engine(engine, mpu) -> None:
     optimizer = engine.optimizer
     offload = getattr(optimizer, "parameter_offload", None)
     if offload is not None and getattr(offload, "fwd_pre_hook", None) is not None:
-        offload.fwd_pre_hook.remove()
-        offload.fwd_pre_hook = None
+        offload.fwd_pre_hook.remove()  # the handle stays: engine.destroy() removes it again (a no-op)
     if engine.zero_optimization_stage() == 3:
         optimizer.model_parallel_rank = bwc_tensor_model_parallel_rank(mpu)
 

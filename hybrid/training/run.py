@@ -142,6 +142,7 @@ def _train(run: RunConfig, args, tokenizer) -> None:
     from hybrid.parallel.groups import build_groups
     from hybrid.parallel.random import model_parallel_seed
     from hybrid.training import reference_logps, resume
+    from hybrid.training.deepspeed_fixes import release_engine
     from hybrid.training.engine import build_engine, build_reference
     from hybrid.training.loop import Trainer
     from hybrid.training.profiling import PeakResidentMemory
@@ -157,8 +158,11 @@ def _train(run: RunConfig, args, tokenizer) -> None:
         reference, (iteration, consumed) = reference_logps.prepare(run, groups, engine, datasets, build_reference, start)
     else:
         reference, (iteration, consumed) = None, start()
-    Trainer(run, groups, engine, datasets, getattr(tokenizer, "eod", None), reference).train(iteration, consumed)
-    memory.report(dist.get_rank())
+    try:
+        Trainer(run, groups, engine, datasets, getattr(tokenizer, "eod", None), reference).train(iteration, consumed)
+        memory.report(dist.get_rank())
+    finally:  # a process that trains again (an RL loop, a pool of ranks) must not keep this engine
+        release_engine(engine)
 
 
 ERROR_GRACE_SECONDS = 3.0
