@@ -134,3 +134,33 @@ def _one_rank_allreduce_calls() -> list:
 def test_gradients_are_not_copied_through_an_allreduce_of_one_rank():
     from tests.rank_pool import run_on_ranks
     assert run_on_ranks(_one_rank_allreduce_calls, 2) == [[2, 3, 4]] * 2
+
+
+def _engines_and_gloo_threads_after_a_run(data: str, zero_config: str) -> tuple:
+    """On a pool rank: one training by launch/train.py's entry, then the DeepSpeed engines still alive and this
+    process's gloo threads (the pool destroys the run's groups after the task: what stays is what a run leaked)."""
+    import gc
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from hybrid.training.run import run_training
+    from tests.test_training import TINY
+    assert run_training([str(f) for f in TINY] + ["--data-path", data, "--train-iters", "2", "--deepspeed",
+                                                  zero_config, "--pipeline-model-parallel-size", "2"]) == 0
+    gc.collect()
+    threads = sum(open(f"/proc/self/task/{t}/comm").read().startswith(("pt_gloo", "gloo"))
+                  for t in os.listdir("/proc/self/task"))
+    return sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects()), threads
+
+
+@pytest.mark.parametrize("zero_config", ["ds_configs/zero1.json", "ds_configs/zero3.json"])
+def test_a_finished_run_leaves_no_engine_and_no_group_threads_behind(data, zero_config):
+    """release_engine: after a run no DeepSpeed engine survives (its gradient hooks, ZeRO-3's module stack and
+    its coordinator's class-level cache kept them all, with their process groups: a pool rank reached 2,800
+    gloo threads in the sweep), so a process that trains again holds one run's gloo threads, not every run's."""
+    from tests.rank_pool import run_on_ranks
+    per_run = [run_on_ranks(_engines_and_gloo_threads_after_a_run, 2, data, zero_config) for _ in range(3)]
+    for rank in range(2):
+        engines, threads = zip(*[results[rank] for results in per_run])
+        # (from the second run on: DeepSpeed keeps the latest run's grid as its module-level mpu until the next)
+        assert engines == (0, 0, 0) and threads[2] == threads[1], per_run

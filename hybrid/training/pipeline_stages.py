@@ -4,6 +4,8 @@ gradient across the first and last stage (`TiedTable`)."""
 
 from __future__ import annotations
 
+import weakref
+
 import deepspeed
 import torch
 import torch.distributed as dist
@@ -159,11 +161,11 @@ class TiedTable:
         self.synced = False
         self.transfer = None
         if self.first:
-            model.embedding.word_embeddings.weight.register_hook(self._with_copy_gradient)
+            model.embedding.word_embeddings.weight.register_hook(_weak(self._with_copy_gradient))
         if self.last:
             dtype = next(p.dtype for p in model.parameters())
             model.tied_table = model.tied_table.to(device, dtype).requires_grad_(True)
-            model.tied_table.register_post_accumulate_grad_hook(self._send_copy_gradient)
+            model.tied_table.register_post_accumulate_grad_hook(_weak(self._send_copy_gradient))
 
     @property
     def active(self) -> bool:
@@ -216,6 +218,18 @@ class TiedTable:
         elif self.last:
             with torch.no_grad():
                 dist.broadcast(self.model.tied_table.data, group=self.axis.group, group_src=0)
+
+
+def _weak(method):
+    """A tensor hook calling `method` while its object lives, nothing after: a tensor's hooks are held in C++,
+    where Python's collector cannot see a cycle back through the object to the model (and the engine holding
+    it), so a strong reference would keep them all once the run is over."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return hook
 
 
 def _full_shape(param) -> tuple:
