@@ -16,7 +16,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from hybrid.checkpoint.tp_layout import tp_layout
+from hybrid.checkpoint.tp_layout import full_numels, tp_layout
 from hybrid.errors import ConfigError
 from hybrid.model.attention import window_blocks
 from hybrid.model.config import ModelConfig
@@ -33,45 +33,19 @@ _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 def parameter_inventory(config: ModelConfig, tp: int) -> dict[str, tuple[int, bool]]:
     """Canonical name -> (elements on one TP rank, weight-decayed?), for the whole model.
 
-    Full shapes follow from the config; how each is split over TP comes from the one TP layout
-    (hybrid.checkpoint.tp_layout, read from the layers' attributes); biases and norm weights
+    Full sizes follow from the config (hybrid.checkpoint.tp_layout.full_numels, which the checkpoint readers
+    check shapes with too); how each is split over TP comes from the one TP layout; biases and norm weights
     take no weight decay (hybrid.training.engine's rule)."""
-    h, d = config.hidden_size, config.head_dim
-    full = {"embedding.position_embeddings.weight": config.max_position_embeddings * h,
-            "attention.qkv": (config.num_attention_heads + 2 * config.num_query_groups) * d,
-            "attention.dense": h, "mlp.fc1": config.ffn_hidden_size * (2 if config.gated_linear_unit else 1), "mlp.fc2": h}
-    inputs = {"attention.qkv": h, "attention.dense": config.num_attention_heads * d, "mlp.fc1": h,
-              "mlp.fc2": config.ffn_hidden_size}
+    h = config.hidden_size
     out = {}
-    for name, rule in tp_layout(config).items():
+    for name, numel in full_numels(config).items():
+        rule = tp_layout(config)[name]
         if rule.vocab_padded:  # vocabulary rows padded for this TP degree, then split
             out[name] = (config.padded_vocab_size(tp) // tp * h, True)
             continue
-        if name in full:
-            numel = full[name]
-        elif ".mlp." in name and config.mlp_type_of(int(name.split(".")[1])) == "moe":
-            numel = _moe_numel(name, config)
-        elif name.endswith("norm.weight") or name.endswith("norm.bias"):
-            numel = d if name.split(".")[-2] in ("q_norm", "k_norm") else h  # Q/K norms: one head
-        else:
-            module = ".".join(name.split(".")[2:4])  # layers.{i}.attention.qkv.weight -> attention.qkv
-            numel = full[module] * (inputs[module] if name.endswith(".weight") else 1)
         decayed = not (name.endswith(".bias") or "norm." in name)
         out[name] = (numel // tp if rule.dim is not None else numel, decayed)
     return out
-
-
-def _moe_numel(name: str, config: ModelConfig) -> int:
-    """Full elements of an MoE layer's parameter: router [E, h], an expert's fc1 [up, h] / fc2 [h, f],
-    the shared experts' fc1 / fc2 (a dense MLP of their width), the shared gate [1, h]."""
-    h, gated = config.hidden_size, 2 if config.gated_linear_unit else 1
-    part = name.split(".mlp.", 1)[1]
-    if part == "router.weight":
-        return config.num_experts * h
-    if part == "shared_gate":
-        return h
-    width = config.moe_shared_expert_intermediate_size if part.startswith("shared_mlp.") else config.moe_ffn_hidden_size
-    return width * h * (gated if ".fc1." in name else 1)
 
 
 def is_expert(name: str) -> bool:

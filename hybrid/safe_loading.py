@@ -114,7 +114,27 @@ def safe_load(path, mmap: bool = False):
     try:
         return _ORIGINAL_TORCH_LOAD(path, map_location="cpu", weights_only=not unsafe_loads_allowed(), mmap=mmap)
     except pickle.UnpicklingError as error:
-        raise refusal(path, error) from None
+        if _refused(error):
+            raise refusal(path, error) from None
+        raise unreadable(path, error) from None
+    except (RuntimeError, EOFError, OSError, KeyError, ValueError, IndexError) as error:
+        # what torch raises for a truncated zip, a file that is no checkpoint (a text file: KeyError), a
+        # legacy file asked for mmap, a missing file
+        raise unreadable(path, error) from None
+
+
+def _refused(error: pickle.UnpicklingError) -> bool:
+    """Whether torch's weights-only unpickler refused a class (not: the bytes are no pickle at all)."""
+    text = str(error)  # a class or function asked for by name; "Unsupported operand N": bytes that are no pickle
+    return any(marker in text for marker in ("GLOBAL ", "unrecognized function", "Unsupported class"))
+
+
+def unreadable(path, error) -> ConfigError:
+    """The error for a file that is not a readable checkpoint file: the file, what was read, the way out."""
+    name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else getattr(path, "name", repr(path))
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return ConfigError(f"checkpoint file {name} is unreadable ({type(error).__name__}: {first}); it is truncated, "
+                       f"damaged or not a torch checkpoint file. Copy it again from where it was written.")
 
 
 # What torch.distributed.checkpoint's `.metadata` pickle holds (torch 2.13; megatron-core's torch_dist adds
@@ -173,6 +193,8 @@ def install_safe_torch_load(allow_unsafe: bool = False) -> None:
         try:
             return _ORIGINAL_TORCH_LOAD(f, *args, weights_only=True, **kwargs)
         except pickle.UnpicklingError as error:
+            if not _refused(error):  # damaged bytes: the caller's own handling, as with torch.load
+                raise
             raise refusal(f, error) from None
 
     load.__doc__ = _ORIGINAL_TORCH_LOAD.__doc__

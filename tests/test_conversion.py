@@ -180,6 +180,8 @@ def test_finetune_with_frozen_layers_leaves_them_bit_identical(data, tmp_path):
     ("tp3", "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"),
     ("missing", "no such directory"),
     ("shape", "has shape"),
+    ("truncated", "weight file model.safetensors is unreadable"),
+    ("not_a_checkpoint", "pytorch_model.bin is unreadable"),
 ])
 def test_bad_conversion_input_is_a_clear_error_with_no_output(tmp_path, case, message):
     src, out = tmp_path / "src", tmp_path / "out"
@@ -197,6 +199,15 @@ def test_bad_conversion_input_is_a_clear_error_with_no_output(tmp_path, case, me
         config = json.loads((src / "config.json").read_text())
         config["n_embd"] = 64
         (src / "config.json").write_text(json.dumps(config))
+    elif case == "truncated":  # a download cut short
+        make_gpt2(src)
+        weights = src / "model.safetensors"
+        with open(weights, "r+b") as f:
+            f.truncate(os.path.getsize(weights) // 2)
+    elif case == "not_a_checkpoint":  # an HTML error page saved under the weights' name
+        make_gpt2(src)
+        (src / "model.safetensors").unlink()
+        (src / "pytorch_model.bin").write_text("<html><body>404 Not Found</body></html>")
     proc = convert("--loader", "hf", "--load-dir", src, "--save-dir", out, "--target-tensor-parallel-size", tp,
                    check=False)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -377,3 +377,50 @@ def test_megatron_adam_state_at_tp2_zero2_and_through_saver_universal(trained, t
     losses, _ = _continue_training(trained, tmp_path / "z3", "python", 1, universal, "--zero-stage", 3,
                                    "--universal-checkpoint", *llama)
     assert losses == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["legacy_tp2", "legacy_tp2_pp2"])
+def test_a_missing_rank_file_is_one_message_naming_it(llama, layout, tmp_path, capsys):
+    """A legacy Megatron-LM checkpoint without one rank's file is refused (exit 2, the file named, nothing
+    written): the layout is the args' TP x PP, not the files found (before: TP 2 without mp_rank_01 read as
+    TP 1, and the HF export held half-width tensors)."""
+    import shutil
+
+    from hybrid.checkpoint.client_state import ClientState
+    from hybrid.conversion.checkpoint_util import main as convert
+    from hybrid.conversion.megatron import open_megatron
+    from hybrid.conversion.megatron_write import write_megatron
+    from hybrid.safe_loading import install_safe_torch_load
+    install_safe_torch_load()
+    load = str(tmp_path / "load")
+    if layout == "legacy_tp2":  # written by megatron-core itself
+        shutil.copytree(os.path.join(llama, "torch"), load)
+        gone = os.path.join(f"iter_{ITERATION:07d}", "mp_rank_01")
+    else:
+        source = open_megatron(os.path.join(llama, "torch_dist"))
+        write_megatron(source.state(source.config()), source.config(), 2, 2, load,
+                       ClientState(iteration=3, consumed_samples=24))
+        gone = os.path.join("iter_0000003", "mp_rank_01_001")
+    shutil.rmtree(os.path.join(load, gone))
+    capsys.readouterr()
+    code = convert(["--no-progress-bar", "--loader", "megatron", "--saver", "hf", "--load-dir", load,
+                    "--save-dir", str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert code == 2 and os.path.basename(gone) in err and "incomplete" in err, err
+    assert not os.path.exists(tmp_path / "hf")
+
+
+def test_a_lone_shard_is_never_taken_for_the_whole_tensor():
+    """The general rule under every reader (Megatron-LM, Megatron-DeepSpeed, hybrid, universal): a joined tensor
+    must have the model's full size (hybrid.checkpoint.tp_layout.full_numels), whatever the TP size claimed."""
+    from hybrid.conversion.layout import merge_shards
+    from hybrid.errors import ConfigError
+    from hybrid.model.config import ModelConfig
+    config = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=4, vocab_size=32, ffn_hidden_size=24,
+                         max_position_embeddings=8)
+    whole = torch.randn(24, 16)
+    assert merge_shards({"layers.0.mlp.fc1.weight": {0: whole[:12], 1: whole[12:]}}, config, 2)[
+        "layers.0.mlp.fc1.weight"].equal(whole)
+    for tp in (1, 2):  # one shard of two, whether TP 2 is known or not
+        with pytest.raises(ConfigError, match="layers.0.mlp.fc1.weight joined from 1 TP shard"):
+            merge_shards({"layers.0.mlp.fc1.weight": {0: whole[:12]}}, config, tp)

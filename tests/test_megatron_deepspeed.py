@@ -98,3 +98,22 @@ def test_a_damaged_megatron_deepspeed_file_is_one_message(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "layer_02-model_01-model_states.pt" in proc.stderr
     assert "Traceback" not in proc.stderr and not os.path.exists(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("name,missing", [("gpt2_tp2", "mp_rank_01_model_states.pt"),
+                                          ("llama_gqa_tp2pp2", "layer_03-model_01-model_states.pt"),
+                                          ("llama_gqa_tp2pp2", "layer_02-model_00-model_states.pt")])
+def test_a_missing_rank_file_is_one_message_naming_it(name, missing, tmp_path, capsys):
+    """A Megatron-DeepSpeed checkpoint without one TP rank's file (or one layer's) is refused with the file's
+    name, exit 2, nothing written: the TP size comes from the args, not from the files found, and a lone shard
+    is never taken for the whole tensor."""
+    from hybrid.conversion.checkpoint_util import main as convert
+    load = str(tmp_path / "mds")
+    shutil.copytree(os.path.join(DATA, name), load)
+    os.remove(os.path.join(load, "global_step2", missing))
+    capsys.readouterr()
+    code = convert(["--no-progress-bar", "--loader", "megatron", "--saver", "hf", "--load-dir", load,
+                    "--save-dir", str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert code == 2 and missing in err and "incomplete" in err, err
+    assert not os.path.exists(tmp_path / "hf")

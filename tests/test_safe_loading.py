@@ -136,3 +136,25 @@ def test_unsafe_flag_unpickles_fully_so_the_payload_is_real(saved, tmp_path):
     proc = _convert("--load-dir", pp2, "--save-dir", tmp_path / "out", "--saver", "hf",
                     "--allow-unsafe-checkpoint-load")
     assert os.path.exists(marker), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("content", ["text", "truncated", "empty"])
+def test_a_file_that_is_no_readable_checkpoint_is_one_message_not_a_refusal(content, tmp_path):
+    """safe_load (every checkpoint file hybrid reads itself) on bytes that are no torch file, or a cut one:
+    one ConfigError naming the file and saying it is damaged, never the "refused to unpickle" of a file that
+    asks for code (which would send the user to --allow-unsafe-checkpoint-load)."""
+    import torch
+
+    from hybrid.errors import ConfigError
+    from hybrid.safe_loading import UnsafeCheckpointError, safe_load
+    path = tmp_path / "model_optim_rng.pt"
+    if content == "text":
+        path.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n")  # an LFS pointer
+    else:
+        torch.save({"w": torch.ones(64)}, path)
+        with open(path, "r+b") as f:
+            f.truncate(0 if content == "empty" else 200)
+    for mmap in (False, True):
+        with pytest.raises(ConfigError, match=f"checkpoint file {path} is unreadable") as caught:
+            safe_load(str(path), mmap=mmap)
+        assert not isinstance(caught.value, UnsafeCheckpointError) and "truncated, damaged" in str(caught.value)

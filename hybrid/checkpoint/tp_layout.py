@@ -47,6 +47,44 @@ def _tp_layout(config_json: str) -> tuple:
     return tuple(rules)
 
 
+def full_numels(config: ModelConfig) -> dict[str, int]:
+    """Canonical name -> elements of the whole (unsharded) parameter, vocabulary tables at `config.vocab_size`
+    rows (no padding), for every parameter of tp_layout. What the checkpoint readers check a joined tensor
+    against (a missing TP shard shows as a tensor of half the size) and what the memory estimate counts."""
+    h, d = config.hidden_size, config.head_dim
+    rows = {"attention.qkv": (config.num_attention_heads + 2 * config.num_query_groups) * d, "attention.dense": h,
+            "mlp.fc1": config.ffn_hidden_size * (2 if config.gated_linear_unit else 1), "mlp.fc2": h}
+    inputs = {"attention.qkv": h, "attention.dense": config.num_attention_heads * d, "mlp.fc1": h,
+              "mlp.fc2": config.ffn_hidden_size}
+    out = {}
+    for name, rule in tp_layout(config).items():
+        if rule.vocab_padded:
+            out[name] = config.vocab_size * h
+        elif name == "embedding.position_embeddings.weight":
+            out[name] = config.max_position_embeddings * h
+        elif ".mlp." in name and config.mlp_type_of(int(name.split(".")[1])) == "moe":
+            out[name] = _moe_numel(name, config)
+        elif name.endswith("norm.weight") or name.endswith("norm.bias"):
+            out[name] = d if name.split(".")[-2] in ("q_norm", "k_norm") else h  # Q/K norms: one head
+        else:
+            module = ".".join(name.split(".")[2:4])  # layers.{i}.attention.qkv.weight -> attention.qkv
+            out[name] = rows[module] * (inputs[module] if name.endswith(".weight") else 1)
+    return out
+
+
+def _moe_numel(name: str, config: ModelConfig) -> int:
+    """Full elements of an MoE layer's parameter: router [E, h], an expert's fc1 [up, h] / fc2 [h, f],
+    the shared experts' fc1 / fc2 (a dense MLP of their width), the shared gate [1, h]."""
+    h, gated = config.hidden_size, 2 if config.gated_linear_unit else 1
+    part = name.split(".mlp.", 1)[1]
+    if part == "router.weight":
+        return config.num_experts * h
+    if part == "shared_gate":
+        return h
+    width = config.moe_shared_expert_intermediate_size if part.startswith("shared_mlp.") else config.moe_ffn_hidden_size
+    return width * h * (gated if ".fc1." in name else 1)
+
+
 def universal_checkpoint_info(config: ModelConfig, tp: int, pipeline: bool = False,
                               tied_copy: Optional[str] = None) -> dict:
     """DeepSpeed's `universal_checkpoint_info` for this model: one exact pattern per parameter (in the names

@@ -79,13 +79,28 @@ class HFTensors(Mapping):
     def _handle(self, file: str):
         if file not in self._open:
             full = os.path.join(self.path, file)
-            self._open[file] = safe_open(full, framework="pt") if file.endswith(".safetensors") else \
-                safe_load(full, mmap=True)
+            if file.endswith(".safetensors"):
+                try:
+                    self._open[file] = safe_open(full, framework="pt")
+                except Exception as error:  # safetensors' SafetensorError (a truncated file), OSError
+                    raise self._unreadable(file, error) from None
+            else:
+                self._open[file] = safe_load(full, mmap=True)  # its own one message for a damaged file
         return self._open[file]
+
+    def _unreadable(self, file: str, error: Exception) -> ConfigError:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        return ConfigError(f"{self.flag} {self.path}: weight file {file} is unreadable ({first}); it is truncated or "
+                           f"damaged. Download or copy it again.")
 
     def __getitem__(self, name: str) -> torch.Tensor:
         handle = self._handle(self.files[name])
-        return handle.get_tensor(name) if hasattr(handle, "get_tensor") else handle[name]
+        if not hasattr(handle, "get_tensor"):
+            return handle[name]
+        try:
+            return handle.get_tensor(name)
+        except Exception as error:  # the index lists a tensor the file lacks, or its bytes cannot be read
+            raise self._unreadable(self.files[name], error) from None
 
     def __iter__(self):
         return iter(self.files)

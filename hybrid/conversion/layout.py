@@ -22,7 +22,7 @@ from hybrid.checkpoint.client_state import ClientState, SavedLayout, model_summa
 from hybrid.checkpoint.files import (LATEST, MEGATRON_LATEST, atomic_directory, first_model_file, layer_file, load_file,
                                      model_file, read_tag, tag_for)
 from hybrid.checkpoint.manifest import verify_manifest, write_manifest
-from hybrid.checkpoint.tp_layout import tp_layout
+from hybrid.checkpoint.tp_layout import full_numels, tp_layout
 from hybrid.conversion.ds_universal import read_fp32_state
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
@@ -173,7 +173,7 @@ def merge_shards(shards: dict, config: ModelConfig, tp: int, ckpt: str = "", pro
     """{canonical name: {tp_rank: shard}} -> full tensors (fp32 copies; `dtype=None`: the shards' dtype,
     a lone shard as it is), vocabulary padding removed."""
     state = {}
-    layout = tp_layout(config)
+    layout, numels = tp_layout(config), full_numels(config)
     names = sorted(n for n in shards if n in layout)  # parameters (buffers such as a router's score bias stay out)
     for name in (progress(names) if progress else names):
         by_rank = shards.pop(name)  # free the shards as the full tensor is built: ~one copy at a time
@@ -187,6 +187,11 @@ def merge_shards(shards: dict, config: ModelConfig, tp: int, ckpt: str = "", pro
             tensor = pieces[0]
         if layout[name].vocab_padded:
             tensor = tensor[: config.vocab_size]
+        if tensor.numel() != numels[name]:  # a shard taken for the whole tensor, or a shard of another model
+            raise ConfigError(f"{ckpt}: {name} joined from {len(pieces)} TP shard(s) of shape "
+                              f"{tuple(pieces[0].shape)} has {tensor.numel()} elements; the checkpoint's model "
+                              f"({config.hidden_size} hidden, TP {tp}) has {numels[name]}. Files of some TP ranks "
+                              f"are missing or belong to another checkpoint.")
         state[name] = tensor if dtype is None else tensor.to(dtype).clone()
     return state
 

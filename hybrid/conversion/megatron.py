@@ -365,11 +365,7 @@ def open_megatron(path: str, flag: str = "--load") -> MegatronCheckpoint:
 
 
 def _load(path: str, mmap: bool = False):
-    try:
-        return load_file(path, mmap=mmap)
-    except (RuntimeError, EOFError, OSError) as error:
-        raise ConfigError(f"checkpoint file {path} is unreadable ({type(error).__name__}: "
-                          f"{str(error).splitlines()[0][:200]}); it is truncated or damaged.") from None
+    return load_file(path, mmap=mmap)  # one message for a missing, truncated or damaged file
 
 
 def _arg(args, name, default=None):
@@ -525,6 +521,11 @@ def _legacy_files(directory: str, args: argparse.Namespace) -> list:
     return sorted(files)
 
 
+def _legacy_dir_name(tp_rank: int, pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:
+    """Megatron-LM's directory of one legacy rank file (see _legacy_files)."""
+    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
+
+
 def _expert_pieces(rest: str, first: int, local: int) -> list:
     """[(global expert, fc, tensor -> that expert's [out, in] weight)] of one legacy expert key (the name
     inside its layer), or [] when the key is not an expert's. `first`: this EP rank's first expert."""
@@ -558,12 +559,20 @@ class _LegacyParts:
         self.ckpt = ckpt
         args = ckpt.args
         self.files = _legacy_files(ckpt.directory, args)
-        self.tp = max(t for t, _, _, _ in self.files) + 1
-        self.pp = max(p for _, p, _, _ in self.files) + 1
-        self.ep = max(e for _, _, e, _ in self.files) + 1
-        if len(self.files) != self.tp * self.pp * self.ep:
-            raise ConfigError(f"{ckpt.directory}: {len(self.files)} mp_rank_* files for TP {self.tp} x PP {self.pp} x "
-                              f"EP {self.ep}; the checkpoint is incomplete.")
+        # the layout the stored args declare, not the files found: a missing rank's file must not shrink it
+        self.tp, self.pp, self.ep = (int(_arg(args, f"{axis}_model_parallel_size", 1) or 1)
+                                     for axis in ("tensor", "pipeline", "expert"))
+        found = {(t, p, e) for t, p, e, _ in self.files}
+        wanted = {(t, p, e) for t in range(self.tp) for p in range(self.pp) for e in range(self.ep)}
+        if found != wanted:
+            missing = [os.path.join(_legacy_dir_name(t, p, e, self.pp, self.ep), LEGACY_FILE)
+                       for t, p, e in sorted(wanted - found)]
+            odd = [path for t, p, e, path in self.files if (t, p, e) not in wanted]
+            raise ConfigError(f"{ckpt.directory}: the args declare TP {self.tp} x PP {self.pp} x EP {self.ep}; "
+                              + (f"missing {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}" if missing
+                                 else "") + ("; " if missing and odd else "")
+                              + (f"not of that layout: {', '.join(odd[:6])}" if odd else "")
+                              + ". The checkpoint is incomplete: copy every rank's file, then convert.")
         if _arg(args, "virtual_pipeline_model_parallel_size") or _arg(args, "num_layers_per_virtual_pipeline_stage"):
             raise ConfigError(f"{ckpt.directory}: a legacy checkpoint of an interleaved (virtual) pipeline is not "
                               f"read; save it once as --ckpt-format torch_dist (global layer numbers), then convert.")

@@ -63,11 +63,7 @@ def checkpoint_dir(path: str) -> Optional[str]:
 
 
 def _load(path: str) -> dict:
-    try:
-        return load_file(path, mmap=True)
-    except (RuntimeError, EOFError, OSError) as error:
-        raise ConfigError(f"checkpoint file {path} is unreadable ({type(error).__name__}: "
-                          f"{str(error).splitlines()[0][:200]}); it is truncated or damaged.") from None
+    return load_file(path, mmap=True)  # one message for a missing, truncated or damaged file
 
 
 def megatron_lm_args(args: argparse.Namespace, where: str) -> argparse.Namespace:
@@ -184,6 +180,7 @@ def _index(ckpt: MegatronDeepSpeedCheckpoint) -> dict:
             raise ConfigError(f"{path}: key {key!r} is not one hybrid reads from Megatron-DeepSpeed checkpoints "
                               f"(its GPT model's names only).")
         index.setdefault(name, []).append((path, key, tp_rank))
+    _check_complete(ckpt, layer_files)
     if layer_files:  # the pipeline engine: layer files in spec order (embedding, layers, final norm, head)
         specs = sorted({int(_PIPE_FILE.search(p).group(1)) for p in layer_files})
         layer_of, transformer = {}, 0
@@ -191,6 +188,10 @@ def _index(ckpt: MegatronDeepSpeedCheckpoint) -> dict:
             keys = _tensors(glob.glob(os.path.join(ckpt.directory, f"layer_{spec:02d}-model_*-model_states.pt"))[0])
             if any(k.startswith("self_attention.") for k in keys):
                 layer_of[spec], transformer = transformer, transformer + 1
+        if transformer != int(ckpt.args.num_layers):
+            raise ConfigError(f"{ckpt.directory}: layer files of {transformer} transformer layers; the args declare "
+                              f"--num-layers {ckpt.args.num_layers}. The checkpoint is incomplete: copy every "
+                              f"layer_*-model_*-model_states.pt file, then convert.")
         for path in layer_files:
             spec, tp_rank = map(int, _PIPE_FILE.search(path).groups())
             for key in _tensors(path):
@@ -212,6 +213,27 @@ def _index(ckpt: MegatronDeepSpeedCheckpoint) -> dict:
                 add(_canonical(re.sub(r"^language_model\.(embedding|encoder)\.|^language_model\.", "", key), None),
                     path, key, tp_rank)
     return index
+
+
+def _check_complete(ckpt: MegatronDeepSpeedCheckpoint, layer_files: list) -> None:
+    """Every TP rank's file of every layer spec (pipeline engine) or of the model (without it), as the args'
+    TP size declares; otherwise one message naming the missing files."""
+    if layer_files:
+        found = {tuple(map(int, _PIPE_FILE.search(p).groups())) for p in layer_files}
+        specs = sorted({spec for spec, _ in found})
+        wanted = {(spec, t) for spec in specs for t in range(ckpt.tp)}
+        names = [f"layer_{spec:02d}-model_{t:02d}-model_states.pt" for spec, t in sorted(wanted - found)]
+        odd = [f"layer_{spec:02d}-model_{t:02d}-model_states.pt" for spec, t in sorted(found - wanted)]
+    else:
+        found = {int(_MODEL_FILE.search(p).group(1))
+                 for p in glob.glob(os.path.join(ckpt.directory, "mp_rank_*_model_states.pt"))}
+        names = [f"mp_rank_{t:02d}_model_states.pt" for t in sorted(set(range(ckpt.tp)) - found)]
+        odd = [f"mp_rank_{t:02d}_model_states.pt" for t in sorted(found - set(range(ckpt.tp)))]
+    if names or odd:
+        raise ConfigError(f"{ckpt.directory}: the args declare TP {ckpt.tp}; "
+                          + (f"missing {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}" if names else "")
+                          + ("; " if names and odd else "") + (f"not of that layout: {', '.join(odd[:6])}" if odd else "")
+                          + ". The checkpoint is incomplete: copy every rank's files, then convert.")
 
 
 def _tensors(path: str) -> dict:
