@@ -9,7 +9,7 @@ from typing import Optional
 from hybrid.conversion.families import infer_family
 from hybrid.errors import ConfigError
 from hybrid.model.config import LLAMA3_ROPE_DEFAULTS, ModelConfig
-from hybrid.parallel.fp8 import check_settings
+from hybrid.parallel.fp8 import DEFAULT_FP8_RECIPE, check_settings
 
 
 def _rope_scaling(args) -> Optional[dict]:
@@ -71,11 +71,17 @@ def _moe_fields(args) -> dict:
     return {name: getattr(args, name) for name in MOE_FLAGS} if args.num_experts else {}
 
 
+def fp8_recipe(args) -> Optional[str]:
+    """The FP8 recipe a run trains with: --fp8-recipe, Megatron-LM's default (delayed) when --fp8-format comes
+    alone; None without --fp8-format (check_settings refuses a recipe given without it)."""
+    return (args.fp8_recipe or DEFAULT_FP8_RECIPE) if args.fp8_format else None
+
+
 def fp8_fields(args) -> dict:
     """The ModelConfig's FP8 fields from --fp8-* (a training setting, with any architecture)."""
     check_settings(args.fp8_recipe, args.fp8_format, args.fp8_amax_history_len, args.fp8_amax_compute_algo)
     ends = args.first_last_layers_bf16
-    return dict(fp8_recipe=args.fp8_recipe if args.fp8_format else None, fp8_format=args.fp8_format or "hybrid",
+    return dict(fp8_recipe=fp8_recipe(args), fp8_format=args.fp8_format or "hybrid",
                 fp8_amax_history_len=args.fp8_amax_history_len, fp8_amax_compute_algo=args.fp8_amax_compute_algo,
                 fp8_margin=args.fp8_margin,
                 fp8_layers_start_high_precision=args.num_layers_at_start_in_bf16 if ends else 0,

@@ -222,6 +222,14 @@ RULES = [
          "not built: DeepSeek-V3's 128 x 128 block scales have no GEMM in torchao's training path",
          lambda s: s.fp8 == "blockwise",
          lambda s: "--fp8-recipe blockwise is not built; use --fp8-recipe tensorwise, rowwise or delayed."),
+    Rule("fp8-fp16", "--fp8-format with --fp16",
+         "the FP8 gradient casts would see gradients multiplied by DeepSpeed's dynamic loss scale: every change of "
+         "the scale shifts what delayed scaling's amax history holds by that factor (after an increase the e5m2 "
+         "casts saturate until the history has turned over), and fp16 runs only on GPUs, where the combination "
+         "was never measured; Megatron-LM's FP8 recipes train with bf16",
+         lambda s: s.fp8 is not None and s.precision == "fp16",
+         lambda s: "--fp8-format with --fp16 is refused (the FP8 casts would see loss-scaled gradients); use --bf16 "
+                   "with --fp8-format, as Megatron-LM's FP8 recipes do."),
     Rule("fp8-param-gather", "--fp8-param-gather",
          "not built: DeepSpeed's ZeRO keeps and gathers parameters in their own dtype (bf16 / fp32); FP8 weights "
          "are cast from them for each GEMM",

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from hybrid import ds_config as dsc
-from hybrid.architecture import MOE_FLAGS, model_config
+from hybrid.architecture import MOE_FLAGS, fp8_recipe, model_config
 from hybrid.capabilities import Setup, check
 from hybrid.checkpoint.client_state import SavedLayout, read_client_state
 from hybrid.checkpoint.files import read_tag
@@ -553,7 +553,7 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path
                 ep=dims.expert_parallel, sequence_parallel=model.sequence_parallel, seq_length=args.seq_length,
                 heads_per_tp=model.num_attention_heads // tp, groups_per_tp=model.num_query_groups // tp,
                 experts_on_every_stage=_experts_on_every_stage(model, dims, pipeline),
-                fp8=args.fp8_recipe if args.fp8_format else None, fp8_param_gather=args.fp8_param_gather,
+                fp8=fp8_recipe(args), fp8_param_gather=args.fp8_param_gather,
                 cpu_offloading=dsc.cpu_offloading(args, ds), dpo=bool(args.dpo),
                 dpo_precomputed=bool(args.dpo and args.dpo_reference_logps),
                 fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds))

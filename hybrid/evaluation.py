@@ -40,6 +40,7 @@ from hybrid.model.build import build_model
 from hybrid.model.forward_only import forward_only
 from hybrid.model.objectives import LanguageModeling
 from hybrid.model.naming import names_to_load
+from hybrid.parallel import fp8
 from hybrid.parallel.dims import ParallelDims
 from hybrid.parallel.groups import build_groups
 from hybrid.parallel.cross_entropy import IGNORE_INDEX
@@ -80,7 +81,7 @@ def build_parser():
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None)
     g = p.add_argument_group("FP8 GEMMs (as launch/train.py's)")
     g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"])
-    g.add_argument("--fp8-recipe", default="delayed", choices=["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise"])
+    g.add_argument("--fp8-recipe", default=None, choices=["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise"])
     g.add_argument("--fp8-amax-history-len", type=int, default=1)
     g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"])
     g.add_argument("--fp8-margin", type=int, default=0)
@@ -171,6 +172,8 @@ def evaluate(args) -> dict:
             return [state]
     mine = [batch for k, batch in enumerate(batches) if k % dp == groups.dp.rank]
     device = _device()
+    if config.fp8_recipe:  # as training checks: no torchao emulation on a GPU without FP8 units
+        fp8.check_device(device)
     token_sums = args.sft  # --sft: each micro-batch's sum over its loss tokens, divided by their count at the end
     losses = _losses(config, groups, parts, mine, device, token_sums)
     # summed on the device the backend communicates on (NCCL needs CUDA tensors), in fp32

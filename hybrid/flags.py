@@ -196,9 +196,10 @@ def _add_mixed_precision_args(p):
     g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"],
                    help="FP8 GEMMs in the transformer layers' linear layers: e4m3 everywhere, or hybrid (gradients "
                         "e5m2); embeddings, output layer, norms and attention stay in the high precision")
-    g.add_argument("--fp8-recipe", default="delayed", choices=["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise"],
+    g.add_argument("--fp8-recipe", default=None, choices=["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise"],
                    help="scaling: tensorwise / rowwise (torchao's recipes), delayed (an amax history per tensor, "
-                        "Megatron-LM's default); mxfp8 and blockwise are refused (not built)")
+                        "Megatron-LM's default, taken when --fp8-format is given alone); mxfp8 and blockwise are "
+                        "refused (not built); without --fp8-format it is refused")
     g.add_argument("--fp8-amax-history-len", type=int, default=1, help="delayed: iterations of amax history")
     g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
                    help="delayed: the scale from the newest amax or the history's largest")

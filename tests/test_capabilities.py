@@ -50,6 +50,7 @@ EXAMPLES = {
     "fp8-mxfp8": (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"], 1),
     "fp8-blockwise": (["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], 1),
     "fp8-param-gather": (["--fp8-format", "hybrid", "--fp8-param-gather"], 1),
+    "fp8-fp16": None,  # --fp16 is refused first on this CPU (fp16-cpu); a GPU's Setup below
     "cpu-offloading-recompute": (["--cpu-offloading", "--recompute-granularity", "selective"], 1),
     "dpo-pipeline-reference": None,  # --dpo needs pair data and --load-hf: tests/test_sft.py checks the refusal
 }
@@ -137,6 +138,23 @@ def test_bf16_fp32_accumulation_with_zero1_is_refused_at_pp_only(tmp_path):
     config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
                                   "data_types": {"grad_accum_dtype": "fp32"}}))
     _build(PP2 + ["--deepspeed", config], 2)
+
+
+def test_fp8_with_fp16_is_refused_on_a_gpu_and_fp8_with_bf16_is_not():
+    assert [r.name for r in capabilities.refusals(Setup(fp8="delayed", precision="fp16"))] == ["fp8-fp16"]
+    assert [r.name for r in capabilities.refusals(Setup(fp8="tensorwise", precision="fp16"))] == ["fp8-fp16"]
+    assert capabilities.allowed(Setup(fp8="delayed", precision="bf16"))
+    assert capabilities.allowed(Setup(precision="fp16"))
+
+
+def test_an_fp8_recipe_without_a_format_is_refused_and_the_format_alone_takes_megatrons_default():
+    """--fp8-recipe only chooses how FP8 scales: given without --fp8-format (which turns FP8 on) it was ignored;
+    now one message. --fp8-format alone trains with Megatron-LM's default recipe, delayed."""
+    with pytest.raises(ConfigError, match="--fp8-recipe tensorwise without --fp8-format"):
+        _build(["--fp8-recipe", "tensorwise"], 1)
+    assert _build(["--fp8-format", "hybrid"], 1).model.fp8_recipe == "delayed"
+    assert _build(["--fp8-format", "hybrid", "--fp8-recipe", "rowwise"], 1).model.fp8_recipe == "rowwise"
+    assert _build([], 1).model.fp8_recipe is None
 
 
 def test_flash_attn_needs_a_gpu_and_half_precision():

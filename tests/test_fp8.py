@@ -110,6 +110,53 @@ def test_delayed_scaling_history_resumes_bitwise():
     assert resumed == uninterrupted and losses[0] != uninterrupted[-1]
 
 
+def test_delayed_scales_come_from_the_previous_iteration_and_a_spike_or_a_skipped_step_leaves_them():
+    """Iteration 2's input, weight and gradient casts use fp8-max / iteration 1's amaxes (not the tensors' own:
+    a history ignored would pass the resume test above); an iteration whose input amax is not finite leaves that
+    column's history as it was (Transformer Engine keeps the previous scale; entered, the scale would be 0 and
+    every later gradient NaN) while the finite columns move; a skipped optimizer step leaves every history."""
+    from hybrid.parallel import fp8 as fp8_module
+    from hybrid.parallel.fp8 import GRAD, INPUT, WEIGHT
+    gemm = Fp8Gemm(Fp8Settings("delayed", "hybrid", history_len=2), ParallelGroups.single(), "column")
+    weight = torch.nn.Parameter(torch.randn(8, 16))
+    e4m3, e5m2 = torch.finfo(torch.float8_e4m3fn).max, torch.finfo(torch.float8_e5m2).max
+    seen = []
+    original = fp8_module._cast
+
+    def spy(t, dtype, role, axiswise_dim, groups, round_pow2, scale=None, record=None, complete=True):
+        seen.append((role, None if scale is None else scale.clone()))
+        return original(t, dtype, role, axiswise_dim, groups, round_pow2, scale, record, complete)
+
+    def iteration(x, upstream=1.0, stepped=True):
+        seen.clear()
+        (fp8_linear(x.requires_grad_(), weight, None, gemm) * upstream).sum().backward()
+        end_iteration(gemm, None, stepped=stepped)
+    fp8_module._cast = spy
+    try:
+        x1 = torch.randn(4, 16)
+        iteration(x1, upstream=3.0)
+        amax1 = gemm.amax_history[0].clone()
+        assert amax1[INPUT] == x1.abs().max() and amax1[GRAD] == 3.0 and amax1[WEIGHT] == weight.detach().abs().max()
+        iteration(10 * torch.randn(4, 16))  # another amax: the scales must still be iteration 1's
+        roles = fp8_module._roles()
+        scales = {role: scale for role, scale in seen if scale is not None}
+        assert torch.allclose(scales[roles.INPUT], torch.tensor(e4m3 / amax1[INPUT].item()), rtol=1e-6)
+        assert torch.allclose(scales[roles.GRAD_OUTPUT], torch.tensor(e5m2 / 3.0), rtol=1e-6)
+        assert gemm.amax_history[1].equal(amax1)  # rolled
+        before = gemm.amax_history.clone()
+        spike = torch.randn(4, 16)
+        spike[0, 0] = float("inf")
+        iteration(spike)
+        assert gemm.amax_history[:, INPUT].equal(before[:, INPUT])  # the spike's column kept its history
+        assert gemm.amax_history[1, GRAD].equal(before[0, GRAD])  # the finite columns moved on
+        assert torch.isfinite(gemm.delayed_scale(INPUT)).all() and gemm.delayed_scale(INPUT).gt(0).all()
+        before = gemm.amax_history.clone()
+        iteration(100 * torch.randn(4, 16), stepped=False)
+        assert gemm.amax_history.equal(before) and gemm.amax_current.eq(0).all()
+    finally:
+        fp8_module._cast = original
+
+
 def _windows(prefix, windows):
     from hybrid.data.indexed import IndexedDatasetBuilder
     builder = IndexedDatasetBuilder(prefix)

@@ -36,6 +36,7 @@ from hybrid.parallel import collectives as C
 RECIPES = ("tensorwise", "rowwise", "delayed")  # built
 FORMATS = ("e4m3", "hybrid")
 COMPUTE_ALGOS = ("most_recent", "max")
+DEFAULT_FP8_RECIPE = "delayed"  # Megatron-LM's, when --fp8-format comes without --fp8-recipe
 INPUT, GRAD, WEIGHT = 0, 1, 2  # columns of a delayed-scaling amax history (then one per weight projection)
 
 
@@ -348,22 +349,36 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return _Fp8Linear.apply(x, weight, bias, gemm, training)
 
 
-def end_iteration(model: nn.Module, data_group) -> None:
+def end_iteration(model: nn.Module, data_group, stepped: bool = True) -> None:
     """Delayed scaling: the iteration's amaxes (every micro-batch's, every data-parallel rank's: one
-    all-reduce MAX over `data_group`) enter each layer's history; the next iteration's scales follow."""
+    all-reduce MAX over `data_group`) enter each layer's history; the next iteration's scales follow.
+
+    As Transformer Engine does, a spike does not poison the scales: a tensor whose amax is not finite keeps its
+    history as it was (so its scale stays the previous one; entered, it would make every later scale 0 and
+    every gradient NaN), decided on the device, no host sync. An iteration whose optimizer step was skipped
+    (`stepped` False: fp16 overflow, a non-finite gradient norm) leaves every history as it was: the weights
+    did not move, and the amaxes were those of a step that did not count."""
     gemms = [m for m in model.modules() if isinstance(m, Fp8Gemm) and m.delayed]
     if not gemms:
+        return
+    if not stepped:
+        for m in gemms:
+            m.amax_current.zero_()
         return
     current = torch.cat([m.amax_current for m in gemms])
     _reduce_max(current, [data_group])
     for m, amax in zip(gemms, current.split([m.amax_current.numel() for m in gemms])):
-        m.amax_history.copy_(torch.cat([amax.view(1, -1), m.amax_history[:-1]]))
+        rolled = torch.cat([amax.view(1, -1), m.amax_history[:-1]])
+        m.amax_history.copy_(torch.where(torch.isfinite(amax).view(1, -1), rolled, m.amax_history))
         m.amax_current.zero_()
         m.mark_filled()
 
 
 def check_settings(recipe: Optional[str], fmt: Optional[str], history_len: int, compute_algo: str) -> None:
     """Flag values (one message each); the recipes not built are the capability table's."""
+    if recipe is not None and fmt is None:
+        raise ConfigError(f"--fp8-recipe {recipe} without --fp8-format: FP8 is turned on by --fp8-format (e4m3, or "
+                          f"hybrid: e5m2 gradients); add it, or drop --fp8-recipe to train in the high precision.")
     if fmt is not None and fmt not in FORMATS:
         raise ConfigError(f"--fp8-format must be one of {', '.join(FORMATS)}, got {fmt!r}.")
     if compute_algo not in COMPUTE_ALGOS:

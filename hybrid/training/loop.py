@@ -126,9 +126,10 @@ class Trainer:
         self.profiler.after(iteration + 1)
         if self.moe:
             self.moe.after()
-        if self.fp8_delayed:  # delayed scaling: the iteration's amaxes into the histories
-            fp8.end_iteration(self.engine.module, self.groups.dp.group)
-        self.skipped += getattr(self.engine, "skipped_steps", 0) - skipped_before
+        skipped = getattr(self.engine, "skipped_steps", 0) - skipped_before  # a host int DeepSpeed keeps
+        if self.fp8_delayed:  # delayed scaling: the iteration's amaxes into the histories (not a skipped step's)
+            fp8.end_iteration(self.engine.module, self.groups.dp.group, stepped=not skipped)
+        self.skipped += skipped
         return record
 
     def train(self, iteration: int, consumed: int) -> int:
