@@ -318,6 +318,12 @@ def test_peak_tflops_comes_from_the_gpu_name_and_precision(monkeypatch):
     assert device_peak_tflops(cuda, "fp16", False) == 312.0
     assert device_peak_tflops(cuda, "bf16", True) is None  # no FP8 on an A100
     assert device_peak_tflops(cuda, "bf16", False) is None  # unknown: --peak-tflops gives it
+    # whole words only: a GPU whose name contains a table entry's letters is not that GPU
+    for name, want in [("NVIDIA L40", None), ("NVIDIA L4", 121.0), ("NVIDIA L40S", 362.1), ("NVIDIA GB200", None),
+                       ("NVIDIA B200", 2250.0), ("NVIDIA GH200 480GB", 989.4), ("NVIDIA H100 NVL", 835.0),
+                       ("NVIDIA A100 80GB PCIe", 312.0), ("NVIDIA H800", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert device_peak_tflops(cuda, "bf16", False) == want, name
 
 
 def test_cpu_ranks_share_the_cores_unless_omp_num_threads_is_set(monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Optional
 
 import torch
@@ -13,7 +14,8 @@ import torch
 from hybrid.training.logging import log
 
 # dense (no sparsity) tensor-core peak TFLOP/s by GPU name and GEMM precision, from NVIDIA's data sheets;
-# the first entry whose key the device name contains is taken (so "H100 PCIe" before "H100")
+# the first entry whose words stand in the device name as whole words is taken (so "H100 PCIe" before "H100";
+# "L4" is not "NVIDIA L40", "B200" not "NVIDIA GB200": GPUs the table lacks get no MFU unless --peak-tflops)
 PEAK_TFLOPS = (
     ("GH200", {"bf16": 989.4, "fp8": 1978.9, "tf32": 494.7}),
     ("H200", {"bf16": 989.4, "fp8": 1978.9, "tf32": 494.7}),
@@ -34,8 +36,10 @@ def device_peak_tflops(device: torch.device, precision: str, fp8: bool) -> Optio
         return None
     name = torch.cuda.get_device_name(device)
     kind = "fp8" if fp8 else "tf32" if precision == "fp32" else "bf16"
+    words = re.split(r"[\s_-]+", name.strip())  # "NVIDIA A100-SXM4-80GB" -> NVIDIA, A100, SXM4, 80GB
     for key, peaks in PEAK_TFLOPS:
-        if key in name:
+        wanted = key.split()
+        if any(words[i:i + len(wanted)] == wanted for i in range(len(words))):
             return peaks.get(kind)
     return None
 
