@@ -29,6 +29,8 @@ KNOWN_GOOD_DEEPSPEED = ("0.19.8",)  # checked by tests/test_deepspeed_fixes.py; 
 # (module, attribute path, a text its source must contain) of every DeepSpeed internal used below
 RELIED_ON = [
     ("deepspeed.runtime.engine", "DeepSpeedEngine.destroy", "optimizer.destroy()"),
+    ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload._register_deepspeed_module",
+     "def _register_deepspeed_module(self, module, count=[0]):"),
     ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.__init__",
      "self.__n_available_params"),
     ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload.setup_zero_stage3_hooks",
@@ -101,7 +103,11 @@ def release_engine(engine) -> None:
        pops it (the module's forward hooks hold the engine);
     3. ZeRO-3's parameter coordinator caches `__params_to_release` with `functools.lru_cache` on the class, which
        keeps every coordinator and module it was called with (emptied: another live engine recomputes its
-       entries on their next use)."""
+       entries on their next use);
+    4. ZeRO-3 numbers modules (`ds_id`) from a counter kept in a mutable default argument of
+       `_register_deepspeed_module`, so the next engine's numbers depend on every engine the process built: two
+       pipeline ranks, whose stages have different module counts, then number the same later model differently,
+       and ZeRO-3's trace check across ranks fails ("Detected a disagreement on list contents"). Reset to 0."""
     engine.destroy()
     # (imported here: only ZeRO-3 engines put anything in either)
     from deepspeed.runtime.zero import parameter_offload, partitioned_param_coordinator
@@ -112,6 +118,7 @@ def release_engine(engine) -> None:
     while not hasattr(cached, "cache_clear"):  # under DeepSpeed's nvtx wrapper: the function it closes over
         cached = next(cell.cell_contents for cell in cached.__closure__ if callable(cell.cell_contents))
     cached.cache_clear()
+    parameter_offload.DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0][0] = 0
 
 
 # --- pipeline schedules on the plain engine (hybrid.training.runtime) ------------------------------
