@@ -216,8 +216,11 @@ def evaluate_combination(names: tuple, data: str, work: str, baselines: dict, ti
     kinds = {FEATURES[n].kind for n in names}
     if "dropout" in kinds:  # layouts draw other masks (per TP / CP rank): only the resume is compared
         return dict(result, status="equal")
+    # bf16 gradients are DeepSpeed's ZeRO stage's choice (ZeRO-0 accumulates them in fp32, ZeRO-1/2/3 keep bf16):
+    # a bf16 cell is compared with one rank at its own ZeRO stage (a layout changes neither)
     model_names = tuple(n for n in names if FEATURES[n].kind in ("model", "precision")
-                        or n == "ep2")  # EP 2 brings its MoE model
+                        or n == "ep2"  # EP 2 brings its MoE model
+                        or ("bf16" in names and FEATURES[n].group == "zero"))
     key = tuple(sorted("moe" if n == "ep2" else n for n in model_names))
     if key not in baselines:
         one = [f for n in key for f in _flags([n])]
