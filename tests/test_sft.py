@@ -558,9 +558,27 @@ def test_dpo_reference_logps_computed_once_at_dp2_then_read_gives_the_reference_
         proc = run("torchrun", ranks, base + ["--dpo-reference-logps", logps, "--log-json", log])
         assert_same_losses([r["lm_loss"] for r in read_log(log)], want)
         assert f"--dpo-reference-logps {logps}" in proc.stdout + proc.stderr and said in proc.stdout + proc.stderr
+    # keyed by everything the values depend on: other windows, another reference model (a fine-tune of it:
+    # every weight moved a little, same files and sizes) or another precision are refused, naming which
+    from hybrid.conversion.hf import hf_fingerprint
     from hybrid.training.reference_logps import _read
+    key = {"key": "the key of other windows", "model": hf_fingerprint(chat["hf"]), "precision": "fp32"}
     with pytest.raises(ConfigError, match="holds the reference log-probabilities of other windows"):
-        _read(str(logps), "the key of other windows", 1)
+        _read(str(logps), key, 1)
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    other = tmp_path / "fine_tuned"
+    shutil.copytree(chat["hf"], other)
+    torch.manual_seed(0)
+    weights = {k: v + 1e-3 * torch.randn_like(v) for k, v in load_file(other / "model.safetensors").items()}
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    assert hf_fingerprint(str(other)) != hf_fingerprint(chat["hf"])
+    for flags, what in ((["--load-hf", other], "another reference model"), (["--load-hf", chat["hf"], "--bf16"],
+                                                                            "another precision")):
+        proc = run("python", 1, DPO_RUN + ["--data-path", pairs["data"], "--dpo-reference-logps", logps, *flags],
+                   check=False)
+        assert proc.returncode == 2 and what in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------------- --sft-streaming
@@ -664,3 +682,35 @@ def test_a_bad_row_met_by_the_stream_is_one_message_naming_file_and_line_or_coun
         windows.append(lenient[len(windows)]["text"].numpy())
     lenient.close()
     assert len(_documents(windows[:-1], encoder.separator)) == 30  # the epoch: every good row, the bad one skipped
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "gemma", "qwen25", "deepseek"])
+def test_todays_chat_templates_mask_what_their_tagged_twins_mark_and_find_a_separator(family):
+    """Llama 3.x (bos and eos only, no pad, both written by the template), Mistral v0.3 (the system prompt moved
+    into the last user turn, or dropped), Gemma 3 (no system role: folded into the first user turn, contents
+    trimmed), Qwen2.5 (its own default system prompt), DeepSeek: without generation markers the assistant tokens
+    are found in the conversation rendered once and equal what transformers marks with the same template's
+    tagged twin; a special token the template never writes separates packed conversations (before: Llama 3 was
+    refused, and every Mistral conversation with a system prompt was a bad row)."""
+    from tests.chat_templates import family_tokenizer
+    plain = ChatEncoder(family_tokenizer(family), family)
+    twin = family_tokenizer(family, tagged=True)
+    assert not plain.generation_tags
+    convs = conversations(24, seed=3)
+    convs[0][-1]["content"] = "  an answer with spaces around it  "  # templates that trim and that do not
+    convs[1][0]["content"] = "say the python language"  # the assistant's words in the user's turn first
+    convs[1][1]["content"] = "the python language"
+    checked = 0
+    for messages in convs:
+        if family == "gemma" and messages[0]["role"] == "system":  # its own folding, above; twin alike
+            pass
+        want = twin.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids, mask = plain.encode(messages, "x")
+        assert ids == list(want["input_ids"]) and mask == [bool(m) for m in want["assistant_masks"]], \
+            (family, messages, plain.tok.decode([t for t, m in zip(ids, mask) if m]))
+        assert any(mask)
+        checked += 1
+    assert checked == len(convs)
+    rendered = set(plain.tok(plain._render(convs[2]), add_special_tokens=False)["input_ids"])
+    assert plain.separator not in rendered and plain.tok.convert_ids_to_tokens(plain.separator) in \
+        plain.tok.all_special_tokens + [t.content for t in plain.tok.added_tokens_decoder.values() if t.special]

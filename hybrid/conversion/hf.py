@@ -3,6 +3,7 @@ hybrid.conversion.families)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -110,6 +111,30 @@ class HFTensors(Mapping):
 
     def __contains__(self, name) -> bool:
         return name in self.files
+
+
+FINGERPRINT_SAMPLES = 16  # 64 KiB reads spread over each weight file
+
+
+def hf_fingerprint(path: str, flag: str = "--load-hf") -> str:
+    """What a model directory's weights are, cheaply: config.json, and each weight file's name, size and bytes
+    read at FINGERPRINT_SAMPLES places spread over it (a safetensors header among them). Two models that differ
+    in training differ in nearly every weight, so in the samples; a copy of the same files has the same
+    fingerprint (no paths or times in it). For caches of values the weights determine (the DPO reference's
+    log-probabilities)."""
+    tensors = HFTensors(path, flag)
+    h = hashlib.sha256()
+    with open(os.path.join(path, "config.json"), "rb") as f:
+        h.update(f.read())
+    for name in sorted(set(tensors.files.values())):
+        full = os.path.join(path, name)
+        size = os.path.getsize(full)
+        h.update(f"{name}:{size}".encode())
+        with open(full, "rb") as f:
+            for k in range(FINGERPRINT_SAMPLES):
+                f.seek(size * k // FINGERPRINT_SAMPLES)
+                h.update(f.read(1 << 16))
+    return h.hexdigest()
 
 
 def read_hf_dir(path: str, progress: Callable = None, flag: str = "--load-dir") -> tuple[dict, ModelConfig, Adapter]:

@@ -9,9 +9,12 @@ What a row may be (the formats people bring):
 - `input_ids` (+ `labels` with -100 where no loss is taken): already tokenized.
 
 The loss mask: the template's `{% generation %}` spans where it has them (transformers'
-`apply_chat_template(return_assistant_tokens_mask=True)`), otherwise each assistant turn found by rendering
-the conversation turn by turn (the text the template adds for that turn after its generation prompt, up to
-its closing special token: the spans generation markers would give for ChatML, Llama 3, Gemma, Mistral).
+`apply_chat_template(return_assistant_tokens_mask=True)`), otherwise found in the conversation rendered once:
+its user and assistant messages located in order in the text (as written, or trimmed as templates trim them),
+each assistant message's span its text and the special token the template closes the turn with, the tokens
+overlapping a span marked as transformers marks a `{% generation %}` span. This holds for templates that move
+or drop the system prompt (Mistral v0.3 folds it into the last user turn, Gemma 3 into the first) or add one
+(Qwen2.5), and equals a tagged twin's mask for ChatML, Llama 3, Mistral, Gemma and DeepSeek templates.
 
 Packing: conversations, shuffled by the seed, fill windows of seq_length + 1 tokens in order, each followed by
 a separator token that the template never emits; the model's packed-document masks and positions
@@ -26,6 +29,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -44,7 +48,7 @@ ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assi
          "chatgpt": "assistant", "model": "assistant", "tool": "tool", "function": "tool", "observation": "tool",
          "ipython": "tool"}
 TRUNCATION = ("truncate", "drop")
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: assistant spans found in the rendering (caches of version 1 are made again)
 
 
 class BadRow(ValueError):
@@ -253,14 +257,18 @@ class ChatEncoder:
             used = set(self.tok(self._render(probe), add_special_tokens=False)["input_ids"])
         except Exception:  # templates that refuse a system turn (Gemma)
             used = set(self.tok(self._render(probe[1:]), add_special_tokens=False)["input_ids"])
-        candidates = [self.tok.pad_token_id, self.tok.eos_token_id, *self.tok.all_special_ids,
+        # then the tokenizer's other special tokens (Llama 3's <|end_of_text|> and reserved tokens, Mistral's
+        # control tokens: special, but not in all_special_ids), in id order
+        added = [i for i, t in sorted(getattr(self.tok, "added_tokens_decoder", {}).items()) if t.special]
+        candidates = [self.tok.pad_token_id, self.tok.eos_token_id, *self.tok.all_special_ids, *added,
                       self.tok.bos_token_id, self.tok.unk_token_id]
         for token in candidates:
             if token is not None and token not in used:
                 return int(token)
         raise ConfigError(f"{source}: every special token of the tokenizer appears in its chat template's output, "
-                          f"so none can separate packed conversations; add one (tokenizer.add_special_tokens) "
-                          f"and save the tokenizer.")
+                          f"so none can separate packed conversations. Give the tokenizer a special token its "
+                          f"template never writes, one whose id is below the model's vocabulary size (an unused "
+                          f"reserved token renamed, or a padding row of the embedding), and save the tokenizer.")
 
     def encode(self, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
         """The conversation's token ids and, per token, whether it takes loss."""
@@ -272,7 +280,7 @@ class ChatEncoder:
                 out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True,
                                                    return_assistant_tokens_mask=True)
                 return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
-            return self._encode_by_turns(messages, where)
+            return self._encode_by_messages(messages, where)
         except BadRow:
             raise
         except Exception as e:  # the template's own refusal (raise_exception), e.g. roles out of order
@@ -297,29 +305,44 @@ class ChatEncoder:
             out.append((ids, mask))
         return out
 
-    def _encode_by_turns(self, messages, where: str) -> tuple[list[int], list[bool]]:
-        """Without {% generation %} tags: the text each assistant turn adds after the generation prompt (without
-        whitespace after its closing special token), found by rendering the conversation up to it; tokens
-        starting inside those spans take loss."""
+    def _encode_by_messages(self, messages, where: str) -> tuple[list[int], list[bool]]:
+        """Without {% generation %} tags: where the template writes each message is learned by rendering the
+        conversation with every content replaced by a marker no template writes (so a template that moves the
+        system prompt into a user turn, drops it or adds its own is followed as it is); the real rendering is
+        then read along that layout, each content as written or trimmed (as templates trim). An assistant
+        message's span is its text and the special token that opens what the template writes after it (the
+        turn's end); the tokens overlapping a span take loss, as transformers marks a generation span (from the
+        token holding its first character to the one holding its last)."""
         text = self._render(messages)
-        spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            before = self._render(messages[:i], add_generation_prompt=True) if i else ""
-            through = self._render(messages[:i + 1])
-            if not (through.startswith(before) and text.startswith(through)):
-                raise BadRow(f"{where}: the chat template renders earlier turns differently once later ones follow "
-                             f"(turn {i}), so the assistant's tokens cannot be found turn by turn; use a template "
-                             f"with {{% generation %}} markers")
-            end = len(through)
-            kept = through.rstrip()  # whitespace after the turn's closing special token is the template's, not
-            if kept != through and any(kept.endswith(t) for t in self.tok.all_special_tokens):  # the answer's
-                end = len(kept)
-            spans.append((len(before), end))
+        layout = re.split(_MARKER, self._render([dict(m, content=f"\ue000{i}\ue001") for i, m in enumerate(messages)]))
+        closings = sorted(self._special_texts(), key=len, reverse=True)
+        spans, at = [], 0
+        for k in range(0, len(layout) - 1, 2):  # boilerplate, message index, boilerplate, ...
+            boilerplate, index, after = layout[k], int(layout[k + 1]), layout[k + 2]
+            content = _text_of(messages[index]["content"])
+            if not text.startswith(boilerplate, at):
+                raise BadRow(f"{where}: the chat template writes the conversation differently once its texts are in "
+                             f"place (turn {index}), so the assistant's tokens cannot be found; use a template with "
+                             f"{{% generation %}} markers")
+            at += len(boilerplate)
+            written = next((c for c in (content, content.strip()) if text.startswith(c, at)), None)
+            if written is None:
+                raise BadRow(f"{where}: the chat template does not write turn {index}'s text as given (nor trimmed), "
+                             f"so the assistant's tokens cannot be found; use a template with {{% generation %}} "
+                             f"markers")
+            if messages[index]["role"] == "assistant":
+                closing = next((t for t in closings if after.startswith(t)), "")
+                spans.append((at, at + len(written) + len(closing)))
+            at += len(written)
         encoded = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        mask = [any(lo <= start < hi for lo, hi in spans) for start, _ in encoded["offset_mapping"]]
+        mask = [any(lo < hi_span and hi > lo_span for lo_span, hi_span in spans)
+                for lo, hi in encoded["offset_mapping"]]
         return list(encoded["input_ids"]), mask
+
+    def _special_texts(self) -> list[str]:
+        """Every special token's text (a turn ends with one: <|im_end|>, <|eot_id|>, </s>, <end_of_turn>, ...)."""
+        added = [t.content for t in getattr(self.tok, "added_tokens_decoder", {}).values() if t.special]
+        return [t for t in {*self.tok.all_special_tokens, *added} if t]
 
     def fingerprint(self) -> str:
         """What the tokens depend on: the tokenizer, its template and the options."""
@@ -328,6 +351,16 @@ class ChatEncoder:
         h.update(str(self.tok.chat_template).encode())
         h.update(repr((self.options.train_on_prompt, self.options.pairs, self.separator, _CACHE_VERSION)).encode())
         return h.hexdigest()[:16]
+
+
+_MARKER = re.compile("\ue000(\\d+)\ue001")  # a message's place in a rendering (private-use characters)
+
+
+def _text_of(content) -> str:
+    """A message's text: a string, or the text parts of a content list ({"type": "text", "text": ...})."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
 
 
 # ------------------------------------------------------------------------------ tokenized conversations

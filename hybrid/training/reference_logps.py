@@ -8,8 +8,10 @@ the same windows reads FILE and never builds the reference model. The windows co
 batch (the chat dataset's "reference_logps"; hybrid.data.chat.ChatDataset), so every layout and order uses
 them as they are.
 
-The file is keyed by the windows themselves (a hash of their tokens and loss masks, so of the data, the
-tokenizer, its template, --seq-length, --split and --seed): other windows are one message, never wrong values.
+The file is keyed by everything the values depend on: the windows themselves (a hash of their tokens and loss
+masks, so of the data, the tokenizer, its template, --seq-length, --split and --seed), the reference model's
+weights (hybrid.conversion.hf.hf_fingerprint of --load-hf) and the precision it scored in. A file of other
+windows, another reference model or another precision is one message naming which differs, never wrong values.
 Each DP rank scores every DP-th window (all ranks the same number of forwards, so expert-parallel all-to-alls
 match), the ranks' rows are summed over DP, and rank 0 writes the file (a temporary name, renamed when whole).
 """
@@ -111,26 +113,40 @@ def score_windows(score, part, groups, device: torch.device, micro: int, per_cal
     return table.cpu().numpy()
 
 
-def _read(path: str, key: str, count: int) -> list[np.ndarray]:
+# what the values depend on (the file's key), each with what it names in a refusal
+KEY_PARTS = {"key": "other windows (another data file, tokenizer or template, --seq-length, --split or --seed)",
+             "model": "another reference model (other --load-hf weights)",
+             "precision": "another precision (--bf16 / --fp16 / fp32)"}
+
+
+def file_key(run, parts: list) -> dict:
+    """The key of this run's reference values: its windows, the --load-hf weights, the precision."""
+    from hybrid.conversion.hf import hf_fingerprint  # (the one HF reader; training imports it here only)
+    return {"key": windows_key(parts), "model": hf_fingerprint(run.checkpoint.load_hf),
+            "precision": run.training.precision}
+
+
+def _read(path: str, key: dict, count: int) -> list[np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as f:
-            stored = str(f["key"])
+            stored = {name: str(f[name]) if name in f else None for name in KEY_PARTS}
             tables = [f[f"windows_{k}"] for k in range(int(f["parts"]))]
     except (OSError, KeyError, ValueError) as e:
         raise ConfigError(f"--dpo-reference-logps {path}: not a file of reference log-probabilities this tool "
                           f"wrote ({e}); delete it or name another file to compute them again.") from None
-    if stored != key or len(tables) != count:
-        raise ConfigError(f"--dpo-reference-logps {path}: holds the reference log-probabilities of other windows "
-                          f"(another data file, tokenizer, --seq-length, --split or --seed); delete it or name another "
-                          f"file to compute them for this run.")
+    differ = [what for name, what in KEY_PARTS.items() if stored[name] != key[name]]
+    if differ or len(tables) != count:
+        raise ConfigError(f"--dpo-reference-logps {path}: holds the reference log-probabilities of "
+                          f"{' and of '.join(differ or [KEY_PARTS['key']])}; delete it or name another file to "
+                          f"compute them for this run.")
     return tables
 
 
-def _write(path: str, key: str, tables: list[np.ndarray]) -> None:
+def _write(path: str, key: dict, tables: list[np.ndarray]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp.npz")
-    np.savez(tmp, key=np.array(key), parts=np.array(len(tables)),
+    np.savez(tmp, parts=np.array(len(tables)), **{name: np.array(value) for name, value in key.items()},
              **{f"windows_{k}": table for k, table in enumerate(tables)})
     os.replace(tmp, path)
 
@@ -140,7 +156,7 @@ def _score(run, groups, engine, parts, score, per_call: int, scorer: str) -> lis
     path, begun, device = run.training.dpo.reference_logps, time.perf_counter(), torch.device(engine.device)
     tables = [score_windows(score, p, groups, device, run.training.micro_batch_size, per_call) for p in parts]
     if dist.get_rank() == 0:
-        _write(path, windows_key(parts), tables)
+        _write(path, file_key(run, parts), tables)
     dist.barrier()
     log(f"--dpo-reference-logps {path}: scored {sum(map(len, tables))} windows with {scorer} (the --load-hf weights) "
         f"in {time.perf_counter() - begun:.1f}s, written")
@@ -158,7 +174,7 @@ def prepare(run, groups, engine, datasets, build_reference, start) -> tuple[Opti
     path = options.reference_logps
     parts = [p for ds in datasets[:2] if ds is not None for p in chat_parts(ds)]
     if path and os.path.exists(path):
-        tables = _read(path, windows_key(parts), len(parts))
+        tables = _read(path, file_key(run, parts), len(parts))
         log(f"--dpo-reference-logps {path}: the reference log-probabilities of {sum(map(len, tables))} windows, "
             f"read; no reference model is built")
         begun = start()
