@@ -105,12 +105,41 @@ def _flash_standins():
     return {"flash": lambda: forward, "flash_backward": lambda: backward}
 
 
-def _ring_on_cuda_kernel_contract(documents: bool):
-    """_ring_on_rank with the CUDA kernel's wrapper chosen on CPU and run against the stand-ins."""
+def _efficient_standins():
+    """CPU stand-ins for aten's CUDA memory-efficient attention ops, keeping their contracts (torch 2.13's
+    schemas): forward (q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, *, scale) -> (out, logsumexp
+    [b, h, sq padded to a multiple of 32] fp32, philox seed, philox offset), equal head counts only; backward
+    (grad_out, q, k, v, attn_bias, out, logsumexp padded, seed, offset, dropout_p, grad_input_mask, is_causal, *,
+    scale) -> (grad_q, grad_k, grad_v, grad_bias). The padded rows hold NaN: a wrapper must never read them."""
+    issued = {}
+
+    def forward(q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, *, scale=None):
+        assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0 and q.size(1) == k.size(1) == v.size(1)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        rows = -(-q.size(2) // 32) * 32
+        padded = torch.full((*lse.shape[:-1], rows), float("nan"), dtype=torch.float32)
+        padded[..., :q.size(2)] = lse
+        seed = torch.tensor(len(issued))
+        issued[int(seed)] = (q.size(2), k.size(2), is_causal)
+        return out, padded, seed, torch.tensor(0)
+
+    def backward(grad_out, q, k, v, attn_bias, out, lse, seed, offset, dropout_p, grad_input_mask, is_causal, *,
+                 scale=None):
+        assert issued[int(seed)] == (q.size(2), k.size(2), is_causal) and q.size(1) == k.size(1)
+        assert lse.shape[-1] == -(-q.size(2) // 32) * 32 and lse.dtype == torch.float32
+        assert list(grad_input_mask) == [True, True, True, False] and attn_bias is None
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse[..., :q.size(2)].contiguous(), 0.0, is_causal, scale=scale)
+        return (*grads, None)
+    return {"efficient": lambda: forward, "efficient_backward": lambda: backward}
+
+
+def _ring_on_cuda_kernel_contract(documents: bool, kernel_name: str = "flash"):
+    """_ring_on_rank with a CUDA kernel's wrapper chosen on CPU and run against the stand-ins."""
     from hybrid.parallel import ring_attention as ring
     fused, kernel = dict(ring.FUSED_OPS), ring.block_kernel
-    ring.FUSED_OPS.update(_flash_standins())
-    ring.block_kernel = lambda q, mask, dropout, math=False: "flash" if mask is None and dropout is None else "cpu"
+    ring.FUSED_OPS.update(_flash_standins() if kernel_name == "flash" else _efficient_standins())
+    ring.block_kernel = lambda q, mask, dropout, math=False: kernel_name if mask is None and dropout is None else "cpu"
     try:
         return _ring_on_rank(documents, False)
     finally:  # the pool's processes run later tests
@@ -118,19 +147,46 @@ def _ring_on_cuda_kernel_contract(documents: bool):
         ring.block_kernel = kernel
 
 
-@pytest.mark.parametrize("cp", [2])
-def test_the_ring_merges_the_cuda_flash_kernel_by_its_contract(cp):
+@pytest.mark.parametrize("kernel", ["flash", "efficient"])
+def test_the_ring_merges_the_cuda_kernels_by_their_contracts(kernel):
     """The ring with its CUDA flash-attention wrapper (log-sum-exp out, merged output and log-sum-exp back, the
-    block's own offsets and RNG state to its backward, GQA's K/V compact) equals full attention: run on CPU
-    stand-ins that keep those aten ops' contracts (the GPU check runs the real kernel)."""
+    block's own offsets and RNG state to its backward, GQA's K/V compact), and with its memory-efficient one
+    (GPUs before compute capability 8.0: equal head counts, the log-sum-exp's rows padded to 32, the repeated
+    heads' K/V gradients summed back) equals full attention: run on CPU stand-ins that keep those aten ops'
+    contracts (the GPU check runs the real kernel)."""
     want, want_grads = _full_attention(False)
-    results = run_on_ranks(_ring_on_cuda_kernel_contract, cp, False)
+    results = run_on_ranks(_ring_on_cuda_kernel_contract, 2, False, kernel)
     assert_ring_equals(results, want, want_grads)
+
+
+def test_the_ring_picks_a_kernel_the_gpu_has(monkeypatch):
+    """No flash-attention before compute capability 8.0 (a T4 or V100 would fail at the first block): the
+    memory-efficient kernel there, and for head dims over 256; the math kernel for masks, dropout and fp32."""
+    from hybrid.parallel import ring_attention as ring
+
+    class CudaQuery:  # what block_kernel reads of a block's queries, as on a GPU
+        device = torch.device("cuda", 0)
+
+        def __init__(self, head_dim, dtype=torch.bfloat16):
+            self.head_dim, self.dtype = head_dim, dtype
+
+        def size(self, dim):
+            return self.head_dim
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    for capability, head_dim, want in [((9, 0), 64, "flash"), ((8, 0), 256, "flash"), ((7, 5), 64, "efficient"),
+                                       ((7, 0), 64, "efficient"), ((9, 0), 512, "efficient")]:
+        monkeypatch.setattr(ring, "_capability", lambda device, capability=capability: capability)
+        assert ring.block_kernel(CudaQuery(head_dim), None, None) == want, (capability, head_dim)
+        assert ring.block_kernel(CudaQuery(head_dim), mask, None) == "math"
+        assert ring.block_kernel(CudaQuery(head_dim, torch.float32), None, None) == "math"
 
 
 def test_the_log_says_which_kernel_the_ring_runs():
     from hybrid.parallel.ring_attention import kernel_note
     assert "fused CUDA flash-attention" in kernel_note("cuda", torch.bfloat16, False, False)
+    assert "memory-efficient kernel (K/V heads repeated under GQA), because of compute capability 7.5" in \
+        kernel_note("cuda", torch.float16, False, False, (7, 5))
+    assert "because of head dim 512" in kernel_note("cuda", torch.bfloat16, False, False, (9, 0), 512)
     assert "math kernel, because of packed documents" in kernel_note("cuda", torch.bfloat16, True, False)
     assert "math kernel, because of attention dropout" in kernel_note("cuda", torch.bfloat16, False, True)
     assert "math kernel, because of torch.float32" in kernel_note("cuda", torch.float32, False, False)

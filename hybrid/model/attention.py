@@ -123,8 +123,10 @@ def backend_notes(config, context_parallel: int, device_type: str = "cpu", dtype
     """Which attention kernels run where a choice is made for the run: one line each, for the run's log."""
     notes = []
     if context_parallel > 1:
-        notes.append(f"--context-parallel-size {context_parallel}: the ring's blocks run "
-                     f"{kernel_note(device_type, dtype, config.splits_documents, config.attention_dropout > 0)}")
+        capability = torch.cuda.get_device_capability() if device_type == "cuda" else (0, 0)
+        note = kernel_note(device_type, dtype, config.splits_documents, config.attention_dropout > 0, capability,
+                           config.head_dim)
+        notes.append(f"--context-parallel-size {context_parallel}: the ring's blocks run {note}")
     if not config.use_flash_attn:
         return notes
     if context_parallel > 1:

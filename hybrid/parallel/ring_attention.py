@@ -95,27 +95,41 @@ def _additive(mask, dtype):
 
 # aten's fused CUDA kernels, looked up when a block runs (tests substitute CPU stand-ins keeping their contracts)
 FUSED_OPS = {"flash": lambda: torch.ops.aten._scaled_dot_product_flash_attention,
-             "flash_backward": lambda: torch.ops.aten._scaled_dot_product_flash_attention_backward}
+             "flash_backward": lambda: torch.ops.aten._scaled_dot_product_flash_attention_backward,
+             "efficient": lambda: torch.ops.aten._scaled_dot_product_efficient_attention,
+             "efficient_backward": lambda: torch.ops.aten._scaled_dot_product_efficient_attention_backward}
+FLASH_CAPABILITY = (8, 0)  # aten's CUDA flash-attention runs on Ampere and newer
+EFFICIENT_LSE_BLOCK = 32  # the efficient kernel's log-sum-exp has its query rows padded to a multiple of this
+
+
+def _capability(device: torch.device) -> tuple:
+    return torch.cuda.get_device_capability(device)
 
 
 def block_kernel(q: torch.Tensor, mask, dropout, math: bool = False) -> str:
-    """The kernel of a block: "cpu" (aten's fused CPU kernel: masks, GQA), "flash" (aten's CUDA flash-attention:
-    fp16/bf16, head dim <= 256, no mask, no dropout here: those run on the math kernel), or "math"."""
+    """The kernel of a block: "cpu" (aten's fused CPU kernel: masks, GQA), on CUDA in fp16/bf16 without a mask
+    "flash" (aten's flash-attention: compute capability 8.0+, head dim <= 256) or else "efficient" (aten's
+    memory-efficient kernel, which runs on the GPUs flash-attention does not), or "math" (masks, dropout, fp32)."""
     if math or dropout is not None:
         return "math"
     if q.device.type == "cpu":
         return "cpu"
-    if q.device.type == "cuda" and mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) <= 256:
-        return "flash"
+    if q.device.type == "cuda" and mask is None and q.dtype in (torch.float16, torch.bfloat16):
+        return "flash" if _capability(q.device) >= FLASH_CAPABILITY and q.size(-1) <= 256 else "efficient"
     return "math"
 
 
-def kernel_note(device_type: str, dtype: torch.dtype, documents: bool, dropout: bool) -> str:
+def kernel_note(device_type: str, dtype: torch.dtype, documents: bool, dropout: bool,
+                capability: tuple = FLASH_CAPABILITY, head_dim: int = 128) -> str:
     """Which kernel the ring's blocks run, and why (for the run's log)."""
     if device_type == "cpu" and not dropout:
         return "aten's fused CPU flash-attention kernel"
     if device_type == "cuda" and not (documents or dropout) and dtype in (torch.float16, torch.bfloat16):
-        return "aten's fused CUDA flash-attention kernel (GQA without K/V copies)"
+        if capability >= FLASH_CAPABILITY and head_dim <= 256:
+            return "aten's fused CUDA flash-attention kernel (GQA without K/V copies)"
+        why = (f"compute capability {capability[0]}.{capability[1]} (flash-attention needs 8.0)"
+               if capability < FLASH_CAPABILITY else f"head dim {head_dim} (flash-attention takes up to 256)")
+        return f"aten's fused CUDA memory-efficient kernel (K/V heads repeated under GQA), because of {why}"
     why = ("attention dropout (its masks hashed from full-sequence positions)" if dropout else
            "packed documents (masks)" if documents else f"{dtype} (the fused kernel takes fp16/bf16)")
     return f"the exact tiled math kernel, because of {why}"
@@ -134,6 +148,11 @@ def block_forward(q, k, v, mask, causal: bool, scale: float, math: bool = False,
         out, lse, *state = FUSED_OPS["flash"]()(q, k, v, 0.0, causal, False, scale=scale)
         state = tuple(state[:6])  # cum_seq_q, cum_seq_k, max_q, max_k, philox seed, philox offset
         lse = lse.float()
+    elif kernel == "efficient":  # equal head counts only: GQA's K/V heads repeated (a copy per block)
+        out, lse, seed, offset = FUSED_OPS["efficient"]()(q, _expand(k, q), _expand(v, q), None, True, 0.0, causal,
+                                                          scale=scale)
+        state = (seed, offset)
+        lse = lse[..., :q.size(2)].float()  # its rows padded to EFFICIENT_LSE_BLOCK
     else:
         k, v = _expand(k, q), _expand(v, q)
         outs, lses = [], []
@@ -168,6 +187,16 @@ def block_backward(grad_out, q, k, v, out, lse, mask, causal: bool, scale: float
         return FUSED_OPS["flash_backward"]()(grad_out.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), cum_q,
                                              cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
     groups = k.size(1)
+    if kernel == "efficient":
+        seed, offset = state
+        rows = -(-q.size(2) // EFFICIENT_LSE_BLOCK) * EFFICIENT_LSE_BLOCK
+        padded = torch.nn.functional.pad(lse.contiguous(), (0, rows - q.size(2)))
+        grad_q, grad_k, grad_v, _ = FUSED_OPS["efficient_backward"]()(
+            grad_out.contiguous(), q, _expand(k, q), _expand(v, q), None, out.contiguous(), padded, seed, offset, 0.0,
+            [True, True, True, False], causal, scale=scale)
+        b, heads, sk, d = grad_k.shape  # the repeated heads' gradients summed back per KV head
+        return (grad_q, grad_k.view(b, groups, heads // groups, sk, d).sum(2),
+                grad_v.view(b, groups, heads // groups, sk, d).sum(2))
     k32, v32 = _expand(k, q).float(), _expand(v, q).float()
     grad_q = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     grad_k, grad_v = torch.zeros_like(k32), torch.zeros_like(v32)
@@ -192,7 +221,7 @@ def block_backward(grad_out, q, k, v, out, lse, mask, causal: bool, scale: float
 
 
 def _expand(kv, q):
-    """GQA: each KV head repeated for its group's query heads (the math kernel only)."""
+    """GQA: each KV head repeated for its group's query heads (the math and memory-efficient kernels)."""
     repeat = q.size(1) // kv.size(1)
     return kv if repeat == 1 else kv.repeat_interleave(repeat, dim=1)
 
