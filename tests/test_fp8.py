@@ -219,3 +219,22 @@ def test_an_fp8_run_exports_a_bf16_model_transformers_loads(tmp_path):
     original, trained = load_file(str(tmp_path / "model" / "model.safetensors")), load_file(str(export / "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in trained.values())
     assert any(not torch.equal(trained[k], original[k]) for k in original)
+
+
+def test_the_installed_torchao_is_in_the_range_pyproject_allows_and_has_the_internals_fp8_uses():
+    """hybrid.parallel.fp8 calls torchao.float8's casts and tensor subclass directly (not its public Float8Linear):
+    pyproject bounds torchao to the minor versions checked, and the functions used are there."""
+    import os
+    import re
+
+    import torchao
+    from hybrid.parallel import fp8 as fp8_module
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bounds = set(re.findall(r'"torchao>=([\d.]+),<([\d.]+)"', open(os.path.join(root, "pyproject.toml")).read()))
+    assert len(bounds) == 1, bounds  # the fp8 and dev extras agree
+    low, high = (tuple(int(x) for x in v.split(".")) for v in bounds.pop())
+    version = tuple(int(x) for x in re.match(r"[\d.]+", torchao.__version__).group(0).rstrip(".").split(".")[:3])
+    assert low <= version < high, torchao.__version__
+    config, ftt, fu = fp8_module._torchao()
+    for module, name in ((ftt, "hp_tensor_and_scale_to_float8"), (ftt, "Float8TrainingTensor"), (fu, "amax_to_scale")):
+        assert callable(getattr(module, name)), name
