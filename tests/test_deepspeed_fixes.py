@@ -60,8 +60,8 @@ def _private_uses(path: str) -> list[str]:
 # Private accesses outside deepspeed_fixes that are not DeepSpeed's: torch's documented out= aten
 # kernels, the aten CPU flash-attention kernel and its backward that F.scaled_dot_product_attention
 # dispatches to (the ring needs their log-sum-exp; tests/test_context_parallel.py proves them against
-# SDPA) and their CUDA twins (the ring's fused GPU kernel: the contract test runs it with the CPU ones in
-# their place), torch's grouped GEMM (torch._grouped_mm: no public API in torch 2.13; torchtitan's and DeepSpeed
+# SDPA) and their CUDA twins (the ring's fused GPU kernels, flash and memory-efficient: the contract tests run
+# them with CPU stand-ins in their place), torch's grouped GEMM (torch._grouped_mm: no public API in torch 2.13; torchtitan's and DeepSpeed
 # AutoEP's expert kernel; tests/test_moe.py proves it against a per-expert loop), a tokenizers model's own
 # parameters, torch's memory-snapshot API (torch.cuda.memory._record_memory_history / _dump_snapshot: the
 # names torch documents in "Understanding CUDA Memory Usage"; Megatron-LM calls the same), numpy's array
@@ -74,6 +74,8 @@ ALLOWED = {".{}".format(name) for name in ("_log_softmax", "_softmax", "_params"
                                            "_scaled_dot_product_flash_attention_for_cpu_backward", "_grouped_mm",
                                            "_scaled_dot_product_flash_attention",
                                            "_scaled_dot_product_flash_attention_backward",
+                                           "_scaled_dot_product_efficient_attention",
+                                           "_scaled_dot_product_efficient_attention_backward",
                                            "_record_memory_history", "_dump_snapshot", "_reconstruct")}
 # names too common to allow everywhere: only in the one module that has a reason
 ALLOWED_IN = {os.path.join("hybrid", "parallel", "fp8.py"): {"._data", "._scale", "._orig_dtype", "._linear_mm_config",

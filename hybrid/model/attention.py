@@ -123,7 +123,9 @@ def backend_notes(config, context_parallel: int, device_type: str = "cpu", dtype
     """Which attention kernels run where a choice is made for the run: one line each, for the run's log."""
     notes = []
     if context_parallel > 1:
-        capability = torch.cuda.get_device_capability() if device_type == "cuda" else (0, 0)
+        # (a CUDA run on this machine reads its GPU; a plan made elsewhere assumes one with flash-attention)
+        capability = torch.cuda.get_device_capability() if device_type == "cuda" and torch.cuda.is_available() \
+            else (9, 0)
         note = kernel_note(device_type, dtype, config.splits_documents, config.attention_dropout > 0, capability,
                            config.head_dim)
         notes.append(f"--context-parallel-size {context_parallel}: the ring's blocks run {note}")
