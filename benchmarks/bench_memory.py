@@ -1,5 +1,5 @@
 """The largest rank's peak memory at PP 2 x DP 2 under ZeRO-1, -2 and -3 (the one runtime), measured and as
-`--dry-run` estimates it, for a GPT-2-small-sized model (~160M parameters), as JSON.
+`--dry-run` estimates it, for a GPT-2-small-sized model with an untied head (162M parameters), as JSON.
 
     python benchmarks/bench_memory.py [--num-layers 12 --hidden-size 768 --seq-length 128]
 
@@ -35,8 +35,9 @@ def _flags(a, zero: int, bucket: int, config_dir: str) -> list:
         "--num-layers", a.num_layers, "--hidden-size", a.hidden_size, "--num-attention-heads", a.hidden_size // 64,
         "--seq-length", a.seq_length, "--max-position-embeddings", a.seq_length, "--micro-batch-size", 1,
         "--global-batch-size", 4, "--train-iters", 2, "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", 50256, "--lr", 1e-4, "--log-interval", 1, "--eval-iters", 0, "--no-progress-bar",
-        "--num-workers", 0, "--pipeline-model-parallel-size", 2, "--deepspeed", config]]
+        "--vocab-size", 50256, "--untie-embeddings-and-output-weights", "--lr", 1e-4, "--log-interval", 1, "--eval-iters", 0, "--no-progress-bar",
+        "--num-workers", 0, "--pipeline-model-parallel-size", 2, "--deepspeed", config,
+        *(["--bf16"] if a.bf16 else [])]]
 
 
 def estimated(flags: list) -> int:
@@ -50,7 +51,9 @@ def estimated(flags: list) -> int:
 
 
 def measured(flags: list, report: str) -> int:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HYBRID_MEMORY_REPORT=report)
+    # every allocation above 64 KiB its own mapping, given back to the system when freed (glibc keeps freed
+    # heap memory otherwise), so the peak resident set is the peak of what was in use
+    env = dict(os.environ, OMP_NUM_THREADS="1", HYBRID_MEMORY_REPORT=report, MALLOC_MMAP_THRESHOLD_="65536")
     from hybrid.distributed import free_port
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
                            str(free_port()), os.path.join(ROOT, "launch", "train.py"), *flags], env=env, cwd=ROOT,
@@ -68,6 +71,7 @@ def main() -> None:
     p.add_argument("--hidden-size", type=int, default=768)
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--bucket", type=int, default=5_000_000, help="ZeRO's reduce / gather / prefetch buckets (elements)")
+    p.add_argument("--fp32", dest="bf16", action="store_false", help="fp32 weights (default: bf16, as training runs)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "memory_cpu.json"))
     a = p.parse_args()
     rows = {}
@@ -83,7 +87,7 @@ def main() -> None:
     from hybrid.model.config import ModelConfig
     params = sum(n for n, _ in parameter_inventory(ModelConfig(
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.hidden_size // 64, vocab_size=50257,
-        max_position_embeddings=a.seq_length), 1).values())
+        max_position_embeddings=a.seq_length, untie_embeddings_and_output_weights=True), 1).values())
     result = {"benchmark": "memory_pp2_dp2_cpu", "parameters": params, "largest_rank": rows,
               "zero3_below_zero1_gib": rows["zero1"]["measured_gib"] - rows["zero3"]["measured_gib"],
               "config": vars(a)}
