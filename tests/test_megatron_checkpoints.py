@@ -302,6 +302,14 @@ def test_legacy_round_trip_at_tp2_pp2(llama, tied, tmp_path):
     read = back.state(back.config())
     assert sorted(read) == sorted(state)
     assert all(torch.equal(read[name], state[name]) for name in state)
+    # args that do not say whether the head is tied (an older Megatron-LM's): the last stage's copy of a tied
+    # table equals the embedding, an untied head does not; the model read is the one written
+    from hybrid.safe_loading import _ORIGINAL_TORCH_LOAD
+    for path in (tmp_path / "out" / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt"):
+        content = _ORIGINAL_TORCH_LOAD(path, weights_only=False)
+        del content["args"].untie_embeddings_and_output_weights
+        torch.save(content, path)
+    assert open_megatron(str(tmp_path / "out")).config().untie_embeddings_and_output_weights == (not tied)
 
 
 # --- Megatron's Adam state: a run trained by megatron-core continues here as it would have there ------
@@ -424,3 +432,126 @@ def test_a_lone_shard_is_never_taken_for_the_whole_tensor():
     for tp in (1, 2):  # one shard of two, whether TP 2 is known or not
         with pytest.raises(ConfigError, match="layers.0.mlp.fc1.weight joined from 1 TP shard"):
             merge_shards({"layers.0.mlp.fc1.weight": {0: whole[:12]}}, config, tp)
+
+
+def _megatron_args(**changes):
+    """Args as Megatron-LM's parser leaves them for a small GPT (its defaults where the model does not set them)."""
+    import argparse
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=128, max_position_embeddings=32,
+                seq_length=32, ffn_hidden_size=256, swiglu=False, openai_gelu=True, add_bias_linear=True,
+                normalization="LayerNorm", norm_epsilon=1e-5, position_embedding_type="learned_absolute",
+                rotary_base=10000, group_query_attention=False, num_query_groups=1, kv_channels=16,
+                untie_embeddings_and_output_weights=False, qk_layernorm=False, add_qkv_bias=False,
+                apply_layernorm_1p=False, window_size=None, use_rope_scaling=False, rope_scaling_factor=8.0,
+                rotary_seq_len_interpolation_factor=None, make_vocab_size_divisible_by=128, init_method_std=0.02,
+                rope_type=None, rotary_scaling_factor=1.0, window_attn_skip_freq=None, no_rope_freq=None,
+                softmax_type="vanilla", glu_linear_offset=0.0)
+    base.update(changes)
+    return argparse.Namespace(**base)
+
+
+# each mapped argument at a value other than its default -> (the ModelConfig field, the value it must take)
+MAPPED = {
+    "norm_epsilon": (dict(norm_epsilon=1e-6), "norm_epsilon", 1e-6),
+    "layernorm_epsilon (megatron-core's TransformerConfig name, without norm_epsilon)":
+        (dict(norm_epsilon=None, layernorm_epsilon=3e-6), "norm_epsilon", 3e-6),
+    "rotary_base": (dict(position_embedding_type="rope", rotary_base=500000), "rotary_base", 500000.0),
+    "position_embedding_type": (dict(position_embedding_type="rope"), "position_embedding_type", "rope"),
+    "normalization": (dict(normalization="RMSNorm"), "normalization", "RMSNorm"),
+    "qk_layernorm": (dict(qk_layernorm=True), "qk_layernorm", True),
+    "add_qkv_bias": (dict(add_qkv_bias=True, add_bias_linear=False, swiglu=True), "add_qkv_bias", True),
+    "apply_layernorm_1p": (dict(apply_layernorm_1p=True), "apply_layernorm_1p", True),
+    "window_size": (dict(window_size=(7, 0)), "sliding_window", 8),
+    "untie_embeddings_and_output_weights": (dict(untie_embeddings_and_output_weights=True),
+                                            "untie_embeddings_and_output_weights", True),
+    "group_query_attention": (dict(group_query_attention=True, num_query_groups=2), "num_query_groups", 2),
+    "kv_channels": (dict(kv_channels=32), "kv_channels", 32),
+    "ffn_hidden_size": (dict(ffn_hidden_size=96), "ffn_hidden_size", 96),
+    "swiglu": (dict(swiglu=True, add_bias_linear=False), "swiglu", True),
+    "add_bias_linear": (dict(add_bias_linear=False, swiglu=True), "add_bias_linear", False),
+    "max_position_embeddings": (dict(max_position_embeddings=64), "max_position_embeddings", 64),
+    "init_method_std": (dict(init_method_std=0.006), "init_method_std", 0.006),
+    "use_rope_scaling": (dict(position_embedding_type="rope", use_rope_scaling=True, rope_scaling_factor=16.0),
+                         "rope_scaling", lambda v: v["rope_type"] == "llama3" and v["factor"] == 16.0),
+    "rotary_seq_len_interpolation_factor": (dict(position_embedding_type="rope", rotary_seq_len_interpolation_factor=4),
+                                            "rope_scaling", {"rope_type": "linear", "factor": 4.0}),
+    "rope_type rope (the default spelled out)": (dict(position_embedding_type="rope", rope_type="rope"),
+                                                 "rope_scaling", None),
+}
+
+
+@pytest.mark.parametrize("case", list(MAPPED))
+def test_every_mapped_megatron_argument_reaches_the_model_at_a_value_other_than_its_default(case):
+    """The model a Megatron-LM checkpoint's args describe, each mapped argument given a value other than its default
+    (a mapping that read the wrong name or ignored it would leave the default and fail)."""
+    from hybrid.conversion.megatron import config_from_args
+    changes, field, want = MAPPED[case]
+    got = getattr(config_from_args(_megatron_args(**changes), where="ckpt"), field)
+    default = getattr(config_from_args(_megatron_args(), where="ckpt"), field)
+    assert (want(got) if callable(want) else got == want), (case, got)
+    assert got != default or field == "rope_scaling", (case, got, default)
+
+
+REFUSED = {"window_attn_skip_freq": 4, "no_rope_freq": 2, "mtp_num_layers": 1, "experimental_attention_variant": "gdn",
+           "linear_attention_freq": 4, "hybrid_override_pattern": "M*M*", "softmax_type": "learnable",
+           "attention_output_gate": True, "qk_l2_norm": True, "glu_linear_offset": 1.0,
+           "activation_func_clamp_value": 7.0, "rope_type": "yarn"}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_every_model_changing_megatron_argument_not_computed_is_refused_by_name(name):
+    """Arguments that change the mathematics in ways hybrid's model does not compute (before: accepted and ignored,
+    e.g. a window on every layer where Megatron alternated windowed and full layers, YaRN read as plain RoPE):
+    one message naming the argument and its value. Every refused name is one megatron-core's TransformerConfig or
+    Megatron-LM's arguments.py defines; and missing args are one message too."""
+    from hybrid.conversion.megatron import REFUSED_ARGS, config_from_args
+    from hybrid.errors import ConfigError
+    assert set(REFUSED) == set(REFUSED_ARGS) | {"rope_type"}
+    with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} {REFUSED[name]}"):
+        config_from_args(_megatron_args(position_embedding_type="rope", **{name: REFUSED[name]}), where="ckpt")
+    args = _megatron_args()
+    del args.num_attention_heads
+    with pytest.raises(ConfigError, match="lack num_attention_heads"):
+        config_from_args(args, where="ckpt")
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_args_that_do_not_say_whether_the_head_is_tied_are_read_from_the_files(llama, fmt, tmp_path):
+    """An older Megatron-LM's args without untie_embeddings_and_output_weights: the checkpoint holding a head of its
+    own (this untied one) is read untied, its trained head kept (before: exported tied, the head dropped)."""
+    import shutil
+
+    from hybrid.conversion.megatron import open_megatron
+    from hybrid.safe_loading import _ORIGINAL_TORCH_LOAD, install_safe_torch_load
+    install_safe_torch_load()
+    source = open_megatron(os.path.join(llama, fmt))
+    assert source.args.untie_embeddings_and_output_weights
+    load = tmp_path / "old"
+    shutil.copytree(os.path.join(llama, fmt), load)
+    tag = load / f"iter_{ITERATION:07d}"
+    if fmt == "torch":
+        for path in tag.glob("mp_rank_*/model_optim_rng.pt"):
+            content = _ORIGINAL_TORCH_LOAD(path, weights_only=False)  # the file as megatron-core wrote it
+            del content["args"].untie_embeddings_and_output_weights
+            torch.save(content, path)
+    else:
+        content = _ORIGINAL_TORCH_LOAD(tag / "common.pt", weights_only=False)
+        del content["args"].untie_embeddings_and_output_weights
+        torch.save(content, tag / "common.pt")
+    old = open_megatron(str(load))
+    assert old.config().untie_embeddings_and_output_weights
+    assert torch.equal(old.state(old.config())["output_layer.weight"], source.state(source.config())["output_layer.weight"])
+
+
+def test_a_megatron_deepspeed_position_table_beside_rotary_embeddings_is_refused():
+    """Megatron-DeepSpeed adds its learned position table to the embeddings unless --no-position-embedding, also with
+    --use-rotary-position-embeddings (its own Llama-2 script keeps it): refused by name, never dropped."""
+    import argparse
+
+    from hybrid.conversion.megatron_deepspeed import megatron_lm_args
+    from hybrid.errors import ConfigError
+    args = argparse.Namespace(num_attention_heads=4, use_rotary_position_embeddings=True, add_position_embedding=True)
+    with pytest.raises(ConfigError, match="learned position table"):
+        megatron_lm_args(args, "ckpt")
+    megatron_lm_args(argparse.Namespace(num_attention_heads=4, use_rotary_position_embeddings=True,
+                                        add_position_embedding=False, hidden_size=64), "ckpt")

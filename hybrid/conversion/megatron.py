@@ -211,6 +211,21 @@ class MegatronCheckpoint(MegatronSource):
         return stream_parts(reader, config, wanted, self.directory)
 
 
+def _stores_own_head(ckpt: "MegatronCheckpoint") -> bool:
+    """Whether a checkpoint whose args do not say if the output layer is tied holds a head of its own: megatron-core
+    saves no output layer for a tied model at PP 1 (torch_dist: never), and on a later stage the tied copy equals
+    the embedding (TP rank 0's shards compared). Without this, a trained head was dropped and the export tied."""
+    if ckpt.format == "torch_dist":
+        return "output_layer.weight" in DCPCheckpoint(ckpt.directory).tensors
+    files = _legacy_files(ckpt.directory, ckpt.args)
+    heads = [_legacy_model(path).get("output_layer.weight") for t, _, e, path in files if t == 0 and e == 0]
+    heads = [h for h in heads if h is not None]
+    if not heads:
+        return False
+    first = _legacy_model(files[0][3]).get("embedding.word_embeddings.weight")
+    return first is None or first.shape != heads[-1].shape or not torch.equal(first, heads[-1])
+
+
 def stream_parts(reader, config: ModelConfig, wanted: Optional[set], directory: str) -> Iterator[dict]:
     """A reader's parts (`reader.part(layer, config, wanted)`: -1 for the tensors outside the layers), of
     `wanted` only (default: every parameter), vocabulary rows cut to config.vocab_size; an error naming what
@@ -361,7 +376,10 @@ def open_megatron(path: str, flag: str = "--load") -> MegatronCheckpoint:
         raise ConfigError(f"{directory}: checkpoint_version {common.get('checkpoint_version')} is the layout before "
                           f"megatron-core (language_model.encoder.*); load and save it once with a recent "
                           f"Megatron-LM, then convert.")
-    return MegatronCheckpoint(directory=directory, format=fmt, args=args, common=common)
+    ckpt = MegatronCheckpoint(directory=directory, format=fmt, args=args, common=common)
+    if not hasattr(args, "untie_embeddings_and_output_weights"):  # args of an older Megatron-LM: the files say
+        args.untie_embeddings_and_output_weights = _stores_own_head(ckpt)
+    return ckpt
 
 
 def _load(path: str, mmap: bool = False):
@@ -378,6 +396,15 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
     def refuse(what: str, why: str):
         raise ConfigError(f"{where}: the checkpoint's model has {what}, which hybrid's model does not compute "
                           f"({why}).")
+    missing = [name for name in REQUIRED_ARGS if _arg(args, name) is None]
+    if missing:
+        raise ConfigError(f"{where}: the checkpoint's args lack {', '.join(missing)}, which the model's shape needs "
+                          f"(saved with --no-save-args, or edited?); hybrid builds the model from them, as "
+                          f"Megatron-LM's converter does.")
+    for name, why in REFUSED_ARGS.items():
+        value = _arg(args, name)
+        if value not in (None, False, 0, [], ()) and not _refusal_is_default(name, value):
+            refuse(f"--{name.replace('_', '-')} {value}", why)
     if _arg(args, "multi_latent_attention"):
         refuse("multi-latent attention", "only multi-head / grouped-query attention")
     if float(_arg(args, "rotary_percent", 1.0) or 1.0) != 1.0:
@@ -399,6 +426,9 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         kv_channels = None
     rope = _arg(args, "position_embedding_type", "learned_absolute") == "rope" or \
         bool(_arg(args, "use_rotary_position_embeddings"))
+    if _arg(args, "rope_type") not in (None, "rope"):  # Megatron-LM's choices: rope, yarn
+        refuse(f"--rope-type {args.rope_type} (--rotary-scaling-factor {_arg(args, 'rotary_scaling_factor')})",
+               "rotary scaling is llama3's (--use-rope-scaling) or linear interpolation; YaRN is not built")
     rope_scaling = None
     if _arg(args, "use_rope_scaling"):
         rope_scaling = {"rope_type": "llama3", "factor": float(_arg(args, "rope_scaling_factor", 8.0)),
@@ -421,7 +451,8 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         num_query_groups=int(args.num_query_groups) if _arg(args, "group_query_attention") else None,
         position_embedding_type="rope" if rope else "learned_absolute",
         rotary_base=float(_arg(args, "rotary_base", 10000)), normalization=_arg(args, "normalization", "LayerNorm"),
-        norm_epsilon=float(_arg(args, "norm_epsilon", 1e-5)), swiglu=swiglu, add_bias_linear=bias,
+        norm_epsilon=float(_arg(args, "norm_epsilon", None) or _arg(args, "layernorm_epsilon", None) or 1e-5),
+        swiglu=swiglu, add_bias_linear=bias,
         untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)),
         hidden_dropout=float(_arg(args, "hidden_dropout", 0.1)),
         attention_dropout=float(_arg(args, "attention_dropout", 0.1)),
@@ -431,6 +462,34 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         apply_layernorm_1p=bool(_arg(args, "apply_layernorm_1p", False)),
         make_vocab_size_divisible_by=int(_arg(args, "make_vocab_size_divisible_by", 128) or 128), hf_dtype=dtype,
         **_moe_fields(args, refuse))
+
+
+# the args without which no model can be built (one message, not an AttributeError)
+REQUIRED_ARGS = ("num_layers", "hidden_size", "num_attention_heads")
+# Megatron-LM's args that change the model's mathematics in ways hybrid's model does not compute, each refused by
+# name with why (a value that is the argument's "off" value passes); the args it maps are read by
+# config_from_args and _moe_fields below, and tests/test_megatron_checkpoints.py gives every one of them a value
+# other than its default
+REFUSED_ARGS = {  # (names as megatron-core's TransformerConfig and Megatron-LM's arguments.py spell them)
+    "window_attn_skip_freq": "a sliding window on some layers and full attention on others; hybrid's window is the "
+                             "same on every layer",
+    "no_rope_freq": "rotary embeddings left out of some layers; hybrid rotates every layer",
+    "mtp_num_layers": "multi-token prediction layers",
+    "experimental_attention_variant": "an attention other than softmax attention (gated delta net, DSA)",
+    "linear_attention_freq": "linear attention layers among the softmax ones",
+    "hybrid_override_pattern": "a hybrid (Mamba / attention) layer pattern",
+    "softmax_type": "a softmax with an offset or learned sinks",
+    "attention_output_gate": "a gate on the attention output",
+    "qk_l2_norm": "L2-normalized queries and keys",
+    "glu_linear_offset": "an offset on the GLU's linear half (GPT-OSS's clamped SwiGLU)",
+    "activation_func_clamp_value": "a clamped activation (GPT-OSS's clamped SwiGLU)",
+}
+_OFF_VALUES = {"softmax_type": ("vanilla",), "glu_linear_offset": (0.0,), "experimental_attention_variant": ("none",)}
+
+
+def _refusal_is_default(name: str, value) -> bool:
+    """Whether a refused argument holds the value that means "off" (Megatron stores some as strings or 1.0)."""
+    return value in _OFF_VALUES.get(name, ())
 
 
 def _moe_fields(args: argparse.Namespace, refuse) -> dict:

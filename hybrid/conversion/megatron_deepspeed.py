@@ -72,6 +72,11 @@ def megatron_lm_args(args: argparse.Namespace, where: str) -> argparse.Namespace
     if isinstance(experts, (list, tuple)) and any(int(e) > 1 for e in experts) or isinstance(experts, int) and experts > 1:
         raise ConfigError(f"{where}: a Megatron-DeepSpeed mixture of experts (--num-experts {experts}: DeepSpeed's MoE "
                           f"layers) is not read; convert it with Megatron-DeepSpeed's own tools first.")
+    if getattr(args, "use_rotary_position_embeddings", False) and getattr(args, "add_position_embedding", True):
+        raise ConfigError(f"{where}: the checkpoint's model adds a learned position table to the embeddings besides "
+                          f"rotary embeddings (Megatron-DeepSpeed's default without --no-position-embedding, which "
+                          f"its own Llama-2 script keeps), which hybrid's model does not compute (positions are "
+                          f"learned or rotary; transformers' Llama has no position table either).")
     heads = int(args.num_attention_heads)
     kv = int(getattr(args, "num_key_value_heads", None) or heads)
     normalization = str(getattr(args, "normalization", "layernorm")).lower()
