@@ -16,6 +16,24 @@ def _close_rank_pools_after_each_module():
     close_pools()
 
 
+@pytest.fixture(autouse=True)
+def _loading_rules_restored_after_each_test():
+    """An entry run in this process (checkpoint_util's main, a reader) installs the safe torch.load for the
+    process and sets TORCH_FORCE_WEIGHTS_ONLY_LOAD for its children: undone after each test, so no later test
+    depends on which ran before it."""
+    import torch
+
+    from hybrid import safe_loading
+    load, forced, unsafe = torch.load, os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD"), dict(safe_loading._LOADS)
+    yield
+    torch.load = load
+    safe_loading._LOADS.update(unsafe)
+    if forced is None:
+        os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+    else:
+        os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = forced
+
+
 @pytest.fixture(scope="session")
 def data(tmp_path_factory):
     """The embedded corpus's token files, copied once per test run (every module trains on them)."""
@@ -25,6 +43,13 @@ def data(tmp_path_factory):
 
 SLOW_TEST_SECONDS = 90  # a test over this (setup + call + teardown) is named at the end of the run: a report, not a failure
 _SECONDS: dict = {}
+
+
+@pytest.fixture
+def safe_torch_load():
+    """`install_safe_torch_load()` for one test (undone after it, as every test's loading rules are)."""
+    from hybrid.safe_loading import install_safe_torch_load
+    install_safe_torch_load()
 
 
 def pytest_runtest_logreport(report):

@@ -54,6 +54,19 @@ def qwen2_moe(tmp_path_factory):
     return out
 
 
+def _as_megatron_wrote_it(path):
+    """A file's whole content with megatron-core's own classes (a test edits it and saves it back): unpickled
+    outright, outside the safe load the test installed (whose TORCH_FORCE_WEIGHTS_ONLY_LOAD would rebuild them
+    as hybrid's stand-ins, which no reader may load)."""
+    from hybrid.safe_loading import _ORIGINAL_TORCH_LOAD
+    forced = os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+    try:
+        return _ORIGINAL_TORCH_LOAD(path, weights_only=False)
+    finally:
+        if forced is not None:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = forced
+
+
 def _convert(*flags) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "conversion/checkpoint_util.py", "--no-progress-bar", *map(str, flags)],
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
@@ -154,12 +167,10 @@ def test_moe_evaluates_at_ep2_to_megatron_core_loss(qwen2_moe, tmp_path):
     assert abs(result["lm_loss"] - ref["loss"].mean().item()) < 1e-5
 
 
-def test_moe_parts_read_only_the_ranks_experts(qwen2_moe):
+def test_moe_parts_read_only_the_ranks_experts(qwen2_moe, safe_torch_load):
     """An EP rank's read of a torch_dist MoE checkpoint: only the experts it asks for come (a layer at a
     time), equal to the same experts of the whole read."""
     from hybrid.conversion.megatron import expert_name, open_megatron
-    from hybrid.safe_loading import install_safe_torch_load
-    install_safe_torch_load()
     source = open_megatron(os.path.join(qwen2_moe, "torch_dist"))
     config = source.config()
     whole = source.state(config)
@@ -278,7 +289,7 @@ def test_bad_checkpoints_are_one_message(llama, tmp_path):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_legacy_round_trip_at_tp2_pp2(llama, tied, tmp_path):
+def test_legacy_round_trip_at_tp2_pp2(llama, tied, tmp_path, safe_torch_load):
     """--saver megatron at TP 2 x PP 2 (stage-local layer numbers, the last stage's copy of a tied table),
     read back by the Megatron reader: every tensor bitwise equal."""
     import dataclasses
@@ -286,8 +297,6 @@ def test_legacy_round_trip_at_tp2_pp2(llama, tied, tmp_path):
     from hybrid.checkpoint.client_state import ClientState
     from hybrid.conversion.megatron import open_megatron
     from hybrid.conversion.megatron_write import write_megatron
-    from hybrid.safe_loading import install_safe_torch_load
-    install_safe_torch_load()
     source = open_megatron(os.path.join(llama, "torch_dist"))
     config = source.config()
     state = source.state(config)
@@ -304,9 +313,8 @@ def test_legacy_round_trip_at_tp2_pp2(llama, tied, tmp_path):
     assert all(torch.equal(read[name], state[name]) for name in state)
     # args that do not say whether the head is tied (an older Megatron-LM's): the last stage's copy of a tied
     # table equals the embedding, an untied head does not; the model read is the one written
-    from hybrid.safe_loading import _ORIGINAL_TORCH_LOAD
     for path in (tmp_path / "out" / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt"):
-        content = _ORIGINAL_TORCH_LOAD(path, weights_only=False)
+        content = _as_megatron_wrote_it(path)
         del content["args"].untie_embeddings_and_output_weights
         torch.save(content, path)
     assert open_megatron(str(tmp_path / "out")).config().untie_embeddings_and_output_weights == (not tied)
@@ -388,7 +396,7 @@ def test_megatron_adam_state_at_tp2_zero2_and_through_saver_universal(trained, t
 
 
 @pytest.mark.parametrize("layout", ["legacy_tp2", "legacy_tp2_pp2"])
-def test_a_missing_rank_file_is_one_message_naming_it(llama, layout, tmp_path, capsys):
+def test_a_missing_rank_file_is_one_message_naming_it(llama, layout, tmp_path, capsys, safe_torch_load):
     """A legacy Megatron-LM checkpoint without one rank's file is refused (exit 2, the file named, nothing
     written): the layout is the args' TP x PP, not the files found (before: TP 2 without mp_rank_01 read as
     TP 1, and the HF export held half-width tensors)."""
@@ -398,8 +406,6 @@ def test_a_missing_rank_file_is_one_message_naming_it(llama, layout, tmp_path, c
     from hybrid.conversion.checkpoint_util import main as convert
     from hybrid.conversion.megatron import open_megatron
     from hybrid.conversion.megatron_write import write_megatron
-    from hybrid.safe_loading import install_safe_torch_load
-    install_safe_torch_load()
     load = str(tmp_path / "load")
     if layout == "legacy_tp2":  # written by megatron-core itself
         shutil.copytree(os.path.join(llama, "torch"), load)
@@ -516,14 +522,12 @@ def test_every_model_changing_megatron_argument_not_computed_is_refused_by_name(
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-def test_args_that_do_not_say_whether_the_head_is_tied_are_read_from_the_files(llama, fmt, tmp_path):
+def test_args_that_do_not_say_whether_the_head_is_tied_are_read_from_the_files(llama, fmt, tmp_path, safe_torch_load):
     """An older Megatron-LM's args without untie_embeddings_and_output_weights: the checkpoint holding a head of its
     own (this untied one) is read untied, its trained head kept (before: exported tied, the head dropped)."""
     import shutil
 
     from hybrid.conversion.megatron import open_megatron
-    from hybrid.safe_loading import _ORIGINAL_TORCH_LOAD, install_safe_torch_load
-    install_safe_torch_load()
     source = open_megatron(os.path.join(llama, fmt))
     assert source.args.untie_embeddings_and_output_weights
     load = tmp_path / "old"
@@ -531,11 +535,11 @@ def test_args_that_do_not_say_whether_the_head_is_tied_are_read_from_the_files(l
     tag = load / f"iter_{ITERATION:07d}"
     if fmt == "torch":
         for path in tag.glob("mp_rank_*/model_optim_rng.pt"):
-            content = _ORIGINAL_TORCH_LOAD(path, weights_only=False)  # the file as megatron-core wrote it
+            content = _as_megatron_wrote_it(path)  # the file as megatron-core wrote it
             del content["args"].untie_embeddings_and_output_weights
             torch.save(content, path)
     else:
-        content = _ORIGINAL_TORCH_LOAD(tag / "common.pt", weights_only=False)
+        content = _as_megatron_wrote_it(tag / "common.pt")
         del content["args"].untie_embeddings_and_output_weights
         torch.save(content, tag / "common.pt")
     old = open_megatron(str(load))
