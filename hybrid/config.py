@@ -382,9 +382,10 @@ def _sft_flags(args) -> None:
     """--sft: conversations packed with their document masks and positions, the loss a token mean."""
     if args.dpo:
         _dpo_flags(args)
-    elif args.dpo_beta != 0.1 or args.dpo_label_smoothing or args.dpo_loss_type != "sigmoid" or args.dpo_reference_logps:
-        raise ConfigError("--dpo-beta / --dpo-label-smoothing / --dpo-loss-type / --dpo-reference-logps set the DPO "
-                          "loss: add --dpo.")
+    elif (args.dpo_beta != 0.1 or args.dpo_label_smoothing or args.dpo_loss_type != "sigmoid" or args.dpo_reference_logps
+          or args.dpo_max_length or args.dpo_max_prompt_length or args.dpo_truncation_mode != "keep_start"):
+        raise ConfigError("--dpo-beta / --dpo-label-smoothing / --dpo-loss-type / --dpo-reference-logps / "
+                          "--dpo-max-length / --dpo-max-prompt-length / --dpo-truncation-mode set DPO: add --dpo.")
     if not (args.sft or args.dpo):
         if args.sft_train_on_prompt or args.sft_skip_bad or args.sft_truncation != "truncate" or args.sft_streaming:
             raise ConfigError("--sft-train-on-prompt / --sft-skip-bad / --sft-truncation / --sft-streaming shape chat "
@@ -422,6 +423,16 @@ def _dpo_flags(args) -> None:
                           f"{args.dpo_label_smoothing} in [0, 0.5).")
     if args.dpo_label_smoothing and args.dpo_loss_type != "sigmoid":
         raise ConfigError("--dpo-label-smoothing applies to --dpo-loss-type sigmoid only (as TRL's).")
+    if args.sft_train_on_prompt or args.sft_truncation != "truncate":
+        raise ConfigError("--sft-train-on-prompt / --sft-truncation shape conversations; --dpo scores each answer "
+                          "and cuts pairs as TRL does: use --dpo-max-length / --dpo-max-prompt-length / "
+                          "--dpo-truncation-mode.")
+    half = args.seq_length // 2
+    if args.dpo_max_length < 0 or args.dpo_max_prompt_length < 0 or args.dpo_max_length > half:
+        raise ConfigError(f"--dpo-max-length {args.dpo_max_length} / --dpo-max-prompt-length "
+                          f"{args.dpo_max_prompt_length}: a pair's two sides share one window of --seq-length + 1 "
+                          f"tokens, so each side holds at most {half} (--seq-length {args.seq_length} / 2; the "
+                          f"default); raise --seq-length to twice the side's length, or lower the flag.")
 
 
 def _vocab_size(args, tokenizer_vocab_size: int) -> int:
@@ -495,7 +506,9 @@ def data_config(args) -> DataConfig:
         data_cache_path=args.data_cache_path, legacy_data_rules=args.legacy_data_rules,
         eod_mask_loss=args.eod_mask_loss, num_workers=args.num_workers,
         chat=ChatOptions(args.sft_train_on_prompt, args.sft_truncation, args.sft_skip_bad, pairs=args.dpo,
-                         stream_buffer=args.sft_shuffle_buffer if args.sft_streaming else 0)
+                         stream_buffer=args.sft_shuffle_buffer if args.sft_streaming else 0,
+                         dpo_max_length=args.dpo_max_length, dpo_max_prompt_length=args.dpo_max_prompt_length,
+                         dpo_truncation_mode=args.dpo_truncation_mode)
         if args.sft or args.dpo else None)
 
 

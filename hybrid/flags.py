@@ -365,6 +365,15 @@ def _add_data_args(p):
     g.add_argument("--dpo-label-smoothing", type=float, default=0.0,
                    help="--dpo: the probability that a preference label is wrong (conservative DPO; sigmoid loss)")
     g.add_argument("--dpo-loss-type", default="sigmoid", choices=["sigmoid", "ipo"], help="--dpo: TRL's loss_type")
+    g.add_argument("--dpo-max-length", type=int, default=0, metavar="N",
+                   help="--dpo: TRL's max_length, each side's most tokens (prompt + answer); both sides share one "
+                        "window, so at most --seq-length / 2 (the default)")
+    g.add_argument("--dpo-max-prompt-length", type=int, default=0, metavar="N",
+                   help="--dpo: a prompt keeps its last N tokens before the sides are cut (TRL 0.x's "
+                        "max_prompt_length; default: the whole prompt, as TRL 1.x)")
+    g.add_argument("--dpo-truncation-mode", default="keep_start", choices=["keep_start", "keep_end"],
+                   help="--dpo: TRL's truncation_mode: a side longer than --dpo-max-length keeps its start (a pair whose "
+                        "prompt alone fills it is dropped, as TRL drops it) or its end")
     g.add_argument("--dpo-reference-logps", default=None, metavar="FILE",
                    help="--dpo: the reference model's log-probabilities of every window, read from FILE, or computed "
                         "once before training and written there; either way training holds no reference model")

@@ -99,7 +99,7 @@ def test_packing_keeps_each_conversation_whole_and_apart():
                      np.concatenate([m for _, m in encoded]).astype(bool), offsets, Counts())
     for truncation in ("truncate", "drop"):
         counts = Counts()
-        tokens, mask = pack(data, range(len(convs)), SEQ + 1, encoder.separator, truncation, counts)
+        tokens, mask = pack(data, range(len(convs)), SEQ + 1, encoder.separator, ChatOptions(truncation=truncation), counts)
         pieces = [p for row in tokens for p in np.split(row, np.flatnonzero(row == encoder.separator)) if len(p)]
         pieces = [p[1:] if p[0] == encoder.separator else p for p in pieces]
         kept = [(i[:SEQ + 1], m) for i, m in encoded if truncation == "truncate" or len(i) <= SEQ + 1]
@@ -377,31 +377,79 @@ def test_sft_flag_mistakes_are_one_message(chat, flags, message):
 
 # ------------------------------------------------------------------------------------------------------ DPO
 
-def transformers_dpo(policy, reference, tok, rows, beta, loss_type="sigmoid", smoothing=0.0):
-    """TRL's DPO loss with transformers models: log p summed (ipo: averaged) over each answer's tokens after the
-    prompt's generation prompt, those tokens being what apply_chat_template's assistant mask marks."""
-    import torch.nn.functional as F
+def trl_config(tmp, **options):
+    """TRL's DPOConfig for a CPU test (no logging, fp32, no processes)."""
+    from trl import DPOConfig
+    return DPOConfig(output_dir=str(tmp), report_to=[], use_cpu=True, bf16=False, fp16=False, dataset_num_proc=None,
+                     gradient_checkpointing=False, **options)
 
-    def logps(model, prompt, side):
-        head = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        out = tok.apply_chat_template(prompt + side, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        ids = torch.tensor([out["input_ids"]])
-        mask = torch.tensor([bool(m) and k >= len(head) for k, m in enumerate(out["assistant_masks"])], dtype=torch.bool)
-        logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1).gather(1, ids[0, 1:, None])[:, 0]
-        total = logp[mask[1:]].sum()
-        return total / mask[1:].sum() if loss_type == "ipo" else total
 
-    losses = []
-    for row in rows:
-        with torch.no_grad():
-            ref = [logps(reference, row["prompt"], row[k]) for k in ("chosen", "rejected")]
-        pol = [logps(policy, row["prompt"], row[k]) for k in ("chosen", "rejected")]
-        h = (pol[0] - pol[1]) - (ref[0] - ref[1])
-        if loss_type == "ipo":
-            losses.append((h - 1 / (2 * beta)) ** 2)
-        else:
-            losses.append(-F.logsigmoid(beta * h) * (1 - smoothing) - F.logsigmoid(-beta * h) * smoothing)
-    return torch.stack(losses).mean()
+def trl_pairs(tok, rows, tmp, max_length=None, truncation_mode="keep_start"):
+    """TRL 1.16's own DPO data path: DPOTrainer._prepare_dataset (EOS on plain text, the tokenization, the filter of
+    pairs whose prompt fills max_length) and its DataCollatorForPreference (the cut) -> per kept pair
+    [(ids, completion mask) of prompt + chosen, (ids, completion mask) of prompt + rejected]."""
+    import types
+
+    import datasets
+    from trl import DPOTrainer
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+    args = trl_config(tmp, max_length=max_length, truncation_mode=truncation_mode)
+    data = DPOTrainer._prepare_dataset(types.SimpleNamespace(_tokenizer=tok), datasets.Dataset.from_list(rows), tok,
+                                       args, "train")
+    collate = DataCollatorForPreference(pad_token_id=-1, max_length=max_length, truncation_mode=truncation_mode)
+    out = []
+    for example in data:
+        batch = collate([example])
+        keep = batch["attention_mask"].bool()
+        out.append([(batch["input_ids"][k][keep[k]].tolist(), batch["completion_mask"][k][keep[k]].bool().tolist())
+                    for k in range(2)])
+    return out
+
+
+def packed_pairs(tokens, mask, separator: int) -> list:
+    """Windows of packed pairs -> per pair [(ids, loss mask) chosen, (ids, loss mask) rejected], in packing order."""
+    documents = []
+    for row, loss in zip(tokens, mask):
+        k = 0
+        while k < len(row):
+            if row[k] == separator:
+                k += 1
+                continue
+            end = k
+            while end < len(row) and row[end] != separator:
+                end += 1
+            documents.append((row[k:end].tolist(), loss[k:end].tolist()))
+            k = end
+    assert len(documents) % 2 == 0
+    return [documents[k:k + 2] for k in range(0, len(documents), 2)]
+
+
+def trl_dpo(policy, reference, tok, rows, tmp, beta, loss_type="sigmoid", smoothing=0.0):
+    """TRL's own DPOTrainer (trl 1.16) on copies of the two models: its tokenization, collator and loss, one batch
+    of every pair -> (the loss, with its graph; the policy copy whose gradients it gives). TRL 1.x's sigmoid loss
+    has no label smoothing; conservative DPO (TRL 0.x's sigmoid with label_smoothing eps) is, per pair,
+    (1 - eps) times the sigmoid loss plus eps times the sigmoid loss of the pair with its answers swapped: both
+    computed by TRL."""
+    import copy
+
+    import datasets
+    from trl import DPOTrainer
+
+    def trainer(pairs, model):
+        return DPOTrainer(model=model, ref_model=copy.deepcopy(reference),
+                          args=trl_config(tmp, beta=beta, loss_type=[loss_type], per_device_train_batch_size=len(rows)),
+                          train_dataset=datasets.Dataset.from_list(pairs), processing_class=tok)
+
+    def loss(run, model):
+        batch = run.data_collator(list(run.train_dataset))
+        return run.compute_loss(model, batch)
+
+    first = trainer(rows, copy.deepcopy(policy))
+    total = loss(first, first.model)
+    if smoothing:
+        swapped = trainer([dict(r, chosen=r["rejected"], rejected=r["chosen"]) for r in rows], copy.deepcopy(policy))
+        total = (1 - smoothing) * total + smoothing * loss(swapped, first.model)
+    return total, first.model
 
 
 @pytest.fixture(scope="module")
@@ -429,16 +477,17 @@ def _ours(path, separator, options):
 
 
 @pytest.mark.parametrize("loss_type,smoothing", [("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0)])
-def test_dpo_loss_and_gradient_equal_transformers(chat, pairs, loss_type, smoothing):
+def test_dpo_loss_and_gradient_equal_trls(chat, pairs, loss_type, smoothing, tmp_path):
     """One rank: pairs packed side by side, the policy (the chat model) against a reference (another model, so
-    the margins are not zero); loss and the gradients of the embedding, a layer's norm and the final norm."""
+    the margins are not zero); loss and the gradients of the embedding, a layer's norm and the final norm equal
+    TRL's own DPOTrainer's (its tokenization, collator and loss) on the same rows."""
     from hybrid.data.batches import Collator
     from hybrid.model.objectives import PreferencePairs
     from hybrid.model.preference import DPOOptions
     from hybrid.parallel.groups import ParallelGroups
     encoder = ChatEncoder(chat["tok"], "t", ChatOptions(pairs=True))
     tokens, mask, counts = evaluation_windows(pairs["data"], 2 * SEQ, encoder)
-    assert counts.truncated == 0  # every pair whole, as transformers sees it
+    assert counts.truncated == counts.dropped == 0  # every pair whole, as TRL sees it without max_length
     ids, labels = Collator()([{"text": torch.from_numpy(t.astype(np.int64)), "loss_mask": torch.from_numpy(m)}
                               for t, m in zip(tokens, mask)])
     options = DPOOptions(0.5, smoothing, loss_type, encoder.separator)
@@ -447,18 +496,68 @@ def test_dpo_loss_and_gradient_equal_transformers(chat, pairs, loss_type, smooth
     objective = PreferencePairs(ParallelGroups.single(), policy.config.vocab_size, options, reference)
     loss = objective.loss(policy(ids, stage=0), objective.target(ids, labels), None)
     loss.backward()
-    hf = chat["model"]
-    hf.zero_grad()
-    want = transformers_dpo(hf, pairs["reference"], chat["tok"], pairs["rows"], 0.5, loss_type, smoothing)
+    want, hf = trl_dpo(chat["model"], pairs["reference"], chat["tok"], pairs["rows"], tmp_path, 0.5, loss_type,
+                       smoothing)
     want.backward()
     assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
     vocab = hf.config.vocab_size
+    # both fp32 (TRL's fused head takes log-probabilities in fp32): elementwise 1e-4, or 1e-5 of the largest entry
     for ours, theirs in [(policy.embedding.word_embeddings.weight.grad[:vocab], hf.model.embed_tokens.weight.grad),
                          (policy.final_norm.weight.grad, hf.model.norm.weight.grad),
                          (policy.layers[1].input_norm.weight.grad, hf.model.layers[1].input_layernorm.weight.grad)]:
-        torch.testing.assert_close(ours, theirs.float(), rtol=1e-4, atol=1e-6 * theirs.abs().max().item())
+        torch.testing.assert_close(ours, theirs.float(), rtol=1e-4, atol=1e-5 * theirs.abs().max().item())
     stats = objective.metrics()
     assert stats["rewards_accuracy"] in [k / 24 for k in range(25)] and len(stats) == 4
+
+
+@pytest.mark.parametrize("family", ["qwen25", "llama3", "mistral", "gemma", "deepseek"])
+def test_dpo_pairs_are_tokenized_cut_and_dropped_as_trl_does(family, tmp_path):
+    """TRL 1.16's own _prepare_dataset and DataCollatorForPreference are the reference, for conversational and
+    plain-text pairs (EOS added), both truncation modes, at a max_length that cuts most pairs and leaves some
+    prompts longer than it (TRL drops those under keep_start): the same pairs kept, in order, each side's tokens and
+    the tokens scored (everything after the prompt's shared prefix, the template's turn end included) equal; and
+    --dpo-max-prompt-length keeps a prompt's last tokens (before: each side got half the window, a long prompt
+    dropped its pair, and only the assistant's text was scored)."""
+    from hybrid.data.chat import preference_pair_of
+    from tests.chat_helpers import preference_rows
+    from tests.chat_templates import family_tokenizer
+    tok = family_tokenizer(family)
+    rows = {"messages": preference_rows(16, seed=5), "strings": preference_rows(16, seed=5, style="strings")}
+    for k in (2, 9):  # two long prompts: kept whole below, dropped or cut at the max_length that cuts the others
+        rows["messages"][k]["prompt"][-1]["content"] += " and" + " the python language" * 12
+        rows["strings"][k]["prompt"] += " and" + " the python language" * 12
+    whole = ChatEncoder(tok, family, ChatOptions(pairs=True))
+    prompts = {style: [whole.encode_pair(*preference_pair_of(row, "x"), "x")[0][1].index(True) for row in rows[style]]
+               for style in rows}
+    # a side of the middle prompt's length and 2 more tokens: the longer prompts fill it, the shorter keep some
+    # answer tokens, most of them cut (Mistral's prompt ends where its renderings part: before a last user turn
+    # that takes the system prompt when it ends the conversation, so that turn is in the answer, as in TRL)
+    limits = {style: sorted(lengths)[len(lengths) // 2] + 2 for style, lengths in prompts.items()}
+    long = {style: sum(n >= limits[style] for n in lengths) for style, lengths in prompts.items()}
+    assert all(2 <= n <= 12 for n in long.values()), long
+    for style, mode, limit in [("messages", "keep_start", limits["messages"]), ("messages", "keep_end", limits["messages"]),
+                               ("strings", "keep_start", limits["strings"]), ("strings", "keep_end", limits["strings"]),
+                               ("messages", "keep_start", 0)]:
+        path = write_jsonl(tmp_path / f"{style}.jsonl", rows[style])
+        encoder = ChatEncoder(tok, family, ChatOptions(pairs=True, dpo_max_length=limit, dpo_truncation_mode=mode))
+        seq = 2 * limit if limit else 4 * SEQ
+        tokens, mask, counts = evaluation_windows(path, seq, encoder)
+        ours = packed_pairs(tokens, mask, encoder.separator)
+        want = trl_pairs(tok, rows[style], tmp_path / "trl", limit or None, mode)
+        assert len(ours) == len(want) == 16 - counts.dropped, (style, mode, counts)
+        if limit:  # keep_start drops the pairs whose prompt fills a side, keep_end keeps every pair
+            assert counts.dropped == (long[style] if mode == "keep_start" else 0) and counts.truncated >= 2, counts
+        for n, (pair, theirs) in enumerate(zip(ours, want)):
+            for (ids, loss), (trl_ids, completion) in zip(pair, theirs):
+                assert ids == trl_ids, (style, mode, n, tok.decode(ids), tok.decode(trl_ids))
+                assert loss == [False] + completion[1:], (style, mode, n)  # TRL scores completion_mask[1:]
+        if not limit:  # the whole pairs: --dpo-max-prompt-length 12 keeps each prompt's last 12 tokens
+            cut = ChatEncoder(tok, family, ChatOptions(pairs=True, dpo_max_prompt_length=12))
+            short = packed_pairs(*evaluation_windows(path, seq, cut)[:2], cut.separator)
+            for pair, theirs in zip(short, want):
+                for (ids, _), (trl_ids, completion) in zip(pair, theirs):
+                    prompt = completion.index(True)
+                    assert ids == trl_ids[max(0, prompt - 12):]
 
 
 def test_dpo_flag_mistakes_are_one_message(chat, pairs):
@@ -467,9 +566,13 @@ def test_dpo_flag_mistakes_are_one_message(chat, pairs):
     for flags, message in [(["--pipeline-model-parallel-size", 2], "add --dpo-reference-logps FILE"),
                            (["--sft"], "--sft and --dpo are two trainings"),
                            (["--sft-streaming", "--dpo-reference-logps", "r.npz"], "drop --sft-streaming"),
-                           (["--dpo-loss-type", "ipo", "--dpo-label-smoothing", 0.1], "applies to --dpo-loss-type sigmoid")]:
+                           (["--dpo-loss-type", "ipo", "--dpo-label-smoothing", 0.1], "applies to --dpo-loss-type sigmoid"),
+                           (["--dpo-max-length", 65, "--seq-length", 128], "each side holds at most 64"),
+                           (["--sft-truncation", "drop"], "use --dpo-max-length")]:
         with pytest.raises(ConfigError, match=message):
             run_training([str(f) for f in base + flags + ["--dry-run-world-size", 2]])
+    with pytest.raises(ConfigError, match="--dpo-truncation-mode set DPO: add --dpo"):
+        run_training(["--sft", "--data-path", chat["data"], "--load-hf", chat["hf"], "--dpo-truncation-mode", "keep_end"])
     with pytest.raises(ConfigError, match="--dpo needs --load-hf DIR"):
         run_training(["--dpo", "--data-path", pairs["data"], "--tokenizer-model", chat["hf"]])
     bad = write_jsonl(chat["dir"] / "bad_pairs.jsonl", [{"prompt": "hi", "chosen": "yes", "rejected": ""}])
@@ -638,7 +741,7 @@ def test_streamed_windows_hold_every_conversation_once_an_epoch_the_same_way_fro
     cached = list(chat_stream._tokenized_rows(path, rows, encoder, first.arguments["cache"], False, counts))
     assert counts.conversations == 0 and len(cached) == len(whole)
     in_order = _stream(path, encoder, rows, buffer=1, cache=str(tmp_path / "other"), writer=False)
-    tokens, _ = pack(whole, range(len(whole)), SEQ + 1, encoder.separator, "truncate", Counts())
+    tokens, _ = pack(whole, range(len(whole)), SEQ + 1, encoder.separator, ChatOptions(), Counts())
     assert all((in_order[i]["text"].numpy() == tokens[i]).all() for i in range(len(tokens)))
     in_order.close()
 

@@ -48,7 +48,8 @@ ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assi
          "chatgpt": "assistant", "model": "assistant", "tool": "tool", "function": "tool", "observation": "tool",
          "ipython": "tool"}
 TRUNCATION = ("truncate", "drop")
-_CACHE_VERSION = 2  # 2: assistant spans found in the rendering (caches of version 1 are made again)
+_CACHE_VERSION = 3  # 2: assistant spans found in the rendering; 3: preference pairs as TRL 1.16 tokenizes them
+DPO_TRUNCATION = ("keep_start", "keep_end")
 
 
 class BadRow(ValueError):
@@ -63,6 +64,10 @@ class ChatOptions:
     truncation: str = "truncate"  # --sft-truncation: a conversation longer than a window is cut ("truncate") or dropped
     skip_bad: bool = False  # --sft-skip-bad: malformed rows are counted and skipped instead of stopping the run
     pairs: bool = False  # --dpo: rows are preference pairs (prompt, chosen, rejected), packed side by side
+    # a pair's truncation (TRL's DPOConfig, applied when windows are packed: the tokenized pairs do not depend on it)
+    dpo_max_length: int = 0  # --dpo-max-length: TRL's max_length, each side's tokens; 0: half a window (seq_length // 2)
+    dpo_max_prompt_length: int = 0  # --dpo-max-prompt-length: the prompt's last tokens kept first (TRL 0.x); 0: all
+    dpo_truncation_mode: str = "keep_start"  # --dpo-truncation-mode: TRL's truncation_mode (keep_start, keep_end)
     stream_buffer: int = 0  # --sft-streaming's shuffle buffer (hybrid.data.chat_stream); 0: the whole file up front
 
 
@@ -172,19 +177,24 @@ def conversation_of(row, where: str):
                  f"'instruction'/'output', 'prompt'/'completion' or 'input_ids' (it has {', '.join(map(str, row)) or 'no fields'})")
 
 
-def preference_pair_of(row, where: str) -> tuple[list[dict], list[dict], list[dict]]:
-    """A TRL preference row -> (prompt, chosen, rejected) message lists: `prompt`, `chosen`, `rejected` as
-    strings (a user turn; an assistant answer) or message lists; BadRow if it is not one or a side is empty."""
+def preference_pair_of(row, where: str) -> tuple:
+    """A TRL preference row -> (prompt, chosen, rejected): three strings (TRL's standard format: plain text) or
+    three message lists (its conversational format; a string side of a conversational row is one turn, the
+    prompt's a user's, an answer's the assistant's); BadRow if it is not one or a side is empty."""
     if isinstance(row, BadRow):
         raise row
     if not isinstance(row, dict) or not all(k in row for k in ("prompt", "chosen", "rejected")):
         keys = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
         raise BadRow(f"{where}: a preference pair needs 'prompt', 'chosen' and 'rejected' (TRL's format; it has {keys})")
-    sides = []
-    for key, role in (("prompt", "user"), ("chosen", "assistant"), ("rejected", "assistant")):
+    for key in ("prompt", "chosen", "rejected"):
         value = row[key]
         if value is None or (isinstance(value, (str, list)) and not value) or (isinstance(value, str) and not value.strip()):
             raise BadRow(f"{where}: the pair's '{key}' is empty")
+    if all(isinstance(row[key], str) for key in ("prompt", "chosen", "rejected")):
+        return row["prompt"], row["chosen"], row["rejected"]
+    sides = []
+    for key, role in (("prompt", "user"), ("chosen", "assistant"), ("rejected", "assistant")):
+        value = row[key]
         turns = [{"role": role, "content": value}] if isinstance(value, str) else value
         sides.append(_messages(turns, where, "role", "content", need_assistant=key != "prompt"))
     if sides[0][-1]["role"] == "assistant":
@@ -228,6 +238,16 @@ def _pre_tokenized(row, where: str) -> tuple[list[int], list[bool]]:
 
 # ------------------------------------------------------------------------------------------ chat template
 
+def _common_prefix(ids: list, other: list) -> int:
+    """The number of leading tokens two sequences share (TRL's common_prefix_length)."""
+    n = 0
+    for a, b in zip(ids, other):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 class ChatEncoder:
     """A HuggingFace tokenizer with a chat template: conversations -> (ids, loss mask), and the separator
     token packed conversations are split at."""
@@ -257,6 +277,8 @@ class ChatEncoder:
             used = set(self.tok(self._render(probe), add_special_tokens=False)["input_ids"])
         except Exception:  # templates that refuse a system turn (Gemma)
             used = set(self.tok(self._render(probe[1:]), add_special_tokens=False)["input_ids"])
+        if self.options.pairs:  # plain-text pairs hold the tokenizer's own BOS and the EOS their answers end with
+            used |= {self.tok.bos_token_id, self.tok.eos_token_id}
         # then the tokenizer's other special tokens (Llama 3's <|end_of_text|> and reserved tokens, Mistral's
         # control tokens: special, but not in all_special_ids), in id order
         added = [i for i, t in sorted(getattr(self.tok, "added_tokens_decoder", {}).items()) if t.special]
@@ -286,23 +308,38 @@ class ChatEncoder:
         except Exception as e:  # the template's own refusal (raise_exception), e.g. roles out of order
             raise BadRow(f"{where}: the chat template could not render the conversation: {e}") from None
 
-    def encode_pair(self, prompt: list[dict], chosen: list[dict], rejected: list[dict], where: str):
-        """[(ids, mask) of prompt + chosen, (ids, mask) of prompt + rejected]: the mask covers what the assistant
-        writes after the prompt (the tokens after the prompt's generation prompt)."""
+    def encode_pair(self, prompt, chosen, rejected, where: str):
+        """[(ids, mask) of prompt + chosen, (ids, mask) of prompt + rejected] as TRL 1.16's DPOTrainer tokenizes a
+        pair: message lists rendered by the chat template (the prompt alone with its generation prompt, and the
+        prompt followed by each answer), plain text by the tokenizer as it is called by default, each answer's text
+        ending with the EOS token (added where it does not). The answer (the mask) is every token after the
+        longest prefix the prompt's tokens share with both sides: the template's text after the answer (its turn's
+        end) included, as TRL scores it; where the template renders the prompt differently once an answer
+        follows, the answer starts where the renderings part, as in TRL."""
         try:
-            head = self.tok(self._render(prompt, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-        except Exception as e:
-            raise BadRow(f"{where}: the chat template could not render the prompt: {e}") from None
+            if isinstance(prompt, str):
+                eos = self.tok.eos_token
+                if not eos:
+                    raise ConfigError(f"{self.source}: plain-text preference pairs end each answer with the tokenizer's "
+                                      f"EOS token (as TRL does), and this tokenizer has none; give the pairs as message "
+                                      f"lists (rendered by the chat template) or a tokenizer with an eos_token.")
+                texts = [prompt] + [prompt + (a if a.endswith(eos) else a + eos) for a in (chosen, rejected)]
+                head, *sides = [list(self.tok(text)["input_ids"]) for text in texts]
+            else:
+                head, *sides = [list(self.tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                                  add_generation_prompt=generation)["input_ids"])
+                                for messages, generation in ((prompt, True), (prompt + chosen, False),
+                                                             (prompt + rejected, False))]
+        except (BadRow, ConfigError):
+            raise
+        except Exception as e:  # the template's own refusal (raise_exception)
+            raise BadRow(f"{where}: the chat template could not render the pair: {e}") from None
+        shared = min(_common_prefix(head, ids) for ids in sides)
         out = []
-        for side, messages in (("chosen", chosen), ("rejected", rejected)):
-            ids, mask = self.encode(prompt + messages, where)
-            if ids[:len(head)] != head:
-                raise BadRow(f"{where}: the prompt's tokens differ once the {side} answer follows it (the template "
-                             f"renders the prompt differently), so the answer cannot be separated from it")
-            mask = [m and k >= len(head) for k, m in enumerate(mask)]
-            if not any(mask):
+        for side, ids in zip(("chosen", "rejected"), sides):
+            if len(ids) <= shared:
                 raise BadRow(f"{where}: the {side} answer has no tokens")
-            out.append((ids, mask))
+            out.append((ids, [k >= shared for k in range(len(ids))]))
         return out
 
     def _encode_by_messages(self, messages, where: str) -> tuple[list[int], list[bool]]:
@@ -550,28 +587,31 @@ def cached_tokenize(path: str, encoder: ChatEncoder, cache_dir: Optional[str] = 
 
 # ------------------------------------------------------------------------------------------------- packing
 
-def pack_units(units, width: int, separator: int, truncation: str, counts: Counts) -> Iterator[tuple]:
+def pack_units(units, width: int, separator: int, options: ChatOptions, counts: Counts) -> Iterator[tuple]:
     """Units (each a list of (ids, loss mask) sequences: a conversation, or a preference pair's two sides) packed
     in the order given into windows of `width` tokens (seq_length + 1), each sequence followed by the separator;
     the rest of a window is separators. Yields (tokens [width] int32, loss mask [width] bool) as each window is
-    full. A unit longer than `width` is truncated to it (a pair: each side to half) or dropped (`truncation`),
-    counted in `counts`."""
+    full. A conversation longer than `width` is truncated to it or dropped (--sft-truncation); a pair is cut as
+    TRL cuts it (`pair_as_trl`). Counted in `counts`."""
     tokens = np.full(width, separator, dtype=np.int32)
     mask = np.zeros(width, dtype=bool)
     fill = 0
     for unit in units:
+        if options.pairs:
+            unit = pair_as_trl(unit, width, options, counts)
+            if unit is None:
+                continue
         size = sum(len(ids) for ids, _ in unit) + len(unit) - 1
         if size > width:
-            if truncation == "drop":
+            if options.truncation == "drop":
                 counts.dropped += 1
                 continue
             counts.truncated += 1
-            share = (width - len(unit) + 1) // len(unit)
-            unit = [(ids[:share], loss[:share]) for ids, loss in unit]
-            if not all(loss[1:].any() for _, loss in unit):  # nothing left to learn from
+            unit = [(ids[:width], loss[:width]) for ids, loss in unit]
+            if not unit[0][1][1:].any():  # nothing left to learn from
                 counts.dropped += 1
                 continue
-            size = sum(len(ids) for ids, _ in unit) + len(unit) - 1
+            size = width
         if fill and fill + 1 + size > width:  # does not fit after a separator: the next window
             yield tokens, mask
             tokens, mask, fill = np.full(width, separator, dtype=np.int32), np.zeros(width, dtype=bool), 0
@@ -586,10 +626,45 @@ def pack_units(units, width: int, separator: int, truncation: str, counts: Count
         yield tokens, mask
 
 
-def pack(data: Tokenized, order, width: int, separator: int, truncation: str, counts: Counts
+def pair_max_length(options: ChatOptions, width: int) -> int:
+    """Each side's most tokens (TRL's max_length): --dpo-max-length, or half a window (both sides and the
+    separator between them fit in one window of `width` = seq_length + 1 tokens)."""
+    return options.dpo_max_length or (width - 1) // 2
+
+
+def truncation_rule(options: ChatOptions, width: int) -> str:
+    """The rule that cut or dropped units, for the log and messages."""
+    if not options.pairs:
+        return f"--sft-truncation {options.truncation}"
+    prompt = f", the prompt to its last {options.dpo_max_prompt_length}" if options.dpo_max_prompt_length else ""
+    return (f"TRL's truncation: --dpo-truncation-mode {options.dpo_truncation_mode} at {pair_max_length(options, width)}"
+            f" tokens a side{prompt}")
+
+
+def pair_as_trl(unit, width: int, options: ChatOptions, counts: Counts):
+    """A tokenized preference pair [(ids, mask) chosen, (ids, mask) rejected], its mask every token after the shared
+    prompt, cut as TRL cuts it: with --dpo-max-prompt-length P the prompt keeps its last P tokens (TRL 0.x's
+    max_prompt_length); then each side is cut to max_length tokens (`pair_max_length`) from its end (keep_start)
+    or its start (keep_end), as TRL 1.16's DataCollatorForPreference; under keep_start a pair whose prompt alone
+    has max_length tokens or more is dropped, as TRL's DPOTrainer drops it. None for a dropped pair (counted)."""
+    limit = pair_max_length(options, width)
+    prompt = int(np.argmax(np.asarray(unit[0][1])))  # the shared prompt's length: where the answer's mask starts
+    cut = max(0, prompt - options.dpo_max_prompt_length) if options.dpo_max_prompt_length else 0
+    prompt -= cut
+    if options.dpo_truncation_mode == "keep_start" and prompt >= limit:
+        counts.dropped += 1
+        return None
+    keep = slice(None, limit) if options.dpo_truncation_mode == "keep_start" else slice(-limit, None)
+    out = [(ids[cut:][keep], loss[cut:][keep]) for ids, loss in unit]
+    if cut or any(len(ids) - cut > limit for ids, _ in unit):
+        counts.truncated += 1
+    return out
+
+
+def pack(data: Tokenized, order, width: int, separator: int, options: ChatOptions, counts: Counts
          ) -> tuple[np.ndarray, np.ndarray]:
     """The units of `data` in `order` packed (pack_units) -> tokens [n, width] int32, loss mask [n, width] bool."""
-    windows = list(pack_units((data.unit(int(k)) for k in order), width, separator, truncation, counts))
+    windows = list(pack_units((data.unit(int(k)) for k in order), width, separator, options, counts))
     if not windows:
         return np.zeros((0, width), dtype=np.int32), np.zeros((0, width), dtype=bool)
     return np.stack([t for t, _ in windows]), np.stack([m for _, m in windows])
@@ -638,17 +713,17 @@ def split_datasets(path: str, ranges_of, num_samples, seq_length: int, seed: int
             continue
         order = start + np.random.RandomState(seed).permutation(stop - start)
         split_counts = Counts()
-        tokens, mask = pack(data, order, seq_length + 1, encoder.separator, encoder.options.truncation, split_counts)
+        tokens, mask = pack(data, order, seq_length + 1, encoder.separator, encoder.options, split_counts)
         counts.merge(Counts(truncated=split_counts.truncated, dropped=split_counts.dropped))
         if len(tokens) == 0:
             raise ConfigError(f"--data-path {path}: the {name} split has no conversation left after "
-                              f"--sft-truncation {encoder.options.truncation} at --seq-length {seq_length}.")
+                              f"{truncation_rule(encoder.options, seq_length + 1)} at --seq-length {seq_length}.")
         fill = float((tokens != encoder.separator).mean())
         log(f"sft: {path} {name}: {stop - start} conversations -> {len(tokens)} windows of {seq_length + 1} tokens "
             f"({fill:.0%} filled, {split_counts.loss_tokens} loss tokens)")
         out.append(ChatDataset(tokens, mask, wanted, seed))
     log(f"sft: {path}: {counts.conversations} conversations, {counts.skipped_bad} bad rows skipped, "
-        f"{counts.truncated} truncated, {counts.dropped} dropped (--sft-truncation {encoder.options.truncation})")
+        f"{counts.truncated} truncated, {counts.dropped} dropped ({truncation_rule(encoder.options, seq_length + 1)})")
     return out
 
 
@@ -663,7 +738,7 @@ def train_windows(data_config, seq_length: int, seed: int, encoder: ChatEncoder)
     data = cached_tokenize(paths[0], encoder, data_config.data_cache_path)
     start, stop = (0, len(data)) if own else split_ranges(data_config.split, len(data), data_config.legacy_data_rules)[0]
     order = start + np.random.RandomState(seed).permutation(stop - start)
-    tokens, _ = pack(data, order, seq_length + 1, encoder.separator, encoder.options.truncation, Counts())
+    tokens, _ = pack(data, order, seq_length + 1, encoder.separator, encoder.options, Counts())
     return len(tokens)
 
 
@@ -671,5 +746,5 @@ def evaluation_windows(path: str, seq_length: int, encoder: ChatEncoder) -> tupl
     """Every conversation of `path` once, in file order, packed (launch/evaluate.py --sft)."""
     data = load_tokenized(path, encoder)
     counts = Counts(conversations=len(data), skipped_bad=data.counts.skipped_bad)
-    tokens, mask = pack(data, range(len(data)), seq_length + 1, encoder.separator, encoder.options.truncation, counts)
+    tokens, mask = pack(data, range(len(data)), seq_length + 1, encoder.separator, encoder.options, counts)
     return tokens, mask, counts

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from hybrid.data.chat import (BadRow, ChatDataset, ChatEncoder, Counts, _signature, encode_rows, is_preprocessed,
-                              pack_units, read_rows)
+                              pack_units, read_rows, truncation_rule)
 from hybrid.distributed import log
 from hybrid.errors import ConfigError
 
@@ -148,7 +148,7 @@ def stream_windows(path: str, rows: tuple[int, int], encoder: ChatEncoder, width
                 yield pool[k]
 
         made = 0
-        for tokens, mask in pack_units(shuffled(), width, encoder.separator, encoder.options.truncation, counts):
+        for tokens, mask in pack_units(shuffled(), width, encoder.separator, encoder.options, counts):
             made += 1
             yield epoch, tokens, mask
         if made == 0:
@@ -156,8 +156,9 @@ def stream_windows(path: str, rows: tuple[int, int], encoder: ChatEncoder, width
                          f"({counts.skipped_bad} bad rows skipped).")
         if writer:
             log(f"sft stream: {path} epoch {epoch}: {made} windows of {width} tokens; {counts.skipped_bad} bad rows "
-                f"skipped, {counts.truncated} truncated, {counts.dropped} dropped (--sft-truncation "
-                f"{encoder.options.truncation}); {counts.conversations} tokenized in {time.time() - started:.1f}s")
+                f"skipped, {counts.truncated} truncated, {counts.dropped} dropped ("
+                f"{truncation_rule(encoder.options, width)}); {counts.conversations} tokenized in "
+                f"{time.time() - started:.1f}s")
 
 
 def _produce(out, first: int, arguments: dict, parent: int) -> None:
@@ -275,8 +276,8 @@ def split_datasets(path: str, ranges_of, num_samples, seq_length: int, seed: int
         except BadRow as e:
             raise ConfigError(str(e)) from None
         order = np.random.RandomState(seed).permutation(len(units))
-        windows = list(pack_units((units[k] for k in order), seq_length + 1, encoder.separator,
-                                  encoder.options.truncation, counts))
+        windows = list(pack_units((units[k] for k in order), seq_length + 1, encoder.separator, encoder.options,
+                                  counts))
         if not windows:
             raise ConfigError(f"--data-path {path}: rows {start}-{stop} hold no usable conversation.")
         out.append(ChatDataset(np.stack([t for t, _ in windows]), np.stack([m for _, m in windows]), wanted, seed))
