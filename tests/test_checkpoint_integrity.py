@@ -71,3 +71,52 @@ def test_with_no_complete_checkpoint_the_error_names_the_file_and_conversion_ref
     from hybrid.conversion.checkpoint_util import main
     assert main(["--load-dir", str(ckpt), "--save-dir", str(tmp_path / "hf"), "--hf-convert", "--no-progress-bar"]) == 2
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_resume_names_what_changes_its_data_plan_and_continues_where_megatron_does(saved, data, tmp_path):
+    """Resumed at iteration 4 with the same flags: nothing said. With another --seed (the samples' order) and a
+    doubled global batch: each named with both values and the fix, the run continuing at the checkpoint's consumed
+    samples (32), 16 per iteration, as Megatron-LM continues (before: nothing said)."""
+    ckpt = _copy(saved[0], tmp_path)
+    (ckpt / "latest").write_text("iter_0000004")
+    common = TINY + ["--data-path", data, "--load", ckpt, "--deepspeed", "ds_configs/zero1.json"]
+    same = run("python", 1, common + ["--train-iters", 5])
+    assert "data plan" not in same.stdout + same.stderr and "trained with" not in same.stdout + same.stderr
+    log = tmp_path / "log.jsonl"
+    changed = run("python", 1, common + ["--train-iters", 6, "--seed", 8, "--global-batch-size", 16, "--log-json", log])
+    out = changed.stdout + changed.stderr
+    assert "another data plan: --seed 7 (this run: 8). This run continues at consumed sample 32 (iteration 4)" in out
+    assert "give the checkpoint's values" in out and "add --finetune" in out
+    assert "trained with --global-batch-size 8 (this run: 16): continuing at consumed sample 32 (iteration 4)" in out
+    assert [(r["iteration"], r["consumed_samples"]) for r in read_log(log) if "consumed_samples" in r] == [(5, 48), (6, 64)]
+
+
+def test_the_data_plan_compares_each_setting_and_each_files_size(tmp_path):
+    """plan_changes: the sequence length, the blend, the chat options and every data file's size (the same path
+    holding other data) are differences; the batch size is reported apart; a checkpoint that did not record a
+    field (written before it was) is not compared on it."""
+    import dataclasses
+
+    from hybrid.config import DataConfig
+    from hybrid.data.chat import ChatOptions
+    from hybrid.data.plan import data_files, plan_changes
+    prefix = str(tmp_path / "corpus")
+    for suffix in (".bin", ".idx"):
+        with open(prefix + suffix, "wb") as f:
+            f.write(b"x" * 64)
+    config = DataConfig(data_path=["0.5", prefix, "0.5", prefix], split="98,2,0")
+    saved = {"training": {"seq_length": 16, "seed": 7, "global_batch_size": 8},
+             "data": dataclasses.asdict(config), "data_files": data_files(config)}
+    assert plan_changes(saved, saved) == ([], "")
+    with open(prefix + ".bin", "ab") as f:
+        f.write(b"y" * 8)
+    now = {"training": {"seq_length": 32, "seed": 7, "global_batch_size": 4},
+           "data": dataclasses.asdict(dataclasses.replace(config, chat=ChatOptions(pairs=True))),
+           "data_files": data_files(config)}
+    changes, batch = plan_changes(saved, now)
+    assert changes[0] == "--seq-length 16 (this run: 32)"
+    assert changes[1].startswith("--sft / --dpo and the --sft-* / --dpo-* options None (this run: {")
+    assert changes[2:] == [f"{prefix}.bin: 64 bytes (this run: 72)"]
+    assert batch == "--global-batch-size 8 (this run: 4)"
+    older = {"training": {"seq_length": 32, "global_batch_size": 4}, "data": now["data"]}  # no seed, no files
+    assert plan_changes(older, now) == ([], "")

@@ -22,6 +22,7 @@ from hybrid.conversion.layout import hybrid_parts, load_parts
 from hybrid.conversion.megatron_source import megatron_kind, open_source
 from hybrid.conversion.megatron_universal import write_universal
 from hybrid.conversion.universal import convert
+from hybrid.data.plan import plan_changes, plan_summary
 from hybrid.errors import ConfigError
 from hybrid.model.naming import canonical_name, names_to_load
 from hybrid.parallel.random import set_rng_states
@@ -146,7 +147,23 @@ def _restore_client_state(client_state: Optional[dict], run: RunConfig, sequence
                                                                                               sequence):
         log("the checkpoint's RNG states are for another number of context-parallel / Ulysses ranks: the dropout "
             "streams continue from this run's seed")
+    report_data_plan(state, run)
     return int(state.iteration), int(state.consumed_samples)
+
+
+def report_data_plan(state: ClientState, run: RunConfig) -> None:
+    """A resumed run continues at the checkpoint's consumed samples of its own data plan, as Megatron-LM does;
+    where that plan is not the checkpoint's (hybrid.data.plan), one log line names each difference and the fix."""
+    changes, batch = plan_changes(state.run, plan_summary(run))
+    where = f"consumed sample {state.consumed_samples} (iteration {state.iteration})"
+    if batch:
+        log(f"the checkpoint was trained with {batch}: continuing at {where}, the same order of samples taken "
+            f"{run.training.global_batch_size} per iteration, as Megatron-LM does")
+    if changes:
+        log(f"WARNING: the checkpoint was trained on another data plan: {'; '.join(changes)}. This run continues "
+            f"at {where} of its own plan, as Megatron-LM does, so the samples from there are not the ones the "
+            f"saved run would have served next. To continue those exactly, give the checkpoint's values; to start "
+            f"the new data from its first sample with these weights, add --finetune.")
 
 
 def _fix_command(load_dir: str) -> str:
@@ -333,6 +350,7 @@ def _load_weights_only(engine, run: RunConfig, groups, load_dir: str, tag: str,
         log(f"loaded weights from {load_dir}/{tag} for fine-tuning; optimizer, schedule and iteration start fresh")
         return 0, 0
     iteration, consumed = int(saved.iteration), int(saved.consumed_samples)
+    report_data_plan(saved, run)
     # a pretraining run resumed from weights only: the LR schedule continues where the run was
     # (Megatron's scheduler position is the consumed samples, or tokens), only Adam starts fresh
     scheduler = getattr(engine, "lr_scheduler", None)
