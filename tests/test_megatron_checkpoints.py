@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -483,6 +484,12 @@ MAPPED = {
                                             "rope_scaling", {"rope_type": "linear", "factor": 4.0}),
     "rope_type rope (the default spelled out)": (dict(position_embedding_type="rope", rope_type="rope"),
                                                  "rope_scaling", None),
+    "layernorm_zero_centered_gamma (megatron-core's name of apply_layernorm_1p)":
+        (dict(layernorm_zero_centered_gamma=True), "apply_layernorm_1p", True),
+    "moe_router_load_balancing_type as the parser makes it (a one-element list)":
+        (dict(num_experts=4, add_bias_linear=False, swiglu=True, moe_router_load_balancing_type=["seq_aux_loss"],
+              moe_aux_loss_coeff=[0.01]),
+         "moe_router_load_balancing_type", "seq_aux_loss"),
 }
 
 
@@ -501,7 +508,13 @@ def test_every_mapped_megatron_argument_reaches_the_model_at_a_value_other_than_
 REFUSED = {"window_attn_skip_freq": 4, "no_rope_freq": 2, "mtp_num_layers": 1, "experimental_attention_variant": "gdn",
            "linear_attention_freq": 4, "hybrid_override_pattern": "M*M*", "softmax_type": "learnable",
            "attention_output_gate": True, "qk_l2_norm": True, "glu_linear_offset": 1.0,
-           "activation_func_clamp_value": 7.0, "rope_type": "yarn"}
+           "activation_func_clamp_value": 7.0, "rope_type": "yarn", "quick_geglu": True,
+           "hybrid_layer_pattern": "M*M*", "is_hybrid_model": True, "use_fused_weighted_squared_relu": True,
+           "moe_apply_probs_on_input": True, "moe_mlp_glu_interleave_size": 32,
+           "moe_shared_expert_glu_interleave_size": 32, "moe_expert_rank_capacity_factor": 1.5,
+           "moe_router_force_biased": 0.1, "moe_router_padding_for_quantization": True,
+           "moe_router_quantile_balancing_ema": 0.9, "apply_residual_connection_post_layernorm": True, "use_mup": True,
+           "enable_mhc_connections": True, "mrope_section": [16, 24, 24], "spec": ["my_module", "my_spec"]}
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
@@ -513,12 +526,23 @@ def test_every_model_changing_megatron_argument_not_computed_is_refused_by_name(
     from hybrid.conversion.megatron import REFUSED_ARGS, config_from_args
     from hybrid.errors import ConfigError
     assert set(REFUSED) == set(REFUSED_ARGS) | {"rope_type"}
-    with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} {REFUSED[name]}"):
+    with pytest.raises(ConfigError, match=re.escape(f"--{name.replace('_', '-')} {REFUSED[name]}")):
         config_from_args(_megatron_args(position_embedding_type="rope", **{name: REFUSED[name]}), where="ckpt")
     args = _megatron_args()
     del args.num_attention_heads
     with pytest.raises(ConfigError, match="lack num_attention_heads"):
         config_from_args(args, where="ckpt")
+
+
+def test_no_position_embedding_without_rotary_embeddings_is_refused():
+    """--no-position-embedding (add_position_embedding False) with rotary embeddings is Llama's; without them the
+    model has no position information, which hybrid does not build (before: read as a learned position table)."""
+    from hybrid.conversion.megatron import config_from_args
+    from hybrid.errors import ConfigError
+    assert config_from_args(_megatron_args(add_position_embedding=False, use_rotary_position_embeddings=True),
+                            where="ckpt").position_embedding_type == "rope"
+    with pytest.raises(ConfigError, match="no position embedding"):
+        config_from_args(_megatron_args(add_position_embedding=False), where="ckpt")
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])

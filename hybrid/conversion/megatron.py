@@ -396,15 +396,15 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
     def refuse(what: str, why: str):
         raise ConfigError(f"{where}: the checkpoint's model has {what}, which hybrid's model does not compute "
                           f"({why}).")
+    for name, why in REFUSED_ARGS.items():  # (first: a model hybrid does not build may lack the shape args too)
+        value = _arg(args, name)
+        if value not in (None, False, 0, [], ()) and not _refusal_is_default(name, value):
+            refuse(f"--{name.replace('_', '-')} {value}", why)
     missing = [name for name in REQUIRED_ARGS if _arg(args, name) is None]
     if missing:
         raise ConfigError(f"{where}: the checkpoint's args lack {', '.join(missing)}, which the model's shape needs "
                           f"(saved with --no-save-args, or edited?); hybrid builds the model from them, as "
                           f"Megatron-LM's converter does.")
-    for name, why in REFUSED_ARGS.items():
-        value = _arg(args, name)
-        if value not in (None, False, 0, [], ()) and not _refusal_is_default(name, value):
-            refuse(f"--{name.replace('_', '-')} {value}", why)
     if _arg(args, "multi_latent_attention"):
         refuse("multi-latent attention", "only multi-head / grouped-query attention")
     if float(_arg(args, "rotary_percent", 1.0) or 1.0) != 1.0:
@@ -426,6 +426,9 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         kv_channels = None
     rope = _arg(args, "position_embedding_type", "learned_absolute") == "rope" or \
         bool(_arg(args, "use_rotary_position_embeddings"))
+    if not rope and (_arg(args, "position_embedding_type") == "none" or _arg(args, "add_position_embedding") is False):
+        refuse("no position embedding (--no-position-embedding without rotary embeddings)",
+               "positions come from a learned table or rotary embeddings")
     if _arg(args, "rope_type") not in (None, "rope"):  # Megatron-LM's choices: rope, yarn
         refuse(f"--rope-type {args.rope_type} (--rotary-scaling-factor {_arg(args, 'rotary_scaling_factor')})",
                "rotary scaling is llama3's (--use-rope-scaling) or linear interpolation; YaRN is not built")
@@ -459,7 +462,7 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         init_method_std=float(_arg(args, "init_method_std", 0.02)), kv_channels=kv_channels,
         add_qkv_bias=bool(_arg(args, "add_qkv_bias", False)), qk_layernorm=bool(_arg(args, "qk_layernorm", False)),
         sliding_window=None if not window or window[0] == -1 else int(window[0]) + 1, rope_scaling=rope_scaling,
-        apply_layernorm_1p=bool(_arg(args, "apply_layernorm_1p", False)),
+        apply_layernorm_1p=bool(_arg(args, "apply_layernorm_1p", False) or _arg(args, "layernorm_zero_centered_gamma")),
         make_vocab_size_divisible_by=int(_arg(args, "make_vocab_size_divisible_by", 128) or 128), hf_dtype=dtype,
         **_moe_fields(args, refuse))
 
@@ -483,8 +486,109 @@ REFUSED_ARGS = {  # (names as megatron-core's TransformerConfig and Megatron-LM'
     "qk_l2_norm": "L2-normalized queries and keys",
     "glu_linear_offset": "an offset on the GLU's linear half (GPT-OSS's clamped SwiGLU)",
     "activation_func_clamp_value": "a clamped activation (GPT-OSS's clamped SwiGLU)",
+    "quick_geglu": "the quick-GeLU GLU (GPT-OSS's)",
+    "hybrid_layer_pattern": "a hybrid (Mamba / attention) layer pattern",
+    "is_hybrid_model": "a hybrid (Mamba / attention) model",
+    "use_fused_weighted_squared_relu": "squared-ReLU experts weighted before the activation",
+    "moe_apply_probs_on_input": "router probabilities applied to the experts' input",
+    "moe_mlp_glu_interleave_size": "experts whose gate and up rows are interleaved in blocks",
+    "moe_shared_expert_glu_interleave_size": "a shared expert whose gate and up rows are interleaved in blocks",
+    "moe_expert_rank_capacity_factor": "tokens dropped over a per-rank budget",
+    "moe_router_force_biased": "random biases on the router's logits",
+    "moe_router_padding_for_quantization": "routing padded for quantized experts",
+    "moe_router_quantile_balancing_ema": "quantile-balancing expert biases",
+    "apply_residual_connection_post_layernorm": "residuals taken after the layer norm",
+    "use_mup": "muP's scaled embeddings, attention and output",
+    "enable_mhc_connections": "manifold hyper-connections",
+    "mrope_section": "multimodal rotary sections",
+    "spec": "a layer spec of the run's own",
 }
 _OFF_VALUES = {"softmax_type": ("vanilla",), "glu_linear_offset": (0.0,), "experimental_attention_variant": ("none",)}
+
+# The rest of Megatron-LM's arguments that could describe the model (those of its parser groups "network size",
+# "transformer configuration", "mla", "moe", "experimental", "heterogeneous architecture" and
+# "experimental_attention_variant"), each with why it leaves a checkpoint's model as config_from_args reads it:
+# how the model is computed or run (kernels, parallelism, memory, precision), training alone, another model kind,
+# or a setting that only acts with an argument refused above. With the names config_from_args reads and
+# REFUSED_ARGS this covers every such argument of Megatron-LM's parser (tests/test_megatron_args_real.py, against
+# the table its own parser gives: tests/fixtures/megatron_lm_args/arguments.json).
+NOT_MODEL_ARGS = {
+    "parallelism and communication (the same model at any layout)": (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+        "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
+        "hierarchical_context_parallel_sizes", "hybrid_context_parallel", "max_seqlen_per_dp_cp_rank",
+        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+        "microbatch_group_size_per_vp_stage", "overlap_p2p_comm_warmup_flush", "pipeline_model_parallel_comm_backend",
+        "use_ring_exchange_p2p", "symmetric_ar_type", "tp_comm_bootstrap_backend", "tp_comm_bulk_dgrad",
+        "tp_comm_bulk_wgrad", "tp_comm_overlap", "tp_comm_overlap_ag", "tp_comm_overlap_rs",
+        "tp_comm_overlap_rs_dgrad", "tp_comm_split_ag", "tp_comm_split_rs", "tensor_parallel_num_weight_shards",
+        "expert_tensor_parallel_num_weight_shards", "gtp_remat_opt_in_modules", "high_priority_a2a_comm_stream",
+        "ep_overlap_early_attn_memory_release", "overlap_moe_expert_parallel_comm",
+        "overlap_dispatch_backward_with_experts_wgrad", "moe_token_dispatcher_type", "moe_enable_deepep",
+        "moe_deepep_num_sms", "moe_flex_dispatcher_backend", "moe_flex_dispatcher_num_sms",
+        "moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute", "moe_hybridep_num_sms",
+        "moe_hybridep_num_sms_preprocessing", "moe_hybridep_pad_uneven_dispatch_inputs", "moe_ncclep_zero_copy",
+        "moe_shared_expert_overlap", "megatron_fsdp_enable_fine_grained_param_gather", "megatron_fsdp_grad_comm_dtype",
+        "megatron_fsdp_main_grads_dtype", "megatron_fsdp_main_params_dtype", "megatron_fsdp_max_pool_double_buffer",
+        "fsdp_db_use_persist_buf_on_alloc_fail"),
+    "kernels and fusions computing the same mathematics": (
+        "attention_backend", "flash_attention_version", "transformer_impl", "use_te_activation_func",
+        "use_transformer_engine_op_fuser", "use_kitchen_attention", "kitchen_attention_backend",
+        "cross_entropy_fusion_impl", "cross_entropy_loss_fusion", "fused_residual_rmsnorm", "moe_permute_fusion",
+        "moe_permute_fusion_into_hybridep", "moe_router_fusion", "moe_use_grouped_tensor", "moe_single_grouped_bias",
+        "moe_single_grouped_weight", "use_grouped_gemm_for_dense_mlp", "use_grouped_gemm_for_shared_expert",
+        "mlp_chunks_for_training", "mlp_chunks_for_prefill", "batch_invariant_backend", "batch_invariant_mode",
+        "deterministic_mode", "mla_down_proj_fusion", "use_mamba_mem_eff_path", "gdp_cutedsl_kernel",
+        "dsa_kernel_backend", "apply_query_key_layer_scaling"),
+    "memory: recomputation, offloading, initialization placement": (
+        "recompute_granularity", "recompute_method", "recompute_modules", "recompute_num_layers",
+        "distribute_saved_activations", "moe_layer_recompute", "cpu_offloading_num_layers",
+        "cpu_offloading_retain_pinned_cpu_buffers", "activation_offload_fraction", "fine_grained_activation_offloading",
+        "fine_grained_offloading_max_inflight_offloads", "offload_modules", "min_offloaded_tensor_size",
+        "delta_offload_bytes_across_pp_ranks", "delay_offload_until_cuda_graph", "moe_paged_stash",
+        "moe_paged_stash_buffer_size_factor_cpu", "moe_paged_stash_buffer_size_factor_cuda", "moe_paged_stash_page_size",
+        "defer_embedding_wgrad_compute", "delay_wgrad_compute", "wgrad_deferral_limit",
+        "clone_scatter_output_in_embedding", "init_model_with_meta_device", "use_cpu_initialization",
+        "perform_initialization", "gdp_num_chunk_states_to_recompute", "mhc_recompute_layer_num"),
+    "CUDA graphs and inference serving": (
+        "cuda_graph_impl", "cuda_graph_warmup_steps", "enable_cuda_graph", "external_cuda_graph",
+        "inference_cuda_graph_scope", "inference_disable_triton_nvls_kernels", "inference_fuse_tp_communication",
+        "inference_grouped_gemm_backend", "inference_moe_disable_fused_quant_kernels",
+        "inference_moe_token_dispatcher_type", "flash_decode", "nccl_all_reduce_for_prefill",
+        "moe_pad_experts_for_cuda_graph_inference", "cache_mla_latents"),
+    "precision: the run's own (hybrid's --bf16 / --fp16 / --fp8-format); the checkpoint's weights are the same": (
+        "fp8", "fp8_recipe", "fp8_margin", "fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo",
+        "fp8_wgrad", "fp8_output_proj", "fp8_quantizer_factory", "fp4", "fp4_recipe", "fp4_quantizer_factory",
+        "first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
+        "disable_bf16_reduced_precision_matmul", "fp32_residual_connection", "moe_router_dtype",
+        "moe_combine_bwd_dtype", "moe_dispatch_fwd_dtype", "main_grads_dtype", "main_params_dtype", "exp_avg_dtype",
+        "exp_avg_sq_dtype", "use_precision_aware_optimizer"),
+    "training alone (the loss's reduction, initialization, optimizer-side clipping, logging, upcycling)": (
+        "calculate_per_token_loss", "embedding_init_method_std", "qk_clip", "qk_clip_alpha", "qk_clip_threshold",
+        "moe_enable_routing_replay", "moe_per_layer_logging", "config_logger_dir", "moe_use_upcycling",
+        "moe_upcycling_granularity", "enable_experimental", "yaml_cfg"),
+    "BERT and T5 models (hybrid reads GPT models)": (
+        "bert_binary_head", "encoder_num_layers", "decoder_num_layers", "relative_attention_max_distance",
+        "relative_attention_num_buckets", "onnx_safe"),
+    "only with --multi-latent-attention or --rope-type yarn (refused)": (
+        "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor",
+        "mscale", "mscale_all_dim", "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int",
+        "yarn_original_max_position_embeddings"),
+    "only with --mtp-num-layers (refused)": (
+        "mtp_detach_heads", "mtp_hsm", "mtp_hybrid_override_pattern", "mtp_loss_scaling_factor", "mtp_standalone",
+        "mtp_use_repeated_layer"),
+    "only with --experimental-attention-variant or --linear-attention-freq (refused)": (
+        "dsa_indexer_head_dim", "dsa_indexer_k_norm_epsilon", "dsa_indexer_k_norm_fp32", "dsa_indexer_loss_coeff",
+        "dsa_indexer_n_heads", "dsa_indexer_rope_interleaved", "dsa_indexer_rotate_activation",
+        "dsa_indexer_scoring_relu", "dsa_indexer_skip_topk_offset", "dsa_indexer_topk", "dsa_indexer_topk_freq",
+        "dsa_indexer_use_sparse_loss", "gdp_num_householder", "linear_conv_kernel_dim", "linear_key_head_dim",
+        "linear_num_key_heads", "linear_num_value_heads", "linear_value_head_dim"),
+    "only with a hybrid (Mamba) layer pattern (refused)": (
+        "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "mamba_state_dim"),
+    "only with --use-mup or --enable-mhc-connections (refused)": (
+        "mup_attn_scale_power", "mup_base_head_dim", "mup_base_hidden_size", "mup_embedding_mult", "mup_output_mult",
+        "mup_width_mult", "mhc_init_gating_factor", "mhc_num_residual_streams", "mhc_sinkhorn_iterations"),
+}
 
 
 def _refusal_is_default(name: str, value) -> bool:
@@ -505,6 +609,8 @@ def _moe_fields(args: argparse.Namespace, refuse) -> dict:
             refuse(f"--{name.replace('_', '-')} {_arg(args, name)}", f"{why} is not implemented")
     balancing = _arg(args, "moe_router_load_balancing_type", "aux_loss")
     coeff = _arg(args, "moe_aux_loss_coeff", 0.0)
+    # Megatron-LM's parser takes a list of each (nargs="+"): one element is that one loss
+    balancing, coeff = (v[0] if isinstance(v, (list, tuple)) and len(v) == 1 else v for v in (balancing, coeff))
     if isinstance(balancing, (list, tuple)) or isinstance(coeff, (list, tuple)):
         refuse(f"--moe-router-load-balancing-type {balancing}", "one balancing loss per router")
     if balancing not in ("aux_loss", "seq_aux_loss", "none"):
