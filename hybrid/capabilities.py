@@ -64,6 +64,7 @@ class Setup:
     dpo: bool = False  # --dpo
     dpo_precomputed: bool = False  # --dpo-reference-logps FILE
     fp32_grad_accumulation: bool = False  # the DeepSpeed config's data_types.grad_accum_dtype fp32 (with --bf16)
+    optimizer: str = "adam"  # --optimizer
 
     @property
     def torch_schedule(self) -> bool:
@@ -249,6 +250,33 @@ RULES = [
          lambda s: s.cpu_offloading and s.recompute != "full",
          lambda s: "--cpu-offloading moves the checkpointed layer inputs to host memory: it needs "
                    "--recompute-granularity full."),
+    Rule("muon-zero", "--optimizer muon with ZeRO-1/2/3 (or optimizer offload)",
+         "DeepSpeed's ZeRO flattens parameters into partitions, which are not the matrices Newton-Schulz "
+         "orthogonalizes (a whole-matrix update on an owner rank is not built yet)",
+         lambda s: s.optimizer == "muon" and s.zero_stage > 0,
+         lambda s: f"--optimizer muon with ZeRO-{s.zero_stage} ({s.zero_source}): ZeRO's partitions are not whole "
+                   f"matrices, which Muon's update needs; use ZeRO-0 (--zero-stage 0), where every data-parallel "
+                   f"rank steps the whole matrices."),
+    Rule("muon-precision", "--optimizer muon with --bf16 or --fp16",
+         "DeepSpeed's bf16 and fp16 optimizers keep flat fp32 master partitions, not matrices",
+         lambda s: s.optimizer == "muon" and s.precision != "fp32",
+         lambda s: f"--optimizer muon with --{s.precision}: DeepSpeed's {s.precision} optimizer keeps flat master "
+                   f"weights, not the matrices Muon's update needs; train in fp32 (drop --{s.precision})."),
+    Rule("muon-tensor-parallel", "--optimizer muon at TP > 1",
+         "Newton-Schulz needs each matrix whole; the TP shards' gathered update is not built yet",
+         lambda s: s.optimizer == "muon" and s.tp > 1,
+         lambda s: f"--optimizer muon at --tensor-model-parallel-size {s.tp}: each rank holds a shard of every "
+                   f"matrix and Muon orthogonalizes whole matrices (not built yet); use TP 1 with data parallelism."),
+    Rule("muon-pipeline", "--optimizer muon with pipeline parallelism",
+         "the pipeline's stages are not proved with Muon yet",
+         lambda s: s.optimizer == "muon" and s.pp > 1,
+         lambda s: f"--optimizer muon at --pipeline-model-parallel-size {s.pp}: not proved equal to one rank yet; "
+                   f"use PP 1."),
+    Rule("muon-experts", "--optimizer muon with --num-experts",
+         "experts' matrices are stored together (one tensor per layer), not split for Muon yet",
+         lambda s: s.optimizer == "muon" and s.experts,
+         lambda s: "--optimizer muon with --num-experts: the experts' matrices are not split for Muon yet; use "
+                   "--optimizer adam for MoE models."),
     Rule("grad-reduce-bf16-precision", "--grad-reduce-in-bf16 without --bf16",
          "gradients are reduced in the training precision's type (DeepSpeed's communication_data_type)",
          lambda s: s.grad_reduce_bf16 and s.precision != "bf16",

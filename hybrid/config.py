@@ -73,6 +73,19 @@ class OptimizerConfig:
     lr_warmup_steps: int  # warmup length in lr_unit (--lr-warmup-iters/-samples/-tokens/-fraction)
     weight_decay: float  # --weight-decay (not on biases and norm weights)
     clip_grad: float  # --clip-grad (0 disables)
+    muon: Optional["MuonOptions"] = None  # --optimizer muon (hybrid.training.muon); None: the DeepSpeed config's
+
+
+@dataclass(frozen=True)
+class MuonOptions:
+    """--optimizer muon: torch.optim.Muon's settings (the --muon-* flags) and its AdamW's (--adam-*)."""
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    adjust_lr_fn: str = "original"
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
 
 
 @dataclass
@@ -494,7 +507,28 @@ def _optimizer(args, optimizer: dict, clip: float, length: RunLength) -> Optimiz
     return OptimizerConfig(
         lr=float(optimizer["params"]["lr"]), min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
         lr_unit=length.lr_unit, lr_decay_steps=length.lr_decay_steps, lr_warmup_steps=length.lr_warmup_steps,
-        weight_decay=float(optimizer["params"].get("weight_decay", 0.0)), clip_grad=float(clip))
+        weight_decay=float(optimizer["params"].get("weight_decay", 0.0)), clip_grad=float(clip),
+        muon=_muon(args, optimizer))
+
+
+def _muon(args, optimizer: dict) -> Optional[MuonOptions]:
+    """--optimizer muon's settings; the --muon-* flags without it, or a factor torch's Muon has not, refused."""
+    defaults = {"muon_momentum": 0.95, "muon_use_nesterov": True, "muon_num_ns_steps": 5,
+                "muon_scale_mode": "original", "muon_extra_scale_factor": 1.0}
+    if args.optimizer != "muon":
+        given = [f"--{k.replace('_', '-')}" for k, v in defaults.items() if getattr(args, k) != v]
+        if given:
+            raise ConfigError(f"{' / '.join(given)} set Muon: add --optimizer muon.")
+        return None
+    if args.muon_extra_scale_factor != 1.0:
+        raise ConfigError(f"--muon-extra-scale-factor {args.muon_extra_scale_factor}: torch.optim.Muon's update has "
+                          f"no extra factor (its scale is --muon-scale-mode's); drop the flag or scale --lr.")
+    if args.muon_num_ns_steps < 1 or not 0 <= args.muon_momentum < 1:
+        raise ConfigError(f"--muon-num-ns-steps {args.muon_num_ns_steps} must be at least 1 and --muon-momentum "
+                          f"{args.muon_momentum} in [0, 1).")
+    params = optimizer["params"]
+    return MuonOptions(args.muon_momentum, args.muon_use_nesterov, args.muon_num_ns_steps, args.muon_scale_mode,
+                       tuple(params["betas"]), float(params["eps"]))
 
 
 def data_config(args) -> DataConfig:
@@ -569,7 +603,7 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path
                 fp8=fp8_recipe(args), fp8_param_gather=args.fp8_param_gather,
                 cpu_offloading=dsc.cpu_offloading(args, ds), dpo=bool(args.dpo),
                 dpo_precomputed=bool(args.dpo and args.dpo_reference_logps),
-                fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds))
+                fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds), optimizer=args.optimizer or "adam")
 
 
 def _megatron_optimizer(args, checkpoint: CheckpointConfig, setup: Setup) -> None:
@@ -651,5 +685,6 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     run = RunConfig(model=model, parallel=dims, pipeline=pipeline, training=training,
                     optimizer=_optimizer(args, optimizer, clip, length), data=data, checkpoint=checkpoint,
                     logging=_logging(args), ds_config={}, args=dict(vars(args)))
-    run.ds_config = dsc.final_ds_config(ds, args, run, stage, optimizer)
+    # --optimizer muon: the optimizer is hybrid's (handed to deepspeed.initialize), the config names none
+    run.ds_config = dsc.final_ds_config(ds, args, run, stage, None if run.optimizer.muon else optimizer)
     return run

@@ -40,7 +40,7 @@ def plan_from_run(run: RunConfig) -> MemoryPlan:
                       schedule=run.pipeline.schedule, virtual=run.pipeline.virtual_stages, cp=p.context_parallel,
                       ulysses=p.ulysses, ep=p.expert_parallel, torch_compile=t.torch_compile,
                       cpu_offloading=run.cpu_offloading,
-                      reference_model=bool(t.dpo and not t.dpo.reference_logps))
+                      reference_model=bool(t.dpo and not t.dpo.reference_logps), muon=run.optimizer.muon is not None)
 
 
 def peak_gib(plan: MemoryPlan) -> float:
@@ -61,7 +61,7 @@ def _setup(plan: MemoryPlan):
                  torch_compile=plan.torch_compile, experts=bool(model.num_experts), ep=plan.ep,
                  sequence_parallel=model.sequence_parallel, seq_length=plan.seq_length,
                  heads_per_tp=model.num_attention_heads // plan.tp, groups_per_tp=model.num_query_groups // plan.tp,
-                 dpo=plan.reference_model)  # --dpo without precomputed values (with them nothing is refused)
+                 dpo=plan.reference_model, optimizer="muon" if plan.muon else "adam")  # --dpo without precomputed values (with them nothing is refused)
 
 
 def _fits_model(plan: MemoryPlan) -> bool:

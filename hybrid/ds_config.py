@@ -148,6 +148,8 @@ def final_ds_config(ds: dict, args, run, stage: int, optimizer: dict) -> dict:
                train_batch_size=training.global_batch_size * run.parallel.sequence_split,
                gradient_accumulation_steps=training.grad_acc_steps, gradient_clipping=run.optimizer.clip_grad,
                optimizer=optimizer)
+    if optimizer is None:  # a client optimizer (--optimizer muon)
+        del out["optimizer"]
     if run.parallel.pipeline_parallel > 1:
         out.update(pipeline_accumulation(training.micro_batch_size, run.parallel.dp_cp))
     out.setdefault("steps_per_print", 10**9)

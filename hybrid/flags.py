@@ -98,6 +98,17 @@ def _add_regularization_args(p):
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
+    # Megatron-LM's Muon flags, with torch.optim.Muon's defaults (Megatron-LM's own: momentum 0.9, no Nesterov)
+    g.add_argument("--muon-momentum", type=float, default=0.95, help="--optimizer muon: the momentum")
+    g.add_argument("--muon-use-nesterov", action=argparse.BooleanOptionalAction, default=True,
+                   help="--optimizer muon: Nesterov momentum (torch.optim.Muon's default; --no-muon-use-nesterov)")
+    g.add_argument("--muon-num-ns-steps", type=int, default=5, help="--optimizer muon: Newton-Schulz iterations")
+    g.add_argument("--muon-scale-mode", default="original", choices=["original", "match_rms_adamw"],
+                   help="--optimizer muon: torch.optim.Muon's adjust_lr_fn (original: sqrt(max(1, rows / cols)); "
+                        "match_rms_adamw: 0.2 sqrt(max(rows, cols)))")
+    g.add_argument("--muon-extra-scale-factor", type=float, default=1.0,
+                   help="--optimizer muon: Megatron-LM's extra factor on the update; only 1.0 (torch.optim.Muon has "
+                        "none)")
 
 
 def _add_training_args(p):
@@ -116,7 +127,9 @@ def _add_training_args(p):
     g.add_argument("--exit-interval", type=int, default=None, help="stop after an iteration divisible by this")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="save (with --save) and stop once the run has lasted this long")
-    g.add_argument("--optimizer", default=None, choices=["adam", "sgd"])
+    g.add_argument("--optimizer", default=None, choices=["adam", "sgd", "muon"],
+                   help="muon: torch.optim.Muon on the transformer layers' weight matrices (each HF projection its "
+                        "own), AdamW (--adam-*) on embeddings, the output layer, norms and biases")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--recompute-method", default="uniform", choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, default=None)

@@ -446,12 +446,15 @@ class MemoryPlan:
     torch_compile: bool = False  # --torch-compile (no memory of its own; the advisor's proposals must allow it)
     cpu_offloading: bool = False  # --cpu-offloading: full recompute's checkpointed layer inputs in host memory
     reference_model: bool = False  # --dpo without --dpo-reference-logps: a frozen copy of the weights on every rank
+    muon: bool = False  # --optimizer muon (ZeRO-0, fp32: the capability table's muon rules)
 
 
 def _stage_model_states(params: dict, plan: MemoryPlan) -> dict:
     """ZeRO bytes of one rank's parameters: dense ones partitioned over DP; its 1/EP of the experts in
     their own groups (DeepSpeed's MoE groups), partitioned over the expert-data-parallel group, DP / EP."""
     dense = [[n for name, (n, d) in params.items() if d == decayed and not is_expert(name)] for decayed in (True, False)]
+    if plan.muon:
+        return _muon_state_bytes(params, plan.model)
     states = model_state_bytes(dense, plan.zero)
     experts = [[n for name, (n, d) in params.items() if d == decayed and is_expert(name)] for decayed in (True, False)]
     if any(experts):
@@ -461,6 +464,19 @@ def _stage_model_states(params: dict, plan: MemoryPlan) -> dict:
         for key, value in model_state_bytes(mine, zero).items():
             states[key] += value
     return states
+
+
+def _muon_state_bytes(params: dict, config: ModelConfig) -> dict:
+    """--optimizer muon at ZeRO-0 in fp32 (hybrid.training.muon): fp32 weights and gradients; torch's Muon keeps a
+    momentum buffer per matrix element, and for a fused matrix its parts' copies of the rows and of their
+    gradients; torch's AdamW two moments and a step per parameter of the rest."""
+    from hybrid.training.muon import is_fused, takes_muon
+    muon = sum(n for name, (n, _) in params.items() if takes_muon(name))
+    parts = sum(n for name, (n, _) in params.items() if takes_muon(name) and is_fused(name, config))
+    adam = [n for name, (n, _) in params.items() if not takes_muon(name)]
+    numel = muon + sum(adam)
+    return dict(params=4 * numel, grads=4 * numel, optimizer=4 * muon + 8 * parts + 8 * sum(adam) + 4 * len(adam),
+                host_optimizer=0)
 
 
 def estimate(plan: MemoryPlan) -> list[dict]:

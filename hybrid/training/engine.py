@@ -23,6 +23,7 @@ from hybrid.training.deepspeed_fixes import (install_fp32_clipping, keep_host_ac
 from hybrid.training.logging import log
 from hybrid.training.moe_hooks import keep_fp32_buffers
 from hybrid.training.lr_schedules import MegatronLRScheduler
+from hybrid.training.muon import MuonWithAdamW
 
 _NO_DECAY = re.compile(r"(^|\.)bias$|norm\.weight$|norm\.bias$")
 
@@ -66,6 +67,17 @@ def param_groups(model: nn.Module, run: RunConfig) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def muon_optimizer(model: nn.Module, run: RunConfig):
+    """--optimizer muon: hybrid.training.muon's optimizer over param_groups' parameters (DeepSpeed's client
+    optimizer); None otherwise (the DeepSpeed config's optimizer)."""
+    m = run.optimizer.muon
+    if m is None:
+        return None
+    return MuonWithAdamW(model, run.model, run.model.num_layers, param_groups(model, run), run.optimizer.lr,
+                         run.optimizer.weight_decay, m.betas, m.eps, m.momentum, m.nesterov, m.ns_steps,
+                         m.adjust_lr_fn)
+
+
 def units_per_step(global_batch: int, seq_length: int, unit: str) -> int:
     """How far one optimizer step moves the LR schedule: samples, or tokens."""
     return global_batch * (seq_length if unit == "tokens" else 1)
@@ -94,10 +106,11 @@ def build_engine(run: RunConfig, groups):
         if run.cpu_offloading:
             keep_host_activations_when_offloading()
     _sanitize_cuda_arch_list()
+    client = muon_optimizer(model, run)
     try:
         engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=param_groups(model, run), config=run.ds_config, mpu=groups.mpu,
-            lr_scheduler=scheduler, dist_init_required=False)
+            model=model, model_parameters=None if client else param_groups(model, run), optimizer=client,
+            config=run.ds_config, mpu=groups.mpu, lr_scheduler=scheduler, dist_init_required=False)
     except (RuntimeError, ValueError, OSError, ImportError) as error:
         _raise_if_op_build_failed(error)
         raise
@@ -169,6 +182,8 @@ def _raise_if_op_build_failed(error: BaseException) -> None:
 def describe_optimizer(engine) -> str:
     """Which Adam runs, for the log: torch fused/foreach/for-loop AdamW, DeepSpeed FusedAdam or CPU Adam."""
     basic = getattr(engine, "basic_optimizer", None) or engine.optimizer
+    if hasattr(basic, "describe"):
+        return basic.describe()
     name = type(basic).__name__
     defaults = getattr(basic, "defaults", {})
     if isinstance(basic, torch.optim.Optimizer) and type(basic).__module__.startswith("torch.optim"):

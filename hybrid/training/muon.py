@@ -1,0 +1,128 @@
+"""--optimizer muon: torch.optim.Muon on the transformer blocks' weight matrices, AdamW on the rest.
+
+As Megatron-LM and the Muon papers apply it: every 2-D weight of the transformer layers takes torch's Muon
+(momentum, orthogonalized by its Newton-Schulz iteration), each HF projection its own matrix even where the
+engine fuses them (the fused QKV's rows are q, k and v, found with `hybrid.model.qkv`'s layout; a gated MLP's
+fc1 rows are gate, then up); embeddings, the output layer, norms and biases take AdamW (torch's, with the run's
+betas and eps). One learning rate schedule drives both (the LR scheduler sets every group's lr), and the weight
+decay is decoupled in both, none on norms and biases (Megatron-LM's rule).
+
+A fused projection's parts are given to torch's Muon as matrices of their own ("parts"): before each step the
+parts take their rows of the weight and of its gradient, torch's Muon steps them, and the rows are written
+back, so the update is torch's own on each HF matrix (its momentum buffers are the parts' state).
+
+The optimizer is handed to DeepSpeed as its client optimizer: at ZeRO-0 in fp32 DeepSpeed steps it on the
+model's own parameters (the other settings are refused by the capability table: ZeRO and DeepSpeed's bf16/fp16
+optimizers flatten parameters into partitions, which are not matrices; TP shards, pipelines and experts are not
+built yet).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from hybrid.model.naming import canonical_parameters
+from hybrid.model.qkv import split_qkv_flat
+
+# the transformer layers' matrices that take Muon (the rest of the layer's parameters are norms and biases); the
+# fused ones (QKV, and fc1 when gated) are stepped as their parts
+_MATRIX = re.compile(r"^layers\.\d+\.(attention\.(qkv|dense)|mlp\.(fc1|fc2))\.weight$")
+
+
+def takes_muon(name: str) -> bool:
+    """Whether a canonical parameter is one of the matrices torch's Muon steps."""
+    return bool(_MATRIX.match(name))
+
+
+def is_fused(name: str, config) -> bool:
+    """Whether a Muon matrix is stepped as parts (copies of its rows: hybrid.memory counts them)."""
+    return name.endswith("attention.qkv.weight") or (name.endswith("mlp.fc1.weight") and config.gated_linear_unit)
+
+
+def muon_rows(name: str, param: torch.Tensor, config) -> list:
+    """The HF matrices a weight holds, as row indices of it ([None]: the whole weight is one matrix)."""
+    rows = torch.arange(param.shape[0], device=param.device)
+    if not is_fused(name, config):
+        return [None]
+    if name.endswith("attention.qkv.weight"):
+        head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+        groups = config.num_query_groups or config.num_attention_heads
+        return list(split_qkv_flat(rows, config.num_attention_heads // groups, head_dim))
+    return list(rows.chunk(2))  # a gated MLP's fc1: gate, then up
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon on the layers' matrices (each HF projection its own), torch.optim.AdamW on the rest;
+    `param_groups` are AdamW's groups and one group of the Muon weights, whose lr and weight decay the step
+    hands to torch's Muon."""
+
+    def __init__(self, model, config, num_layers: int, adamw_groups: list, lr: float, weight_decay: float,
+                 betas: tuple, eps: float, momentum: float, nesterov: bool, ns_steps: int, adjust_lr_fn):
+        names = {id(p): n for n, p in canonical_parameters(model, num_layers).items()}
+        matrices = [p for g in adamw_groups for p in g["params"] if takes_muon(names.get(id(p), "")) and p.dim() == 2]
+        chosen = {id(p) for p in matrices}
+        adamw_groups = [dict(g, params=[p for p in g["params"] if id(p) not in chosen]) for g in adamw_groups]
+        adamw_groups = [g for g in adamw_groups if g["params"]]
+        self.parts = []  # (weight, its rows, the part torch's Muon steps)
+        targets = []
+        for weight in matrices:
+            for rows in muon_rows(names[id(weight)], weight, config):
+                if rows is None:
+                    targets.append(weight)
+                    continue
+                part = torch.nn.Parameter(weight.detach().index_select(0, rows).clone())
+                self.parts.append((weight, rows, part))
+                targets.append(part)
+        self.adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.muon = torch.optim.Muon(targets, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                     nesterov=nesterov, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        self.matrices = matrices
+        muon_group = {"params": matrices, "lr": lr, "weight_decay": weight_decay, "muon": True}
+        super().__init__([*self.adamw.param_groups, muon_group], {"lr": lr, "weight_decay": weight_decay})
+        # AdamW's group dicts are the ones it steps with (the scheduler's lr reaches it); Muon's is handed over
+        self.param_groups[:len(self.adamw.param_groups)] = self.adamw.param_groups
+
+    def describe(self) -> str:
+        """For the log: what takes which optimizer."""
+        matrices = len(self.muon.param_groups[0]["params"])
+        return (f"torch.optim.Muon on {matrices} matrices ({len(self.matrices)} weights, fused ones split into their "
+                f"HF projections) + torch.optim.AdamW on the other {sum(len(g['params']) for g in self.adamw.param_groups)} "
+                f"parameters")
+
+    @property
+    def muon_group(self) -> dict:
+        return self.param_groups[-1]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.muon.param_groups:
+            group["lr"], group["weight_decay"] = self.muon_group["lr"], self.muon_group["weight_decay"]
+        for weight, rows, part in self.parts:
+            part.copy_(weight.index_select(0, rows))
+            part.grad = None if weight.grad is None else weight.grad.index_select(0, rows)
+        self.muon.step()
+        for weight, rows, part in self.parts:
+            weight.index_copy_(0, rows, part)
+            part.grad = None
+        self.adamw.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.adamw.zero_grad(set_to_none)
+        for weight in self.matrices:
+            if set_to_none:
+                weight.grad = None
+            elif weight.grad is not None:
+                weight.grad.zero_()
+
+    def state_dict(self) -> dict:
+        return {"adamw": self.adamw.state_dict(), "muon": self.muon.state_dict(),
+                "muon_group": {k: v for k, v in self.muon_group.items() if k != "params"}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.adamw.load_state_dict(state_dict["adamw"])
+        self.muon.load_state_dict(state_dict["muon"])
+        self.muon_group.update(state_dict["muon_group"])

@@ -1,0 +1,158 @@
+"""--optimizer muon against torch.optim.Muon itself: an imported HF Llama trained by the engine gives the losses of
+transformers trained with torch.optim.Muon on its q, k, v, o, gate, up and down matrices and torch.optim.AdamW on
+the rest, batch for batch; DP 2 equals one rank; a resume is bitwise (the momentum buffers are in the
+checkpoint); what is not built yet is refused by the capability table."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.hf_families import make_family
+from tests.launch_helpers import read_log, run
+
+SEQ = 16
+RUN = ["--seq-length", SEQ, "--micro-batch-size", 2, "--global-batch-size", 4, "--train-iters", 5, "--lr", 0.02,
+       "--lr-decay-style", "constant", "--lr-warmup-iters", 0, "--weight-decay", 0.1, "--clip-grad", 0,
+       "--hidden-dropout", 0, "--attention-dropout", 0, "--eval-iters", 0, "--log-interval", 1, "--no-progress-bar",
+       "--split", "100,0,0"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny HF Llama 3 (untied head, GQA) and a corpus whose every window is the same SEQ + 1 tokens (one
+    document repeating a SEQ-token pattern: the samples' order cannot matter)."""
+    from hybrid.data.indexed import IndexedDatasetBuilder
+    root = tmp_path_factory.mktemp("muon")
+    make_family("llama3", root / "hf", tie_word_embeddings=False)
+    pattern = np.random.RandomState(3).randint(10, 2000, size=SEQ)
+    builder = IndexedDatasetBuilder(str(root / "corpus_text_document"), dtype=np.uint16)
+    builder.add_document(np.tile(pattern, 64))
+    builder.finalize()
+    window = torch.from_numpy(np.concatenate([pattern, pattern[:1]]).astype(np.int64))
+    return {"hf": root / "hf", "data": str(root / "corpus_text_document"), "window": window}
+
+
+def transformers_with_muon(path, window, iterations: int, lr: float, weight_decay: float) -> list[float]:
+    """transformers' Llama trained on `window` (every sample of the batch) with torch.optim.Muon (its defaults) on
+    each layer's q, k, v, o, gate, up and down matrix and torch.optim.AdamW on the embedding, the head and the
+    norms (weight decay on the embedding and the head, none on norms: Megatron-LM's rule): the losses before
+    each step."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()
+    matrices = [p for n, p in model.named_parameters() if n.startswith("model.layers.") and p.dim() == 2]
+    norms = [p for n, p in model.named_parameters() if p.dim() == 1]
+    others = [p for n, p in model.named_parameters() if not n.startswith("model.layers.") and p.dim() == 2]
+    assert len(matrices) == 7 * model.config.num_hidden_layers
+    muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay)
+    adamw = torch.optim.AdamW([{"params": others, "weight_decay": weight_decay},
+                               {"params": norms, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    losses = []
+    for _ in range(iterations):
+        loss = model(window[None], labels=window[None]).loss
+        losses.append(loss.item())
+        loss.backward()
+        muon.step()
+        adamw.step()
+        muon.zero_grad()
+        adamw.zero_grad()
+    return losses
+
+
+def test_muon_trains_an_imported_llama_as_transformers_with_torch_muon_and_adamw(llama, tmp_path):
+    """Five iterations at one rank equal transformers + torch.optim.Muon + AdamW within 1e-4 (fused QKV and gate/up
+    split into their HF matrices for the update), and clearly differ from the AdamW run of the same flags."""
+    flags = ["--load-hf", llama["hf"], "--data-path", llama["data"], *RUN]
+    muon, adam = tmp_path / "muon.jsonl", tmp_path / "adam.jsonl"
+    proc = run("python", 1, flags + ["--optimizer", "muon", "--log-json", muon])
+    assert "torch.optim.Muon on 28 matrices (16 weights" in proc.stdout + proc.stderr
+    run("python", 1, flags + ["--log-json", adam])
+    ours = [r["lm_loss"] for r in read_log(muon)]
+    adamw = [r["lm_loss"] for r in read_log(adam)]
+    want = transformers_with_muon(llama["hf"], llama["window"], 5, 0.02, 0.1)
+    assert len(ours) == 5 and all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(ours, want)), (ours, want)
+    assert ours[0] == adamw[0] and abs(ours[-1] - adamw[-1]) > 100 * 1e-4 * abs(adamw[-1]), (ours, adamw)
+
+
+def test_muon_at_dp2_equals_one_rank_and_resumes_bitwise(llama, tmp_path):
+    """DP 2 (ZeRO-0: each rank steps the whole matrices with the all-reduced gradients) gives the one-rank losses;
+    a run resumed from its iteration-2 checkpoint continues bitwise (Muon's momentum buffers and AdamW's moments
+    saved and loaded)."""
+    flags = ["--load-hf", llama["hf"], "--data-path", llama["data"], *RUN, "--optimizer", "muon"]
+    one, two, resumed = (tmp_path / f"{n}.jsonl" for n in ("one", "two", "resumed"))
+    run("python", 1, flags + ["--log-json", one])
+    run("torchrun", 2, flags + ["--log-json", two, "--save", tmp_path / "ckpt", "--save-interval", 2])
+    (tmp_path / "ckpt" / "latest").write_text("iter_0000002")
+    run("torchrun", 2, flags + ["--log-json", resumed, "--load", tmp_path / "ckpt"])
+    a, b, c = ([r["lm_loss"] for r in read_log(p)] for p in (one, two, resumed))
+    assert all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b)) and len(b) == 5, (a, b)
+    assert c == b[2:], (b, c)
+
+
+@pytest.mark.parametrize("flags,rule", [(["--zero-stage", 1], "muon-zero"), (["--bf16"], "muon-precision"),
+                                        (["--tensor-model-parallel-size", 2], "muon-tensor-parallel"),
+                                        (["--pipeline-model-parallel-size", 2], "muon-pipeline"),
+                                        (["--num-experts", 4, "--disable-bias-linear"], "muon-experts")])
+def test_what_muon_cannot_do_exactly_yet_is_refused_by_the_capability_table(flags, rule):
+    from hybrid.capabilities import RefusedCombination
+    from hybrid.training.run import run_training
+    base = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--optimizer", "muon",
+            "--dry-run-world-size", 2]
+    with pytest.raises(RefusedCombination) as refused:
+        run_training([str(f) for f in base + flags])
+    assert refused.value.rule == rule and "--optimizer muon" in str(refused.value)
+
+
+def test_muon_flags_without_muon_and_a_factor_torch_has_not_are_one_message():
+    from hybrid.errors import ConfigError
+    from hybrid.training.run import run_training
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--dry-run-world-size", "1"]
+    with pytest.raises(ConfigError, match="--muon-momentum set Muon: add --optimizer muon"):
+        run_training(base + ["--muon-momentum", "0.9"])
+    with pytest.raises(ConfigError, match="--muon-extra-scale-factor 2.0: torch.optim.Muon's update has no extra"):
+        run_training(base + ["--optimizer", "muon", "--muon-extra-scale-factor", "2"])
+
+
+def test_the_fused_projections_rows_are_the_hf_matrices():
+    """muon_rows: the fused QKV's q, k and v rows (hybrid.model.qkv's layout) and fc1's gate and up rows give back
+    exactly the HF weights fused into them."""
+    from hybrid.model.config import ModelConfig
+    from hybrid.model.qkv import fuse_qkv
+    from hybrid.training.muon import muon_rows
+    config = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=64,
+                         max_position_embeddings=16, swiglu=True)
+    q, k, v = torch.randn(32, 32), torch.randn(16, 32), torch.randn(16, 32)
+    fused = fuse_qkv(q, k, v, 2)
+    rows = muon_rows("layers.0.attention.qkv.weight", fused, config)
+    assert all(torch.equal(fused[r], t) for r, t in zip(rows, (q, k, v)))
+    gate, up = torch.randn(64, 32), torch.randn(64, 32)
+    rows = muon_rows("layers.0.mlp.fc1.weight", torch.cat([gate, up]), config)
+    assert torch.equal(torch.cat([gate, up])[rows[0]], gate) and torch.equal(torch.cat([gate, up])[rows[1]], up)
+    assert muon_rows("layers.0.mlp.fc2.weight", torch.randn(32, 64), config) == [None]
+
+
+def test_the_dry_run_counts_muons_state_as_the_optimizer_holds_it():
+    """hybrid.memory's Muon bytes equal the state the optimizer holds after a step: torch's Muon momentum buffers,
+    the fused matrices' parts (their rows and gradients), torch's AdamW moments and steps."""
+    from hybrid.memory import _muon_state_bytes, parameter_inventory
+    from hybrid.model.build import build_model
+    from hybrid.model.config import ModelConfig
+    from hybrid.parallel.groups import ParallelGroups
+    from hybrid.training.muon import MuonWithAdamW
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=64,
+                         max_position_embeddings=16, swiglu=True, normalization="RMSNorm", add_bias_linear=False,
+                         position_embedding_type="rope", untie_embeddings_and_output_weights=True)
+    model = build_model(config, ParallelGroups.single())
+    params = [p for p in model.parameters()]
+    optimizer = MuonWithAdamW(model, config, 2, [{"params": params, "weight_decay": 0.1}], 1e-3, 0.1, (0.9, 0.999),
+                              1e-8, 0.95, True, 5, "original")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    states = [*optimizer.adamw.state.values(), *optimizer.muon.state.values()]
+    held = sum(t.nbytes for s in states for t in s.values() if torch.is_tensor(t))
+    held += 2 * sum(part.nbytes for _, _, part in optimizer.parts)  # the rows and, during the step, their gradients
+    want = _muon_state_bytes(parameter_inventory(config, 1), config)
+    assert want["optimizer"] == held and want["params"] == 4 * sum(p.numel() for p in params)
