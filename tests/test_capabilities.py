@@ -53,6 +53,11 @@ EXAMPLES = {
     "fp8-fp16": None,  # --fp16 is refused first on this CPU (fp16-cpu); a GPU's Setup below
     "cpu-offloading-recompute": (["--cpu-offloading", "--recompute-granularity", "selective"], 1),
     "dpo-pipeline-reference": None,  # --dpo needs pair data and --load-hf: tests/test_sft.py checks the refusal
+    "muon-zero": (["--optimizer", "muon", "--zero-stage", 1], 1),
+    "muon-precision": (["--optimizer", "muon", "--bf16"], 1),
+    "muon-tensor-parallel": (["--optimizer", "muon", "--tensor-model-parallel-size", 2], 2),
+    "muon-pipeline": (PP2 + ["--optimizer", "muon"], 2),
+    "muon-experts": (["--optimizer", "muon", "--num-experts", 4, "--disable-bias-linear"], 1),
 }
 
 
@@ -101,7 +106,7 @@ def _setup_of(flags, world):
                  micro_batches=args.global_batch_size // (args.micro_batch_size * (world // (pp * tp * split))),
                  zero_source="--zero-stage", cp=args.context_parallel_size,
                  ulysses=args.ds_sequence_parallel_size, experts=bool(args.num_experts),
-                 ep=args.expert_model_parallel_size)
+                 ep=args.expert_model_parallel_size, optimizer=args.optimizer or "adam")
 
 
 def test_the_same_flags_without_the_conflict_build():
