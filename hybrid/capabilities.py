@@ -262,11 +262,6 @@ RULES = [
          lambda s: s.optimizer == "muon" and s.precision != "fp32",
          lambda s: f"--optimizer muon with --{s.precision}: DeepSpeed's {s.precision} optimizer keeps flat master "
                    f"weights, not the matrices Muon's update needs; train in fp32 (drop --{s.precision})."),
-    Rule("muon-tensor-parallel", "--optimizer muon at TP > 1",
-         "Newton-Schulz needs each matrix whole; the TP shards' gathered update is not built yet",
-         lambda s: s.optimizer == "muon" and s.tp > 1,
-         lambda s: f"--optimizer muon at --tensor-model-parallel-size {s.tp}: each rank holds a shard of every "
-                   f"matrix and Muon orthogonalizes whole matrices (not built yet); use TP 1 with data parallelism."),
     Rule("muon-pipeline", "--optimizer muon with pipeline parallelism",
          "the pipeline's stages are not proved with Muon yet",
          lambda s: s.optimizer == "muon" and s.pp > 1,

@@ -454,7 +454,7 @@ def _stage_model_states(params: dict, plan: MemoryPlan) -> dict:
     their own groups (DeepSpeed's MoE groups), partitioned over the expert-data-parallel group, DP / EP."""
     dense = [[n for name, (n, d) in params.items() if d == decayed and not is_expert(name)] for decayed in (True, False)]
     if plan.muon:
-        return _muon_state_bytes(params, plan.model)
+        return _muon_state_bytes(params, plan.model, plan.tp)
     states = model_state_bytes(dense, plan.zero)
     experts = [[n for name, (n, d) in params.items() if d == decayed and is_expert(name)] for decayed in (True, False)]
     if any(experts):
@@ -466,17 +466,18 @@ def _stage_model_states(params: dict, plan: MemoryPlan) -> dict:
     return states
 
 
-def _muon_state_bytes(params: dict, config: ModelConfig) -> dict:
+def _muon_state_bytes(params: dict, config: ModelConfig, tp: int = 1) -> dict:
     """--optimizer muon at ZeRO-0 in fp32 (hybrid.training.muon): fp32 weights and gradients; torch's Muon keeps a
     momentum buffer per matrix element, and for a fused matrix its parts' copies of the rows and of their
-    gradients; torch's AdamW two moments and a step per parameter of the rest."""
+    gradients; torch's AdamW two moments and a step per parameter of the rest. At TP > 1 every matrix is a part
+    and each is whole on every rank (its momentum, rows and gradients: TP times this rank's share)."""
     from hybrid.training.muon import is_fused, takes_muon
     muon = sum(n for name, (n, _) in params.items() if takes_muon(name))
-    parts = sum(n for name, (n, _) in params.items() if takes_muon(name) and is_fused(name, config))
+    parts = sum(n for name, (n, _) in params.items() if takes_muon(name) and (tp > 1 or is_fused(name, config)))
     adam = [n for name, (n, _) in params.items() if not takes_muon(name)]
     numel = muon + sum(adam)
-    return dict(params=4 * numel, grads=4 * numel, optimizer=4 * muon + 8 * parts + 8 * sum(adam) + 4 * len(adam),
-                host_optimizer=0)
+    return dict(params=4 * numel, grads=4 * numel,
+                optimizer=4 * tp * muon + 8 * tp * parts + 8 * sum(adam) + 4 * len(adam), host_optimizer=0)
 
 
 def estimate(plan: MemoryPlan) -> list[dict]:

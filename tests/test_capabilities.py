@@ -55,7 +55,6 @@ EXAMPLES = {
     "dpo-pipeline-reference": None,  # --dpo needs pair data and --load-hf: tests/test_sft.py checks the refusal
     "muon-zero": (["--optimizer", "muon", "--zero-stage", 1], 1),
     "muon-precision": (["--optimizer", "muon", "--bf16"], 1),
-    "muon-tensor-parallel": (["--optimizer", "muon", "--tensor-model-parallel-size", 2], 2),
     "muon-pipeline": (PP2 + ["--optimizer", "muon"], 2),
     "muon-experts": (["--optimizer", "muon", "--num-experts", 4, "--disable-bias-linear"], 1),
 }

@@ -92,7 +92,6 @@ def test_muon_at_dp2_equals_one_rank_and_resumes_bitwise(llama, tmp_path):
 
 
 @pytest.mark.parametrize("flags,rule", [(["--zero-stage", 1], "muon-zero"), (["--bf16"], "muon-precision"),
-                                        (["--tensor-model-parallel-size", 2], "muon-tensor-parallel"),
                                         (["--pipeline-model-parallel-size", 2], "muon-pipeline"),
                                         (["--num-experts", 4, "--disable-bias-linear"], "muon-experts")])
 def test_what_muon_cannot_do_exactly_yet_is_refused_by_the_capability_table(flags, rule):
@@ -153,6 +152,20 @@ def test_the_dry_run_counts_muons_state_as_the_optimizer_holds_it():
     optimizer.step()
     states = [*optimizer.adamw.state.values(), *optimizer.muon.state.values()]
     held = sum(t.nbytes for s in states for t in s.values() if torch.is_tensor(t))
-    held += 2 * sum(part.nbytes for _, _, part in optimizer.parts)  # the rows and, during the step, their gradients
+    held += 2 * sum(part.nbytes for _, _, _, part in optimizer.parts)  # the rows and, during the step, their gradients
     want = _muon_state_bytes(parameter_inventory(config, 1), config)
     assert want["optimizer"] == held and want["params"] == 4 * sum(p.numel() for p in params)
+
+
+def test_muon_at_tp2_with_sp_equals_one_rank(llama, tmp_path):
+    """TP 2 + SP: each matrix's rows (QKV, gate and up) or columns (o, down) gathered over TP, Newton-Schulz on the
+    whole matrix on both ranks, each keeping its slice: the one-rank losses within 5e-4. torch's Newton-Schulz
+    runs in bf16, so the TP reductions' last-bit differences in the gradient flip bf16 roundings of the update:
+    measured 1.3e-4 at iteration 4 (with the iteration in fp32, a test-only change, TP 2 equals one rank within
+    1e-5); Newton-Schulz on each TP shard instead of the whole matrix misses by far more."""
+    flags = ["--load-hf", llama["hf"], "--data-path", llama["data"], *RUN, "--optimizer", "muon"]
+    one, two = tmp_path / "one.jsonl", tmp_path / "tp2.jsonl"
+    run("python", 1, flags + ["--log-json", one])
+    run("torchrun", 2, flags + ["--tensor-model-parallel-size", 2, "--sequence-parallel", "--log-json", two])
+    a, b = ([r["lm_loss"] for r in read_log(p)] for p in (one, two))
+    assert len(b) == 5 and all(abs(x - y) <= 5e-4 * abs(x) for x, y in zip(a, b)), (a, b)

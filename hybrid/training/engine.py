@@ -67,7 +67,7 @@ def param_groups(model: nn.Module, run: RunConfig) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def muon_optimizer(model: nn.Module, run: RunConfig):
+def muon_optimizer(model: nn.Module, run: RunConfig, groups):
     """--optimizer muon: hybrid.training.muon's optimizer over param_groups' parameters (DeepSpeed's client
     optimizer); None otherwise (the DeepSpeed config's optimizer)."""
     m = run.optimizer.muon
@@ -75,7 +75,7 @@ def muon_optimizer(model: nn.Module, run: RunConfig):
         return None
     return MuonWithAdamW(model, run.model, run.model.num_layers, param_groups(model, run), run.optimizer.lr,
                          run.optimizer.weight_decay, m.betas, m.eps, m.momentum, m.nesterov, m.ns_steps,
-                         m.adjust_lr_fn)
+                         m.adjust_lr_fn, tp=groups.tp)
 
 
 def units_per_step(global_batch: int, seq_length: int, unit: str) -> int:
@@ -106,7 +106,7 @@ def build_engine(run: RunConfig, groups):
         if run.cpu_offloading:
             keep_host_activations_when_offloading()
     _sanitize_cuda_arch_list()
-    client = muon_optimizer(model, run)
+    client = muon_optimizer(model, run, groups)
     try:
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=None if client else param_groups(model, run), optimizer=client,

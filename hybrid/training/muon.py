@@ -9,12 +9,15 @@ decay is decoupled in both, none on norms and biases (Megatron-LM's rule).
 
 A fused projection's parts are given to torch's Muon as matrices of their own ("parts"): before each step the
 parts take their rows of the weight and of its gradient, torch's Muon steps them, and the rows are written
-back, so the update is torch's own on each HF matrix (its momentum buffers are the parts' state).
+back, so the update is torch's own on each HF matrix (its momentum buffers are the parts' state). With tensor
+parallelism every matrix is a part holding the whole matrix: each rank's rows (column-parallel weights: QKV,
+fc1) or columns (row-parallel ones: the attention's output, fc2) are gathered over the TP group, every TP
+rank steps the whole matrix (Newton-Schulz sees it whole; its momentum is kept whole on each rank) and keeps
+its own slice.
 
 The optimizer is handed to DeepSpeed as its client optimizer: at ZeRO-0 in fp32 DeepSpeed steps it on the
 model's own parameters (the other settings are refused by the capability table: ZeRO and DeepSpeed's bf16/fp16
-optimizers flatten parameters into partitions, which are not matrices; TP shards, pipelines and experts are not
-built yet).
+optimizers flatten parameters into partitions, which are not matrices; pipelines and experts are not built yet).
 """
 
 from __future__ import annotations
@@ -56,24 +59,31 @@ def muon_rows(name: str, param: torch.Tensor, config) -> list:
 class MuonWithAdamW(torch.optim.Optimizer):
     """torch.optim.Muon on the layers' matrices (each HF projection its own), torch.optim.AdamW on the rest;
     `param_groups` are AdamW's groups and one group of the Muon weights, whose lr and weight decay the step
-    hands to torch's Muon."""
+    hands to torch's Muon. `tp`: the TP Axis (hybrid.parallel.groups); at TP > 1 each part is the whole matrix,
+    its rows (column-parallel weights) or columns (row-parallel ones) gathered from every TP rank, stepped on
+    each, and the rank's own slice written back."""
 
     def __init__(self, model, config, num_layers: int, adamw_groups: list, lr: float, weight_decay: float,
-                 betas: tuple, eps: float, momentum: float, nesterov: bool, ns_steps: int, adjust_lr_fn):
+                 betas: tuple, eps: float, momentum: float, nesterov: bool, ns_steps: int, adjust_lr_fn, tp=None):
+        from hybrid.checkpoint.tp_layout import tp_layout
         names = {id(p): n for n, p in canonical_parameters(model, num_layers).items()}
         matrices = [p for g in adamw_groups for p in g["params"] if takes_muon(names.get(id(p), "")) and p.dim() == 2]
         chosen = {id(p) for p in matrices}
         adamw_groups = [dict(g, params=[p for p in g["params"] if id(p) not in chosen]) for g in adamw_groups]
         adamw_groups = [g for g in adamw_groups if g["params"]]
-        self.parts = []  # (weight, its rows, the part torch's Muon steps)
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        layout = tp_layout(config) if self.tp else {}
+        self.parts = []  # (weight, its rows or None, the TP split dimension or None, the part torch's Muon steps)
         targets = []
         for weight in matrices:
-            for rows in muon_rows(names[id(weight)], weight, config):
-                if rows is None:
+            name = names[id(weight)]
+            dim = layout[name].dim if self.tp else None
+            for rows in muon_rows(name, weight, config):
+                if rows is None and dim is None:
                     targets.append(weight)
                     continue
-                part = torch.nn.Parameter(weight.detach().index_select(0, rows).clone())
-                self.parts.append((weight, rows, part))
+                part = torch.nn.Parameter(self._whole(self._rows(weight.detach(), rows), dim))
+                self.parts.append((weight, rows, dim, part))
                 targets.append(part)
         self.adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.muon = torch.optim.Muon(targets, lr=lr, weight_decay=weight_decay, momentum=momentum,
@@ -83,6 +93,25 @@ class MuonWithAdamW(torch.optim.Optimizer):
         super().__init__([*self.adamw.param_groups, muon_group], {"lr": lr, "weight_decay": weight_decay})
         # AdamW's group dicts are the ones it steps with (the scheduler's lr reaches it); Muon's is handed over
         self.param_groups[:len(self.adamw.param_groups)] = self.adamw.param_groups
+
+    @staticmethod
+    def _rows(tensor: torch.Tensor, rows) -> torch.Tensor:
+        return tensor if rows is None else tensor.index_select(0, rows)
+
+    def _whole(self, local: torch.Tensor, dim) -> torch.Tensor:
+        """The whole matrix of a TP-split part (every rank's slice, in rank order); the part itself at TP 1."""
+        if dim is None:
+            return local.clone()
+        pieces = [torch.empty_like(local) for _ in range(self.tp.size)]
+        torch.distributed.all_gather(pieces, local.contiguous(), group=self.tp.group)
+        return torch.cat(pieces, dim)
+
+    def _own(self, whole: torch.Tensor, dim) -> torch.Tensor:
+        """This TP rank's slice of a whole part."""
+        if dim is None:
+            return whole
+        size = whole.shape[dim] // self.tp.size
+        return whole.narrow(dim, self.tp.rank * size, size)
 
     def describe(self) -> str:
         """For the log: what takes which optimizer."""
@@ -100,12 +129,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         for group in self.muon.param_groups:
             group["lr"], group["weight_decay"] = self.muon_group["lr"], self.muon_group["weight_decay"]
-        for weight, rows, part in self.parts:
-            part.copy_(weight.index_select(0, rows))
-            part.grad = None if weight.grad is None else weight.grad.index_select(0, rows)
+        for weight, rows, dim, part in self.parts:
+            part.copy_(self._whole(self._rows(weight, rows), dim))
+            part.grad = None if weight.grad is None else self._whole(self._rows(weight.grad, rows), dim)
         self.muon.step()
-        for weight, rows, part in self.parts:
-            weight.index_copy_(0, rows, part)
+        for weight, rows, dim, part in self.parts:
+            own = self._own(part, dim)
+            if rows is None:
+                weight.copy_(own)
+            else:
+                weight.index_copy_(0, rows, own)
             part.grad = None
         self.adamw.step()
         return loss
