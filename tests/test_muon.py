@@ -76,6 +76,7 @@ def test_muon_trains_an_imported_llama_as_transformers_with_torch_muon_and_adamw
     assert ours[0] == adamw[0] and abs(ours[-1] - adamw[-1]) > 100 * 1e-4 * abs(adamw[-1]), (ours, adamw)
 
 
+@pytest.mark.slow
 def test_muon_at_dp2_equals_one_rank_and_resumes_bitwise(llama, tmp_path):
     """DP 2 (ZeRO-0: each rank steps the whole matrices with the all-reduced gradients) gives the one-rank losses;
     a run resumed from its iteration-2 checkpoint continues bitwise (Muon's momentum buffers and AdamW's moments
@@ -157,6 +158,7 @@ def test_the_dry_run_counts_muons_state_as_the_optimizer_holds_it():
     assert want["optimizer"] == held and want["params"] == 4 * sum(p.numel() for p in params)
 
 
+@pytest.mark.slow
 def test_muon_at_tp2_with_sp_equals_one_rank(llama, tmp_path):
     """TP 2 + SP: each matrix's rows (QKV, gate and up) or columns (o, down) gathered over TP, Newton-Schulz on the
     whole matrix on both ranks, each keeping its slice: the one-rank losses within 5e-4. torch's Newton-Schulz
