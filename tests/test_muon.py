@@ -171,3 +171,4 @@ def test_muon_at_tp2_with_sp_equals_one_rank(llama, tmp_path):
     run("torchrun", 2, flags + ["--tensor-model-parallel-size", 2, "--sequence-parallel", "--log-json", two])
     a, b = ([r["lm_loss"] for r in read_log(p)] for p in (one, two))
     assert len(b) == 5 and all(abs(x - y) <= 5e-4 * abs(x) for x, y in zip(a, b)), (a, b)
+

@@ -106,6 +106,8 @@ def build_engine(run: RunConfig, groups):
         if run.cpu_offloading:
             keep_host_activations_when_offloading()
     _sanitize_cuda_arch_list()
+    if run.optimizer.muon is not None:  # the client optimizer's own tensors are made where the weights will be
+        model.to(get_accelerator().current_device_name())
     client = muon_optimizer(model, run, groups)
     try:
         engine, _, _, _ = deepspeed.initialize(

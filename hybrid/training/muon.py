@@ -129,6 +129,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         for group in self.muon.param_groups:
             group["lr"], group["weight_decay"] = self.muon_group["lr"], self.muon_group["weight_decay"]
+        self._follow_weights()
         for weight, rows, dim, part in self.parts:
             part.copy_(self._whole(self._rows(weight, rows), dim))
             part.grad = None if weight.grad is None else self._whole(self._rows(weight.grad, rows), dim)
@@ -142,6 +143,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
             part.grad = None
         self.adamw.step()
         return loss
+
+    def _follow_weights(self) -> None:
+        """The parts, their rows and Muon's momentum on the weights' device: deepspeed.initialize moves the model
+        to the accelerator after the optimizer is built (a CPU part would meet a CUDA weight)."""
+        for k, (weight, rows, dim, part) in enumerate(self.parts):
+            if part.device == weight.device:
+                continue
+            part.data = part.data.to(weight.device)
+            state = self.muon.state.get(part)
+            if state and "momentum_buffer" in state:
+                state["momentum_buffer"] = state["momentum_buffer"].to(weight.device)
+            self.parts[k] = (weight, None if rows is None else rows.to(weight.device), dim, part)
 
     def zero_grad(self, set_to_none: bool = True):
         self.adamw.zero_grad(set_to_none)
