@@ -25,6 +25,7 @@ from hybrid.checkpoint.client_state import SavedLayout, read_client_state
 from hybrid.checkpoint.files import read_tag
 from hybrid.data import default as default_data
 from hybrid.data.chat import ChatOptions
+from hybrid.data.plan import data_files
 from hybrid.errors import ConfigError
 from hybrid.megatron_compat import check_compat
 from hybrid.model.config import ModelConfig
@@ -201,6 +202,12 @@ def config_summary(run: RunConfig) -> dict:
     return {"model": asdict(run.model), "parallel": asdict(run.parallel), "pipeline": asdict(run.pipeline),
             "training": asdict(run.training), "optimizer": asdict(run.optimizer), "data": asdict(run.data),
             "checkpoint": asdict(run.checkpoint), "logging": asdict(run.logging), "zero_stage": run.zero_stage}
+
+
+def checkpoint_summary(run: RunConfig) -> dict:
+    """The run's summary as a checkpoint records it: config_summary's sections and the data files' sizes (what a
+    resume compares its data plan with: hybrid.data.plan)."""
+    return dict(config_summary(run), data_files=data_files(run.data))
 
 
 def parse_layer_ranges(spec: Optional[str], num_layers: int) -> list[int]:

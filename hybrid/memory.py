@@ -20,7 +20,7 @@ from hybrid.checkpoint.tp_layout import full_numels, tp_layout
 from hybrid.errors import ConfigError
 from hybrid.model.attention import window_blocks
 from hybrid.model.config import ModelConfig
-from hybrid.model.naming import EXPERTS
+from hybrid.model.naming import EXPERTS, is_fused, takes_muon
 from hybrid.parallel.ring_attention import tile_rows
 from hybrid.pipeline_plan import list_partition_bounds, plan_stages, resolve_partition
 
@@ -471,7 +471,6 @@ def _muon_state_bytes(params: dict, config: ModelConfig, tp: int = 1) -> dict:
     momentum buffer per matrix element, and for a fused matrix its parts' copies of the rows and of their
     gradients; torch's AdamW two moments and a step per parameter of the rest. At TP > 1 every matrix is a part
     and each is whole on every rank (its momentum, rows and gradients: TP times this rank's share)."""
-    from hybrid.training.muon import is_fused, takes_muon
     muon = sum(n for name, (n, _) in params.items() if takes_muon(name))
     parts = sum(n for name, (n, _) in params.items() if takes_muon(name) and (tp > 1 or is_fused(name, config)))
     adam = [n for name, (n, _) in params.items() if not takes_muon(name)]

@@ -39,19 +39,12 @@ def data_files(data) -> dict:
     return sizes
 
 
-def plan_summary(run) -> dict:
-    """The run's summary as a checkpoint records it (hybrid.training.saving): config_summary's sections and the
-    data files' sizes."""
-    from hybrid.config import config_summary
-    return dict(config_summary(run), data_files=data_files(run.data))
-
-
 def _plain(value):
     return json.loads(json.dumps(value, default=str))  # tuples as lists, as a reloaded summary has them
 
 
 def plan_changes(saved: dict, now: dict) -> tuple[list[str], str]:
-    """The saved run summary and this run's (`plan_summary`) -> (the differences of the data plan, each the flags
+    """The saved run summary and this run's (hybrid.config.checkpoint_summary) -> (the differences of the data plan, each the flags
     and both values; the global batch size's change, or ''). A field the checkpoint did not record is not
     compared (checkpoints written before it was)."""
     changes = []

@@ -113,3 +113,18 @@ def names_to_load(model, num_layers: int, buffers: bool = True) -> set:
     if getattr(model, "tied_table", None) is not None:
         names.add(EMBEDDING_WEIGHT)
     return names
+
+
+# the transformer layers' matrices that take Muon (the rest of the layer's parameters are norms and biases); the
+# fused ones (QKV, and fc1 when gated) are stepped as their parts
+_MUON_MATRIX = re.compile(r"^layers\.\d+\.(attention\.(qkv|dense)|mlp\.(fc1|fc2))\.weight$")
+
+
+def takes_muon(name: str) -> bool:
+    """Whether a canonical parameter is one of the matrices torch's Muon steps."""
+    return bool(_MUON_MATRIX.match(name))
+
+
+def is_fused(name: str, config) -> bool:
+    """Whether a Muon matrix is stepped as parts (copies of its rows, which hybrid.memory counts)."""
+    return name.endswith("attention.qkv.weight") or (name.endswith("mlp.fc1.weight") and config.gated_linear_unit)

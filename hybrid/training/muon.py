@@ -22,27 +22,11 @@ optimizers flatten parameters into partitions, which are not matrices; pipelines
 
 from __future__ import annotations
 
-import re
-
 import torch
 
-from hybrid.model.naming import canonical_parameters
+from hybrid.checkpoint.tp_layout import tp_layout
+from hybrid.model.naming import canonical_parameters, is_fused, takes_muon
 from hybrid.model.qkv import split_qkv_flat
-
-# the transformer layers' matrices that take Muon (the rest of the layer's parameters are norms and biases); the
-# fused ones (QKV, and fc1 when gated) are stepped as their parts
-_MATRIX = re.compile(r"^layers\.\d+\.(attention\.(qkv|dense)|mlp\.(fc1|fc2))\.weight$")
-
-
-def takes_muon(name: str) -> bool:
-    """Whether a canonical parameter is one of the matrices torch's Muon steps."""
-    return bool(_MATRIX.match(name))
-
-
-def is_fused(name: str, config) -> bool:
-    """Whether a Muon matrix is stepped as parts (copies of its rows: hybrid.memory counts them)."""
-    return name.endswith("attention.qkv.weight") or (name.endswith("mlp.fc1.weight") and config.gated_linear_unit)
-
 
 def muon_rows(name: str, param: torch.Tensor, config) -> list:
     """The HF matrices a weight holds, as row indices of it ([None]: the whole weight is one matrix)."""
@@ -65,7 +49,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, model, config, num_layers: int, adamw_groups: list, lr: float, weight_decay: float,
                  betas: tuple, eps: float, momentum: float, nesterov: bool, ns_steps: int, adjust_lr_fn, tp=None):
-        from hybrid.checkpoint.tp_layout import tp_layout
         names = {id(p): n for n, p in canonical_parameters(model, num_layers).items()}
         matrices = [p for g in adamw_groups for p in g["params"] if takes_muon(names.get(id(p), "")) and p.dim() == 2]
         chosen = {id(p) for p in matrices}

@@ -16,13 +16,13 @@ from hybrid.checkpoint.client_state import ClientState, SavedLayout, read_client
 from hybrid.checkpoint.files import (LATEST, LATEST_UNIVERSAL, first_model_file, iteration_of, load_file, read_tag,
                                      write_atomic)
 from hybrid.checkpoint.manifest import complete_tags, verify_manifest
-from hybrid.config import RunConfig
+from hybrid.config import RunConfig, checkpoint_summary
 from hybrid.conversion.hf import hf_parts
 from hybrid.conversion.layout import hybrid_parts, load_parts
 from hybrid.conversion.megatron_source import megatron_kind, open_source
 from hybrid.conversion.megatron_universal import write_universal
 from hybrid.conversion.universal import convert
-from hybrid.data.plan import plan_changes, plan_summary
+from hybrid.data.plan import plan_changes
 from hybrid.errors import ConfigError
 from hybrid.model.naming import canonical_name, names_to_load
 from hybrid.parallel.random import set_rng_states
@@ -154,7 +154,7 @@ def _restore_client_state(client_state: Optional[dict], run: RunConfig, sequence
 def report_data_plan(state: ClientState, run: RunConfig) -> None:
     """A resumed run continues at the checkpoint's consumed samples of its own data plan, as Megatron-LM does;
     where that plan is not the checkpoint's (hybrid.data.plan), one log line names each difference and the fix."""
-    changes, batch = plan_changes(state.run, plan_summary(run))
+    changes, batch = plan_changes(state.run, checkpoint_summary(run))
     where = f"consumed sample {state.consumed_samples} (iteration {state.iteration})"
     if batch:
         log(f"the checkpoint was trained with {batch}: continuing at {where}, the same order of samples taken "

@@ -21,8 +21,7 @@ from hybrid.checkpoint.client_state import ClientState
 from hybrid.checkpoint.files import LATEST, MEGATRON_LATEST, iteration_of, tag_for, write_atomic
 from hybrid.checkpoint.manifest import write_manifest
 from hybrid.checkpoint.tp_layout import universal_checkpoint_info
-from hybrid.config import RunConfig
-from hybrid.data.plan import plan_summary
+from hybrid.config import RunConfig, checkpoint_summary
 from hybrid.model.naming import canonical_parameters
 from hybrid.parallel.random import get_rng_states
 from hybrid.training.logging import log
@@ -50,7 +49,7 @@ def write_files(engine, run: RunConfig, save_dir: str, iteration: int, consumed_
     universal = _universal_info(run)
     if run.model.num_experts:  # DeepSpeed's MoE save takes these from the module and refuses them as client state
         engine.module.universal_checkpoint_info, universal = universal, None
-    summary = plan_summary(run)
+    summary = checkpoint_summary(run)
     client_state = ClientState(iteration=iteration, consumed_samples=consumed_samples, model=summary.pop("model"),
                                layout=run.saved_layout(), run=summary, args=run.args,
                                rng_states=None if run.checkpoint.no_save_rng else get_rng_states(sequence),
