@@ -155,6 +155,7 @@ def _engines_and_gloo_threads_after_a_run(data: str, zero_config: str, pp: int =
     return sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects()), threads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_config", ["ds_configs/zero1.json", "ds_configs/zero3.json"])
 def test_a_finished_run_leaves_no_engine_and_no_group_threads_behind(data, zero_config):
     """release_engine: after a run no DeepSpeed engine survives (its gradient hooks, ZeRO-3's module stack and

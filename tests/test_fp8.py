@@ -68,6 +68,7 @@ def test_a_fused_weight_scales_each_projection_as_separate_linears():
 FP8_LLAMA = dict(LLAMA, fp8_recipe="tensorwise")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_tp2_sp_computes_one_ranks_fp8_gradients(recipe):
     """Every amax over the whole tensor (TP-split weights and output gradients, SP-gathered inputs): TP 2 + SP

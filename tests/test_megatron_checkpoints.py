@@ -110,6 +110,7 @@ def test_other_families_export_with_megatron_core_logits(family, tmp_path):
 SLOW = pytest.mark.slow
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["torch_dist", pytest.param("torch", marks=SLOW),
                                  pytest.param("torch_te_grouped", marks=SLOW), "torch_grouped"])
 def test_moe_export_has_megatron_core_logits(qwen2_moe, fmt, tmp_path):
@@ -153,6 +154,7 @@ def test_evaluate_gives_megatron_core_loss(llama, fmt, nproc, tmp_path):
     assert abs(result["lm_loss"] - ref["loss"].mean().item()) < 1e-5
 
 
+@pytest.mark.slow
 def test_moe_evaluates_at_ep2_to_megatron_core_loss(qwen2_moe, tmp_path):
     """evaluate.py --load (torch_dist, saved at EP 2) at EP 2: each rank reads its own experts only, and the
     mean loss is megatron-core's."""
@@ -168,6 +170,7 @@ def test_moe_evaluates_at_ep2_to_megatron_core_loss(qwen2_moe, tmp_path):
     assert abs(result["lm_loss"] - ref["loss"].mean().item()) < 1e-5
 
 
+@pytest.mark.slow
 def test_moe_parts_read_only_the_ranks_experts(qwen2_moe, safe_torch_load):
     """An EP rank's read of a torch_dist MoE checkpoint: only the experts it asks for come (a layer at a
     time), equal to the same experts of the whole read."""
@@ -258,6 +261,7 @@ def test_saver_megatron_loads_in_megatron_core(llama, fmt, spelling, tmp_path):
     assert all(diff == 0.0 for rank in check["diffs"] for diff in rank.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", [pytest.param("torch_dist", marks=SLOW), "torch"])
 def test_moe_saver_megatron_loads_in_megatron_core(qwen2_moe, fmt, tmp_path):
     """An MoE model written as Megatron-LM's (torch_dist: experts stacked [layers, experts, ...]; legacy: one
@@ -361,6 +365,7 @@ def _continue_training(trained, tmp_path, launcher="python", nproc=1, load=None,
     return [r["lm_loss"] for r in records], proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_resume_with_megatron_adam_state_continues_megatron_run(trained, tmp_path):
     """--load of the step-3 checkpoint (saved at TP 2) at TP 1 with ZeRO-1: Megatron's Adam moments and step
     come along (as DeepSpeed's universal checkpoint), so iterations 4 and 5 have the losses megatron-core's

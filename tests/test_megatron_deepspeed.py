@@ -38,6 +38,7 @@ def _mean_loss(logits_of, ref: dict) -> float:
     return sum(losses) / len(losses)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_export_has_megatron_deepspeed_loss(name, tmp_path):
     """checkpoint_util.py --loader megatron reads the checkpoint (TP shards joined, QKV regrouped where its

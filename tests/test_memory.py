@@ -412,6 +412,7 @@ def test_dry_run_prints_table_and_json_and_advice_that_fits():
     assert all(s["buffers"] > 0 for s in stages)  # ZeRO-1's reduce buckets and whole gradients are counted
 
 
+@pytest.mark.slow
 def test_dry_run_moves_offloaded_layer_inputs_to_host_memory():
     full = [*BIG, "--recompute-granularity", "full", "--pipeline-model-parallel-size", "2"]
     plain, offloaded = ([json.loads(_train(*full, *extra).stdout.strip().splitlines()[-1])["dry_run"]["stages"]

@@ -172,3 +172,15 @@ def test_muon_at_tp2_with_sp_equals_one_rank(llama, tmp_path):
     a, b = ([r["lm_loss"] for r in read_log(p)] for p in (one, two))
     assert len(b) == 5 and all(abs(x - y) <= 5e-4 * abs(x) for x, y in zip(a, b)), (a, b)
 
+
+
+@pytest.mark.slow
+def test_muon_with_context_parallelism_equals_one_rank(llama, tmp_path):
+    """CP 2 (the sequence split, its gradients reduced over DP x CP before the step): every rank steps the whole
+    matrices with the reduced gradients, the one-rank losses within the bf16 Newton-Schulz's noise (5e-4)."""
+    flags = ["--load-hf", llama["hf"], "--data-path", llama["data"], *RUN, "--optimizer", "muon"]
+    one, two = tmp_path / "one.jsonl", tmp_path / "cp2.jsonl"
+    run("python", 1, flags + ["--log-json", one])
+    run("torchrun", 2, flags + ["--context-parallel-size", 2, "--log-json", two])
+    a, b = ([r["lm_loss"] for r in read_log(p)] for p in (one, two))
+    assert len(b) == 5 and all(abs(x - y) <= 5e-4 * abs(x) for x, y in zip(a, b)), (a, b)

@@ -476,7 +476,8 @@ def _ours(path, separator, options):
     return model
 
 
-@pytest.mark.parametrize("loss_type,smoothing", [("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0)])
+@pytest.mark.parametrize("loss_type,smoothing", [("sigmoid", 0.0), pytest.param("sigmoid", 0.1, marks=pytest.mark.slow),
+                                                pytest.param("ipo", 0.0, marks=pytest.mark.slow)])
 def test_dpo_loss_and_gradient_equal_trls(chat, pairs, loss_type, smoothing, tmp_path):
     """One rank: pairs packed side by side, the policy (the chat model) against a reference (another model, so
     the margins are not zero); loss and the gradients of the embedding, a layer's norm and the final norm equal
@@ -624,6 +625,7 @@ def test_dpo_training_at_every_layout_gives_the_one_rank_losses_and_rewards(chat
         assert (tmp_path / "reference.npz").read_bytes() == written
 
 
+@pytest.mark.slow
 def test_dry_run_counts_the_dpo_reference_model_unless_its_values_are_precomputed(chat, pairs, tmp_path):
     from tests.test_memory import _train
     flags = ["--dry-run", "--dpo", "--load-hf", chat["hf"], "--data-path", pairs["data"], "--seq-length", SEQ,

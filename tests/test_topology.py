@@ -50,6 +50,7 @@ def _describe(tp, pp):
                 has_tp_group=mpu.get_tensor_model_parallel_group() is mpu.get_slice_parallel_group())
 
 
+@pytest.mark.slow
 def test_topology_groups_on_four_ranks_tp2_pp2():
     out = run_on_ranks(_describe, 4, 2, 2)
     assert [(o["tp"], o["pp"], o["dp"]) for o in out] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
