@@ -15,7 +15,8 @@ fc1) or columns (row-parallel ones: the attention's output, fc2) are gathered ov
 rank steps the whole matrix (Newton-Schulz sees it whole; its momentum is kept whole on each rank) and keeps
 its own slice.
 
-The optimizer is handed to DeepSpeed as its client optimizer: at ZeRO-0 in fp32 DeepSpeed steps it on the
+The optimizer is built once the model is on the accelerator (hybrid.training.engine), so its parts and rows are
+made there. It is handed to DeepSpeed as its client optimizer: at ZeRO-0 in fp32 DeepSpeed steps it on the
 model's own parameters (the other settings are refused by the capability table: ZeRO and DeepSpeed's bf16/fp16
 optimizers flatten parameters into partitions, which are not matrices; pipelines and experts are not built yet).
 """
@@ -28,11 +29,12 @@ from hybrid.checkpoint.tp_layout import tp_layout
 from hybrid.model.naming import canonical_parameters, is_fused, takes_muon
 from hybrid.model.qkv import split_qkv_flat
 
+
 def muon_rows(name: str, param: torch.Tensor, config) -> list:
     """The HF matrices a weight holds, as row indices of it ([None]: the whole weight is one matrix)."""
-    rows = torch.arange(param.shape[0], device=param.device)
     if not is_fused(name, config):
         return [None]
+    rows = torch.arange(param.shape[0], device=param.device)
     if name.endswith("attention.qkv.weight"):
         head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
         groups = config.num_query_groups or config.num_attention_heads
@@ -112,7 +114,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         for group in self.muon.param_groups:
             group["lr"], group["weight_decay"] = self.muon_group["lr"], self.muon_group["weight_decay"]
-        self._follow_weights()
         for weight, rows, dim, part in self.parts:
             part.copy_(self._whole(self._rows(weight, rows), dim))
             part.grad = None if weight.grad is None else self._whole(self._rows(weight.grad, rows), dim)
@@ -126,18 +127,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
             part.grad = None
         self.adamw.step()
         return loss
-
-    def _follow_weights(self) -> None:
-        """The parts, their rows and Muon's momentum on the weights' device: deepspeed.initialize moves the model
-        to the accelerator after the optimizer is built (a CPU part would meet a CUDA weight)."""
-        for k, (weight, rows, dim, part) in enumerate(self.parts):
-            if part.device == weight.device:
-                continue
-            part.data = part.data.to(weight.device)
-            state = self.muon.state.get(part)
-            if state and "momentum_buffer" in state:
-                state["momentum_buffer"] = state["momentum_buffer"].to(weight.device)
-            self.parts[k] = (weight, None if rows is None else rows.to(weight.device), dim, part)
 
     def zero_grad(self, set_to_none: bool = True):
         self.adamw.zero_grad(set_to_none)
