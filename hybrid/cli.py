@@ -21,3 +21,8 @@ def convert_main() -> None:
 def evaluate_main() -> None:
     from hybrid.evaluation import main  # each command imports only its own modules
     sys.exit(main())
+
+
+def generate_main() -> None:
+    from hybrid.generation import main  # each command imports only its own modules
+    sys.exit(main())

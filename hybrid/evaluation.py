@@ -49,13 +49,37 @@ from hybrid.conversion.megatron_source import megatron_kind, open_source
 from hybrid.safe_loading import install_safe_torch_load
 
 
-def build_parser():
-    p = FlagParser(description="Evaluate a checkpoint's (or a HuggingFace model's) LM loss on a dataset.",
-                   allow_abbrev=False)
+def add_source_flags(p) -> None:
+    """The flags that say which checkpoint to read and at which layout (evaluate.py's and generate.py's)."""
     p.add_argument("--load", default=None, help="a hybrid, Megatron-LM or Megatron-DeepSpeed checkpoint")
     p.add_argument("--load-hf", default=None, help="a local HuggingFace model directory (instead of --load)")
     p.add_argument("--allow-unsafe-checkpoint-load", action="store_true",
                    help="UNSAFE: unpickle checkpoint files fully (runs any code they hold); only for files you trust")
+    p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism at TP > 1")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="split an MoE checkpoint's experts over this many data-parallel ranks")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=None,
+                   help="with a Megatron checkpoint or --load-hf: the TP to run at (default: the one it was saved "
+                        "at; 1 for --load-hf); a hybrid checkpoint runs at its own")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=None,
+                   help="with a Megatron-LM checkpoint or --load-hf: the PP to run at (default: the one it was saved "
+                        "at; 1 for --load-hf)")
+    p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None)
+    g = p.add_argument_group("FP8 GEMMs (as launch/train.py's)")
+    g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"])
+    g.add_argument("--fp8-recipe", default=None, choices=["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise"])
+    g.add_argument("--fp8-amax-history-len", type=int, default=1)
+    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"])
+    g.add_argument("--fp8-margin", type=int, default=0)
+    g.add_argument("--first-last-layers-bf16", action="store_true")
+    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
+    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
+
+
+def build_parser():
+    p = FlagParser(description="Evaluate a checkpoint's (or a HuggingFace model's) LM loss on a dataset.",
+                   allow_abbrev=False)
+    add_source_flags(p)
     p.add_argument("--data-path", required=True, nargs="+")
     p.add_argument("--seq-length", type=int, required=True)
     p.add_argument("--micro-batch-size", type=int, default=1)
@@ -70,24 +94,6 @@ def build_parser():
     p.add_argument("--sft-truncation", default="truncate", choices=["truncate", "drop"])
     p.add_argument("--sft-skip-bad", action="store_true", help="--sft: count and skip malformed rows")
     p.add_argument("--log-json", default=None)
-    p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism at TP > 1")
-    p.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="split an MoE checkpoint's experts over this many data-parallel ranks")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=None,
-                   help="with a Megatron checkpoint or --load-hf: the TP to evaluate at (default: the one it was saved "
-                        "at; 1 for --load-hf); a hybrid checkpoint is evaluated at its own")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=None,
-                   help="with a Megatron-LM checkpoint: the PP to evaluate at (default: the one it was saved at)")
-    p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None)
-    g = p.add_argument_group("FP8 GEMMs (as launch/train.py's)")
-    g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"])
-    g.add_argument("--fp8-recipe", default=None, choices=["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise"])
-    g.add_argument("--fp8-amax-history-len", type=int, default=1)
-    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"])
-    g.add_argument("--fp8-margin", type=int, default=0)
-    g.add_argument("--first-last-layers-bf16", action="store_true")
-    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
-    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
     return p
 
 
@@ -105,9 +111,20 @@ def stream_windows(prefix: str, seq_length: int, count: int) -> np.ndarray:
     return tokens.reshape(count, width)
 
 
-def evaluate(args) -> dict:
-    if len(args.data_path) != 1:
-        raise ConfigError("--data-path: evaluate.py takes one dataset prefix (no blend weights).")
+@dataclasses.dataclass
+class Source:
+    """A checkpoint to run: its model, the TP x PP to run it at, and `parts(wanted)`, its tensors a part at a time
+    (this rank's only where the format allows)."""
+
+    config: object
+    tp: int
+    pp: int
+    parts: object
+
+
+def open_checkpoint(args, seq_length: Optional[int] = None) -> Source:
+    """The checkpoint --load or --load-hf names, in evaluation form (no dropout, no recompute), at the layout the
+    flags ask for (default: the checkpoint's own; TP = PP = 1 for --load-hf)."""
     if (args.load is None) == (args.load_hf is None):
         raise ConfigError("give one of --load CHECKPOINT_DIR and --load-hf HF_MODEL_DIR.")
     megatron = open_source(args.load) if args.load and megatron_kind(args.load) else None
@@ -134,15 +151,50 @@ def evaluate(args) -> dict:
     config.sequence_parallel = args.sequence_parallel and tp > 1
     check(Setup(tp=tp, experts=bool(config.num_experts), sequence_parallel=config.sequence_parallel),
           only=("moe-tp-without-sp",))
-    if config.sequence_parallel and args.seq_length % tp:
-        raise ConfigError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by the checkpoint's "
+    if config.sequence_parallel and seq_length is not None and seq_length % tp:
+        raise ConfigError(f"--sequence-parallel needs --seq-length {seq_length} divisible by the checkpoint's "
                           f"tensor-parallel size {tp}.")
-    ep = args.expert_model_parallel_size
+    if megatron is not None:  # read a part at a time, this rank's tensors only (its stage, its experts)
+        def parts(wanted):
+            return megatron.parts(config, wanted)
+    elif args.load_hf:
+        def parts(wanted):
+            return hf_parts(args.load_hf, config, wanted)
+    else:
+        state = read_hybrid(args.load)[0]
+
+        def parts(wanted):
+            return [state]
+    return Source(config, tp, pp, parts)
+
+
+def layout_dims(source: Source, ep: int) -> ParallelDims:
+    """The job's layout for the checkpoint: its TP x PP, `ep` (--expert-model-parallel-size), the rest DP."""
+    config = source.config
     if ep > 1 and not config.num_experts:
         raise ConfigError(f"--expert-model-parallel-size {ep}: the checkpoint's model has no experts.")
     if config.num_experts and config.num_experts % ep:
         raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the model's {config.num_experts} experts.")
-    dims = ParallelDims(int(os.environ.get("WORLD_SIZE", "1")), tp, pp, expert_parallel=ep)
+    return ParallelDims(int(os.environ.get("WORLD_SIZE", "1")), source.tp, source.pp, expert_parallel=ep)
+
+
+def loaded_model(config, groups, parts, device):
+    """This rank's part of the model (eval mode) with the checkpoint's tensors, on `device`; a pipeline's layers
+    split as evenly as --pipeline-partition uniform splits them."""
+    pipeline = PipelineSchedule()
+    if groups.pp.size > 1:
+        pipeline = PipelineSchedule(stage_layers=partition_layers(config, groups.tp.size, groups.pp.size, "uniform"))
+    model = build_model(config, groups, pipeline).eval()
+    _load(model, config, groups, parts)
+    return model.to(device)
+
+
+def evaluate(args) -> dict:
+    if len(args.data_path) != 1:
+        raise ConfigError("--data-path: evaluate.py takes one dataset prefix (no blend weights).")
+    source = open_checkpoint(args, args.seq_length)
+    config, tp, pp = source.config, source.tp, source.pp
+    dims = layout_dims(source, args.expert_model_parallel_size)
     dp = dims.data_parallel
     if args.eval_iters is None and not args.sft:
         args.eval_iters = 10
@@ -159,23 +211,12 @@ def evaluate(args) -> dict:
         # every position counts
         batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows.split(args.micro_batch_size)]
     groups = build_groups(dims, experts=bool(config.num_experts))
-    if megatron is not None:  # read a part at a time, this rank's tensors only (its stage, its experts)
-        def parts(wanted):
-            return megatron.parts(config, wanted)
-    elif args.load_hf:
-        def parts(wanted):
-            return hf_parts(args.load_hf, config, wanted)
-    else:
-        state = read_hybrid(args.load)[0]
-
-        def parts(wanted):
-            return [state]
     mine = [batch for k, batch in enumerate(batches) if k % dp == groups.dp.rank]
-    device = _device()
+    device = rank_device()
     if config.fp8_recipe:  # as training checks: no torchao emulation on a GPU without FP8 units
         fp8.check_device(device)
     token_sums = args.sft  # --sft: each micro-batch's sum over its loss tokens, divided by their count at the end
-    losses = _losses(config, groups, parts, mine, device, token_sums)
+    losses = _losses(config, groups, source.parts, mine, device, token_sums)
     # summed on the device the backend communicates on (NCCL needs CUDA tensors), in fp32
     total = torch.stack(losses).sum().reshape(1) if losses else torch.zeros(1, device=device)
     if pp > 1:  # the last stage's sum (the other stages hold none)
@@ -217,7 +258,7 @@ def _chat_batches(args, config, dp: int):
                              "dropped": counts.dropped, "windows": len(tokens) - max(padding, 0)}
 
 
-def _device() -> torch.device:
+def rank_device() -> torch.device:
     """This rank's accelerator (DeepSpeed's choice: cuda:LOCAL_RANK on GPUs, else cpu)."""
     return torch.device(get_accelerator().current_device_name())
 
@@ -231,14 +272,9 @@ def _load(model, config, groups, parts) -> None:
 @torch.no_grad()
 def _losses(config, groups, parts, batches, device, token_sums: bool = False) -> list[torch.Tensor]:
     """Each micro-batch's loss, the mean over its tokens or (`token_sums`) their sum, through the training
-    runtime's forward-only pass over this rank's stages (one stage at PP = 1; a pipeline's layers split as
-    evenly as --pipeline-partition uniform splits them), on the rank holding the last stage."""
-    pipeline = PipelineSchedule()
-    if groups.pp.size > 1:
-        pipeline = PipelineSchedule(stage_layers=partition_layers(config, groups.tp.size, groups.pp.size, "uniform"))
-    model = build_model(config, groups, pipeline).eval()
-    _load(model, config, groups, parts)
-    model.to(device)
+    runtime's forward-only pass over this rank's stages (one stage at PP = 1), on the rank holding the last
+    stage."""
+    model = loaded_model(config, groups, parts, device)
     objective = LanguageModeling(groups, config.vocab_size, per_token=token_sums)
     scale = torch.ones((), device=device) if token_sums else None
     moved = [to_device(batch, device) for batch in batches]

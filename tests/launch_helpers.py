@@ -45,7 +45,8 @@ def command(launcher: str, nproc: int, script: str) -> list[str]:
 
 # the entry scripts a test may run on warm pool ranks instead of a new launch: script -> module with `main(argv)`
 IN_PROCESS = {"launch/train.py": "hybrid.training.run", "launch/evaluate.py": "hybrid.evaluation",
-              "conversion/checkpoint_util.py": "hybrid.conversion.checkpoint_util"}
+              "conversion/checkpoint_util.py": "hybrid.conversion.checkpoint_util",
+              "launch/generate.py": "hybrid.generation"}
 REAL_LAUNCHES = "HYBRID_TEST_REAL_LAUNCHES"  # set to 1: every run() starts its launcher, as before the pool
 
 

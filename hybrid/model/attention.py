@@ -194,6 +194,7 @@ class SelfAttention(nn.Module):
         groups = as_groups(groups)
         tp = groups.tp_size
         self.config = config
+        self.layer_number = layer_number
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.head_dim = config.head_dim
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * config.head_dim
@@ -230,6 +231,8 @@ class SelfAttention(nn.Module):
         if self.rotary is not None:
             cos, sin = self.rotary(s, x.device, None if layout is None else layout.positions)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if getattr(layout, "cache", None) is not None:  # decoding (hybrid.model.kv_cache): the cached keys too
+            return self.dense(layout.attend(self.layer_number, q, k, v, self.core.scale, self.core.window))
         split = (None, None, None) if layout is None else (layout.documents, layout.cp, layout.ulysses)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             # Selective recompute (Korthikanti et al. 2022): keep q, k, v; recompute the

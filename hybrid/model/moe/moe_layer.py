@@ -53,7 +53,9 @@ class MoELayer(nn.Module):
         return self.deepspeed_moe.experts.grouped
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.groups.tp_size > 1 and not self.config.sequence_parallel:
+        if self.groups.tp_size > 1 and not self.config.sequence_parallel and torch.is_grad_enabled():
+            # training splits the tokens over TP (each rank routes its shard); without gradients (decoding, where a
+            # step's one position cannot be split) every TP rank routes all tokens through its replicated experts
             raise RuntimeError("an MoE layer at TP > 1 needs sequence parallelism (each TP rank routes its shard)")
         s, b, h = x.shape
         flat = x.reshape(s * b, h)

@@ -1,0 +1,228 @@
+"""Generation with the model's own layers, at the layout it trains at (TP, SP, PP, EP), from the weights it holds:
+a prefill of the left-padded prompts, then one token per step through a key/value cache (hybrid.model.kv_cache).
+
+Every rank of the job calls `generate` with the same prompts of its data-parallel group. Each step runs the
+virtual stages in order (stage to stage by point-to-point sends over the pipeline group); the last stage's
+logits of the newest position are gathered over TP (fp32, the vocabulary's padding dropped) and the token is
+chosen as transformers' `generate` chooses it: greedy at temperature 0, else its temperature, top-k and top-p
+warpers (transformers' own) and a draw from the softmax. The chosen tokens reach every pipeline rank by a
+broadcast from the last stage. Sequence parallelism is off while decoding (a step's one new position cannot be
+split over TP ranks; the all-reduces it replaces compute the same sums).
+
+Sampling is reproducible at any layout and batch composition: row r draws from its own generator, seeded from
+(`seed`, `keys[r]`), the caller's global index of the row (prompt and completion number).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from hybrid.model.kv_cache import DecodeLayout, KVCache
+from hybrid.parallel import collectives as C
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """transformers' generation settings: temperature 0 is greedy; top_k 0 and top_p 1.0 keep every token."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    eos: tuple = ()  # token ids that end a row (kept as its last token); none: rows run to max_new_tokens
+    pad: int = 0  # the id left padding carries (never attended)
+
+
+@dataclass
+class Generated:
+    """Per row: the completion's token ids (an EOS included) and each token's log-probability under the
+    distribution it was drawn from before top-k/top-p (log_softmax(logits / temperature); greedy: of the logits)."""
+
+    tokens: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def decoding(model):
+    """The model in decoding form for the block: eval mode, no autograd, no sequence parallelism."""
+    switched = [(m, name) for m in model.modules() for name in ("sequence_parallel", "reduce_scatter_embeddings")
+                if getattr(m, name, False) is True]
+    config, was_sp, was_training = model.config, model.config.sequence_parallel, model.training
+    for m, name in switched:
+        setattr(m, name, False)
+    config.sequence_parallel = False
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, name in switched:
+            setattr(m, name, True)
+        config.sequence_parallel = was_sp
+        model.train(was_training)
+
+
+def row_generators(keys: Sequence[int], seed: int, device) -> list:
+    """One torch.Generator per row, seeded from (seed, the row's global key)."""
+    gens = []
+    for key in keys:
+        g = torch.Generator(device=device)
+        g.manual_seed((int(seed) * 1_000_003 + int(key) * 7_919 + 12_345) % (2 ** 63))
+        gens.append(g)
+    return gens
+
+
+def choose(logits: torch.Tensor, options: SamplingOptions, generators) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [b, V] fp32 -> (tokens [b], their log-probabilities [b]) as transformers' generate chooses."""
+    if options.temperature <= 0:
+        tokens = logits.argmax(dim=-1)
+        return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    scores = TemperatureLogitsWarper(options.temperature)(None, logits)
+    logprobs = torch.log_softmax(scores, dim=-1)
+    if options.top_k > 0:
+        scores = TopKLogitsWarper(options.top_k)(None, scores)
+    if options.top_p < 1.0:
+        scores = TopPLogitsWarper(options.top_p)(None, scores)
+    probs = torch.softmax(scores, dim=-1)
+    tokens = torch.cat([torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(generators)])
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+
+
+def _stage_step(model, stage, inputs, layout):
+    """One virtual stage over the new positions: ids [b, s] (first) or hidden [s, b, h] in; hidden out, or at
+    the last stage the newest position's logits [1, b, V/tp]."""
+    hidden = model.embedding(inputs, layout) if stage.first else inputs
+    for layer in stage.layers:
+        hidden = layer(hidden, layout)
+    if stage.last:
+        return model.logits(model.final_norm(hidden[-1:]), for_loss=False)
+    return hidden
+
+
+class _Pipeline:
+    """The virtual stages in order over the pipeline group: who runs each, and the sends between them."""
+
+    def __init__(self, model, groups, dtype):
+        self.model, self.groups, self.dtype = model, groups, dtype
+        self.plans = sorted(model.all_plans, key=lambda p: p.index)
+        self.mine = {stage.plan.index: stage for stage in model.stages}
+        self.last_rank = self.plans[-1].rank
+
+    def logits(self, ids: torch.Tensor, layout: DecodeLayout, hidden_size: int) -> Optional[torch.Tensor]:
+        """Run every stage over the new ids [b, s]; the full-vocabulary fp32 logits [b, V] on the last stage's
+        ranks, None elsewhere."""
+        pp, me = self.groups.pp, self.groups.pp.rank
+        out = ids
+        for k, plan in enumerate(self.plans):
+            if plan.rank == me:
+                out = _stage_step(self.model, self.mine[plan.index], out, layout)
+            if plan.last:
+                break
+            following = self.plans[k + 1].rank
+            if following == plan.rank:
+                continue
+            if me == plan.rank:
+                dist.send(out.contiguous(), group=pp.group, group_dst=following)
+            elif me == following:
+                out = torch.empty(ids.size(1), ids.size(0), hidden_size, dtype=self.dtype, device=ids.device)
+                dist.recv(out, group=pp.group, group_src=plan.rank)
+        if me != self.last_rank:
+            return None
+        full = C.all_gather_along_dim(out[-1], -1, self.groups.tp.group)  # [b, V_padded]
+        return full[:, :self.model.config.vocab_size].float()
+
+    def share(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The last stage's tensor on every pipeline rank."""
+        if self.groups.pp.size > 1:
+            dist.broadcast(tensor, group=self.groups.pp.group, group_src=self.last_rank)
+        return tensor
+
+
+def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optional[Sequence[int]] = None,
+             device=None, stop: Optional[Callable[[int, list], bool]] = None, sync=None) -> Generated:
+    """Complete every prompt (token id lists) with `model` (a RankModel at this rank's layout). `keys`: each
+    row's global index for its sampling generator (default 0 ..); `stop(row, tokens)`: a host-side check after
+    each step (stop strings) that ends a row early; `sync`: an Axis whose ranks must run every step together
+    (expert parallelism: their experts meet in each step), so decoding ends when all of theirs have ended."""
+    groups = model.groups if groups is None else groups
+    device = device or next(model.parameters()).device
+    b, width = len(prompts), max(len(p) for p in prompts)
+    slots = width + options.max_new_tokens
+    valid = torch.zeros(b, slots, dtype=torch.bool, device=device)
+    ids = torch.full((b, width), options.pad, dtype=torch.long, device=device)
+    for r, prompt in enumerate(prompts):
+        ids[r, width - len(prompt):] = torch.as_tensor(prompt, dtype=torch.long, device=device)
+        valid[r, width - len(prompt):] = True
+    valid[:, width:] = True
+    positions = (valid[:, :width].long().cumsum(1) - 1).clamp(min=0)  # [b, width]
+    next_position = valid[:, :width].sum(1)  # [b]: each row's first completion position
+    cache = KVCache(b, slots, valid)
+    dtype = next(model.parameters()).dtype
+    pipe = _Pipeline(model, groups, dtype)
+    gens = row_generators(keys if keys is not None else range(b), options.seed, device) \
+        if options.temperature > 0 else None
+    eos = torch.as_tensor(list(options.eos) or [-1], device=device)
+    out_tokens = torch.zeros(b, options.max_new_tokens, dtype=torch.long, device=device)
+    out_logps = torch.zeros(b, options.max_new_tokens, dtype=torch.float32, device=device)
+    finished = torch.zeros(b, dtype=torch.bool, device=device)
+    ended_by_stop = [False] * b
+    lengths = torch.full((b,), options.max_new_tokens, dtype=torch.long, device=device)
+    start_time, steps, prefill_s = time.perf_counter(), 0, 0.0
+    with decoding(model):
+        layout, start, new = DecodeLayout(positions=positions.t(), cache=cache, start=0), 0, ids
+        for step in range(options.max_new_tokens):
+            logits = pipe.logits(new, layout, model.config.hidden_size)
+            chosen = torch.zeros(2, b, dtype=torch.float64, device=device)
+            if logits is not None:
+                tokens, logps = choose(logits, options, gens)
+                chosen = torch.stack([tokens.double(), logps.double()])
+            chosen = pipe.share(chosen)
+            tokens, logps = chosen[0].long(), chosen[1].float()
+            out_tokens[:, step], out_logps[:, step] = tokens, logps
+            ends = (~finished) & torch.isin(tokens, eos)
+            lengths = torch.where(ends, step + 1, lengths)
+            finished |= ends
+            steps = step + 1
+            if step == 0:
+                prefill_s = time.perf_counter() - start_time
+            if stop is not None:
+                finished |= _stopped(stop, out_tokens[:, :step + 1], finished, lengths, step, ended_by_stop)
+            if _all_done(finished, sync):  # one host read per step, as transformers' own loop
+                break
+            start += new.size(1)
+            layout = DecodeLayout(positions=(next_position + step)[None, :], cache=cache, start=start)
+            new = tokens[:, None]
+    counts = lengths.clamp(max=steps).tolist()
+    tokens, logps = out_tokens.tolist(), out_logps.tolist()
+    elapsed = time.perf_counter() - start_time
+    return Generated([tokens[r][:counts[r]] for r in range(b)], [logps[r][:counts[r]] for r in range(b)],
+                     {"rows": b, "steps": steps, "prefill_s": prefill_s, "decode_s": elapsed - prefill_s,
+                      "new_tokens": int(sum(counts)), "cache_bytes": cache.bytes()})
+
+
+def _all_done(finished: torch.Tensor, sync) -> bool:
+    if sync is None:
+        return bool(finished.all())
+    running = (~finished).any().to(torch.int32).reshape(1)
+    dist.all_reduce(running, op=dist.ReduceOp.MAX, group=sync.group)
+    return not bool(running)
+
+
+def _stopped(stop, tokens: torch.Tensor, finished, lengths, step: int, ended: list) -> torch.Tensor:
+    """Rows whose text now meets a stop condition (`stop(row, tokens)`), their length set to this step."""
+    hit = torch.zeros_like(finished)
+    host, done = tokens.tolist(), finished.tolist()
+    for r, row in enumerate(host):
+        if not done[r] and stop(r, row):
+            hit[r], ended[r] = True, True
+            lengths[r] = step + 1
+    return hit

@@ -1,0 +1,67 @@
+"""The key/value cache of decoding: the model's own attention layers run over new tokens only, attending the
+keys and values every earlier step wrote (hybrid.model.generate drives it).
+
+A batch of prompts of different lengths is left-padded to one width, so every row's new token fills the same
+slot: slot j holds the j-th token of the padded row; `valid` marks the slots that hold a real token. A query
+attends the slots up to its own that are valid (and, with a sliding window, the last `window` of them by slot:
+padding only precedes a row's tokens, so slot distances are position distances). A padding slot's query attends
+itself only, so its (unused) keys and values stay finite and never reach a real token through a zero weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from hybrid.model.sequence import SequenceLayout
+
+
+class KVCache:
+    """Every layer's keys and values of one batch of rows, [b, kv heads/tp, slots, d] each, preallocated."""
+
+    def __init__(self, rows: int, slots: int, valid: torch.Tensor):
+        self.rows, self.slots = rows, slots
+        self.valid = valid  # [b, slots] bool: which slots hold a real token (written as they fill)
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [s, b, kv heads, d] at slots start .. start+s; the layer's filled slots [b, heads, end, d]."""
+        s, b, heads, d = k.shape
+        if layer not in self.keys:
+            self.keys[layer] = k.new_zeros(b, heads, self.slots, d)
+            self.values[layer] = v.new_zeros(b, heads, self.slots, d)
+        end = start + s
+        self.keys[layer][:, :, start:end] = k.permute(1, 2, 0, 3)
+        self.values[layer][:, :, start:end] = v.permute(1, 2, 0, 3)
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+
+
+@dataclass
+class DecodeLayout(SequenceLayout):
+    """The layout of a decoding step: the new tokens' positions [s, b] (rotary and learned position tables),
+    the slot the first of them fills, and the cache their attention reads and writes."""
+
+    cache: Optional[KVCache] = field(default=None)
+    start: int = 0
+
+    def attend(self, layer: int, q, k, v, scale: float, window: Optional[int]) -> torch.Tensor:
+        """q [s, b, nq, d], the new k, v [s, b, ng, d] -> context [s, b, nq*d] over every filled slot."""
+        s, b, nq, d = q.shape
+        keys, values = self.cache.write(layer, self.start, k, v)
+        end = self.start + s
+        query_slot = torch.arange(self.start, end, device=q.device)[:, None]
+        key_slot = torch.arange(end, device=q.device)[None, :]
+        allowed = key_slot <= query_slot  # [s, end]
+        if window is not None:
+            allowed = allowed & (key_slot > query_slot - window)
+        mask = (allowed & self.cache.valid[:, None, :end]) | (key_slot == query_slot)  # [b, s, end]
+        out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), keys, values, attn_mask=mask[:, None],
+                                             scale=scale, enable_gqa=keys.size(1) != nq)
+        return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)

@@ -1,0 +1,205 @@
+"""Generation with the engine's own layers (hybrid.model.generate, launch/generate.py): greedy decoding equals
+transformers' `generate(do_sample=False)` token for token for every family, batched prompts of different lengths,
+at one rank, TP 2 + SP, PP 2 and EP 2; each token's log-probability equals transformers' forward on the finished
+sequence (the train-inference mismatch); seeded sampling does not depend on the layout or the batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.hf_families import FAMILIES, make_family
+from tests.launch_helpers import run
+from tests.rank_pool import run_on_ranks
+
+PROMPT_LENGTHS = (5, 11, 2, 7)
+NEW = 12
+
+
+def prompts(seed: int = 3, lengths=PROMPT_LENGTHS, vocab: int = 8192) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(hf, prompt: list, new: int = NEW) -> list:
+    """transformers' greedy completion of one unpadded prompt (no EOS stop: min_new_tokens = new)."""
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logprobs(hf, prompt: list, completion: list, temperature: float = 1.0) -> torch.Tensor:
+    """transformers' forward on prompt + completion: each completion token's log-probability."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen")
+    return {family: (root / family, make_family(family, root / family, tokenizer=False)) for family in FAMILIES}
+
+
+def one_rank_model(path):
+    from hybrid.evaluation import loaded_model
+    from hybrid.conversion.hf import hf_parts, read_hf_config
+    from hybrid.parallel.groups import ParallelGroups
+    config = read_hf_config(str(path), "--load-hf")
+    groups = ParallelGroups.single()
+    return loaded_model(config, groups, lambda wanted: hf_parts(str(path), config, wanted), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_transformers_and_the_logprobs_equal_its_forward(family, hf_models):
+    from hybrid.model.generate import SamplingOptions, generate
+    path, hf = hf_models[family]
+    model = one_rank_model(path)
+    batch = prompts()
+    out = generate(model, None, batch, SamplingOptions(max_new_tokens=NEW))
+    for prompt, tokens, logps in zip(batch, out.tokens, out.logprobs):
+        assert tokens == hf_greedy(hf, prompt), family
+        mismatch = (hf_logprobs(hf, prompt, tokens) - torch.tensor(logps)).abs().max().item()
+        assert mismatch <= 1e-5, (family, mismatch)
+    assert out.stats["new_tokens"] == NEW * len(batch) and out.stats["cache_bytes"] > 0
+
+
+def test_a_row_stops_at_its_eos_and_the_batch_when_every_row_has(hf_models):
+    from hybrid.model.generate import SamplingOptions, generate
+    path, hf = hf_models["llama3"]
+    model = one_rank_model(path)
+    batch = prompts()
+    free = generate(model, None, batch, SamplingOptions(max_new_tokens=NEW)).tokens
+    eos = free[1][3]  # row 1 ends at its 4th token (and any other row where that token comes first)
+    out = generate(model, None, batch, SamplingOptions(max_new_tokens=NEW, eos=(eos,)))
+    for full, cut in zip(free, out.tokens):
+        end = full.index(eos) + 1 if eos in full else len(full)
+        assert cut == full[:end]
+    everyone = generate(model, None, batch, SamplingOptions(max_new_tokens=NEW, eos=tuple({r[0] for r in free})))
+    assert everyone.stats["steps"] == 1 and [len(t) for t in everyone.tokens] == [1] * len(batch)
+
+
+def test_seeded_sampling_is_per_row_uses_transformers_warpers_and_reports_the_tempered_logprob(hf_models):
+    from hybrid.model.generate import SamplingOptions, generate
+    path, hf = hf_models["qwen2"]
+    model = one_rank_model(path)
+    batch = prompts()
+    options = SamplingOptions(max_new_tokens=NEW, temperature=0.8, top_k=50, top_p=0.9, seed=7)
+    together = generate(model, None, batch, options, keys=[10, 11, 12, 13])
+    alone = generate(model, None, [batch[2]], options, keys=[12])  # the same row, alone: the same draw
+    assert alone.tokens[0] == together.tokens[2]
+    again = generate(model, None, batch, options, keys=[10, 11, 12, 13])
+    assert again.tokens == together.tokens
+    other = generate(model, None, batch, SamplingOptions(**{**options.__dict__, "seed": 8}), keys=[10, 11, 12, 13])
+    assert other.tokens != together.tokens
+    for prompt, tokens, logps in zip(batch, together.tokens, together.logprobs):
+        mismatch = (hf_logprobs(hf, prompt, tokens, 0.8) - torch.tensor(logps)).abs().max().item()
+        assert mismatch <= 1e-5, mismatch
+    top1 = generate(model, None, batch, SamplingOptions(max_new_tokens=NEW, temperature=1.0, top_k=1))
+    assert top1.tokens == generate(model, None, batch, SamplingOptions(max_new_tokens=NEW)).tokens
+
+
+def _generate_on_rank(path: str, tp: int, pp: int, ep: int, sp: bool, batch: list, options: dict):
+    import dataclasses
+    from hybrid.conversion.hf import hf_parts, read_hf_config
+    from hybrid.evaluation import loaded_model
+    from hybrid.model.generate import SamplingOptions, generate
+    from hybrid.parallel.dims import ParallelDims
+    from hybrid.parallel.groups import build_groups
+    config = read_hf_config(path, "--load-hf")
+    config = dataclasses.replace(config, sequence_parallel=sp)
+    groups = build_groups(ParallelDims(2, tp, pp, expert_parallel=ep), experts=bool(config.num_experts))
+    model = loaded_model(config, groups, lambda wanted: hf_parts(path, config, wanted), torch.device("cpu"))
+    mine = batch if ep == 1 else batch[groups.dp.rank::2]  # EP: each data-parallel rank its own rows
+    keys = list(range(len(batch))) if ep == 1 else list(range(groups.dp.rank, len(batch), 2))
+    out = generate(model, groups, mine, SamplingOptions(**options), keys=keys,
+                   sync=groups.ep if ep > 1 else None)
+    return keys, out.tokens, out.logprobs, model.config.sequence_parallel
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,tp,pp,ep,sp", [("llama3", 2, 1, 1, True), ("qwen3", 1, 2, 1, False),
+                                                ("mistral", 2, 1, 1, False), ("mixtral", 1, 1, 2, False),
+                                                ("qwen3_moe", 2, 1, 1, True)])
+def test_greedy_at_tp2_sp_pp2_ep2_equals_transformers_and_sampling_equals_one_rank(family, tp, pp, ep, sp,
+                                                                                   hf_models):
+    from hybrid.model.generate import SamplingOptions, generate
+    path, hf = hf_models[family]
+    batch = prompts(lengths=(5, 11, 2, 7, 9, 3))
+    ranks = run_on_ranks(_generate_on_rank, 2, str(path), tp, pp, ep, sp, batch, {"max_new_tokens": NEW})
+    rows = {k: (t, lp) for keys, tokens, logps, _ in ranks for k, t, lp in zip(keys, tokens, logps)}
+    assert sorted(rows) == list(range(len(batch)))
+    assert all(r[3] == sp for r in ranks)  # sequence parallelism is back on after decoding
+    for k, prompt in enumerate(batch):
+        tokens, logps = rows[k]
+        assert tokens == hf_greedy(hf, prompt), (family, k)
+        mismatch = (hf_logprobs(hf, prompt, tokens) - torch.tensor(logps)).abs().max().item()
+        assert mismatch <= 1e-5, (family, mismatch)
+    sampling = {"max_new_tokens": NEW, "temperature": 1.0, "top_p": 0.95, "seed": 3}
+    ranks = run_on_ranks(_generate_on_rank, 2, str(path), tp, pp, ep, sp, batch, sampling)
+    sharded = {k: t for keys, tokens, _, _ in ranks for k, t in zip(keys, tokens)}
+    single = generate(one_rank_model(path), None, batch, SamplingOptions(**sampling), keys=range(len(batch)))
+    assert [sharded[k] for k in range(len(batch))] == single.tokens
+
+
+def _write(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+@pytest.mark.slow
+def test_generate_script_writes_transformers_completions_for_text_and_chat_prompts_at_tp2(tmp_path):
+    from tests.chat_templates import family_tokenizer
+    tok = family_tokenizer("qwen25")
+    path = tmp_path / "model"
+    hf = make_family("qwen2", path, tokenizer=False, vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    tok.save_pretrained(path)
+    rows = [{"prompt": "The cat sat on", "answer": "mat"},
+            {"messages": [{"role": "user", "content": "Say hello."}]},
+            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to three."}]}]
+    _write(tmp_path / "prompts.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    proc = run("torchrun", 2, ["--load-hf", path, "--tensor-model-parallel-size", 2, "--prompts",
+                               tmp_path / "prompts.jsonl", "--max-new-tokens", 8, "--output", out],
+               script="launch/generate.py")
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    written = [json.loads(line) for line in open(out)]
+    assert len(written) == 3 and summary["prompts"] == 3
+    for row, got in zip(rows, written):
+        prompt = row.get("prompt", row.get("messages"))
+        ids = tok(prompt)["input_ids"] if isinstance(prompt, str) else \
+            tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        want = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           do_sample=False, max_new_tokens=8, eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+        assert got["completion_ids"] == want and got["prompt"] == prompt
+        assert got["completion"] == tok.decode(want, skip_special_tokens=True) and len(got["logprobs"]) == len(want)
+
+    # --stop: a completion ends at the token that completes the stop string, which it keeps
+    first = written[0]["completion"]
+    stop = first[1:4] if len(first) >= 4 else first
+    run("python", 1, ["--load-hf", path, "--prompts", tmp_path / "prompts.jsonl", "--max-new-tokens", 8, "--output",
+                      out, "--stop", stop], script="launch/generate.py")
+    cut = [json.loads(line) for line in open(out)][0]
+    assert stop in cut["completion"] and written[0]["completion_ids"][:len(cut["completion_ids"])] == \
+        cut["completion_ids"] and stop not in tok.decode(cut["completion_ids"][:-1], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("rows,flags,message", [
+    ([{"text": "no prompt here"}], [], "no prompt: give 'prompt'"),
+    ([{"prompt": "fine"}], ["--top-p", "0"], "--top-p 0.0: give a value in (0, 1]"),
+    ([{"prompt": "fine"}], ["--max-new-tokens", "0"], "--max-new-tokens 0: give at least 1"),
+])
+def test_bad_prompts_and_settings_are_one_message_exit_2(rows, flags, message, tmp_path, hf_models, capsys):
+    from hybrid.generation import main
+    from tests.hf_families import save_embedded_tokenizer
+    path, _ = hf_models["llama3"]
+    save_embedded_tokenizer(path)
+    _write(tmp_path / "p.jsonl", rows)
+    code = main(["--load-hf", str(path), "--prompts", str(tmp_path / "p.jsonl"), "--output",
+                 str(tmp_path / "o.jsonl")] + flags)
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err and not (tmp_path / "o.jsonl").exists()
