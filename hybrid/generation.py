@@ -13,6 +13,7 @@ does not depend on the layout or the batch size. Output rows: prompt, completion
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Optional
@@ -51,7 +52,6 @@ def build_parser():
 def eos_ids(tokenizer, model_dir: Optional[str]) -> tuple:
     """The ids that end a completion: the model's generation_config.json eos_token_id (an id or a list), else
     the tokenizer's EOS; none: completions run to --max-new-tokens."""
-    import os
     if model_dir and os.path.isfile(os.path.join(model_dir, "generation_config.json")):
         with open(os.path.join(model_dir, "generation_config.json")) as f:
             eos = json.load(f).get("eos_token_id")
