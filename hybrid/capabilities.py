@@ -63,6 +63,8 @@ class Setup:
     cpu_offloading: bool = False  # --cpu-offloading (or activation_checkpointing.cpu_checkpointing)
     dpo: bool = False  # --dpo
     dpo_precomputed: bool = False  # --dpo-reference-logps FILE
+    grpo: bool = False  # --grpo
+    grpo_kl: bool = False  # --grpo-beta > 0 (a frozen reference model beside the engine)
     fp32_grad_accumulation: bool = False  # the DeepSpeed config's data_types.grad_accum_dtype fp32 (with --bf16)
     optimizer: str = "adam"  # --optimizer
 
@@ -244,6 +246,24 @@ RULES = [
          lambda s: f"--dpo at --pipeline-model-parallel-size {s.pp} takes the reference log-probabilities from a "
                    f"file: add --dpo-reference-logps FILE (the pipeline scores every window with the starting "
                    f"weights once before the first iteration and writes FILE; later runs read it)."),
+    Rule("grpo-sequence-split", "--grpo with --context-parallel-size or --ds-sequence-parallel-size",
+         "decoding runs one new position per step, which cannot be split over sequence ranks, and a completion's "
+         "rows are short; not built",
+         lambda s: s.grpo and (s.cp > 1 or s.ulysses > 1),
+         lambda s: "--grpo with a sequence split (--context-parallel-size / --ds-sequence-parallel-size) is not built: "
+                   "decoding advances one position at a time; use TP, PP, EP or DP for the layout."),
+    Rule("grpo-kl-pipeline", "--grpo --grpo-beta > 0 with --pipeline-model-parallel-size > 1",
+         "the KL's frozen reference model stands beside the engine whole (PP = 1); a pipeline would need it split "
+         "into stages and its own pass through them (not built)",
+         lambda s: s.grpo_kl and s.pp > 1,
+         lambda s: f"--grpo-beta > 0 at --pipeline-model-parallel-size {s.pp}: the reference model runs beside the "
+                   f"engine at PP 1 only; use --grpo-beta 0 (TRL's default) or PP 1."),
+    Rule("grpo-rampup", "--grpo with --rampup-batch-size",
+         "a generation batch is --global-batch-size completions in whole prompt groups on every data-parallel rank; "
+         "a growing batch would change the group split mid-run",
+         lambda s: s.grpo and s.rampup,
+         lambda s: "--grpo with --rampup-batch-size: a generation batch is a fixed number of completions; drop "
+                   "--rampup-batch-size."),
     Rule("cpu-offloading-recompute", "--cpu-offloading without --recompute-granularity full",
          "the offloaded tensors are the checkpointed layer inputs (DeepSpeed's cpu_checkpointing), which only full "
          "recompute keeps",

@@ -29,6 +29,7 @@ from hybrid.data.plan import data_files
 from hybrid.errors import ConfigError
 from hybrid.megatron_compat import check_compat
 from hybrid.model.config import ModelConfig
+from hybrid.model.grpo import GRPOOptions
 from hybrid.model.preference import DPOOptions
 from hybrid.parallel.dims import ParallelDims
 from hybrid.memory import partition_layers
@@ -60,6 +61,7 @@ class TrainingConfig:
     freeze_layers: list = field(default_factory=list)  # --freeze-layers, as layer numbers
     freeze_embeddings: bool = False  # --freeze-embeddings
     dpo: Optional[DPOOptions] = None  # --dpo: the preference loss's options (hybrid.model.preference)
+    grpo: Optional[GRPOOptions] = None  # --grpo: the policy loss's and the sampler's options (hybrid.model.grpo)
 
 
 @dataclass
@@ -288,6 +290,17 @@ def _demo_defaults(args) -> None:
     no_data = not (args.data_path or args.train_data_path or args.mock_data)
     if not no_data or args.no_demo:
         return
+    if args.grpo:  # the embedded arithmetic task: the reward's curve over a short run
+        if args.lr is None:  # a model from scratch climbs the digits reward within 10 iterations at this rate
+            args.lr, args.min_lr = 2e-2, args.min_lr or 2e-3
+        _demo_run(args, GRPO_DEMO_DIR, "Question: 12 + 7 = ?  Answer:", iterations=30, warmup=0)
+        if args.global_batch_size is None:
+            args.global_batch_size = 4 * args.grpo_group_size
+        if args.max_new_tokens == GRPO_DEFAULTS["max_new_tokens"]:
+            args.max_new_tokens = 8
+        if args.log_interval == 10:  # the parser's default: a point of the curve per iteration
+            args.log_interval = 1
+        return
     # long enough on 2 CPU cores (~3 minutes) for the sample to be recognisable text; flags win
     _demo_run(args, DEMO_DIR, "The Python", iterations=600, warmup=30)
 
@@ -309,6 +322,7 @@ def _demo_run(args, save: str, prompt: str, iterations: int, warmup: int) -> Non
 
 
 SFT_DEMO_DIR = os.path.join("runs", "sft")
+GRPO_DEMO_DIR = os.path.join("runs", "grpo")
 SFT_SAMPLE_PROMPT = "What is the `json` module for?"
 
 
@@ -395,6 +409,7 @@ def _prepare_flags(args) -> None:
     apply_checkpoint_args(args)
     apply_megatron_aliases(args)
     _sft_flags(args)
+    _grpo_flags(args)
     _demo_defaults(args)
 
 
@@ -419,6 +434,66 @@ def _sft_flags(args) -> None:
                           "no data flag for the embedded chat set; not --mock-data.")
     # packed conversations: no attention across them, positions from 0 in each, every assistant token weighs the same
     args.reset_attention_mask = args.reset_position_ids = args.calculate_per_token_loss = True
+
+
+GRPO_DEFAULTS = {"reward_function": None, "reward_weights": None, "grpo_group_size": 8, "grpo_epsilon": 0.2,
+                 "grpo_epsilon_high": None, "grpo_beta": 0.0, "grpo_loss_type": "dapo", "grpo_scale_rewards": "group",
+                 "grpo_iterations": 1, "max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+
+
+def _grpo_flags(args) -> None:
+    """--grpo's flags checked against each other (the batch against the layout: grpo_options)."""
+    if not args.grpo:
+        given = [f"--{k.replace('_', '-')}" for k, v in GRPO_DEFAULTS.items() if getattr(args, k) != v]
+        if given:
+            raise ConfigError(f"{' / '.join(given)} set GRPO: add --grpo.")
+        return
+    if args.sft or args.dpo:
+        raise ConfigError("--grpo with --sft or --dpo: three trainings (on the engine's completions; conversations; "
+                          "preference pairs); give one.")
+    if args.mock_data or args.reset_attention_mask or args.reset_position_ids:
+        raise ConfigError("--grpo trains on one completion per row: --mock-data, --reset-attention-mask and "
+                          "--reset-position-ids do not apply; drop them.")
+    # the trainer's log-probabilities are the sampler's only without dropout (TRL's disable_dropout, its default)
+    args.hidden_dropout = args.attention_dropout = 0.0
+    if args.grpo_group_size < 2:
+        raise ConfigError(f"--grpo-group-size {args.grpo_group_size}: advantages compare completions of one prompt; "
+                          f"give at least 2.")
+    if args.temperature <= 0 or not 0.0 < args.top_p <= 1.0 or args.top_k < 0:
+        raise ConfigError(f"--temperature {args.temperature} / --top-p {args.top_p} / --top-k {args.top_k}: GRPO "
+                          f"samples: a temperature > 0, top-p in (0, 1], top-k 0 (off) or more.")
+    if args.max_new_tokens < 1 or args.grpo_iterations < 1 or args.grpo_epsilon <= 0 or args.grpo_beta < 0:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} and --grpo-iterations {args.grpo_iterations} "
+                          f"take at least 1, --grpo-epsilon {args.grpo_epsilon} > 0, --grpo-beta {args.grpo_beta} >= 0.")
+    if args.grpo_epsilon_high is not None and args.grpo_epsilon_high <= 0:
+        raise ConfigError(f"--grpo-epsilon-high {args.grpo_epsilon_high}: give a positive clip.")
+    if args.grpo_beta > 0 and not args.load_hf:
+        raise ConfigError("--grpo-beta > 0 needs --load-hf DIR: the KL is to that starting model, kept frozen.")
+    functions = args.reward_function
+    if functions is None:
+        if args.data_path:
+            raise ConfigError("--grpo with --data-path needs --reward-function FILE.py:NAME (TRL's signature: "
+                              "prompts, completions, completion_ids, **columns -> list of floats).")
+        from hybrid.data.arithmetic import DEFAULT_REWARDS  # not at the top: only --grpo runs use the task
+        functions = list(DEFAULT_REWARDS)
+    if args.reward_weights is not None and len(args.reward_weights) != len(functions):
+        raise ConfigError(f"--reward-weights: {len(args.reward_weights)} weights for {len(functions)} "
+                          f"--reward-function entries; give one weight per function.")
+    args.reward_function = functions
+    if args.seq_length is not None and args.max_new_tokens > args.seq_length:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} exceeds --seq-length {args.seq_length}: a prompt "
+                          f"and its completion share one training window.")
+
+
+def grpo_options(args, global_batch: int, dp: int) -> GRPOOptions:
+    """--grpo's options; the global batch (completions) in whole prompt groups on every data-parallel rank."""
+    g = args.grpo_group_size
+    if global_batch % (g * dp):
+        raise ConfigError(f"--global-batch-size {global_batch}: --grpo counts completions, in whole groups of "
+                          f"--grpo-group-size {g} on each of the {dp} data-parallel ranks: give a multiple of {g * dp}.")
+    return GRPOOptions(g, args.grpo_epsilon, args.grpo_epsilon_high, args.grpo_beta, args.grpo_loss_type,
+                       args.grpo_scale_rewards, args.grpo_iterations, args.max_new_tokens, args.temperature,
+                       args.top_p, args.top_k, tuple(args.reward_function), tuple(args.reward_weights or ()))
 
 
 def _streaming_flags(args) -> None:
@@ -609,7 +684,8 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path
                 experts_on_every_stage=_experts_on_every_stage(model, dims, pipeline),
                 fp8=fp8_recipe(args), fp8_param_gather=args.fp8_param_gather,
                 cpu_offloading=dsc.cpu_offloading(args, ds), dpo=bool(args.dpo),
-                dpo_precomputed=bool(args.dpo and args.dpo_reference_logps),
+                dpo_precomputed=bool(args.dpo and args.dpo_reference_logps), grpo=bool(args.grpo),
+                grpo_kl=bool(args.grpo and args.grpo_beta > 0),
                 fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds), optimizer=args.optimizer or "adam")
 
 
@@ -680,6 +756,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     if args.dpo:
         training.dpo = DPOOptions(args.dpo_beta, args.dpo_label_smoothing, args.dpo_loss_type, model.eod_token,
                                   args.dpo_reference_logps)
+    if args.grpo:
+        training.grpo = grpo_options(args, training.global_batch_size, dims.data_parallel)
     if args.export_hf and not args.save:
         raise ConfigError("--export-hf needs --save (the checkpoint it exports).")
     checkpoint = _checkpoint(args, ds)

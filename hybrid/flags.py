@@ -390,6 +390,32 @@ def _add_data_args(p):
     g.add_argument("--dpo-reference-logps", default=None, metavar="FILE",
                    help="--dpo: the reference model's log-probabilities of every window, read from FILE, or computed "
                         "once before training and written there; either way training holds no reference model")
+    g.add_argument("--grpo", action="store_true",
+                   help="reinforcement learning (TRL's GRPO) on the engine's own completions: --data-path holds prompt "
+                        "rows (JSONL / Parquet: 'prompt' text or messages, or 'messages'; other columns go to the "
+                        "rewards), none: the embedded arithmetic task; --global-batch-size counts completions")
+    g.add_argument("--reward-function", nargs="+", default=None, metavar="FILE.py:NAME",
+                   help="--grpo: reward functions with TRL's signature (prompts, completions, completion_ids, "
+                        "**columns) -> list of floats (default: the embedded task's digits and exact_answer)")
+    g.add_argument("--reward-weights", nargs="+", type=float, default=None,
+                   help="--grpo: one weight per --reward-function (default 1 each)")
+    g.add_argument("--grpo-group-size", type=int, default=8, help="--grpo: completions per prompt (num_generations)")
+    g.add_argument("--grpo-epsilon", type=float, default=0.2, help="--grpo: the ratio's clip range (epsilon)")
+    g.add_argument("--grpo-epsilon-high", type=float, default=None,
+                   help="--grpo: the upper clip (DAPO's clip-higher; default --grpo-epsilon)")
+    g.add_argument("--grpo-beta", type=float, default=0.0,
+                   help="--grpo: the KL weight to the starting policy (--load-hf's, frozen); 0: none, as TRL")
+    g.add_argument("--grpo-loss-type", default="dapo", choices=["grpo", "dapo", "dr_grpo", "bnpo"],
+                   help="--grpo: TRL's loss_type: per-sequence means (grpo), a token mean over the batch (dapo, "
+                        "bnpo), or sums over rows x --max-new-tokens (dr_grpo)")
+    g.add_argument("--grpo-scale-rewards", default="group", choices=["group", "batch", "none"],
+                   help="--grpo: divide advantages by the group's (or batch's) reward std; none: Dr. GRPO")
+    g.add_argument("--grpo-iterations", type=int, default=1,
+                   help="--grpo: optimizer steps on each generation batch (TRL's num_iterations)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="--grpo: the completion limit")
+    g.add_argument("--temperature", type=float, default=1.0, help="--grpo: the sampling temperature (> 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="--grpo: nucleus sampling (transformers' top_p)")
+    g.add_argument("--top-k", type=int, default=0, help="--grpo: top-k sampling (0: off)")
     g.add_argument("--legacy-data-rules", action="store_true",
                    help="split rounding and blended sample counts of Megatron-DeepSpeed / Megatron-LM before "
                         "megatron-core (default: megatron-core's rules), to resume runs started there")

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from hybrid.model import preference
+from hybrid.model import grpo, preference
 from hybrid.model.loss import LMLoss
 from hybrid.model.preference import DPOOptions, PreferenceStats
 from hybrid.parallel.cross_entropy import IGNORE_INDEX
@@ -142,6 +142,57 @@ class DocumentScores(Objective):
         return torch.stack(sums)
 
 
+class GroupPolicy(Objective):
+    """--grpo: TRL's GRPO loss (hybrid.model.grpo) on rows of one completion each. `extra[0]` [b, 4, s] fp32 rides
+    with the row: its advantage, the sampler's log-probability of each label, the reference model's (or, at beta
+    0, zeros), and 1 where the row's values are fresh from the sampler (the mismatch is measured there). The
+    iteration's loss is a mean over the global batch's rows (grpo), tokens (dapo, bnpo) or rows x the
+    completion limit (dr_grpo)."""
+
+    name = "grpo"
+    per_item = True
+
+    def __init__(self, groups, vocab_size: int, options: grpo.GRPOOptions):
+        self.groups, self.vocab_size, self.options = groups, vocab_size, options
+        self.stats = grpo.PolicyStats()
+
+    def target(self, ids, labels, extra=()):
+        values = extra[0].float().contiguous().view(torch.int32).long()  # [b, 4, s] as fp32 bits
+        return torch.cat([labels[:, None], values], 1)
+
+    def loss(self, logits, target, scale):
+        labels = target[:, 0]
+        values = target[:, 1:].int().view(torch.float32)
+        advantage, old, reference, fresh = values[:, 0, 0], values[:, 1], values[:, 2], values[:, 3, 0] > 0
+        o = self.options
+        logps = grpo.token_logps(logits, labels, self.groups, self.vocab_size, o.temperature)
+        mask = labels != IGNORE_INDEX
+        loss, stats = grpo.policy_loss(logps, old, reference if o.beta else None, advantage, mask, o, scale, fresh)
+        self.stats.add(stats)
+        return loss
+
+    def count(self, ids, labels):
+        mask = labels != IGNORE_INDEX
+        if self.options.loss_type in ("dapo", "bnpo"):
+            return mask.sum()
+        return torch.full((), labels.size(0), device=labels.device, dtype=torch.long)
+
+    def sequence_factor(self, sequence_split: int) -> int:
+        return 1
+
+    def metrics(self, groups=None, device=None) -> dict:
+        dp = groups.dp if groups is not None else None
+        pp = groups.pp if groups is not None else None
+        return self.stats.metrics(dp, pp, device)
+
+    def discard_pending(self) -> list:
+        pending, self.stats.pending = self.stats.pending, []
+        return pending
+
+    def restore_pending(self, pending: list) -> None:
+        self.stats.pending = pending
+
+
 def pair_target(ids: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """[b, 3, s] int64: labels, ids and the reference sums' fp32 bits (one tensor, split into micro-batches
     along dim 0 like the ids)."""
@@ -150,6 +201,8 @@ def pair_target(ids: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor
 
 def objective_for(run_training, model_config, groups, reference=None) -> Objective:
     """The run's objective from its training settings (hybrid.config.TrainingConfig)."""
+    if getattr(run_training, "grpo", None) is not None:
+        return GroupPolicy(groups, model_config.vocab_size, run_training.grpo)
     if run_training.dpo is not None:
         return PreferencePairs(groups, model_config.vocab_size, run_training.dpo, reference)
     return LanguageModeling(groups, model_config.vocab_size, run_training.per_token_loss)

@@ -138,7 +138,7 @@ def build_engine(run: RunConfig, groups):
 
 
 def build_reference(run: RunConfig, groups, engine) -> nn.Module:
-    """--dpo: the frozen reference model, the --load-hf weights at this run's layout (PP = 1), in eval mode
+    """--dpo (and --grpo's KL): the frozen reference model, the --load-hf weights at this run's layout (PP = 1), in eval mode
     (no dropout) and the training precision, beside the engine (never partitioned: it has no optimizer); the
     DPO objective scores each micro-batch with it (hybrid.model.objectives.PreferencePairs)."""
     # the HF reader: only for --dpo here
@@ -151,8 +151,11 @@ def build_reference(run: RunConfig, groups, engine) -> nn.Module:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.training.precision, torch.float32)
     reference.requires_grad_(False)
     reference.to(torch.device(engine.device), dtype)
-    log(f"--dpo: the reference model is {run.checkpoint.load_hf}, frozen ({run.training.dpo.loss_type} loss, beta "
-        f"{run.training.dpo.beta})")
+    if run.training.dpo:
+        log(f"--dpo: the reference model is {run.checkpoint.load_hf}, frozen ({run.training.dpo.loss_type} loss, beta "
+            f"{run.training.dpo.beta})")
+    else:
+        log(f"--grpo: the KL's reference model is {run.checkpoint.load_hf}, frozen (beta {run.training.grpo.beta})")
     return reference
 
 

@@ -33,7 +33,12 @@ def _mfu_part(m: dict) -> str:
 _EXTRA_PARTS = {"load_balancing_loss": ("load balancing loss", ".6E"), "z_loss": ("z loss", ".6E"),
                 "expert_imbalance": ("expert imbalance", ".3f"), "rewards_chosen": ("rewards chosen", ".4f"),
                 "rewards_rejected": ("rewards rejected", ".4f"), "rewards_margin": ("rewards margin", ".4f"),
-                "rewards_accuracy": ("rewards accuracy", ".3f")}
+                "rewards_accuracy": ("rewards accuracy", ".3f"),
+                # --grpo: the rollouts' rewards and lengths, the policy loss's clipping, KL and train-inference gap
+                "reward_mean": ("reward", ".4f"), "reward_std": ("reward std", ".4f"),
+                "completion_length": ("completion length", ".1f"), "clip_fraction": ("clip fraction", ".4f"),
+                "kl": ("kl", ".3E"), "logprob_mismatch": ("logprob mismatch", ".2E"),
+                "generate_tokens_per_s": ("generated tokens/s", ".1f")}
 
 
 def _extra_part(m: dict) -> str:

@@ -4,6 +4,7 @@ Megatron-style log lines (hybrid.training.run builds what it runs on)."""
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Optional
 
@@ -19,6 +20,7 @@ from hybrid.training.health import HealthCheck
 from hybrid.training.logging import MetricsLogger, Timer, log
 from hybrid.training.metrics import iteration_record
 from hybrid.training.moe_hooks import MoEStepHooks
+from hybrid.training.plots import reward_plot
 from hybrid.training.profiling import StepProfiler, device_peak_tflops
 from hybrid.training.reduction import reduce_interval
 from hybrid.training.saving import CheckpointSaver
@@ -32,13 +34,15 @@ class Trainer:
     (and at evaluation/save), so the accelerator is never idle between iterations.
     """
 
-    def __init__(self, run: RunConfig, groups, engine, datasets, eod_token: Optional[int] = None, reference=None):
+    def __init__(self, run: RunConfig, groups, engine, datasets, eod_token: Optional[int] = None, reference=None,
+                 prompts=None):
         self.run, self.groups, self.engine = run, groups, engine
+        self.prompts, self.reference = prompts, reference  # --grpo: (prompts, tokenizer); the KL's frozen model
         self.train_ds, self.valid_ds, _ = datasets
         self.collator = Collator(eod_token, run.data.eod_mask_loss)
         self.device = torch.device(engine.device)
         # what the run trains for (LM, SFT, DPO), handed to the one runtime of every layout and schedule
-        self.objective = objective_for(run.training, run.model, groups, reference)
+        self.objective = objective_for(run.training, run.model, groups, None if run.training.grpo else reference)
         self.step = build_runtime(run, groups, engine, self.objective)
         self.moe = MoEStepHooks.of(engine.module, run.parallel.sequence_split) if run.model.num_experts else None
         self.fp8_delayed = fp8.has_delayed(engine.module)
@@ -48,9 +52,18 @@ class Trainer:
         self.saver = CheckpointSaver(engine, run, groups.sequence, self.device)
         self.health = HealthCheck(run, engine, self.step, self.saver)
         self.skipped = 0
+        self.rewards: list = []  # --grpo: (iteration, mean, std) at each log line
         self.consumed_valid = 0
         self.current_batch = None if run.training.rampup else run.training.global_batch_size
         self.start_time = time.time()
+
+    def _rollout(self, consumed: int):
+        """--grpo: micro-batches of the engine's own completions (hybrid.training.rollout)."""
+        from hybrid.training.rollout import Rollout  # not at the top: it imports transformers' sampling warpers
+        prompts, tokenizer = self.prompts
+        tied = getattr(self.step, "tied", None)
+        return Rollout(self.run, self.groups, self.engine, prompts, tokenizer, consumed, self.objective.stats,
+                       before_generate=tied.sync_once if tied is not None else None, reference=self.reference)
 
     def _batches(self, dataset, consumed, wrap=False):
         # CP ranks read the same samples (each takes its chunks of them): the sampler's ranks are DP's
@@ -103,9 +116,11 @@ class Trainer:
             extra["checkpoint_stall_s"] = stall
         batch = self.current_batch or self.run.training.global_batch_size
         counters = {"skipped": self.skipped, "nan": self.health.nan_iterations}
-        logger.iteration(iteration_record(self.run, self.engine, self.device, iteration, consumed,
-                                          sum(values) / len(values), pending[-1][1], per_iteration, batch, counters,
-                                          extra, self.peak_tflops), write_line=True)
+        record = iteration_record(self.run, self.engine, self.device, iteration, consumed, sum(values) / len(values),
+                                  pending[-1][1], per_iteration, batch, counters, extra, self.peak_tflops)
+        logger.iteration(record, write_line=True)
+        if "reward_mean" in record:  # --grpo: the reward's curve (hybrid.training.plots)
+            self.rewards.append((iteration, record["reward_mean"], record.get("reward_std", 0.0)))
         self.saver.finish(blocking=False)  # --async-save: a checkpoint whose writes are done is completed here
 
     def _save(self, pending, iteration: int, consumed: int) -> None:
@@ -144,7 +159,7 @@ class Trainer:
                 f"run (--train-iters {t.train_iters}); no evaluation, no save")
             logger.close()
             return iteration
-        batches = self._batches(self.train_ds, consumed)
+        batches = self._rollout(consumed) if self.prompts else self._batches(self.train_ds, consumed)
         timer, last_saved, pending, interval = Timer(), None, [], [0.0]
         log(f"training from iteration {iteration} to {t.train_iters} ({describe_layout(run)})")
 
@@ -183,6 +198,8 @@ class Trainer:
             if c.save and last_saved != iteration:
                 self._save(pending, iteration, consumed)
             self.saver.finish()
+            if self.rewards and logger.active:
+                reward_plot(self.rewards, os.path.join(c.save or ".", "reward.png"))
         finally:
             logger.close()
         return iteration

@@ -151,15 +151,22 @@ def _train(run: RunConfig, args, tokenizer) -> None:
     groups = build_groups(run.parallel, experts=bool(run.model.num_experts))
     memory = PeakResidentMemory()
     model_parallel_seed(run.training.seed, groups.tp.rank, groups.sequence.rank)
-    datasets = build_datasets(run.data, run.training, tokenizer.vocab_size, tokenizer)
+    prompts = None
+    if run.training.grpo:  # prompts instead of token windows (the engine makes its own samples)
+        from hybrid.training.rollout import grpo_prompts  # (see above)
+        prompts, datasets = grpo_prompts(run, tokenizer), (None, None, None)
+    else:
+        datasets = build_datasets(run.data, run.training, tokenizer.vocab_size, tokenizer)
     engine, _ = build_engine(run, groups)
     start = functools.partial(resume.start, engine, run, groups)
     if run.training.dpo:  # the reference model, or its values read or scored with the windows; then the start
         reference, (iteration, consumed) = reference_logps.prepare(run, groups, engine, datasets, build_reference, start)
-    else:
-        reference, (iteration, consumed) = None, start()
+    else:  # --grpo-beta > 0: the KL's frozen starting model
+        reference = build_reference(run, groups, engine) if run.training.grpo and run.training.grpo.beta else None
+        iteration, consumed = start()
     try:
-        Trainer(run, groups, engine, datasets, getattr(tokenizer, "eod", None), reference).train(iteration, consumed)
+        Trainer(run, groups, engine, datasets, getattr(tokenizer, "eod", None), reference,
+                prompts).train(iteration, consumed)
         memory.report(dist.get_rank())
     finally:  # a process that trains again (an RL loop, a pool of ranks) must not keep this engine
         release_engine(engine)

@@ -1,0 +1,244 @@
+"""--grpo's rollouts: the training engine's own model generates each iteration's completions at the training layout
+(hybrid.model.generate: no export, no second copy of the weights, the same layers the loss then runs), the reward
+functions score them, and the rows go to the runtime as micro-batches for the GRPO objective
+(hybrid.model.objectives.GroupPolicy).
+
+Which prompts and which random draws an iteration gets is a function of the run's seed and its consumed
+completions only: generation g takes the next --global-batch-size / G prompts of an epoch-seeded permutation of
+the prompt set, and completion k of the run draws from its own generator keyed by k. A resumed run (weights and
+consumed samples restored) therefore generates exactly what the uninterrupted run generated.
+
+Each data-parallel rank generates its own whole groups (B / (G x DP) prompts, G completions each), so the group
+statistics of the advantages need no communication. Every rank of a model-parallel group holds the same
+completions (the tokens are shared by the decoding loop) and computes the same rewards: reward functions must be
+deterministic functions of their arguments (as TRL's are called on each process for its own rows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import math
+import os
+import random
+import time
+
+import torch
+
+from hybrid.errors import ConfigError
+from hybrid.model.generate import SamplingOptions, generate
+from hybrid.model.grpo import GRPOOptions, advantages, completion_rows, token_logps
+from hybrid.training.logging import log
+
+
+def load_reward(spec: str):
+    """`FILE.py:NAME` or `package.module:NAME` -> the function (the user's own code, run as they asked)."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ConfigError(f"--reward-function {spec}: expected FILE.py:NAME or package.module:NAME.")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise ConfigError(f"--reward-function {spec}: no file {where}.")
+            module_spec = importlib.util.spec_from_file_location(f"hybrid_reward_{abs(hash(where))}", where)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ConfigError:
+        raise
+    except Exception as e:  # the user's module failed to import: one message naming it
+        raise ConfigError(f"--reward-function {spec}: importing {where} failed: {type(e).__name__}: {e}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"--reward-function {spec}: {where} has no function {name}.")
+    return fn
+
+
+class Rewards:
+    """The weighted reward functions, called as TRL calls them: fn(prompts=..., completions=..., completion_ids=...,
+    **the rows' other columns) -> one float (or None: not applicable) per completion."""
+
+    def __init__(self, specs, weights):
+        self.specs = list(specs)
+        self.functions = [load_reward(spec) for spec in self.specs]
+        self.weights = torch.tensor(list(weights) or [1.0] * len(self.specs), dtype=torch.float64)
+
+    def __call__(self, prompts: list, completions: list, completion_ids: list) -> tuple:
+        """Per completion, the weighted sum of the functions' values (a function's None is left out, as TRL's
+        nansum) [n] fp64, and each function's values [functions, n]."""
+        table = torch.empty(len(self.functions), len(prompts), dtype=torch.float64)
+        for k, (spec, fn) in enumerate(zip(self.specs, self.functions)):
+            table[k] = self._values(spec, fn, prompts, completions, completion_ids)
+        return (table * self.weights[:, None]).nansum(0), table
+
+    @staticmethod
+    def _call(fn, prompts, completions, completion_ids):
+        columns = {key: [p.columns.get(key) for p in prompts] for p in prompts for key in p.columns}
+        return fn(prompts=[p.prompt for p in prompts], completions=completions, completion_ids=completion_ids,
+                  **columns)
+
+    def _values(self, spec, fn, prompts, completions, completion_ids) -> torch.Tensor:
+        try:
+            values = self._call(fn, prompts, completions, completion_ids)
+        except Exception:  # find the row it fails on, to name it
+            for k in range(len(prompts)):
+                try:
+                    self._call(fn, prompts[k:k + 1], completions[k:k + 1], completion_ids[k:k + 1])
+                except Exception as e:
+                    raise ConfigError(f"--reward-function {spec} raised {type(e).__name__}: {e} (on {prompts[k].where}, "
+                                      f"completion {completions[k]!r:.80})") from None
+            raise
+        if not isinstance(values, (list, tuple)) or len(values) != len(prompts):
+            got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+            raise ConfigError(f"--reward-function {spec} returned {got} values for {len(prompts)} completions (from "
+                              f"{prompts[0].where} on): return a list with one float per completion.")
+        out = torch.empty(len(values), dtype=torch.float64)
+        for k, value in enumerate(values):
+            if value is None:
+                out[k] = math.nan
+            elif isinstance(value, (int, float)) and math.isfinite(value):
+                out[k] = float(value)
+            else:
+                raise ConfigError(f"--reward-function {spec} returned {value!r} for {prompts[k].where}: give a finite "
+                                  f"number (or None where the reward does not apply).")
+        return out
+
+
+def usable_prompts(prompts: list, seq_length: int, max_new_tokens: int) -> list:
+    """The prompts whose tokens and the completion limit fit one training window (--seq-length + 1 tokens); the
+    others are dropped and counted in the log."""
+    room = seq_length + 1 - max_new_tokens
+    kept = [p for p in prompts if len(p.ids) <= room]
+    if len(kept) < len(prompts):
+        log(f"--grpo: {len(prompts) - len(kept)} of {len(prompts)} prompts are longer than --seq-length + 1 - "
+            f"--max-new-tokens = {room} tokens and are left out")
+    if not kept:
+        raise ConfigError(f"--grpo: no prompt fits --seq-length {seq_length} with --max-new-tokens {max_new_tokens} "
+                          f"(at most {room} prompt tokens): raise --seq-length or lower --max-new-tokens.")
+    return kept
+
+
+class Rollout:
+    """The runtime's micro-batches for --grpo (an iterator; see the module docstring)."""
+
+    def __init__(self, run, groups, engine, prompts: list, tokenizer, consumed: int, stats, before_generate=None,
+                 reference=None):
+        t = run.training
+        self.reference, self.vocab_size = reference, run.model.vocab_size  # --grpo-beta > 0: the frozen model
+        self.options: GRPOOptions = t.grpo
+        self.groups, self.engine, self.model = groups, engine, engine.module
+        self.tokenizer, self.stats, self.before_generate = tokenizer, stats, before_generate
+        self.prompts = usable_prompts(prompts, t.seq_length, self.options.max_new_tokens)
+        self.seq_length, self.micro, self.seed = t.seq_length, t.micro_batch_size, t.seed
+        self.global_batch = t.global_batch_size
+        self.device = torch.device(engine.device)
+        self.zero3 = run.zero_stage == 3
+        self.conversational = not isinstance(self.prompts[0].prompt, str)
+        self.rewards = Rewards(self.options.reward_functions, self.options.reward_weights)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos = () if eos is None else (int(eos),)
+        self.iteration = consumed // self.global_batch  # the optimizer steps taken (no batch ramp-up with --grpo)
+        self.queue: list = []
+        self.rows = None  # the current generation batch (ids, labels, values) on this rank, or None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.queue:
+            generation, use = divmod(self.iteration, self.options.iterations)
+            if use == 0 or self.rows is None:
+                self.rows = self._generate(generation)
+            ids, labels, values = self.rows
+            values = values.clone()
+            values[:, 3] = 1.0 if use == 0 else 0.0  # fresh: the sampler's policy is the trainer's
+            self.queue = [(ids[k:k + self.micro], labels[k:k + self.micro], values[k:k + self.micro])
+                          for k in range(0, ids.size(0), self.micro)]
+            self.iteration += 1
+        return self.queue.pop(0)
+
+    # --- one generation batch --------------------------------------------------------------------------------
+
+    def _prompt_indices(self, generation: int) -> list:
+        """This DP rank's prompts (indices into the prompt set) of generation `generation`."""
+        per_generation = self.global_batch // self.options.group_size
+        mine = per_generation // self.groups.dp.size
+        first = generation * per_generation + self.groups.dp.rank * mine
+        n, out, epoch, order = len(self.prompts), [], None, None
+        for q in range(first, first + mine):
+            if q // n != epoch:
+                epoch = q // n
+                order = list(range(n))
+                random.Random(self.seed + 1 + epoch).shuffle(order)
+            out.append(order[q % n])
+        return out
+
+    def _generate(self, generation: int):
+        g = self.options.group_size
+        chosen = self._prompt_indices(generation)
+        prompts = [self.prompts[i] for i in chosen for _ in range(g)]
+        first_key = generation * self.global_batch + self.groups.dp.rank * len(prompts)
+        options = SamplingOptions(self.options.max_new_tokens, self.options.temperature, self.options.top_p,
+                                  self.options.top_k, self.seed, self.eos, self.eos[0] if self.eos else 0)
+        if self.before_generate is not None:
+            self.before_generate()
+        start = time.perf_counter()
+        with self._weights_whole():
+            out = generate(self.model, self.groups, [p.ids for p in prompts], options,
+                           keys=range(first_key, first_key + len(prompts)), device=self.device,
+                           sync=self.groups.ep if self.groups.ep.size > 1 else None)
+        seconds = time.perf_counter() - start
+        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
+        completions = [[{"role": "assistant", "content": text}] for text in texts] if self.conversational else texts
+        total, _ = self.rewards(prompts, completions, out.tokens)
+        adv = advantages(total, g, self.options.scale_rewards).float().nan_to_num(0.0)  # unscored: no signal
+        lengths = torch.tensor([len(t) for t in out.tokens], dtype=torch.float64)
+        finite = total[~torch.isnan(total)]
+        self.stats.add_rollout(torch.tensor([len(prompts), float(finite.sum()), float((finite ** 2).sum()),
+                                             float(lengths.sum()), seconds, float(out.stats["new_tokens"]),
+                                             float(len(finite))], dtype=torch.float64, device=self.device))
+        return self._rows(prompts, out.tokens, out.logprobs, adv)
+
+    @contextlib.contextmanager
+    def _weights_whole(self):
+        """ZeRO-3: every parameter of this rank's model gathered for the generation (one gather, then freed)."""
+        if not self.zero3:
+            yield
+            return
+        import deepspeed  # not at the top: DeepSpeed's import takes seconds; only ZeRO-3 runs need it here
+        with deepspeed.zero.GatheredParameters(list(self.model.parameters())):
+            yield
+
+    def _rows(self, prompts: list, tokens: list, logprobs: list, adv: torch.Tensor):
+        """Training rows: ids = prompt + completion (right-padded), labels = the completion's tokens at their
+        positions, values [n, 4, s] = advantage, the sampler's log-probabilities, the reference's (zeros), fresh."""
+        n = len(prompts)
+        ids, labels, values = completion_rows([p.ids for p in prompts], tokens, logprobs, adv, self.seq_length,
+                                              self.eos[0] if self.eos else 0)
+        ids, labels, values = ids.to(self.device), labels.to(self.device), values.to(self.device)
+        if self.reference is not None:  # the KL's reference log-probabilities, tempered as the policy's
+            with torch.no_grad():
+                for k in range(0, n, self.micro):
+                    logits = self.reference(ids[k:k + self.micro], stage=0)
+                    values[k:k + self.micro, 2] = token_logps(logits, labels[k:k + self.micro], self.groups,
+                                                              self.vocab_size, self.options.temperature)
+        return ids, labels, values
+
+
+def grpo_prompts(run, tokenizer) -> list:
+    """The run's prompts: --data-path's file (hybrid.data.prompts), or the embedded arithmetic task."""
+    from hybrid.data import arithmetic, prompts  # not at the top: only --grpo runs read prompts
+    hf = tokenizer.to_transformers() if hasattr(tokenizer, "to_transformers") else None
+    if hf is None:
+        raise ConfigError("--grpo decodes completions for its rewards with a HuggingFace tokenizer: use --load-hf DIR, "
+                          "--tokenizer-type HFTokenizer --tokenizer-model DIR, or the default GPT-2 BPE files.")
+    paths = run.data.data_path or []
+    if not paths:
+        return arithmetic.prompts(hf, seed=run.training.seed), hf
+    if len(paths) != 1:
+        raise ConfigError("--grpo: --data-path takes one prompt file (JSONL / Parquet rows with 'prompt' or "
+                          "'messages'; the other columns go to the reward functions).")
+    return prompts.read_prompts(paths[0], hf, "--data-path"), hf
+

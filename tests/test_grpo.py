@@ -1,0 +1,221 @@
+"""--grpo: TRL's GRPO on the engine's own completions. The loss and gradients equal TRL 1.16's own
+GRPOTrainer._compute_loss on the same completions and values; the advantages equal TRL's formula with its nanstd;
+reward functions that fail are one message naming them and the prompt; launched runs learn, equal one rank at
+TP 2 + SP, and resume bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.hf_families import make_family, save_embedded_tokenizer
+from tests.launch_helpers import MERGES, VOCAB, read_log, run
+
+G, NEW = 4, 6
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo")
+    hf = make_family("llama3", root / "m", tokenizer=False)
+    save_embedded_tokenizer(root / "m")
+    return root / "m", hf
+
+
+def _completions(seed: int = 5):
+    """2 prompts x G completions of 1 .. NEW tokens, prompts of different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 8192, (n,), generator=g).tolist() for n in (5, 9)]
+    rows = [p for p in prompts for _ in range(G)]
+    completions = [torch.randint(1, 8192, (int(n),), generator=g).tolist()
+                   for n in torch.randint(1, NEW + 1, (len(rows),), generator=g)]
+    return rows, completions
+
+
+def _trl_trainer(hf, path, tmp, loss_type, beta, temperature):
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+    args = GRPOConfig(output_dir=str(tmp), report_to=[], use_cpu=True, bf16=False, fp16=False, num_generations=G,
+                      per_device_train_batch_size=2 * G, max_completion_length=NEW, loss_type=loss_type, beta=beta,
+                      epsilon=0.2, epsilon_high=0.28, temperature=temperature)
+    hf.config._name_or_path = str(path)  # where TRL loads its reference model from (beta > 0)
+    trainer = GRPOTrainer(model=hf, reward_funcs=lambda prompts, completions, **_: [0.0] * len(prompts), args=args,
+                          train_dataset=datasets.Dataset.from_list([{"prompt": "x"}] * 8),
+                          processing_class=AutoTokenizer.from_pretrained(path))
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def _trl_inputs(rows, completions, advantages):
+    """TRL's batch: prompts left-padded, completions right-padded, with their masks."""
+    width = max(len(p) for p in rows)
+    prompt_ids = torch.tensor([[0] * (width - len(p)) + p for p in rows])
+    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+    completion_ids = torch.tensor([c + [0] * (NEW - len(c)) for c in completions])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (NEW - len(c)) for c in completions])
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+            "completion_mask": completion_mask, "advantages": advantages,
+            "num_items_in_batch": completion_mask.sum().float()}
+
+
+@pytest.mark.parametrize("loss_type,beta", [("dapo", 0.0), ("grpo", 0.0), ("dapo", 0.04), ("grpo", 0.04), ("dr_grpo", 0.0),
+                                            pytest.param("bnpo", 0.0, marks=pytest.mark.slow)])
+def test_loss_and_gradients_equal_trls_compute_loss(loss_type, beta, policy, tmp_path):
+    """Fixed completions, advantages, sampler log-probabilities (the policy's own, perturbed so that ratios leave the
+    clip range on both sides) and reference log-probabilities: the GRPO objective as the runtime runs it (target,
+    loss, the runtime's item scale) against TRL 1.16's GRPOTrainer._compute_loss on a copy of the model."""
+    import copy
+    from hybrid.model.grpo import GRPOOptions, completion_rows
+    from hybrid.model.objectives import GroupPolicy
+    from hybrid.parallel.groups import ParallelGroups
+    from hybrid.training.reduction import ItemScale
+    from tests.test_generation import one_rank_model
+    path, hf = policy
+    hf = copy.deepcopy(hf).train()
+    rows, completions = _completions()
+    advantages = torch.tensor([1.5, -0.5, 0.25, -1.25, 0.75, -0.75, 2.0, -2.0])
+    trainer = _trl_trainer(hf, path, tmp_path, loss_type, beta, 0.8)
+    inputs = _trl_inputs(rows, completions, advantages)
+    with torch.no_grad():
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        current, _, _ = trainer._get_per_token_logps_and_entropies(hf, ids, mask, NEW)
+    noise = torch.randn(current.shape, generator=torch.Generator().manual_seed(2))
+    inputs["old_per_token_logps"] = current + 0.3 * noise
+    inputs["ref_per_token_logps"] = current - 0.2 * noise.abs()
+    want = trainer._compute_loss(hf, inputs)
+    want.backward()
+
+    options = GRPOOptions(G, 0.2, 0.28, beta, loss_type, max_new_tokens=NEW, temperature=0.8)
+    old = [inputs["old_per_token_logps"][r, :len(c)].tolist() for r, c in enumerate(completions)]
+    seq = max(len(p) for p in rows) + NEW
+    ids, labels, values = completion_rows(rows, completions, old, advantages, seq, 0)
+    for r, c in enumerate(completions):
+        first = len(rows[r]) - 1
+        values[r, 2, first:first + len(c)] = inputs["ref_per_token_logps"][r, :len(c)]
+    values[:, 3] = 1.0
+    model = one_rank_model(path).train()
+    groups = ParallelGroups.single()
+    objective = GroupPolicy(groups, model.config.vocab_size, options)
+    scale = ItemScale(objective, groups, torch.device("cpu"))([(ids, labels)])
+    loss = objective.loss(model(ids, stage=0), objective.target(ids, labels, (values,)), scale)
+    loss.backward()
+    assert abs(loss.item() - want.item()) <= 1e-5 * max(abs(want.item()), 1e-3), (loss.item(), want.item())
+    for ours, theirs in [(model.embedding.word_embeddings.weight.grad[:8192], hf.model.embed_tokens.weight.grad),
+                         (model.final_norm.weight.grad, hf.model.norm.weight.grad),
+                         (model.layers[1].input_norm.weight.grad, hf.model.layers[1].input_layernorm.weight.grad),
+                         (model.layers[0].mlp.fc2.weight.grad, hf.model.layers[0].mlp.down_proj.weight.grad)]:
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5 * theirs.abs().max().item())
+    stats = objective.metrics()
+    trl_clip = trainer._metrics["train"]["clip_ratio/region_mean"][-1]
+    assert abs(stats["clip_fraction"] - trl_clip) < 1e-6 and 0 < trl_clip < 1
+    if beta:
+        assert abs(stats["kl"] - trainer._metrics["train"]["kl"][-1]) < 1e-5
+
+
+def test_advantages_equal_trls_formula():
+    """Group means and (group or batch) nanstd + 1e-4 as TRL computes them, None rewards (NaN) left out."""
+    from trl.trainer.utils import nanstd
+    from hybrid.model.grpo import advantages
+    rewards = torch.tensor([1.0, 0.0, 0.5, float("nan"), 2.0, 2.0, 2.0, 2.0, 0.1, 0.9, 0.3, 0.3], dtype=torch.float64)
+    grouped = rewards.view(-1, G)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(G)
+    group_std = nanstd(grouped, dim=1).repeat_interleave(G)
+    batch_std = nanstd(rewards).expand_as(rewards)
+    for scale, want in [("group", (rewards - mean) / (group_std + 1e-4)), ("batch", (rewards - mean) / (batch_std + 1e-4)),
+                        ("none", rewards - mean)]:
+        torch.testing.assert_close(advantages(rewards, G, scale), want, equal_nan=True, rtol=0, atol=1e-12)
+    assert advantages(rewards, G, "group")[4:8].abs().max() == 0  # equal rewards: no signal
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_failing_reward_function_is_one_message_naming_it_and_the_prompt(tmp_path):
+    from hybrid.data.prompts import Prompt
+    from hybrid.errors import ConfigError
+    from hybrid.training.rollout import Rewards
+    rewards = _write(tmp_path / "r.py", "def good(prompts, completions, **kw):\n    return [1.0] * len(prompts)\n"
+                     "def short(prompts, completions, **kw):\n    return [1.0]\n"
+                     "def boom(prompts, completions, answer, **kw):\n"
+                     "    return [1.0 / (a != 'x') for a in answer]\n"
+                     "def inf(prompts, completions, **kw):\n    return [float('inf')] * len(prompts)\n")
+    prompts = [Prompt("p0", [1], {"answer": "a"}, "data.jsonl line 1"),
+               Prompt("p1", [2], {"answer": "x"}, "data.jsonl line 2")]
+    total, table = Rewards([f"{rewards}:good", "hybrid.data.arithmetic:digits"], [1.0, 2.0])(prompts, ["12", "ab"],
+                                                                                           [[1], [2]])
+    assert total.tolist() == [1.0 + 2 * 0.25, 1.0] and table.shape == (2, 2)
+    for spec, message in [(f"{rewards}:short", "returned 1 values for 2 completions"),
+                          (f"{rewards}:boom", "raised ZeroDivisionError: float division by zero (on data.jsonl line 2"),
+                          (f"{rewards}:inf", "returned inf for data.jsonl line 1"),
+                          (f"{rewards}:missing", "has no function missing"),
+                          (f"{tmp_path}/nope.py:f", "no file"), ("no_colon", "expected FILE.py:NAME")]:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+            Rewards([spec], [])(prompts, ["12", "ab"], [[1], [2]])
+
+
+TASK = ["--grpo", "--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4, "--seq-length", 32,
+        "--max-position-embeddings", 32, "--global-batch-size", 32, "--micro-batch-size", 8, "--lr", 3e-2,
+        "--max-new-tokens", 8, "--grpo-group-size", 8, "--log-interval", 1, "--no-demo", "--seed", 3]
+
+
+@pytest.mark.slow
+def test_grpo_at_tp2_sp_equals_one_rank_learns_and_resumes_bitwise(tmp_path):
+    """The embedded arithmetic task from scratch: at TP 2 + SP the run's completions, losses and rewards equal one
+    rank's (the sampler is keyed by completion, not by rank); the reward rises within 30 iterations; the sampler's
+    log-probabilities equal the trainer's within 1e-5 (fp32); a run resumed at iteration 4 continues bitwise."""
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    flags = TASK + ["--train-iters", 30]
+    run("python", 1, flags + ["--log-json", one])
+    run("torchrun", 2, flags + ["--tensor-model-parallel-size", 2, "--sequence-parallel", "--log-json", two])
+    a, b = read_log(one), read_log(two)
+    assert len(a) == len(b) == 30
+    for x, y in zip(a, b):
+        assert abs(x["lm_loss"] - y["lm_loss"]) <= 1e-5 + 1e-4 * abs(x["lm_loss"]), (x["iteration"], x, y)
+        assert x["reward_mean"] == pytest.approx(y["reward_mean"], abs=1e-9)
+        assert x["logprob_mismatch"] <= 1e-5 and y["logprob_mismatch"] <= 1e-5
+    first, last = (sum(r["reward_mean"] for r in a[k:k + 5]) / 5 for k in (0, 25))
+    assert last > first + 0.15, [round(r["reward_mean"], 3) for r in a]
+
+    save, resumed, straight = tmp_path / "ckpt", tmp_path / "resumed.jsonl", tmp_path / "straight.jsonl"
+    short = TASK + ["--train-iters", 6]
+    run("python", 1, short + ["--log-json", straight])
+    run("python", 1, short + ["--save", save, "--save-interval", 4, "--exit-interval", 4])
+    run("python", 1, short + ["--save", save, "--load", save, "--log-json", resumed])
+    straight = read_log(straight)[4:6]
+    again = read_log(resumed)
+    assert [r["iteration"] for r in again] == [5, 6]
+    for x, y in zip(straight, again):
+        assert x["lm_loss"] == y["lm_loss"] and x["reward_mean"] == y["reward_mean"], (x, y)
+
+
+def test_bad_grpo_flags_are_one_message(tmp_path, capsys):
+    from hybrid.training.run import main
+    for flags, message in [(["--grpo", "--grpo-group-size", "1"], "--grpo-group-size 1"),
+                           (["--grpo", "--sft"], "--grpo with --sft or --dpo"),
+                           (["--grpo-beta", "0.1"], "set GRPO: add --grpo"),
+                           (["--grpo", "--data-path", str(tmp_path / "p.jsonl"), "--vocab-file", VOCAB, "--merge-file",
+                             MERGES], "needs --reward-function"),
+                           (["--grpo", "--reward-function", "a.py:f", "--reward-weights", "1", "2"],
+                            "2 weights for 1 --reward-function"),
+                           (["--grpo", "--temperature", "0"], "--temperature 0.0"),
+                           (["--grpo", "--global-batch-size", "12", "--micro-batch-size", "4"],
+                            "--global-batch-size 12: --grpo counts completions"),
+                           (["--grpo", "--grpo-beta", "0.1"], "--grpo-beta > 0 needs --load-hf")]:
+        assert main(flags + ["--no-demo", "--save", str(tmp_path / "s")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (flags, err)
+    assert not (tmp_path / "s").exists()
+
+
+def test_prompt_rows_are_tokenized_as_trl_does():
+    from tests.chat_templates import family_tokenizer
+    from hybrid.data.prompts import encode_prompt
+    tok = family_tokenizer("llama3")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert encode_prompt(tok, "Hello there") == tok(text="Hello there")["input_ids"]
+    want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert encode_prompt(tok, messages) == want and tok.decode(want).endswith("assistant<|end_header_id|>\n\n")
