@@ -54,6 +54,9 @@ EXAMPLES = {
     "cpu-offloading-recompute": (["--cpu-offloading", "--recompute-granularity", "selective"], 1),
     "dpo-pipeline-reference": None,  # --dpo needs pair data and --load-hf: tests/test_sft.py checks the refusal
     "muon-zero": (["--optimizer", "muon", "--zero-stage", 1], 1),
+    "grpo-sequence-split": (["--grpo", "--context-parallel-size", 2, "--global-batch-size", 16], 2),
+    "grpo-kl-pipeline": (PP2 + ["--grpo", "--grpo-beta", 0.1, "--load-hf", "hf-dir", "--global-batch-size", 16], 2),
+    "grpo-rampup": (["--grpo", "--rampup-batch-size", 8, 8, 64, "--global-batch-size", 16], 1),
     "muon-precision": (["--optimizer", "muon", "--bf16"], 1),
     "muon-pipeline": (PP2 + ["--optimizer", "muon"], 2),
     "muon-experts": (["--optimizer", "muon", "--num-experts", 4, "--disable-bias-linear"], 1),
@@ -65,6 +68,9 @@ def _argv(flags):
     if "--rampup-batch-size" in flags:  # a sample-based run length, as Megatron-LM needs for a ramp
         i = base.index("--train-iters")
         base[i:i + 2] = ["--train-samples", 64]
+    if "--grpo" in flags:  # GRPO makes its own samples: no --mock-data
+        base.remove("--mock-data")
+        base += ["--max-new-tokens", 4]
     return [str(f) for f in base + flags]
 
 

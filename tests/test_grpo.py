@@ -219,3 +219,29 @@ def test_prompt_rows_are_tokenized_as_trl_does():
     assert encode_prompt(tok, "Hello there") == tok(text="Hello there")["input_ids"]
     want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     assert encode_prompt(tok, messages) == want and tok.decode(want).endswith("assistant<|end_header_id|>\n\n")
+
+
+MOE = ["--num-experts", 4, "--moe-router-topk", 2, "--disable-bias-linear"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,layout", [
+    ([], ["--pipeline-model-parallel-size", 2]),
+    ([], ["--zero-stage", 3]),
+    (MOE, ["--expert-model-parallel-size", 2]),
+])
+def test_grpo_layouts_equal_one_rank(model, layout, tmp_path):
+    """PP 2 (decoding through the stages), DP 2 with ZeRO-3 (the parameters gathered for generation; each rank
+    its own prompt groups) and EP 2 (an MoE model, experts split over the data-parallel ranks): the completions'
+    rewards, the losses and the mismatch as at one rank, over 6 iterations."""
+    from tests.launch_helpers import one_rank
+    flags = TASK + ["--train-iters", 6] + model
+    want = one_rank(flags)
+    log = tmp_path / "log.jsonl"
+    run("torchrun", 2, flags + layout + ["--log-json", log])
+    got = read_log(log)
+    assert len(got) == len(want) == 6
+    for x, y in zip(want, got):
+        assert x["reward_mean"] == pytest.approx(y["reward_mean"], abs=1e-9), (x, y)
+        assert abs(x["lm_loss"] - y["lm_loss"]) <= 1e-5 + 1e-4 * abs(x["lm_loss"]), (x, y)
+        assert y["logprob_mismatch"] <= 1e-5

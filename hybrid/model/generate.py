@@ -97,24 +97,13 @@ def choose(logits: torch.Tensor, options: SamplingOptions, generators) -> tuple[
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 
-def _stage_step(model, stage, inputs, layout):
-    """One virtual stage over the new positions: ids [b, s] (first) or hidden [s, b, h] in; hidden out, or at
-    the last stage the newest position's logits [1, b, V/tp]."""
-    hidden = model.embedding(inputs, layout) if stage.first else inputs
-    for layer in stage.layers:
-        hidden = layer(hidden, layout)
-    if stage.last:
-        return model.logits(model.final_norm(hidden[-1:]), for_loss=False)
-    return hidden
-
-
 class _Pipeline:
     """The virtual stages in order over the pipeline group: who runs each, and the sends between them."""
 
     def __init__(self, model, groups, dtype):
         self.model, self.groups, self.dtype = model, groups, dtype
         self.plans = sorted(model.all_plans, key=lambda p: p.index)
-        self.mine = {stage.plan.index: stage for stage in model.stages}
+        self.mine = {stage.plan.index: k for k, stage in enumerate(model.stages)}  # global index -> local
         self.last_rank = self.plans[-1].rank
 
     def logits(self, ids: torch.Tensor, layout: DecodeLayout, hidden_size: int) -> Optional[torch.Tensor]:
@@ -124,7 +113,7 @@ class _Pipeline:
         out = ids
         for k, plan in enumerate(self.plans):
             if plan.rank == me:
-                out = _stage_step(self.model, self.mine[plan.index], out, layout)
+                out = self.model(out, stage=self.mine[plan.index], decode=layout)  # RankModel.forward
             if plan.last:
                 break
             following = self.plans[k + 1].rank

@@ -79,7 +79,11 @@ class RankModel(nn.Module):
         """This rank holds a tied table's parameter whose last stage runs on another rank."""
         return self.config.tied_embeddings and self.embedding is not None and self.final_norm is None
 
-    def forward(self, hidden, stage: int = 0, batch_ids=None):
+    def forward(self, hidden, stage: int = 0, batch_ids=None, decode=None):
+        """`decode` (hybrid.model.kv_cache.DecodeLayout): a decoding step of stage `stage` (VirtualStage.decode),
+        through this module's call so that ZeRO-3's hooks fetch what the step reads, as in training."""
+        if decode is not None:
+            return self.stages[stage].decode(hidden, decode)
         return self.stages[stage](hidden, batch_ids)
 
     def head_weight(self):
@@ -123,6 +127,17 @@ class VirtualStage(nn.Module):
         self.final_norm = owner.final_norm if plan.last else None
         # the head's table: the untied head, or (V placement) the embedding used a second time
         self.head = (owner.output_layer if owner.output_layer is not None else owner.embedding) if plan.last else None
+
+    def decode(self, inputs, layout):
+        """A decoding step over the new positions only: ids [b, s] (first stage) or hidden [s, b, h] in; hidden
+        out, or at the last stage the newest position's logits [1, b, V/tp] (hybrid.model.generate)."""
+        owner = self._owner
+        hidden = owner.embedding(inputs, layout) if self.first else inputs
+        for layer in self.layers:
+            hidden = layer(hidden, layout)
+        if self.last:
+            return owner.logits(owner.final_norm(hidden[-1:]), for_loss=False)
+        return hidden
 
     def forward(self, hidden, batch_ids=None, for_loss: bool = True):
         owner = self._owner

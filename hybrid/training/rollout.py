@@ -16,7 +16,6 @@ deterministic functions of their arguments (as TRL's are called on each process 
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import math
@@ -134,7 +133,6 @@ class Rollout:
         self.seq_length, self.micro, self.seed = t.seq_length, t.micro_batch_size, t.seed
         self.global_batch = t.global_batch_size
         self.device = torch.device(engine.device)
-        self.zero3 = run.zero_stage == 3
         self.conversational = not isinstance(self.prompts[0].prompt, str)
         self.rewards = Rewards(self.options.reward_functions, self.options.reward_weights)
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -185,10 +183,9 @@ class Rollout:
         if self.before_generate is not None:
             self.before_generate()
         start = time.perf_counter()
-        with self._weights_whole():
-            out = generate(self.model, self.groups, [p.ids for p in prompts], options,
-                           keys=range(first_key, first_key + len(prompts)), device=self.device,
-                           sync=self.groups.ep if self.groups.ep.size > 1 else None)
+        out = generate(self.model, self.groups, [p.ids for p in prompts], options,
+                       keys=range(first_key, first_key + len(prompts)), device=self.device,
+                       sync=self.groups.ep if self.groups.ep.size > 1 else None)
         seconds = time.perf_counter() - start
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
         completions = [[{"role": "assistant", "content": text}] for text in texts] if self.conversational else texts
@@ -200,16 +197,6 @@ class Rollout:
                                              float(lengths.sum()), seconds, float(out.stats["new_tokens"]),
                                              float(len(finite))], dtype=torch.float64, device=self.device))
         return self._rows(prompts, out.tokens, out.logprobs, adv)
-
-    @contextlib.contextmanager
-    def _weights_whole(self):
-        """ZeRO-3: every parameter of this rank's model gathered for the generation (one gather, then freed)."""
-        if not self.zero3:
-            yield
-            return
-        import deepspeed  # not at the top: DeepSpeed's import takes seconds; only ZeRO-3 runs need it here
-        with deepspeed.zero.GatheredParameters(list(self.model.parameters())):
-            yield
 
     def _rows(self, prompts: list, tokens: list, logprobs: list, adv: torch.Tensor):
         """Training rows: ids = prompt + completion (right-padded), labels = the completion's tokens at their
