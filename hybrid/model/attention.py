@@ -228,10 +228,14 @@ class SelfAttention(nn.Module):
         q, k, v = split_qkv(qkv, self.heads_per_group, self.head_dim, dim=-1)  # [s, b, nq/tp, d], [s, b, ng/tp, d]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        decoding = getattr(layout, "cache", None) is not None  # hybrid.model.kv_cache: the cached keys too
         if self.rotary is not None:
-            cos, sin = self.rotary(s, x.device, None if layout is None else layout.positions)
+            if decoding:  # every layer of the step uses the same tables
+                cos, sin = layout.shared(self.rotary.key, lambda: self.rotary(s, x.device, layout.positions))
+            else:
+                cos, sin = self.rotary(s, x.device, None if layout is None else layout.positions)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if getattr(layout, "cache", None) is not None:  # decoding (hybrid.model.kv_cache): the cached keys too
+        if decoding:
             return self.dense(layout.attend(self.layer_number, q, k, v, self.core.scale, self.core.window))
         split = (None, None, None) if layout is None else (layout.documents, layout.cp, layout.ulysses)
         if self.recompute_core and self.training and torch.is_grad_enabled():

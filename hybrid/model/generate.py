@@ -53,7 +53,7 @@ class Generated:
 
 @contextlib.contextmanager
 def decoding(model):
-    """The model in decoding form for the block: eval mode, no autograd, no sequence parallelism."""
+    """The model in decoding form for the block: eval mode, inference mode, no sequence parallelism."""
     switched = [(m, name) for m in model.modules() for name in ("sequence_parallel", "reduce_scatter_embeddings")
                 if getattr(m, name, False) is True]
     config, was_sp, was_training = model.config, model.config.sequence_parallel, model.training
@@ -61,8 +61,11 @@ def decoding(model):
         setattr(m, name, False)
     config.sequence_parallel = False
     model.eval()
+    # inference mode where nothing made here outlives it (tokens leave as host lists); ZeRO-3's hooks gather and
+    # re-partition parameters inside the block, which must stay ordinary tensors for training: no_grad there
+    partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
     try:
-        with torch.no_grad():
+        with torch.no_grad() if partitioned else torch.inference_mode():
             yield
     finally:
         for m, name in switched:

@@ -50,18 +50,29 @@ class DecodeLayout(SequenceLayout):
 
     cache: Optional[KVCache] = field(default=None)
     start: int = 0
+    memo: dict = field(default_factory=dict)  # what every layer of the step shares: masks, rotary tables
+
+    def shared(self, key, make):
+        """`make()` once per step for `key` (the layers of a step share their masks and rotary tables)."""
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
+
+    def mask(self, s: int, window: Optional[int], device) -> torch.Tensor:
+        """[b, 1, s, end] bool: the filled slots each new position attends (see the module docstring)."""
+        end = self.start + s
+        query_slot = torch.arange(self.start, end, device=device)[:, None]
+        key_slot = torch.arange(end, device=device)[None, :]
+        allowed = key_slot <= query_slot  # [s, end]
+        if window is not None:
+            allowed = allowed & (key_slot > query_slot - window)
+        return ((allowed & self.cache.valid[:, None, :end]) | (key_slot == query_slot))[:, None]
 
     def attend(self, layer: int, q, k, v, scale: float, window: Optional[int]) -> torch.Tensor:
         """q [s, b, nq, d], the new k, v [s, b, ng, d] -> context [s, b, nq*d] over every filled slot."""
         s, b, nq, d = q.shape
         keys, values = self.cache.write(layer, self.start, k, v)
-        end = self.start + s
-        query_slot = torch.arange(self.start, end, device=q.device)[:, None]
-        key_slot = torch.arange(end, device=q.device)[None, :]
-        allowed = key_slot <= query_slot  # [s, end]
-        if window is not None:
-            allowed = allowed & (key_slot > query_slot - window)
-        mask = (allowed & self.cache.valid[:, None, :end]) | (key_slot == query_slot)  # [b, s, end]
-        out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), keys, values, attn_mask=mask[:, None],
-                                             scale=scale, enable_gqa=keys.size(1) != nq)
+        mask = self.shared(("mask", s, window), lambda: self.mask(s, window, q.device))
+        out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), keys, values, attn_mask=mask, scale=scale,
+                                             enable_gqa=keys.size(1) != nq)
         return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)

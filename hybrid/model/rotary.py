@@ -39,6 +39,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         self.register_buffer("inv_freq", scaled_inv_freq(inv_freq, scaling), persistent=False)
         self._cache = None
+        self.key = ("rope", head_dim, base, repr(scaling))  # equal tables have equal keys (decoding shares them)
 
     def forward(self, seq_len: int, device, positions=None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [s, 1, 1, head_dim] (broadcast over batch and heads); for given `positions`
