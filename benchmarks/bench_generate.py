@@ -50,7 +50,7 @@ def ours(path: str, batch: list, new: int, groups=None, repeats: int = 3):
     import torch
     from hybrid.conversion.hf import hf_parts, read_hf_config
     from hybrid.evaluation import loaded_model
-    from hybrid.model.generate import SamplingOptions, generate
+    from hybrid.model.generate import SamplingOptions, decoding, generate
     from hybrid.parallel.groups import ParallelGroups
     config = read_hf_config(path, "--load-hf")
     groups = groups or ParallelGroups.single()
@@ -60,6 +60,11 @@ def ours(path: str, batch: list, new: int, groups=None, repeats: int = 3):
         start = time.perf_counter()
         out = generate(model, groups, batch, SamplingOptions(max_new_tokens=new))
         times.append(time.perf_counter() - start)
+    switch = time.perf_counter()
+    for _ in range(100):  # train -> generate -> train: the mode switch alone (no copy of the weights is made)
+        with decoding(model):
+            pass
+    out.stats["switch_s"] = (time.perf_counter() - switch) / 100
     return out.tokens, statistics.median(times), out.stats
 
 
@@ -112,7 +117,8 @@ def grpo_tokens_per_s(zero: int, tmp: str) -> float:
         raise SystemExit(f"train.py failed:\n{proc.stderr[-3000:]}")
     with open(log) as f:
         records = [json.loads(line) for line in f if "generate_tokens_per_s" in line]
-    return statistics.median(r["generate_tokens_per_s"] for r in records[1:])
+    return {key: statistics.median(r[key] for r in records[1:])
+            for key in ("generate_tokens_per_s", "generate_s", "kv_cache_mib", "elapsed_ms_per_iter")}
 
 
 def main() -> None:
@@ -143,7 +149,8 @@ def main() -> None:
               "batch": a.batch, "new_tokens_per_row": a.new, "threads": torch.get_num_threads(),
               "one_rank": {"ours_tokens_per_s": total / seconds, "transformers_static_cache_tokens_per_s":
                            total / hf_seconds, "ratio": hf_seconds / seconds, "rows_equal": f"{same}/{a.batch}",
-                           "prefill_s": stats["prefill_s"], "kv_cache_mib": stats["cache_bytes"] / 2 ** 20}}
+                           "prefill_s": stats["prefill_s"], "kv_cache_mib": stats["cache_bytes"] / 2 ** 20,
+                           "train_to_generate_switch_s": stats["switch_s"], "switch_bytes_copied": 0}}
     one_thread, two = os.path.join(tmp, "tp1.json"), os.path.join(tmp, "tp2.json")
     torchrun(1, ["--batch", str(a.batch), "--new", str(a.new), "--tp-worker", path, one_thread])
     torchrun(2, ["--batch", str(a.batch), "--new", str(a.new), "--tp-worker", path, two])
@@ -151,7 +158,7 @@ def main() -> None:
     result["tp2"] = {"one_rank_one_thread_tokens_per_s": total / t1["seconds"],
                      "tp2_one_thread_each_tokens_per_s": total / t2["seconds"],
                      "speedup": t1["seconds"] / t2["seconds"], "tokens_equal_one_rank": t1["tokens"] == t2["tokens"]}
-    result["grpo_dp2"] = {f"zero{z}_generate_tokens_per_s": grpo_tokens_per_s(z, tmp) for z in (1, 3)}
+    result["grpo_dp2"] = {f"zero{z}": grpo_tokens_per_s(z, tmp) for z in (1, 3)}
     print(json.dumps(result, indent=2))
 
 

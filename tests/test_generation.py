@@ -6,6 +6,8 @@ sequence (the train-inference mismatch); seeded sampling does not depend on the 
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 import torch
@@ -203,3 +205,45 @@ def test_bad_prompts_and_settings_are_one_message_exit_2(rows, flags, message, t
                  str(tmp_path / "o.jsonl")] + flags)
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err and not (tmp_path / "o.jsonl").exists()
+
+
+class FactoriesWithoutDevice(torch.overrides.TorchFunctionMode):
+    """Records every tensor factory call made from hybrid's own code without a `device`: on a GPU such a tensor
+    would be made on the CPU and meet the CUDA model or a NCCL collective (a CPU run cannot see that)."""
+
+    FACTORIES = {torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.tensor, torch.as_tensor,
+                 torch.randint, torch.rand, torch.randn, torch.eye}
+
+    def __init__(self):
+        super().__init__()
+        self.missing = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FACTORIES and kwargs.get("device") is None:
+            caller = sys._getframe(1)
+            if f"{os.sep}hybrid{os.sep}" in caller.f_code.co_filename:
+                self.missing.append(f"{caller.f_code.co_filename}:{caller.f_lineno} {func.__name__}")
+        return func(*args, **kwargs)
+
+
+def test_generation_and_the_grpo_loss_make_every_tensor_on_the_models_device(hf_models):
+    """A CPU stand-in for the GPU check: no tensor factory in the decoding loop, the KV cache, sampling or the GRPO
+    loss leaves out its device (so none is made on the host beside a CUDA model or for a NCCL collective)."""
+    from hybrid.model.generate import SamplingOptions, generate
+    from hybrid.model.grpo import GRPOOptions, completion_rows
+    from hybrid.model.objectives import GroupPolicy
+    from hybrid.parallel.groups import ParallelGroups
+    path, _ = hf_models["qwen3"]
+    model = one_rank_model(path)
+    batch = prompts()
+    watch = FactoriesWithoutDevice()
+    with watch:
+        out = generate(model, None, batch, SamplingOptions(max_new_tokens=4, temperature=1.0, top_p=0.9, eos=(5,)),
+                       stop=lambda row, tokens: False)
+    ids, labels, values = completion_rows(batch, out.tokens, out.logprobs, torch.ones(len(batch)), 24, 0)
+    objective = GroupPolicy(ParallelGroups.single(), model.config.vocab_size, GRPOOptions(2, beta=0.1))
+    with watch:
+        objective.loss(model(ids, stage=0), objective.target(ids, labels, (values,)), torch.ones(()))
+        objective.metrics()
+    assert watch.missing == []

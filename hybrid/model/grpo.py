@@ -123,7 +123,7 @@ class PolicyStats:
 
     pending: list = field(default_factory=list)
     # per generation batch on this DP rank: completions, reward sum, reward square sum, completion tokens,
-    # generation seconds, generated tokens, completions with a reward (fp64)
+    # generation seconds, generated tokens, completions with a reward, the KV cache's bytes (fp64)
     rollouts: list = field(default_factory=list)
 
     def add(self, stats: torch.Tensor) -> None:
@@ -138,8 +138,9 @@ class PolicyStats:
             return {}
         device = self.pending[0].device if self.pending else device
         stacked = torch.stack(self.pending) if self.pending else torch.zeros(1, 4, device=device)
-        rolled = torch.stack(self.rollouts).sum(0) if self.rollouts else torch.zeros(7, device=device,
+        rolled = torch.stack(self.rollouts).sum(0) if self.rollouts else torch.zeros(8, device=device,
                                                                                    dtype=torch.float64)
+        generations = len(self.rollouts)
         self.pending, self.rollouts = [], []
         sums = torch.cat([stacked[:, :3].sum(0).double(), rolled])
         worst = stacked[:, 3].amax().reshape(1)
@@ -149,14 +150,16 @@ class PolicyStats:
         if dp is not None and dp.size > 1:
             dist.all_reduce(sums, group=dp.group)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=dp.group)
-        tokens, clipped, kl, rows, reward, square, length, seconds, new, scored = sums.tolist()
+        tokens, clipped, kl, rows, reward, square, length, seconds, new, scored, cache = sums.tolist()
         out = {"clip_fraction": clipped / max(tokens, 1.0), "kl": kl / max(tokens, 1.0),
                "logprob_mismatch": float(worst)}
         if rows:
             mean = reward / max(scored, 1.0)
+            ranks = dp.size if dp is not None else 1
             out.update(reward_mean=mean, reward_std=math.sqrt(max(square / max(scored, 1.0) - mean * mean, 0.0)),
-                       completion_length=length / rows,
-                       generate_tokens_per_s=new / max(seconds / (dp.size if dp is not None else 1), 1e-9))
+                       completion_length=length / rows, generate_tokens_per_s=new / max(seconds / ranks, 1e-9),
+                       generate_s=seconds / ranks / max(generations, 1),
+                       kv_cache_mib=cache / ranks / max(generations, 1) / 2 ** 20)
         return out
 
 

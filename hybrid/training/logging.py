@@ -38,7 +38,7 @@ _EXTRA_PARTS = {"load_balancing_loss": ("load balancing loss", ".6E"), "z_loss":
                 "reward_mean": ("reward", ".4f"), "reward_std": ("reward std", ".4f"),
                 "completion_length": ("completion length", ".1f"), "clip_fraction": ("clip fraction", ".4f"),
                 "kl": ("kl", ".3E"), "logprob_mismatch": ("logprob mismatch", ".2E"),
-                "generate_tokens_per_s": ("generated tokens/s", ".1f")}
+                "generate_tokens_per_s": ("generated tokens/s", ".1f"), "generate_s": ("generation s", ".2f")}
 
 
 def _extra_part(m: dict) -> str:

@@ -195,7 +195,8 @@ class Rollout:
         finite = total[~torch.isnan(total)]
         self.stats.add_rollout(torch.tensor([len(prompts), float(finite.sum()), float((finite ** 2).sum()),
                                              float(lengths.sum()), seconds, float(out.stats["new_tokens"]),
-                                             float(len(finite))], dtype=torch.float64, device=self.device))
+                                             float(len(finite)), float(out.stats["cache_bytes"])],
+                                            dtype=torch.float64, device=self.device))
         return self._rows(prompts, out.tokens, out.logprobs, adv)
 
     def _rows(self, prompts: list, tokens: list, logprobs: list, adv: torch.Tensor):
