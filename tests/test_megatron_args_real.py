@@ -158,3 +158,106 @@ def test_a_public_run_script_of_a_model_hybrid_does_not_build_is_refused_by_name
     from hybrid.errors import ConfigError
     with pytest.raises(ConfigError, match=REFUSALS[script].replace("(", r"\(").replace(")", r"\)")):
         config_from_args(megatron_args(RUNS[script]["args"]), where=script)
+
+
+# --- Megatron-DeepSpeed: its own parser on its example scripts (tests/fixtures/megatron_deepspeed_args) ---------
+
+MDS_FIXTURES = os.path.join(os.path.dirname(FIXTURES), "megatron_deepspeed_args")
+
+
+def _load_mds(name: str) -> dict:
+    with open(os.path.join(MDS_FIXTURES, name)) as f:
+        return json.load(f)
+
+
+MDS_TABLE = {entry["dest"]: entry for entry in _load_mds("arguments.json")["arguments"]}
+MDS_SCRIPTS = _load_mds("run_scripts.json")["scripts"]
+MDS_PARSED = {name: run for name, run in MDS_SCRIPTS.items() if "error" not in run["args"]}
+
+
+def mds_config(changes: dict, read=None):
+    """hybrid's model of Megatron-DeepSpeed args: its parser's defaults with `changes`, read as a checkpoint's
+    stored args are (megatron_lm_args, then config_from_args); `read` collects every name either reads."""
+    from hybrid.conversion.megatron import config_from_args
+    from hybrid.conversion.megatron_deepspeed import megatron_lm_args
+    values = {name: entry["default"] for name, entry in MDS_TABLE.items()}
+    values.update(changes)
+    values["padded_vocab_size"] = values.get("padded_vocab_size") or 1024
+    args = _Reads(read, **values) if read is not None else argparse.Namespace(**values)
+    spelled = megatron_lm_args(args, "x")
+    if read is not None:
+        spelled = _Reads(read, **vars(spelled))
+    return config_from_args(spelled, where="x")
+
+
+def test_every_model_argument_of_megatron_deepspeeds_parser_is_read_refused_or_explained():
+    """Megatron-DeepSpeed's parser (its "network size" group and its MoE training arguments), as it parsed its own
+    example scripts: each argument is read, refused by name, or listed with why it leaves the model alone."""
+    from hybrid.conversion.megatron import NOT_MODEL_ARGS, REFUSED_ARGS
+    from hybrid.conversion.megatron_deepspeed import MEGATRON_DEEPSPEED_REFUSED, NOT_MODEL_ARGS_MEGATRON_DEEPSPEED
+    from hybrid.errors import ConfigError
+    read = set()
+    small = dict(num_layers=2, hidden_size=64, num_attention_heads=4, max_position_embeddings=32, seq_length=32)
+    for changes in [small, dict(small, use_rotary_position_embeddings=True, add_position_embedding=False)] + \
+            [run["args"] for run in MDS_PARSED.values()]:
+        try:
+            mds_config(changes, read)
+        except ConfigError:
+            pass
+    explained = {name for names in (*NOT_MODEL_ARGS.values(), *NOT_MODEL_ARGS_MEGATRON_DEEPSPEED.values())
+                 for name in names}
+    model = [name for name, entry in MDS_TABLE.items()
+             if entry["group"] == "network size" or name.startswith("moe_") or name in ("topk", "mlp_type")]
+    assert len(model) == 39
+    missing = [name for name in model if name not in read | set(REFUSED_ARGS) | set(MEGATRON_DEEPSPEED_REFUSED)
+               | explained]
+    assert missing == []
+    assert [name for names in NOT_MODEL_ARGS_MEGATRON_DEEPSPEED.values() for name in names
+            if name not in MDS_TABLE] == []
+
+
+MDS_POSITIONS_AND_ROPE = "adds a learned position table to the embeddings besides rotary embeddings"
+MDS_REFUSED = {name: "a Megatron-DeepSpeed mixture of experts" for name, run in MDS_PARSED.items()
+               if any(int(e) > 1 for e in run["args"]["num_experts"])}
+MDS_REFUSED.update({name: MDS_POSITIONS_AND_ROPE for name, run in MDS_PARSED.items()
+                    if run["args"]["use_rotary_position_embeddings"]})
+
+
+def test_megatron_deepspeeds_example_scripts_were_all_parsed_but_a_template():
+    """48 example scripts launch a GPT entry point; every one parsed but the data-efficiency base script (a
+    template its run script calls with positional arguments); 31 GPT models read, 7 MoE and 9 rotary ones refused."""
+    assert len(MDS_SCRIPTS) == 48 and [name for name in MDS_SCRIPTS if name not in MDS_PARSED] == [
+        "examples_deepspeed/data_efficiency/gpt/pretrain/ds_pretrain_gpt_1.3B_dense_base_script.sh"]
+    assert len(MDS_REFUSED) == 16 and len(MDS_PARSED) - len(MDS_REFUSED) == 31
+
+
+@pytest.mark.parametrize("script", sorted(MDS_PARSED))
+def test_a_megatron_deepspeed_example_script_is_its_model_or_refused_by_name(script):
+    """What Megatron-DeepSpeed's parser made of its own example: the GPT's size, heads, FFN, positions, norm and its
+    epsilon, dropout, tied head and the QK layer scaling as hybrid reads them from a checkpoint with those args; its
+    DeepSpeed-MoE models and its rotary models (which keep the learned position table: its Llama scripts give no
+    --no-position-embedding) refused by name."""
+    from hybrid.errors import ConfigError
+    args = MDS_PARSED[script]["args"]
+    if script in MDS_REFUSED:
+        with pytest.raises(ConfigError, match=MDS_REFUSED[script]):
+            mds_config(args)
+        return
+    config = mds_config(args)
+    want = dict(num_layers=args["num_layers"], hidden_size=args["hidden_size"],
+                num_attention_heads=args["num_attention_heads"],
+                ffn_hidden_size=args["ffn_hidden_size"] or 4 * args["hidden_size"],
+                max_position_embeddings=args["max_position_embeddings"], position_embedding_type="learned_absolute",
+                normalization="LayerNorm", norm_epsilon=args["layernorm_epsilon"], swiglu=False,
+                hidden_dropout=args["hidden_dropout"], attention_dropout=args["attention_dropout"],
+                untie_embeddings_and_output_weights=args["untie_embeddings_and_output_weights"])
+    for field, value in want.items():
+        assert getattr(config, field) == value, (script, field, getattr(config, field), value)
+
+
+
+def test_megatron_deepspeeds_switch_mlp_is_refused_by_name():
+    from hybrid.errors import ConfigError
+    small = dict(num_layers=2, hidden_size=64, num_attention_heads=4, max_position_embeddings=32, seq_length=32)
+    with pytest.raises(ConfigError, match="--num-experts-switch 8: Megatron-LM's old Switch MLP"):
+        mds_config(dict(small, num_experts_switch=8))

@@ -66,8 +66,30 @@ def _load(path: str) -> dict:
     return load_file(path, mmap=True)  # one message for a missing, truncated or damaged file
 
 
+# Megatron-DeepSpeed's own arguments (beyond Megatron-LM's, whose rules config_from_args applies) that change the
+# model in ways hybrid's model does not compute: refused by name when set
+MEGATRON_DEEPSPEED_REFUSED = {
+    "num_experts_switch": "Megatron-LM's old Switch MLP (a router and that many dense experts in every layer)",
+}
+# the rest of its own model-describing arguments (its parser's "network size" group and DeepSpeed-MoE's settings),
+# each with why it leaves a checkpoint's model as read here; tests/test_megatron_args_real.py checks the whole
+# table its parser gives (tests/fixtures/megatron_deepspeed_args/arguments.json)
+NOT_MODEL_ARGS_MEGATRON_DEEPSPEED = {
+    "DeepSpeed-MoE settings, which act only with --num-experts > 1 (refused as a whole)": (
+        "mlp_type", "topk", "expert_interval", "moe_token_dropping", "moe_train_capacity_factor",
+        "moe_eval_capacity_factor", "moe_min_capacity", "moe_loss_coeff", "moe_top2_2nd_expert_sampling",
+        "moe_expert_parallel_size"),
+    "kernels and precision computing the same mathematics": ("mem_efficient_ln", "embedding_weights_in_fp32"),
+    "run control": ("kill_switch_file",),
+}
+
+
 def megatron_lm_args(args: argparse.Namespace, where: str) -> argparse.Namespace:
     """Megatron-DeepSpeed's stored args in Megatron-LM's spelling (what config_from_args reads)."""
+    for name, what in MEGATRON_DEEPSPEED_REFUSED.items():
+        if getattr(args, name, None) not in (None, False, 0):
+            raise ConfigError(f"{where}: --{name.replace('_', '-')} {getattr(args, name)}: {what}, which hybrid's model "
+                              f"does not compute.")
     experts = getattr(args, "num_experts", None)
     if isinstance(experts, (list, tuple)) and any(int(e) > 1 for e in experts) or isinstance(experts, int) and experts > 1:
         raise ConfigError(f"{where}: a Megatron-DeepSpeed mixture of experts (--num-experts {experts}: DeepSpeed's MoE "
