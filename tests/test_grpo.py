@@ -301,3 +301,17 @@ def test_readme_grpo_command_learns_the_embedded_task_and_draws_the_reward(tmp_p
     rewards = [r["reward_mean"] for r in read_log(log)]
     assert len(rewards) == 12 and sum(rewards[:3]) / 3 < 0.1 and sum(rewards[-3:]) / 3 > 0.4, rewards
     assert (save / "reward.png").stat().st_size > 1000 and "sample (transformers, from" in proc.stdout
+
+
+@pytest.mark.slow
+def test_grpo_iterations_reuse_a_generation_batch_against_the_samplers_log_probabilities(tmp_path):
+    """--grpo-iterations 2: a batch is generated every second iteration (its rewards logged then), the second step
+    on it is off-policy (the ratio moved: some tokens clipped), and the mismatch is measured on first passes only."""
+    log = tmp_path / "log.jsonl"
+    run("python", 1, TASK[:TASK.index("--global-batch-size")] + [
+        "--global-batch-size", 16, "--micro-batch-size", 8, "--lr", 2e-2, "--max-new-tokens", 8, "--grpo-group-size",
+        8, "--log-interval", 1, "--no-demo", "--seed", 3, "--train-iters", 4, "--grpo-iterations", 2,
+        "--grpo-loss-type", "grpo", "--log-json", log])
+    records = read_log(log)
+    assert [("reward_mean" in r, "logprob_mismatch" in r) for r in records] == [(True, True), (False, False)] * 2
+    assert records[1]["clip_fraction"] > 0 and records[0]["clip_fraction"] == 0

@@ -110,16 +110,18 @@ def policy_loss(logps, old, reference, advantage, mask, options: GRPOOptions, sc
     with torch.no_grad():
         low = (ratio < 1 - options.epsilon) & (a < 0)
         high = (ratio > 1 + options.clip_high) & (a > 0)
+        measured = mask if fresh is None else mask & fresh[:, None]
         stats = torch.stack([mask_f.sum(), ((low | high).float() * mask_f).sum(),
                              (kl * mask_f).sum() if kl is not None else torch.zeros((), device=logps.device),
-                             ((logps - old).abs() * (mask if fresh is None else mask & fresh[:, None])).amax()])
+                             measured.float().sum(), ((logps - old).abs() * measured).amax()])
     return loss, stats
 
 
 @dataclass
 class PolicyStats:
-    """The loss's statistics of the micro-batches since the last log line: tokens, clipped tokens, KL sum, and the
-    largest |trainer - sampler| log-probability (the train-inference mismatch, first iteration of a batch)."""
+    """The loss's statistics of the micro-batches since the last log line: tokens, clipped tokens, KL sum, tokens
+    fresh from the sampler and their largest |trainer - sampler| log-probability (the train-inference mismatch,
+    measured on the first pass over a generation batch)."""
 
     pending: list = field(default_factory=list)
     # per generation batch on this DP rank: completions, reward sum, reward square sum, completion tokens,
@@ -137,22 +139,23 @@ class PolicyStats:
         if not self.pending and not self.rollouts and (pp is None or pp.size == 1):
             return {}
         device = self.pending[0].device if self.pending else device
-        stacked = torch.stack(self.pending) if self.pending else torch.zeros(1, 4, device=device)
+        stacked = torch.stack(self.pending) if self.pending else torch.zeros(1, 5, device=device)
         rolled = torch.stack(self.rollouts).sum(0) if self.rollouts else torch.zeros(8, device=device,
                                                                                    dtype=torch.float64)
         generations = len(self.rollouts)
         self.pending, self.rollouts = [], []
-        sums = torch.cat([stacked[:, :3].sum(0).double(), rolled])
-        worst = stacked[:, 3].amax().reshape(1)
+        sums = torch.cat([stacked[:, :4].sum(0).double(), rolled])
+        worst = stacked[:, 4].amax().reshape(1)
         if pp is not None and pp.size > 1:  # the loss's statistics live on the last stage
-            dist.all_reduce(sums[:3], group=pp.group)
+            dist.all_reduce(sums[:4], group=pp.group)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pp.group)
         if dp is not None and dp.size > 1:
             dist.all_reduce(sums, group=dp.group)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=dp.group)
-        tokens, clipped, kl, rows, reward, square, length, seconds, new, scored, cache = sums.tolist()
-        out = {"clip_fraction": clipped / max(tokens, 1.0), "kl": kl / max(tokens, 1.0),
-               "logprob_mismatch": float(worst)}
+        tokens, clipped, kl, fresh, rows, reward, square, length, seconds, new, scored, cache = sums.tolist()
+        out = {"clip_fraction": clipped / max(tokens, 1.0), "kl": kl / max(tokens, 1.0)}
+        if fresh:  # measured on the first pass over a generation batch only (--grpo-iterations)
+            out["logprob_mismatch"] = float(worst)
         if rows:
             mean = reward / max(scored, 1.0)
             ranks = dp.size if dp is not None else 1
