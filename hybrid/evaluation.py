@@ -282,15 +282,18 @@ def _losses(config, groups, parts, batches, device, token_sums: bool = False) ->
                         lambda mb, logits: objective.loss(logits, moved[mb][1], scale).float())
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def script_main(argv: Optional[list[str]], build, work) -> int:
+    """A launch script's entry (evaluate.py, generate.py): its flags (`build()`'s parser), the safe load, then
+    `work(args)`, whose JSON result rank 0 prints (and appends to --log-json where the script has it); a user's
+    mistake is one message and exit status 2."""
     owned = not dist.is_initialized()
     try:
-        args = build_parser().parse_args(argv)
+        args = build().parse_args(argv)
         install_safe_torch_load(args.allow_unsafe_checkpoint_load)
-        result = evaluate(args)
+        result = work(args)
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(json.dumps(result), flush=True)
-            if args.log_json:
+            if getattr(args, "log_json", None):
                 with open(args.log_json, "a") as f:
                     f.write(json.dumps(result) + "\n")
         code = 0
@@ -300,3 +303,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         code = 2
     end_distributed(owned, clean=code == 0)
     return code
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return script_main(argv, build_parser, evaluate)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from typing import Optional
 
@@ -22,13 +21,11 @@ import torch.distributed as dist
 
 from hybrid.data.prompts import read_prompts
 from hybrid.data.tokenizer import HFTokenizer
-from hybrid.distributed import end_distributed
 from hybrid.errors import ConfigError
-from hybrid.evaluation import add_source_flags, layout_dims, loaded_model, open_checkpoint, rank_device
+from hybrid.evaluation import add_source_flags, layout_dims, loaded_model, open_checkpoint, rank_device, script_main
 from hybrid.flags import FlagParser
 from hybrid.model.generate import SamplingOptions, generate
 from hybrid.parallel.groups import build_groups
-from hybrid.safe_loading import install_safe_torch_load
 
 
 def build_parser():
@@ -138,17 +135,4 @@ def _gather_rows(rows: list, groups) -> Optional[list]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    owned = not dist.is_initialized()
-    try:
-        args = build_parser().parse_args(argv)
-        install_safe_torch_load(args.allow_unsafe_checkpoint_load)
-        result = run(args)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(json.dumps(result), flush=True)
-        code = 0
-    except ConfigError as e:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr)
-        code = 2
-    end_distributed(owned, clean=code == 0)
-    return code
+    return script_main(argv, build_parser, run)

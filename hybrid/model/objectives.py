@@ -73,7 +73,31 @@ class LanguageModeling(Objective):
         return self.lm_loss.of_whole_sequences(logits, target, scale)
 
 
-class PreferencePairs(Objective):
+class WithStatistics(Objective):
+    """An objective whose loss gathers statistics in `self.stats` (a PreferenceStats or grpo.PolicyStats: its
+    `pending` list and `metrics(dp, pp, device)`), logged over every DP rank, kept apart during evaluation; its
+    loss is taken over whole documents or rows, summed over the ranks holding parts of one (factor 1)."""
+
+    stats = None
+
+    def sequence_factor(self, sequence_split: int) -> int:
+        # a token's loss is on one sequence rank, a pair's or a row's on all of them (their parts are summed first)
+        return 1
+
+    def metrics(self, groups=None, device=None) -> dict:
+        dp = groups.dp if groups is not None else None
+        pp = groups.pp if groups is not None else None
+        return self.stats.metrics(dp, pp, device)
+
+    def discard_pending(self) -> list:
+        pending, self.stats.pending = self.stats.pending, []
+        return pending
+
+    def restore_pending(self, pending: list) -> None:
+        self.stats.pending = pending
+
+
+class PreferencePairs(WithStatistics):
     """--dpo: TRL's DPO loss on packed pairs (hybrid.model.preference). The target stacks, per row, the labels,
     the ids (the packed documents) and the reference model's per-document log-probability sums as fp32 bits
     ([b, 3, s] int64): they come with the batch (--dpo-reference-logps) or from `reference`, the frozen model
@@ -107,22 +131,6 @@ class PreferencePairs(Objective):
     def count(self, ids, labels):
         return preference.pairs_in(ids, labels, self.options.separator)
 
-    def sequence_factor(self, sequence_split: int) -> int:
-        # a token's loss is on one sequence rank, a pair's on all of them (their parts are summed first)
-        return 1
-
-    def metrics(self, groups=None, device=None) -> dict:
-        dp = groups.dp if groups is not None else None
-        pp = groups.pp if groups is not None else None
-        return self.stats.metrics(dp, pp, device)
-
-    def discard_pending(self) -> list:
-        pending, self.stats.pending = self.stats.pending, []
-        return pending
-
-    def restore_pending(self, pending: list) -> None:
-        self.stats.pending = pending
-
 
 class DocumentScores(Objective):
     """Forward only: each micro-batch's per-document (log-probability sums, token counts) over its loss tokens,
@@ -142,7 +150,7 @@ class DocumentScores(Objective):
         return torch.stack(sums)
 
 
-class GroupPolicy(Objective):
+class GroupPolicy(WithStatistics):
     """--grpo: TRL's GRPO loss (hybrid.model.grpo) on rows of one completion each. `extra[0]` [b, 4, s] fp32 rides
     with the row: its advantage, the sampler's log-probability of each label, the reference model's (or, at beta
     0, zeros), and 1 where the row's values are fresh from the sampler (the mismatch is measured there). The
@@ -176,21 +184,6 @@ class GroupPolicy(Objective):
         if self.options.loss_type in ("dapo", "bnpo"):
             return mask.sum()
         return torch.full((), labels.size(0), device=labels.device, dtype=torch.long)
-
-    def sequence_factor(self, sequence_split: int) -> int:
-        return 1
-
-    def metrics(self, groups=None, device=None) -> dict:
-        dp = groups.dp if groups is not None else None
-        pp = groups.pp if groups is not None else None
-        return self.stats.metrics(dp, pp, device)
-
-    def discard_pending(self) -> list:
-        pending, self.stats.pending = self.stats.pending, []
-        return pending
-
-    def restore_pending(self, pending: list) -> None:
-        self.stats.pending = pending
 
 
 def pair_target(ids: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
