@@ -46,7 +46,7 @@ def prompts(batch: int):
     return [torch.randint(1, 8192, (int(n),), generator=g).tolist() for n in torch.randint(8, 48, (batch,), generator=g)]
 
 
-def ours(path: str, batch: list, new: int, groups=None, repeats: int = 3):
+def ours(path: str, batch: list, new: int, groups=None, repeats: int = 3, device=None):
     import torch
     from hybrid.conversion.hf import hf_parts, read_hf_config
     from hybrid.evaluation import loaded_model
@@ -54,7 +54,8 @@ def ours(path: str, batch: list, new: int, groups=None, repeats: int = 3):
     from hybrid.parallel.groups import ParallelGroups
     config = read_hf_config(path, "--load-hf")
     groups = groups or ParallelGroups.single()
-    model = loaded_model(config, groups, lambda wanted: hf_parts(path, config, wanted), torch.device("cpu"))
+    from hybrid.evaluation import rank_device
+    model = loaded_model(config, groups, lambda wanted: hf_parts(path, config, wanted), device or rank_device())
     times, out = [], None
     for _ in range(repeats):
         start = time.perf_counter()
@@ -71,8 +72,8 @@ def ours(path: str, batch: list, new: int, groups=None, repeats: int = 3):
 def transformers_generate(model, batch: list, new: int, repeats: int = 3):
     import torch
     width = max(len(p) for p in batch)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
     times, out = [], None
     for _ in range(repeats):
         start = time.perf_counter()
@@ -134,7 +135,8 @@ def main() -> None:
     import torch
     tmp = tempfile.mkdtemp(prefix="bench-generate-")
     path = os.path.join(tmp, "model")
-    hf = make_model(path, a.hidden_size, a.num_layers)
+    from hybrid.evaluation import rank_device
+    hf = make_model(path, a.hidden_size, a.num_layers).to(rank_device())  # the accelerator where there is one
     batch = prompts(a.batch)
     total = a.batch * a.new
     ours_times, hf_times = [], []

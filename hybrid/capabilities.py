@@ -65,6 +65,7 @@ class Setup:
     dpo_precomputed: bool = False  # --dpo-reference-logps FILE
     grpo: bool = False  # --grpo
     grpo_kl: bool = False  # --grpo-beta > 0 (a frozen reference model beside the engine)
+    moe_capacity: bool = False  # --moe-expert-capacity-factor with experts
     fp32_grad_accumulation: bool = False  # the DeepSpeed config's data_types.grad_accum_dtype fp32 (with --bf16)
     optimizer: str = "adam"  # --optimizer
 
@@ -258,6 +259,14 @@ RULES = [
          lambda s: s.grpo_kl and s.pp > 1,
          lambda s: f"--grpo-beta > 0 at --pipeline-model-parallel-size {s.pp}: the reference model runs beside the "
                    f"engine at PP 1 only; use --grpo-beta 0 (TRL's default) or PP 1."),
+    Rule("grpo-moe-capacity", "--grpo with --moe-expert-capacity-factor",
+         "which tokens an expert drops depends on every token of the call: a decoding step holds one position per "
+         "row, a training micro-batch whole rows, so the sampler and the trainer would route differently and their "
+         "log-probabilities would disagree (the train-inference mismatch GRPO must not have)",
+         lambda s: s.grpo and s.moe_capacity,
+         lambda s: "--grpo with --moe-expert-capacity-factor: token dropping differs between decoding and training, "
+                   "so the sampler's and the trainer's log-probabilities would disagree; drop the capacity factor "
+                   "(dropless routing)."),
     Rule("grpo-rampup", "--grpo with --rampup-batch-size",
          "a generation batch is --global-batch-size completions in whole prompt groups on every data-parallel rank; "
          "a growing batch would change the group split mid-run",

@@ -480,6 +480,13 @@ def _grpo_flags(args) -> None:
         raise ConfigError(f"--reward-weights: {len(args.reward_weights)} weights for {len(functions)} "
                           f"--reward-function entries; give one weight per function.")
     args.reward_function = functions
+    for flag in ("save_interval", "exit_interval"):
+        value = getattr(args, flag, None)
+        if value and args.grpo_iterations > 1 and value % args.grpo_iterations:
+            raise ConfigError(f"--{flag.replace('_', '-')} {value}: with --grpo-iterations {args.grpo_iterations} a "
+                              f"checkpoint inside a generation batch could not resume it exactly (its completions "
+                              f"would be generated again from the updated weights); give a multiple of "
+                              f"{args.grpo_iterations}.")
     if args.seq_length is not None and args.max_new_tokens > args.seq_length:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} exceeds --seq-length {args.seq_length}: a prompt "
                           f"and its completion share one training window.")
@@ -686,6 +693,7 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path
                 cpu_offloading=dsc.cpu_offloading(args, ds), dpo=bool(args.dpo),
                 dpo_precomputed=bool(args.dpo and args.dpo_reference_logps), grpo=bool(args.grpo),
                 grpo_kl=bool(args.grpo and args.grpo_beta > 0),
+                moe_capacity=bool(model.num_experts and model.moe_expert_capacity_factor is not None),
                 fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds), optimizer=args.optimizer or "adam")
 
 

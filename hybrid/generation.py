@@ -17,6 +17,7 @@ import os
 import time
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from hybrid.data.prompts import read_prompts
@@ -43,12 +44,13 @@ def build_parser():
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--stop", nargs="*", default=[], help="strings that end a completion (kept in it, as transformers)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together on each data-parallel rank")
+    p.add_argument("--bf16", action="store_true", help="decode in bf16 (the weights cast once; default: fp32)")
     return p
 
 
 def eos_ids(tokenizer, model_dir: Optional[str]) -> tuple:
-    """The ids that end a completion: the model's generation_config.json eos_token_id (an id or a list), else
-    the tokenizer's EOS; none: completions run to --max-new-tokens."""
+    """The ids that end a completion: generation_config.json's eos_token_id (an id or a list) in the model's (or the
+    tokenizer's) directory, else the tokenizer's EOS; none: completions run to --max-new-tokens."""
     if model_dir and os.path.isfile(os.path.join(model_dir, "generation_config.json")):
         with open(os.path.join(model_dir, "generation_config.json")) as f:
             eos = json.load(f).get("eos_token_id")
@@ -85,7 +87,7 @@ def run(args) -> dict:
         raise ConfigError("generate.py needs the model's tokenizer: --tokenizer-model DIR (or --load-hf DIR).")
     tokenizer = HFTokenizer(path).to_transformers()
     prompts = read_prompts(args.prompts, tokenizer)
-    eos = eos_ids(tokenizer, args.load_hf)
+    eos = eos_ids(tokenizer, path)
     pad = eos[0] if eos else 0
     options = SamplingOptions(**{**options.__dict__, "eos": eos, "pad": pad})
     if config.position_embedding_type == "learned_absolute":
@@ -97,6 +99,8 @@ def run(args) -> dict:
     groups = build_groups(dims, experts=bool(config.num_experts))
     device = rank_device()
     model = loaded_model(config, groups, source.parts, device)
+    if args.bf16:
+        model = model.to(torch.bfloat16)
     dp, me = groups.dp.size, groups.dp.rank
     mine = [k for k in range(len(prompts)) if k % dp == me]
     # every rank of an expert group decodes the same number of batches (their experts meet in each step)

@@ -56,6 +56,8 @@ EXAMPLES = {
     "muon-zero": (["--optimizer", "muon", "--zero-stage", 1], 1),
     "grpo-sequence-split": (["--grpo", "--context-parallel-size", 2, "--global-batch-size", 16], 2),
     "grpo-kl-pipeline": (PP2 + ["--grpo", "--grpo-beta", 0.1, "--load-hf", "hf-dir", "--global-batch-size", 16], 2),
+    "grpo-moe-capacity": (["--grpo", "--num-experts", 4, "--disable-bias-linear", "--moe-expert-capacity-factor", 1.0,
+                           "--global-batch-size", 16], 1),
     "grpo-rampup": (["--grpo", "--rampup-batch-size", 8, 8, 64, "--global-batch-size", 16], 1),
     "muon-precision": (["--optimizer", "muon", "--bf16"], 1),
     "muon-pipeline": (PP2 + ["--optimizer", "muon"], 2),

@@ -146,6 +146,33 @@ def test_greedy_at_tp2_sp_pp2_ep2_equals_transformers_and_sampling_equals_one_ra
     assert [sharded[k] for k in range(len(batch))] == single.tokens
 
 
+def _ranks_stop_together(path: str, eos_on_first: bool):
+    from hybrid.conversion.hf import hf_parts, read_hf_config
+    from hybrid.evaluation import loaded_model
+    from hybrid.model.generate import SamplingOptions, generate
+    from hybrid.parallel.dims import ParallelDims
+    from hybrid.parallel.groups import build_groups
+    config = read_hf_config(path, "--load-hf")
+    groups = build_groups(ParallelDims(2, 1, 1))
+    model = loaded_model(config, groups, lambda wanted: hf_parts(path, config, wanted), torch.device("cpu"))
+    batch = prompts()[groups.dp.rank::2]
+    first = generate(model, None, batch, SamplingOptions(max_new_tokens=NEW)).tokens
+    eos = (first[0][0],) if groups.dp.rank == 0 else (-5,)  # rank 0's first row ends at once, rank 1's never
+    out = generate(model, groups, batch[:1], SamplingOptions(max_new_tokens=NEW, eos=eos),
+                   sync=groups.dp if eos_on_first else None)
+    return out.stats["steps"], [len(t) for t in out.tokens]
+
+
+@pytest.mark.slow
+def test_ranks_that_must_step_together_decode_until_every_one_has_ended(hf_models):
+    """`sync` (ZeRO-3's data-parallel ranks, whose every step gathers parameters; EP's expert group): a rank whose
+    rows have all ended keeps stepping until its peers' have (its row stays ended); without it, it stops."""
+    path = str(hf_models["llama3"][0])
+    together = run_on_ranks(_ranks_stop_together, 2, path, True)
+    alone = run_on_ranks(_ranks_stop_together, 2, path, False)
+    assert together == [(NEW, [1]), (NEW, [NEW])] and alone == [(1, [1]), (NEW, [NEW])]
+
+
 def _write(path, rows):
     with open(path, "w") as f:
         for row in rows:

@@ -61,12 +61,15 @@ def _trl_inputs(rows, completions, advantages):
             "num_items_in_batch": completion_mask.sum().float()}
 
 
-@pytest.mark.parametrize("loss_type,beta", [("dapo", 0.0), ("grpo", 0.0), ("dapo", 0.04), ("grpo", 0.04), ("dr_grpo", 0.0),
-                                            pytest.param("bnpo", 0.0, marks=pytest.mark.slow)])
-def test_loss_and_gradients_equal_trls_compute_loss(loss_type, beta, policy, tmp_path):
-    """Fixed completions, advantages, sampler log-probabilities (the policy's own, perturbed so that ratios leave the
-    clip range on both sides) and reference log-probabilities: the GRPO objective as the runtime runs it (target,
-    loss, the runtime's item scale) against TRL 1.16's GRPOTrainer._compute_loss on a copy of the model."""
+@pytest.mark.parametrize("loss_type,beta,fresh", [("dapo", 0.0, False), ("grpo", 0.0, False), ("dapo", 0.04, False),
+                                                  ("grpo", 0.04, False), ("dr_grpo", 0.0, False), ("dapo", 0.04, True),
+                                                  pytest.param("bnpo", 0.0, False, marks=pytest.mark.slow)])
+def test_loss_and_gradients_equal_trls_compute_loss(loss_type, beta, fresh, policy, tmp_path):
+    """Fixed completions, advantages, old log-probabilities (the policy's own, perturbed so that ratios leave the
+    clip range on both sides: a later pass of --grpo-iterations) and reference log-probabilities: the GRPO objective
+    as the runtime runs it (target, loss, the runtime's item scale) against TRL 1.16's GRPOTrainer._compute_loss on
+    a copy of the model. `fresh`: a batch's first pass, where TRL takes the old log-probabilities as the current
+    ones detached (no old_per_token_logps given) and so does the objective, whatever the sampler's were."""
     import copy
     from hybrid.model.grpo import GRPOOptions, completion_rows
     from hybrid.model.objectives import GroupPolicy
@@ -86,7 +89,7 @@ def test_loss_and_gradients_equal_trls_compute_loss(loss_type, beta, policy, tmp
     noise = torch.randn(current.shape, generator=torch.Generator().manual_seed(2))
     inputs["old_per_token_logps"] = current + 0.3 * noise
     inputs["ref_per_token_logps"] = current - 0.2 * noise.abs()
-    want = trainer._compute_loss(hf, inputs)
+    want = trainer._compute_loss(hf, {k: v for k, v in inputs.items() if not (fresh and k == "old_per_token_logps")})
     want.backward()
 
     options = GRPOOptions(G, 0.2, 0.28, beta, loss_type, max_new_tokens=NEW, temperature=0.8)
@@ -96,7 +99,7 @@ def test_loss_and_gradients_equal_trls_compute_loss(loss_type, beta, policy, tmp
     for r, c in enumerate(completions):
         first = len(rows[r]) - 1
         values[r, 2, first:first + len(c)] = inputs["ref_per_token_logps"][r, :len(c)]
-    values[:, 3] = 1.0
+    values[:, 3] = 1.0 if fresh else 0.0
     model = one_rank_model(path).train()
     groups = ParallelGroups.single()
     objective = GroupPolicy(groups, model.config.vocab_size, options)
@@ -111,7 +114,10 @@ def test_loss_and_gradients_equal_trls_compute_loss(loss_type, beta, policy, tmp
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5 * theirs.abs().max().item())
     stats = objective.metrics()
     trl_clip = trainer._metrics["train"]["clip_ratio/region_mean"][-1]
-    assert abs(stats["clip_fraction"] - trl_clip) < 1e-6 and 0 < trl_clip < 1
+    assert abs(stats["clip_fraction"] - trl_clip) < 1e-6 and (trl_clip == 0 if fresh else 0 < trl_clip < 1)
+    if fresh:  # measured against the sampler's log-probabilities (here 0.3 x noise away)
+        assert stats["logprob_mismatch"] == pytest.approx(0.3 * float((noise * inputs["completion_mask"]).abs().max()),
+                                                          rel=1e-5)
     if beta:
         assert abs(stats["kl"] - trainer._metrics["train"]["kl"][-1]) < 1e-5
 
@@ -213,6 +219,17 @@ def test_bad_grpo_flags_are_one_message(tmp_path, capsys):
     assert not (tmp_path / "s").exists()
 
 
+def test_prompts_that_leave_no_room_for_the_completion_are_left_out_and_counted(caplog):
+    from hybrid.data.prompts import Prompt
+    from hybrid.errors import ConfigError
+    from hybrid.training.rollout import usable_prompts
+    prompts = [Prompt(f"p{n}", list(range(1, n + 1)), {}, f"line {n}") for n in (3, 9, 10, 12)]
+    kept = usable_prompts(prompts, seq_length=16, max_new_tokens=7)  # room: 16 + 1 - 7 = 10 prompt tokens
+    assert [len(p.ids) for p in kept] == [3, 9, 10]
+    with pytest.raises(ConfigError, match="no prompt fits --seq-length 8 with --max-new-tokens 7"):
+        usable_prompts(prompts, seq_length=8, max_new_tokens=7)
+
+
 def test_prompt_rows_are_tokenized_as_trl_does():
     from tests.chat_templates import family_tokenizer
     from hybrid.data.prompts import encode_prompt
@@ -229,13 +246,14 @@ MOE = ["--num-experts", 4, "--moe-router-topk", 2, "--disable-bias-linear"]
 @pytest.mark.slow
 @pytest.mark.parametrize("model,layout", [
     ([], ["--pipeline-model-parallel-size", 2]),
-    ([], ["--zero-stage", 3]),
+    (["--grpo-scale-rewards", "batch"], ["--zero-stage", 3]),
     (MOE, ["--expert-model-parallel-size", 2]),
 ])
 def test_grpo_layouts_equal_one_rank(model, layout, tmp_path):
-    """PP 2 (decoding through the stages), DP 2 with ZeRO-3 (the parameters gathered for generation; each rank
-    its own prompt groups) and EP 2 (an MoE model, experts split over the data-parallel ranks): the completions'
-    rewards, the losses and the mismatch as at one rank, over 6 iterations."""
+    """PP 2 (decoding through the stages), DP 2 with ZeRO-3 (each step's parameters gathered by ZeRO-3's hooks;
+    each rank its own prompt groups, the advantages scaled by the whole batch's std) and EP 2 (an MoE model, experts
+    split over the data-parallel ranks): the completions' rewards, the losses and the mismatch as at one rank, over
+    6 iterations."""
     from tests.launch_helpers import one_rank
     flags = TASK + ["--train-iters", 6] + model
     want = one_rank(flags)

@@ -45,21 +45,22 @@ class GRPOOptions:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
-def advantages(rewards: torch.Tensor, group_size: int, scale: str) -> torch.Tensor:
+def advantages(rewards: torch.Tensor, group_size: int, scale: str, batch_std=None) -> torch.Tensor:
     """Rewards [n] (groups of `group_size` consecutive completions of one prompt; NaN where no function scored one)
     -> advantages [n]: reward minus its group's mean, divided by the group's (or the batch's) standard deviation
-    + 1e-4 unless `scale` is none (TRL's formula; the training rows take a NaN advantage as 0: no signal)."""
+    + 1e-4 unless `scale` is none (TRL's formula; the training rows take a NaN advantage as 0: no signal).
+    `batch_std`: the whole generation batch's std where these rewards are one data-parallel rank's part."""
     grouped = rewards.view(-1, group_size)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size)
     out = rewards - mean
     if scale == "group":
-        out = out / (_nanstd(grouped, 1).repeat_interleave(group_size) + 1e-4)
+        out = out / (nanstd(grouped, 1).repeat_interleave(group_size) + 1e-4)
     elif scale == "batch":
-        out = out / (_nanstd(rewards, 0) + 1e-4)
+        out = out / ((nanstd(rewards) if batch_std is None else batch_std) + 1e-4)
     return out
 
 
-def _nanstd(values: torch.Tensor, dim: int) -> torch.Tensor:
+def nanstd(values: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """TRL's nanstd: the mean square deviation over the non-NaN entries times count / (count - 1) (NaN for one)."""
     mean = torch.nanmean(values, dim=dim, keepdim=True)
     variance = torch.nanmean((values - mean) ** 2, dim=dim)
@@ -71,20 +72,21 @@ def _nanstd(values: torch.Tensor, dim: int) -> torch.Tensor:
 def token_logps(logits: torch.Tensor, labels: torch.Tensor, groups, vocab_size: int, temperature: float):
     """Loss logits [s, b, V/tp] and labels [b, s] -> each label's log-probability under softmax(logits /
     temperature), [b, s] fp32 (0 where the label is IGNORE_INDEX)."""
-    if temperature != 1.0:
-        logits = logits / temperature
+    if temperature != 1.0:  # in fp32, as the sampler divides (a bf16 division would round once more)
+        logits = logits.float() / temperature
     per_token = vocab_parallel_cross_entropy(logits, labels.t(), groups.tp_group, vocab_size=vocab_size)
     return torch.where(labels != IGNORE_INDEX, -per_token.t().float(), torch.zeros((), device=logits.device))
 
 
 def policy_loss(logps, old, reference, advantage, mask, options: GRPOOptions, scale: Optional[torch.Tensor],
-                fresh: Optional[torch.Tensor] = None):
+                fresh: Optional[torch.Tensor] = None, sampled: Optional[torch.Tensor] = None):
     """The micro-batch's loss (TRL's _compute_loss, importance sampling per token) and its statistics.
 
     logps, old, reference [b, s] (reference None when beta is 0), advantage [b], mask [b, s] bool. `scale`: the
     runtime's factor for a mean over the global batch's items (hybrid.model.objectives.GroupPolicy.count); None
-    takes the micro-batch's own mean. `fresh` [b] bool: the rows whose `old` came from the sampler with the
-    trainer's current weights (where the mismatch is measured; default all)."""
+    takes the micro-batch's own mean. `fresh` [b] bool: the rows the sampler made with the trainer's current
+    weights, where the mismatch between the trainer's log-probabilities and `sampled` (the sampler's; default
+    `old`) is measured (default all rows)."""
     mask_f = mask.float()
     ratio = torch.exp(logps - old)
     clipped = torch.clamp(ratio, 1 - options.epsilon, 1 + options.clip_high)
@@ -113,7 +115,8 @@ def policy_loss(logps, old, reference, advantage, mask, options: GRPOOptions, sc
         measured = mask if fresh is None else mask & fresh[:, None]
         stats = torch.stack([mask_f.sum(), ((low | high).float() * mask_f).sum(),
                              (kl * mask_f).sum() if kl is not None else torch.zeros((), device=logps.device),
-                             measured.float().sum(), ((logps - old).abs() * measured).amax()])
+                             measured.float().sum(),
+                             ((logps - (old if sampled is None else sampled)).abs() * measured).amax()])
     return loss, stats
 
 
@@ -125,7 +128,8 @@ class PolicyStats:
 
     pending: list = field(default_factory=list)
     # per generation batch on this DP rank: completions, reward sum, reward square sum, completion tokens,
-    # generation seconds, generated tokens, completions with a reward, the KV cache's bytes (fp64)
+    # generation seconds, generated tokens, completions with a reward, the KV cache's bytes, the generation's peak
+    # accelerator bytes (CUDA; 0 elsewhere) (fp64)
     rollouts: list = field(default_factory=list)
 
     def add(self, stats: torch.Tensor) -> None:
@@ -140,12 +144,12 @@ class PolicyStats:
             return {}
         device = self.pending[0].device if self.pending else device
         stacked = torch.stack(self.pending) if self.pending else torch.zeros(1, 5, device=device)
-        rolled = torch.stack(self.rollouts).sum(0) if self.rollouts else torch.zeros(8, device=device,
-                                                                                   dtype=torch.float64)
-        generations = len(self.rollouts)
+        rollouts = torch.stack(self.rollouts) if self.rollouts else torch.zeros(1, 9, device=device,
+                                                                                dtype=torch.float64)
+        rolled, generations = rollouts[:, :8].sum(0), len(self.rollouts)
         self.pending, self.rollouts = [], []
         sums = torch.cat([stacked[:, :4].sum(0).double(), rolled])
-        worst = stacked[:, 4].amax().reshape(1)
+        worst = torch.stack([stacked[:, 4].amax().double(), rollouts[:, 8].amax()])
         if pp is not None and pp.size > 1:  # the loss's statistics live on the last stage
             dist.all_reduce(sums[:4], group=pp.group)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pp.group)
@@ -154,8 +158,11 @@ class PolicyStats:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=dp.group)
         tokens, clipped, kl, fresh, rows, reward, square, length, seconds, new, scored, cache = sums.tolist()
         out = {"clip_fraction": clipped / max(tokens, 1.0), "kl": kl / max(tokens, 1.0)}
+        mismatch, peak = worst.tolist()
         if fresh:  # measured on the first pass over a generation batch only (--grpo-iterations)
-            out["logprob_mismatch"] = float(worst)
+            out["logprob_mismatch"] = mismatch
+        if peak:
+            out["generate_peak_gib"] = peak / 2 ** 30
         if rows:
             mean = reward / max(scored, 1.0)
             ranks = dp.size if dp is not None else 1

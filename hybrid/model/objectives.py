@@ -154,8 +154,8 @@ class GroupPolicy(WithStatistics):
     """--grpo: TRL's GRPO loss (hybrid.model.grpo) on rows of one completion each. `extra[0]` [b, 4, s] fp32 rides
     with the row: its advantage, the sampler's log-probability of each label, the reference model's (or, at beta
     0, zeros), and 1 where the row's values are fresh from the sampler (the mismatch is measured there). The
-    iteration's loss is a mean over the global batch's rows (grpo), tokens (dapo, bnpo) or rows x the
-    completion limit (dr_grpo)."""
+    iteration's loss is a mean over the global batch's rows (grpo), tokens (dapo) or rows x the completion limit
+    (dr_grpo); bnpo's is each micro-batch's token mean, averaged (TRL's)."""
 
     name = "grpo"
     per_item = True
@@ -163,6 +163,8 @@ class GroupPolicy(WithStatistics):
     def __init__(self, groups, vocab_size: int, options: grpo.GRPOOptions):
         self.groups, self.vocab_size, self.options = groups, vocab_size, options
         self.stats = grpo.PolicyStats()
+        # bnpo: TRL's token mean per micro-batch, averaged over micro-batches and ranks (not over the global batch)
+        self.per_item = options.loss_type != "bnpo"
 
     def target(self, ids, labels, extra=()):
         values = extra[0].float().contiguous().view(torch.int32).long()  # [b, 4, s] as fp32 bits
@@ -175,13 +177,17 @@ class GroupPolicy(WithStatistics):
         o = self.options
         logps = grpo.token_logps(logits, labels, self.groups, self.vocab_size, o.temperature)
         mask = labels != IGNORE_INDEX
-        loss, stats = grpo.policy_loss(logps, old, reference if o.beta else None, advantage, mask, o, scale, fresh)
+        # on a batch's first pass the policy is the sampler's: its old log-probabilities are the trainer's own
+        # (detached, ratio 1, as TRL takes them); later passes use the sampler's (--grpo-iterations)
+        old_or_own = torch.where(fresh[:, None], logps.detach(), old)
+        loss, stats = grpo.policy_loss(logps, old_or_own, reference if o.beta else None, advantage, mask, o,
+                                       scale if self.per_item else None, fresh, sampled=old)
         self.stats.add(stats)
         return loss
 
     def count(self, ids, labels):
         mask = labels != IGNORE_INDEX
-        if self.options.loss_type in ("dapo", "bnpo"):
+        if self.options.loss_type == "dapo":
             return mask.sum()
         return torch.full((), labels.size(0), device=labels.device, dtype=torch.long)
 

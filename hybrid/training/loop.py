@@ -198,9 +198,9 @@ class Trainer:
             if c.save and last_saved != iteration:
                 self._save(pending, iteration, consumed)
             self.saver.finish()
-            if self.rewards and logger.active:
-                reward_plot(self.rewards, os.path.join(c.save or ".", "reward.png"))
         finally:
+            if self.rewards and logger.active:  # however the loop ends (--exit-interval, out of time, done)
+                reward_plot(self.rewards, os.path.join(c.save or ".", "reward.png"))
             logger.close()
         return iteration
 

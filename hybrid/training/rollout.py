@@ -19,15 +19,18 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import numbers
 import os
 import random
+import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from hybrid.errors import ConfigError
 from hybrid.model.generate import SamplingOptions, generate
-from hybrid.model.grpo import GRPOOptions, advantages, completion_rows, token_logps
+from hybrid.model.grpo import GRPOOptions, advantages, completion_rows, nanstd, token_logps
 from hybrid.training.logging import log
 
 
@@ -40,8 +43,10 @@ def load_reward(spec: str):
         if where.endswith(".py"):
             if not os.path.isfile(where):
                 raise ConfigError(f"--reward-function {spec}: no file {where}.")
-            module_spec = importlib.util.spec_from_file_location(f"hybrid_reward_{abs(hash(where))}", where)
+            name_of_module = f"hybrid_reward_{os.path.splitext(os.path.basename(where))[0]}"
+            module_spec = importlib.util.spec_from_file_location(name_of_module, where)
             module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name_of_module] = module  # as an import registers it (dataclasses and pickling look there)
             module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
@@ -81,14 +86,17 @@ class Rewards:
     def _values(self, spec, fn, prompts, completions, completion_ids) -> torch.Tensor:
         try:
             values = self._call(fn, prompts, completions, completion_ids)
-        except Exception:  # find the row it fails on, to name it
+        except Exception as batch_error:  # find the row it fails on, to name it
             for k in range(len(prompts)):
                 try:
                     self._call(fn, prompts[k:k + 1], completions[k:k + 1], completion_ids[k:k + 1])
                 except Exception as e:
                     raise ConfigError(f"--reward-function {spec} raised {type(e).__name__}: {e} (on {prompts[k].where}, "
                                       f"completion {completions[k]!r:.80})") from None
-            raise
+            raise ConfigError(f"--reward-function {spec} raised {type(batch_error).__name__}: {batch_error} on the batch "
+                              f"from {prompts[0].where} on (each row alone passes)") from None
+        if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # a numpy array or a tensor
+            values = values.tolist()
         if not isinstance(values, (list, tuple)) or len(values) != len(prompts):
             got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
             raise ConfigError(f"--reward-function {spec} returned {got} values for {len(prompts)} completions (from "
@@ -97,7 +105,7 @@ class Rewards:
         for k, value in enumerate(values):
             if value is None:
                 out[k] = math.nan
-            elif isinstance(value, (int, float)) and math.isfinite(value):
+            elif isinstance(value, numbers.Real) and math.isfinite(value):
                 out[k] = float(value)
             else:
                 raise ConfigError(f"--reward-function {spec} returned {value!r} for {prompts[k].where}: give a finite "
@@ -133,11 +141,16 @@ class Rollout:
         self.seq_length, self.micro, self.seed = t.seq_length, t.micro_batch_size, t.seed
         self.global_batch = t.global_batch_size
         self.device = torch.device(engine.device)
+        self.zero3 = run.zero_stage == 3
         self.conversational = not isinstance(self.prompts[0].prompt, str)
         self.rewards = Rewards(self.options.reward_functions, self.options.reward_weights)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos = () if eos is None else (int(eos),)
         self.iteration = consumed // self.global_batch  # the optimizer steps taken (no batch ramp-up with --grpo)
+        if self.iteration % self.options.iterations:
+            log(f"--grpo: resuming at iteration {self.iteration}, inside a generation batch (--grpo-iterations "
+                f"{self.options.iterations}): its completions are generated again with the checkpoint's weights, so "
+                f"the run does not repeat the uninterrupted one exactly; save at multiples of --grpo-iterations")
         self.queue: list = []
         self.rows = None  # the current generation batch (ids, labels, values) on this rank, or None
 
@@ -182,22 +195,73 @@ class Rollout:
                                   self.options.top_k, self.seed, self.eos, self.eos[0] if self.eos else 0)
         if self.before_generate is not None:
             self.before_generate()
+        peak = self.device.type == "cuda"
+        if peak:  # the generation's own peak (the run's peak after it is then the training's since this point)
+            torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         out = generate(self.model, self.groups, [p.ids for p in prompts], options,
-                       keys=range(first_key, first_key + len(prompts)), device=self.device,
-                       sync=self.groups.ep if self.groups.ep.size > 1 else None)
+                       keys=range(first_key, first_key + len(prompts)), device=self.device, sync=self.sync)
         seconds = time.perf_counter() - start
+        peak_bytes = torch.cuda.max_memory_allocated(self.device) if peak else 0
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
         completions = [[{"role": "assistant", "content": text}] for text in texts] if self.conversational else texts
-        total, _ = self.rewards(prompts, completions, out.tokens)
-        adv = advantages(total, g, self.options.scale_rewards).float().nan_to_num(0.0)  # unscored: no signal
+        total = self._scored(prompts, completions, out.tokens)
+        adv = advantages(total, g, self.options.scale_rewards, self._batch_std(total)).float().nan_to_num(0.0)
         lengths = torch.tensor([len(t) for t in out.tokens], dtype=torch.float64)
         finite = total[~torch.isnan(total)]
         self.stats.add_rollout(torch.tensor([len(prompts), float(finite.sum()), float((finite ** 2).sum()),
                                              float(lengths.sum()), seconds, float(out.stats["new_tokens"]),
-                                             float(len(finite)), float(out.stats["cache_bytes"])],
+                                             float(len(finite)), float(out.stats["cache_bytes"]), float(peak_bytes)],
                                             dtype=torch.float64, device=self.device))
         return self._rows(prompts, out.tokens, out.logprobs, adv)
+
+    @property
+    def sync(self):
+        """The ranks whose decoding steps must run together: at ZeRO-3 every data-parallel rank (each step's hooks
+        all-gather parameters over them), with expert parallelism the expert group (its all-to-alls), else none
+        (a rank whose rows all ended stops)."""
+        if self.zero3:
+            return self.groups.dp_cp
+        return self.groups.ep if self.groups.ep.size > 1 else None
+
+    def _scored(self, prompts: list, completions: list, completion_ids: list) -> torch.Tensor:
+        """The weighted rewards [n] fp64 (host): computed once per model-parallel group (its TP 0 / first-stage
+        rank, so a reward that calls out or draws is called once and every rank trains on the same values) and
+        broadcast over TP and PP; a failing function stops every rank with its one message."""
+        g, n = self.groups, len(prompts)
+        scorer = g.tp.rank == 0 and g.pp.rank == 0
+        total, error = None, ""
+        if scorer:
+            try:
+                total, _ = self.rewards(prompts, completions, completion_ids)
+            except ConfigError as e:
+                error = str(e)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            failed = torch.tensor([1.0 if error else 0.0], device=self.device)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # one small read per generation batch
+            if bool(failed.item()):
+                messages = [None] * dist.get_world_size()
+                dist.all_gather_object(messages, error)
+                raise ConfigError(next(m for m in messages if m))
+        elif error:
+            raise ConfigError(error)
+        values = total.to(self.device) if scorer else torch.empty(n, dtype=torch.float64, device=self.device)
+        for axis in (g.tp, g.pp):
+            if axis.size > 1:
+                dist.broadcast(values, group=axis.group, group_src=0)
+        return values.cpu()
+
+    def _batch_std(self, total: torch.Tensor):
+        """--grpo-scale-rewards batch: the std of the whole generation batch (every data-parallel rank's rewards,
+        as TRL takes it over the gathered batch); None otherwise."""
+        if self.options.scale_rewards != "batch":
+            return None
+        if self.groups.dp.size > 1:
+            local = total.to(self.device)
+            gathered = torch.empty(local.numel() * self.groups.dp.size, dtype=local.dtype, device=self.device)
+            dist.all_gather_into_tensor(gathered, local, group=self.groups.dp.group)
+            total = gathered.cpu()
+        return nanstd(total)
 
     def _rows(self, prompts: list, tokens: list, logprobs: list, adv: torch.Tensor):
         """Training rows: ids = prompt + completion (right-padded), labels = the completion's tokens at their
