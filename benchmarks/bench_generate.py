@@ -43,7 +43,8 @@ def make_model(path: str, hidden: int, layers: int):
 def prompts(batch: int):
     import torch
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(1, 8192, (int(n),), generator=g).tolist() for n in torch.randint(8, 48, (batch,), generator=g)]
+    lengths = torch.randint(8, 48, (batch,), generator=g)
+    return [torch.randint(1, 8192, (int(n),), generator=g).tolist() for n in lengths]
 
 
 def ours(path: str, batch: list, new: int, groups=None, repeats: int = 3, device=None):

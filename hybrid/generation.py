@@ -114,8 +114,9 @@ def run(args) -> dict:
                        stop=stop_rule(tokenizer, args.stop), sync=groups.ep if groups.ep.size > 1 else None)
         steps, new_tokens = steps + out.stats["steps"], new_tokens + (0 if idle else out.stats["new_tokens"])
         if not idle:
-            rows += [{"index": k, "prompt": prompts[k].prompt, "completion": tokenizer.decode(t, skip_special_tokens=True),
-                      "completion_ids": t, "logprobs": lp} for k, t, lp in zip(keys, out.tokens, out.logprobs)]
+            rows += [{"index": k, "prompt": prompts[k].prompt,
+                      "completion": tokenizer.decode(t, skip_special_tokens=True), "completion_ids": t, "logprobs": lp}
+                     for k, t, lp in zip(keys, out.tokens, out.logprobs)]
     seconds = time.perf_counter() - start
     gathered = _gather_rows(rows, groups)
     if gathered is not None:

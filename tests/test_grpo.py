@@ -131,8 +131,8 @@ def test_advantages_equal_trls_formula():
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(G)
     group_std = nanstd(grouped, dim=1).repeat_interleave(G)
     batch_std = nanstd(rewards).expand_as(rewards)
-    for scale, want in [("group", (rewards - mean) / (group_std + 1e-4)), ("batch", (rewards - mean) / (batch_std + 1e-4)),
-                        ("none", rewards - mean)]:
+    for scale, want in [("group", (rewards - mean) / (group_std + 1e-4)),
+                        ("batch", (rewards - mean) / (batch_std + 1e-4)), ("none", rewards - mean)]:
         torch.testing.assert_close(advantages(rewards, G, scale), want, equal_nan=True, rtol=0, atol=1e-12)
     assert advantages(rewards, G, "group")[4:8].abs().max() == 0  # equal rewards: no signal
 
@@ -305,8 +305,8 @@ def test_grpo_from_load_hf_with_chat_prompts_a_reward_file_and_the_kl(tmp_path):
 @pytest.mark.slow
 def test_readme_grpo_command_learns_the_embedded_task_and_draws_the_reward(tmp_path):
     """The README's --grpo command (its flags on one rank, 12 of its 30 iterations; the launcher itself is the main
-    command's test): the reward on the embedded task rises from near 0 (the LR schedule is 12 iterations long here), reward.png is
-    written and the export samples."""
+    command's test): the reward on the embedded task rises from near 0 (the LR schedule is 12 iterations long
+    here), reward.png is written and the export samples."""
     import os
     import shlex
     from tests.launch_helpers import ROOT

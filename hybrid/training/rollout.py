@@ -91,10 +91,10 @@ class Rewards:
                 try:
                     self._call(fn, prompts[k:k + 1], completions[k:k + 1], completion_ids[k:k + 1])
                 except Exception as e:
-                    raise ConfigError(f"--reward-function {spec} raised {type(e).__name__}: {e} (on {prompts[k].where}, "
-                                      f"completion {completions[k]!r:.80})") from None
-            raise ConfigError(f"--reward-function {spec} raised {type(batch_error).__name__}: {batch_error} on the batch "
-                              f"from {prompts[0].where} on (each row alone passes)") from None
+                    raise ConfigError(f"--reward-function {spec} raised {type(e).__name__}: {e} (on "
+                                      f"{prompts[k].where}, completion {completions[k]!r:.80})") from None
+            raise ConfigError(f"--reward-function {spec} raised {type(batch_error).__name__}: {batch_error} on the "
+                              f"batch from {prompts[0].where} on (each row alone passes)") from None
         if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # a numpy array or a tensor
             values = values.tolist()
         if not isinstance(values, (list, tuple)) or len(values) != len(prompts):
