@@ -68,8 +68,8 @@ def parallel_logits(hidden, weight, groups, sequence_parallel: bool, vocab_size=
     masking (padding rows get no gradient either way).
     """
     groups = as_groups(groups)
-    if vocab_size is not None and groups.tp_size == 1:
-        return F.linear(hidden, weight[:vocab_size])
+    if vocab_size is not None and groups.tp_size == 1:  # the whole table, the logits cut (see OutputHead.loss_logits)
+        return F.linear(hidden, weight)[..., :vocab_size].contiguous()
     return column_parallel_matmul(hidden, weight, None, groups, sequence_parallel, overlap)
 
 
@@ -88,7 +88,10 @@ class OutputHead(ColumnParallelLinear):
         self.vocab_size = config.vocab_size
 
     def loss_logits(self, hidden):
-        """Logits that only feed the loss (no padding columns at TP = 1; see parallel_logits)."""
+        """Logits that only feed the loss (no padding columns at TP = 1; see parallel_logits). Through the module's
+        call and over the whole table, the padding columns cut from the logits: a multiplication by a slice of the
+        table would keep ZeRO-3's gathered table alive after its release (the slice is what backward saves) and
+        give the table's gradient a second full-size tensor."""
         if self.groups.tp_size == 1:
-            return F.linear(hidden, self.weight[:self.vocab_size])
+            return self(hidden)[..., :self.vocab_size].contiguous()
         return self(hidden)

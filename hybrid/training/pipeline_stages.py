@@ -99,7 +99,9 @@ class PipelineSchedules:
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
         if runtime.model.config.splits_documents:  # every stage finds the packed documents from the ids
             kwargs["batch_ids"] = ids
-        self.schedule.step(*args, **kwargs)
+        # the last stage's logits are not kept for the caller (the loss consumed them in place; keeping each
+        # micro-batch's until the next iteration would hold micro-batches x sequence x vocabulary)
+        self.schedule.step(*args, return_outputs=False, **kwargs)
         runtime.tied.end()
         deepspeed_fixes.ensure_reduction_buckets(engine)
         engine.step()
