@@ -333,3 +333,20 @@ def test_grpo_iterations_reuse_a_generation_batch_against_the_samplers_log_proba
     records = read_log(log)
     assert [("reward_mean" in r, "logprob_mismatch" in r) for r in records] == [(True, True), (False, False)] * 2
     assert records[1]["clip_fraction"] > 0 and records[0]["clip_fraction"] == 0
+
+
+def test_prompt_files_in_jsonl_and_parquet_give_the_same_prompts_and_columns(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from hybrid.data.prompts import read_prompts
+    from tests.chat_templates import family_tokenizer
+    tok = family_tokenizer("qwen25")
+    rows = [{"prompt": "Two plus two?", "answer": "4"},
+            {"prompt": [{"role": "user", "content": "Three plus one?"}], "answer": "4"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist([{"messages": [{"role": "user", "content": "Three plus one?"}],
+                                          "answer": "4"}]), tmp_path / "p.parquet")
+    jsonl, parquet = read_prompts(str(tmp_path / "p.jsonl"), tok), read_prompts(str(tmp_path / "p.parquet"), tok)
+    assert jsonl[0].ids == tok("Two plus two?")["input_ids"] and jsonl[0].columns == {"answer": "4"}
+    assert parquet[0].ids == jsonl[1].ids and parquet[0].columns == {"answer": "4"}
+    assert jsonl[1].where.endswith("line 2") and parquet[0].where.endswith("row 0")
