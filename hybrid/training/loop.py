@@ -199,8 +199,8 @@ class Trainer:
                 self._save(pending, iteration, consumed)
             self.saver.finish()
         finally:
-            if self.rewards and logger.active:  # however the loop ends (--exit-interval, out of time, done)
-                reward_plot(self.rewards, os.path.join(c.save or ".", "reward.png"))
+            if self.rewards and logger.active and c.save:  # beside the checkpoints, however the loop ends
+                reward_plot(self.rewards, os.path.join(c.save, "reward.png"))
             logger.close()
         return iteration
 
