@@ -31,10 +31,16 @@ def _free_port() -> int:
 
 
 def _reference(out: str, family: str, *extra: str, tp: int = 2) -> None:
-    port = _free_port()  # a fixed port can still be held by the previous call's ranks
-    proc = subprocess.run([sys.executable, "-m", "tests.megatron_reference", out, "--family", family, "--tp", str(tp),
-                           "--iteration", str(ITERATION), "--port", str(port), *extra], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=300)
+    for attempt in (1, 2):
+        port = _free_port()  # a fixed port can still be held by the previous call's ranks
+        proc = subprocess.run([sys.executable, "-m", "tests.megatron_reference", out, "--family", family, "--tp",
+                               str(tp), "--iteration", str(ITERATION), "--port", str(port), *extra], cwd=ROOT,
+                              env=env(), capture_output=True, text=True, timeout=300)
+        # megatron-core's spawned ranks on CPU aborted once in this session's 3 full runs, in its own checkpoint load
+        # ("terminate called without an active exception", SIGABRT; the same call passed 3 of 3 alone): one new
+        # attempt for that abort only; any other failure, or a second abort, fails the test
+        if proc.returncode == 0 or attempt == 2 or "terminated with signal SIGABRT" not in proc.stderr:
+            break
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
