@@ -48,7 +48,6 @@ def prompts(batch: int):
 
 
 def ours(path: str, batch: list, new: int, groups=None, repeats: int = 3, device=None):
-    import torch
     from hybrid.conversion.hf import hf_parts, read_hf_config
     from hybrid.evaluation import loaded_model
     from hybrid.model.generate import SamplingOptions, decoding, generate

@@ -193,7 +193,7 @@ def evaluate(args) -> dict:
     if len(args.data_path) != 1:
         raise ConfigError("--data-path: evaluate.py takes one dataset prefix (no blend weights).")
     source = open_checkpoint(args, args.seq_length)
-    config, tp, pp = source.config, source.tp, source.pp
+    config, pp = source.config, source.pp
     dims = layout_dims(source, args.expert_model_parallel_size)
     dp = dims.data_parallel
     if args.eval_iters is None and not args.sft:

@@ -166,7 +166,6 @@ def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optio
     out_tokens = torch.zeros(b, options.max_new_tokens, dtype=torch.long, device=device)
     out_logps = torch.zeros(b, options.max_new_tokens, dtype=torch.float32, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
-    ended_by_stop = [False] * b
     lengths = torch.full((b,), options.max_new_tokens, dtype=torch.long, device=device)
     start_time, steps, prefill_s = time.perf_counter(), 0, 0.0
     with decoding(model):
@@ -187,7 +186,7 @@ def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optio
             if step == 0:
                 prefill_s = time.perf_counter() - start_time
             if stop is not None:
-                finished |= _stopped(stop, out_tokens[:, :step + 1], finished, lengths, step, ended_by_stop)
+                finished |= _stopped(stop, out_tokens[:, :step + 1], finished, lengths, step)
             if _all_done(finished, sync):  # one host read per step, as transformers' own loop
                 break
             start += new.size(1)
@@ -209,12 +208,12 @@ def _all_done(finished: torch.Tensor, sync) -> bool:
     return not bool(running)
 
 
-def _stopped(stop, tokens: torch.Tensor, finished, lengths, step: int, ended: list) -> torch.Tensor:
+def _stopped(stop, tokens: torch.Tensor, finished, lengths, step: int) -> torch.Tensor:
     """Rows whose text now meets a stop condition (`stop(row, tokens)`), their length set to this step."""
     hit = torch.zeros_like(finished)
     host, done = tokens.tolist(), finished.tolist()
     for r, row in enumerate(host):
         if not done[r] and stop(r, row):
-            hit[r], ended[r] = True, True
+            hit[r] = True
             lengths[r] = step + 1
     return hit
