@@ -1,12 +1,13 @@
-"""Step time with --optimizer muon against AdamW, one rank and DP 2 (ZeRO-0), printed as JSON.
+"""Step time with --optimizer muon against AdamW, one rank and DP 2 (ZeRO-0 and ZeRO-1), printed as JSON.
 
     python benchmarks/bench_muon.py [--hidden-size 1024] [--num-layers 2] [--iters 6]
 
 Runs launch/train.py (mock data, fp32) with each optimizer in the same invocation and reports the median
 iteration time after the first two (warm-up), the ratio Muon / AdamW, and the Newton-Schulz share: the time of
 torch.optim.Muon's step alone on the same matrices (q, k, v, o, gate, up, down of every layer), measured here.
-At DP 2 every rank steps the whole matrices (ZeRO-0: the update is repeated on each rank, not spread; spreading
-it needs the ZeRO form the capability table refuses today).
+At DP 2 with ZeRO-0 every rank steps the whole matrices (the update repeated on each rank); with ZeRO-1 each
+matrix is orthogonalized on one owner rank (hybrid.training.muon.ShardedMuonWithAdamW: the work spread over the
+ranks, for an all-gather and a reduce-scatter of the Muon matrices' partitions).
 """
 
 from __future__ import annotations
@@ -64,14 +65,21 @@ def main() -> None:
             "--vocab-size", 1024, "--lr", 1e-3, "--log-interval", 1, "--eval-iters", 0, "--no-progress-bar",
             "--hidden-dropout", 0, "--attention-dropout", 0, "--swiglu", "--disable-bias-linear"]
     base = [str(f) for f in base]
-    out = {"hidden_size": a.hidden_size, "num_layers": a.num_layers, "seq_length": a.seq_length}
+    import torch
+    out = {"machine": f"{os.cpu_count()} CPU cores, fp32, torch {torch.__version__.split('+')[0]} (torch.optim.Muon's "
+                      f"Newton-Schulz in bf16 on the CPU)",
+           "command": "python benchmarks/bench_muon.py", "hidden_size": a.hidden_size, "num_layers": a.num_layers,
+           "seq_length": a.seq_length}
     with tempfile.TemporaryDirectory() as work:
-        for nproc in (1, 2):
+        for nproc, zero in ((1, 0), (2, 0), (2, 1)):
+            key = f"dp{nproc}" + (f"_zero{zero}" if zero else "")
             for name, extra in (("adamw", []), ("muon", ["--optimizer", "muon"])):
-                records = train(base + extra, nproc, os.path.join(work, f"{name}{nproc}.jsonl"))
-                out[f"{name}_dp{nproc}_s_per_iter"] = statistics.median(r["elapsed_ms_per_iter"] / 1000
-                                                                       for r in records[2:])
-            out[f"muon_over_adamw_dp{nproc}"] = out[f"muon_dp{nproc}_s_per_iter"] / out[f"adamw_dp{nproc}_s_per_iter"]
+                records = train(base + extra + ["--zero-stage", str(zero)], nproc,
+                                os.path.join(work, f"{name}{key}.jsonl"))
+                out[f"{name}_{key}_s_per_iter"] = statistics.median(r["elapsed_ms_per_iter"] / 1000
+                                                                   for r in records[2:])
+            out[f"muon_over_adamw_{key}"] = out[f"muon_{key}_s_per_iter"] / out[f"adamw_{key}_s_per_iter"]
+        out["muon_zero1_over_zero0_dp2"] = out["muon_dp2_zero1_s_per_iter"] / out["muon_dp2_s_per_iter"]
     out["newton_schulz_step_s"] = newton_schulz_seconds(a.hidden_size, 4 * a.hidden_size, a.num_layers)
     print(json.dumps(out, indent=1))
 

@@ -83,6 +83,9 @@ FEATURES = {
     "fp8_delayed": Feature(("--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", 4,
                             "--fp8-amax-compute-algo", "max"), kind="precision", group="fp8"),
     "dropout": Feature(("--hidden-dropout", 0.1, "--attention-dropout", 0.1), kind="dropout"),
+    # torch.optim.Muon's update (hybrid.training.muon), compared with one rank's Muon run (fp32's tolerance: at
+    # this model's learning rate the bf16 Newton-Schulz's roundings stay far below it, 2e-7 measured)
+    "muon": Feature(("--optimizer", "muon"), kind="optimizer"),
     # one sample per micro-batch: as many micro-batches at DP 2 as DualPipeV's 2 x PP needs (the one-rank run's
     # mean over the same 8 samples is the same)
     "micro1": Feature(("--micro-batch-size", 1), group="batch", paired=False),
@@ -97,6 +100,9 @@ TRIPLES = [("tp2_sp", "pp2", "zero1"), ("tp2_sp", "pp2_interleaved", "llama"), (
 TRIPLES += [("dp2", pipeline, *(("micro1",) if pipeline == "pp2_dualpipev" else ()), zero)
             for pipeline in PIPELINES for zero in ("zero2", "zero3", "zero3_offload")]
 TRIPLES += [("tp2_sp", "pp2", "zero3")]
+# Muon under ZeRO's partitions (each matrix gathered and orthogonalized on one owner rank), with TP and PP
+TRIPLES += [("dp2", "zero1", "muon"), ("dp2", "zero2", "muon"), ("dp2", "zero3", "muon"), ("tp2_sp", "zero3", "muon"),
+            ("dp2", "pp2", "muon"), ("tp2_sp", "pp2", "muon"), ("dp2", "zero3", "bf16", "muon")]
 MAX_RANKS = 4
 LOSS_TOL = {"fp32": 1e-5, "bf16": 2e-2}
 CHANGE_FRACTION = 0.05  # of the loss's relative change over a cell's 4 iterations (about 5e-3 here)
@@ -218,7 +224,7 @@ def evaluate_combination(names: tuple, data: str, work: str, baselines: dict, ti
         return dict(result, status="equal")
     # bf16 gradients are DeepSpeed's ZeRO stage's choice (ZeRO-0 accumulates them in fp32, ZeRO-1/2/3 keep bf16):
     # a bf16 cell is compared with one rank at its own ZeRO stage (a layout changes neither)
-    model_names = tuple(n for n in names if FEATURES[n].kind in ("model", "precision")
+    model_names = tuple(n for n in names if FEATURES[n].kind in ("model", "precision", "optimizer")
                         or n == "ep2"  # EP 2 brings its MoE model
                         or ("bf16" in names and FEATURES[n].group == "zero"))
     key = tuple(sorted("moe" if n == "ep2" else n for n in model_names))

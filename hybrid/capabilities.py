@@ -68,6 +68,7 @@ class Setup:
     moe_capacity: bool = False  # --moe-expert-capacity-factor with experts
     fp32_grad_accumulation: bool = False  # the DeepSpeed config's data_types.grad_accum_dtype fp32 (with --bf16)
     optimizer: str = "adam"  # --optimizer
+    offload_optimizer: bool = False  # the DeepSpeed config's zero_optimization.offload_optimizer
 
     @property
     def torch_schedule(self) -> bool:
@@ -279,23 +280,30 @@ RULES = [
          lambda s: s.cpu_offloading and s.recompute != "full",
          lambda s: "--cpu-offloading moves the checkpointed layer inputs to host memory: it needs "
                    "--recompute-granularity full."),
-    Rule("muon-zero", "--optimizer muon with ZeRO-1/2/3 (or optimizer offload)",
-         "DeepSpeed's ZeRO flattens parameters into partitions, which are not the matrices Newton-Schulz "
-         "orthogonalizes (a whole-matrix update on an owner rank is not built yet)",
-         lambda s: s.optimizer == "muon" and s.zero_stage > 0,
-         lambda s: f"--optimizer muon with ZeRO-{s.zero_stage} ({s.zero_source}): ZeRO's partitions are not whole "
-                   f"matrices, which Muon's update needs; use ZeRO-0 (--zero-stage 0), where every data-parallel "
-                   f"rank steps the whole matrices."),
-    Rule("muon-precision", "--optimizer muon with --bf16 or --fp16",
-         "DeepSpeed's bf16 and fp16 optimizers keep flat fp32 master partitions, not matrices",
-         lambda s: s.optimizer == "muon" and s.precision != "fp32",
-         lambda s: f"--optimizer muon with --{s.precision}: DeepSpeed's {s.precision} optimizer keeps flat master "
-                   f"weights, not the matrices Muon's update needs; train in fp32 (drop --{s.precision})."),
-    Rule("muon-pipeline", "--optimizer muon with pipeline parallelism",
-         "the pipeline's stages are not proved with Muon yet",
-         lambda s: s.optimizer == "muon" and s.pp > 1,
-         lambda s: f"--optimizer muon at --pipeline-model-parallel-size {s.pp}: not proved equal to one rank yet; "
-                   f"use PP 1."),
+    Rule("muon-offload", "--optimizer muon with ZeRO's optimizer offload",
+         "the offloaded partitions are stepped on the host, where the matrices' gathers over the accelerator's "
+         "process group cannot reach them (not built)",
+         lambda s: s.optimizer == "muon" and s.offload_optimizer,
+         lambda s: "--optimizer muon with the DeepSpeed config's offload_optimizer: the Muon update gathers each "
+                   "matrix over the data-parallel ranks, which the host-side step does not do; remove "
+                   "offload_optimizer (ZeRO-1/2/3 partition Muon's momentum without it)."),
+    Rule("muon-precision", "--optimizer muon with --bf16 or --fp16 without ZeRO (or ZeRO-1 with fp32 gradient "
+                           "accumulation)",
+         "there DeepSpeed steps its own bf16/fp16 optimizer's flat master copy (not a ZeRO optimizer's partitions, "
+         "which hybrid's Muon knows how to gather into matrices)",
+         lambda s: s.optimizer == "muon" and s.precision != "fp32" and (
+             s.zero_stage == 0 or (s.zero_stage == 1 and s.fp32_grad_accumulation)),
+         lambda s: f"--optimizer muon with --{s.precision} at ZeRO-{s.zero_stage} ({s.zero_source})"
+                   f"{' and fp32 gradient accumulation' if s.zero_stage else ''}: DeepSpeed steps its own "
+                   f"{s.precision} optimizer's flat master weights there; use ZeRO-1/2/3 (--zero-stage 1)"
+                   f"{' without data_types.grad_accum_dtype fp32' if s.zero_stage else ''}, or train in fp32."),
+    Rule("muon-universal", "--optimizer muon with --universal-checkpoint",
+         "DeepSpeed's universal checkpoints carry Adam's moments (exp_avg, exp_avg_sq) only; its ds_to_universal "
+         "has no place for Muon's momentum",
+         lambda s: s.optimizer == "muon" and s.universal_checkpoint,
+         lambda s: "--optimizer muon with --universal-checkpoint: DeepSpeed's universal format holds Adam's moments, "
+                   "not Muon's momentum; resume at the checkpoint's own layout (drop --universal-checkpoint), or "
+                   "start the new layout from its weights with --finetune."),
     Rule("muon-experts", "--optimizer muon with --num-experts",
          "experts' matrices are stored together (one tensor per layer), not split for Muon yet",
          lambda s: s.optimizer == "muon" and s.experts,

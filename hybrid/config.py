@@ -694,7 +694,8 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path
                 dpo_precomputed=bool(args.dpo and args.dpo_reference_logps), grpo=bool(args.grpo),
                 grpo_kl=bool(args.grpo and args.grpo_beta > 0),
                 moe_capacity=bool(model.num_experts and model.moe_expert_capacity_factor is not None),
-                fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds), optimizer=args.optimizer or "adam")
+                fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds), optimizer=args.optimizer or "adam",
+                offload_optimizer=dsc.optimizer_offload(ds))
 
 
 def _megatron_optimizer(args, checkpoint: CheckpointConfig, setup: Setup) -> None:

@@ -83,8 +83,7 @@ def optimizer_config(args, ds: dict, ds_path) -> dict:
     if (args.optimizer or "adam") == "sgd":
         return {"type": "SGD", "params": {"lr": lr, "momentum": args.sgd_momentum, "weight_decay": wd}}
     params = {"lr": lr, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_eps, "weight_decay": wd}
-    offload = (ds.get("zero_optimization") or {}).get("offload_optimizer", {}).get("device", "none") != "none"
-    if not offload:
+    if not optimizer_offload(ds):
         # torch's fused AdamW (CPU and CUDA kernels ship with torch) through DeepSpeed's torch_adam:
         # as fast as DeepSpeed's FusedAdam on GPUs and never a JIT build that can fail at start-up.
         # With optimizer offload DeepSpeed uses its CPU Adam. A config's own "optimizer" is kept.
@@ -130,6 +129,11 @@ def fp32_grad_accumulation(ds: dict) -> bool:
     return (ds.get("data_types") or {}).get("grad_accum_dtype") in ("fp32", "float32")
 
 
+def optimizer_offload(ds: dict) -> bool:
+    """Whether the config's zero_optimization.offload_optimizer puts the optimizer's step on another device."""
+    return (ds.get("zero_optimization") or {}).get("offload_optimizer", {}).get("device", "none") != "none"
+
+
 def cpu_offloading(args, ds: dict) -> bool:
     """--cpu-offloading, or the config's activation_checkpointing.cpu_checkpointing (the one switch)."""
     return bool(args.cpu_offloading or (ds.get("activation_checkpointing") or {}).get("cpu_checkpointing"))
@@ -148,8 +152,9 @@ def final_ds_config(ds: dict, args, run, stage: int, optimizer: dict) -> dict:
                train_batch_size=training.global_batch_size * run.parallel.sequence_split,
                gradient_accumulation_steps=training.grad_acc_steps, gradient_clipping=run.optimizer.clip_grad,
                optimizer=optimizer)
-    if optimizer is None:  # a client optimizer (--optimizer muon)
+    if optimizer is None:  # a client optimizer (--optimizer muon), made for ZeRO's flat partitions
         del out["optimizer"]
+        out["zero_allow_untested_optimizer"] = True
     if run.parallel.pipeline_parallel > 1:
         out.update(pipeline_accumulation(training.micro_batch_size, run.parallel.dp_cp))
     out.setdefault("steps_per_print", 10**9)

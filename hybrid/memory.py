@@ -446,15 +446,17 @@ class MemoryPlan:
     torch_compile: bool = False  # --torch-compile (no memory of its own; the advisor's proposals must allow it)
     cpu_offloading: bool = False  # --cpu-offloading: full recompute's checkpointed layer inputs in host memory
     reference_model: bool = False  # --dpo without --dpo-reference-logps: a frozen copy of the weights on every rank
-    muon: bool = False  # --optimizer muon (ZeRO-0, fp32: the capability table's muon rules)
+    muon: bool = False  # --optimizer muon (hybrid.training.muon: ZeRO-0's whole matrices, or ZeRO's partitions)
 
 
 def _stage_model_states(params: dict, plan: MemoryPlan) -> dict:
     """ZeRO bytes of one rank's parameters: dense ones partitioned over DP; its 1/EP of the experts in
     their own groups (DeepSpeed's MoE groups), partitioned over the expert-data-parallel group, DP / EP."""
     dense = [[n for name, (n, d) in params.items() if d == decayed and not is_expert(name)] for decayed in (True, False)]
-    if plan.muon:
+    if plan.muon and plan.zero.stage == 0:
         return _muon_state_bytes(params, plan.model, plan.tp)
+    if plan.muon:
+        return _sharded_muon_state_bytes(params, plan.zero)
     states = model_state_bytes(dense, plan.zero)
     experts = [[n for name, (n, d) in params.items() if d == decayed and is_expert(name)] for decayed in (True, False)]
     if any(experts):
@@ -479,6 +481,31 @@ def _muon_state_bytes(params: dict, config: ModelConfig, tp: int = 1) -> dict:
                 optimizer=4 * tp * muon + 8 * tp * parts + 8 * sum(adam) + 4 * len(adam), host_optimizer=0)
 
 
+def _sharded_muon_state_bytes(params: dict, zero: ZeroSettings) -> dict:
+    """--optimizer muon under ZeRO-1/2/3 (hybrid.training.muon.ShardedMuonWithAdamW): ZeRO's bytes for the
+    groups AdamW's decayed and undecayed parameters and the Muon matrices, the Muon group's partition keeping
+    one momentum buffer instead of Adam's two moments and no step."""
+    groups = [[n for name, (n, d) in params.items() if d == decayed and not takes_muon(name)] for decayed in (True, False)]
+    muon = [n for name, (n, _) in params.items() if takes_muon(name)]
+    states = model_state_bytes([*groups, muon], zero)
+    if muon:
+        partition = math.ceil(sum(muon) / (2 * zero.dp)) * 2 if zero.stage in (1, 2) else sum(
+            math.ceil(n / zero.dp) for n in muon)
+        key = "host_optimizer" if zero.offload_optimizer else "optimizer"
+        states[key] -= 4 * partition + 4
+    return states
+
+
+def muon_step_bytes(params: dict, zero: ZeroSettings, muon: bool) -> int:
+    """What the sharded Muon step holds while it runs (ZeRO-1/2/3): every rank's blended momentum gathered and the
+    orthogonalized update before its reduce-scatter (fp32, the whole Muon group of the stage), this rank's
+    blend and its partition of the update."""
+    if not muon or zero.stage == 0:
+        return 0
+    total = sum(n for name, (n, _) in params.items() if takes_muon(name))
+    return 4 * (2 * total + 2 * math.ceil(total / zero.dp))
+
+
 def estimate(plan: MemoryPlan) -> list[dict]:
     """Per pipeline stage, the bytes one of its ranks holds (every TP and DP rank of a stage holds
     the same amounts)."""
@@ -497,7 +524,8 @@ def estimate(plan: MemoryPlan) -> list[dict]:
         if info["replica"]:  # a tied table's copy: its weights and gradient in the working precision, whole
             states["params"] += info["replica"] * _BYTES[precision]
             states["grads"] += info["replica"] * _BYTES[precision]
-        buffers = zero_buffer_bytes(info["params"], plan.zero, plan.pp)
+        buffers = zero_buffer_bytes(info["params"], plan.zero, plan.pp) + muon_step_bytes(info["params"], plan.zero,
+                                                                                            plan.muon)
         each = [layer_activation_bytes(config, act, layer=i) for i in info["layers"]]
         per_layer = max(each, default=layer_activation_bytes(config, act))
         layers = len(info["layers"])

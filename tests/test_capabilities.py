@@ -53,14 +53,14 @@ EXAMPLES = {
     "fp8-fp16": None,  # --fp16 is refused first on this CPU (fp16-cpu); a GPU's Setup below
     "cpu-offloading-recompute": (["--cpu-offloading", "--recompute-granularity", "selective"], 1),
     "dpo-pipeline-reference": None,  # --dpo needs pair data and --load-hf: tests/test_sft.py checks the refusal
-    "muon-zero": (["--optimizer", "muon", "--zero-stage", 1], 1),
+    "muon-offload": (["--optimizer", "muon", "--deepspeed", os.path.join(ROOT, "ds_configs", "zero1_offload.json")], 1),
+    "muon-universal": (["--optimizer", "muon", "--universal-checkpoint", "--load", "/tmp", "--zero-stage", 1], 1),
     "grpo-sequence-split": (["--grpo", "--context-parallel-size", 2, "--global-batch-size", 16], 2),
     "grpo-kl-pipeline": (PP2 + ["--grpo", "--grpo-beta", 0.1, "--load-hf", "hf-dir", "--global-batch-size", 16], 2),
     "grpo-moe-capacity": (["--grpo", "--num-experts", 4, "--disable-bias-linear", "--moe-expert-capacity-factor", 1.0,
                            "--global-batch-size", 16], 1),
     "grpo-rampup": (["--grpo", "--rampup-batch-size", 8, 8, 64, "--global-batch-size", 16], 1),
     "muon-precision": (["--optimizer", "muon", "--bf16"], 1),
-    "muon-pipeline": (PP2 + ["--optimizer", "muon"], 2),
     "muon-experts": (["--optimizer", "muon", "--num-experts", 4, "--disable-bias-linear"], 1),
 }
 

@@ -27,11 +27,11 @@ def _bytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _deepspeed_state_bytes(stage: int, ds_path: str) -> dict:
+def _deepspeed_state_bytes(stage: int, ds_path: str, extra: tuple = ()) -> dict:
     """One real step at DP = 2; the bytes of DeepSpeed 0.19's own buffers by category."""
     from hybrid.parallel.groups import build_groups
     from hybrid.training.engine import build_engine
-    run = build_run_config(build_parser().parse_args(TINY + ["--deepspeed_config", ds_path]), 2, 100)
+    run = build_run_config(build_parser().parse_args(TINY + ["--deepspeed_config", ds_path, *extra]), 2, 100)
     engine, model = build_engine(run, build_groups())
     opt = engine.optimizer
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -86,6 +86,21 @@ def test_zero_state_bytes_equal_deepspeeds_buffers_at_dp2(stage, tmp_path):
     estimate = memory.model_state_bytes(groups, memory.ZeroSettings(stage=stage, dp=2, persistence_threshold=1000))
     for key in ("params", "grads", "optimizer"):
         assert estimate[key] == measured[key], (key, estimate, measured)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_muon_state_bytes_under_zero_equal_what_its_optimizer_holds(stage, tmp_path):
+    """--optimizer muon under ZeRO: the fp32 partitions of AdamW's two groups and of the Muon matrices, AdamW's
+    moments and steps, Muon's partitioned momentum buffer, as hybrid.memory counts them."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1000}}))
+    measured = run_on_ranks(_deepspeed_state_bytes, 2, stage, str(path), ("--optimizer", "muon"))[0]
+    run = build_run_config(build_parser().parse_args(TINY + ["--optimizer", "muon"]), 2, 100)
+    inventory = memory.parameter_inventory(run.model, 1)
+    assert len(measured["groups"]) == 3  # AdamW's decayed and undecayed parameters, the Muon matrices
+    estimate = memory._sharded_muon_state_bytes(inventory, memory.ZeroSettings(stage=stage, dp=2,
+                                                                                persistence_threshold=1000))
+    assert estimate["optimizer"] == measured["optimizer"], (estimate, measured)
 
 
 def _model_config(style: str, dropout: float, recompute, sequence_parallel=False) -> ModelConfig:

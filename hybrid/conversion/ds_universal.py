@@ -52,6 +52,10 @@ def _run_tool(ckpt: str, out_dir: str, config, log) -> None:
         refused = [line for line in proc.stderr.splitlines() if line.startswith("error: ") and "refused" in line]
         if refused:
             raise ConfigError(refused[-1][len("error: "):])
+        if "KeyError: 'exp_avg'" in proc.stderr:
+            raise ConfigError(f"{ckpt}: its optimizer state has no Adam moments (a --optimizer muon run's momentum "
+                              f"partitions): DeepSpeed's ds_to_universal converts Adam's state only. Resume it at "
+                              f"its own layout, or load its weights at another with --finetune.")
         raise ConfigError(f"DeepSpeed's ds_to_universal failed on {ckpt}:\n{proc.stderr.strip()[-3000:]}")
     zero = os.path.join(out_dir, "zero")
     for name in sorted(os.listdir(zero)):

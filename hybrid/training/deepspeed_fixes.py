@@ -23,6 +23,7 @@ from hybrid.checkpoint.files import load_file
 from hybrid.model.moe.moe_layer import MoELayer
 from hybrid.model.naming import canonical_parameters
 from hybrid.training.async_save import BackgroundWriter
+from hybrid.training.muon import FlatPartition, Partitioned
 
 KNOWN_GOOD_DEEPSPEED = ("0.19.8",)  # checked by tests/test_deepspeed_fixes.py; pyproject allows the 0.19 series
 
@@ -88,6 +89,16 @@ RELIED_ON = [
      "arg.data = torch.empty([], device=arg.device).data"),
     ("deepspeed.runtime.activation_checkpointing.checkpointing", "CheckpointFunction.forward",
      "new_args = get_cpu_activations_for_backward(args, inputs)"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.__init__",
+     "param_group['params'] = [self.single_partition_of_fp32_groups[i]]"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.__init__",
+     "self.round_robin_bit16_offsets.append(param_offsets)"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._create_fp16_partitions_with_defragmentation",
+     "self.sub_group_process_groups.append(sub_group_process_group)"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._optimizer_step",
+     "self.optimizer.param_groups[param_group_id]['params'] = [fp32_param]"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._partitioned_params_swap_out",
+     "offset += partitioned_param.ds_numel"),
 ]
 
 
@@ -527,3 +538,34 @@ def _deepspeed_moe_class(cls, moe_base):
             "set_deepspeed_parallelism": set_deepspeed_parallelism, "forward": cls.forward,
             "__module__": cls.__module__, "__doc__": cls.__doc__})
     return _MOE_CLASSES[cls]
+
+
+# --- --optimizer muon under ZeRO ----------------------------------------------------------------------
+
+def zero_partitions(zero_optimizer) -> list:
+    """Where each parameter lies in the flat fp32 partitions DeepSpeed 0.19.8's ZeRO optimizers hand their client
+    optimizer (hybrid.training.muon.ShardedMuonWithAdamW, which needs each matrix whole), as
+    hybrid.training.muon.FlatPartition's:
+    - ZeRO-1/2 (`DeepSpeedZeroOptimizer`): group i's parameters (`round_robin_bit16_groups[i]`, at
+      `round_robin_bit16_offsets[i]`, alignment padding included) form one flat buffer cut into equal partitions
+      over `real_dp_process_group[i]`; `single_partition_of_fp32_groups[i]` is this rank's, the tensor put in
+      the client's group i;
+    - ZeRO-3 (`DeepSpeedZeroOptimizer_Stage3`): sub-group s (`fp16_groups[s]`) is partitioned per parameter
+      over `sub_group_process_groups[s]`, each rank holding `partition_numel()` elements of each (rank r the
+      elements from r times that), one after another in `fp32_partitioned_groups_flat[s]` (the order
+      `_partitioned_params_swap_out` reads them in), the tensor put in its group for that sub-group's step."""
+    partitions = []
+    if hasattr(zero_optimizer, "single_partition_of_fp32_groups"):
+        for i, flat in enumerate(zero_optimizer.single_partition_of_fp32_groups):
+            group = zero_optimizer.real_dp_process_group[i]
+            params = [Partitioned(p, tuple(p.shape), offset) for p, offset in
+                      zip(zero_optimizer.round_robin_bit16_groups[i], zero_optimizer.round_robin_bit16_offsets[i])]
+            partitions.append(FlatPartition(flat, group, dist.get_world_size(group), dist.get_rank(group), params))
+        return partitions
+    for s, flat in enumerate(zero_optimizer.fp32_partitioned_groups_flat):
+        group, params, offset = zero_optimizer.sub_group_process_groups[s], [], 0
+        for p in zero_optimizer.fp16_groups[s]:
+            params.append(Partitioned(p, tuple(p.ds_shape), offset, p.partition_numel(), contiguous=False))
+            offset += p.partition_numel()
+        partitions.append(FlatPartition(flat, group, dist.get_world_size(group), dist.get_rank(group), params))
+    return partitions

@@ -19,11 +19,12 @@ from hybrid.model.naming import canonical_buffers, canonical_parameters
 from hybrid.parallel import fp8
 from hybrid.training.deepspeed_fixes import (install_fp32_clipping, keep_host_activations_when_offloading,
                                              prepare_pipeline_engine, register_moe_layers, skip_non_finite_steps,
-                                             skip_one_rank_gradient_allreduce, use_async_checkpoint_engine)
+                                             skip_one_rank_gradient_allreduce, use_async_checkpoint_engine,
+                                             zero_partitions)
 from hybrid.training.logging import log
 from hybrid.training.moe_hooks import keep_fp32_buffers
 from hybrid.training.lr_schedules import MegatronLRScheduler
-from hybrid.training.muon import MuonWithAdamW
+from hybrid.training.muon import MuonWithAdamW, ShardedMuonWithAdamW
 
 _NO_DECAY = re.compile(r"(^|\.)bias$|norm\.weight$|norm\.bias$")
 
@@ -73,9 +74,10 @@ def muon_optimizer(model: nn.Module, run: RunConfig, groups):
     m = run.optimizer.muon
     if m is None:
         return None
-    return MuonWithAdamW(model, run.model, run.model.num_layers, param_groups(model, run), run.optimizer.lr,
-                         run.optimizer.weight_decay, m.betas, m.eps, m.momentum, m.nesterov, m.ns_steps,
-                         m.adjust_lr_fn, tp=groups.tp)
+    kind = ShardedMuonWithAdamW if run.zero_stage > 0 else MuonWithAdamW  # ZeRO hands it flat partitions
+    return kind(model, run.model, run.model.num_layers, param_groups(model, run), run.optimizer.lr,
+                run.optimizer.weight_decay, m.betas, m.eps, m.momentum, m.nesterov, m.ns_steps, m.adjust_lr_fn,
+                tp=groups.tp)
 
 
 def units_per_step(global_batch: int, seq_length: int, unit: str) -> int:
@@ -106,7 +108,7 @@ def build_engine(run: RunConfig, groups):
         if run.cpu_offloading:
             keep_host_activations_when_offloading()
     _sanitize_cuda_arch_list()
-    if run.optimizer.muon is not None:  # the client optimizer's own tensors are made where the weights will be
+    if run.optimizer.muon is not None and run.zero_stage == 0:  # its own tensors are made where the weights will be
         model.to(get_accelerator().current_device_name())
     client = muon_optimizer(model, run, groups)
     try:
@@ -116,6 +118,8 @@ def build_engine(run: RunConfig, groups):
     except (RuntimeError, ValueError, OSError, ImportError) as error:
         _raise_if_op_build_failed(error)
         raise
+    if isinstance(client, ShardedMuonWithAdamW):
+        client.attach(zero_partitions(engine.optimizer))
     if run.model.num_experts:
         keep_fp32_buffers(engine.module)  # DeepSpeed's bf16/fp16 cast took the score bias and counts along
     fp8.keep_fp32_histories(engine.module)  # and delayed scaling's amax histories

@@ -15,15 +15,25 @@ fc1) or columns (row-parallel ones: the attention's output, fc2) are gathered ov
 rank steps the whole matrix (Newton-Schulz sees it whole; its momentum is kept whole on each rank) and keeps
 its own slice.
 
-The optimizer is built once the model is on the accelerator (hybrid.training.engine), so its parts and rows are
-made there. It is handed to DeepSpeed as its client optimizer: at ZeRO-0 in fp32 DeepSpeed steps it on the
-model's own parameters (the other settings are refused by the capability table: ZeRO and DeepSpeed's bf16/fp16
-optimizers flatten parameters into partitions, which are not matrices; pipelines and experts are not built yet).
+Two forms, one update. Without ZeRO (`MuonWithAdamW`) the optimizer is built once the model is on the
+accelerator (hybrid.training.engine), so its parts and rows are made there, and DeepSpeed steps it on the model's
+own parameters (fp32; DeepSpeed's bf16/fp16 optimizers without ZeRO keep a flat master copy: refused by the
+capability table). Under ZeRO-1/2/3 (`ShardedMuonWithAdamW`) DeepSpeed hands it flat fp32 partitions; the
+elementwise parts of torch's update run on the partitions, and each matrix is gathered, orthogonalized on one
+owner rank and scattered back (its docstring). Experts' matrices are not split yet (refused).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Optional
+
 import torch
+# torch's own Newton-Schulz iteration and learning-rate adjustment (what torch.optim.Muon's step calls), used on
+# the gathered matrices under ZeRO
+from torch.optim._muon import DEFAULT_A as _A, DEFAULT_B as _B, DEFAULT_C as _C, EPS as _EPS
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from hybrid.checkpoint.tp_layout import tp_layout
 from hybrid.model.naming import canonical_parameters, is_fused, takes_muon
@@ -42,6 +52,20 @@ def muon_rows(name: str, param: torch.Tensor, config) -> list:
     return list(rows.chunk(2))  # a gated MLP's fc1: gate, then up
 
 
+def split_for_muon(model, num_layers: int, groups: list) -> tuple:
+    """-> ({id(parameter): canonical name}, the matrices Muon steps, `groups` without them (AdamW's))."""
+    names = {id(p): n for n, p in canonical_parameters(model, num_layers).items()}
+    matrices = [p for g in groups for p in g["params"] if takes_muon(names.get(id(p), "")) and _ndim(p) == 2]
+    chosen = {id(p) for p in matrices}
+    groups = [dict(g, params=[p for p in g["params"] if id(p) not in chosen]) for g in groups]
+    return names, matrices, [g for g in groups if g["params"]]
+
+
+def _ndim(param) -> int:
+    """A parameter's dimensions, also under ZeRO-3 (its `ds_shape`: the data is a partition)."""
+    return len(getattr(param, "ds_shape", param.shape))
+
+
 class MuonWithAdamW(torch.optim.Optimizer):
     """torch.optim.Muon on the layers' matrices (each HF projection its own), torch.optim.AdamW on the rest;
     `param_groups` are AdamW's groups and one group of the Muon weights, whose lr and weight decay the step
@@ -51,11 +75,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, model, config, num_layers: int, adamw_groups: list, lr: float, weight_decay: float,
                  betas: tuple, eps: float, momentum: float, nesterov: bool, ns_steps: int, adjust_lr_fn, tp=None):
-        names = {id(p): n for n, p in canonical_parameters(model, num_layers).items()}
-        matrices = [p for g in adamw_groups for p in g["params"] if takes_muon(names.get(id(p), "")) and p.dim() == 2]
-        chosen = {id(p) for p in matrices}
-        adamw_groups = [dict(g, params=[p for p in g["params"] if id(p) not in chosen]) for g in adamw_groups]
-        adamw_groups = [g for g in adamw_groups if g["params"]]
+        names, matrices, adamw_groups = split_for_muon(model, num_layers, adamw_groups)
         self.tp = tp if tp is not None and tp.size > 1 else None
         layout = tp_layout(config) if self.tp else {}
         self.parts = []  # (weight, its rows or None, the TP split dimension or None, the part torch's Muon steps)
@@ -144,3 +164,213 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.adamw.load_state_dict(state_dict["adamw"])
         self.muon.load_state_dict(state_dict["muon"])
         self.muon_group.update(state_dict["muon_group"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Partitioned:
+    """Where one parameter lies in the flat fp32 partition a ZeRO optimizer hands its client optimizer (made by
+    hybrid.training.deepspeed_fixes.zero_partitions from DeepSpeed's bookkeeping). `contiguous` (ZeRO-1/2): the
+    group's parameters are concatenated into one flat buffer cut into equal rank partitions, the parameter at
+    `offset` of the whole buffer; otherwise (ZeRO-3) each parameter is cut into `part` elements per rank, this
+    rank's piece at `offset` of its flat partition, rank r's piece elements [r * part, (r + 1) * part)."""
+
+    param: torch.nn.Parameter
+    shape: tuple
+    offset: int
+    part: int = 0
+    contiguous: bool = True
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def read(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The whole parameter (its shape) from every rank's flat partition gathered ([ranks, partition])."""
+        if self.contiguous:
+            return gathered.view(-1)[self.offset:self.offset + self.numel].view(self.shape)
+        return gathered[:, self.offset:self.offset + self.part].reshape(-1)[:self.numel].view(self.shape)
+
+    def local(self, partition: "FlatPartition", first: int, last: int) -> list:
+        """Elements [first, last) of the parameter (flattened) that lie in this rank's partition, as [(start,
+        end)] of the partition (none or one)."""
+        if self.contiguous:  # this rank's partition: elements [rank * n, (rank + 1) * n) of the whole buffer
+            low = partition.rank * partition.flat.numel()
+            start, end = max(first + self.offset, low), min(last + self.offset, low + partition.flat.numel())
+            return [(start - low, end - low)] if start < end else []
+        low = partition.rank * self.part  # this rank's piece: elements [rank * part, (rank + 1) * part)
+        start, end = max(first, low), min(last, low + self.part)
+        return [(self.offset + start - low, self.offset + end - low)] if start < end else []
+
+    def write(self, buffer: torch.Tensor, whole: torch.Tensor) -> None:
+        """Put a whole parameter-shaped tensor where `read` takes it from."""
+        if self.contiguous:
+            buffer.view(-1)[self.offset:self.offset + self.numel].copy_(whole.reshape(-1))
+        else:
+            ranks = buffer.shape[0]
+            padded = torch.nn.functional.pad(whole.reshape(-1), (0, ranks * self.part - self.numel))
+            buffer[:, self.offset:self.offset + self.part].copy_(padded.view(ranks, self.part))
+
+
+@dataclasses.dataclass
+class FlatPartition:
+    """One flat fp32 partition a ZeRO optimizer steps (a parameter group, or a ZeRO-3 sub-group): its ranks'
+    group and this rank's place in it, and the parameters in it."""
+
+    flat: torch.Tensor
+    group: object
+    ranks: int
+    rank: int
+    params: list  # [Partitioned]
+    runs: Optional[list] = None  # ShardedMuonWithAdamW._runs, made at its first step
+
+
+class ShardedMuonWithAdamW(torch.optim.Optimizer):
+    """--optimizer muon under ZeRO-1/2/3: the client optimizer DeepSpeed's ZeRO hands flat fp32 partitions
+    (`attach` tells it which parameters lie where in them). AdamW's groups step with torch.optim.AdamW on the
+    partitions (elementwise: a partition is as good as the whole). The Muon group's update is torch.optim.Muon's,
+    computed as distributed Muon implementations do: the momentum (`buf.lerp_(grad, 1 - momentum)`) and the
+    Nesterov blend are elementwise, so they run on this rank's partition and the momentum buffer is partitioned
+    as AdamW's moments are; the blended matrices are all-gathered over the partition's ranks, each matrix (each
+    HF projection of a fused weight, whole over TP as in MuonWithAdamW) is orthogonalized by torch's own
+    Newton-Schulz on one owner rank (matrices dealt to the ranks by their Newton-Schulz cost: the work is spread,
+    not repeated), scaled by torch's learning-rate adjustment, and a reduce-scatter (each element has one owner;
+    the others add zeros) brings every rank its partition of the update; the decoupled weight decay is applied to
+    the partition as torch's Muon does to the parameter."""
+
+    def __init__(self, model, config, num_layers: int, adamw_groups: list, lr: float, weight_decay: float,
+                 betas: tuple, eps: float, momentum: float, nesterov: bool, ns_steps: int, adjust_lr_fn, tp=None):
+        names, matrices, adamw_groups = split_for_muon(model, num_layers, adamw_groups)
+        self.config, self.names = config, {id(p): names[id(p)] for p in matrices}
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.layout = tp_layout(config) if self.tp else {}
+        self.matrices = matrices
+        muon_group = {"params": matrices, "weight_decay": weight_decay, "muon": True}
+        super().__init__([*adamw_groups, muon_group], {"lr": lr, "weight_decay": weight_decay})
+        self.muon_defaults = {"momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps,
+                              "adjust_lr_fn": adjust_lr_fn}
+        self.adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self._share()
+        self.partitions = {}  # id(flat) -> FlatPartition
+
+    def _share(self) -> None:
+        """AdamW steps this optimizer's own group dicts (DeepSpeed puts its partitions in them) and keeps its
+        moments in this optimizer's state (which DeepSpeed saves and loads)."""
+        adamw = [g for g in self.param_groups if not g.get("muon")]
+        for group in adamw:
+            for key, value in self.adamw.defaults.items():
+                group.setdefault(key, value)
+        self.adamw.param_groups = adamw
+        self.adamw.state = self.state
+
+    def attach(self, partitions: list) -> None:
+        """The flat partitions DeepSpeed made (hybrid.training.deepspeed_fixes.zero_partitions)."""
+        muon = {id(p) for p in self.matrices}
+        for partition in partitions:
+            if any(id(p.param) in muon for p in partition.params):
+                if not all(id(p.param) in muon for p in partition.params):
+                    raise RuntimeError("a ZeRO partition mixes Muon matrices and AdamW parameters")
+                self.partitions[id(partition.flat)] = partition
+
+    def describe(self) -> str:
+        count = sum(len(muon_rows(self.names[id(p)], torch.empty(getattr(p, "ds_shape", p.shape)[0], device="cpu"),
+                                  self.config))
+                    for p in self.matrices)
+        return (f"torch.optim.Muon's update on {count} matrices ({len(self.matrices)} weights, fused ones split into "
+                f"their HF projections; Newton-Schulz on one owner rank per matrix, momentum partitioned by ZeRO) "
+                f"+ torch.optim.AdamW on the other {sum(len(g['params']) for g in self.adamw.param_groups)} "
+                f"parameters")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            if group.get("muon"):
+                for flat in group["params"]:
+                    if flat.grad is not None:
+                        self._muon_step(flat, group)
+        self.adamw.step()
+        return loss
+
+    def _owners(self, partition: FlatPartition) -> list:
+        """Each parameter's owner rank: the Newton-Schulz work dealt greedily by cost (rows x columns x the
+        smaller side), the same on every rank."""
+        load, owners = [0] * partition.ranks, []
+        for p in partition.params:
+            rows, cols = p.shape
+            rank = min(range(partition.ranks), key=lambda r: (load[r], r))
+            load[rank] += rows * cols * min(rows, cols)
+            owners.append(rank)
+        return owners
+
+    def _muon_step(self, flat: torch.Tensor, group: dict) -> None:
+        partition = self.partitions[id(flat)]
+        options = {**self.muon_defaults, **{k: group[k] for k in self.muon_defaults if k in group}}
+        lr, weight_decay, momentum = group["lr"], group["weight_decay"], options["momentum"]
+        state = self.state[flat]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(flat.grad)
+        buf = state["momentum_buffer"]
+        buf.lerp_(flat.grad, 1 - momentum)
+        blended = flat.grad.lerp(buf, momentum) if options["nesterov"] else buf
+        gathered = blended.new_empty(partition.ranks * blended.numel())
+        torch.distributed.all_gather_into_tensor(gathered, blended.contiguous(), group=partition.group)
+        gathered = gathered.view(partition.ranks, blended.numel())
+        update = torch.zeros_like(gathered)
+        for p, owner in zip(partition.params, self._owners(partition)):
+            if owner != partition.rank:
+                continue
+            whole = p.read(gathered)
+            name = self.names[id(p.param)]
+            dim = self.layout[name].dim if self.tp else None
+            ortho = torch.zeros_like(whole)
+            for rows in muon_rows(name, whole, self.config):
+                matrix = self._whole(whole if rows is None else whole.index_select(0, rows), dim)
+                own = self._own(_zeropower_via_newtonschulz(matrix, (_A, _B, _C), options["ns_steps"], _EPS), dim)
+                if rows is None:
+                    ortho.copy_(own)
+                else:
+                    ortho.index_copy_(0, rows, own.float())
+            p.write(update, ortho)
+        mine = torch.empty_like(blended)
+        torch.distributed.reduce_scatter_tensor(mine, update.view(-1), group=partition.group)
+        flat.mul_(1 - lr * weight_decay)
+        for start, end, shape in self._runs(partition):  # torch's param.add_(update, alpha=-adjusted_lr)
+            flat[start:end].add_(mine[start:end], alpha=-_adjust_lr(lr, options["adjust_lr_fn"], shape))
+
+    def _runs(self, partition: FlatPartition) -> list:
+        """(start, end, HF matrix shape) of the runs of this rank's partition that belong to one matrix's rows
+        (the learning rate adjustment depends on the matrix), made once per partition."""
+        if partition.runs is not None:
+            return partition.runs
+        runs, tp = [], self.tp.size if self.tp else 1
+        for p in partition.params:
+            name, (rows, cols) = self.names[id(p.param)], p.shape
+            dim = self.layout[name].dim if self.tp else None
+            shapes, matrix_of = [], torch.empty(rows, dtype=torch.long, device="cpu")  # bookkeeping, on the host
+            for i, part in enumerate(muon_rows(name, torch.empty(rows, device="cpu"), self.config)):
+                count = rows if part is None else len(part)
+                shapes.append((count * tp, cols) if dim == 0 else (count, cols * tp) if dim == 1 else (count, cols))
+                matrix_of[slice(None) if part is None else part.cpu()] = i
+            edges = [0, *(torch.nonzero(matrix_of[1:] != matrix_of[:-1]).flatten() + 1).tolist(), rows]
+            for a, b in zip(edges[:-1], edges[1:]):
+                for start, end in p.local(partition, a * cols, b * cols):
+                    runs.append((start, end, shapes[matrix_of[a]]))
+        partition.runs = runs
+        return runs
+
+    def _whole(self, local: torch.Tensor, dim) -> torch.Tensor:
+        if dim is None:
+            return local
+        pieces = [torch.empty_like(local) for _ in range(self.tp.size)]
+        torch.distributed.all_gather(pieces, local.contiguous(), group=self.tp.group)
+        return torch.cat(pieces, dim)
+
+    def _own(self, whole: torch.Tensor, dim) -> torch.Tensor:
+        if dim is None:
+            return whole
+        size = whole.shape[dim] // self.tp.size
+        return whole.narrow(dim, self.tp.rank * size, size)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._share()  # torch's load made new group dicts and a new state
