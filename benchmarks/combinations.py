@@ -102,7 +102,8 @@ TRIPLES += [("dp2", pipeline, *(("micro1",) if pipeline == "pp2_dualpipev" else 
 TRIPLES += [("tp2_sp", "pp2", "zero3")]
 # Muon under ZeRO's partitions (each matrix gathered and orthogonalized on one owner rank), with TP and PP
 TRIPLES += [("dp2", "zero1", "muon"), ("dp2", "zero2", "muon"), ("dp2", "zero3", "muon"), ("tp2_sp", "zero3", "muon"),
-            ("dp2", "pp2", "muon"), ("tp2_sp", "pp2", "muon"), ("dp2", "zero3", "bf16", "muon")]
+            ("dp2", "pp2", "muon"), ("tp2_sp", "pp2", "muon"), ("dp2", "zero3", "bf16", "muon"),
+            ("ep2", "zero1", "muon"), ("ep2", "tp2_sp", "muon")]
 MAX_RANKS = 4
 LOSS_TOL = {"fp32": 1e-5, "bf16": 2e-2}
 CHANGE_FRACTION = 0.05  # of the loss's relative change over a cell's 4 iterations (about 5e-3 here)

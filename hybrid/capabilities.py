@@ -304,11 +304,6 @@ RULES = [
          lambda s: "--optimizer muon with --universal-checkpoint: DeepSpeed's universal format holds Adam's moments, "
                    "not Muon's momentum; resume at the checkpoint's own layout (drop --universal-checkpoint), or "
                    "start the new layout from its weights with --finetune."),
-    Rule("muon-experts", "--optimizer muon with --num-experts",
-         "experts' matrices are stored together (one tensor per layer), not split for Muon yet",
-         lambda s: s.optimizer == "muon" and s.experts,
-         lambda s: "--optimizer muon with --num-experts: the experts' matrices are not split for Muon yet; use "
-                   "--optimizer adam for MoE models."),
     Rule("grad-reduce-bf16-precision", "--grad-reduce-in-bf16 without --bf16",
          "gradients are reduced in the training precision's type (DeepSpeed's communication_data_type)",
          lambda s: s.grad_reduce_bf16 and s.precision != "bf16",

@@ -453,10 +453,8 @@ def _stage_model_states(params: dict, plan: MemoryPlan) -> dict:
     """ZeRO bytes of one rank's parameters: dense ones partitioned over DP; its 1/EP of the experts in
     their own groups (DeepSpeed's MoE groups), partitioned over the expert-data-parallel group, DP / EP."""
     dense = [[n for name, (n, d) in params.items() if d == decayed and not is_expert(name)] for decayed in (True, False)]
-    if plan.muon and plan.zero.stage == 0:
-        return _muon_state_bytes(params, plan.model, plan.tp)
     if plan.muon:
-        return _sharded_muon_state_bytes(params, plan.zero)
+        return _muon_rank_bytes(params, plan)
     states = model_state_bytes(dense, plan.zero)
     experts = [[n for name, (n, d) in params.items() if d == decayed and is_expert(name)] for decayed in (True, False)]
     if any(experts):
@@ -481,6 +479,27 @@ def _muon_state_bytes(params: dict, config: ModelConfig, tp: int = 1) -> dict:
                 optimizer=4 * tp * muon + 8 * tp * parts + 8 * sum(adam) + 4 * len(adam), host_optimizer=0)
 
 
+def _expert_share(params: dict, ep: int) -> tuple[dict, dict]:
+    """(the dense parameters, this rank's 1/EP of the experts' parameters: the experts are alike)."""
+    dense = {name: v for name, v in params.items() if not is_expert(name)}
+    experts = [(name, v) for name, v in params.items() if is_expert(name)]
+    return dense, dict(experts[: len(experts) // ep])
+
+
+def _muon_rank_bytes(params: dict, plan) -> dict:
+    """--optimizer muon's bytes on a rank: ZeRO-0's whole matrices, or ZeRO's partitions (the experts' over their
+    own data-parallel group, DP / EP)."""
+    dense, experts = _expert_share(params, plan.ep)
+    if plan.zero.stage == 0:
+        return _muon_state_bytes({**dense, **experts}, plan.model, plan.tp)
+    states = _sharded_muon_state_bytes(dense, plan.zero)
+    if experts:
+        zero = ZeroSettings(**dict(asdict(plan.zero), dp=max(1, plan.zero.dp // plan.ep)))
+        for key, value in _sharded_muon_state_bytes(experts, zero).items():
+            states[key] += value
+    return states
+
+
 def _sharded_muon_state_bytes(params: dict, zero: ZeroSettings) -> dict:
     """--optimizer muon under ZeRO-1/2/3 (hybrid.training.muon.ShardedMuonWithAdamW): ZeRO's bytes for the
     groups AdamW's decayed and undecayed parameters and the Muon matrices, the Muon group's partition keeping
@@ -496,14 +515,18 @@ def _sharded_muon_state_bytes(params: dict, zero: ZeroSettings) -> dict:
     return states
 
 
-def muon_step_bytes(params: dict, zero: ZeroSettings, muon: bool) -> int:
-    """What the sharded Muon step holds while it runs (ZeRO-1/2/3): every rank's blended momentum gathered and the
-    orthogonalized update before its reduce-scatter (fp32, the whole Muon group of the stage), this rank's
-    blend and its partition of the update."""
-    if not muon or zero.stage == 0:
+def muon_step_bytes(params: dict, zero: ZeroSettings, ep: int = 1) -> int:
+    """What the sharded Muon step holds while it runs (ZeRO-1/2/3), for its largest group (the dense matrices over
+    DP, the experts' over DP / EP, stepped one after the other): every rank's blended momentum gathered and the
+    orthogonalized update before its reduce-scatter (fp32, the whole group), this rank's blend and its partition
+    of the update."""
+    if zero.stage == 0:
         return 0
-    total = sum(n for name, (n, _) in params.items() if takes_muon(name))
-    return 4 * (2 * total + 2 * math.ceil(total / zero.dp))
+    peak = 0
+    for share, dp in zip(_expert_share(params, ep), (zero.dp, max(1, zero.dp // ep))):
+        total = sum(n for name, (n, _) in share.items() if takes_muon(name))
+        peak = max(peak, 4 * (2 * total + 2 * math.ceil(total / dp)))
+    return peak
 
 
 def estimate(plan: MemoryPlan) -> list[dict]:
@@ -524,8 +547,9 @@ def estimate(plan: MemoryPlan) -> list[dict]:
         if info["replica"]:  # a tied table's copy: its weights and gradient in the working precision, whole
             states["params"] += info["replica"] * _BYTES[precision]
             states["grads"] += info["replica"] * _BYTES[precision]
-        buffers = zero_buffer_bytes(info["params"], plan.zero, plan.pp) + muon_step_bytes(info["params"], plan.zero,
-                                                                                            plan.muon)
+        buffers = zero_buffer_bytes(info["params"], plan.zero, plan.pp)
+        if plan.muon:
+            buffers += muon_step_bytes(info["params"], plan.zero, plan.ep)
         each = [layer_activation_bytes(config, act, layer=i) for i in info["layers"]]
         per_layer = max(each, default=layer_activation_bytes(config, act))
         layers = len(info["layers"])

@@ -61,7 +61,6 @@ EXAMPLES = {
                            "--global-batch-size", 16], 1),
     "grpo-rampup": (["--grpo", "--rampup-batch-size", 8, 8, 64, "--global-batch-size", 16], 1),
     "muon-precision": (["--optimizer", "muon", "--bf16"], 1),
-    "muon-experts": (["--optimizer", "muon", "--num-experts", 4, "--disable-bias-linear"], 1),
 }
 
 

@@ -49,6 +49,7 @@ SAMPLE = {  # combination -> the outcome it must have (a rule's name for a refus
     # Muon: each matrix orthogonalized whole on an owner rank of ZeRO's partitions, with TP and PP
     "tp2_sp+zero3+muon": "equal",
     "dp2+pp2+muon": "equal",
+    "ep2+zero1+muon": "equal",
     "bf16+muon": "muon-precision",
 }
 

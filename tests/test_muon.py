@@ -49,18 +49,26 @@ def llama(tmp_path_factory):
 
 
 def transformers_with_muon(path, window, iterations: int, lr: float, weight_decay: float) -> list[float]:
-    """transformers' Llama trained on `window` (every sample of the batch) with torch.optim.Muon (its defaults) on
-    each layer's q, k, v, o, gate, up and down matrix and torch.optim.AdamW on the embedding, the head and the
-    norms (weight decay on the embedding and the head, none on norms: Megatron-LM's rule): the losses before
-    each step."""
+    """transformers' model trained on `window` (every sample of the batch) with torch.optim.Muon (its defaults) on
+    each layer's q, k, v, o, gate, up and down matrix (an MoE layer's: every expert's gate, up and down, which
+    transformers stores stacked in 3-D tensors: torch's Muon steps a 2-D copy of each, its gradient copied in and
+    the result copied back) and torch.optim.AdamW on the embedding, the head, the router and the norms (weight
+    decay on the matrices, none on norms: Megatron-LM's rule): the losses before each step."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.train()
-    matrices = [p for n, p in model.named_parameters() if n.startswith("model.layers.") and p.dim() == 2]
-    norms = [p for n, p in model.named_parameters() if p.dim() == 1]
-    others = [p for n, p in model.named_parameters() if not n.startswith("model.layers.") and p.dim() == 2]
-    assert len(matrices) == 7 * model.config.num_hidden_layers
-    muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay)
+    named = dict(model.named_parameters())
+    router = {n for n in named if n.endswith("mlp.gate.weight")}
+    matrices = [p for n, p in named.items() if n.startswith("model.layers.") and p.dim() == 2 and n not in router]
+    stacked = {n: p for n, p in named.items() if p.dim() == 3}  # experts: gate_up_proj [E, 2f, h], down_proj [E, h, f]
+    slices = []  # (stacked tensor, expert, rows, its 2-D copy)
+    for n, p in stacked.items():
+        for e in range(p.shape[0]):
+            for rows in torch.arange(p.shape[1]).chunk(2 if n.endswith("gate_up_proj") else 1):
+                slices.append((p, e, rows, torch.nn.Parameter(p.detach()[e, rows].clone())))
+    norms = [p for p in named.values() if p.dim() == 1]
+    others = [p for n, p in named.items() if p.dim() == 2 and (not n.startswith("model.layers.") or n in router)]
+    muon = torch.optim.Muon(matrices + [c for *_, c in slices], lr=lr, weight_decay=weight_decay)
     adamw = torch.optim.AdamW([{"params": others, "weight_decay": weight_decay},
                                {"params": norms, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.999), eps=1e-8)
     losses = []
@@ -68,10 +76,17 @@ def transformers_with_muon(path, window, iterations: int, lr: float, weight_deca
         loss = model(window[None], labels=window[None]).loss
         losses.append(loss.item())
         loss.backward()
+        for p, e, rows, copy in slices:
+            copy.grad = p.grad[e, rows].clone()
         muon.step()
         adamw.step()
+        with torch.no_grad():
+            for p, e, rows, copy in slices:
+                p[e, rows] = copy
         muon.zero_grad()
         adamw.zero_grad()
+        for p in stacked.values():
+            p.grad = None
     return losses
 
 
@@ -110,7 +125,8 @@ OFFLOAD = str(Path(__file__).resolve().parents[1] / "ds_configs" / "zero1_offloa
 
 
 @pytest.mark.parametrize("flags,rule", [(["--bf16"], "muon-precision"), (["--deepspeed", OFFLOAD], "muon-offload"),
-                                        (["--num-experts", 4, "--disable-bias-linear"], "muon-experts")])
+                                        (["--universal-checkpoint", "--load", "/tmp", "--zero-stage", 1],
+                                         "muon-universal")])
 def test_what_muon_cannot_do_exactly_yet_is_refused_by_the_capability_table(flags, rule):
     from hybrid.capabilities import RefusedCombination
     from hybrid.training.run import run_training
@@ -149,9 +165,11 @@ def test_the_fused_projections_rows_are_the_hf_matrices():
     assert muon_rows("layers.0.mlp.fc2.weight", torch.randn(32, 64), config) == [None]
 
 
-def test_the_dry_run_counts_muons_state_as_the_optimizer_holds_it():
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_the_dry_run_counts_muons_state_as_the_optimizer_holds_it(moe):
     """hybrid.memory's Muon bytes equal the state the optimizer holds after a step: torch's Muon momentum buffers,
-    the fused matrices' parts (their rows and gradients), torch's AdamW moments and steps."""
+    the fused matrices' parts (their rows and gradients; every expert's gated fc1 too), torch's AdamW moments and
+    steps (the router's among them)."""
     from hybrid.memory import _muon_state_bytes, parameter_inventory
     from hybrid.model.build import build_model
     from hybrid.model.config import ModelConfig
@@ -159,7 +177,8 @@ def test_the_dry_run_counts_muons_state_as_the_optimizer_holds_it():
     from hybrid.training.muon import MuonWithAdamW
     config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=64,
                          max_position_embeddings=16, swiglu=True, normalization="RMSNorm", add_bias_linear=False,
-                         position_embedding_type="rope", untie_embeddings_and_output_weights=True)
+                         position_embedding_type="rope", untie_embeddings_and_output_weights=True,
+                         **(dict(num_experts=2, moe_router_topk=1, moe_ffn_hidden_size=24) if moe else {}))
     model = build_model(config, ParallelGroups.single())
     params = [p for p in model.parameters()]
     optimizer = MuonWithAdamW(model, config, 2, [{"params": params, "weight_decay": 0.1}], 1e-3, 0.1, (0.9, 0.999),
@@ -212,6 +231,25 @@ def test_muon_at_pp2_equals_transformers_and_resumes_bitwise(llama, reference, t
     (tmp_path / "ckpt" / "latest").write_text("iter_0000002")
     run("torchrun", 2, flags + ["--log-json", resumed, "--load", tmp_path / "ckpt"])
     assert [r["lm_loss"] for r in read_log(resumed)] == losses[2:]
+
+
+@pytest.mark.slow
+def test_muon_trains_an_moe_model_as_transformers_at_ep2_and_under_zero(llama, tmp_path):
+    """An imported HF Mixtral (4 experts, top-2): every expert's gate, up and down is a Muon matrix of its own (the
+    router and norms take AdamW); one rank, EP 2 (each rank steps its own experts) and EP 2 under ZeRO-1 (the
+    experts' partitions over their own data-parallel group) equal transformers + torch.optim.Muon + AdamW within
+    1e-4 (transformers stacks the experts: its reference steps a 2-D copy of each)."""
+    make_family("mixtral", tmp_path / "hf", tie_word_embeddings=False)
+    want = transformers_with_muon(tmp_path / "hf", llama["window"], 5, LR, 0.1)
+    flags = ["--load-hf", tmp_path / "hf", "--data-path", llama["data"], *RUN, "--optimizer", "muon",
+             "--moe-aux-loss-coeff", 0]
+    for launcher, ranks, extra in (("python", 1, []), ("torchrun", 2, ["--expert-model-parallel-size", 2]),
+                                   ("torchrun", 2, ["--expert-model-parallel-size", 2, "--zero-stage", 1])):
+        log = tmp_path / f"{ranks}_{len(extra)}.jsonl"
+        proc = run(launcher, ranks, flags + extra + ["--log-json", log])
+        losses = [r["lm_loss"] for r in read_log(log)]
+        assert close(losses, want), (extra, losses, want)
+    assert "Muon's update on 40 matrices (24 weights" in proc.stdout + proc.stderr  # 4 layers: q, k, v, o, 2 experts x 3
 
 
 @pytest.mark.slow

@@ -115,9 +115,12 @@ def names_to_load(model, num_layers: int, buffers: bool = True) -> set:
     return names
 
 
-# the transformer layers' matrices that take Muon (the rest of the layer's parameters are norms and biases); the
-# fused ones (QKV, and fc1 when gated) are stepped as their parts
-_MUON_MATRIX = re.compile(r"^layers\.\d+\.(attention\.(qkv|dense)|mlp\.(fc1|fc2))\.weight$")
+# the transformer layers' matrices that take Muon (the rest of the layer's parameters are norms and biases, and an
+# MoE layer's router and shared-expert gate); every expert's fc1 and fc2 and the shared experts' are matrices of
+# their own; the fused ones (QKV, and fc1 when gated) are stepped as their parts
+_MUON_MATRIX = re.compile(r"^layers\.\d+\.(attention\.(qkv|dense)|mlp\.(fc1|fc2)"
+                          r"|mlp\.shared_mlp\.(fc1|fc2)|mlp\.deepspeed_moe\.experts\.deepspeed_experts\.\d+\.(fc1|fc2))"
+                          r"\.weight$")
 
 
 def takes_muon(name: str) -> bool:
@@ -127,4 +130,4 @@ def takes_muon(name: str) -> bool:
 
 def is_fused(name: str, config) -> bool:
     """Whether a Muon matrix is stepped as parts (copies of its rows, which hybrid.memory counts)."""
-    return name.endswith("attention.qkv.weight") or (name.endswith("mlp.fc1.weight") and config.gated_linear_unit)
+    return name.endswith("attention.qkv.weight") or (name.endswith(".fc1.weight") and config.gated_linear_unit)

@@ -20,7 +20,9 @@ accelerator (hybrid.training.engine), so its parts and rows are made there, and 
 own parameters (fp32; DeepSpeed's bf16/fp16 optimizers without ZeRO keep a flat master copy: refused by the
 capability table). Under ZeRO-1/2/3 (`ShardedMuonWithAdamW`) DeepSpeed hands it flat fp32 partitions; the
 elementwise parts of torch's update run on the partitions, and each matrix is gathered, orthogonalized on one
-owner rank and scattered back (its docstring). Experts' matrices are not split yet (refused).
+owner rank and scattered back (its docstring). Every expert's fc1 and fc2 are matrices of their own (an MoE
+layer's router takes AdamW); under ZeRO the experts' partitions are over their own data-parallel group, the
+groups split as DeepSpeed's MoE convention asks.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import math
 from typing import Optional
 
 import torch
+from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 # torch's own Newton-Schulz iteration and learning-rate adjustment (what torch.optim.Muon's step calls), used on
 # the gathered matrices under ZeRO
 from torch.optim._muon import DEFAULT_A as _A, DEFAULT_B as _B, DEFAULT_C as _C, EPS as _EPS
@@ -240,17 +243,25 @@ class ShardedMuonWithAdamW(torch.optim.Optimizer):
     def __init__(self, model, config, num_layers: int, adamw_groups: list, lr: float, weight_decay: float,
                  betas: tuple, eps: float, momentum: float, nesterov: bool, ns_steps: int, adjust_lr_fn, tp=None):
         names, matrices, adamw_groups = split_for_muon(model, num_layers, adamw_groups)
+        adamw_groups = [dict(g, name=g.get("name", f"adamw_{i}")) for i, g in enumerate(adamw_groups)]
         self.config, self.names = config, {id(p): names[id(p)] for p in matrices}
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.layout = tp_layout(config) if self.tp else {}
         self.matrices = matrices
-        muon_group = {"params": matrices, "weight_decay": weight_decay, "muon": True}
-        super().__init__([*adamw_groups, muon_group], {"lr": lr, "weight_decay": weight_decay})
+        muon_group = {"params": matrices, "weight_decay": weight_decay, "muon": True, "name": "muon"}
+        groups = [*adamw_groups, muon_group]
+        if any(is_moe_param(p) for g in groups for p in g["params"]):
+            # DeepSpeed's ZeRO partitions experts over their own data-parallel group: its groups marked as its
+            # MoE convention asks (each of ours split into the dense part and one group per expert group)
+            groups = [g for g in split_params_into_different_moe_groups_for_optimizer(groups) if g["params"]]
+        super().__init__(groups, {"lr": lr, "weight_decay": weight_decay})
         self.muon_defaults = {"momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps,
                               "adjust_lr_fn": adjust_lr_fn}
-        self.adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.adamw = torch.optim.AdamW([g for g in self.param_groups if not g.get("muon")], lr=lr, betas=betas,
+                                       eps=eps, weight_decay=weight_decay)
         self._share()
         self.partitions = {}  # id(flat) -> FlatPartition
+        self.adamw_count = sum(len(g["params"]) for g in adamw_groups)  # for the log (DeepSpeed flattens them)
 
     def _share(self) -> None:
         """AdamW steps this optimizer's own group dicts (DeepSpeed puts its partitions in them) and keeps its
@@ -277,8 +288,7 @@ class ShardedMuonWithAdamW(torch.optim.Optimizer):
                     for p in self.matrices)
         return (f"torch.optim.Muon's update on {count} matrices ({len(self.matrices)} weights, fused ones split into "
                 f"their HF projections; Newton-Schulz on one owner rank per matrix, momentum partitioned by ZeRO) "
-                f"+ torch.optim.AdamW on the other {sum(len(g['params']) for g in self.adamw.param_groups)} "
-                f"parameters")
+                f"+ torch.optim.AdamW on the other {self.adamw_count} parameters")
 
     @torch.no_grad()
     def step(self, closure=None):
