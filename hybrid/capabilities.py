@@ -280,19 +280,12 @@ RULES = [
          lambda s: s.cpu_offloading and s.recompute != "full",
          lambda s: "--cpu-offloading moves the checkpointed layer inputs to host memory: it needs "
                    "--recompute-granularity full."),
-    Rule("muon-offload", "--optimizer muon with ZeRO's optimizer offload",
-         "the offloaded partitions are stepped on the host, where the matrices' gathers over the accelerator's "
-         "process group cannot reach them (not built)",
-         lambda s: s.optimizer == "muon" and s.offload_optimizer,
-         lambda s: "--optimizer muon with the DeepSpeed config's offload_optimizer: the Muon update gathers each "
-                   "matrix over the data-parallel ranks, which the host-side step does not do; remove "
-                   "offload_optimizer (ZeRO-1/2/3 partition Muon's momentum without it)."),
-    Rule("muon-precision", "--optimizer muon with --bf16 or --fp16 without ZeRO (or ZeRO-1 with fp32 gradient "
-                           "accumulation)",
+    Rule("muon-precision", "--optimizer muon with --bf16 or --fp16 without ZeRO (or --bf16 at ZeRO-1 with fp32 "
+                           "gradient accumulation)",
          "there DeepSpeed steps its own bf16/fp16 optimizer's flat master copy (not a ZeRO optimizer's partitions, "
          "which hybrid's Muon knows how to gather into matrices)",
          lambda s: s.optimizer == "muon" and s.precision != "fp32" and (
-             s.zero_stage == 0 or (s.zero_stage == 1 and s.fp32_grad_accumulation)),
+             s.zero_stage == 0 or (s.zero_stage == 1 and s.fp32_grad_accumulation and s.precision == "bf16")),
          lambda s: f"--optimizer muon with --{s.precision} at ZeRO-{s.zero_stage} ({s.zero_source})"
                    f"{' and fp32 gradient accumulation' if s.zero_stage else ''}: DeepSpeed steps its own "
                    f"{s.precision} optimizer's flat master weights there; use ZeRO-1/2/3 (--zero-stage 1)"

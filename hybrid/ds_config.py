@@ -155,6 +155,7 @@ def final_ds_config(ds: dict, args, run, stage: int, optimizer: dict) -> dict:
     if optimizer is None:  # a client optimizer (--optimizer muon), made for ZeRO's flat partitions
         del out["optimizer"]
         out["zero_allow_untested_optimizer"] = True
+        out["zero_force_ds_cpu_optimizer"] = False  # with optimizer offload it steps the host partitions itself
     if run.parallel.pipeline_parallel > 1:
         out.update(pipeline_accumulation(training.micro_batch_size, run.parallel.dp_cp))
     out.setdefault("steps_per_print", 10**9)

@@ -518,14 +518,14 @@ def _sharded_muon_state_bytes(params: dict, zero: ZeroSettings) -> dict:
 def muon_step_bytes(params: dict, zero: ZeroSettings, ep: int = 1) -> int:
     """What the sharded Muon step holds while it runs (ZeRO-1/2/3), for its largest group (the dense matrices over
     DP, the experts' over DP / EP, stepped one after the other): every rank's blended momentum gathered and the
-    orthogonalized update before its reduce-scatter (fp32, the whole group), this rank's blend and its partition
-    of the update."""
+    orthogonalized update before its reduce-scatter (bf16, the whole group), this rank's blend (fp32, and its bf16
+    copy) and its partition of the update (bf16)."""
     if zero.stage == 0:
         return 0
     peak = 0
     for share, dp in zip(_expert_share(params, ep), (zero.dp, max(1, zero.dp // ep))):
         total = sum(n for name, (n, _) in share.items() if takes_muon(name))
-        peak = max(peak, 4 * (2 * total + 2 * math.ceil(total / dp)))
+        peak = max(peak, 2 * 2 * total + (4 + 2 + 2) * math.ceil(total / dp))
     return peak
 
 

@@ -6,7 +6,7 @@ checkpoint, partitioned under ZeRO); what cannot be made exact is refused by the
 
 from __future__ import annotations
 
-from pathlib import Path
+import json
 
 import numpy as np
 import pytest
@@ -121,10 +121,7 @@ def test_muon_at_dp2_equals_one_rank_and_resumes_bitwise(llama, tmp_path):
     assert c == b[2:], (b, c)
 
 
-OFFLOAD = str(Path(__file__).resolve().parents[1] / "ds_configs" / "zero1_offload.json")
-
-
-@pytest.mark.parametrize("flags,rule", [(["--bf16"], "muon-precision"), (["--deepspeed", OFFLOAD], "muon-offload"),
+@pytest.mark.parametrize("flags,rule", [(["--bf16"], "muon-precision"),
                                         (["--universal-checkpoint", "--load", "/tmp", "--zero-stage", 1],
                                          "muon-universal")])
 def test_what_muon_cannot_do_exactly_yet_is_refused_by_the_capability_table(flags, rule):
@@ -195,22 +192,30 @@ def test_the_dry_run_counts_muons_state_as_the_optimizer_holds_it(moe):
 
 @pytest.mark.slow
 def test_muon_under_zero_equals_transformers_and_resumes_bitwise(llama, reference, tmp_path):
-    """DP 2 with ZeRO-1, 2 and 3 (DeepSpeed's flat partitions: the momentum partitioned, each matrix's blend gathered
-    and orthogonalized by torch's Newton-Schulz on one owner rank, the update reduce-scattered): transformers +
-    torch.optim.Muon + AdamW's losses within 1e-4; ZeRO-3 resumed from its iteration-2 checkpoint continues
+    """DP 2 with ZeRO-1, 2 and 3, and ZeRO-1 and 3 with optimizer offload (DeepSpeed's flat partitions: the momentum
+    partitioned, each matrix's blend gathered and orthogonalized by torch's Newton-Schulz on one owner rank, the
+    update reduce-scattered): transformers + torch.optim.Muon + AdamW's losses within 1e-4; ZeRO-3 resumed from its iteration-2 checkpoint continues
     bitwise (the partitioned momentum saved and loaded)."""
     flags = ["--load-hf", llama["hf"], "--data-path", llama["data"], *RUN, "--optimizer", "muon"]
     losses = {}
-    for stage in (1, 2, 3):
+    # ZeRO-2 with DeepSpeed's round-robin gradient order, ZeRO-3 in small sub-groups (one step call each), and
+    # optimizer offload (the partitions and their step on the host)
+    configs = {1: {}, 2: {"round_robin_gradients": True}, 3: {"sub_group_size": 3000},
+               "1_offload": {"offload_optimizer": {"device": "cpu"}}, "3_offload": {"offload_optimizer": {"device": "cpu"}}}
+    for stage, extra in configs.items():
         log = tmp_path / f"zero{stage}.jsonl"
         save = ["--save", tmp_path / "ckpt", "--save-interval", 2] if stage == 3 else []
-        proc = run("torchrun", 2, flags + ["--zero-stage", stage, "--log-json", log, *save])
+        config = tmp_path / f"zero{stage}.json"
+        config.write_text(json.dumps({"zero_optimization": {"stage": int(str(stage)[0]), **extra}}))
+        zero = ["--deepspeed", config]
+        proc = run("torchrun", 2, flags + zero + ["--log-json", log, *save])
         assert "Newton-Schulz on one owner rank per matrix" in proc.stdout + proc.stderr
         losses[stage] = [r["lm_loss"] for r in read_log(log)]
         assert close(losses[stage], reference), (stage, losses[stage], reference)
+    assert losses["1_offload"] == losses[1]  # the same update, stepped on the host
     (tmp_path / "ckpt" / "latest").write_text("iter_0000002")
     resumed = tmp_path / "resumed.jsonl"
-    run("torchrun", 2, flags + ["--zero-stage", 3, "--log-json", resumed, "--load", tmp_path / "ckpt"])
+    run("torchrun", 2, flags + ["--deepspeed", tmp_path / "zero3.json", "--log-json", resumed, "--load", tmp_path / "ckpt"])
     assert [r["lm_loss"] for r in read_log(resumed)] == losses[3][2:], (losses[3], read_log(resumed))
     # DeepSpeed's universal format has no place for the momentum: one message, nothing written
     from hybrid.conversion.checkpoint_util import main
@@ -255,14 +260,14 @@ def test_muon_trains_an_moe_model_as_transformers_at_ep2_and_under_zero(llama, t
 @pytest.mark.slow
 def test_muon_at_tp2_with_sp_equals_transformers(llama, reference, tmp_path):
     """TP 2 + SP: each matrix's rows (QKV, gate and up) or columns (o, down) gathered over TP, Newton-Schulz on the
-    whole matrix, each rank keeping its slice; at ZeRO-0 (every rank steps every matrix) and at ZeRO-3 (the
-    owner rank's TP group gathers it): transformers + torch.optim.Muon + AdamW within 1e-4. torch's Newton-Schulz
+    whole matrix, each rank keeping its slice; at ZeRO-0 (every rank steps every matrix) and at ZeRO-1 and ZeRO-3
+    (the owner rank's TP group gathers it): transformers + torch.optim.Muon + AdamW within 1e-4. torch's Newton-Schulz
     runs in bf16, so the TP reductions' last-bit differences in the gradient flip bf16 roundings of the update
     (with the iteration in fp32, a test-only change, TP 2 equals one rank within 1e-5); Newton-Schulz on each TP
     shard instead of the whole matrix misses by far more."""
     flags = ["--load-hf", llama["hf"], "--data-path", llama["data"], *RUN, "--optimizer", "muon",
              "--tensor-model-parallel-size", 2, "--sequence-parallel"]
-    for stage in (0, 3):
+    for stage in (0, 1, 3):
         log = tmp_path / f"tp2_zero{stage}.jsonl"
         run("torchrun", 2, flags + ["--zero-stage", stage, "--log-json", log])
         losses = [r["lm_loss"] for r in read_log(log)]
@@ -321,7 +326,7 @@ def _sharded_against_torch_muon(contiguous: bool) -> list:
             params.append(Partitioned(p, tuple(p.shape), offset, part, contiguous=False))
             offset += part
         flat = torch.cat(pieces).clone()
-    partition = FlatPartition(flat, dist.group.WORLD, ranks, rank, params)
+    partition = FlatPartition(flat, dist.group.WORLD, ranks, rank, params, flat.device)
     ours.param_groups[-1]["params"] = [flat]  # as DeepSpeed's ZeRO puts its partition in the client's group
     ours.attach([partition])
     watch = FactoriesWithoutDevice()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import deepspeed
+from deepspeed.accelerator import get_accelerator
 import torch
 import torch.distributed as dist
 from deepspeed.moe.layer import MoE
@@ -554,18 +555,20 @@ def zero_partitions(zero_optimizer) -> list:
       over `sub_group_process_groups[s]`, each rank holding `partition_numel()` elements of each (rank r the
       elements from r times that), one after another in `fp32_partitioned_groups_flat[s]` (the order
       `_partitioned_params_swap_out` reads them in), the tensor put in its group for that sub-group's step."""
-    partitions = []
+    partitions, device = [], torch.device(get_accelerator().current_device_name())
     if hasattr(zero_optimizer, "single_partition_of_fp32_groups"):
         for i, flat in enumerate(zero_optimizer.single_partition_of_fp32_groups):
             group = zero_optimizer.real_dp_process_group[i]
             params = [Partitioned(p, tuple(p.shape), offset) for p, offset in
                       zip(zero_optimizer.round_robin_bit16_groups[i], zero_optimizer.round_robin_bit16_offsets[i])]
-            partitions.append(FlatPartition(flat, group, dist.get_world_size(group), dist.get_rank(group), params))
+            partitions.append(FlatPartition(flat, group, dist.get_world_size(group), dist.get_rank(group), params,
+                                            device))
         return partitions
     for s, flat in enumerate(zero_optimizer.fp32_partitioned_groups_flat):
         group, params, offset = zero_optimizer.sub_group_process_groups[s], [], 0
         for p in zero_optimizer.fp16_groups[s]:
             params.append(Partitioned(p, tuple(p.ds_shape), offset, p.partition_numel(), contiguous=False))
             offset += p.partition_numel()
-        partitions.append(FlatPartition(flat, group, dist.get_world_size(group), dist.get_rank(group), params))
+        partitions.append(FlatPartition(flat, group, dist.get_world_size(group), dist.get_rank(group), params,
+                                        device))
     return partitions

@@ -216,14 +216,16 @@ class Partitioned:
 
 @dataclasses.dataclass
 class FlatPartition:
-    """One flat fp32 partition a ZeRO optimizer steps (a parameter group, or a ZeRO-3 sub-group): its ranks'
-    group and this rank's place in it, and the parameters in it."""
+    """One flat fp32 partition a ZeRO optimizer steps (a parameter group, or a ZeRO-3 sub-group; on the host with
+    optimizer offload): its ranks' group and this rank's place in it, the parameters in it, the device its
+    collectives run on."""
 
     flat: torch.Tensor
     group: object
     ranks: int
     rank: int
     params: list  # [Partitioned]
+    device: torch.device  # where the gathers run: the accelerator (the partition itself may be on the host)
     runs: Optional[list] = None  # ShardedMuonWithAdamW._runs, made at its first step
 
 
@@ -298,7 +300,14 @@ class ShardedMuonWithAdamW(torch.optim.Optimizer):
                 for flat in group["params"]:
                     if flat.grad is not None:
                         self._muon_step(flat, group)
-        self.adamw.step()
+        # only the groups handed over now: DeepSpeed's ZeRO-1/2 steps one group at a time (its _optimizer_step
+        # narrows param_groups to it), and with optimizer offload every group's partition keeps its gradient
+        everything = self.adamw.param_groups
+        self.adamw.param_groups = [g for g in self.param_groups if not g.get("muon")]
+        try:
+            self.adamw.step()
+        finally:
+            self.adamw.param_groups = everything
         return loss
 
     def _owners(self, partition: FlatPartition) -> list:
@@ -322,6 +331,10 @@ class ShardedMuonWithAdamW(torch.optim.Optimizer):
         buf = state["momentum_buffer"]
         buf.lerp_(flat.grad, 1 - momentum)
         blended = flat.grad.lerp(buf, momentum) if options["nesterov"] else buf
+        # in bf16 (torch's Newton-Schulz starts by rounding to bf16 and returns bf16: the same bits, half the bytes
+        # gathered); with optimizer offload the partition is on the host: the gathers and Newton-Schulz run on the
+        # accelerator
+        blended = blended.to(partition.device, torch.bfloat16)
         gathered = blended.new_empty(partition.ranks * blended.numel())
         torch.distributed.all_gather_into_tensor(gathered, blended.contiguous(), group=partition.group)
         gathered = gathered.view(partition.ranks, blended.numel())
@@ -339,17 +352,20 @@ class ShardedMuonWithAdamW(torch.optim.Optimizer):
                 if rows is None:
                     ortho.copy_(own)
                 else:
-                    ortho.index_copy_(0, rows, own.float())
+                    ortho.index_copy_(0, rows, own)
             p.write(update, ortho)
         mine = torch.empty_like(blended)
         torch.distributed.reduce_scatter_tensor(mine, update.view(-1), group=partition.group)
+        mine = mine.to(flat.device)
         flat.mul_(1 - lr * weight_decay)
-        for start, end, shape in self._runs(partition):  # torch's param.add_(update, alpha=-adjusted_lr)
+        for start, end, shape in self._runs(partition, options["adjust_lr_fn"]):
+            # torch's param.add_(update, alpha=-adjusted_lr), the bf16 update as it adds it
             flat[start:end].add_(mine[start:end], alpha=-_adjust_lr(lr, options["adjust_lr_fn"], shape))
 
-    def _runs(self, partition: FlatPartition) -> list:
-        """(start, end, HF matrix shape) of the runs of this rank's partition that belong to one matrix's rows
-        (the learning rate adjustment depends on the matrix), made once per partition."""
+    def _runs(self, partition: FlatPartition, adjust_lr_fn) -> list:
+        """(start, end, an HF matrix shape) of the runs of this rank's partition whose matrices' learning rate
+        adjustment is the same (it depends on the matrix: a fused QKV's q, k and v rows alternate, usually with
+        one adjustment), made once per partition."""
         if partition.runs is not None:
             return partition.runs
         runs, tp = [], self.tp.size if self.tp else 1
@@ -365,8 +381,15 @@ class ShardedMuonWithAdamW(torch.optim.Optimizer):
             for a, b in zip(edges[:-1], edges[1:]):
                 for start, end in p.local(partition, a * cols, b * cols):
                     runs.append((start, end, shapes[matrix_of[a]]))
-        partition.runs = runs
-        return runs
+        merged = []
+        for start, end, shape in runs:  # neighbours with the same adjustment: one kernel
+            if merged and merged[-1][1] == start and (
+                    _adjust_lr(1.0, adjust_lr_fn, merged[-1][2]) == _adjust_lr(1.0, adjust_lr_fn, shape)):
+                merged[-1] = (merged[-1][0], end, merged[-1][2])
+            else:
+                merged.append((start, end, shape))
+        partition.runs = merged
+        return merged
 
     def _whole(self, local: torch.Tensor, dim) -> torch.Tensor:
         if dim is None:
