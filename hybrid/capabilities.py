@@ -290,13 +290,6 @@ RULES = [
                    f"{' and fp32 gradient accumulation' if s.zero_stage else ''}: DeepSpeed steps its own "
                    f"{s.precision} optimizer's flat master weights there; use ZeRO-1/2/3 (--zero-stage 1)"
                    f"{' without data_types.grad_accum_dtype fp32' if s.zero_stage else ''}, or train in fp32."),
-    Rule("muon-universal", "--optimizer muon with --universal-checkpoint",
-         "DeepSpeed's universal checkpoints carry Adam's moments (exp_avg, exp_avg_sq) only; its ds_to_universal "
-         "has no place for Muon's momentum",
-         lambda s: s.optimizer == "muon" and s.universal_checkpoint,
-         lambda s: "--optimizer muon with --universal-checkpoint: DeepSpeed's universal format holds Adam's moments, "
-                   "not Muon's momentum; resume at the checkpoint's own layout (drop --universal-checkpoint), or "
-                   "start the new layout from its weights with --finetune."),
     Rule("grad-reduce-bf16-precision", "--grad-reduce-in-bf16 without --bf16",
          "gradients are reduced in the training precision's type (DeepSpeed's communication_data_type)",
          lambda s: s.grad_reduce_bf16 and s.precision != "bf16",

@@ -41,7 +41,57 @@ def run_ds_to_universal(ckpt: str, out_dir: str, config, log=print) -> None:
 
 
 def _run_tool(ckpt: str, out_dir: str, config, log) -> None:
-    """DeepSpeed's ds_to_universal on one checkpoint as its tool reads it, then canonical names."""
+    """DeepSpeed's ds_to_universal on one checkpoint as its tool reads it, then canonical names. A --optimizer
+    muon checkpoint: from a view of it whose Muon partitions carry zero second moments (`_adam_view`)."""
+    if _muon_checkpoint(ckpt):
+        work = tempfile.mkdtemp(prefix=".tmp-muon-", dir=os.path.dirname(os.path.abspath(out_dir)))
+        try:
+            _run_tool_on(_adam_view(ckpt, work), out_dir, config, log)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
+    _run_tool_on(ckpt, out_dir, config, log)
+
+
+def _muon_checkpoint(ckpt: str) -> bool:
+    """Whether a ZeRO checkpoint was written by a --optimizer muon run (its client state's flags)."""
+    files = sorted(n for n in os.listdir(ckpt) if n.endswith("_model_states.pt"))
+    return bool(files) and (safe_load(os.path.join(ckpt, files[0])).get("args") or {}).get("optimizer") == "muon"
+
+
+def _adam_view(ckpt: str, work: str) -> str:
+    """A copy of a --optimizer muon checkpoint as DeepSpeed's ds_to_universal reads Adam's (it takes exp_avg and
+    exp_avg_sq of every group): the Muon groups' state is their momentum under `exp_avg` (an exponential average
+    of the gradients, hybrid.training.muon) and no second moment, given zeros here; every other file linked."""
+    view = os.path.join(work, os.path.basename(os.path.normpath(ckpt)))
+    os.makedirs(view)
+    for name in os.listdir(ckpt):
+        source = os.path.abspath(os.path.join(ckpt, name))
+        if not name.endswith("optim_states.pt"):
+            os.symlink(source, os.path.join(view, name))
+            continue
+        state = safe_load(source)
+        _add_second_moments(state)
+        torch.save(state, os.path.join(view, name))
+    for name in ("latest",):
+        if os.path.exists(os.path.join(os.path.dirname(os.path.normpath(ckpt)), name)):
+            shutil.copy2(os.path.join(os.path.dirname(os.path.normpath(ckpt)), name), work)
+    return view
+
+
+def _add_second_moments(value) -> None:
+    """Zeros beside every exp_avg that has no exp_avg_sq (the Muon groups' optimizer state), in place."""
+    if isinstance(value, dict):
+        if torch.is_tensor(value.get("exp_avg")) and "exp_avg_sq" not in value:
+            value["exp_avg_sq"] = torch.zeros_like(value["exp_avg"])
+        for inner in value.values():
+            _add_second_moments(inner)
+    elif isinstance(value, (list, tuple)):
+        for inner in value:
+            _add_second_moments(inner)
+
+
+def _run_tool_on(ckpt: str, out_dir: str, config, log) -> None:
     log(f"converting {ckpt} with DeepSpeed's ds_to_universal (strict)")
     # DeepSpeed's tool, in a process whose every torch.load is weights-only with the allow-list: it
     # reads the checkpoint's files
@@ -52,10 +102,6 @@ def _run_tool(ckpt: str, out_dir: str, config, log) -> None:
         refused = [line for line in proc.stderr.splitlines() if line.startswith("error: ") and "refused" in line]
         if refused:
             raise ConfigError(refused[-1][len("error: "):])
-        if "KeyError: 'exp_avg'" in proc.stderr:
-            raise ConfigError(f"{ckpt}: its optimizer state has no Adam moments (a --optimizer muon run's momentum "
-                              f"partitions): DeepSpeed's ds_to_universal converts Adam's state only. Resume it at "
-                              f"its own layout, or load its weights at another with --finetune.")
         raise ConfigError(f"DeepSpeed's ds_to_universal failed on {ckpt}:\n{proc.stderr.strip()[-3000:]}")
     zero = os.path.join(out_dir, "zero")
     for name in sorted(os.listdir(zero)):

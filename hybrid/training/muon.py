@@ -326,9 +326,13 @@ class ShardedMuonWithAdamW(torch.optim.Optimizer):
         options = {**self.muon_defaults, **{k: group[k] for k in self.muon_defaults if k in group}}
         lr, weight_decay, momentum = group["lr"], group["weight_decay"], options["momentum"]
         state = self.state[flat]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(flat.grad)
-        buf = state["momentum_buffer"]
+        # torch's momentum buffer (buf.lerp_(grad, 1 - momentum)) is an exponential average of the gradients, as
+        # Adam's first moment is: kept under Adam's name, DeepSpeed's universal checkpoints carry it
+        # (hybrid.conversion.ds_universal); a universal load's zero second moment is not Muon's
+        state.pop("exp_avg_sq", None)
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(flat.grad)
+        buf = state["exp_avg"]
         buf.lerp_(flat.grad, 1 - momentum)
         blended = flat.grad.lerp(buf, momentum) if options["nesterov"] else buf
         # in bf16 (torch's Newton-Schulz starts by rounding to bf16 and returns bf16: the same bits, half the bytes
