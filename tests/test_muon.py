@@ -119,6 +119,10 @@ def test_muon_at_dp2_equals_one_rank_and_resumes_bitwise(llama, tmp_path):
     a, b, c = ([r["lm_loss"] for r in read_log(p)] for p in (one, two, resumed))
     assert all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b)) and len(b) == 5, (a, b)
     assert c == b[2:], (b, c)
+    # without ZeRO torch's Muon state is per HF matrix: no universal form, one message
+    from hybrid.conversion.checkpoint_util import main
+    assert main(["--saver", "universal", "--load-dir", str(tmp_path / "ckpt"), "--no-progress-bar"]) != 0
+    assert not list((tmp_path / "ckpt").glob("*_universal"))
 
 
 @pytest.mark.parametrize("flags,rule", [(["--bf16"], "muon-precision")])
@@ -252,13 +256,22 @@ def test_muon_trains_an_moe_model_as_transformers_at_ep2_and_under_zero(llama, t
     want = transformers_with_muon(tmp_path / "hf", llama["window"], 5, LR, 0.1)
     flags = ["--load-hf", tmp_path / "hf", "--data-path", llama["data"], *RUN, "--optimizer", "muon",
              "--moe-aux-loss-coeff", 0]
+    save = ["--save", tmp_path / "ckpt", "--save-interval", 2]
     for launcher, ranks, extra in (("python", 1, []), ("torchrun", 2, ["--expert-model-parallel-size", 2]),
-                                   ("torchrun", 2, ["--expert-model-parallel-size", 2, "--zero-stage", 1])):
+                                   ("torchrun", 2, ["--expert-model-parallel-size", 2, "--zero-stage", 1, *save])):
         log = tmp_path / f"{ranks}_{len(extra)}.jsonl"
         proc = run(launcher, ranks, flags + extra + ["--log-json", log])
         losses = [r["lm_loss"] for r in read_log(log)]
         assert close(losses, want), (extra, losses, want)
     assert "Muon's update on 40 matrices (24 weights" in proc.stdout + proc.stderr  # 4 layers: q, k, v, o, 2 experts x 3
+    # the experts' momentum through a universal checkpoint: EP 2 ZeRO-1's iteration 2 resumed at one rank
+    (tmp_path / "ckpt" / "latest").write_text("iter_0000002")
+    from hybrid.conversion.checkpoint_util import main
+    assert main(["--saver", "universal", "--load-dir", str(tmp_path / "ckpt"), "--no-progress-bar"]) == 0
+    log = tmp_path / "universal.jsonl"
+    run("python", 1, flags + ["--zero-stage", 1, "--load", tmp_path / "ckpt", "--universal-checkpoint", "--log-json", log])
+    moved = [r["lm_loss"] for r in read_log(log)]
+    assert close(moved, want[2:]), (moved, want)
 
 
 @pytest.mark.slow

@@ -56,7 +56,8 @@ def _run_tool(ckpt: str, out_dir: str, config, log) -> None:
 def _muon_checkpoint(ckpt: str) -> bool:
     """Whether a ZeRO checkpoint was written by a --optimizer muon run (its client state's flags)."""
     files = sorted(n for n in os.listdir(ckpt) if n.endswith("_model_states.pt"))
-    return bool(files) and (safe_load(os.path.join(ckpt, files[0])).get("args") or {}).get("optimizer") == "muon"
+    return bool(files) and (safe_load(os.path.join(ckpt, files[0]), mmap=True).get("args") or {}).get(
+        "optimizer") == "muon"
 
 
 def _adam_view(ckpt: str, work: str) -> str:

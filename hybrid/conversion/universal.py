@@ -85,6 +85,10 @@ def _zero0_to_universal(ckpt: str, out_dir: str, config) -> None:
             rank_state = load_file(path)
             shutil.copy2(path, out_dir)
             optimizer, names = rank_state["optimizer"], ClientState.from_meta(rank_state).optimizer_param_names
+            if "muon" in optimizer:
+                raise ConfigError(f"{ckpt}: a --optimizer muon run without ZeRO keeps torch's Muon state per HF "
+                                  f"matrix, which the universal format does not hold; train with ZeRO-1/2/3 "
+                                  f"(--zero-stage 1) for a universal checkpoint of Muon, or resume at this layout.")
             param_groups = param_groups or [{k: v for k, v in g.items() if k != "params"} for g in optimizer["param_groups"]]
             for group, group_names in zip(optimizer["param_groups"], names):
                 for index, name in zip(group["params"], group_names):
@@ -141,6 +145,8 @@ def _moe_zero_to_universal(ckpt: str, out_dir: str, config) -> None:
         for i, mapping in enumerate(state["param_slice_mappings"]):
             flat = {"fp32": state["single_partition_of_fp32_groups"][i], **{
                 key: base["state"][i][key] for key in ("exp_avg", "exp_avg_sq") if key in base["state"].get(i, {})}}
+            if "exp_avg" in flat and "exp_avg_sq" not in flat:  # a --optimizer muon group: its momentum under
+                flat["exp_avg_sq"] = torch.zeros_like(flat["exp_avg"])  # exp_avg, no second moment (as _adam_view)
             for name, fragment in mapping.items():
                 full = canonical_name(global_expert_name(name, {}, (data_rank % ep) * local_experts),
                                       config.num_layers)

@@ -295,6 +295,11 @@ class ShardedMuonWithAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        for partition in self.partitions.values():
+            # a universal load's zero second moments are not Muon's: dropped before DeepSpeed links its fragments
+            # to the state (after its first group's step)
+            if partition.flat in self.state:
+                self.state[partition.flat].pop("exp_avg_sq", None)
         for group in self.param_groups:
             if group.get("muon"):
                 for flat in group["params"]:
@@ -328,8 +333,7 @@ class ShardedMuonWithAdamW(torch.optim.Optimizer):
         state = self.state[flat]
         # torch's momentum buffer (buf.lerp_(grad, 1 - momentum)) is an exponential average of the gradients, as
         # Adam's first moment is: kept under Adam's name, DeepSpeed's universal checkpoints carry it
-        # (hybrid.conversion.ds_universal); a universal load's zero second moment is not Muon's
-        state.pop("exp_avg_sq", None)
+        # (hybrid.conversion.ds_universal)
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(flat.grad)
         buf = state["exp_avg"]
