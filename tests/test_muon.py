@@ -229,6 +229,11 @@ def test_muon_under_zero_equals_transformers_and_resumes_bitwise(llama, referenc
                                 "--load", tmp_path / "ckpt", "--universal-checkpoint", "--log-json", universal])
     moved = [r["lm_loss"] for r in read_log(universal)]
     assert close(moved, reference[2:]), (moved, reference)
+    # Muon's momentum is not Adam's moments: an AdamW run refuses it with one message
+    adam = [f for f in flags if f not in ("--optimizer", "muon")]
+    proc = run("python", 1, adam + ["--zero-stage", 1, "--load", tmp_path / "ckpt", "--universal-checkpoint"],
+               check=False)
+    assert proc.returncode != 0 and "its optimizer state is Muon's momentum" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -225,6 +225,7 @@ def _load_universal(engine, run: RunConfig, load_dir: str, groups) -> tuple[int,
         raise ConfigError(f"--load {load_dir} --universal-checkpoint: no universal checkpoint there (no "
                           f"'{LATEST_UNIVERSAL}' file). Make one from its last checkpoint with: python "
                           f"conversion/checkpoint_util.py --saver universal --load-dir {load_dir}")
+    _same_optimizer(read_client_state(load_dir, tag), run, f"--load {load_dir} --universal-checkpoint")
     deepspeed_fixes.use_canonical_param_names(engine, run.model.num_layers)
     try:
         path, client_state = deepspeed_fixes.load_checkpoint(engine, load_dir, tag)
@@ -245,6 +246,17 @@ def _load_universal(engine, run: RunConfig, load_dir: str, groups) -> tuple[int,
     log(f"loaded universal checkpoint {load_dir}/{tag} at iteration {iteration} (weight decay per parameter "
         f"group: {decays})")
     return iteration, consumed
+
+
+def _same_optimizer(saved: ClientState, run: RunConfig, what: str) -> None:
+    """A universal checkpoint's moments are Adam's, or Muon's momentum (its exp_avg, with zero second moments:
+    hybrid.training.muon): loading one into the other optimizer would not continue either."""
+    saved_muon = (saved.args or {}).get("optimizer") == "muon"
+    if saved_muon != (run.optimizer.muon is not None):
+        have, want = ("Muon's momentum", "Adam") if saved_muon else ("Adam's moments", "Muon")
+        raise ConfigError(f"{what}: its optimizer state is {have}, and this run trains with {want}; "
+                          f"{'add' if saved_muon else 'drop'} --optimizer muon to continue it, or start from its "
+                          f"weights with --finetune.")
 
 
 def _restore_score_biases(engine, universal_dir: str, num_layers: int) -> None:
