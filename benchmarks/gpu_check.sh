@@ -14,8 +14,9 @@
 # benchmarks/bench_vs_transformers.py --preset gpu (Llama-3-8B-shaped layers: tokens/s and MFU against
 # transformers eager and compiled), then bf16 ZeRO-1 on the embedded corpus (saved), fp16 with dynamic loss
 # scaling, flash-attn when installed, --torch-compile, ZeRO-3, full and selective recompute, FP8 (delayed
-# scaling) and benchmarks/bench_fp8.py, launch/evaluate.py on the bf16 checkpoint and its HF export loaded
-# by transformers (loss compared); with 2+ GPUs, every --pipeline-schedule at PP 2.
+# scaling) and benchmarks/bench_fp8.py, Muon under ZeRO-3 and with ZeRO-1 offload, launch/evaluate.py on the
+# bf16 checkpoint and its HF export loaded by transformers (loss compared); with 2+ GPUs, every --pipeline-
+# schedule at PP 2.
 # Each step's log and JSON lines go to $OUT; $OUT/summary.json has one line per step (ok, seconds, last
 # logged metrics); $OUT/gpu_paths.jsonl one line per GPU path.
 set -uo pipefail
@@ -109,6 +110,12 @@ step torch_compile 180 python launch/train.py $MODEL $MOCK --bf16 --torch-compil
     --log-json "$OUT/torch_compile.jsonl"
 step zero3 120 python launch/train.py $MODEL $MOCK --bf16 --deepspeed ds_configs/zero3.json --train-iters 20 \
     --log-json "$OUT/zero3.jsonl"
+# Muon's sharded form on CUDA + NCCL: ZeRO-3 (bf16 gathers, Newton-Schulz on the GPU) and ZeRO-1 with optimizer
+# offload (the momentum on the host, the blends moved to the GPU for the collectives)
+step muon_zero3 120 python launch/train.py $MODEL $MOCK --bf16 --optimizer muon --deepspeed ds_configs/zero3.json \
+    --train-iters 20 --log-json "$OUT/muon_zero3.jsonl"
+step muon_zero1_offload 120 python launch/train.py $MODEL $MOCK --bf16 --optimizer muon \
+    --deepspeed ds_configs/zero1_offload.json --train-iters 20 --log-json "$OUT/muon_zero1_offload.jsonl"
 step recompute_full 120 python launch/train.py $MODEL $MOCK --bf16 --recompute-granularity full \
     --recompute-method uniform --recompute-num-layers 1 --train-iters 20 --log-json "$OUT/recompute_full.jsonl"
 step recompute_selective 120 python launch/train.py $MODEL $MOCK --bf16 --recompute-granularity selective \
