@@ -460,7 +460,7 @@ def _stage_model_states(params: dict, plan: MemoryPlan) -> dict:
     if any(experts):
         ep = plan.ep
         mine = [g[: len(g) // ep] for g in experts]  # the experts are alike: 1/EP of them
-        zero = ZeroSettings(**dict(asdict(plan.zero), dp=max(1, plan.zero.dp // ep)))
+        zero = _expert_zero(plan.zero, ep)
         for key, value in model_state_bytes(mine, zero).items():
             states[key] += value
     return states
@@ -479,6 +479,11 @@ def _muon_state_bytes(params: dict, config: ModelConfig, tp: int = 1) -> dict:
                 optimizer=4 * tp * muon + 8 * tp * parts + 8 * sum(adam) + 4 * len(adam), host_optimizer=0)
 
 
+def _expert_zero(zero: ZeroSettings, ep: int) -> ZeroSettings:
+    """ZeRO over the expert-data-parallel group (DeepSpeed's MoE groups): DP / EP ranks."""
+    return ZeroSettings(**dict(asdict(zero), dp=max(1, zero.dp // ep)))
+
+
 def _expert_share(params: dict, ep: int) -> tuple[dict, dict]:
     """(the dense parameters, this rank's 1/EP of the experts' parameters: the experts are alike)."""
     dense = {name: v for name, v in params.items() if not is_expert(name)}
@@ -494,7 +499,7 @@ def _muon_rank_bytes(params: dict, plan) -> dict:
         return _muon_state_bytes({**dense, **experts}, plan.model, plan.tp)
     states = _sharded_muon_state_bytes(dense, plan.zero)
     if experts:
-        zero = ZeroSettings(**dict(asdict(plan.zero), dp=max(1, plan.zero.dp // plan.ep)))
+        zero = _expert_zero(plan.zero, plan.ep)
         for key, value in _sharded_muon_state_bytes(experts, zero).items():
             states[key] += value
     return states
@@ -523,7 +528,7 @@ def muon_step_bytes(params: dict, zero: ZeroSettings, ep: int = 1) -> int:
     if zero.stage == 0:
         return 0
     peak = 0
-    for share, dp in zip(_expert_share(params, ep), (zero.dp, max(1, zero.dp // ep))):
+    for share, dp in zip(_expert_share(params, ep), (zero.dp, _expert_zero(zero, ep).dp)):
         total = sum(n for name, (n, _) in share.items() if takes_muon(name))
         peak = max(peak, 2 * 2 * total + (4 + 2 + 2) * math.ceil(total / dp))
     return peak

@@ -74,9 +74,6 @@ def _adam_view(ckpt: str, work: str) -> str:
         state = safe_load(source)
         _add_second_moments(state)
         torch.save(state, os.path.join(view, name))
-    for name in ("latest",):
-        if os.path.exists(os.path.join(os.path.dirname(os.path.normpath(ckpt)), name)):
-            shutil.copy2(os.path.join(os.path.dirname(os.path.normpath(ckpt)), name), work)
     return view
 
 

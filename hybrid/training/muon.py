@@ -55,6 +55,24 @@ def muon_rows(name: str, param: torch.Tensor, config) -> list:
     return list(rows.chunk(2))  # a gated MLP's fc1: gate, then up
 
 
+def whole_over_tp(tp, local: torch.Tensor, dim) -> torch.Tensor:
+    """The whole matrix of a TP-split one (every TP rank's slice along `dim`, in rank order); `local` itself where
+    it is not split (`dim` None)."""
+    if dim is None:
+        return local
+    pieces = [torch.empty_like(local) for _ in range(tp.size)]
+    torch.distributed.all_gather(pieces, local.contiguous(), group=tp.group)
+    return torch.cat(pieces, dim)
+
+
+def own_over_tp(tp, whole: torch.Tensor, dim) -> torch.Tensor:
+    """This TP rank's slice of a whole matrix (whole_over_tp's inverse)."""
+    if dim is None:
+        return whole
+    size = whole.shape[dim] // tp.size
+    return whole.narrow(dim, tp.rank * size, size)
+
+
 def split_for_muon(model, num_layers: int, groups: list) -> tuple:
     """-> ({id(parameter): canonical name}, the matrices Muon steps, `groups` without them (AdamW's))."""
     names = {id(p): n for n, p in canonical_parameters(model, num_layers).items()}
@@ -90,7 +108,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 if rows is None and dim is None:
                     targets.append(weight)
                     continue
-                part = torch.nn.Parameter(self._whole(self._rows(weight.detach(), rows), dim))
+                part = torch.nn.Parameter(whole_over_tp(self.tp, self._rows(weight.detach(), rows), dim))
                 self.parts.append((weight, rows, dim, part))
                 targets.append(part)
         self.adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -105,21 +123,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
     @staticmethod
     def _rows(tensor: torch.Tensor, rows) -> torch.Tensor:
         return tensor if rows is None else tensor.index_select(0, rows)
-
-    def _whole(self, local: torch.Tensor, dim) -> torch.Tensor:
-        """The whole matrix of a TP-split part (every rank's slice, in rank order); the part itself at TP 1."""
-        if dim is None:
-            return local.clone()
-        pieces = [torch.empty_like(local) for _ in range(self.tp.size)]
-        torch.distributed.all_gather(pieces, local.contiguous(), group=self.tp.group)
-        return torch.cat(pieces, dim)
-
-    def _own(self, whole: torch.Tensor, dim) -> torch.Tensor:
-        """This TP rank's slice of a whole part."""
-        if dim is None:
-            return whole
-        size = whole.shape[dim] // self.tp.size
-        return whole.narrow(dim, self.tp.rank * size, size)
 
     def describe(self) -> str:
         """For the log: what takes which optimizer."""
@@ -138,11 +141,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for group in self.muon.param_groups:
             group["lr"], group["weight_decay"] = self.muon_group["lr"], self.muon_group["weight_decay"]
         for weight, rows, dim, part in self.parts:
-            part.copy_(self._whole(self._rows(weight, rows), dim))
-            part.grad = None if weight.grad is None else self._whole(self._rows(weight.grad, rows), dim)
+            part.copy_(whole_over_tp(self.tp, self._rows(weight, rows), dim))
+            part.grad = None if weight.grad is None else whole_over_tp(self.tp, self._rows(weight.grad, rows), dim)
         self.muon.step()
         for weight, rows, dim, part in self.parts:
-            own = self._own(part, dim)
+            own = own_over_tp(self.tp, part, dim)
             if rows is None:
                 weight.copy_(own)
             else:
@@ -355,8 +358,9 @@ class ShardedMuonWithAdamW(torch.optim.Optimizer):
             dim = self.layout[name].dim if self.tp else None
             ortho = torch.zeros_like(whole)
             for rows in muon_rows(name, whole, self.config):
-                matrix = self._whole(whole if rows is None else whole.index_select(0, rows), dim)
-                own = self._own(_zeropower_via_newtonschulz(matrix, (_A, _B, _C), options["ns_steps"], _EPS), dim)
+                matrix = whole_over_tp(self.tp, whole if rows is None else whole.index_select(0, rows), dim)
+                ortho_matrix = _zeropower_via_newtonschulz(matrix, (_A, _B, _C), options["ns_steps"], _EPS)
+                own = own_over_tp(self.tp, ortho_matrix, dim)
                 if rows is None:
                     ortho.copy_(own)
                 else:
@@ -398,19 +402,6 @@ class ShardedMuonWithAdamW(torch.optim.Optimizer):
                 merged.append((start, end, shape))
         partition.runs = merged
         return merged
-
-    def _whole(self, local: torch.Tensor, dim) -> torch.Tensor:
-        if dim is None:
-            return local
-        pieces = [torch.empty_like(local) for _ in range(self.tp.size)]
-        torch.distributed.all_gather(pieces, local.contiguous(), group=self.tp.group)
-        return torch.cat(pieces, dim)
-
-    def _own(self, whole: torch.Tensor, dim) -> torch.Tensor:
-        if dim is None:
-            return whole
-        size = whole.shape[dim] // self.tp.size
-        return whole.narrow(dim, self.tp.rank * size, size)
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)

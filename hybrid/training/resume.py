@@ -225,7 +225,6 @@ def _load_universal(engine, run: RunConfig, load_dir: str, groups) -> tuple[int,
         raise ConfigError(f"--load {load_dir} --universal-checkpoint: no universal checkpoint there (no "
                           f"'{LATEST_UNIVERSAL}' file). Make one from its last checkpoint with: python "
                           f"conversion/checkpoint_util.py --saver universal --load-dir {load_dir}")
-    _same_optimizer(read_client_state(load_dir, tag), run, f"--load {load_dir} --universal-checkpoint")
     deepspeed_fixes.use_canonical_param_names(engine, run.model.num_layers)
     try:
         path, client_state = deepspeed_fixes.load_checkpoint(engine, load_dir, tag)
@@ -236,6 +235,8 @@ def _load_universal(engine, run: RunConfig, load_dir: str, groups) -> tuple[int,
                           f"{e}") from None
     if path is None:
         raise ConfigError(f"--load {load_dir}: DeepSpeed could not load universal checkpoint {tag}.")
+    # the client state DeepSpeed read with the weights (not a second read of the model file on every rank)
+    _same_optimizer(ClientState.from_meta(client_state), run, f"--load {load_dir} --universal-checkpoint")
     deepspeed_fixes.keep_run_clipping(engine, run.optimizer.clip_grad)
     if run.zero_stage == 3:
         deepspeed_fixes.repair_zero3_universal_load(engine, os.path.join(load_dir, tag))
