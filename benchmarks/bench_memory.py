@@ -1,5 +1,5 @@
 """The largest rank's peak memory at PP 2 x DP 2 under ZeRO-1, -2 and -3 (the one runtime), measured and as
-`--dry-run` estimates it, for a GPT-2-small-sized model with an untied head (162M parameters), as JSON.
+`--dry-run` estimates it, stage by stage, in bf16 and fp32, for a GPT-2-small-sized model with an untied head (162M parameters), as JSON.
 
     python benchmarks/bench_memory.py [--num-layers 12 --hidden-size 768 --seq-length 128]
 
@@ -13,6 +13,7 @@ same flags. Writes benchmarks/results/memory_cpu.json (--out).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -24,7 +25,7 @@ sys.path.insert(0, ROOT)
 GiB = 1024 ** 3
 
 
-def _flags(a, zero: int, bucket: int, config_dir: str) -> list:
+def _flags(a, zero: int, bucket: int, config_dir: str, bf16: bool) -> list:
     config = os.path.join(config_dir, f"zero{zero}.json")
     with open(config, "w") as f:
         json.dump({"zero_optimization": {"stage": zero, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
@@ -37,20 +38,22 @@ def _flags(a, zero: int, bucket: int, config_dir: str) -> list:
         "--global-batch-size", 4, "--train-iters", 2, "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", 50256, "--untie-embeddings-and-output-weights", "--lr", 1e-4, "--log-interval", 1, "--eval-iters", 0, "--no-progress-bar",
         "--num-workers", 0, "--pipeline-model-parallel-size", 2, "--deepspeed", config,
-        *(["--bf16"] if a.bf16 else [])]]
+        *(["--bf16"] if bf16 else [])]]
 
 
-def estimated(flags: list) -> int:
-    """The dry run's peak bytes over the stages (a rank of each stage holds the same)."""
+def estimated(flags: list) -> list:
+    """The dry run's bytes of each stage (a rank of each stage holds the same)."""
     from hybrid.config import build_run_config
     from hybrid.dry_run import plan_from_run
     from hybrid.flags import build_parser
     from hybrid.memory import estimate
     run = build_run_config(build_parser().parse_args(flags), 4, 50257)
-    return max(row["total"] for row in estimate(plan_from_run(run)))
+    plan = dataclasses.replace(plan_from_run(run), device_type="cpu")  # measured on CPU ranks (gloo)
+    return [row["total"] for row in estimate(plan)]
 
 
-def measured(flags: list, report: str) -> int:
+def measured(flags: list, report: str) -> list:
+    """The largest peak among each stage's ranks."""
     # every allocation above 64 KiB its own mapping, given back to the system when freed (glibc keeps freed
     # heap memory otherwise), so the peak resident set is the peak of what was in use
     env = dict(os.environ, OMP_NUM_THREADS="1", HYBRID_MEMORY_REPORT=report, MALLOC_MMAP_THRESHOLD_="65536")
@@ -60,9 +63,12 @@ def measured(flags: list, report: str) -> int:
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"train.py failed:\n{proc.stderr[-4000:]}")
+    peaks = {}
     with open(report) as f:
-        peaks = [json.loads(line)["peak_bytes"] for line in f]
-    return max(peaks)
+        for line in f:
+            row = json.loads(line)
+            peaks[row["stage"]] = max(peaks.get(row["stage"], 0), row["peak_bytes"])
+    return [peaks[stage] for stage in sorted(peaks)]
 
 
 def main() -> None:
@@ -71,26 +77,31 @@ def main() -> None:
     p.add_argument("--hidden-size", type=int, default=768)
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--bucket", type=int, default=5_000_000, help="ZeRO's reduce / gather / prefetch buckets (elements)")
-    p.add_argument("--fp32", dest="bf16", action="store_false", help="fp32 weights (default: bf16, as training runs)")
+    p.add_argument("--precision", choices=["both", "bf16", "fp32"], default="both")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "memory_cpu.json"))
     a = p.parse_args()
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for zero in (1, 2, 3):
-            flags = _flags(a, zero, a.bucket, tmp)
-            report = os.path.join(tmp, f"zero{zero}.jsonl")
-            got, want = measured(flags, report), estimated(flags)
-            rows[f"zero{zero}"] = {"measured_gib": got / GiB, "estimated_gib": want / GiB,
-                                   "estimate_over_measured": want / got}
-            print(json.dumps({f"zero{zero}": rows[f"zero{zero}"]}), file=sys.stderr, flush=True)
+        for precision in (["bf16", "fp32"] if a.precision == "both" else [a.precision]):
+            rows[precision] = {}
+            for zero in (1, 2, 3):
+                flags = _flags(a, zero, a.bucket, tmp, precision == "bf16")
+                report = os.path.join(tmp, f"{precision}_zero{zero}.jsonl")
+                got, want = measured(flags, report), estimated(flags)
+                row = {"stages": [{"measured_gib": m / GiB, "estimated_gib": w / GiB, "estimate_over_measured": w / m}
+                                  for m, w in zip(got, want)],
+                       "largest_rank": {"measured_gib": max(got) / GiB, "estimated_gib": max(want) / GiB,
+                                        "estimate_over_measured": max(want) / max(got)}}
+                rows[precision][f"zero{zero}"] = row
+                print(json.dumps({precision: {f"zero{zero}": row}}), file=sys.stderr, flush=True)
+            largest = {zero: rows[precision][zero]["largest_rank"]["measured_gib"] for zero in rows[precision]}
+            rows[precision]["zero3_below_zero1_gib"] = largest["zero1"] - largest["zero3"]
     from hybrid.memory import parameter_inventory
     from hybrid.model.config import ModelConfig
     params = sum(n for n, _ in parameter_inventory(ModelConfig(
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.hidden_size // 64, vocab_size=50257,
         max_position_embeddings=a.seq_length, untie_embeddings_and_output_weights=True), 1).values())
-    result = {"benchmark": "memory_pp2_dp2_cpu", "parameters": params, "largest_rank": rows,
-              "zero3_below_zero1_gib": rows["zero1"]["measured_gib"] - rows["zero3"]["measured_gib"],
-              "config": vars(a)}
+    result = {"benchmark": "memory_pp2_dp2_cpu", "parameters": params, **rows, "config": vars(a)}
     text = json.dumps(result, indent=2)
     print(text)
     with open(a.out, "w") as f:

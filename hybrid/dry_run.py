@@ -33,7 +33,8 @@ def plan_from_run(run: RunConfig) -> MemoryPlan:
                             reduce_bucket_size=int(zero.get("reduce_bucket_size", 500_000_000)),
                             prefetch_bucket_size=int(zero.get("stage3_prefetch_bucket_size", 50_000_000)),
                             overlap_comm=bool(zero.get("overlap_comm", run.zero_stage == 3)),
-                            contiguous_gradients=bool(zero.get("contiguous_gradients", True)))
+                            contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+                            sub_group_size=int(zero.get("sub_group_size", 1_000_000_000)))
     return MemoryPlan(model=run.model, tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=p.data_parallel,
                       micro_batch=t.micro_batch_size, seq_length=t.seq_length, num_micro_batches=t.grad_acc_steps,
                       zero=settings, recompute=run.model.recompute_granularity, partition=run.pipeline.partition,
@@ -151,8 +152,9 @@ def report(run: RunConfig, gpu_memory_gb: Optional[float]) -> str:
     rows = estimate(plan)
     lines = [format_table(rows, plan),
              "activations: per micro-batch in flight x layers on the stage; parameters, gradients and optimizer "
-             "states as DeepSpeed allocates them; not included: CUDA context, allocator fragmentation, "
-             "communication buckets."]
+             "states as DeepSpeed allocates them; buffers: ZeRO's working memory in backward (buckets, gradients "
+             "waiting whole, a gathered parameter); step: the optimizer step's transients; total: the states plus "
+             "the larger of buffers + activations and step; not included: CUDA context, allocator fragmentation."]
     advice = None
     if gpu_memory_gb:
         advice = advise(plan, gpu_memory_gb)

@@ -142,6 +142,7 @@ class ZeroSettings:
     prefetch_bucket_size: int = 50_000_000  # stage3_prefetch_bucket_size (elements)
     overlap_comm: bool = False  # zero_optimization.overlap_comm (ZeRO-1/2: two reduce buckets)
     contiguous_gradients: bool = True  # zero_optimization.contiguous_gradients (ZeRO-1/2: a reduce bucket)
+    sub_group_size: int = 1_000_000_000  # zero_optimization.sub_group_size (ZeRO-3: the step's unit, elements)
 
 
 def model_state_bytes(groups: list[list[int]], zero: ZeroSettings) -> dict:
@@ -181,26 +182,55 @@ def model_state_bytes(groups: list[list[int]], zero: ZeroSettings) -> dict:
     return dict(params=params, grads=grads, optimizer=optimizer, host_optimizer=0)
 
 
-def zero_buffer_bytes(params: dict, zero: ZeroSettings, pp: int) -> int:
-    """ZeRO's working memory on one rank beside the partitioned states (DeepSpeed 0.19 allocates its buckets whole):
-    ZeRO-1's whole gradients, which wait in `.grad` until the step reduces them, and its reduce bucket; ZeRO-2's
-    reduce bucket (two with overlap_comm; none without contiguous gradients), into which each backward's gradients
-    are reduced as they come; ZeRO-3's reduce bucket and the gathered parameters of the module running (the largest
-    one), plus at PP = 1 the parameters its trace prefetches (a pipeline's stages run without a trace:
-    hybrid.training.deepspeed_fixes.prepare_pipeline_engine)."""
+def zero_buffer_bytes(params: dict, zero: ZeroSettings, pp: int, collective_copies: bool = False) -> int:
+    """ZeRO's working memory on one rank during backward, beside the partitioned states (DeepSpeed 0.19 allocates
+    its buckets whole): ZeRO-1's whole gradients, which wait in `.grad` until the step reduces them, and its reduce
+    bucket; ZeRO-2's reduce bucket (two with overlap_comm; none without contiguous gradients) and the largest
+    parameter's whole gradient until its reduction; ZeRO-3's reduce bucket and, at the largest parameter's
+    backward, that parameter gathered and its whole gradient, then that gradient and the reduce-scatter's output
+    partition, plus at PP = 1
+    the parameters its trace prefetches (a pipeline's stages run without a trace:
+    hybrid.training.deepspeed_fixes.prepare_pipeline_engine). `collective_copies`: gloo's (CPU's)
+    reduce-scatter copies its whole input first (NCCL does not), one more gradient of the largest parameter."""
     e = _BYTES[zero.precision]
     if zero.stage == 0:
         return 0
     sizes = [n for n, _ in params.values()]
-    total = sum(sizes)
+    total, largest = sum(sizes), max(sizes, default=0)
     if zero.stage in (1, 2):
         buckets = (2 if zero.overlap_comm else 1) if zero.contiguous_gradients else 0
-        whole_gradients = total if zero.stage == 1 else 0
-        return (buckets * min(zero.reduce_bucket_size, total) + whole_gradients) * e
-    gathered = max(sizes, default=0)
-    if pp == 1:
-        gathered += min(zero.prefetch_bucket_size, total)
-    return (min(zero.reduce_bucket_size, total) + (0 if zero.offload_param else gathered)) * e
+        waiting = total if zero.stage == 1 else largest
+        return (buckets * min(zero.reduce_bucket_size, total) + waiting) * e
+    gathered = 0 if zero.offload_param else largest
+    prefetched = min(zero.prefetch_bucket_size, total) if pp == 1 and not zero.offload_param else 0
+    reduced = math.ceil(largest / zero.dp) + (largest if collective_copies else 0)
+    # the module is released before its gradient is reduced (the input embedding too:
+    # hybrid.training.deepspeed_fixes.release_input_embedding_after_its_gradient)
+    working = max(gathered + largest, largest + reduced)
+    return (min(zero.reduce_bucket_size, total) + prefetched + working) * e
+
+
+def zero_step_bytes(params: dict, zero: ZeroSettings) -> int:
+    """The optimizer step's transient on one rank (DeepSpeed 0.19), beside the partitioned states, when the
+    activations are gone, the larger of two moments: the gradient norm, which takes each gradient partition in
+    fp64 one at a time (`get_grad_norm_direct`: 8 bytes per element of the largest piece this rank holds), and
+    the update: ZeRO-1/2 step each parameter group (decayed, not) with its gradient partition flattened and
+    then copied to fp32 (`single_grad_partition`; one copy in fp32), both alive at once; ZeRO-3 steps each
+    sub-group (`sub_group_size`) on the fp32 copy of its gradient partitions, none where they already are fp32
+    (hybrid.training.deepspeed_fixes.step_on_gradient_partitions). Offloaded optimizers step on the host."""
+    if zero.stage == 0 or zero.offload_optimizer:
+        return 0
+    e = _BYTES[zero.precision]
+    largest = max((n for n, _ in params.values()), default=0)
+    if zero.stage in (1, 2):
+        groups = [math.ceil(sum(n for n, d in params.values() if d == decayed) / zero.dp) for decayed in (True, False)]
+        norm = 8 * min(largest, max(groups))
+        return max(norm, max((e + 4 if e != 4 else 4) * g for g in groups))
+    norm = 8 * math.ceil(largest / zero.dp)
+    if e == 4 or zero.fp32_grad_accumulation:
+        return norm
+    partition = sum(math.ceil(n / zero.dp) for n, _ in params.values())
+    return max(norm, 4 * min(zero.sub_group_size, partition))
 
 
 # --- activations ---------------------------------------------------------------------------------
@@ -552,9 +582,10 @@ def estimate(plan: MemoryPlan) -> list[dict]:
         if info["replica"]:  # a tied table's copy: its weights and gradient in the working precision, whole
             states["params"] += info["replica"] * _BYTES[precision]
             states["grads"] += info["replica"] * _BYTES[precision]
-        buffers = zero_buffer_bytes(info["params"], plan.zero, plan.pp)
-        if plan.muon:
-            buffers += muon_step_bytes(info["params"], plan.zero, plan.ep)
+        buffers = zero_buffer_bytes(info["params"], plan.zero, plan.pp, collective_copies=plan.device_type == "cpu")
+        step = zero_step_bytes(info["params"], plan.zero)
+        if plan.muon:  # the sharded Muon's gathers, beside the fp32 gradient partitions DeepSpeed hands it
+            step += muon_step_bytes(info["params"], plan.zero, plan.ep)
         each = [layer_activation_bytes(config, act, layer=i) for i in info["layers"]]
         per_layer = max(each, default=layer_activation_bytes(config, act))
         layers = len(info["layers"])
@@ -577,9 +608,10 @@ def estimate(plan: MemoryPlan) -> list[dict]:
                    activation_bytes_per_layer=per_layer, activations=activations,
                    fp8=fp8_bytes(config, info["layers"], act), host_activations=host_activations,
                    reference=reference, **states)
-        row["buffers"] = buffers
-        row["total"] = (row["params"] + row["grads"] + row["optimizer"] + row["buffers"] + row["activations"] + row["fp8"]
-                        + row["reference"])
+        row["buffers"], row["step"] = buffers, step
+        # the larger of two moments: the backward (ZeRO's buffers beside the activations) and the step
+        row["total"] = (row["params"] + row["grads"] + row["optimizer"] + row["reference"]
+                        + max(row["buffers"] + row["activations"] + row["fp8"], row["step"]))
         rows.append(row)
     return rows
 
@@ -636,7 +668,7 @@ def format_table(rows: list[dict], plan: MemoryPlan) -> str:
             f"seq {plan.seq_length}, recompute {plan.recompute or 'none'}"
             f"{', SP' if plan.model.sequence_parallel else ''}"
             f"{f', {plan.schedule} x {plan.virtual} virtual stages' if plan.pp > 1 and plan.schedule != '1f1b' else ''}")
-    cols = ("stage", "layers", "params", "grads", "optimizer", "buffers", "activations", "total")
+    cols = ("stage", "layers", "params", "grads", "optimizer", "buffers", "activations", "step", "total")
     lines = [head, "  ".join(f"{c:>11}" for c in cols)]
     for r in rows:
         lines.append("  ".join([f"{r['stage']:>11}", f"{r['layers']:>11}"]

@@ -175,3 +175,129 @@ def test_a_finished_run_leaves_no_engine_and_no_group_threads_behind(data, zero_
     # stages above had numbered different module counts; its trace check across ranks failed)
     assert [engines for engines, _ in run_on_ranks(_engines_and_gloo_threads_after_a_run, 2, data, zero_config,
                                                    1)] == [0, 0]
+
+
+def _zero3_steps(precision: str, in_place: bool) -> dict:
+    """On a pool rank: three ZeRO-3 steps (sub-groups of 100 elements: several step calls) of a small model,
+    with or without step_on_gradient_partitions; the weights after them, and whether any sub-group's step
+    flattened its gradient partitions (DeepSpeed's copy) or read them where they lie."""
+    import deepspeed
+    import torch
+
+    from hybrid.parallel.groups import build_groups
+    from hybrid.training.deepspeed_fixes import release_engine, step_on_gradient_partitions
+    groups = build_groups()  # DP 2
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(), torch.nn.Linear(24, 24), torch.nn.GELU(),
+                                torch.nn.Linear(24, 4))
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+              "zero_optimization": {"stage": 3, "sub_group_size": 100, "stage3_param_persistence_threshold": 0},
+              "steps_per_print": 10 ** 9, **({"bf16": {"enabled": True}} if precision == "bf16" else {})}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=groups.mpu)
+    if in_place:
+        step_on_gradient_partitions(engine)
+    optimizer = engine.optimizer
+    flattened, shared = [], []
+    flatten = optimizer.flatten
+    optimizer.flatten = lambda tensors: flattened.append(len(tensors)) or flatten(tensors)
+    step = optimizer._optimizer_step
+
+    def watch(i):
+        grad = optimizer.fp32_partitioned_groups_flat[i].grad
+        shared.append(grad.untyped_storage().data_ptr() == optimizer.grad_partitions_flat_buffer.untyped_storage().data_ptr())
+        return step(i)
+    optimizer._optimizer_step = watch
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    generator = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    for _ in range(6):  # 3 steps of 2 micro-batches
+        x = torch.randn(2, 16, generator=generator).to(dtype)
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        weights = [p.detach().float().clone() for p in engine.module.parameters()]
+    sub_groups = len(optimizer.fp32_partitioned_groups_flat)
+    release_engine(engine)
+    return dict(weights=weights, flattened=len(flattened), shared=shared, sub_groups=sub_groups)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero3_steps_on_its_gradient_partitions_bitwise_as_deepspeed(precision):
+    """step_on_gradient_partitions: ZeRO-3's step reads each sub-group's gradient partitions where they lie (fp32:
+    the flat buffer itself; bf16: one fp32 conversion of its slice) instead of DeepSpeed's flattened copy, and the
+    weights after three clipped, accumulated steps over several sub-groups are bitwise DeepSpeed's own."""
+    import torch
+
+    from tests.rank_pool import run_on_ranks
+    ours, theirs = (run_on_ranks(_zero3_steps, 2, precision, in_place) for in_place in (True, False))
+    for mine, deepspeeds in zip(ours, theirs):
+        assert mine["sub_groups"] > 2 and deepspeeds["flattened"] >= 3 * mine["sub_groups"]
+        assert mine["flattened"] == 0, "a sub-group's gradient partitions were still copied"
+        # (DeepSpeed's flatten of a one-parameter sub-group is a view too; of the others, a copy)
+        assert all(mine["shared"]) == (precision == "fp32") and not all(deepspeeds["shared"])
+        assert all(torch.equal(a, b) for a, b in zip(mine["weights"], deepspeeds["weights"]))
+
+
+def _zero3_embedding_release(release: bool) -> dict:
+    """On a pool rank: three ZeRO-3 steps of an embedding-first model, with or without
+    release_input_embedding_after_its_gradient; the table's status each time ZeRO reduces its gradient, and the
+    weights after the steps."""
+    import deepspeed
+    import torch
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from hybrid.parallel.groups import build_groups
+    from hybrid.training.deepspeed_fixes import release_engine, release_input_embedding_after_its_gradient
+    class EmbeddingThenLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(300, 16)
+            self.hidden = torch.nn.Linear(16, 16)
+            self.head = torch.nn.Linear(16, 300, bias=False)
+
+        def forward(self, ids):
+            return self.head(self.hidden(self.embedding(ids)).tanh())
+
+    groups = build_groups()
+    torch.manual_seed(0)
+    model = EmbeddingThenLinear()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "steps_per_print": 10 ** 9,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 1000}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=groups.mpu)
+    table = engine.module.embedding.weight
+    statuses = []
+    reduce = engine.optimizer.reduce_ready_partitions_and_remove_grads
+
+    def watch(param, *args, **kwargs):
+        if param is table:
+            statuses.append(param.ds_status == ZeroParamStatus.AVAILABLE)
+        return reduce(param, *args, **kwargs)
+    engine.optimizer.reduce_ready_partitions_and_remove_grads = watch
+    if release:
+        release_input_embedding_after_its_gradient(engine, engine.module.embedding)
+    generator = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    for _ in range(6):
+        ids = torch.randint(0, 300, (2, 8), generator=generator)
+        loss = torch.nn.functional.cross_entropy(engine(ids).flatten(0, 1), ids.roll(1, 1).flatten())
+        engine.backward(loss)
+        engine.step()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        weights = [p.detach().clone() for p in engine.module.parameters()]
+    release_engine(engine)
+    return dict(gathered_at_reduce=statuses, weights=weights)
+
+
+def test_zero3_releases_the_input_embedding_before_reducing_its_gradient():
+    """release_input_embedding_after_its_gradient: DeepSpeed keeps an embedding's gathered table (its input, ids,
+    takes no gradient) until the backward ends, through its gradient's reduction; with the fix the table is
+    released when its gradient reaches ZeRO, and three accumulated, clipped steps are bitwise DeepSpeed's."""
+    import torch
+
+    from tests.rank_pool import run_on_ranks
+    ours, theirs = (run_on_ranks(_zero3_embedding_release, 2, release) for release in (True, False))
+    for mine, deepspeeds in zip(ours, theirs):
+        assert len(mine["gathered_at_reduce"]) == 6 and all(deepspeeds["gathered_at_reduce"])
+        assert not any(mine["gathered_at_reduce"])
+        assert all(torch.equal(a, b) for a, b in zip(mine["weights"], deepspeeds["weights"]))

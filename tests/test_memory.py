@@ -5,6 +5,7 @@ TP 2 with and without SP; GPT-2 and Llama style); Korthikanti et al.'s Table 2 r
 term; the parameter inventory equals the real model's parameters; `launch/train.py --dry-run`."""
 
 import json
+import math
 import os
 
 import pytest
@@ -422,8 +423,9 @@ def test_dry_run_prints_table_and_json_and_advice_that_fits():
     pp = json.loads(_train(*BIG, "--pipeline-model-parallel-size", "2").stdout.strip().splitlines()[-1])
     stages = pp["dry_run"]["stages"]
     assert [s["in_flight_micro_batches"] for s in stages] == [2, 1]
-    assert all(s["total"] == s["params"] + s["grads"] + s["optimizer"] + s["buffers"] + s["activations"] + s["fp8"]
-               + s["reference"] for s in stages)
+    assert all(s["total"] == s["params"] + s["grads"] + s["optimizer"] + s["reference"]
+               + max(s["buffers"] + s["activations"] + s["fp8"], s["step"]) for s in stages)
+    assert all(s["step"] > 0 for s in stages)  # the step's fp64 gradient norm and fp32 gradient copy
     assert all(s["buffers"] > 0 for s in stages)  # ZeRO-1's reduce buckets and whole gradients are counted
 
 
@@ -462,8 +464,10 @@ def test_moe_layer_activation_bytes_within_10pct_of_saved_tensors(moe):
 
 def test_dry_run_counts_zero3_under_a_pipeline_stage_by_stage():
     """PP 2 x DP 2: ZeRO-3 divides a stage's parameters, gradients and optimizer by the stage's DP and adds the
-    gathered module and the reduce bucket (no prefetch under a pipeline); ZeRO-1 keeps the parameters and
-    gradients whole; the tied table's copy on the last stage is weights and a gradient, whole."""
+    reduce bucket and, at the largest parameter's backward, that parameter gathered and its whole gradient (no
+    prefetch under a pipeline); ZeRO-1 keeps the parameters and gradients whole; the tied table's copy on the
+    last stage is weights and a gradient, whole. The step: fp32 weights give ZeRO-3 no gradient copy, only the
+    fp64 norm of the largest partition; ZeRO-1 flattens its group's partition."""
     from hybrid.config import build_run_config
     from hybrid.dry_run import plan_from_run
     from hybrid.flags import build_parser
@@ -483,10 +487,14 @@ def test_dry_run_counts_zero3_under_a_pipeline_stage_by_stage():
             assert row["params"] == states["params"] + 4 * stage["replica"]
             assert row["buffers"] == memory.zero_buffer_bytes(stage["params"], plan.zero, 2)
             bucket = min(plan.zero.reduce_bucket_size, numel)
-            if zero == 3:  # the reduce bucket and the largest module's parameters, gathered
-                assert row["buffers"] == 4 * (bucket + max(n for n, _ in stage["params"].values()))
+            largest = max(n for n, _ in stage["params"].values())
+            if zero == 3:  # the reduce bucket, the largest parameter gathered and its gradient
+                assert row["buffers"] == 4 * (bucket + 2 * largest)
+                assert row["step"] == 8 * math.ceil(largest / 2)
             else:  # the whole gradients until the step, and the reduce bucket
                 assert row["buffers"] == 4 * (bucket + numel)
+                decayed = sum(n for n, d in stage["params"].values() if d)
+                assert row["step"] == max(8 * min(largest, math.ceil(decayed / 2)), 4 * math.ceil(decayed / 2))
     assert stages[1]["replica"] > 0 and stages[0]["replica"] == 0  # the tied table's copy: the last stage's
     for zero1, zero3 in zip(rows[1], rows[3]):
         assert zero3["params"] < zero1["params"] and zero3["total"] < zero1["total"]

@@ -19,6 +19,7 @@ from hybrid.model.naming import canonical_buffers, canonical_parameters
 from hybrid.parallel import fp8
 from hybrid.training.deepspeed_fixes import (install_fp32_clipping, keep_host_activations_when_offloading,
                                              prepare_pipeline_engine, register_moe_layers, skip_non_finite_steps,
+                                             release_input_embedding_after_its_gradient, step_on_gradient_partitions,
                                              skip_one_rank_gradient_allreduce, use_async_checkpoint_engine,
                                              zero_partitions)
 from hybrid.training.logging import log
@@ -126,6 +127,9 @@ def build_engine(run: RunConfig, groups):
     log(f"optimizer: {describe_optimizer(engine)}")
     if run.zero_stage == 0:
         skip_one_rank_gradient_allreduce(engine)
+    step_on_gradient_partitions(engine)
+    if model.embedding is not None:
+        release_input_embedding_after_its_gradient(engine, engine.module.embedding.word_embeddings)
     if run.zero_stage == 0 and training.precision == "fp32":
         install_fp32_clipping(engine, groups)
         if training.check_nan:

@@ -167,7 +167,7 @@ def _train(run: RunConfig, args, tokenizer) -> None:
     try:
         Trainer(run, groups, engine, datasets, getattr(tokenizer, "eod", None), reference,
                 prompts).train(iteration, consumed)
-        memory.report(dist.get_rank())
+        memory.report(dist.get_rank(), groups.pp.rank)
     finally:  # a process that trains again (an RL loop, a pool of ranks) must not keep this engine
         release_engine(engine)
 
