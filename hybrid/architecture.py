@@ -55,7 +55,8 @@ def architecture_from_flags(args, vocab_size: int) -> ModelConfig:
         init_method_std=args.init_method_std, kv_channels=kv_channels, add_qkv_bias=args.add_qkv_bias,
         qk_layernorm=args.qk_layernorm, sliding_window=_sliding_window(args), rope_scaling=_rope_scaling(args),
         apply_layernorm_1p=args.apply_layernorm_1p, geglu=args.geglu, scale_embeddings=args.scale_embeddings,
-        **_moe_fields(args))
+        window_attn_skip_freq=args.window_attn_skip_freq, local_rotary_base=args.local_rotary_base,
+        softmax_scale=args.softmax_scale, sandwich_norms=args.sandwich_norms, **_moe_fields(args))
 
 
 MOE_FLAGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",

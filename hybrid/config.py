@@ -370,7 +370,8 @@ _CHECKPOINT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hid
                     "apply_query_key_layer_scaling", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                     "kv_channels", "add_qkv_bias", "qk_layernorm", "window_size", "use_rope_scaling",
                     "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "apply_layernorm_1p", "geglu",
-                    "scale_embeddings", "load_hf", "expert_model_parallel_size", *MOE_FLAGS)
+                    "scale_embeddings", "window_attn_skip_freq", "local_rotary_base", "softmax_scale", "sandwich_norms",
+                    "load_hf", "expert_model_parallel_size", *MOE_FLAGS)
 
 
 def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:

@@ -65,6 +65,16 @@ def _add_network_size_args(p):
     g.add_argument("--window-size", type=_window_size, default=None, metavar="LEFT,0",
                    help="sliding-window attention: each token attends itself and LEFT tokens before it "
                         "(Mistral's sliding_window = LEFT + 1); Megatron-LM's (left, right) with right 0")
+    g.add_argument("--window-attn-skip-freq", type=_window_skip_freq, default=None, metavar="N|LIST",
+                   help="with --window-size: every N-th layer (1-based) attends fully, the others through the window, "
+                        "or a 0/1 list per layer (1: windowed), e.g. ([1]*5+[0])*2 (Gemma 3's 5 local : 1 global)")
+    g.add_argument("--local-rotary-base", type=float, default=None,
+                   help="the windowed layers' rope base, without rope scaling (Gemma 3: 10000; --rotary-base is the "
+                        "full-attention layers')")
+    g.add_argument("--softmax-scale", type=float, default=None,
+                   help="attention scores times this (default 1/sqrt(head dim); Gemma 3: query_pre_attn_scalar^-0.5)")
+    g.add_argument("--sandwich-norms", action="store_true",
+                   help="a norm on the attention's and on the MLP's output too, before each residual (Gemma 2/3)")
     g.add_argument("--use-rope-scaling", action="store_true",
                    help="Llama 3.1+ rope scaling (low/high frequency factors 1/4, original length 8192)")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling (Llama 3.2: 32)")
@@ -224,6 +234,14 @@ def _add_mixed_precision_args(p):
     g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
     g.add_argument("--fp8-param-gather", action="store_true",
                    help="refused: DeepSpeed's ZeRO gathers parameters in their own dtype (see README)")
+
+
+def _window_skip_freq(text: str):
+    """Megatron-LM's --window-attn-skip-freq: N or a per-layer 0/1 list, spelled as --moe-layer-freq's."""
+    try:
+        return _moe_layer_freq(text)
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(str(error).replace("--moe-layer-freq", "--window-attn-skip-freq")) from None
 
 
 def _moe_layer_freq(text: str):

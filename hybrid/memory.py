@@ -288,7 +288,7 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
         norm = e * shard + 2 * 4 * (shard // h)
     else:  # RMSNorm in transformers' numerics: the fp32 input, rstd, and the normalised output
         norm = 4 * shard + 4 * (shard // h) + e * shard
-    total = 2 * norm  # the input norm and the post-attention norm
+    total = (4 if config.sandwich_norms else 2) * norm  # the input and post-attention norms (and the output norms)
     moe = config.mlp_type_of(layer) == "moe"
     total += (1 if moe else 2) * e * sbh  # each column-parallel linear's (all-gathered) input: the norms' outputs
     total += e * s * b * (heads + 2 * groups) * d  # QKV output (K and V are views of it)
@@ -312,10 +312,11 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
             total -= e * s * b * heads * d
         total += e * s * b * (heads + 2 * groups) * d + e * s * b * heads * d
     if act.recompute != "selective":
+        window = config.layer_window(layer)
         total += _core_attention_bytes(s, b, heads, d, e, m, act.attention_kernel, attn_dropout,
-                                       _attended_keys(s, config.sliding_window))
-        if config.sliding_window is not None and s > config.sliding_window:
-            total += _window_extra_bytes(s, b, heads, d, e, config.sliding_window)
+                                       _attended_keys(s, window))
+        if window is not None and s > window:
+            total += _window_extra_bytes(s, b, heads, d, e, window)
     if moe:
         total += moe_block_bytes(config, s, b, t, sp, e)
     else:

@@ -28,6 +28,14 @@ FAMILY_CONFIGS = {
         num_key_value_heads=2, sliding_window=8, tie_word_embeddings=False, rms_norm_eps=1e-5)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(  # GeGLU, (1 + w) norms, sqrt(h) embeddings, MQA, head 16
         num_key_value_heads=1, head_dim=16, tie_word_embeddings=True, rms_norm_eps=1e-6)),
+    # Gemma's options plus (1 + w) Q/K norms, sandwich norms, window-8 layers 0, 1, 3 and a full layer 2, each
+    # kind its own rope (the full layer's linearly scaled), query_pre_attn_scalar 24 != head_dim 16
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, rms_norm_eps=1e-6, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh")),
 }
 DENSE = list(FAMILY_CONFIGS)
 # mixtures of experts: 4 experts, top-2, each family's own routing and layer choice
@@ -45,6 +53,7 @@ FAMILY_CONFIGS.update({
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
 FAMILIES = DENSE + MOE
 RECORDED = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma": "gemma",
+            "gemma3": "gemma3",
             "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
 
 

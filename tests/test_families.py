@@ -1,4 +1,4 @@
-"""Llama 3.x, Qwen2, Qwen3, Mistral and Gemma against transformers itself: imported models give
+"""Llama 3.x, Qwen2, Qwen3, Mistral, Gemma and Gemma 3 against transformers itself: imported models give
 transformers' logits and loss (one rank in-process; TP 2 + SP x PP 2 through launch/evaluate.py),
 exports are bit-identical and generate what the original generates, `--load-hf` trains at TP 2 x PP 2
 exactly as at one rank and ends in an export of the same family; each family's options are training
@@ -20,10 +20,10 @@ from tests.launch_helpers import read_log, run
 # the option that makes each family what it is: turned off, the logits must change (so the proof can fail)
 DISTINCTIVE = {"llama3": dict(rope_scaling=None), "qwen2": dict(add_qkv_bias=False),
                "qwen3": dict(qk_layernorm=False), "mistral": dict(sliding_window=None),
-               "gemma": dict(apply_layernorm_1p=False), "mixtral": dict(moe_router_topk=1),
+               "gemma": dict(apply_layernorm_1p=False), "gemma3": dict(sandwich_norms=False), "mixtral": dict(moe_router_topk=1),
                "qwen2_moe": dict(moe_router_pre_softmax=False), "qwen3_moe": dict(moe_router_pre_softmax=True)}
 # config.json fields that must survive import -> training -> export (what changes the model)
-KEPT_FIELDS = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+KEPT_FIELDS = ("architectures", "layer_types", "query_pre_attn_scalar", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "rope_parameters", "sliding_window", "use_sliding_window",
                "rms_norm_eps", "tie_word_embeddings", "attention_bias", "hidden_act", "hidden_activation",
                "vocab_size", "max_position_embeddings", "num_local_experts", "num_experts", "num_experts_per_tok",
@@ -127,6 +127,10 @@ FAMILY_FLAGS = {
                 "--norm-epsilon", 1e-5],
     "gemma": ["--geglu", "--num-query-groups", 2, "--kv-channels", 16, "--apply-layernorm-1p", "--scale-embeddings",
               "--norm-epsilon", 1e-6],
+    "gemma3": ["--geglu", "--num-query-groups", 2, "--kv-channels", 16, "--apply-layernorm-1p", "--scale-embeddings",
+               "--qk-layernorm", "--sandwich-norms", "--window-size", "7,0", "--window-attn-skip-freq", "[1,1,0,1]",
+               "--rotary-base", 1000000, "--rotary-seq-len-interpolation-factor", 4, "--local-rotary-base", 10000,
+               "--softmax-scale", 24 ** -0.5, "--norm-epsilon", 1e-6],
     "mixtral": ["--swiglu", "--num-query-groups", 2, "--window-size", "7,0", "--untie-embeddings-and-output-weights",
                 "--rotary-base", 1000000,
                 "--norm-epsilon", 1e-5, "--num-experts", 4, "--moe-router-topk", 2, "--moe-ffn-hidden-size", 64],

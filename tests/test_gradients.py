@@ -284,7 +284,7 @@ def family_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", list(FAMILY_LAYOUTS))
-@pytest.mark.parametrize("family", ["gpt2", "llama3", "qwen2", "qwen3", "mistral", "gemma", "mixtral", "qwen2_moe",
+@pytest.mark.parametrize("family", ["gpt2", "llama3", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "mixtral", "qwen2_moe",
                                     "qwen3_moe"])
 def test_family_gradients_at_tp2_sp_and_pp2_equal_transformers_backward(family, layout, family_models, tmp_path):
     """One backward of each imported family, TP 2 + SP or PP 2 (DeepSpeed's engine), against transformers'

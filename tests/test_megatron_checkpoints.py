@@ -480,6 +480,9 @@ MAPPED = {
     "add_qkv_bias": (dict(add_qkv_bias=True, add_bias_linear=False, swiglu=True), "add_qkv_bias", True),
     "apply_layernorm_1p": (dict(apply_layernorm_1p=True), "apply_layernorm_1p", True),
     "window_size": (dict(window_size=(7, 0)), "sliding_window", 8),
+    "window_attn_skip_freq": (dict(window_size=(7, 0), window_attn_skip_freq=2), "window_attn_skip_freq", 2),
+    "window_attn_skip_freq_list": (dict(window_size=(7, 0), window_attn_skip_freq=[0, 1]), "window_attn_skip_freq",
+                                   [0, 1]),
     "untie_embeddings_and_output_weights": (dict(untie_embeddings_and_output_weights=True),
                                             "untie_embeddings_and_output_weights", True),
     "group_query_attention": (dict(group_query_attention=True, num_query_groups=2), "num_query_groups", 2),
@@ -516,7 +519,7 @@ def test_every_mapped_megatron_argument_reaches_the_model_at_a_value_other_than_
     assert got != default or field == "rope_scaling", (case, got, default)
 
 
-REFUSED = {"window_attn_skip_freq": 4, "no_rope_freq": 2, "mtp_num_layers": 1, "experimental_attention_variant": "gdn",
+REFUSED = {"no_rope_freq": 2, "mtp_num_layers": 1, "experimental_attention_variant": "gdn",
            "linear_attention_freq": 4, "hybrid_override_pattern": "M*M*", "softmax_type": "learnable",
            "attention_output_gate": True, "qk_l2_norm": True, "glu_linear_offset": 1.0,
            "activation_func_clamp_value": 7.0, "rope_type": "yarn", "quick_geglu": True,
@@ -594,3 +597,21 @@ def test_a_megatron_deepspeed_position_table_beside_rotary_embeddings_is_refused
         megatron_lm_args(args, "ckpt")
     megatron_lm_args(argparse.Namespace(num_attention_heads=4, use_rotary_position_embeddings=True,
                                         add_position_embedding=False, hidden_size=64), "ckpt")
+
+
+def test_a_gemma3_model_is_refused_as_a_megatron_checkpoint_before_anything_is_written(tmp_path):
+    """Megatron-LM has no argument for Gemma 3's sandwich norms, local rope base or softmax scale: writing one as a
+    Megatron-LM checkpoint would describe another model, so it is one message naming them and the HF route, and
+    nothing is written (its window pattern alone is Megatron-LM's --window-attn-skip-freq, written as such)."""
+    from hybrid.checkpoint.client_state import ClientState
+    from hybrid.conversion.megatron_write import megatron_args, write_megatron
+    from hybrid.errors import ConfigError
+    from hybrid.model.config import ModelConfig
+    common = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, position_embedding_type="rope",
+                  normalization="RMSNorm", sliding_window=8, window_attn_skip_freq=[1, 1, 0, 1])
+    gemma3 = ModelConfig(**common, sandwich_norms=True, local_rotary_base=10000.0, softmax_scale=0.2)
+    with pytest.raises(ConfigError, match="--sandwich-norms, --local-rotary-base, --softmax-scale.*--saver hf"):
+        write_megatron({}, gemma3, 1, 1, str(tmp_path / "out"), ClientState(iteration=1, consumed_samples=8))
+    assert not (tmp_path / "out").exists()
+    args = megatron_args(ModelConfig(**common), 1, 1, ClientState(iteration=1, consumed_samples=8))
+    assert args.window_attn_skip_freq == [1, 1, 0, 1] and args.window_size == (7, 0)

@@ -196,14 +196,23 @@ def _extras(c: ModelConfig) -> list[str]:
     """The options only some Llama-family members have, as flags (for messages)."""
     named = {"--add-qkv-bias": c.add_qkv_bias, "--qk-layernorm": c.qk_layernorm,
              "--window-size": c.sliding_window is not None, "--apply-layernorm-1p": c.apply_layernorm_1p,
-             "--geglu": c.geglu, "--scale-embeddings": c.scale_embeddings}
+             "--geglu": c.geglu, "--scale-embeddings": c.scale_embeddings, **_gemma3_options(c)}
     return [flag for flag, on in named.items() if on]
 
 
-def _rope_of(hf) -> tuple[float, dict | None]:
+def _gemma3_options(c: ModelConfig) -> dict:
+    """Gemma 3's options, as flags: only its adapter exports them."""
+    return {"--sandwich-norms": c.sandwich_norms, "--window-attn-skip-freq": c.window_attn_skip_freq is not None,
+            "--local-rotary-base": c.local_rotary_base is not None, "--softmax-scale": c.softmax_scale is not None}
+
+
+def _rope_of(hf, params: dict | None = None) -> tuple[float, dict | None]:
     """(rope_theta, rope scaling or None) from transformers 5's rope_parameters (or 4.x's rope_theta /
-    rope_scaling); scaling types other than llama3 and linear are refused by name."""
-    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    rope_scaling), or from `params` (one layer type's, Gemma 3); scaling types other than llama3 and linear
+    are refused by name."""
+    if params is None:
+        params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    params = dict(params)
     theta = params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
@@ -242,6 +251,7 @@ class LlamaAdapter(Adapter):
     qk_norm = False  # per-head Q/K RMSNorm (Qwen3)
     windowed = False  # sliding_window is part of the config (Mistral, Qwen2/3)
     gemma = False  # (1 + w) RMSNorm, GeGLU, embeddings x sqrt(hidden)
+    gemma3 = False  # Gemma 3's options (_gemma3_options) may be on
     LAYER_MAP = {"model.layers.{}.input_layernorm.weight": "layers.{}.input_norm.weight",
                  "model.layers.{}.post_attention_layernorm.weight": "layers.{}.post_attention_norm.weight",
                  "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.dense.weight"}
@@ -261,8 +271,8 @@ class LlamaAdapter(Adapter):
         for field in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(hf, field, None):
                 _refuse(name, field, getattr(hf, field), "logit soft-capping is not implemented")
-        theta, scaling = _rope_of(hf)
-        window = _window_of(hf, name) if cls.windowed else None
+        theta, scaling = cls._rope(hf)
+        window = cls._window(hf, name)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         return ModelConfig(
             num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
@@ -277,16 +287,27 @@ class LlamaAdapter(Adapter):
             hidden_dropout=0.0, attention_dropout=float(getattr(hf, "attention_dropout", 0.0)),
             init_method_std=hf.initializer_range, family=cls.family, hf_dtype=dtype_of(hf))
 
+    @classmethod
+    def _rope(cls, hf) -> tuple:
+        return _rope_of(hf)
+
+    @classmethod
+    def _window(cls, hf, name: str):
+        return _window_of(hf, name) if cls.windowed else None
+
     def check_exportable(self):
         c = self.config
+        others = [flag for flag, on in _gemma3_options(c).items() if on and not self.gemma3]
         wanted = {"rope": c.position_embedding_type == "rope", "RMSNorm": c.normalization == "RMSNorm",
+                  f"none of {', '.join(others)}": not others,
                   "--disable-bias-linear": not c.add_bias_linear,
                   ("--geglu" if self.gemma else "--swiglu"): c.geglu if self.gemma else c.swiglu,
                   "--add-qkv-bias" + ("" if self.qkv_bias else " off"): c.add_qkv_bias == self.qkv_bias,
                   "--qk-layernorm" + ("" if self.qk_norm else " off"): c.qk_layernorm == self.qk_norm,
                   "--apply-layernorm-1p and --scale-embeddings" + ("" if self.gemma else " off"):
                       c.apply_layernorm_1p == self.gemma and c.scale_embeddings == self.gemma,
-                  "no --window-size": self.windowed or c.sliding_window is None}
+                  "no --window-size": self.windowed or c.sliding_window is None,
+                  "--sandwich-norms" + ("" if self.gemma3 else " off"): c.sandwich_norms == self.gemma3}
         missing = [what for what, ok in wanted.items() if not ok]
         if missing:
             raise ConfigError(f"exporting to {self.hf_class} needs {', '.join(missing)}.")
@@ -411,11 +432,76 @@ class GemmaAdapter(LlamaAdapter):
     family, hf_class, config_class = "gemma", "GemmaForCausalLM", "GemmaConfig"
     options = ("GeGLU with tanh GeLU (--geglu), RMSNorm x (1 + weight) (--apply-layernorm-1p), embeddings x "
                "sqrt(hidden) (--scale-embeddings), head_dim = --kv-channels")
-    refused = "Gemma 2/3 (soft-capping, alternating local/global layers: other classes), as Llama's"
+    refused = "Gemma 2 (soft-capping; another class; Gemma 3 is the `gemma3` family), as Llama's"
     hidden_act, gemma = "gelu_pytorch_tanh", True
 
     def family_fields(self):
         return {"hidden_activation": self.hidden_act}
+
+
+class Gemma3Adapter(GemmaAdapter):
+    family, hf_class, config_class = "gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig"
+    options = ("Gemma's, plus (1 + w) RMSNorm over each head of Q and K (--qk-layernorm), norms on the attention's "
+               "and the MLP's outputs (--sandwich-norms), sliding-window and full layers (`layer_types`: --window-size "
+               "with --window-attn-skip-freq), each with its own rope base (--local-rotary-base; linear or llama3 "
+               "scaling on the full layers), `query_pre_attn_scalar` (--softmax-scale); text only")
+    refused = "soft-capping, bidirectional attention, rope scaling on the sliding layers, as Llama's"
+    qk_norm, windowed, gemma3 = True, True, True
+    LAYER_MAP = {"model.layers.{}.input_layernorm.weight": "layers.{}.input_norm.weight",
+                 "model.layers.{}.post_attention_layernorm.weight": "layers.{}.attention_output_norm.weight",
+                 "model.layers.{}.pre_feedforward_layernorm.weight": "layers.{}.post_attention_norm.weight",
+                 "model.layers.{}.post_feedforward_layernorm.weight": "layers.{}.mlp_output_norm.weight",
+                 "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.dense.weight"}
+    SLIDING, FULL = "sliding_attention", "full_attention"
+
+    @classmethod
+    def _rope(cls, hf) -> tuple:
+        return _rope_of(hf, hf.rope_parameters[cls.FULL])
+
+    @classmethod
+    def _window(cls, hf, name: str):
+        return int(hf.sliding_window) if cls.SLIDING in hf.layer_types else None
+
+    @classmethod
+    def config_from_hf(cls, hf) -> ModelConfig:
+        name = cls.hf_class.replace("ForCausalLM", "")
+        if getattr(hf, "use_bidirectional_attention", False):
+            _refuse(name, "use_bidirectional_attention", True, "attention here is causal")
+        unknown = set(hf.layer_types) - {cls.SLIDING, cls.FULL}
+        if unknown:
+            _refuse(name, "layer_types", sorted(unknown), "only sliding_attention and full_attention layers exist")
+        config = super().config_from_hf(hf)
+        sliding = [int(kind == cls.SLIDING) for kind in hf.layer_types]
+        local_base = None
+        if any(sliding):
+            local_base, local_scaling = _rope_of(hf, hf.rope_parameters[cls.SLIDING])
+            if local_scaling:
+                _refuse(name, "rope_parameters.sliding_attention.rope_type", local_scaling["rope_type"],
+                        "the sliding layers' rope is unscaled here")
+        head_dim = config.head_dim
+        scale = float(hf.query_pre_attn_scalar) ** -0.5
+        return dataclasses.replace(
+            config, sandwich_norms=True, window_attn_skip_freq=sliding if any(sliding) and not all(sliding) else None,
+            local_rotary_base=local_base, softmax_scale=None if scale == head_dim ** -0.5 else scale)
+
+    def family_fields(self):
+        c = self.config
+        full = {"rope_type": "default", "rope_theta": c.rotary_base} if not c.rope_scaling else \
+            dict(c.rope_scaling, rope_theta=c.rotary_base)
+        local = {"rope_type": "default", "rope_theta": c.local_rotary_base or c.rotary_base}
+        kinds = [self.SLIDING if c.layer_window(i) is not None else self.FULL for i in range(c.num_layers)]
+        scalar = c.head_dim if c.softmax_scale is None else c.softmax_scale ** -2
+        return dict(super().family_fields(), layer_types=kinds, sliding_window=c.sliding_window or 4096,
+                    rope_parameters={self.FULL: full, self.SLIDING: local},
+                    query_pre_attn_scalar=round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar)
+
+    def check_exportable(self):
+        super().check_exportable()
+        c = self.config
+        if c.local_rotary_base is not None and c.rope_scaling and not any(
+                c.layer_window(i) is None for i in range(c.num_layers)):
+            raise ConfigError("exporting to Gemma3ForCausalLM: rope scaling applies to its full-attention layers; "
+                              "this model has none.")
 
 
 class _MoEFamily:
@@ -562,7 +648,7 @@ class Qwen3MoeAdapter(_MoEFamily, Qwen3Adapter):
 
 
 FAMILIES = {a.family: a for a in (GPT2Adapter, LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter, GemmaAdapter,
-                                  MixtralAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter)}
+                                  Gemma3Adapter, MixtralAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter)}
 BY_HF_CLASS = {a.hf_class: a for a in FAMILIES.values()}
 
 
@@ -577,6 +663,8 @@ def family_of(config: ModelConfig) -> str:
     if config.num_experts:
         return "qwen2_moe" if config.moe_shared_expert_intermediate_size else \
             "qwen3_moe" if config.qk_layernorm else "mixtral"
+    if config.sandwich_norms:
+        return "gemma3"
     if config.geglu or config.scale_embeddings or (config.apply_layernorm_1p and config.normalization == "RMSNorm"):
         return "gemma"
     if config.qk_layernorm:

@@ -445,6 +445,7 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         raise ConfigError(f"--true-vocab-size {true_vocab_size}: must be between 1 and the checkpoint's "
                           f"{rows} embedding rows.")
     window = _arg(args, "window_size")
+    skip_freq = _arg(args, "window_attn_skip_freq", None)  # Megatron's: every N-th layer full, or 1 = windowed
     dtype = "bfloat16" if _arg(args, "bf16") else "float16" if _arg(args, "fp16") else None
     return ModelConfig(
         num_layers=int(args.num_layers), hidden_size=int(args.hidden_size), num_attention_heads=heads,
@@ -462,6 +463,7 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         init_method_std=float(_arg(args, "init_method_std", 0.02)), kv_channels=kv_channels,
         add_qkv_bias=bool(_arg(args, "add_qkv_bias", False)), qk_layernorm=bool(_arg(args, "qk_layernorm", False)),
         sliding_window=None if not window or window[0] == -1 else int(window[0]) + 1, rope_scaling=rope_scaling,
+        window_attn_skip_freq=skip_freq if window and window[0] != -1 else None,
         apply_layernorm_1p=bool(_arg(args, "apply_layernorm_1p", False) or _arg(args, "layernorm_zero_centered_gamma")),
         make_vocab_size_divisible_by=int(_arg(args, "make_vocab_size_divisible_by", 128) or 128), hf_dtype=dtype,
         **_moe_fields(args, refuse))
@@ -474,8 +476,6 @@ REQUIRED_ARGS = ("num_layers", "hidden_size", "num_attention_heads")
 # config_from_args and _moe_fields below, and tests/test_megatron_checkpoints.py gives every one of them a value
 # other than its default
 REFUSED_ARGS = {  # (names as megatron-core's TransformerConfig and Megatron-LM's arguments.py spell them)
-    "window_attn_skip_freq": "a sliding window on some layers and full attention on others; hybrid's window is the "
-                             "same on every layer",
     "no_rope_freq": "rotary embeddings left out of some layers; hybrid rotates every layer",
     "mtp_num_layers": "multi-token prediction layers",
     "experimental_attention_variant": "an attention other than softmax attention (gated delta net, DSA)",

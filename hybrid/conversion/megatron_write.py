@@ -63,6 +63,7 @@ def megatron_args(config: ModelConfig, tp: int, pp: int, client_state: ClientSta
         qk_layernorm=config.qk_layernorm, untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
         padded_vocab_size=config.padded_vocab_size(tp), make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
         window_size=(config.sliding_window - 1, 0) if config.sliding_window else None,
+        window_attn_skip_freq=config.window_attn_skip_freq if config.sliding_window else None,
         hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
         init_method_std=config.init_method_std, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
@@ -97,6 +98,12 @@ def write_megatron(state: dict, config: ModelConfig, tp: int, pp: int, save_dir:
     if config.num_experts and config.num_experts % ep:
         raise ConfigError(f"--target-expert-parallel-size {ep} does not divide the model's {config.num_experts} "
                           f"experts.")
+    unwritable = [flag for flag, on in {"--sandwich-norms": config.sandwich_norms,
+                                        "--local-rotary-base": config.local_rotary_base is not None,
+                                        "--softmax-scale": config.softmax_scale is not None}.items() if on]
+    if unwritable:
+        raise ConfigError(f"a Megatron-LM checkpoint has no argument for {', '.join(unwritable)} (Gemma 3's "
+                          f"options): Megatron-LM would build another model. Export with --saver hf instead.")
     iteration = int(client_state.iteration)
     tag = tag_for(iteration)
     args = megatron_args(config, tp, pp, client_state, ep)

@@ -39,8 +39,8 @@ class CoreAttention(nn.Module):
         self.use_flash_attn = config.use_flash_attn
         self.query_key_layer_scaling = config.apply_query_key_layer_scaling
         self.layer_number = max(1, layer_number + 1)  # Megatron counts layers from 1
-        self.scale = 1.0 / math.sqrt(config.head_dim)
-        self.window = config.sliding_window  # None: plain causal
+        self.scale = config.softmax_scale or 1.0 / math.sqrt(config.head_dim)
+        self.window = config.layer_window(layer_number)  # None: plain causal
 
     def backend(self, q: torch.Tensor) -> str:
         if (self.use_flash_attn and flash_attn_func is not None and q.is_cuda
@@ -217,7 +217,7 @@ class SelfAttention(nn.Module):
                         output_layer_std(config.init_method_std, config.num_layers)),
             bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=config.sequence_parallel,
             fp8=gemm_for(config, groups, name, "row"))
-        self.rotary = (RotaryEmbedding(config.head_dim, config.rotary_base, config.rope_scaling)
+        self.rotary = (RotaryEmbedding(config.head_dim, *config.layer_rope(layer_number))
                        if config.position_embedding_type == "rope" else None)
         self.recompute_core = config.recompute_granularity == "selective"
 

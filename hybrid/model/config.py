@@ -69,6 +69,11 @@ class ModelConfig:
     add_qkv_bias: bool = False  # --add-qkv-bias: a bias on Q, K and V only (Qwen2), with or without others
     qk_layernorm: bool = False  # --qk-layernorm: a norm (--normalization) over each head of Q and K (Qwen3)
     sliding_window: Optional[int] = None  # --window-size L,0: each token attends itself and L = window - 1 before
+    window_attn_skip_freq: object = None  # --window-attn-skip-freq: every N-th layer (1-based) attends fully, or a
+    # 0/1 list per layer (1: windowed), as Megatron-LM; None: the window on every layer
+    local_rotary_base: Optional[float] = None  # --local-rotary-base: the windowed layers' rope base, unscaled (Gemma 3)
+    softmax_scale: Optional[float] = None  # --softmax-scale: scores x this (Gemma 3: query_pre_attn_scalar^-0.5)
+    sandwich_norms: bool = False  # --sandwich-norms: the attention's and the MLP's outputs normed too (Gemma 2/3)
     rope_scaling: Optional[dict] = None  # {"rope_type": "llama3"|"linear", "factor": ..., ...} as transformers
     apply_layernorm_1p: bool = False  # --apply-layernorm-1p: norms scale by (1 + weight), weights start at 0
     geglu: bool = False  # --geglu: gated tanh-GeLU MLP (Gemma) instead of SwiGLU / GeLU
@@ -105,6 +110,20 @@ class ModelConfig:
         freq = self.moe_layer_freq
         on = freq[layer] if isinstance(freq, (list, tuple)) else layer % int(freq) == 0
         return "moe" if on else "dense"
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """Layer `layer`'s (0-based) attention window, None for full attention (--window-attn-skip-freq)."""
+        freq = self.window_attn_skip_freq
+        if self.sliding_window is None or freq is None:
+            return self.sliding_window
+        windowed = freq[layer] if isinstance(freq, (list, tuple)) else (layer + 1) % int(freq) != 0
+        return self.sliding_window if windowed else None
+
+    def layer_rope(self, layer: int) -> tuple:
+        """Layer `layer`'s rope base and scaling: a windowed layer takes --local-rotary-base unscaled where given."""
+        if self.local_rotary_base is not None and self.layer_window(layer) is not None:
+            return self.local_rotary_base, None
+        return self.rotary_base, self.rope_scaling
 
     def fp8_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s linear layers run FP8 GEMMs (--fp8-format, outside the bf16 ends)."""
@@ -173,6 +192,7 @@ class ModelConfig:
             raise ConfigError(f"--window-size: the window must hold at least the token itself (got a window of "
                               f"{self.sliding_window}).")
         self._validate_rope_scaling()
+        self._validate_layer_kinds()
         if self.splits_documents and self.eod_token is None:
             raise ConfigError("--reset-attention-mask / --reset-position-ids split sequences at the end-of-document "
                               "token; use a tokenizer that has one.")
@@ -223,6 +243,25 @@ class ModelConfig:
                               "--moe-expert-capacity-factor.")
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise ConfigError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size.")
+
+    def _validate_layer_kinds(self) -> None:
+        freq = self.window_attn_skip_freq
+        if freq is not None:
+            if self.sliding_window is None:
+                raise ConfigError("--window-attn-skip-freq chooses the layers that attend fully, the others through "
+                                  "the window: it needs --window-size.")
+            if isinstance(freq, (list, tuple)):
+                if len(freq) != self.num_layers or set(freq) - {0, 1}:
+                    raise ConfigError(f"--window-attn-skip-freq as a list needs one 0 or 1 per layer "
+                                      f"({self.num_layers}; 1: windowed), got {list(freq)}.")
+            elif int(freq) < 1:
+                raise ConfigError(f"--window-attn-skip-freq must be >= 1 or a list of 0/1 per layer, got {freq}.")
+        if self.local_rotary_base is not None and (self.position_embedding_type != "rope" or self.sliding_window is None
+                                                   or not self.local_rotary_base > 0):
+            raise ConfigError(f"--local-rotary-base {self.local_rotary_base} is the windowed layers' rope base: it "
+                              f"needs --position-embedding-type rope, --window-size and a positive base.")
+        if self.softmax_scale is not None and not self.softmax_scale > 0:
+            raise ConfigError(f"--softmax-scale must be positive, got {self.softmax_scale}.")
 
     def _validate_rope_scaling(self) -> None:
         scaling = self.rope_scaling

@@ -4,6 +4,7 @@ the other forms give the same parameters.
 Canonical names (GPTModel's, used by checkpoints, conversion and the optimizer's parameter names):
   embedding.word_embeddings.weight, embedding.position_embeddings.weight,
   layers.{i}.{input_norm,post_attention_norm}.{weight,bias}, layers.{i}.attention.{qkv,dense}.{weight,bias},
+  layers.{i}.{attention_output_norm,mlp_output_norm}.weight (--sandwich-norms), layers.{i}.attention.{q,k}_norm.weight,
   layers.{i}.mlp.{fc1,fc2}.{weight,bias}, final_norm.{weight,bias}, output_layer.weight (untied only);
   an MoE layer's layers.{i}.mlp.router.weight, layers.{i}.mlp.deepspeed_moe.experts.deepspeed_experts.{e}.{fc1,fc2}
   .weight (e global, as DeepSpeed names experts in its expert files), layers.{i}.mlp.shared_mlp.{fc1,fc2}.weight,

@@ -39,12 +39,19 @@ class TransformerLayer(nn.Module):
         self.attention = SelfAttention(config, groups, layer_number, f"{name}.attention")
         self.post_attention_norm = build_norm(config, groups)
         self.mlp = build_mlp(config, groups, layer_number)
+        # --sandwich-norms (Gemma 2/3): the attention's and the MLP's outputs normed before their residuals
+        self.attention_output_norm = build_norm(config, groups) if config.sandwich_norms else None
+        self.mlp_output_norm = build_norm(config, groups) if config.sandwich_norms else None
 
     def forward(self, hidden, layout=None):
         """`layout`: the micro-batch's documents and positions, and this rank's part of the sequence
         (hybrid.model.sequence), or None for whole sequences of one document each."""
         c = self.config
-        hidden = dropout_add(self.attention(self.input_norm(hidden), layout), hidden, c.hidden_dropout,
-                             self.training, c.sequence_parallel)
-        return dropout_add(self.mlp(self.post_attention_norm(hidden)), hidden, c.hidden_dropout,
-                           self.training, c.sequence_parallel)
+        out = self.attention(self.input_norm(hidden), layout)
+        if self.attention_output_norm is not None:
+            out = self.attention_output_norm(out)
+        hidden = dropout_add(out, hidden, c.hidden_dropout, self.training, c.sequence_parallel)
+        out = self.mlp(self.post_attention_norm(hidden))
+        if self.mlp_output_norm is not None:
+            out = self.mlp_output_norm(out)
+        return dropout_add(out, hidden, c.hidden_dropout, self.training, c.sequence_parallel)
