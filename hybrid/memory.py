@@ -182,55 +182,73 @@ def model_state_bytes(groups: list[list[int]], zero: ZeroSettings) -> dict:
     return dict(params=params, grads=grads, optimizer=optimizer, host_optimizer=0)
 
 
-def zero_buffer_bytes(params: dict, zero: ZeroSettings, pp: int, collective_copies: bool = False) -> int:
+def _zero_shares(params: dict, zero: ZeroSettings, ep: int) -> list:
+    """[(parameters, the DP they partition over)]: the dense ones over DP, this rank's 1/EP of the experts over
+    the expert-data-parallel group (DeepSpeed's MoE groups), each a group of its own."""
+    dense, experts = _expert_share(params, ep)
+    return [(share, dp) for share, dp in ((dense, zero.dp), (experts, _expert_zero(zero, ep).dp)) if share]
+
+
+def zero_buffer_bytes(params: dict, zero: ZeroSettings, pp: int, collective_copies: bool = False, ep: int = 1) -> int:
     """ZeRO's working memory on one rank during backward, beside the partitioned states (DeepSpeed 0.19 allocates
-    its buckets whole): ZeRO-1's whole gradients, which wait in `.grad` until the step reduces them, and its reduce
-    bucket; ZeRO-2's reduce bucket (two with overlap_comm; none without contiguous gradients) and the largest
-    parameter's whole gradient until its reduction; ZeRO-3's reduce bucket and, at the largest parameter's
-    backward, that parameter gathered and its whole gradient, then that gradient and the reduce-scatter's output
-    partition, plus at PP = 1
-    the parameters its trace prefetches (a pipeline's stages run without a trace:
-    hybrid.training.deepspeed_fixes.prepare_pipeline_engine). `collective_copies`: gloo's (CPU's)
-    reduce-scatter copies its whole input first (NCCL does not), one more gradient of the largest parameter."""
+    its buckets whole), for this rank's parameters (1/EP of the experts): ZeRO-1's whole gradients, which wait in
+    `.grad` until the step reduces them, and its reduce bucket; ZeRO-2's reduce bucket (two with overlap_comm;
+    none without contiguous gradients) and the largest parameter's whole gradient until its reduction; ZeRO-3's
+    reduce bucket (allocated whole at start, alive throughout) and, at the largest parameter's backward, that
+    parameter gathered (on the accelerator, offloaded parameters too) and its whole gradient, then that gradient
+    and the reduce-scatter's output partition, plus at PP = 1 the parameters its trace prefetches (a pipeline's
+    stages run without a trace: hybrid.training.deepspeed_fixes.prepare_pipeline_engine). `collective_copies`:
+    gloo's (CPU's) reduce-scatter copies its whole input first (NCCL does not), one more gradient."""
     e = _BYTES[zero.precision]
     if zero.stage == 0:
         return 0
-    sizes = [n for n, _ in params.values()]
+    shares = _zero_shares(params, zero, ep)
+    sizes = [n for share, _ in shares for n, _ in share.values()]
     total, largest = sum(sizes), max(sizes, default=0)
     if zero.stage in (1, 2):
         buckets = (2 if zero.overlap_comm else 1) if zero.contiguous_gradients else 0
         waiting = total if zero.stage == 1 else largest
         return (buckets * min(zero.reduce_bucket_size, total) + waiting) * e
-    gathered = 0 if zero.offload_param else largest
-    prefetched = min(zero.prefetch_bucket_size, total) if pp == 1 and not zero.offload_param else 0
-    reduced = math.ceil(largest / zero.dp) + (largest if collective_copies else 0)
+    prefetched = min(zero.prefetch_bucket_size, total) if pp == 1 else 0
     # the module is released before its gradient is reduced (the input embedding too:
     # hybrid.training.deepspeed_fixes.release_input_embedding_after_its_gradient)
-    working = max(gathered + largest, largest + reduced)
-    return (min(zero.reduce_bucket_size, total) + prefetched + working) * e
+    working = 0
+    for share, dp in shares:
+        big = max(n for n, _ in share.values())
+        reduced = math.ceil(big / dp) + (big if collective_copies else 0)
+        working = max(working, 2 * big, big + reduced)
+    return (_zero3_bucket(zero) + prefetched + working) * e
 
 
-def zero_step_bytes(params: dict, zero: ZeroSettings) -> int:
+def _zero3_bucket(zero: ZeroSettings) -> int:
+    """ZeRO-3's reduce bucket (elements): DeepSpeed 0.19.8 allocates `reduce_bucket_size` whole at start."""
+    return zero.reduce_bucket_size if zero.contiguous_gradients else 0
+
+
+def zero_step_bytes(params: dict, zero: ZeroSettings, ep: int = 1) -> int:
     """The optimizer step's transient on one rank (DeepSpeed 0.19), beside the partitioned states, when the
     activations are gone, the larger of two moments: the gradient norm, which takes each gradient partition in
     fp64 one at a time (`get_grad_norm_direct`: 8 bytes per element of the largest piece this rank holds), and
-    the update: ZeRO-1/2 step each parameter group (decayed, not) with its gradient partition flattened and
-    then copied to fp32 (`single_grad_partition`; one copy in fp32), both alive at once; ZeRO-3 steps each
-    sub-group (`sub_group_size`) on the fp32 copy of its gradient partitions, none where they already are fp32
-    (hybrid.training.deepspeed_fixes.step_on_gradient_partitions). Offloaded optimizers step on the host."""
+    the update: ZeRO-1/2 step each parameter group (decayed, not; the experts' apart) with its gradient partition
+    flattened and then copied to fp32 (`single_grad_partition`; one fp32 copy where the gradients are fp32), both
+    alive at once; ZeRO-3 steps each sub-group (`sub_group_size`) on the fp32 copy of its gradient partitions,
+    none where they already are fp32 (hybrid.training.deepspeed_fixes.step_on_gradient_partitions), beside its
+    reduce bucket. Offloaded optimizers step on the host."""
     if zero.stage == 0 or zero.offload_optimizer:
         return 0
     e = _BYTES[zero.precision]
-    largest = max((n for n, _ in params.values()), default=0)
-    if zero.stage in (1, 2):
-        groups = [math.ceil(sum(n for n, d in params.values() if d == decayed) / zero.dp) for decayed in (True, False)]
-        norm = 8 * min(largest, max(groups))
-        return max(norm, max((e + 4 if e != 4 else 4) * g for g in groups))
-    norm = 8 * math.ceil(largest / zero.dp)
-    if e == 4 or zero.fp32_grad_accumulation:
-        return norm
-    partition = sum(math.ceil(n / zero.dp) for n, _ in params.values())
-    return max(norm, 4 * min(zero.sub_group_size, partition))
+    fp32_grads = e == 4 or zero.fp32_grad_accumulation
+    peak = 0
+    for share, dp in _zero_shares(params, zero, ep):
+        largest = max(n for n, _ in share.values())
+        if zero.stage in (1, 2):
+            groups = [math.ceil(sum(n for n, d in share.values() if d == decayed) / dp) for decayed in (True, False)]
+            peak = max(peak, 8 * min(largest, max(groups)), max((4 if fp32_grads else e + 4) * g for g in groups))
+        else:
+            partition = sum(math.ceil(n / dp) for n, _ in share.values())
+            update = 0 if fp32_grads else 4 * min(zero.sub_group_size, partition)
+            peak = max(peak, 8 * math.ceil(largest / dp), update)
+    return peak + (_zero3_bucket(zero) * e if zero.stage == 3 else 0)
 
 
 # --- activations ---------------------------------------------------------------------------------
@@ -583,8 +601,8 @@ def estimate(plan: MemoryPlan) -> list[dict]:
         if info["replica"]:  # a tied table's copy: its weights and gradient in the working precision, whole
             states["params"] += info["replica"] * _BYTES[precision]
             states["grads"] += info["replica"] * _BYTES[precision]
-        buffers = zero_buffer_bytes(info["params"], plan.zero, plan.pp, collective_copies=plan.device_type == "cpu")
-        step = zero_step_bytes(info["params"], plan.zero)
+        buffers = zero_buffer_bytes(info["params"], plan.zero, plan.pp, plan.device_type == "cpu", plan.ep)
+        step = zero_step_bytes(info["params"], plan.zero, plan.ep)
         if plan.muon:  # the sharded Muon's gathers, beside the fp32 gradient partitions DeepSpeed hands it
             step += muon_step_bytes(info["params"], plan.zero, plan.ep)
         each = [layer_activation_bytes(config, act, layer=i) for i in info["layers"]]

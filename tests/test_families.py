@@ -345,3 +345,26 @@ def test_bad_family_flags_are_one_message_exit_2_and_nothing_written(flags, mess
         want = want.replace(key, value)
     assert err.startswith("error: ") and want in err and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_gemma3_export_writes_each_layer_kinds_rope_as_the_model_computes_it_and_refuses_a_scale_it_cannot_write():
+    """Gemma 3 from flags: without --local-rotary-base its windowed layers take the full layers' (scaled) rope, and
+    the export says so (it wrote them unscaled before: other logits); with it, they take the local base unscaled;
+    either way the HF config reads back to the same per-layer ropes. A --softmax-scale that is no 1/sqrt(n) for
+    a whole n has no query_pre_attn_scalar: one message at the export check, not transformers' validation error."""
+    from hybrid.conversion.families import Gemma3Adapter
+    from hybrid.model.config import ModelConfig
+    base = dict(num_layers=6, hidden_size=32, num_attention_heads=4, vocab_size=64, position_embedding_type="rope",
+                normalization="RMSNorm", geglu=True, apply_layernorm_1p=True, scale_embeddings=True, qk_layernorm=True,
+                sandwich_norms=True, add_bias_linear=False, sliding_window=8, window_attn_skip_freq=6,
+                rope_scaling={"rope_type": "linear", "factor": 8.0}, rotary_base=1e6)
+    for local in (None, 1e4):
+        config = ModelConfig(**base, local_rotary_base=local)
+        hf = Gemma3Adapter(config).hf_config({})
+        assert hf.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+        assert hf.rope_parameters["sliding_attention"]["rope_type"] == ("linear" if local is None else "default")
+        back = Gemma3Adapter.config_from_hf(hf)
+        assert [back.layer_rope(i) for i in range(6)] == [config.layer_rope(i) for i in range(6)]
+        assert [back.layer_window(i) for i in range(6)] == [8] * 5 + [None]
+    with pytest.raises(ConfigError, match="--softmax-scale 0.09 is not 1/sqrt"):
+        Gemma3Adapter(ModelConfig(**base, softmax_scale=0.09)).check_exportable()

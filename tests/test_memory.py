@@ -488,13 +488,14 @@ def test_dry_run_counts_zero3_under_a_pipeline_stage_by_stage():
             assert row["buffers"] == memory.zero_buffer_bytes(stage["params"], plan.zero, 2)
             bucket = min(plan.zero.reduce_bucket_size, numel)
             largest = max(n for n, _ in stage["params"].values())
-            if zero == 3:  # the reduce bucket, the largest parameter gathered and its gradient
-                assert row["buffers"] == 4 * (bucket + 2 * largest)
-                assert row["step"] == 8 * math.ceil(largest / 2)
+            if zero == 3:  # the reduce bucket (whole, from the start), the largest parameter gathered, its gradient
+                assert row["buffers"] == 4 * (plan.zero.reduce_bucket_size + 2 * largest)
+                assert row["step"] == 4 * plan.zero.reduce_bucket_size + 8 * math.ceil(largest / 2)
             else:  # the whole gradients until the step, and the reduce bucket
                 assert row["buffers"] == 4 * (bucket + numel)
                 decayed = sum(n for n, d in stage["params"].values() if d)
                 assert row["step"] == max(8 * min(largest, math.ceil(decayed / 2)), 4 * math.ceil(decayed / 2))
     assert stages[1]["replica"] > 0 and stages[0]["replica"] == 0  # the tied table's copy: the last stage's
     for zero1, zero3 in zip(rows[1], rows[3]):
-        assert zero3["params"] < zero1["params"] and zero3["total"] < zero1["total"]
+        # (beside DeepSpeed's default ZeRO-3 reduce bucket, 5e8 elements allocated whole: 2 GB here in fp32)
+        assert zero3["params"] < zero1["params"] and zero3["total"] - 4 * 500_000_000 < zero1["total"]

@@ -475,9 +475,11 @@ class Gemma3Adapter(GemmaAdapter):
         local_base = None
         if any(sliding):
             local_base, local_scaling = _rope_of(hf, hf.rope_parameters[cls.SLIDING])
-            if local_scaling:
-                _refuse(name, "rope_parameters.sliding_attention.rope_type", local_scaling["rope_type"],
-                        "the sliding layers' rope is unscaled here")
+            if local_scaling and (local_scaling, local_base) != (config.rope_scaling, config.rotary_base):
+                _refuse(name, "rope_parameters.sliding_attention", hf.rope_parameters[cls.SLIDING],
+                        "the sliding layers' rope is unscaled here, or the full layers' own")
+            if local_scaling:  # the full layers' rope on every layer
+                local_base = None
         head_dim = config.head_dim
         scale = float(hf.query_pre_attn_scalar) ** -0.5
         return dataclasses.replace(
@@ -486,22 +488,29 @@ class Gemma3Adapter(GemmaAdapter):
 
     def family_fields(self):
         c = self.config
-        full = {"rope_type": "default", "rope_theta": c.rotary_base} if not c.rope_scaling else \
-            dict(c.rope_scaling, rope_theta=c.rotary_base)
-        local = {"rope_type": "default", "rope_theta": c.local_rotary_base or c.rotary_base}
+        ropes = {}
+        for i in range(c.num_layers):  # each kind's rope, as the model computes it (ModelConfig.layer_rope)
+            base, scaling = c.layer_rope(i)
+            kind = self.SLIDING if c.layer_window(i) is not None else self.FULL
+            ropes[kind] = dict(scaling, rope_theta=base) if scaling else {"rope_type": "default", "rope_theta": base}
+        for kind in (self.SLIDING, self.FULL):  # a kind no layer has: the other's
+            ropes.setdefault(kind, ropes[self.FULL if kind == self.SLIDING else self.SLIDING])
         kinds = [self.SLIDING if c.layer_window(i) is not None else self.FULL for i in range(c.num_layers)]
-        scalar = c.head_dim if c.softmax_scale is None else c.softmax_scale ** -2
         return dict(super().family_fields(), layer_types=kinds, sliding_window=c.sliding_window or 4096,
-                    rope_parameters={self.FULL: full, self.SLIDING: local},
-                    query_pre_attn_scalar=round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar)
+                    rope_parameters=ropes, query_pre_attn_scalar=self._pre_attn_scalar())
+
+    def _pre_attn_scalar(self):
+        c = self.config
+        if c.softmax_scale is None:
+            return c.head_dim
+        scalar = c.softmax_scale ** -2
+        return round(scalar) if round(scalar) > 0 and abs(scalar - round(scalar)) < 1e-6 else None
 
     def check_exportable(self):
         super().check_exportable()
-        c = self.config
-        if c.local_rotary_base is not None and c.rope_scaling and not any(
-                c.layer_window(i) is None for i in range(c.num_layers)):
-            raise ConfigError("exporting to Gemma3ForCausalLM: rope scaling applies to its full-attention layers; "
-                              "this model has none.")
+        if self._pre_attn_scalar() is None:
+            raise ConfigError(f"exporting to Gemma3ForCausalLM: --softmax-scale {self.config.softmax_scale} is not "
+                              f"1/sqrt(n) for a whole n (its query_pre_attn_scalar is an integer).")
 
 
 class _MoEFamily:

@@ -242,7 +242,9 @@ def step_on_gradient_partitions(engine) -> None:
     so the step is bitwise DeepSpeed's. Otherwise (a parameter without gradients, an offloaded optimizer)
     DeepSpeed's own copy runs. With fp32 accumulation the step's in-place unscale/clip scales the buffer
     itself, which the next iteration's first backward overwrites (`micro_step_id == 0`) or `begin_accumulation`
-    zeroes. The method is replaced on this optimizer object only."""
+    zeroes. (A parameter that gets no gradient in an iteration at PP = 1 keeps its last partition in the buffer,
+    as in DeepSpeed, but clipped here: no parameter of hybrid's models does; an MoE expert no token reached gets a
+    zero gradient.) The method is replaced on this optimizer object only."""
     optimizer = engine.optimizer
     if engine.zero_optimization_stage() != 3 or not hasattr(optimizer, "_prepare_fp32_grad_for_sub_group"):
         return
@@ -278,8 +280,9 @@ def release_input_embedding_after_its_gradient(engine, embedding) -> None:
     is large (bench_memory: 0.07 GiB in bf16 at PP 2 x DP 2 for GPT-2's vocabulary). Here, when the table's
     gradient arrives at ZeRO's reduction, the module is released as DeepSpeed's own post-backward hook releases
     a module (`release_sub_module`, backward); its backward has run, and the weights are gathered again by the
-    next forward. A table that another module still holds (a tied head registered as an external parameter)
-    stays gathered (DeepSpeed's release skips it). The method is replaced on this optimizer object only."""
+    next forward. A table another module still holds stays gathered (DeepSpeed's release skips a parameter with
+    active modules: the tied head at PP = 1 reads it through the top module, so nothing is saved there). The
+    method is replaced on this optimizer object only."""
     optimizer = engine.optimizer
     if engine.zero_optimization_stage() != 3 or embedding is None or getattr(optimizer, "parameter_offload", None) is None:
         return
