@@ -191,10 +191,11 @@ def _zero3_steps(precision: str, in_place: bool) -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(), torch.nn.Linear(24, 24), torch.nn.GELU(),
                                 torch.nn.Linear(24, 4))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
               "zero_optimization": {"stage": 3, "sub_group_size": 100, "stage3_param_persistence_threshold": 0},
               "steps_per_print": 10 ** 9, **({"bf16": {"enabled": True}} if precision == "bf16" else {})}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=groups.mpu)
+    # torch's AdamW as the client optimizer, as hybrid's engine builds it (DeepSpeed's own would JIT-build an op)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=groups.mpu)
     if in_place:
         step_on_gradient_partitions(engine)
     optimizer = engine.optimizer
@@ -263,9 +264,10 @@ def _zero3_embedding_release(release: bool) -> dict:
     torch.manual_seed(0)
     model = EmbeddingThenLinear()
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "steps_per_print": 10 ** 9,
+              "steps_per_print": 10 ** 9,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 1000}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=groups.mpu)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=groups.mpu)
     table = engine.module.embedding.weight
     statuses = []
     reduce = engine.optimizer.reduce_ready_partitions_and_remove_grads
