@@ -242,10 +242,10 @@ TRAIN = ["--seq-length", 32, "--micro-batch-size", 2, "--global-batch-size", 8, 
          "--no-progress-bar"]
 
 
-# launched for one dense family (the suite's time; qwen2, qwen3, mistral and gemma passed it too): their import,
+# launched for Llama 3 and Gemma 3 (the suite's time; qwen2, qwen3, mistral and gemma passed it too): their import,
 # export and resharding are proved in-process above, the MoE families' launched runs are in tests/test_moe.py
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama3"])
+@pytest.mark.parametrize("family", ["llama3", "gemma3"])
 def test_load_hf_trains_at_tp2_pp2_sp_as_at_one_rank_evaluates_to_transformers_and_exports_its_family(
         family, hf_models, data, tmp_path):
     from safetensors.torch import load_file
