@@ -577,7 +577,7 @@ def muon_step_bytes(params: dict, zero: ZeroSettings, ep: int = 1) -> int:
     if zero.stage == 0:
         return 0
     peak = 0
-    for share, dp in zip(_expert_share(params, ep), (zero.dp, _expert_zero(zero, ep).dp)):
+    for share, dp in _zero_shares(params, zero, ep):
         total = sum(n for name, (n, _) in share.items() if takes_muon(name))
         peak = max(peak, 2 * 2 * total + (4 + 2 + 2) * math.ceil(total / dp))
     return peak

@@ -488,14 +488,13 @@ class Gemma3Adapter(GemmaAdapter):
 
     def family_fields(self):
         c = self.config
+        kinds = [self.SLIDING if c.layer_window(i) is not None else self.FULL for i in range(c.num_layers)]
         ropes = {}
-        for i in range(c.num_layers):  # each kind's rope, as the model computes it (ModelConfig.layer_rope)
+        for i, kind in enumerate(kinds):  # each kind's rope, as the model computes it (ModelConfig.layer_rope)
             base, scaling = c.layer_rope(i)
-            kind = self.SLIDING if c.layer_window(i) is not None else self.FULL
             ropes[kind] = dict(scaling, rope_theta=base) if scaling else {"rope_type": "default", "rope_theta": base}
         for kind in (self.SLIDING, self.FULL):  # a kind no layer has: the other's
             ropes.setdefault(kind, ropes[self.FULL if kind == self.SLIDING else self.SLIDING])
-        kinds = [self.SLIDING if c.layer_window(i) is not None else self.FULL for i in range(c.num_layers)]
         return dict(super().family_fields(), layer_types=kinds, sliding_window=c.sliding_window or 4096,
                     rope_parameters=ropes, query_pre_attn_scalar=self._pre_attn_scalar())
 

@@ -223,13 +223,7 @@ class ModelConfig:
         if not 1 <= self.moe_router_topk <= self.num_experts:
             raise ConfigError(f"--moe-router-topk {self.moe_router_topk} must be between 1 and --num-experts "
                               f"{self.num_experts}.")
-        freq = self.moe_layer_freq
-        if isinstance(freq, (list, tuple)):
-            if len(freq) != self.num_layers or set(freq) - {0, 1}:
-                raise ConfigError(f"--moe-layer-freq as a list needs one 0 or 1 per layer ({self.num_layers}), "
-                                  f"got {list(freq)}.")
-        elif int(freq) < 1:
-            raise ConfigError(f"--moe-layer-freq must be >= 1 or a list of 0/1 per layer, got {freq}.")
+        self._check_layer_pattern("--moe-layer-freq", self.moe_layer_freq)
         if self.add_bias_linear:
             raise ConfigError("--num-experts: the experts have no biases (as Megatron's grouped GEMM); add "
                               "--disable-bias-linear.")
@@ -244,18 +238,22 @@ class ModelConfig:
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise ConfigError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size.")
 
+    def _check_layer_pattern(self, flag: str, freq, meaning: str = "") -> None:
+        """Megatron-LM's per-layer patterns (--moe-layer-freq, --window-attn-skip-freq): N >= 1, or one 0/1 per layer."""
+        if isinstance(freq, (list, tuple)):
+            if len(freq) != self.num_layers or set(freq) - {0, 1}:
+                raise ConfigError(f"{flag} as a list needs one 0 or 1 per layer ({self.num_layers}{meaning}), "
+                                  f"got {list(freq)}.")
+        elif int(freq) < 1:
+            raise ConfigError(f"{flag} must be >= 1 or a list of 0/1 per layer, got {freq}.")
+
     def _validate_layer_kinds(self) -> None:
         freq = self.window_attn_skip_freq
         if freq is not None:
             if self.sliding_window is None:
                 raise ConfigError("--window-attn-skip-freq chooses the layers that attend fully, the others through "
                                   "the window: it needs --window-size.")
-            if isinstance(freq, (list, tuple)):
-                if len(freq) != self.num_layers or set(freq) - {0, 1}:
-                    raise ConfigError(f"--window-attn-skip-freq as a list needs one 0 or 1 per layer "
-                                      f"({self.num_layers}; 1: windowed), got {list(freq)}.")
-            elif int(freq) < 1:
-                raise ConfigError(f"--window-attn-skip-freq must be >= 1 or a list of 0/1 per layer, got {freq}.")
+            self._check_layer_pattern("--window-attn-skip-freq", freq, "; 1: windowed")
         if self.local_rotary_base is not None and (self.position_embedding_type != "rope" or self.sliding_window is None
                                                    or not self.local_rotary_base > 0):
             raise ConfigError(f"--local-rotary-base {self.local_rotary_base} is the windowed layers' rope base: it "

@@ -63,6 +63,8 @@ RELIED_ON = [
      "self.__active_backward_submodules.pop(submodule.ds_id, None)"),
     ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.release_backward_leftovers",
      "while self.__active_backward_submodules:"),
+    ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.__init__",
+     "self.__active_backward_submodules: Dict[int, Module] = {}"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.create_reduce_and_remove_grad_hooks",
      "self.reduce_ready_partitions_and_remove_grads(param)"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._prepare_sub_group",
@@ -289,9 +291,9 @@ def release_input_embedding_after_its_gradient(engine, embedding) -> None:
     coordinator = optimizer.parameter_offload.get_param_coordinator()
     reduce = optimizer.reduce_ready_partitions_and_remove_grads
     weight = embedding.weight
+    active = coordinator._PartitionedParameterCoordinator__active_backward_submodules  # one dict, kept by DeepSpeed
 
     def release_then_reduce(param, *args, **kwargs):
-        active = getattr(coordinator, "_PartitionedParameterCoordinator__active_backward_submodules", {})
         if param is weight and getattr(embedding, "ds_id", None) in active:
             coordinator.release_sub_module(embedding, forward=False)
         return reduce(param, *args, **kwargs)
