@@ -48,7 +48,7 @@ def architecture_from_flags(args, vocab_size: int) -> ModelConfig:
         ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=args.num_query_groups if args.group_query_attention or args.num_query_groups else None,
         position_embedding_type="rope" if args.use_rotary_position_embeddings else args.position_embedding_type,
-        rotary_base=args.rotary_base, normalization=args.normalization, norm_epsilon=args.norm_epsilon,
+        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent, normalization=args.normalization, norm_epsilon=args.norm_epsilon,
         swiglu=args.swiglu, add_bias_linear=not args.disable_bias_linear,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
@@ -60,10 +60,11 @@ def architecture_from_flags(args, vocab_size: int) -> ModelConfig:
 
 
 MOE_FLAGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
-             "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
+             "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+             "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
              "moe_shared_expert_gate")  # the architecture (an imported model's config sets them)
 MOE_TRAINING_FLAGS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-                      "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_expert_capacity_factor",
+                      "moe_router_bias_update_rate", "moe_expert_capacity_factor",
                       "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
                       "moe_grouped_gemm")  # how it trains (flags, also with --load-hf)
 

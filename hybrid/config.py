@@ -364,7 +364,8 @@ def apply_megatron_aliases(args: argparse.Namespace) -> list[str]:
 
 # Megatron-LM's load_args_from_checkpoint: the architecture and parallel sizes a checkpoint fixes
 _CHECKPOINT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-                    "position_embedding_type", "use_rotary_position_embeddings", "rotary_base", "normalization",
+                    "position_embedding_type", "use_rotary_position_embeddings", "rotary_base", "rotary_percent",
+                    "normalization",
                     "norm_epsilon", "swiglu", "group_query_attention", "num_query_groups", "disable_bias_linear",
                     "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
                     "apply_query_key_layer_scaling", "tensor_model_parallel_size", "pipeline_model_parallel_size",

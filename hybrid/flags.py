@@ -49,6 +49,8 @@ def _add_network_size_args(p):
     g.add_argument("--use-rotary-position-embeddings", action="store_true", help="alias of --position-embedding-type rope")
     g.add_argument("--no-position-embedding", action="store_true", help="no learned position table (with rope)")
     g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="rope rotates the first int(head dim x this) features of each head, the rest pass (GLM-4.5: 0.5)")
     g.add_argument("--normalization", default="LayerNorm", type=_normalization, choices=["LayerNorm", "RMSNorm"],
                    help="LayerNorm | RMSNorm (any case, as Megatron-DeepSpeed scripts write rmsnorm)")
     g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
@@ -284,6 +286,11 @@ def _add_moe_args(p):
     g.add_argument("--moe-router-pre-softmax", action="store_true",
                    help="softmax over every expert, then top-k (Qwen2-MoE without norm_topk_prob)")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="group-limited routing: the experts in this many equal groups (DeepSeek-V3: 8)")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="group-limited routing: each token's experts come from the this many groups whose top "
+                        "topk / N scores sum highest (DeepSeek-V3: 4)")
     g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
                    choices=["aux_loss", "seq_aux_loss", "none"])
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)

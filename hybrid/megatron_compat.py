@@ -104,8 +104,6 @@ _FLAGS = [
                "launcher, accelerate); launch with one of them"),
     CompatFlag("--use-z-loss", "refused", "the z-loss auxiliary term is not implemented"),
     CompatFlag("--wandb-entity", "refused", "set the WANDB_ENTITY environment variable instead", nargs="1"),
-    CompatFlag("--rotary-percent", "neutral", "partial rotary embeddings are not implemented", nargs="1",
-               neutral="1.0"),
     CompatFlag("--no-pipeline-parallel", "accepted", "with --pipeline-model-parallel-size 1 hybrid never builds "
                "pipeline stages (with a larger size it is refused)"),
     # numerics or features hybrid does not have

@@ -1,6 +1,6 @@
 """Tiny random models of every supported HuggingFace family, made from transformers' own config
-classes and saved locally (nothing from a hub). Every parameter is perturbed (HF initialises norms
-to 1 or 0 and biases to 0), so a tensor mapped to the wrong place changes the logits."""
+classes and saved locally (nothing from a hub). Every parameter and saved buffer is perturbed (HF initialises
+norms to 1 or 0 and biases and score biases to 0), so a tensor mapped to the wrong place changes the logits."""
 
 from __future__ import annotations
 
@@ -49,12 +49,19 @@ FAMILY_CONFIGS.update({
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(  # Q/K norms, renormalised top-2, MoE every 2nd
         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
         norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[], tie_word_embeddings=False, rms_norm_eps=1e-6)),
+    # DeepSeek's MoE: 8 experts in 4 groups, top-2 from the best group, sigmoid with the score bias, scaled x 2.5,
+    # a shared expert, layer 0 dense; rope on half of each 16-wide head (linearly scaled), Q/K/V biases, Q/K norms
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+        n_shared_experts=1, n_group=4, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+        norm_topk_prob=True, attention_bias=True, use_qk_norm=True, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
 })
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe"]
 FAMILIES = DENSE + MOE
 RECORDED = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma": "gemma",
             "gemma3": "gemma3",
-            "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
+            "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe"}
 
 
 def save_embedded_tokenizer(path):
@@ -75,6 +82,10 @@ def make_family(family: str, path, seed: int = 0, tokenizer: bool = True, **over
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
+        saved = model.state_dict()
+        for name, b in model.named_buffers():  # the routers' score biases (e_score_correction_bias): zeros in HF
+            if name in saved and b.is_floating_point():
+                b.add_(0.1 * torch.randn_like(b))
     if overrides.get("dtype") == "bfloat16":
         model = model.to(torch.bfloat16)
     model.save_pretrained(path)

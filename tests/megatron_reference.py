@@ -2,7 +2,7 @@
 number of ranks (gloo, CPU), writes the checkpoints Megatron-LM's `save_checkpoint` writes, and its
 logits and per-token loss on a fixed batch.
 
-    python -m tests.megatron_reference OUT --family llama|qwen2|qwen3|gpt2|qwen2_moe|mixtral --tp 2 [--ep 1]
+    python -m tests.megatron_reference OUT --family llama|qwen2|qwen3|gpt2|qwen2_moe|mixtral|glm4_moe --tp 2 [--ep 1]
         [--iteration 7]
     python -m tests.megatron_reference OUT --family F --tp 2 --check WRITTEN_DIR torch  (megatron-core loads it)
 
@@ -54,14 +54,24 @@ FAMILIES = {
 }
 # mixtures of experts: Qwen2-MoE style (softmax over every expert, then top-k unnormalised; a sigmoid-gated
 # shared expert) and Mixtral style (top-k softmax, no shared expert), every layer MoE
-MOE = {"qwen2_moe": dict(LLAMA, add_qkv_bias=True), "mixtral": dict(LLAMA)}
+MOE = {"qwen2_moe": dict(LLAMA, add_qkv_bias=True), "mixtral": dict(LLAMA),
+       # GLM-4.5 style: rope on half of each head, QKV bias, Q/K norms; DeepSeek's MoE (sigmoid scores with the
+       # expert bias choosing, 4 groups of which each token's experts come from 1, scaled x 2.5, an ungated
+       # shared expert)
+       "glm4_moe": dict(LLAMA, add_qkv_bias=True, qk_layernorm=True, rotary_percent=0.5)}
 FAMILIES.update(MOE)
 MOE_ARGS = {
     "qwen2_moe": dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_router_pre_softmax=True,
                       moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True),
     "mixtral": dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96, moe_router_pre_softmax=False,
                     moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False),
+    "glm4_moe": dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32, moe_router_pre_softmax=False,
+                     moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=False,
+                     moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                     moe_router_num_groups=4, moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5),
 }
+ROUTER_ARGS = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups",
+               "moe_router_group_topk", "moe_router_topk_scaling_factor")  # where a family sets them
 SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, seq_length=16, vocab=256)
 
 
@@ -93,7 +103,8 @@ def megatron_args(family: str, tp: int, iteration: int, ep: int = 1) -> argparse
         num_attention_heads=s["num_attention_heads"], group_query_attention=f["num_query_groups"] != 4,
         num_query_groups=f["num_query_groups"], kv_channels=s["hidden_size"] // s["num_attention_heads"],
         max_position_embeddings=s["seq_length"], seq_length=s["seq_length"],
-        position_embedding_type=f["position_embedding_type"], rotary_base=10000, rotary_percent=1.0,
+        position_embedding_type=f["position_embedding_type"], rotary_base=10000,
+        rotary_percent=f.get("rotary_percent", 1.0),
         rotary_interleaved=False, use_rope_scaling=f["use_rope_scaling"], rope_scaling_factor=8.0,
         rotary_seq_len_interpolation_factor=None, normalization=f["normalization"], norm_epsilon=1e-5,
         apply_layernorm_1p=False, swiglu=f["swiglu"], openai_gelu=False, squared_relu=False,
@@ -135,7 +146,7 @@ def build_model(family: str, tp: int, ep: int = 1, grouped: bool = False):
                    moe_shared_expert_intermediate_size=m["moe_shared_expert_intermediate_size"],
                    moe_shared_expert_gate=m["moe_shared_expert_gate"], moe_token_dispatcher_type="allgather",
                    moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep,
-                   sequence_parallel=tp > 1, moe_grouped_gemm=grouped)
+                   sequence_parallel=tp > 1, moe_grouped_gemm=grouped, **{k: m[k] for k in ROUTER_ARGS if k in m})
     config = TransformerConfig(
         num_layers=s["num_layers"], hidden_size=s["hidden_size"], num_attention_heads=s["num_attention_heads"],
         num_query_groups=f["num_query_groups"], ffn_hidden_size=s["ffn_hidden_size"], use_cpu_initialization=True,
@@ -148,11 +159,15 @@ def build_model(family: str, tp: int, ep: int = 1, grouped: bool = False):
     model = GPTModel(config, spec, vocab_size=s["vocab"], max_sequence_length=s["seq_length"],
                      position_embedding_type=f["position_embedding_type"], parallel_output=False,
                      share_embeddings_and_output_weights=not f["untie"],
-                     rope_scaling=f["use_rope_scaling"], rope_scaling_factor=8.0)
+                     rope_scaling=f["use_rope_scaling"], rope_scaling_factor=8.0,
+                     rotary_percent=f.get("rotary_percent", 1.0))
     with torch.no_grad():  # norms away from 1 and biases away from 0, so a swapped name shows
         for name, param in model.named_parameters():
             if name.endswith("bias") or "layernorm" in name or "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():  # the routers' expert biases (zeros until trained)
+            if name.endswith("expert_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(5)) * 0.1)
     return model
 
 

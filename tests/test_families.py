@@ -21,13 +21,16 @@ from tests.launch_helpers import read_log, run
 DISTINCTIVE = {"llama3": dict(rope_scaling=None), "qwen2": dict(add_qkv_bias=False),
                "qwen3": dict(qk_layernorm=False), "mistral": dict(sliding_window=None),
                "gemma": dict(apply_layernorm_1p=False), "gemma3": dict(sandwich_norms=False), "mixtral": dict(moe_router_topk=1),
-               "qwen2_moe": dict(moe_router_pre_softmax=False), "qwen3_moe": dict(moe_router_pre_softmax=True)}
+               "qwen2_moe": dict(moe_router_pre_softmax=False), "qwen3_moe": dict(moe_router_pre_softmax=True),
+               "glm4_moe": dict(rotary_percent=1.0)}
 # config.json fields that must survive import -> training -> export (what changes the model)
 KEPT_FIELDS = ("architectures", "layer_types", "query_pre_attn_scalar", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "rope_parameters", "sliding_window", "use_sliding_window",
                "rms_norm_eps", "tie_word_embeddings", "attention_bias", "hidden_act", "hidden_activation",
                "vocab_size", "max_position_embeddings", "num_local_experts", "num_experts", "num_experts_per_tok",
-               "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob")
+               "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "n_routed_experts",
+               "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
+               "use_qk_norm")
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +49,9 @@ def our_model(path, **overrides):
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(shard_for_rank(name, state[name], config, 1, 0))
+        for name, buffer in model.named_buffers():  # the routers' score biases
+            if name in state:
+                buffer.copy_(state[name])
     return model, config
 
 
@@ -141,6 +147,12 @@ FAMILY_FLAGS = {
     "qwen3_moe": ["--swiglu", "--num-query-groups", 2, "--qk-layernorm", "--kv-channels", 16,
                   "--untie-embeddings-and-output-weights", "--norm-epsilon", 1e-6, "--num-experts", 4,
                   "--moe-ffn-hidden-size", 24, "--moe-layer-freq", "[0,1,0,1]"],
+    "glm4_moe": ["--swiglu", "--num-query-groups", 2, "--qk-layernorm", "--add-qkv-bias", "--kv-channels", 16,
+                 "--rotary-percent", 0.5, "--rotary-seq-len-interpolation-factor", 2,
+                 "--untie-embeddings-and-output-weights", "--norm-epsilon", 1e-5, "--num-experts", 8,
+                 "--moe-ffn-hidden-size", 24, "--moe-layer-freq", "[0]+[1]*3", "--moe-router-score-function", "sigmoid",
+                 "--moe-router-enable-expert-bias", "--moe-router-num-groups", 4, "--moe-router-group-topk", 1,
+                 "--moe-router-topk-scaling-factor", 2.5, "--moe-shared-expert-intermediate-size", 24],
 }
 # fields an import takes from the HF config that flags leave at their defaults (not the architecture)
 NOT_ARCHITECTURE = ("family", "init_method_std", "seed", "vocab_size", "max_position_embeddings", "hf_dtype")

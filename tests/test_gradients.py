@@ -208,7 +208,7 @@ def test_moe_model_gradient_is_that_of_the_loss_with_the_auxiliary_losses_added(
 
 # --- every family's training gradients against transformers' own backward ----------------------------
 
-FAMILY_LAYOUTS = {"tp2_sp": dict(tensor_parallel=2), "pp2": dict(pipeline_parallel=2)}
+FAMILY_LAYOUTS = {"tp2_sp": dict(tensor_parallel=2), "pp2": dict(pipeline_parallel=2), "cp2": dict(context_parallel=2)}
 
 
 def _hf_batch(seq=16, batch=2):
@@ -218,7 +218,7 @@ def _hf_batch(seq=16, batch=2):
 
 def _family_gradients(path: str, layout: str) -> dict:
     """On each rank: the loss and this rank's canonical gradient shards of one backward of the imported
-    family (GPTModel at TP 2 + SP, or the runtime's 1F1B over 2 stages), dropout off."""
+    family (GPTModel at TP 2 + SP, or the runtime's 1F1B over 2 stages or at CP 2), dropout off."""
     import dataclasses
 
     from hybrid.conversion.hf import read_hf_dir
@@ -257,6 +257,7 @@ def _transformers_gradients(hf, tmp_path) -> tuple:
     """transformers' loss and gradients on the same batch, under canonical names: the gradients are
     saved in place of the weights by transformers' own save_pretrained and read back by the importer."""
     from hybrid.conversion.hf import read_hf_dir
+    from hybrid.model.naming import buffer_names
     ids, labels = _hf_batch()
     hf.zero_grad()
     logits = hf(ids).logits
@@ -269,8 +270,8 @@ def _transformers_gradients(hf, tmp_path) -> tuple:
         hf.save_pretrained(tmp_path / "grads")
         for n, p in hf.named_parameters():
             p.copy_(originals[n])
-    grads, _, _ = read_hf_dir(str(tmp_path / "grads"))
-    return loss.item(), grads
+    grads, config, _ = read_hf_dir(str(tmp_path / "grads"))
+    return loss.item(), {n: g for n, g in grads.items() if n not in buffer_names(config)}  # (the score biases)
 
 
 @pytest.fixture(scope="module")
@@ -283,12 +284,14 @@ def family_models(tmp_path_factory):
             for family in FAMILIES}
 
 
-@pytest.mark.parametrize("layout", list(FAMILY_LAYOUTS))
-@pytest.mark.parametrize("family", ["gpt2", "llama3", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "mixtral", "qwen2_moe",
-                                    "qwen3_moe"])
+@pytest.mark.parametrize("family,layout", [
+    (family, layout) for family in ["gpt2", "llama3", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "mixtral",
+                                    "qwen2_moe", "qwen3_moe", "glm4_moe"] for layout in ("tp2_sp", "pp2")]
+    + [("llama3", "cp2"), ("glm4_moe", "cp2")])
 def test_family_gradients_at_tp2_sp_and_pp2_equal_transformers_backward(family, layout, family_models, tmp_path):
     """One backward of each imported family, TP 2 + SP or PP 2 (DeepSpeed's engine), against transformers'
-    own backward on the same batch: the loss and every parameter's gradient (the TP shards joined)."""
+    own backward on the same batch: the loss and every parameter's gradient (the TP shards joined); CP 2 (the
+    ring, the engine reducing over DP x CP) for rope scaled by llama3 and rope on part of the head (GLM-4.5)."""
     from tests.model_harness import assemble_grads, compare_grads
     from tests.rank_pool import run_on_ranks
     if family == "gpt2":

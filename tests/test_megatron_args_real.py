@@ -113,7 +113,7 @@ REFUSALS = {
     "moonshotai/Kimi-K2-Instruct.sh": "multi-latent attention",
     "meta-llama/Llama-4-Maverick-17B-128E-Instruct.sh": "--no-rope-freq 4",
     "meta-llama/Llama-4-Scout-17B-16E-Instruct.sh": "--rotary-interleaved",
-    "nvidia/Nemotron-Mini-4B-Instruct.sh": "--rotary-percent 0.5",
+    "nvidia/Nemotron-Mini-4B-Instruct.sh": "--squared-relu",  # (its --rotary-percent 0.5 is read)
     "openai/gpt-oss-20b.sh": "--softmax-type learnable", "openai/gpt-oss-120b.sh": "--softmax-type learnable",
     **{name: HYBRID for name in RUNS if name.startswith("nvidia/") and "Nemotron-Mini" not in name},
     # helpers beside Kimi-K2's script that set a few flags, no model

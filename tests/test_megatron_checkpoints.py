@@ -127,6 +127,24 @@ def test_moe_export_has_megatron_core_logits(qwen2_moe, fmt, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_glm4_5_style_moe_exports_with_megatron_core_logits_and_round_trips(tmp_path):
+    """megatron-core's GPTModel with --rotary-percent 0.5, QKV bias, Q/K norms and DeepSeek's router (sigmoid,
+    random expert biases, --moe-router-num-groups 4 / --moe-router-group-topk 1, scaling 2.5, an ungated shared
+    expert) at TP 2 + SP: exported to transformers' Glm4MoeForCausalLM with megatron-core's logits, and written
+    back as a Megatron-LM checkpoint that megatron-core loads with every tensor (the expert biases too) equal."""
+    out = str(tmp_path / "ref")
+    _reference(out, "glm4_moe")
+    _export_matches(os.path.join(out, "torch_dist"), out, str(tmp_path / "hf"))
+    assert json.load(open(tmp_path / "hf" / "config.json"))["architectures"] == ["Glm4MoeForCausalLM"]
+    proc = _convert("--loader", "megatron", "--saver", "megatron", "--load-dir", os.path.join(out, "torch_dist"),
+                    "--save-dir", tmp_path / "back", "--target-tensor-parallel-size", 2, "--ckpt-format", "torch")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check = _check_in_megatron_core(out, "glm4_moe", str(tmp_path / "back"), "torch", tmp_path)
+    assert any(key.endswith("router.expert_bias") for key in check["keys"])
+    assert all(diff == 0.0 for rank in check["diffs"] for diff in rank.values()), check["diffs"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["torch", "torch_grouped"])
 def test_moe_with_expert_tensor_parallelism_exports(fmt, tmp_path):
     """Mixtral style at TP 2 with SP: the legacy files split every expert over expert-TP 2 ([gate; up] per
@@ -500,6 +518,11 @@ MAPPED = {
                                                  "rope_scaling", None),
     "layernorm_zero_centered_gamma (megatron-core's name of apply_layernorm_1p)":
         (dict(layernorm_zero_centered_gamma=True), "apply_layernorm_1p", True),
+    "rotary_percent": (dict(position_embedding_type="rope", rotary_percent=0.5), "rotary_percent", 0.5),
+    "moe_router_num_groups": (dict(num_experts=8, add_bias_linear=False, swiglu=True, moe_router_topk=2,
+                                   moe_router_num_groups=4, moe_router_group_topk=1), "moe_router_num_groups", 4),
+    "moe_router_group_topk": (dict(num_experts=8, add_bias_linear=False, swiglu=True, moe_router_topk=4,
+                                   moe_router_num_groups=4, moe_router_group_topk=2), "moe_router_group_topk", 2),
     "moe_router_load_balancing_type as the parser makes it (a one-element list)":
         (dict(num_experts=4, add_bias_linear=False, swiglu=True, moe_router_load_balancing_type=["seq_aux_loss"],
               moe_aux_loss_coeff=[0.01]),

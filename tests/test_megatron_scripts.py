@@ -23,12 +23,12 @@ EXPECTED_REFUSAL = {
     "megatron_lm_llama3_8b_fp8": "--decoupled-lr",  # its FP8 flags run (--fp8-param-gather aside: the table's)
     "megatron_lm_gpt3_175b_samples": "--rampup-batch-size",  # ramp-up with pipeline parallelism
     "megatron_deepspeed_gpt_1.3b_tokens": "--log-optimizer-states-to-tensorboard",
+    "megatron_deepspeed_gpt_1.3b_rope": "--log-optimizer-states-to-tensorboard",  # (its --rotary-percent 0.25 is read)
     "bigscience_bloom_176b": "--embed-layernorm",
     "bigscience_tr1_13b": "--codecarbon-dir",
     "megatron_deepspeed_moe_gpt_1.3b_moe128": "--moe-expert-parallel-size",  # DeepSpeed-MoE's spelling
     "megatron_deepspeed_zbh1_gpt_1.3b": "--enable-zbh1-pipeline",
     "megatron_deepspeed_ulysses_gpt_1.3b_32k": "--use-flash-attn-triton",  # Ulysses itself runs
-    "megatron_deepspeed_gpt_1.3b_rope": "--rotary-percent",  # rope on a quarter of each head
     "llm_jp_v3_megatron_sakura_1.8b": "--use-z-loss",
 }
 

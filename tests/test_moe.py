@@ -2,6 +2,7 @@
 per-token loop over the chosen experts (forward and every gradient), the balancing losses' closed forms
 and transformers' Mixtral load-balancing loss, token dropping against a loop that drops the same tokens."""
 
+import dataclasses
 import math
 
 import pytest
@@ -559,3 +560,53 @@ def test_qwen_moe_evaluates_to_transformers_loss_with_its_experts_split_over_2_r
     from tests.hf_families import make_family
     hf = make_family(family, tmp_path / "hf", tokenizer=False)
     assert_ep2_evaluation_is_transformers_loss(tmp_path / "hf", hf, data, tmp_path)
+
+
+@pytest.mark.slow
+def test_glm4_moe_evaluates_to_transformers_loss_with_its_experts_split_over_2_ranks(data, tmp_path):
+    """GLM-4.5's partial rope, score-biased group-limited sigmoid routing, shared expert and dense first layer:
+    launch/evaluate.py at EP 2 gives transformers' loss on the same windows."""
+    from tests.hf_families import make_family
+    hf = make_family("glm4_moe", tmp_path / "hf", tokenizer=False)  # (its score biases random, as its norms)
+    assert_ep2_evaluation_is_transformers_loss(tmp_path / "hf", hf, data, tmp_path)
+
+
+@pytest.mark.parametrize("experts,k,groups,chosen,function", [(16, 4, 4, 2, "sigmoid"), (16, 6, 4, 2, "sigmoid"),
+                                                              (12, 3, 3, 1, "softmax"), (8, 2, 4, 1, "sigmoid")])
+def test_group_limited_routing_equals_megatron_core_and_where_both_define_it_transformers(experts, k, groups, chosen,
+                                                                                           function):
+    """--moe-router-num-groups / --moe-router-group-topk: megatron-core's own topk_routing_with_score_function
+    (groups scored by their top k // g), with the score bias and scaling; and DeepSeek-V3's / GLM-4.5's router in
+    transformers (groups scored by their top 2) where k // g = 2."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    torch.manual_seed(experts + k)
+    sigmoid = function == "sigmoid"
+    config = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, add_bias_linear=False,
+                         num_experts=experts, moe_router_topk=k, moe_router_num_groups=groups,
+                         moe_router_group_topk=chosen, moe_router_score_function=function,
+                         moe_router_enable_expert_bias=sigmoid, moe_router_topk_scaling_factor=2.5)
+    logits, bias = torch.randn(64, experts), 0.2 * torch.randn(experts) if sigmoid else None
+    probs, indices = route(logits, config, bias)
+    want_probs, want_map = topk_routing_with_score_function(
+        logits, k, num_groups=groups, group_topk=chosen, scaling_factor=2.5, score_function=function,
+        expert_bias=bias)
+    dense = torch.zeros(64, experts).scatter(1, indices, probs)
+    assert torch.equal(dense != 0, want_map)
+    torch.testing.assert_close(dense, want_probs, rtol=1e-6, atol=1e-7)
+    grouped = route(logits, dataclasses.replace(config, moe_router_num_groups=None, moe_router_group_topk=None), bias)
+    assert not torch.equal(grouped[1].sort(-1).values, indices.sort(-1).values)  # the groups restrict the choice
+    if sigmoid and k // chosen == 2:
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+        hf = DeepseekV3TopkRouter(DeepseekV3Config(hidden_size=16, n_routed_experts=experts, num_experts_per_tok=k,
+                                                   n_group=groups, topk_group=chosen, routed_scaling_factor=2.5,
+                                                   norm_topk_prob=True))
+        x = torch.randn(64, 16)
+        with torch.no_grad():
+            hf.weight.normal_()
+            hf.e_score_correction_bias.copy_(bias)
+            probs, indices = route(x @ hf.weight.t(), config, bias)
+            _, hf_weights, hf_indices = hf(x)
+        order, hf_order = indices.argsort(-1), hf_indices.argsort(-1)
+        assert torch.equal(indices.gather(1, order), hf_indices.gather(1, hf_order))
+        torch.testing.assert_close(probs.gather(1, order), hf_weights.gather(1, hf_order), rtol=1e-6, atol=1e-7)

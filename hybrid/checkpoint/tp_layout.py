@@ -35,7 +35,7 @@ def _tp_layout(config_json: str) -> tuple:
     config = ModelConfig(**json.loads(config_json))
     # a tiny model of the same structure (names and layers depend on the options, not the sizes)
     tiny = dataclasses.replace(config, hidden_size=2 * config.num_attention_heads, ffn_hidden_size=2, vocab_size=8,
-                               max_position_embeddings=2, make_vocab_size_divisible_by=1,
+                               max_position_embeddings=2, make_vocab_size_divisible_by=1, rotary_percent=1.0,
                                **({"moe_ffn_hidden_size": 2} if config.num_experts else {}),
                                **({"moe_shared_expert_intermediate_size": 2}
                                   if config.moe_shared_expert_intermediate_size else {}))

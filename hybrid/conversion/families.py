@@ -206,13 +206,14 @@ def _gemma3_options(c: ModelConfig) -> dict:
             "--local-rotary-base": c.local_rotary_base is not None, "--softmax-scale": c.softmax_scale is not None}
 
 
-def _rope_of(hf, params: dict | None = None) -> tuple[float, dict | None]:
+def _rope_of(hf, params: dict | None = None, partial: bool = False) -> tuple[float, dict | None]:
     """(rope_theta, rope scaling or None) from transformers 5's rope_parameters (or 4.x's rope_theta /
     rope_scaling), or from `params` (one layer type's, Gemma 3); scaling types other than llama3 and linear
-    are refused by name."""
+    are refused by name, and a `partial_rotary_factor` unless the family rotates part of each head (`partial`)."""
     if params is None:
         params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
     params = dict(params)
+    params.pop("partial_rotary_factor" if partial else "", None)
     theta = params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
@@ -252,6 +253,8 @@ class LlamaAdapter(Adapter):
     windowed = False  # sliding_window is part of the config (Mistral, Qwen2/3)
     gemma = False  # (1 + w) RMSNorm, GeGLU, embeddings x sqrt(hidden)
     gemma3 = False  # Gemma 3's options (_gemma3_options) may be on
+    partial_rotary = False  # rope may rotate part of each head (`partial_rotary_factor` = --rotary-percent)
+    REFUSED_BIASES = ("attention_bias", "mlp_bias")  # HF bias options this family's model does not have
     LAYER_MAP = {"model.layers.{}.input_layernorm.weight": "layers.{}.input_norm.weight",
                  "model.layers.{}.post_attention_layernorm.weight": "layers.{}.post_attention_norm.weight",
                  "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.dense.weight"}
@@ -261,7 +264,7 @@ class LlamaAdapter(Adapter):
     @classmethod
     def config_from_hf(cls, hf) -> ModelConfig:
         name = cls.hf_class.replace("ForCausalLM", "")
-        for field in ("attention_bias", "mlp_bias"):
+        for field in cls.REFUSED_BIASES:
             if getattr(hf, field, False):
                 _refuse(name, field, True, "biases on the output projection and MLP of this family are not "
                         "implemented (Qwen2's Q/K/V-only bias is)")
@@ -307,6 +310,7 @@ class LlamaAdapter(Adapter):
                   "--apply-layernorm-1p and --scale-embeddings" + ("" if self.gemma else " off"):
                       c.apply_layernorm_1p == self.gemma and c.scale_embeddings == self.gemma,
                   "no --window-size": self.windowed or c.sliding_window is None,
+                  "no --rotary-percent": self.partial_rotary or c.rotary_percent == 1.0,
                   "--sandwich-norms" + ("" if self.gemma3 else " off"): c.sandwich_norms == self.gemma3}
         missing = [what for what, ok in wanted.items() if not ok]
         if missing:
@@ -519,7 +523,10 @@ class _MoEFamily:
 
     moe_block = "mlp"  # the HF module of a layer's router and experts
     expert_names = ("gate_proj", "up_proj", "down_proj")  # an expert's projections: gate, up, down
-    shared = False  # a sigmoid-gated shared expert (Qwen2-MoE)
+    shared = False  # shared experts every token sees
+    shared_block = "shared_expert"  # their HF module
+    shared_gated = True  # scaled by sigmoid(x w) (Qwen2-MoE's `shared_expert_gate`)
+    sigmoid_routing = False  # DeepSeek's router: sigmoid scores, a score bias, groups, a scaling factor
 
     @classmethod
     def _moe_config(cls, hf, config: ModelConfig) -> ModelConfig:
@@ -532,13 +539,16 @@ class _MoEFamily:
     def check_exportable(self):
         super().check_exportable()
         c = self.config
-        wanted = {"--num-experts": bool(c.num_experts), "--moe-router-score-function softmax":
-                  c.moe_router_score_function == "softmax", "no --moe-router-topk-scaling-factor":
-                  not c.moe_router_topk_scaling_factor, "no --moe-router-enable-expert-bias":
-                  not c.moe_router_enable_expert_bias,
-                  ("--moe-shared-expert-intermediate-size and --moe-shared-expert-gate" if self.shared else
-                   "no shared experts"): bool(c.moe_shared_expert_intermediate_size and c.moe_shared_expert_gate)
-                  == self.shared, **self._moe_wanted()}
+        shared = bool(c.moe_shared_expert_intermediate_size)
+        wanted = {"--num-experts": bool(c.num_experts),
+                  ("--moe-shared-expert-intermediate-size" if self.shared else "no shared experts"): shared == self.shared,
+                  "--moe-shared-expert-gate" + ("" if self.shared_gated else " off"):
+                      not shared or c.moe_shared_expert_gate == self.shared_gated, **self._moe_wanted()}
+        if not self.sigmoid_routing:
+            wanted.update({"--moe-router-score-function softmax": c.moe_router_score_function == "softmax",
+                           "no --moe-router-topk-scaling-factor": not c.moe_router_topk_scaling_factor,
+                           "no --moe-router-enable-expert-bias": not c.moe_router_enable_expert_bias,
+                           "no --moe-router-num-groups": not c.moe_router_num_groups})
         missing = [what for what, ok in wanted.items() if not ok]
         if missing:
             raise ConfigError(f"exporting to {self.hf_class} needs {', '.join(missing)}.")
@@ -553,13 +563,17 @@ class _MoEFamily:
         hf, ours = f"model.layers.{i}.{self.moe_block}.", f"layers.{i}.mlp."
         out[ours + "router.weight"] = expect(hf + "gate.weight", get(hf_state, hf + "gate.weight"),
                                              (c.num_experts, c.hidden_size))
+        if self.sigmoid_routing:
+            name = hf + "gate.e_score_correction_bias"
+            out[ours + "router.score_bias"] = expect(name, get(hf_state, name), (c.num_experts,))
         for e in range(c.num_experts):
             expert = f"{ours}{EXPERTS[1:]}{e}."
             if wanted is None or f"{expert}fc1.weight" in wanted:  # an EP rank reads its own experts only
                 self._gated_to_canonical(hf_state, f"{hf}experts.{e}.", expert, out, self.expert_names)
         if self.shared:
-            self._gated_to_canonical(hf_state, hf + "shared_expert.", ours + "shared_mlp.", out)
-            out[ours + "shared_gate"] = get(hf_state, hf + "shared_expert_gate.weight")
+            self._gated_to_canonical(hf_state, f"{hf}{self.shared_block}.", ours + "shared_mlp.", out)
+            if self.shared_gated:
+                out[ours + "shared_gate"] = get(hf_state, hf + "shared_expert_gate.weight")
 
     def mlp_to_hf(self, state, i, out):
         c = self.config
@@ -567,11 +581,71 @@ class _MoEFamily:
             return super().mlp_to_hf(state, i, out)
         hf, ours = f"model.layers.{i}.{self.moe_block}.", f"layers.{i}.mlp."
         out[hf + "gate.weight"] = state[ours + "router.weight"]
+        if self.sigmoid_routing:  # a router without a score bias routes as one of zeros
+            out[hf + "gate.e_score_correction_bias"] = state.get(ours + "router.score_bias",
+                                                                 torch.zeros(c.num_experts))
         for e in range(c.num_experts):
             self._gated_to_hf(state, f"{ours}{EXPERTS[1:]}{e}.", f"{hf}experts.{e}.", out, self.expert_names)
         if self.shared:
-            self._gated_to_hf(state, ours + "shared_mlp.", hf + "shared_expert.", out)
-            out[hf + "shared_expert_gate.weight"] = state[ours + "shared_gate"]
+            self._gated_to_hf(state, ours + "shared_mlp.", f"{hf}{self.shared_block}.", out)
+            if self.shared_gated:
+                out[hf + "shared_expert_gate.weight"] = state[ours + "shared_gate"]
+
+
+class _DeepSeekMoE(_MoEFamily):
+    """DeepSeek-V3's mixture of experts (also GLM-4.5's): sigmoid scores, the score bias
+    (`e_score_correction_bias`) choosing, group-limited top-k (`n_group`, `topk_group`: groups scored by their
+    top 2), renormalised (`norm_topk_prob`) and scaled (`routed_scaling_factor`) weights, ungated shared experts
+    (`n_shared_experts` x the expert width) and the first `first_k_dense_replace` layers dense."""
+
+    shared, shared_block, shared_gated, sigmoid_routing = True, "shared_experts", False, True
+
+    @classmethod
+    def _moe_config(cls, hf, config):
+        name = cls.hf_class.replace("ForCausalLM", "")
+        experts, k = int(hf.n_routed_experts), int(hf.num_experts_per_tok)
+        if bool(hf.norm_topk_prob) != (k > 1):  # Megatron's sigmoid router renormalises top-k > 1 only
+            _refuse(name, "norm_topk_prob", hf.norm_topk_prob, f"with num_experts_per_tok {k}, the sigmoid router "
+                    f"renormalises the top-k weights exactly when k > 1 (as Megatron-LM's)")
+        groups, chosen = int(hf.n_group or 1), int(hf.topk_group or 1)
+        if chosen >= groups:  # every group is chosen: plain top-k
+            groups = chosen = None
+        elif k // chosen != 2:
+            _refuse(name, "topk_group", chosen, f"a group is scored by its top 2 experts there and by its top "
+                    f"num_experts_per_tok // topk_group = {k // chosen} in Megatron-LM's group-limited routing")
+        dense = int(hf.first_k_dense_replace)
+        shared = int(hf.n_shared_experts or 0) * int(hf.moe_intermediate_size)
+        scale = float(hf.routed_scaling_factor)
+        return _replace(config, num_experts=experts, moe_router_topk=k, moe_ffn_hidden_size=int(hf.moe_intermediate_size),
+                        moe_layer_freq=1 if dense == 0 else [int(i >= dense) for i in range(hf.num_hidden_layers)],
+                        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                        moe_router_topk_scaling_factor=None if scale == 1.0 else scale,
+                        moe_router_num_groups=groups, moe_router_group_topk=chosen,
+                        moe_shared_expert_intermediate_size=shared or None)
+
+    def _first_dense(self):
+        c = self.config
+        dense = next((i for i in range(c.num_layers) if c.mlp_type_of(i) == "moe"), c.num_layers)
+        return dense if all(c.mlp_type_of(i) == "moe" for i in range(dense, c.num_layers)) else None
+
+    def _moe_wanted(self):
+        c = self.config
+        k, chosen = c.moe_router_topk, c.moe_router_group_topk
+        return {"--moe-router-score-function sigmoid": c.moe_router_score_function == "sigmoid",
+                "dense layers first, then MoE layers only (--moe-layer-freq)": self._first_dense() is not None,
+                "--moe-shared-expert-intermediate-size a multiple of --moe-ffn-hidden-size":
+                    (c.moe_shared_expert_intermediate_size or 0) % c.moe_ffn_hidden_size == 0,
+                "--moe-router-topk // --moe-router-group-topk = 2 (groups are scored by their top 2)":
+                    not chosen or chosen >= c.moe_router_num_groups or k // chosen == 2}
+
+    def family_fields(self):
+        c = self.config
+        return dict(super().family_fields(), n_routed_experts=c.num_experts, num_experts_per_tok=c.moe_router_topk,
+                    moe_intermediate_size=c.moe_ffn_hidden_size,
+                    n_shared_experts=c.moe_shared_expert_intermediate_size // c.moe_ffn_hidden_size,
+                    routed_scaling_factor=c.moe_router_topk_scaling_factor or 1.0,
+                    n_group=c.moe_router_num_groups or 1, topk_group=c.moe_router_group_topk or 1,
+                    first_k_dense_replace=self._first_dense(), norm_topk_prob=c.moe_router_topk > 1)
 
 
 def _replace(config: ModelConfig, **fields) -> ModelConfig:
@@ -632,7 +706,7 @@ class Qwen2MoeAdapter(_MoEFamily, Qwen2Adapter):
     options = ("Qwen2's, MoE layers by decoder_sparse_step / mlp_only_layers (--moe-layer-freq), a sigmoid-gated "
                "shared expert, norm_topk_prob (off: --moe-router-pre-softmax)")
     refused = "as Qwen2's"
-    shared = True
+    shared = True  # sigmoid-gated
 
     @classmethod
     def _moe_config(cls, hf, config):
@@ -655,8 +729,43 @@ class Qwen3MoeAdapter(_MoEFamily, Qwen3Adapter):
         return dict(super().family_fields(), **_qwen_moe_fields(self.config, shared=False))
 
 
+class Glm4MoeAdapter(_DeepSeekMoE, LlamaAdapter):
+    family, hf_class, config_class = "glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig"
+    options = ("Llama's, rope on part of each head (`partial_rotary_factor` = --rotary-percent), optional Q/K/V "
+               "biases (`attention_bias` = --add-qkv-bias) and per-head Q/K norms (`use_qk_norm` = --qk-layernorm); "
+               "DeepSeek's MoE: sigmoid routing with the score bias (--moe-router-enable-expert-bias), groups "
+               "(--moe-router-num-groups / --moe-router-group-topk), `routed_scaling_factor` "
+               "(--moe-router-topk-scaling-factor), shared experts, the first layers dense (--moe-layer-freq)")
+    refused = ("`norm_topk_prob` off with top-k > 1, `topk_group` with topk // topk_group != 2, the MTP layers "
+               "(`num_nextn_predict_layers`: not read, as transformers), as Llama's")
+    partial_rotary = True
+    REFUSED_BIASES = ("mlp_bias",)  # `attention_bias` is Q/K/V's (the output projection never has one)
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.qkv_bias, self.qk_norm = config.add_qkv_bias, config.qk_layernorm  # either way, as the config says
+
+    @classmethod
+    def _rope(cls, hf):
+        return _rope_of(hf, partial=True)
+
+    @classmethod
+    def config_from_hf(cls, hf):
+        params = getattr(hf, "rope_parameters", None) or {}
+        percent = float(params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) or 1.0)
+        return _replace(super().config_from_hf(hf), add_qkv_bias=bool(hf.attention_bias),
+                        qk_layernorm=bool(hf.use_qk_norm), rotary_percent=percent)
+
+    def family_fields(self):
+        c = self.config
+        rope = {"rope_type": "default"} if not c.rope_scaling else dict(c.rope_scaling)
+        return dict(super().family_fields(), attention_bias=c.add_qkv_bias, use_qk_norm=c.qk_layernorm,
+                    rope_parameters=dict(rope, rope_theta=c.rotary_base, partial_rotary_factor=c.rotary_percent),
+                    num_nextn_predict_layers=0)
+
+
 FAMILIES = {a.family: a for a in (GPT2Adapter, LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter, GemmaAdapter,
-                                  Gemma3Adapter, MixtralAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter)}
+                                  Gemma3Adapter, MixtralAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter, Glm4MoeAdapter)}
 BY_HF_CLASS = {a.hf_class: a for a in FAMILIES.values()}
 
 
@@ -669,6 +778,8 @@ def family_of(config: ModelConfig) -> str:
     if config.position_embedding_type == "learned_absolute":
         return "gpt2"
     if config.num_experts:
+        if config.moe_router_score_function == "sigmoid":
+            return "glm4_moe"
         return "qwen2_moe" if config.moe_shared_expert_intermediate_size else \
             "qwen3_moe" if config.qk_layernorm else "mixtral"
     if config.sandwich_norms:

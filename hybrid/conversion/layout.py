@@ -26,8 +26,8 @@ from hybrid.checkpoint.tp_layout import full_numels, tp_layout
 from hybrid.conversion.ds_universal import read_fp32_state
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
-from hybrid.model.naming import (EMBEDDING_WEIGHT, EXPERTS, canonical_buffers, canonical_name, canonical_parameters,
-                                 pipeline_index)
+from hybrid.model.naming import (EMBEDDING_WEIGHT, EXPERTS, buffer_names, canonical_buffers, canonical_name,
+                                 canonical_parameters, pipeline_index)
 from hybrid.parallel.layers import shard, unshard
 
 __all__ = ["read_hybrid", "hybrid_parts", "write_hybrid", "shard_for_rank", "partition_rule", "load_full_state", "resolve_tag",
@@ -107,7 +107,7 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
             full = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag)
         shards = {name: {0: value} for name, value in full.items()}
     else:
-        shards = _read_shards(_locate(ckpt, saved, config, set(tp_layout(config))))
+        shards = _read_shards(_locate(ckpt, saved, config, set(tp_layout(config)) | buffer_names(config)))
     return merge_shards(shards, config, tp, ckpt, progress), meta
 
 
@@ -174,7 +174,10 @@ def merge_shards(shards: dict, config: ModelConfig, tp: int, ckpt: str = "", pro
     a lone shard as it is), vocabulary padding removed."""
     state = {}
     layout, numels = tp_layout(config), full_numels(config)
-    names = sorted(n for n in shards if n in layout)  # parameters (buffers such as a router's score bias stay out)
+    for name in sorted(buffer_names(config) & set(shards)):  # replicated: any TP rank's copy
+        tensor = next(iter(shards.pop(name).values()))
+        state[name] = tensor if dtype is None else tensor.to(dtype).clone()
+    names = sorted(n for n in shards if n in layout)
     for name in (progress(names) if progress else names):
         by_rank = shards.pop(name)  # free the shards as the full tensor is built: ~one copy at a time
         pieces = [by_rank[r] for r in sorted(by_rank)]
@@ -197,7 +200,10 @@ def merge_shards(shards: dict, config: ModelConfig, tp: int, ckpt: str = "", pro
 
 
 def shard_for_rank(name: str, tensor: torch.Tensor, config: ModelConfig, tp: int, tp_rank: int) -> torch.Tensor:
-    """The TP shard of a full canonical tensor, vocabulary padded as the model at this TP pads it."""
+    """The TP shard of a full canonical tensor, vocabulary padded as the model at this TP pads it (a buffer:
+    the whole tensor, replicated)."""
+    if name in buffer_names(config):
+        return tensor
     if tp_layout(config)[name].vocab_padded:
         padded = config.padded_vocab_size(tp)
         if tensor.size(0) < padded:
@@ -319,5 +325,5 @@ def _write_pipeline(state, config, tp, pp, ckpt, common, progress):
 
 
 def _expected_names(config: ModelConfig) -> set:
-    """Canonical parameter names of a model with this config's structure."""
-    return set(tp_layout(config))
+    """Canonical parameter and buffer names of a model with this config's structure."""
+    return set(tp_layout(config)) | buffer_names(config)

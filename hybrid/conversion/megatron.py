@@ -36,7 +36,7 @@ from hybrid.checkpoint.files import LATEST, MEGATRON_LATEST, load_file
 from hybrid.conversion.dcp_files import DCPCheckpoint
 from hybrid.errors import ConfigError
 from hybrid.model.config import LLAMA3_ROPE_DEFAULTS, ModelConfig
-from hybrid.model.naming import EXPERTS
+from hybrid.model.naming import EXPERTS, buffer_names
 
 RELEASE = "release"  # Megatron-LM's name for a checkpoint without an iteration
 LEGACY_FILE = "model_optim_rng.pt"
@@ -340,13 +340,6 @@ def _optimizer_groups(node) -> tuple:
     return (hyper(decayed), hyper(others) if others else hyper(decayed)[:3] + (0.0,))
 
 
-def buffer_names(config: ModelConfig) -> set:
-    """Canonical names of the model's state that is not a parameter: the routers' score biases."""
-    if not config.num_experts or not config.moe_router_enable_expert_bias:
-        return set()
-    return {f"layers.{i}.mlp.router.score_bias" for i in config.moe_layers}
-
-
 def _expected(config: ModelConfig) -> dict:
     """Canonical names of the model -> whether the tensor has vocabulary rows."""
     from hybrid.checkpoint.tp_layout import tp_layout  # builds a tiny model: only when weights are read
@@ -407,8 +400,6 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
                           f"Megatron-LM's converter does.")
     if _arg(args, "multi_latent_attention"):
         refuse("multi-latent attention", "only multi-head / grouped-query attention")
-    if float(_arg(args, "rotary_percent", 1.0) or 1.0) != 1.0:
-        refuse(f"--rotary-percent {args.rotary_percent}", "rotary embeddings span the whole head")
     if _arg(args, "rotary_interleaved"):
         refuse("--rotary-interleaved", "rotary embeddings rotate halves, as transformers' Llama")
     if _arg(args, "squared_relu"):
@@ -454,7 +445,8 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         ffn_hidden_size=_arg(args, "ffn_hidden_size"),
         num_query_groups=int(args.num_query_groups) if _arg(args, "group_query_attention") else None,
         position_embedding_type="rope" if rope else "learned_absolute",
-        rotary_base=float(_arg(args, "rotary_base", 10000)), normalization=_arg(args, "normalization", "LayerNorm"),
+        rotary_base=float(_arg(args, "rotary_base", 10000)), rotary_percent=float(_arg(args, "rotary_percent", 1.0) or 1.0),
+        normalization=_arg(args, "normalization", "LayerNorm"),
         norm_epsilon=float(_arg(args, "norm_epsilon", None) or _arg(args, "layernorm_epsilon", None) or 1e-5),
         swiglu=swiglu, add_bias_linear=bias,
         untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)),
@@ -601,9 +593,7 @@ def _moe_fields(args: argparse.Namespace, refuse) -> dict:
     experts = _arg(args, "num_experts") or _arg(args, "num_moe_experts")
     if not experts:
         return {}
-    for name, why in (("moe_router_num_groups", "device-limited (grouped) routing"),
-                      ("moe_router_group_topk", "device-limited (grouped) routing"),
-                      ("moe_input_jitter_eps", "input jitter"), ("moe_router_force_load_balancing", "forced routing"),
+    for name, why in (("moe_input_jitter_eps", "input jitter"), ("moe_router_force_load_balancing", "forced routing"),
                       ("moe_latent_size", "latent MoE projections"), ("moe_router_padding_for_fp8", "FP8 padding")):
         if _arg(args, name):
             refuse(f"--{name.replace('_', '-')} {_arg(args, name)}", f"{why} is not implemented")
@@ -622,6 +612,7 @@ def _moe_fields(args: argparse.Namespace, refuse) -> dict:
         moe_router_score_function=_arg(args, "moe_router_score_function", "softmax") or "softmax",
         moe_router_pre_softmax=bool(_arg(args, "moe_router_pre_softmax", False)),
         moe_router_topk_scaling_factor=_arg(args, "moe_router_topk_scaling_factor"),
+        moe_router_num_groups=_arg(args, "moe_router_num_groups"), moe_router_group_topk=_arg(args, "moe_router_group_topk"),
         moe_router_load_balancing_type=balancing, moe_aux_loss_coeff=float(coeff or 0.0),
         moe_z_loss_coeff=_arg(args, "moe_z_loss_coeff"),
         moe_router_enable_expert_bias=bool(_arg(args, "moe_router_enable_expert_bias", False)),
@@ -647,7 +638,7 @@ def megatron_run_args(args: argparse.Namespace) -> dict:
 # flag namespace attribute -> the stored args' attribute
 ARCHITECTURE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
                       "normalization", "swiglu", "untie_embeddings_and_output_weights", "position_embedding_type",
-                      "qk_layernorm", "add_qkv_bias", "rotary_base", "max_position_embeddings", "num_experts",
+                      "qk_layernorm", "add_qkv_bias", "rotary_base", "rotary_percent", "max_position_embeddings", "num_experts",
                       "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
 
 

@@ -52,7 +52,7 @@ def megatron_args(config: ModelConfig, tp: int, pp: int, client_state: ClientSta
         group_query_attention=config.num_query_groups != config.num_attention_heads,
         num_query_groups=config.num_query_groups, kv_channels=config.head_dim,
         max_position_embeddings=config.max_position_embeddings, position_embedding_type=config.position_embedding_type,
-        rotary_base=config.rotary_base, rotary_percent=1.0, rotary_interleaved=False,
+        rotary_base=config.rotary_base, rotary_percent=config.rotary_percent, rotary_interleaved=False,
         use_rope_scaling=bool(config.rope_scaling and config.rope_scaling["rope_type"] == "llama3"),
         rope_scaling_factor=(config.rope_scaling or {}).get("factor", 8.0),
         rotary_seq_len_interpolation_factor=(config.rope_scaling["factor"] if config.rope_scaling and
@@ -73,7 +73,8 @@ def megatron_args(config: ModelConfig, tp: int, pp: int, client_state: ClientSta
     if config.num_experts:
         arch.update({name: getattr(config, name) for name in (
             "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
-            "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_load_balancing_type",
+            "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+            "moe_router_load_balancing_type",
             "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
             "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_expert_capacity_factor",
             "moe_token_drop_policy", "moe_pad_expert_input_to_capacity")}, moe_grouped_gemm=False)

@@ -217,7 +217,7 @@ class SelfAttention(nn.Module):
                         output_layer_std(config.init_method_std, config.num_layers)),
             bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=config.sequence_parallel,
             fp8=gemm_for(config, groups, name, "row"))
-        self.rotary = (RotaryEmbedding(config.head_dim, *config.layer_rope(layer_number))
+        self.rotary = (RotaryEmbedding(config.rotary_dim, *config.layer_rope(layer_number))
                        if config.position_embedding_type == "rope" else None)
         self.recompute_core = config.recompute_granularity == "selective"
 

@@ -30,6 +30,7 @@ class ModelConfig:
     num_query_groups: Optional[int] = None  # --num-query-groups (GQA); None = one group per head
     position_embedding_type: str = "learned_absolute"  # --position-embedding-type learned_absolute|rope
     rotary_base: float = 10000.0  # --rotary-base
+    rotary_percent: float = 1.0  # --rotary-percent: rope on the first int(head_dim x this) features of each head
     normalization: str = "LayerNorm"  # --normalization LayerNorm|RMSNorm
     norm_epsilon: float = 1e-5  # --norm-epsilon
     swiglu: bool = False  # --swiglu (gated SiLU MLP instead of GeLU)
@@ -54,6 +55,8 @@ class ModelConfig:
     moe_router_score_function: str = "softmax"  # --moe-router-score-function softmax|sigmoid
     moe_router_pre_softmax: bool = False  # --moe-router-pre-softmax: softmax over all experts, then top-k
     moe_router_topk_scaling_factor: Optional[float] = None  # --moe-router-topk-scaling-factor: probs x factor
+    moe_router_num_groups: Optional[int] = None  # --moe-router-num-groups: experts in this many equal groups, and
+    moe_router_group_topk: Optional[int] = None  # --moe-router-group-topk: each token's top-k from this many groups
     moe_router_load_balancing_type: str = "aux_loss"  # --moe-router-load-balancing-type aux_loss|seq_aux_loss|none
     moe_aux_loss_coeff: float = 0.0  # --moe-aux-loss-coeff (0: no balancing loss, Megatron's default)
     moe_z_loss_coeff: Optional[float] = None  # --moe-z-loss-coeff: the router z-loss
@@ -139,6 +142,12 @@ class ModelConfig:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
+    def rotary_dim(self) -> int:
+        """The features of each head that rope rotates (Megatron's int(kv_channels x rotary_percent), transformers'
+        int(head_dim x partial_rotary_factor)); the rest pass unrotated."""
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
     def gated_linear_unit(self) -> bool:
         """fc1 computes [gate; up] (SwiGLU or GeGLU)."""
         return self.swiglu or self.geglu
@@ -181,9 +190,12 @@ class ModelConfig:
             self._validate_moe()
         if self.recompute_method not in ("uniform", "block"):
             raise ConfigError(f"--recompute-method must be uniform or block, got {self.recompute_method!r}.")
-        if self.position_embedding_type == "rope" and self.head_dim % 2 != 0:
-            raise ConfigError(f"rope needs an even head dimension (--kv-channels, or --hidden-size / "
-                              f"--num-attention-heads); got {self.head_dim}.")
+        if not 0 < self.rotary_percent <= 1:
+            raise ConfigError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}.")
+        if self.position_embedding_type == "rope" and (self.rotary_dim % 2 != 0 or self.rotary_dim == 0):
+            raise ConfigError(f"rope needs an even, non-zero number of rotated features per head: --kv-channels (or "
+                              f"--hidden-size / --num-attention-heads) {self.head_dim} x --rotary-percent "
+                              f"{self.rotary_percent} gives {self.rotary_dim}.")
         if self.kv_channels is not None and self.kv_channels < 1:
             raise ConfigError(f"--kv-channels must be positive, got {self.kv_channels}.")
         if self.swiglu and self.geglu:
@@ -224,6 +236,7 @@ class ModelConfig:
             raise ConfigError(f"--moe-router-topk {self.moe_router_topk} must be between 1 and --num-experts "
                               f"{self.num_experts}.")
         self._check_layer_pattern("--moe-layer-freq", self.moe_layer_freq)
+        self._validate_router_groups()
         if self.add_bias_linear:
             raise ConfigError("--num-experts: the experts have no biases (as Megatron's grouped GEMM); add "
                               "--disable-bias-linear.")
@@ -237,6 +250,24 @@ class ModelConfig:
                               "--moe-expert-capacity-factor.")
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise ConfigError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size.")
+
+    def _validate_router_groups(self) -> None:
+        groups, chosen, k, experts = (self.moe_router_num_groups, self.moe_router_group_topk, self.moe_router_topk,
+                                      self.num_experts)
+        if (groups is None) != (chosen is None):
+            raise ConfigError("--moe-router-num-groups and --moe-router-group-topk go together (group-limited "
+                              "routing); give both or neither.")
+        if groups is None:
+            return
+        if groups < 1 or experts % groups != 0:
+            raise ConfigError(f"--moe-router-num-groups {groups} must divide --num-experts {experts}.")
+        if not 1 <= chosen <= groups:
+            raise ConfigError(f"--moe-router-group-topk {chosen} must be between 1 and --moe-router-num-groups "
+                              f"{groups}.")
+        if not 1 <= k // chosen <= experts // groups or k > chosen * (experts // groups):
+            raise ConfigError(f"--moe-router-topk {k} with --moe-router-group-topk {chosen}: a group is scored by its "
+                              f"top {k} // {chosen} experts and the {chosen} groups must hold {k}; each group has "
+                              f"{experts // groups} experts.")
 
     def _check_layer_pattern(self, flag: str, freq, meaning: str = "") -> None:
         """Megatron-LM's per-layer patterns (--moe-layer-freq, --window-attn-skip-freq): N >= 1, or one 0/1 per layer."""

@@ -87,6 +87,14 @@ def global_expert_name(name: str, expert_offsets: dict, default: int = 0) -> str
     return f"{prefix}{EXPERTS}{int(local) + expert_offsets.get(prefix, default)}.{tail}"
 
 
+def buffer_names(config) -> set:
+    """Canonical names of the model's state that is not a parameter: the routers' score biases (replicated
+    over TP, whole in every checkpoint file that holds their layer)."""
+    if not config.num_experts or not config.moe_router_enable_expert_bias:
+        return set()
+    return {f"layers.{i}.mlp.router.score_bias" for i in config.moe_layers}
+
+
 def canonical_buffers(model, num_layers: int) -> dict:
     """This rank's buffers under their canonical names (the routers' score biases among them), named as
     canonical_parameters names parameters."""

@@ -99,7 +99,11 @@ class _Rotary(torch.autograd.Function):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` [s, b, heads, d] by the tables (no Python loop over positions or heads)."""
+    """Rotate `x` [s, b, heads, d] by the tables (no Python loop over positions or heads); tables narrower than
+    the head (--rotary-percent) rotate its first features, the rest pass unchanged (Megatron-core, transformers)."""
+    rotated = cos.size(-1)
+    if rotated < x.size(-1):
+        return torch.cat((apply_rotary(x[..., :rotated], cos, sin), x[..., rotated:]), dim=-1)
     if torch.compiler.is_compiling():  # TorchInductor fuses the plain expression into one kernel
         return (x * cos.to(x.dtype)) + (rotate_half(x) * sin.to(x.dtype))
     return _Rotary.apply(x, cos, sin)

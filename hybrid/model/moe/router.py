@@ -42,20 +42,35 @@ def route(logits: torch.Tensor, config, score_bias: Optional[torch.Tensor] = Non
     k = config.moe_router_topk
     if config.moe_router_score_function == "softmax":
         if config.moe_router_pre_softmax:
-            probs, indices = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+            probs, indices = top_experts(torch.softmax(logits, dim=-1), config)
         else:
-            top, indices = logits.topk(k, dim=-1)
+            top, indices = top_experts(logits, config)
             probs = torch.softmax(top, dim=-1)
     else:  # sigmoid: the bias chooses, the unbiased scores weigh
         scores = torch.sigmoid(logits)
         choice = scores if score_bias is None else scores + score_bias
-        indices = choice.topk(k, dim=-1).indices
+        indices = top_experts(choice, config)[1]
         probs = scores.gather(1, indices)
         if k > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     if config.moe_router_topk_scaling_factor:
         probs = probs * config.moe_router_topk_scaling_factor
     return probs, indices
+
+
+def top_experts(scores: torch.Tensor, config):
+    """scores [T, E] -> (top-k scores, their experts) [T, k]; with --moe-router-num-groups G and
+    --moe-router-group-topk g, from the g groups (of E / G consecutive experts) whose top k // g scores sum
+    highest, the others masked (Megatron-LM's group_limited_topk; DeepSeek-V3's node-limited routing)."""
+    k, groups = config.moe_router_topk, config.moe_router_num_groups
+    if not groups:
+        return scores.topk(k, dim=-1)
+    chosen = config.moe_router_group_topk
+    tokens = scores.size(0)
+    group_scores = scores.view(tokens, groups, -1).topk(k // chosen, dim=-1).values.sum(dim=-1)  # [T, G]
+    group_mask = torch.zeros_like(group_scores).scatter(1, group_scores.topk(chosen, dim=-1).indices, 1.0)
+    expert_mask = group_mask.bool()[:, :, None].expand(tokens, groups, scores.size(1) // groups).reshape_as(scores)
+    return scores.masked_fill(~expert_mask, float("-inf")).topk(k, dim=-1)
 
 
 def aux_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
