@@ -12,7 +12,40 @@ from hybrid.model.config import LLAMA3_ROPE_DEFAULTS, ModelConfig
 from hybrid.parallel.fp8 import DEFAULT_FP8_RECIPE, check_settings
 
 
+def yarn_scaling(factor: float, original: int, beta_fast: float = 32.0, beta_slow: float = 1.0, mscale: float = 1.0,
+                 mscale_all_dim: float = 0.0, round_to_int: bool = True) -> dict:
+    """Megatron-LM's YaRN settings (--rotary-scaling-factor, --yarn-*, --mscale, --mscale-all-dim) as transformers'
+    rope_parameters, the values meaning what megatron-core computes: its tables' scale is mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim), which transformers writes as mscale / mscale_all_dim when both are set, else as
+    an explicit attention_factor (it ignores mscale without mscale_all_dim)."""
+    from hybrid.model.rotary import yarn_mscale
+    scaling = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original),
+               "beta_fast": float(beta_fast), "beta_slow": float(beta_slow)}
+    if mscale_all_dim:
+        scaling.update(mscale=float(mscale), mscale_all_dim=float(mscale_all_dim))
+    elif mscale != 1.0:
+        scaling["attention_factor"] = yarn_mscale(float(factor), float(mscale))
+    if not round_to_int:
+        scaling["truncate"] = False
+    return scaling
+
+
+def _yarn(args) -> bool:
+    """YaRN rope: --position-embedding-type yarn, or MLA's rope (yarn unless --rope-type rope, as megatron-core)."""
+    if args.position_embedding_type == "yarn":
+        return True
+    return args.multi_latent_attention and (args.rope_type or "yarn") == "yarn"
+
+
 def _rope_scaling(args) -> Optional[dict]:
+    if _yarn(args):
+        if args.use_rope_scaling or args.rotary_seq_len_interpolation_factor:
+            raise ConfigError("YaRN (--position-embedding-type yarn, or --multi-latent-attention's default rope) and "
+                              "--use-rope-scaling / --rotary-seq-len-interpolation-factor are two rope scalings; give "
+                              "one (--rope-type rope: MLA without YaRN).")
+        return yarn_scaling(args.rotary_scaling_factor, args.yarn_original_max_position_embeddings or 4096,
+                            args.yarn_beta_fast, args.yarn_beta_slow, args.mscale, args.mscale_all_dim,
+                            args.yarn_correction_range_round_to_int)
     if args.use_rope_scaling and args.rotary_seq_len_interpolation_factor:
         raise ConfigError("--use-rope-scaling (llama3) and --rotary-seq-len-interpolation-factor (linear) are two "
                           "rope scalings; give one.")
@@ -47,7 +80,8 @@ def architecture_from_flags(args, vocab_size: int) -> ModelConfig:
         vocab_size=vocab_size, max_position_embeddings=args.max_position_embeddings or args.seq_length,
         ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=args.num_query_groups if args.group_query_attention or args.num_query_groups else None,
-        position_embedding_type="rope" if args.use_rotary_position_embeddings else args.position_embedding_type,
+        position_embedding_type="rope" if args.use_rotary_position_embeddings or args.position_embedding_type == "yarn"
+        else args.position_embedding_type,
         rotary_base=args.rotary_base, rotary_percent=args.rotary_percent, normalization=args.normalization, norm_epsilon=args.norm_epsilon,
         swiglu=args.swiglu, add_bias_linear=not args.disable_bias_linear,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
@@ -56,7 +90,15 @@ def architecture_from_flags(args, vocab_size: int) -> ModelConfig:
         qk_layernorm=args.qk_layernorm, sliding_window=_sliding_window(args), rope_scaling=_rope_scaling(args),
         apply_layernorm_1p=args.apply_layernorm_1p, geglu=args.geglu, scale_embeddings=args.scale_embeddings,
         window_attn_skip_freq=args.window_attn_skip_freq, local_rotary_base=args.local_rotary_base,
-        softmax_scale=args.softmax_scale, sandwich_norms=args.sandwich_norms, **_moe_fields(args))
+        softmax_scale=args.softmax_scale, sandwich_norms=args.sandwich_norms, **_mla_fields(args), **_moe_fields(args))
+
+
+MLA_FLAGS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+             "v_head_dim")  # the architecture of --multi-latent-attention
+
+
+def _mla_fields(args) -> dict:
+    return {name: getattr(args, name) for name in MLA_FLAGS} if args.multi_latent_attention else {}
 
 
 MOE_FLAGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from hybrid import ds_config as dsc
-from hybrid.architecture import MOE_FLAGS, fp8_recipe, model_config
+from hybrid.architecture import MLA_FLAGS, MOE_FLAGS, fp8_recipe, model_config
 from hybrid.capabilities import Setup, check
 from hybrid.checkpoint.client_state import SavedLayout, read_client_state
 from hybrid.checkpoint.files import read_tag
@@ -365,6 +365,9 @@ def apply_megatron_aliases(args: argparse.Namespace) -> list[str]:
 # Megatron-LM's load_args_from_checkpoint: the architecture and parallel sizes a checkpoint fixes
 _CHECKPOINT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
                     "position_embedding_type", "use_rotary_position_embeddings", "rotary_base", "rotary_percent",
+                    "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
+                    "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+                    "yarn_correction_range_round_to_int", *MLA_FLAGS,
                     "normalization",
                     "norm_epsilon", "swiglu", "group_query_attention", "num_query_groups", "disable_bias_linear",
                     "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",

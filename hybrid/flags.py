@@ -45,7 +45,9 @@ def _add_network_size_args(p):
     g.add_argument("--seq-length", type=int, default=128)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
     g.add_argument("--position-embedding-type", default="learned_absolute",
-                   choices=["learned_absolute", "rope", "alibi"], help="learned_absolute | rope (alibi is refused)")
+                   choices=["learned_absolute", "rope", "yarn", "alibi"],
+                   help="learned_absolute | rope | yarn (rope with YaRN scaling: --rotary-scaling-factor, --yarn-*; "
+                        "alibi is refused)")
     g.add_argument("--use-rotary-position-embeddings", action="store_true", help="alias of --position-embedding-type rope")
     g.add_argument("--no-position-embedding", action="store_true", help="no learned position table (with rope)")
     g.add_argument("--rotary-base", type=float, default=10000.0)
@@ -82,6 +84,28 @@ def _add_network_size_args(p):
     g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling (Llama 3.2: 32)")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
                    help="linear rope scaling: positions divided by this factor")
+    g.add_argument("--rope-type", default=None, choices=["rope", "yarn"],
+                   help="with --multi-latent-attention: its rope (default yarn, as megatron-core's MLA)")
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN's factor (DeepSeek-V3: 40)")
+    g.add_argument("--mscale", type=float, default=1.0, help="YaRN's mscale (the tables' temperature)")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0,
+                   help="YaRN's mscale_all_dim (MLA: also the softmax scale x mscale(factor, this)^2)")
+    g.add_argument("--yarn-original-max-position-embeddings", type=int, default=None,
+                   help="YaRN: the context the model was trained at (default 4096, megatron-core's)")
+    g.add_argument("--yarn-beta-fast", type=float, default=32.0)
+    g.add_argument("--yarn-beta-slow", type=float, default=1.0)
+    g.add_argument("--yarn-correction-range-round-to-int", dest="yarn_correction_range_round_to_int",
+                   action="store_true", default=True)
+    g.add_argument("--no-yarn-correction-range-round-to-int", dest="yarn_correction_range_round_to_int",
+                   action="store_false")
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="DeepSeek-V2/V3's multi-head latent attention (--q-lora-rank, --kv-lora-rank, --qk-head-dim, "
+                        "--qk-pos-emb-head-dim, --v-head-dim)")
+    g.add_argument("--q-lora-rank", type=int, default=None, help="MLA: the queries' latent rank (none: one projection)")
+    g.add_argument("--kv-lora-rank", type=int, default=32, help="MLA: the keys' and values' latent rank")
+    g.add_argument("--qk-head-dim", type=int, default=128, help="MLA: each query/key head's features without rope")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64, help="MLA: each query/key head's rope features")
+    g.add_argument("--v-head-dim", type=int, default=128, help="MLA: each value head's features")
     g.add_argument("--apply-layernorm-1p", action="store_true",
                    help="norms scale by (1 + weight), weights starting at 0 (Gemma's RMSNorm)")
     g.add_argument("--geglu", action="store_true", help="gated tanh-GeLU MLP (Gemma) instead of --swiglu / GeLU")

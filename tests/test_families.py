@@ -22,7 +22,7 @@ DISTINCTIVE = {"llama3": dict(rope_scaling=None), "qwen2": dict(add_qkv_bias=Fal
                "qwen3": dict(qk_layernorm=False), "mistral": dict(sliding_window=None),
                "gemma": dict(apply_layernorm_1p=False), "gemma3": dict(sandwich_norms=False), "mixtral": dict(moe_router_topk=1),
                "qwen2_moe": dict(moe_router_pre_softmax=False), "qwen3_moe": dict(moe_router_pre_softmax=True),
-               "glm4_moe": dict(rotary_percent=1.0)}
+               "glm4_moe": dict(rotary_percent=1.0), "deepseek_v3": dict(rope_scaling=None)}
 # config.json fields that must survive import -> training -> export (what changes the model)
 KEPT_FIELDS = ("architectures", "layer_types", "query_pre_attn_scalar", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "rope_parameters", "sliding_window", "use_sliding_window",
@@ -30,7 +30,8 @@ KEPT_FIELDS = ("architectures", "layer_types", "query_pre_attn_scalar", "hidden_
                "vocab_size", "max_position_embeddings", "num_local_experts", "num_experts", "num_experts_per_tok",
                "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "n_routed_experts",
                "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
-               "use_qk_norm")
+               "use_qk_norm", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+               "rope_interleave")
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +154,14 @@ FAMILY_FLAGS = {
                  "--moe-ffn-hidden-size", 24, "--moe-layer-freq", "[0]+[1]*3", "--moe-router-score-function", "sigmoid",
                  "--moe-router-enable-expert-bias", "--moe-router-num-groups", 4, "--moe-router-group-topk", 1,
                  "--moe-router-topk-scaling-factor", 2.5, "--moe-shared-expert-intermediate-size", 24],
+    "deepseek_v3": ["--swiglu", "--untie-embeddings-and-output-weights", "--norm-epsilon", 1e-6,
+                    "--multi-latent-attention", "--q-lora-rank", 16, "--kv-lora-rank", 12, "--qk-head-dim", 8,
+                    "--qk-pos-emb-head-dim", 4, "--v-head-dim", 6, "--rotary-scaling-factor", 4, "--mscale", 1,
+                    "--mscale-all-dim", 0.7, "--yarn-original-max-position-embeddings", 16, "--num-experts", 8,
+                    "--moe-router-topk", 4, "--moe-ffn-hidden-size", 24, "--moe-layer-freq", "[0]+[1]*3",
+                    "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                    "--moe-router-num-groups", 4, "--moe-router-group-topk", 2, "--moe-router-topk-scaling-factor", 2.5,
+                    "--moe-shared-expert-intermediate-size", 24],
 }
 # fields an import takes from the HF config that flags leave at their defaults (not the architecture)
 NOT_ARCHITECTURE = ("family", "init_method_std", "seed", "vocab_size", "max_position_embeddings", "hf_dtype")
@@ -211,7 +220,16 @@ def test_rope_scaling_frequencies_equal_transformers():
                   "original_max_position_embeddings": 8192},
                  {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
                   "original_max_position_embeddings": 4096},
-                 {"rope_type": "linear", "factor": 4.0}]:
+                 {"rope_type": "linear", "factor": 4.0},
+                 # YaRN: GPT-OSS's (no mscale: the tables x 0.1 ln(32) + 1), DeepSeek-V3's (mscale = mscale_all_dim:
+                 # tables unscaled), mscale against mscale_all_dim, an untruncated ramp, an explicit attention factor
+                 {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                  "beta_slow": 1.0},
+                 {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                  "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                 {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 2048, "beta_fast": 16.0,
+                  "beta_slow": 2.0, "mscale": 0.8, "mscale_all_dim": 0.5, "truncate": False},
+                 {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192, "attention_factor": 1.3}]:
         config = LlamaConfig(hidden_size=2048, num_attention_heads=16, max_position_embeddings=131072,
                              rope_parameters=dict(rope, rope_theta=500000.0))
         theirs = LlamaRotaryEmbedding(config)
@@ -224,8 +242,12 @@ def test_rope_scaling_frequencies_equal_transformers():
 
 
 @pytest.mark.parametrize("family,field,fields,message", [
-    ("llama3", "rope_scaling.rope_type", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-     "rope_scaling.rope_type='yarn'"),
+    ("llama3", "rope_scaling.rope_type", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}},
+     "rope_scaling.rope_type='dynamic'"),
+    ("deepseek_v3", "rope_interleave", {"rope_interleave": False}, "rope_interleave=False"),
+    ("deepseek_v3", "num_key_value_heads", {"num_key_value_heads": 2}, "num_key_value_heads=2"),
+    ("glm4_moe", "norm_topk_prob", {"norm_topk_prob": False}, "norm_topk_prob=False"),
+    ("glm4_moe", "topk_group", {"n_group": 4, "topk_group": 2, "num_experts_per_tok": 2}, "topk_group=2"),
     ("llama3", "attention_bias", {"attention_bias": True}, "attention_bias=True"),
     ("llama3", "mlp_bias", {"mlp_bias": True}, "mlp_bias=True"),
     ("qwen2", "layer_types", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},

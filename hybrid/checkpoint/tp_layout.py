@@ -54,8 +54,17 @@ def full_numels(config: ModelConfig) -> dict[str, int]:
     h, d = config.hidden_size, config.head_dim
     rows = {"attention.qkv": (config.num_attention_heads + 2 * config.num_query_groups) * d, "attention.dense": h,
             "mlp.fc1": config.ffn_hidden_size * (2 if config.gated_linear_unit else 1), "mlp.fc2": h}
-    inputs = {"attention.qkv": h, "attention.dense": config.num_attention_heads * d, "mlp.fc1": h,
+    inputs = {"attention.qkv": h, "attention.dense": config.num_attention_heads * config.value_head_dim, "mlp.fc1": h,
               "mlp.fc2": config.ffn_hidden_size}
+    norms = {"q_norm": d, "k_norm": d}  # Q/K norms: one head
+    if config.multi_latent_attention:  # hybrid.model.mla
+        heads, q_rank, kv_rank = config.num_attention_heads, config.q_lora_rank, config.kv_lora_rank
+        rows.update({"attention.q": heads * d, "attention.q_down": q_rank, "attention.q_up": heads * d,
+                     "attention.kv_down": kv_rank + config.qk_pos_emb_head_dim,
+                     "attention.kv_up": heads * (config.qk_head_dim + config.v_head_dim)})
+        inputs.update({"attention.q": h, "attention.q_down": h, "attention.q_up": q_rank, "attention.kv_down": h,
+                       "attention.kv_up": kv_rank})
+        norms.update(q_down_norm=q_rank, kv_down_norm=kv_rank)
     out = {}
     for name, rule in tp_layout(config).items():
         if rule.vocab_padded:
@@ -65,7 +74,7 @@ def full_numels(config: ModelConfig) -> dict[str, int]:
         elif ".mlp." in name and config.mlp_type_of(int(name.split(".")[1])) == "moe":
             out[name] = _moe_numel(name, config)
         elif name.endswith("norm.weight") or name.endswith("norm.bias"):
-            out[name] = d if name.split(".")[-2] in ("q_norm", "k_norm") else h  # Q/K norms: one head
+            out[name] = norms.get(name.split(".")[-2], h)
         else:
             module = ".".join(name.split(".")[2:4])  # layers.{i}.attention.qkv.weight -> attention.qkv
             out[name] = rows[module] * (inputs[module] if name.endswith(".weight") else 1)

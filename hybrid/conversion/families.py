@@ -218,13 +218,32 @@ def _rope_of(hf, params: dict | None = None, partial: bool = False) -> tuple[flo
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
         return float(theta), None
-    if kind not in ("llama3", "linear"):
-        _refuse(type(hf).__name__, "rope_scaling.rope_type", kind, "only default, llama3 and linear RoPE are implemented")
+    if kind not in ("llama3", "linear", "yarn"):
+        _refuse(type(hf).__name__, "rope_scaling.rope_type", kind, "only default, llama3, linear and yarn RoPE are "
+                "implemented")
     if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
         _refuse(type(hf).__name__, "partial_rotary_factor", params["partial_rotary_factor"], "RoPE covers whole heads")
+    if kind == "yarn":
+        return float(theta), _yarn_of(hf, params)
     keys = ("factor",) + (("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
                           if kind == "llama3" else ())
     return float(theta), {"rope_type": kind, **{k: params[k] for k in keys if k in params}}
+
+
+def _yarn_of(hf, params: dict) -> dict:
+    """transformers' YaRN fields with its defaults written out (factor: the context's growth; betas 32 and 1;
+    truncate True is left out), so that equal settings give equal configs (architecture.yarn_scaling's form)."""
+    factor = params.get("factor") or hf.max_position_embeddings / params["original_max_position_embeddings"]
+    scaling = {"rope_type": "yarn", "factor": float(factor),
+               "original_max_position_embeddings": int(params["original_max_position_embeddings"]),
+               "beta_fast": float(params.get("beta_fast") or 32.0), "beta_slow": float(params.get("beta_slow") or 1.0)}
+    for key in ("mscale", "mscale_all_dim", "attention_factor"):
+        if params.get(key) is not None:
+            scaling[key] = float(params[key])
+    if params.get("truncate", True) is False:
+        scaling["truncate"] = False
+    return scaling
+
 
 
 def _window_of(hf, family: str):
@@ -346,20 +365,32 @@ class LlamaAdapter(Adapter):
         return out
 
     def layer_to_canonical(self, hf_state, i, wanted=None):
+        out = {}
+        self.attention_to_canonical(hf_state, i, out)
+        self.mlp_to_canonical(hf_state, i, out, wanted)
+        for hf_tmpl, our_tmpl in self._layer_map().items():
+            out[our_tmpl.format(i)] = get(hf_state, hf_tmpl.format(i))
+        return out
+
+    def attention_to_canonical(self, hf_state, i: int, out: dict) -> None:
+        """q/k/v projections (and biases) -> the fused QKV (hybrid.model.qkv)."""
         c = self.config
         groups, per_group, d, h = c.num_query_groups, c.num_attention_heads // c.num_query_groups, c.head_dim, c.hidden_size
         shapes = {"q": (groups * per_group * d,), "k": (groups * d,), "v": (groups * d,)}
-        out = {}
         p = f"model.layers.{i}.self_attn."
         for kind in ("weight", "bias") if self.qkv_bias else ("weight",):
             tail = (h,) if kind == "weight" else ()
             q, k, v = (expect(f"{p}{x}_proj.{kind}", get(hf_state, f"{p}{x}_proj.{kind}"), shapes[x] + tail)
                        for x in "qkv")
             out[f"layers.{i}.attention.qkv.{kind}"] = fuse_qkv(q, k, v, groups)
-        self.mlp_to_canonical(hf_state, i, out, wanted)
-        for hf_tmpl, our_tmpl in self._layer_map().items():
-            out[our_tmpl.format(i)] = get(hf_state, hf_tmpl.format(i))
-        return out
+
+    def attention_to_hf(self, state: dict, i: int, out: dict) -> None:
+        c = self.config
+        per_group, d = c.num_attention_heads // c.num_query_groups, c.head_dim
+        for kind in ("weight", "bias") if self.qkv_bias else ("weight",):
+            q, k, v = split_qkv_flat(state[f"layers.{i}.attention.qkv.{kind}"], per_group, d)
+            for x, t in zip("qkv", (q, k, v)):
+                out[f"model.layers.{i}.self_attn.{x}_proj.{kind}"] = t
 
     def _layer_map(self) -> dict:
         return dict(self.LAYER_MAP, **(self.QK_NORM_MAP if self.qk_norm else {}))
@@ -387,17 +418,12 @@ class LlamaAdapter(Adapter):
     def to_hf(self, state):
         self.check_exportable()
         c = self.config
-        per_group, d = c.num_attention_heads // c.num_query_groups, c.head_dim
         out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
                "model.norm.weight": state["final_norm.weight"]}
         if c.untie_embeddings_and_output_weights:
             out["lm_head.weight"] = state["output_layer.weight"]
         for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            for kind in ("weight", "bias") if self.qkv_bias else ("weight",):
-                q, k, v = split_qkv_flat(state[f"layers.{i}.attention.qkv.{kind}"], per_group, d)
-                for x, t in zip("qkv", (q, k, v)):
-                    out[f"{p}self_attn.{x}_proj.{kind}"] = t
+            self.attention_to_hf(state, i, out)
             self.mlp_to_hf(state, i, out)
             for hf_tmpl, our_tmpl in self._layer_map().items():
                 out[hf_tmpl.format(i)] = state[our_tmpl.format(i)]
@@ -764,8 +790,85 @@ class Glm4MoeAdapter(_DeepSeekMoE, LlamaAdapter):
                     num_nextn_predict_layers=0)
 
 
+def _rope_order(pos: int, interleaved_to_halves: bool) -> torch.Tensor:
+    """The rope features' order: DeepSeek's checkpoints hold each rotated pair side by side (x0, x1), (x2, x3),
+    ... and rotate them de-interleaved, [x0, x2, ... | x1, x3, ...] (transformers' apply_rotary_pos_emb_interleave,
+    megatron-core's MLA); the model here rotates halves, so the rows making those features are permuted."""
+    halves = torch.cat([torch.arange(0, pos, 2), torch.arange(1, pos, 2)])
+    return halves if interleaved_to_halves else torch.argsort(halves)
+
+
+def permute_rope_rows(t: torch.Tensor, block: int, pos: int, to_halves: bool) -> torch.Tensor:
+    """`t` [blocks x block, ...] with the rope features last in each block: those rows reordered (_rope_order)."""
+    blocks = t.reshape(-1, block, *t.shape[1:])
+    order = torch.cat([torch.arange(block - pos), block - pos + _rope_order(pos, to_halves)])
+    return blocks[:, order].reshape(t.shape).contiguous()
+
+
+class DeepseekV3Adapter(_DeepSeekMoE, LlamaAdapter):
+    family, hf_class, config_class = "deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config"
+    options = ("Llama's (yarn rope included), multi-head latent attention (--multi-latent-attention: `q_lora_rank` "
+               "or none, `kv_lora_rank`, `qk_nope_head_dim` = --qk-head-dim, `qk_rope_head_dim` = "
+               "--qk-pos-emb-head-dim, `v_head_dim`; YaRN's `mscale_all_dim` on the softmax scale), DeepSeek's MoE "
+               "(as GLM-4.5's); also Kimi-K2 and DeepSeek-V3.1/R1")
+    refused = ("`attention_bias`, `rope_interleave` false, `num_key_value_heads` != `num_attention_heads`, the MTP "
+               "layers (`num_nextn_predict_layers`: not read, as transformers), as GLM-4.5's MoE")
+
+    @classmethod
+    def config_from_hf(cls, hf):
+        name = "DeepseekV3"
+        if getattr(hf, "rope_interleave", True) is False:
+            _refuse(name, "rope_interleave", False, "DeepSeek's rope features are read in their interleaved order")
+        if (hf.num_key_value_heads or hf.num_attention_heads) != hf.num_attention_heads:
+            _refuse(name, "num_key_value_heads", hf.num_key_value_heads, "MLA has a key and value per head")
+        return _replace(super().config_from_hf(hf), multi_latent_attention=True, kv_channels=None,
+                        num_query_groups=hf.num_attention_heads, q_lora_rank=hf.q_lora_rank,
+                        kv_lora_rank=hf.kv_lora_rank, qk_head_dim=hf.qk_nope_head_dim,
+                        qk_pos_emb_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim)
+
+    def check_exportable(self):
+        super().check_exportable()
+        if not self.config.multi_latent_attention:
+            raise ConfigError(f"exporting to {self.hf_class} needs --multi-latent-attention.")
+
+    def family_fields(self):
+        c = self.config
+        return dict(super().family_fields(), q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+                    qk_nope_head_dim=c.qk_head_dim, qk_rope_head_dim=c.qk_pos_emb_head_dim, v_head_dim=c.v_head_dim,
+                    rope_interleave=True, num_mtp_layers=0, head_dim=c.qk_pos_emb_head_dim)  # (its rope's, there)
+
+    def _mla_tensors(self, i: int) -> dict:
+        """HF name -> (canonical name, shape, rope block or None) of layer i's MLA projections and norms."""
+        c = self.config
+        p, ours = f"model.layers.{i}.self_attn.", f"layers.{i}.attention."
+        n, h, d, kv, pos = c.num_attention_heads, c.hidden_size, c.head_dim, c.kv_lora_rank, c.qk_pos_emb_head_dim
+        if c.q_lora_rank is None:
+            tensors = {p + "q_proj.weight": (ours + "q.weight", (n * d, h), d)}
+        else:
+            r = c.q_lora_rank
+            tensors = {p + "q_a_proj.weight": (ours + "q_down.weight", (r, h), None),
+                       p + "q_a_layernorm.weight": (ours + "q_down_norm.weight", (r,), None),
+                       p + "q_b_proj.weight": (ours + "q_up.weight", (n * d, r), d)}
+        return dict(tensors, **{
+            p + "kv_a_proj_with_mqa.weight": (ours + "kv_down.weight", (kv + pos, h), kv + pos),
+            p + "kv_a_layernorm.weight": (ours + "kv_down_norm.weight", (kv,), None),
+            p + "kv_b_proj.weight": (ours + "kv_up.weight", (n * (c.qk_head_dim + c.v_head_dim), kv), None)})
+
+    def attention_to_canonical(self, hf_state, i, out):
+        pos = self.config.qk_pos_emb_head_dim
+        for hf_name, (name, shape, block) in self._mla_tensors(i).items():
+            t = expect(hf_name, get(hf_state, hf_name), shape)
+            out[name] = t if block is None else permute_rope_rows(t, block, pos, to_halves=True)
+
+    def attention_to_hf(self, state, i, out):
+        pos = self.config.qk_pos_emb_head_dim
+        for hf_name, (name, _, block) in self._mla_tensors(i).items():
+            out[hf_name] = state[name] if block is None else permute_rope_rows(state[name], block, pos, to_halves=False)
+
+
 FAMILIES = {a.family: a for a in (GPT2Adapter, LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter, GemmaAdapter,
-                                  Gemma3Adapter, MixtralAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter, Glm4MoeAdapter)}
+                                  Gemma3Adapter, MixtralAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter, Glm4MoeAdapter,
+                                  DeepseekV3Adapter)}
 BY_HF_CLASS = {a.hf_class: a for a in FAMILIES.values()}
 
 
@@ -777,6 +880,8 @@ def family_of(config: ModelConfig) -> str:
         return config.family
     if config.position_embedding_type == "learned_absolute":
         return "gpt2"
+    if config.multi_latent_attention:
+        return "deepseek_v3"
     if config.num_experts:
         if config.moe_router_score_function == "sigmoid":
             return "glm4_moe"

@@ -39,7 +39,7 @@ class CoreAttention(nn.Module):
         self.use_flash_attn = config.use_flash_attn
         self.query_key_layer_scaling = config.apply_query_key_layer_scaling
         self.layer_number = max(1, layer_number + 1)  # Megatron counts layers from 1
-        self.scale = config.softmax_scale or 1.0 / math.sqrt(config.head_dim)
+        self.scale = config.attention_scale
         self.window = config.layer_window(layer_number)  # None: plain causal
 
     def backend(self, q: torch.Tensor) -> str:
@@ -57,18 +57,19 @@ class CoreAttention(nn.Module):
         Axis): a contiguous part, DeepSpeed's all-to-all attention gives each rank whole sequences of
         heads / N for the local backends."""
         if cp is not None:
+            v, v_dim = _pad_values(v, q.size(-1))  # the ring passes K and V as one tensor
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, heads, s_local, d]
             dropout, seed = self.dropout if self.training else 0.0, None
             if dropout:  # one seed per call from the per-TP-rank stream (its own on each CP rank), as masks
                 with fork_tp_rng():  # are drawn from it without CP; selective recompute redraws the same
                     seed = torch.randint(0, 2**62, (), dtype=torch.int64, device=q.device)
-            out = ring_attention(q, k, v, cp, self.scale, documents, dropout=dropout, seed=seed)
-            s, b, nq, d = out.size(2), out.size(0), out.size(1), out.size(3)
-            return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+            out = ring_attention(q, k, v, cp, self.scale, documents, dropout=dropout, seed=seed)[..., :v_dim]
+            s, b = out.size(2), out.size(0)
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
         if ulysses is not None:
 
-            def whole_sequences(q, k, v):  # [s, b, heads/N, d] -> the same shape
-                return self.local(q, k, v, documents).view(q.shape)
+            def whole_sequences(q, k, v):  # [s, b, heads/N, d] -> [s, b, heads/N, value d]
+                return self.local(q, k, v, documents).view(v.shape[:-2] + (q.size(2), v.size(-1)))
             attention = DistributedAttention(whole_sequences, ulysses.group, scatter_idx=2, gather_idx=0)
             out = attention(q, k, v, 1)  # batch dim 1; [s/N, b, nq, d]
             return out.reshape(out.size(0), out.size(1), -1)
@@ -89,9 +90,10 @@ class CoreAttention(nn.Module):
             backend = "sdpa"  # flash-attn's varlen form needs host-side document lengths (a host sync)
         if backend == "flash":  # flash-attn takes [b, s, heads, d] and handles GQA itself
             window = (-1, -1) if self.window is None else (self.window - 1, 0)  # (left, right) keys
+            v, v_dim = _pad_values(v, d)  # one head size for Q, K and V
             out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                   dropout_p=dropout, softmax_scale=self.scale, causal=True, window_size=window)
-            return out.transpose(0, 1).reshape(s, b, nq * d)
+            return out[..., :v_dim].transpose(0, 1).reshape(s, b, -1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, heads, s, d]
         if backend == "scaled_math":
             if k.size(1) != nq:  # GQA: each KV head serves its group's consecutive query heads
@@ -105,7 +107,7 @@ class CoreAttention(nn.Module):
         else:  # SDPA shares each KV head with its group's query heads itself (no K/V copies)
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.scale,
                                                  enable_gqa=k.size(1) != nq)
-        return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)  # [b, n, s, d] -> [s, b, n*d]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [b, n, s, d] -> [s, b, n*d]
 
     def _scaled_math(self, q, k, v, dropout, documents=None):
         coeff = float(self.layer_number)
@@ -117,6 +119,13 @@ class CoreAttention(nn.Module):
         probs = torch.softmax((scores.float() * coeff).masked_fill(hidden, float("-inf")), dim=-1)
         probs = F.dropout(probs, dropout).to(q.dtype)
         return torch.matmul(probs, v)
+
+
+def _pad_values(v: torch.Tensor, d: int) -> tuple:
+    """V [..., value d] zero-padded to the query/key head size d where it is smaller (MLA), for the kernels that
+    take one head size; (padded V, value d) -- the output's first value d features are the attention's."""
+    v_dim = v.size(-1)
+    return (v if v_dim == d else F.pad(v, (0, d - v_dim))), v_dim
 
 
 def backend_notes(config, context_parallel: int, device_type: str = "cpu", dtype=torch.float32) -> list[str]:

@@ -12,7 +12,7 @@ MLP_TYPES = ("dense", "moe")  # the feed-forward blocks hybrid.model.mlp.build_m
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")  # --moe-router-score-function
 MOE_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")  # --moe-router-load-balancing-type
 MOE_DROP_POLICIES = ("probs", "position")  # --moe-token-drop-policy
-ROPE_SCALING_TYPES = ("llama3", "linear")  # hybrid.model.rotary.scaled_inv_freq
+ROPE_SCALING_TYPES = ("llama3", "linear", "yarn")  # hybrid.model.rotary.scaled_inv_freq
 # Llama 3.1's values, which Megatron-LM's --use-rope-scaling hard-codes besides the factor
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -77,7 +77,13 @@ class ModelConfig:
     local_rotary_base: Optional[float] = None  # --local-rotary-base: the windowed layers' rope base, unscaled (Gemma 3)
     softmax_scale: Optional[float] = None  # --softmax-scale: scores x this (Gemma 3: query_pre_attn_scalar^-0.5)
     sandwich_norms: bool = False  # --sandwich-norms: the attention's and the MLP's outputs normed too (Gemma 2/3)
-    rope_scaling: Optional[dict] = None  # {"rope_type": "llama3"|"linear", "factor": ..., ...} as transformers
+    rope_scaling: Optional[dict] = None  # {"rope_type": "llama3"|"linear"|"yarn", "factor": ..., ...} as transformers
+    multi_latent_attention: bool = False  # --multi-latent-attention: DeepSeek-V2/V3's MLA (the fields below)
+    q_lora_rank: Optional[int] = None  # --q-lora-rank: queries through a rank-r down projection and norm; None: one
+    kv_lora_rank: int = 32  # --kv-lora-rank: keys and values from one rank-r latent per token (normed)
+    qk_head_dim: int = 128  # --qk-head-dim: each head's query/key features without rope
+    qk_pos_emb_head_dim: int = 64  # --qk-pos-emb-head-dim: those with rope (the key's one part shared by every head)
+    v_head_dim: int = 128  # --v-head-dim: each head's value features
     apply_layernorm_1p: bool = False  # --apply-layernorm-1p: norms scale by (1 + weight), weights start at 0
     geglu: bool = False  # --geglu: gated tanh-GeLU MLP (Gemma) instead of SwiGLU / GeLU
     scale_embeddings: bool = False  # --scale-embeddings: word embeddings x sqrt(hidden), in their dtype (Gemma)
@@ -139,12 +145,35 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        """Each head's query/key features (MLA: with and without rope)."""
+        if self.multi_latent_attention:
+            return self.qk_head_dim + self.qk_pos_emb_head_dim
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.multi_latent_attention else self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        """The scores' scale: --softmax-scale, else 1/sqrt(head dim); MLA with YaRN also x mscale(mscale_all_dim)^2
+        (DeepSeek's reference, megatron-core's and transformers' MLA)."""
+        if self.softmax_scale is not None:
+            return self.softmax_scale
+        scale = 1.0 / math.sqrt(self.head_dim)
+        scaling = self.rope_scaling or {}
+        if self.multi_latent_attention and scaling.get("rope_type") == "yarn" and scaling.get("mscale_all_dim"):
+            from hybrid.model.rotary import yarn_mscale
+            mscale = yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
+            scale = scale * mscale * mscale
+        return scale
 
     @property
     def rotary_dim(self) -> int:
         """The features of each head that rope rotates (Megatron's int(kv_channels x rotary_percent), transformers'
         int(head_dim x partial_rotary_factor)); the rest pass unrotated."""
+        if self.multi_latent_attention:
+            return int(self.qk_pos_emb_head_dim * self.rotary_percent)
         return int(self.head_dim * self.rotary_percent)
 
     @property
@@ -205,6 +234,8 @@ class ModelConfig:
                               f"{self.sliding_window}).")
         self._validate_rope_scaling()
         self._validate_layer_kinds()
+        if self.multi_latent_attention:
+            self._validate_mla()
         if self.splits_documents and self.eod_token is None:
             raise ConfigError("--reset-attention-mask / --reset-position-ids split sequences at the end-of-document "
                               "token; use a tokenizer that has one.")
@@ -250,6 +281,25 @@ class ModelConfig:
                               "--moe-expert-capacity-factor.")
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise ConfigError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size.")
+
+    def _validate_mla(self) -> None:
+        dims = {"--kv-lora-rank": self.kv_lora_rank, "--qk-head-dim": self.qk_head_dim,
+                "--qk-pos-emb-head-dim": self.qk_pos_emb_head_dim, "--v-head-dim": self.v_head_dim,
+                "--q-lora-rank": self.q_lora_rank if self.q_lora_rank is not None else 1}
+        bad = [f"{flag} {value}" for flag, value in dims.items() if value < 1]
+        if bad:
+            raise ConfigError(f"--multi-latent-attention: {', '.join(bad)} must be positive.")
+        if self.position_embedding_type != "rope":
+            raise ConfigError("--multi-latent-attention needs --position-embedding-type rope (or yarn).")
+        others = {"--num-query-groups": self.num_query_groups != self.num_attention_heads,
+                  "--qk-layernorm": self.qk_layernorm, "--add-qkv-bias": self.add_qkv_bias,
+                  "--window-size": self.sliding_window is not None, "--rotary-percent": self.rotary_percent != 1.0,
+                  "--kv-channels": self.kv_channels is not None}
+        wrong = [flag for flag, on in others.items() if on]
+        if wrong:
+            raise ConfigError(f"--multi-latent-attention: {', '.join(wrong)} do not apply to MLA (a key and value per "
+                              f"head from one latent, head sizes --qk-head-dim, --qk-pos-emb-head-dim and "
+                              f"--v-head-dim, rope on the --qk-pos-emb-head-dim features); drop them.")
 
     def _validate_router_groups(self) -> None:
         groups, chosen, k, experts = (self.moe_router_num_groups, self.moe_router_group_topk, self.moe_router_topk,
@@ -305,6 +355,9 @@ class ModelConfig:
                               "--position-embedding-type rope.")
         if not float(scaling.get("factor", 0)) > 0:
             raise ConfigError(f"--rope-scaling-factor must be positive, got {scaling.get('factor')}.")
+        if kind == "yarn" and not scaling.get("original_max_position_embeddings"):
+            raise ConfigError("yarn rope scaling needs original_max_position_embeddings "
+                              "(--yarn-original-max-position-embeddings).")
         if kind == "llama3":
             missing = [k for k in LLAMA3_ROPE_DEFAULTS if k not in scaling]
             if missing:

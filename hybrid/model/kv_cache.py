@@ -33,7 +33,7 @@ class KVCache:
         s, b, heads, d = k.shape
         if layer not in self.keys:
             self.keys[layer] = k.new_zeros(b, heads, self.slots, d)
-            self.values[layer] = v.new_zeros(b, heads, self.slots, d)
+            self.values[layer] = v.new_zeros(b, heads, self.slots, v.size(-1))  # (MLA: its own head size)
         end = start + s
         self.keys[layer][:, :, start:end] = k.permute(1, 2, 0, 3)
         self.values[layer][:, :, start:end] = v.permute(1, 2, 0, 3)
@@ -75,4 +75,4 @@ class DecodeLayout(SequenceLayout):
         mask = self.shared(("mask", s, window), lambda: self.mask(s, window, q.device))
         out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), keys, values, attn_mask=mask, scale=scale,
                                              enable_gqa=keys.size(1) != nq)
-        return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)

@@ -9,16 +9,55 @@ import torch
 import torch.nn as nn
 
 
-def scaled_inv_freq(inv_freq: torch.Tensor, scaling: Optional[dict]) -> torch.Tensor:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature (its Eq. 21): 0.1 x mscale x ln(factor) + 1, 1 for factor <= 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """The factor YaRN multiplies the cos/sin tables by (transformers' attention_factor, Megatron's mscale)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, all_dim = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and all_dim:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(all_dim))
+    return yarn_mscale(factor)
+
+
+def _yarn_inv_freq(dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """YaRN's frequencies (Peng et al. 2023), as transformers' _compute_yarn_parameters: those turning fewer than
+    beta_slow times over original_max_position_embeddings divided by `factor`, those turning more than beta_fast
+    times kept, a linear ramp between (its ends rounded out to whole dimensions unless `truncate` is False)."""
+    factor, old_context = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations):
+        return (dim * math.log(old_context / (rotations * 2 * math.pi))) / (2 * math.log(base))
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: Optional[dict], base: float = 10000.0) -> torch.Tensor:
     """The inverse frequencies after rope scaling, as transformers' `modeling_rope_utils` computes them.
 
     linear: every frequency divided by `factor` (Megatron's --rotary-seq-len-interpolation-factor).
     llama3 (Llama 3.1+): wavelengths above original_max_position_embeddings / low_freq_factor are
     divided by `factor`, those below .../ high_freq_factor kept, the band between interpolated smoothly.
+    yarn: see _yarn_inv_freq (Megatron's --position-embedding-type yarn / --rope-type yarn).
     """
     if not scaling:
         return inv_freq
     factor = float(scaling["factor"])
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(2 * inv_freq.numel(), base, scaling)
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -37,7 +76,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, base: float = 10000.0, scaling: Optional[dict] = None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", scaled_inv_freq(inv_freq, scaling), persistent=False)
+        self.register_buffer("inv_freq", scaled_inv_freq(inv_freq, scaling, base), persistent=False)
+        # YaRN scales the tables themselves (the attention's temperature); 1 otherwise
+        self.table_scale = yarn_attention_factor(scaling) if scaling and scaling["rope_type"] == "yarn" else 1.0
         self._cache = None
         self.key = ("rope", head_dim, base, repr(scaling))  # equal tables have equal keys (decoding shares them)
 
@@ -47,14 +88,17 @@ class RotaryEmbedding(nn.Module):
         if positions is not None:
             freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(device)  # [s, b, d/2]
             emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-            return emb.cos(), emb.sin()
+            return self._scaled(emb.cos()), self._scaled(emb.sin())
         key = (seq_len, str(device))
         if self._cache is None or self._cache[0] != key:
             positions = torch.arange(seq_len, device=device, dtype=torch.float32)
             freqs = torch.outer(positions, self.inv_freq.to(device))  # [s, d/2]
             emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # [s, 1, 1, d]
-            self._cache = (key, emb.cos(), emb.sin())
+            self._cache = (key, self._scaled(emb.cos()), self._scaled(emb.sin()))
         return self._cache[1], self._cache[2]
+
+    def _scaled(self, table: torch.Tensor) -> torch.Tensor:
+        return table if self.table_scale == 1.0 else table * self.table_scale
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

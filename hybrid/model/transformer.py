@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.model.attention import SelfAttention
+from hybrid.model.mla import MultiLatentAttention
 from hybrid.model.mlp import build_mlp
 from hybrid.model.norms import build_norm
 from hybrid.parallel.groups import as_groups
@@ -36,7 +37,8 @@ class TransformerLayer(nn.Module):
         self.config = config
         self.groups = as_groups(groups)
         self.input_norm = build_norm(config, groups)
-        self.attention = SelfAttention(config, groups, layer_number, f"{name}.attention")
+        attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
+        self.attention = attention(config, groups, layer_number, f"{name}.attention")
         self.post_attention_norm = build_norm(config, groups)
         self.mlp = build_mlp(config, groups, layer_number)
         # --sandwich-norms (Gemma 2/3): the attention's and the MLP's outputs normed before their residuals

@@ -1,0 +1,119 @@
+"""Multi-head latent attention (DeepSeek-V2/V3; megatron-core's MultiLatentAttention, transformers'
+DeepseekV3Attention): each token's keys and values come from one low-rank latent, its queries from another
+(or from one projection), and rope acts on a part of each query head and on one key part shared by all heads.
+
+    q        = q_up(norm(q_down(x)))       (or q(x))                      [s, b, heads, qk_head + pos_emb]
+    latent   = kv_down(x) = [c (kv_lora_rank) | k_pos (pos_emb)]
+    k, v     = kv_up(norm(c)) split per head into [qk_head | v_head];  k = [k | rope(k_pos) for every head]
+    out      = dense(attention(q with rope on its last pos_emb features, k, v))
+
+TP: the up projections are column-parallel (heads split) and the output row-parallel, as in Megatron; the down
+projections and their norms are replicated (a rank computes every latent of its tokens). Under sequence
+parallelism the down projections see this rank's tokens only (their gradients are summed over TP) and the up
+projections all-gather the latents, which are smaller than the hidden states. The shared rope key is used by
+every rank's heads: its gradient is summed over TP (all-reduced, or reduce-scattered with its gather under SP).
+
+Rope rotates halves (rotate_half), as the rest of the model: checkpoints whose rope features are stored
+interleaved (DeepSeek's, `rope_interleave`; megatron-core's MLA) are permuted on import and export
+(hybrid.conversion.families), which gives the same attention to the bit.
+"""
+
+from __future__ import annotations
+
+import deepspeed
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybrid.model.attention import CoreAttention
+from hybrid.model.init import normal_init, output_layer_std
+from hybrid.model.norms import build_norm
+from hybrid.model.rotary import RotaryEmbedding, apply_rotary
+from hybrid.parallel.groups import as_groups
+from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from hybrid.parallel.mappings import copy_to_tp_region, gather_from_sequence_parallel_region, sync_replicated_grad
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T with W whole on every TP rank (a down projection); under sequence parallelism each rank sees
+    its own tokens, so W's gradient is summed over TP."""
+
+    def __init__(self, input_size: int, output_size: int, groups, init_method, sequence_parallel: bool):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = as_groups(groups).tp_group, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        init_method(self.weight)
+
+    def forward(self, x):
+        weight = sync_replicated_grad(self.weight, self.tp_group) if self.sequence_parallel else self.weight
+        return F.linear(x, weight)
+
+
+class MultiLatentAttention(nn.Module):
+    """The attention block of an MLA layer (see the module docstring); SelfAttention's interface."""
+
+    def __init__(self, config, groups, layer_number: int, name: str):
+        super().__init__()
+        groups = as_groups(groups)
+        self.config, self.layer_number, self.groups = config, layer_number, groups
+        heads, h, sp = config.num_attention_heads, config.hidden_size, config.sequence_parallel
+        self.heads = heads // groups.tp_size
+        self.nope, self.pos, self.v_dim = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
+        std, overlap = config.init_method_std, config.async_tensor_model_parallel_allreduce
+
+        def column(inputs, outputs, part):
+            return ColumnParallelLinear(inputs, outputs, groups, normal_init(config.seed, f"{name}.{part}.weight", std),
+                                        bias=False, sequence_parallel=sp, overlap=overlap)
+
+        if config.q_lora_rank is None:
+            self.q = column(h, heads * config.head_dim, "q")
+        else:
+            self.q_down = ReplicatedLinear(h, config.q_lora_rank, groups,
+                                           normal_init(config.seed, f"{name}.q_down.weight", std), sp)
+            self.q_down_norm = build_norm(config, groups, config.q_lora_rank)
+            self.q_up = column(config.q_lora_rank, heads * config.head_dim, "q_up")
+        self.kv_down = ReplicatedLinear(h, config.kv_lora_rank + self.pos, groups,
+                                        normal_init(config.seed, f"{name}.kv_down.weight", std), sp)
+        self.kv_down_norm = build_norm(config, groups, config.kv_lora_rank)
+        self.kv_up = column(config.kv_lora_rank, heads * (self.nope + self.v_dim), "kv_up")
+        self.core = CoreAttention(config, layer_number)
+        self.dense = RowParallelLinear(
+            heads * self.v_dim, h, groups,
+            normal_init(config.seed, f"{name}.dense.weight", output_layer_std(std, config.num_layers)),
+            bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=sp)
+        self.rotary = RotaryEmbedding(config.rotary_dim, *config.layer_rope(layer_number))
+        self.recompute_core = config.recompute_granularity == "selective"
+
+    def forward(self, x, layout=None):
+        """x [s(/tp), b, h] -> [s(/tp), b, h]; `layout` as SelfAttention's."""
+        tp_group = self.groups.tp_group
+        if self.config.q_lora_rank is None:
+            q = self.q(x)
+        else:
+            q = self.q_up(self.q_down_norm(self.q_down(x)))  # [s, b, heads/tp * (nope + pos)]
+        latent, k_pos = self.kv_down(x).split([self.config.kv_lora_rank, self.pos], dim=-1)
+        kv = self.kv_up(self.kv_down_norm(latent))  # [s, b, heads/tp * (nope + v)]
+        # the rope key serves every rank's heads: its gradient is the sum of theirs
+        k_pos = gather_from_sequence_parallel_region(k_pos, tp_group) if self.config.sequence_parallel \
+            else copy_to_tp_region(k_pos, tp_group)
+        s, b = q.size(0), q.size(1)
+        q = q.view(s, b, self.heads, self.nope + self.pos)
+        k_nope, v = kv.view(s, b, self.heads, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
+        decoding = getattr(layout, "cache", None) is not None
+        if decoding:
+            cos, sin = layout.shared(self.rotary.key, lambda: self.rotary(s, x.device, layout.positions))
+        else:
+            cos, sin = self.rotary(s, x.device, None if layout is None else layout.positions)
+        q_nope, q_pos = q.split([self.nope, self.pos], dim=-1)
+        q = torch.cat((q_nope, apply_rotary(q_pos, cos, sin)), dim=-1)
+        k_pos = apply_rotary(k_pos.view(s, b, 1, self.pos), cos, sin)
+        k = torch.cat((k_nope, k_pos.expand(s, b, self.heads, self.pos)), dim=-1)
+        v = v.contiguous()
+        if decoding:
+            return self.dense(layout.attend(self.layer_number, q, k, v, self.core.scale, self.core.window))
+        split = (None, None, None) if layout is None else (layout.documents, layout.cp, layout.ulysses)
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            context = deepspeed.checkpointing.checkpoint(self.core, q, k, v, *split)
+        else:
+            context = self.core(q, k, v, *split)
+        return self.dense(context)  # [s, b, heads/tp * v] -> [s(/tp), b, h]
