@@ -8,7 +8,7 @@ from typing import Optional
 
 from hybrid.conversion.families import infer_family
 from hybrid.errors import ConfigError
-from hybrid.model.config import LLAMA3_ROPE_DEFAULTS, ModelConfig
+from hybrid.model.config import LLAMA3_ROPE_DEFAULTS, ModelConfig, yarn_mscale
 from hybrid.parallel.fp8 import DEFAULT_FP8_RECIPE, check_settings
 
 
@@ -18,7 +18,6 @@ def yarn_scaling(factor: float, original: int, beta_fast: float = 32.0, beta_slo
     rope_parameters, the values meaning what megatron-core computes: its tables' scale is mscale(factor, mscale) /
     mscale(factor, mscale_all_dim), which transformers writes as mscale / mscale_all_dim when both are set, else as
     an explicit attention_factor (it ignores mscale without mscale_all_dim)."""
-    from hybrid.model.rotary import yarn_mscale
     scaling = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original),
                "beta_fast": float(beta_fast), "beta_slow": float(beta_slow)}
     if mscale_all_dim:
@@ -95,6 +94,7 @@ def architecture_from_flags(args, vocab_size: int) -> ModelConfig:
 
 MLA_FLAGS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
              "v_head_dim")  # the architecture of --multi-latent-attention
+MTP_FLAGS = ("mtp_num_layers", "mtp_loss_scaling_factor")  # multi-token prediction (flags, also with --load-hf)
 
 
 def _mla_fields(args) -> dict:
@@ -148,6 +148,7 @@ def model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = N
         recompute_granularity=granularity, recompute_method=args.recompute_method,
         recompute_num_layers=num_layers, sequence_parallel=args.sequence_parallel and tp > 1, seed=args.seed,
         async_tensor_model_parallel_allreduce=not args.no_async_tensor_model_parallel_allreduce,
+        **({name: getattr(args, name) for name in MTP_FLAGS} if args.mtp_num_layers else {}),
         **({name: getattr(args, name) for name in MOE_TRAINING_FLAGS} if architecture.num_experts else {}))
     config.validate(tp)
     if config.position_embedding_type == "learned_absolute" and args.seq_length > config.max_position_embeddings:

@@ -413,6 +413,10 @@ def _prepare_flags(args) -> None:
     """The saved run's architecture (--use-checkpoint-args), Megatron's other spellings, the demo's defaults."""
     apply_checkpoint_args(args)
     apply_megatron_aliases(args)
+    if args.mtp_num_layers and (args.dpo or args.grpo):
+        raise ConfigError(f"--mtp-num-layers with --{'dpo' if args.dpo else 'grpo'}: multi-token prediction trains "
+                          f"with the language-model loss only; drop --mtp-num-layers for preference or policy "
+                          f"training.")
     _sft_flags(args)
     _grpo_flags(args)
     _demo_defaults(args)

@@ -106,6 +106,11 @@ def _add_network_size_args(p):
     g.add_argument("--qk-head-dim", type=int, default=128, help="MLA: each query/key head's features without rope")
     g.add_argument("--qk-pos-emb-head-dim", type=int, default=64, help="MLA: each query/key head's rope features")
     g.add_argument("--v-head-dim", type=int, default=128, help="MLA: each value head's features")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="multi-token prediction (DeepSeek-V3): this many layers after the decoder, depth k predicting "
+                        "the token k + 1 ahead; trained, not used by evaluation or generation")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="the multi-token prediction losses' weight (their mean's), as Megatron-LM")
     g.add_argument("--apply-layernorm-1p", action="store_true",
                    help="norms scale by (1 + weight), weights starting at 0 (Gemma's RMSNorm)")
     g.add_argument("--geglu", action="store_true", help="gated tanh-GeLU MLP (Gemma) instead of --swiglu / GeLU")

@@ -119,7 +119,7 @@ def runtime_iteration(model, groups, pipeline, micro_batches: list, zero_stage: 
     applied}, the runtime)."""
     import deepspeed
     from hybrid.ds_config import pipeline_accumulation
-    from hybrid.model.objectives import LanguageModeling
+    from hybrid.model.objectives import LanguageModeling, mtp_loss_scale
     from hybrid.training.deepspeed_fixes import prepare_pipeline_engine
     from hybrid.training.runtime import Runtime
     optimizer = RecordingSGD(model.parameters(), lr=0.0)
@@ -131,7 +131,8 @@ def runtime_iteration(model, groups, pipeline, micro_batches: list, zero_stage: 
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, mpu=groups.mpu, config=config)
     if groups.pp.size > 1:
         prepare_pipeline_engine(engine, groups.mpu)
-    runtime = Runtime(engine, groups, LanguageModeling(groups, model.config.vocab_size), len(micro_batches),
+    objective = LanguageModeling(groups, model.config.vocab_size, mtp_loss_scale=mtp_loss_scale(model.config))
+    runtime = Runtime(engine, groups, objective, len(micro_batches),
                       len(micro_batches), pipeline, micro, micro_batches[0][0].size(1), full_backward=zero_stage >= 2)
     loss = runtime.reduce(runtime.train(iter(micro_batches)).reshape(1)).item()
     return loss, optimizer.recorded, runtime

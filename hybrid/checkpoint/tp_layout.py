@@ -66,19 +66,31 @@ def full_numels(config: ModelConfig) -> dict[str, int]:
                        "attention.kv_up": kv_rank})
         norms.update(q_down_norm=q_rank, kv_down_norm=kv_rank)
     out = {}
-    for name, rule in tp_layout(config).items():
-        if rule.vocab_padded:
-            out[name] = config.vocab_size * h
-        elif name == "embedding.position_embeddings.weight":
-            out[name] = config.max_position_embeddings * h
-        elif ".mlp." in name and config.mlp_type_of(int(name.split(".")[1])) == "moe":
-            out[name] = _moe_numel(name, config)
-        elif name.endswith("norm.weight") or name.endswith("norm.bias"):
-            out[name] = norms.get(name.split(".")[-2], h)
-        else:
-            module = ".".join(name.split(".")[2:4])  # layers.{i}.attention.qkv.weight -> attention.qkv
-            out[name] = rows[module] * (inputs[module] if name.endswith(".weight") else 1)
+    for key, rule in tp_layout(config).items():
+        name = key
+        if name.startswith("mtp."):  # multi-token prediction: a layer of the last decoder layer's kind, norms, eh_proj
+            depth, part = name[len("mtp."):].split(".", 1)
+            if not part.startswith("layer."):
+                out[key] = 2 * h * h if part.startswith("eh_proj.") else h
+                continue
+            name = f"layers.{config.num_layers + int(depth)}.{part[len('layer.'):]}"  # counted as that layer's
+        out[key] = _numel(name, rule, config, rows, inputs, norms)
     return out
+
+
+def _numel(name: str, rule, config: ModelConfig, rows: dict, inputs: dict, norms: dict) -> int:
+    """Full elements of the parameter `name` (canonical; `rule` its TPRule)."""
+    h = config.hidden_size
+    if rule.vocab_padded:
+        return config.vocab_size * h
+    if name == "embedding.position_embeddings.weight":
+        return config.max_position_embeddings * h
+    if ".mlp." in name and config.mlp_type_of(int(name.split(".")[1])) == "moe":
+        return _moe_numel(name, config)
+    if name.endswith("norm.weight") or name.endswith("norm.bias"):
+        return norms.get(name.split(".")[-2], h)
+    module = ".".join(name.split(".")[2:4])  # layers.{i}.attention.qkv.weight -> attention.qkv
+    return rows[module] * (inputs[module] if name.endswith(".weight") else 1)
 
 
 def _moe_numel(name: str, config: ModelConfig) -> int:

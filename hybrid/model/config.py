@@ -17,6 +17,11 @@ ROPE_SCALING_TYPES = ("llama3", "linear", "yarn")  # hybrid.model.rotary.scaled_
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature (its Eq. 21): 0.1 x mscale x ln(factor) + 1, 1 for factor <= 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 @dataclass
 class ModelConfig:
     """Decoder-only transformer: GPT-2 style by default, Llama style with the flags noted."""
@@ -78,6 +83,8 @@ class ModelConfig:
     softmax_scale: Optional[float] = None  # --softmax-scale: scores x this (Gemma 3: query_pre_attn_scalar^-0.5)
     sandwich_norms: bool = False  # --sandwich-norms: the attention's and the MLP's outputs normed too (Gemma 2/3)
     rope_scaling: Optional[dict] = None  # {"rope_type": "llama3"|"linear"|"yarn", "factor": ..., ...} as transformers
+    mtp_num_layers: Optional[int] = None  # --mtp-num-layers: DeepSeek-V3's multi-token prediction depths (training)
+    mtp_loss_scaling_factor: float = 0.1  # --mtp-loss-scaling-factor: their losses' weight (their mean's)
     multi_latent_attention: bool = False  # --multi-latent-attention: DeepSeek-V2/V3's MLA (the fields below)
     q_lora_rank: Optional[int] = None  # --q-lora-rank: queries through a rank-r down projection and norm; None: one
     kv_lora_rank: int = 32  # --kv-lora-rank: keys and values from one rank-r latent per token (normed)
@@ -112,10 +119,21 @@ class ModelConfig:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
         self.validate()
 
+    def pattern_layer(self, layer: int) -> int:
+        """The decoder layer whose kind (MoE, window, rope) layer `layer` takes: itself, or for a multi-token
+        prediction layer (numbered after the decoder's) the last decoder layer, as megatron-core builds it."""
+        return min(layer, self.num_layers - 1)
+
+    @property
+    def mtp_layers(self) -> list:
+        """The layer numbers of the multi-token prediction layers (after the decoder's)."""
+        return list(range(self.num_layers, self.num_layers + (self.mtp_num_layers or 0)))
+
     def mlp_type_of(self, layer: int) -> str:
         """The feed-forward block of layer `layer` (0-based): "moe" where --moe-layer-freq puts experts."""
         if not self.num_experts:
             return "dense"
+        layer = self.pattern_layer(layer)
         freq = self.moe_layer_freq
         on = freq[layer] if isinstance(freq, (list, tuple)) else layer % int(freq) == 0
         return "moe" if on else "dense"
@@ -125,6 +143,7 @@ class ModelConfig:
         freq = self.window_attn_skip_freq
         if self.sliding_window is None or freq is None:
             return self.sliding_window
+        layer = self.pattern_layer(layer)
         windowed = freq[layer] if isinstance(freq, (list, tuple)) else (layer + 1) % int(freq) != 0
         return self.sliding_window if windowed else None
 
@@ -163,7 +182,6 @@ class ModelConfig:
         scale = 1.0 / math.sqrt(self.head_dim)
         scaling = self.rope_scaling or {}
         if self.multi_latent_attention and scaling.get("rope_type") == "yarn" and scaling.get("mscale_all_dim"):
-            from hybrid.model.rotary import yarn_mscale
             mscale = yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
             scale = scale * mscale * mscale
         return scale
@@ -189,6 +207,12 @@ class ModelConfig:
     def splits_documents(self) -> bool:
         """Packed documents are kept apart (attention or positions restart after EOD)."""
         return self.reset_attention_mask or self.reset_position_ids
+
+    @property
+    def stages_take_ids(self) -> bool:
+        """Every pipeline stage gets the micro-batch's whole-sequence ids: to find packed documents, or for the
+        last stage's multi-token prediction (the tokens ahead)."""
+        return self.splits_documents or bool(self.mtp_num_layers)
 
     @property
     def tied_embeddings(self) -> bool:
@@ -236,6 +260,11 @@ class ModelConfig:
         self._validate_layer_kinds()
         if self.multi_latent_attention:
             self._validate_mla()
+        if self.mtp_num_layers is not None and self.mtp_num_layers < 0:
+            raise ConfigError(f"--mtp-num-layers must be >= 0, got {self.mtp_num_layers}.")
+        if self.mtp_num_layers and self.position_embedding_type != "rope":
+            raise ConfigError("--mtp-num-layers: the multi-token prediction layers see positions as rope does "
+                              "(relative); use --position-embedding-type rope.")
         if self.splits_documents and self.eod_token is None:
             raise ConfigError("--reset-attention-mask / --reset-position-ids split sequences at the end-of-document "
                               "token; use a tokenizer that has one.")

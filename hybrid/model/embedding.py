@@ -41,23 +41,48 @@ class Embedding(nn.Module):
         (hybrid.model.sequence.SequenceLayout): the tokens' positions within their documents and in the
         whole sequence, where they are not 0 .. s-1."""
         ids = input_ids.t()  # [b, s] -> [s, b]
-        hidden = self.word_embeddings(ids)  # [s, b, h], all-reduced over TP
-        if self.config.scale_embeddings:  # Gemma: x sqrt(h), the factor rounded to the embeddings' dtype
-            hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype, device=hidden.device)
+        hidden = _scaled(self.word_embeddings(ids), self.config)  # [s, b, h], all-reduced over TP
         if self.position_embeddings is not None:
             if layout is not None and layout.positions is not None:
                 hidden = hidden + self.position_embeddings(layout.positions)  # [s, b, h]
             else:
                 positions = torch.arange(ids.size(0), device=ids.device)
                 hidden = hidden + self.position_embeddings(positions).unsqueeze(1)
-        p = self.config.hidden_dropout if self.training else 0.0
-        if self.config.sequence_parallel:
-            hidden = M.scatter_to_sequence_parallel_region(hidden, self.tp_group)  # -> [s/tp, b, h]
-            if p == 0.0:
-                return hidden
-            with fork_tp_rng():
-                return F.dropout(hidden, p)
-        return F.dropout(hidden, p) if p > 0.0 else hidden
+        return _embedding_out(hidden, self.config, self.tp_group, self.training)
+
+
+def _scaled(hidden, config):
+    """Gemma's word embeddings x sqrt(h), the factor rounded to the embeddings' dtype."""
+    if not config.scale_embeddings:
+        return hidden
+    return hidden * torch.tensor(config.hidden_size ** 0.5, dtype=hidden.dtype, device=hidden.device)
+
+
+def _embedding_out(hidden, config, tp_group, training: bool):
+    """The embedding's output: under SP this rank's sequence shard, then the hidden dropout."""
+    p = config.hidden_dropout if training else 0.0
+    if config.sequence_parallel:
+        hidden = M.scatter_to_sequence_parallel_region(hidden, tp_group)  # -> [s/tp, b, h]
+        if p == 0.0:
+            return hidden
+        with fork_tp_rng():
+            return F.dropout(hidden, p)
+    return F.dropout(hidden, p) if p > 0.0 else hidden
+
+
+def embed_with(table, input_ids, config, groups, training: bool):
+    """Embedding's word embeddings (rope models: no position table) through `table`, this TP rank's rows of the
+    vocabulary (the last stage's copy of the word embeddings: hybrid.model.virtual_stages)."""
+    groups = as_groups(groups)
+    ids = input_ids.t()
+    if groups.tp_size > 1:
+        local = ids - groups.tp_rank * table.size(0)
+        outside = (local < 0) | (local >= table.size(0))
+        out = F.embedding(local.masked_fill(outside, 0), table).masked_fill(outside.unsqueeze(-1), 0.0)
+    else:
+        out = F.embedding(ids, table)
+    hidden = _scaled(M.reduce_from_tp_region(out, groups.tp_group), config)
+    return _embedding_out(hidden, config, groups.tp_group, training)
 
 
 def parallel_logits(hidden, weight, groups, sequence_parallel: bool, vocab_size=None, overlap: bool = True):

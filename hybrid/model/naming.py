@@ -92,7 +92,15 @@ def buffer_names(config) -> set:
     over TP, whole in every checkpoint file that holds their layer)."""
     if not config.num_experts or not config.moe_router_enable_expert_bias:
         return set()
-    return {f"layers.{i}.mlp.router.score_bias" for i in config.moe_layers}
+    return {f"layers.{i}.mlp.router.score_bias" for i in config.moe_layers} | \
+        {f"{mtp_prefix(config, i)}layer.mlp.router.score_bias" for i in config.mtp_layers if config.mlp_type_of(i) == "moe"}
+
+
+def mtp_prefix(config, layer: int) -> str:
+    """The canonical prefix of multi-token prediction layer `layer` (numbered after the decoder's layers):
+    `mtp.{depth}.` (its embedding and hidden norms `enorm`, `hnorm`, the projection `eh_proj`, the transformer
+    layer `layer.*`, its final norm `final_norm`)."""
+    return f"mtp.{layer - config.num_layers}."
 
 
 def canonical_buffers(model, num_layers: int) -> dict:

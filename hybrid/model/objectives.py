@@ -18,6 +18,7 @@ import torch
 
 from hybrid.model import grpo, preference
 from hybrid.model.loss import LMLoss
+from hybrid.model.mtp import shifted
 from hybrid.model.preference import DPOOptions, PreferenceStats
 from hybrid.parallel.cross_entropy import IGNORE_INDEX
 
@@ -62,15 +63,49 @@ class LanguageModeling(Objective):
 
     name = "lm"
 
-    def __init__(self, groups, vocab_size: int, per_token: bool = False):
+    def __init__(self, groups, vocab_size: int, per_token: bool = False, mtp_loss_scale: float = 0.0):
         self.lm_loss = LMLoss(groups, vocab_size)
         self.per_item = per_token
+        self.mtp_loss_scale = mtp_loss_scale  # --mtp-loss-scaling-factor / --mtp-num-layers (hybrid.model.mtp)
 
     def target(self, ids, labels, extra=()):
         return labels
 
     def loss(self, logits, target, scale):
-        return self.lm_loss.of_whole_sequences(logits, target, scale)
+        local = logits.size(0) // self._local_length(target)
+        if local == 1:
+            return self.lm_loss.of_whole_sequences(logits, target, scale)
+        # multi-token prediction (training): the decoder's logits, then depth k's against the labels k ahead
+        # (copies: the cross-entropy works in its logits' memory, which views of one tensor cannot give it)
+        rows = logits.size(0) // local
+        depths = [logits.narrow(0, k * rows, rows).clone() for k in range(local)]
+        loss = self.lm_loss.of_whole_sequences(depths[0], target, scale)
+        valid = (target != IGNORE_INDEX).sum()
+        extra = 0.0
+        for k, depth in enumerate(depths[1:], start=1):
+            ahead = shifted(target, k, IGNORE_INDEX)
+            if scale is None:  # the mean over depth k's tokens
+                extra = extra + self.lm_loss.of_whole_sequences(depth, ahead)
+            else:  # per token: its sum, weighted as megatron-core does (x the decoder's tokens / depth k's)
+                count = (ahead != IGNORE_INDEX).sum().clamp(min=1)
+                extra = extra + self.lm_loss.of_whole_sequences(depth, ahead, scale * valid / count)
+        return WithExtraGradient.apply(loss, extra * self.mtp_loss_scale)
+
+    def _local_length(self, target) -> int:
+        return target.size(1) // self.lm_loss.groups.sequence_split
+
+
+class WithExtraGradient(torch.autograd.Function):
+    """forward: `loss` (what is logged); backward: the gradient of loss + extra (megatron-core's
+    MTPLossAutoScaler: the multi-token prediction losses train the model without entering the logged LM loss)."""
+
+    @staticmethod
+    def forward(ctx, loss, extra):
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad
 
 
 class WithStatistics(Objective):
@@ -204,4 +239,10 @@ def objective_for(run_training, model_config, groups, reference=None) -> Objecti
         return GroupPolicy(groups, model_config.vocab_size, run_training.grpo)
     if run_training.dpo is not None:
         return PreferencePairs(groups, model_config.vocab_size, run_training.dpo, reference)
-    return LanguageModeling(groups, model_config.vocab_size, run_training.per_token_loss)
+    return LanguageModeling(groups, model_config.vocab_size, run_training.per_token_loss,
+                            mtp_loss_scale(model_config))
+
+
+def mtp_loss_scale(config) -> float:
+    """Each multi-token prediction depth's loss weight: --mtp-loss-scaling-factor / --mtp-num-layers."""
+    return config.mtp_loss_scaling_factor / config.mtp_num_layers if config.mtp_num_layers else 0.0

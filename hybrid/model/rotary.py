@@ -8,10 +8,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature (its Eq. 21): 0.1 x mscale x ln(factor) + 1, 1 for factor <= 1."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+from hybrid.model.config import yarn_mscale
 
 
 def yarn_attention_factor(scaling: dict) -> float:

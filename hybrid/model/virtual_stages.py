@@ -20,7 +20,9 @@ import torch
 import torch.nn as nn
 
 from hybrid.model.config import ModelConfig
-from hybrid.model.embedding import Embedding, OutputHead, word_init, parallel_logits
+from hybrid.model.embedding import Embedding, OutputHead, embed_with, word_init, parallel_logits
+from hybrid.model.mtp import MTPLayer, shifted
+from hybrid.model.naming import mtp_prefix
 from hybrid.model.norms import build_norm
 from hybrid.model.recompute import run_layers
 from hybrid.model.sequence import sequence_layout, stage_layout_of
@@ -61,10 +63,13 @@ class RankModel(nn.Module):
         self.layers = Layers({str(i): TransformerLayer(config, groups, i) for p in self.plans for i in p.layers})
         self.final_norm = build_norm(config, groups) if holds_last else None
         self.output_layer = OutputHead(config, groups) if holds_last and not config.tied_embeddings else None
-        # the last stage's copy of a tied table held by another rank (see the module docstring): not a
-        # parameter, so neither DeepSpeed nor a checkpoint sees it
+        # multi-token prediction's layers (hybrid.model.mtp), on the last stage, named mtp.{depth}.*
+        self.mtp = nn.ModuleList(MTPLayer(config, groups, i, mtp_prefix(config, i)) for i in config.mtp_layers) \
+            if holds_last and config.mtp_num_layers else None
+        # the last stage's copy of the word embeddings held by another rank, for a tied head or multi-token
+        # prediction (see the module docstring): not a parameter, so neither DeepSpeed nor a checkpoint sees it
         self.tied_table: Optional[torch.Tensor] = None
-        if holds_last and config.tied_embeddings and not holds_first:
+        if holds_last and _last_stage_reads_table(config) and not holds_first:
             self.tied_table = _tied_table(config, groups)
         # plain list: the stages are views, not a second registration of the same parameters
         self.stages = [VirtualStage(self, plan) for plan in self.plans]
@@ -76,8 +81,14 @@ class RankModel(nn.Module):
 
     @property
     def holds_tied_parameter(self) -> bool:
-        """This rank holds a tied table's parameter whose last stage runs on another rank."""
-        return self.config.tied_embeddings and self.embedding is not None and self.final_norm is None
+        """This rank holds the word embeddings whose copy another rank's last stage reads."""
+        return _last_stage_reads_table(self.config) and self.embedding is not None and self.final_norm is None
+
+    def embed_table(self, ids, layout=None):
+        """The word embeddings of `ids` [b, s] (this rank's tokens) on the last stage, from the table or its copy."""
+        if self.embedding is not None:
+            return self.embedding(ids, layout)
+        return embed_with(self.tied_table, ids, self.config, self.groups, self.training)
 
     def forward(self, hidden, stage: int = 0, batch_ids=None, decode=None):
         """`decode` (hybrid.model.kv_cache.DecodeLayout): a decoding step of stage `stage` (VirtualStage.decode),
@@ -100,6 +111,11 @@ class RankModel(nn.Module):
         return parallel_logits(hidden, self.head_weight(), self.groups, self.config.sequence_parallel,
                                self.config.vocab_size if for_loss else None,
                                self.config.async_tensor_model_parallel_allreduce)
+
+
+def _last_stage_reads_table(config: ModelConfig) -> bool:
+    """The last stage reads the word embeddings: a tied head, or multi-token prediction's embeddings."""
+    return config.tied_embeddings or bool(config.mtp_num_layers)
 
 
 def _tied_table(config: ModelConfig, groups) -> torch.Tensor:
@@ -141,6 +157,7 @@ class VirtualStage(nn.Module):
 
     def forward(self, hidden, batch_ids=None, for_loss: bool = True):
         owner = self._owner
+        ids = hidden if self.first else batch_ids  # whole-sequence ids, where this stage has them
         if self.first:
             layout = sequence_layout(hidden, owner.config, owner.groups)
             hidden = owner.embedding(hidden if layout is None else layout.local(hidden), layout)
@@ -148,5 +165,16 @@ class VirtualStage(nn.Module):
             layout = stage_layout_of(hidden, batch_ids, owner.config, owner.groups)
         hidden = run_layers(list(self.layers), hidden, owner.config, owner.training, layout)
         if self.last:
-            hidden = owner.logits(owner.final_norm(hidden), for_loss)
+            hidden = owner.final_norm(hidden)
+            logits = owner.logits(hidden, for_loss)
+            if owner.mtp is not None and owner.training and torch.is_grad_enabled() and ids is not None:
+                # each depth's logits after the decoder's, along the sequence (the objective splits them)
+                depths = [logits]
+                for k, layer in enumerate(owner.mtp, start=1):
+                    ahead = shifted(ids, k, 0)
+                    embedded = owner.embed_table(ahead if layout is None else layout.local(ahead), layout)
+                    hidden = layer(hidden, embedded, layout)
+                    depths.append(owner.logits(hidden, for_loss))
+                logits = torch.cat(depths, dim=0)
+            return logits
         return hidden

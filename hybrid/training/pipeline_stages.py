@@ -79,7 +79,8 @@ class PipelineSchedules:
         config, groups = self.runtime.model.config, self.runtime.groups
         tp = groups.tp.size
         vocab = config.vocab_size if tp == 1 else config.padded_vocab_size(tp) // tp  # see parallel_logits
-        return torch.empty(seq_length // groups.sequence_split, micro_batch, vocab, dtype=self._dtype(),
+        depths = 1 + (config.mtp_num_layers or 0)  # (training: multi-token prediction's logits follow)
+        return torch.empty(depths * seq_length // groups.sequence_split, micro_batch, vocab, dtype=self._dtype(),
                            device="meta", requires_grad=True)
 
     def train(self, micro: list, scale) -> torch.Tensor:
@@ -97,7 +98,7 @@ class PipelineSchedules:
         losses: list = []
         args = (ids,) if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
-        if runtime.model.config.splits_documents:  # every stage finds the packed documents from the ids
+        if runtime.model.config.stages_take_ids:  # packed documents, multi-token prediction's tokens ahead
             kwargs["batch_ids"] = ids
         # the last stage's logits are not kept for the caller (the loss consumed them in place; keeping each
         # micro-batch's until the next iteration would hold micro-batches x sequence x vocabulary)
