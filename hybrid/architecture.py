@@ -97,6 +97,14 @@ MLA_FLAGS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_d
 MTP_FLAGS = ("mtp_num_layers", "mtp_loss_scaling_factor")  # multi-token prediction (flags, also with --load-hf)
 
 
+def _mtp_fields(args) -> dict:
+    """--mtp-num-layers where given (0: none, also for a checkpoint that stores some), and its loss weight."""
+    fields = {"mtp_loss_scaling_factor": args.mtp_loss_scaling_factor}
+    if args.mtp_num_layers is not None:
+        fields["mtp_num_layers"] = args.mtp_num_layers or None
+    return fields
+
+
 def _mla_fields(args) -> dict:
     return {name: getattr(args, name) for name in MLA_FLAGS} if args.multi_latent_attention else {}
 
@@ -148,7 +156,7 @@ def model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = N
         recompute_granularity=granularity, recompute_method=args.recompute_method,
         recompute_num_layers=num_layers, sequence_parallel=args.sequence_parallel and tp > 1, seed=args.seed,
         async_tensor_model_parallel_allreduce=not args.no_async_tensor_model_parallel_allreduce,
-        **({name: getattr(args, name) for name in MTP_FLAGS} if args.mtp_num_layers else {}),
+        **_mtp_fields(args),
         **({name: getattr(args, name) for name in MOE_TRAINING_FLAGS} if architecture.num_experts else {}))
     config.validate(tp)
     if config.position_embedding_type == "learned_absolute" and args.seq_length > config.max_position_embeddings:

@@ -104,3 +104,68 @@ def test_a_deepseek_v3_style_run_with_mtp_trains_as_at_one_rank(world, layout, o
     results = run_on_ranks(_iteration, world, layout, {})
     assert all(abs(r["loss"] - loss) <= 1e-6 * loss for r in results), [r["loss"] for r in results]
     compare_grads(assemble_grads(results), grads, VOCAB, 1e-6)
+
+
+def test_deepseek_v3_mtp_layers_export_as_deepseek_stores_them_and_round_trip_bit_identically(tmp_path):
+    """model.layers.{L + k}.*: the MTP layer's attention, MoE and norms as a decoder layer's, enorm, hnorm,
+    eh_proj, shared_head.norm and copies of the embeddings and head; transformers loads the export (ignoring
+    those, as it does DeepSeek-V3's layer 61) with the same logits, and the import reads them back exactly."""
+    import dataclasses
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from hybrid.conversion.hf import read_hf_config, read_hf_dir, write_hf_dir
+    from hybrid.model.gpt import GPTModel
+    from hybrid.model.naming import canonical_parameters
+    from tests.hf_families import make_family
+    hf = make_family("deepseek_v3", tmp_path / "hf", tokenizer=False)
+    state, config, _ = read_hf_dir(str(tmp_path / "hf"))
+    assert config.mtp_num_layers is None  # transformers' save keeps none
+    config = dataclasses.replace(config, mtp_num_layers=1)
+    model = GPTModel(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    state.update({n: t.detach().clone() for n, t in canonical_parameters(model, 4).items() if n.startswith("mtp.")})
+    state["mtp.0.layer.mlp.router.score_bias"] = 0.1 * torch.randn(8)
+    write_hf_dir(state, config, str(tmp_path / "out"))
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert torch.equal(exported["model.layers.4.eh_proj.weight"], state["mtp.0.eh_proj.weight"])
+    assert torch.equal(exported["model.layers.4.mlp.gate.e_score_correction_bias"],
+                       state["mtp.0.layer.mlp.router.score_bias"])
+    assert torch.equal(exported["model.layers.4.shared_head.head.weight"], state["output_layer.weight"])
+    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and {k.split(".")[2] for k in info["unexpected_keys"]} == {"4"}
+    ids = torch.randint(0, 8192, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, hf.eval()(ids).logits)
+    assert read_hf_config(str(tmp_path / "out")).mtp_num_layers == 1
+    again, config_again, _ = read_hf_dir(str(tmp_path / "out"))
+    assert set(again) == set(state) and all(torch.equal(again[k], state[k]) for k in state)
+    write_hf_dir(again, config_again, str(tmp_path / "again"))
+    twice = load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert set(twice) == set(exported) and all(torch.equal(twice[k], exported[k]) for k in exported)
+
+
+@pytest.mark.slow
+def test_launched_deepseek_v3_with_mtp_trains_at_tp2_sp_ep2_and_pp2_as_at_one_rank_and_exports(data, tmp_path):
+    """launch/train.py --load-hf a DeepSeek-V3 (its MTP layer new: --mtp-num-layers 1): the losses of 4 iterations
+    at one rank, at TP 2 + SP x EP 2 and at PP 2 agree, and the run's --export-hf loads in transformers."""
+    from transformers import AutoModelForCausalLM
+    from tests.hf_families import make_family
+    from tests.launch_helpers import read_log, run
+    from tests.test_families import TRAIN
+    make_family("deepseek_v3", tmp_path / "hf")
+    flags = ["--load-hf", tmp_path / "hf", "--data-path", data, "--mtp-num-layers", 1, "--mtp-loss-scaling-factor",
+             0.5] + TRAIN
+    run("python", 1, flags + ["--log-json", tmp_path / "one.jsonl"])
+    run("torchrun", 4, flags + ["--tensor-model-parallel-size", 2, "--sequence-parallel",
+                                "--expert-model-parallel-size", 2, "--log-json", tmp_path / "tp_ep.jsonl",
+                                "--save", tmp_path / "ckpt", "--export-hf", tmp_path / "export"])
+    run("torchrun", 2, flags + ["--pipeline-model-parallel-size", 2, "--log-json", tmp_path / "pp.jsonl"])
+    one, tp_ep, pp = ([r["lm_loss"] for r in read_log(tmp_path / f"{n}.jsonl")] for n in ("one", "tp_ep", "pp"))
+    assert len(one) == 4 and one[0] != one[-1]
+    for other in (tp_ep, pp):
+        assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(one, other)), (one, other)
+    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "export", output_loading_info=True)
+    assert type(reloaded).__name__ == "DeepseekV3ForCausalLM" and not info["missing_keys"]
+    assert {k.split(".")[2] for k in info["unexpected_keys"]} == {"4"}  # the MTP layer, which transformers skips

@@ -53,6 +53,11 @@ def _refuse(family: str, field: str, value, why: str):
 class Adapter:
     """Maps one HF family's state dict and config to ours and back."""
 
+    @classmethod
+    def with_stored_layers(cls, config: ModelConfig, names) -> ModelConfig:
+        """The config with what the checkpoint's tensor `names` add to config.json (DeepSeek's MTP layers)."""
+        return config
+
     family: str  # the name recorded in checkpoints
     hf_class: str  # transformers' model class (config.json's architectures)
     options: str  # README: what the family maps to
@@ -423,11 +428,15 @@ class LlamaAdapter(Adapter):
         if c.untie_embeddings_and_output_weights:
             out["lm_head.weight"] = state["output_layer.weight"]
         for i in range(c.num_layers):
-            self.attention_to_hf(state, i, out)
-            self.mlp_to_hf(state, i, out)
-            for hf_tmpl, our_tmpl in self._layer_map().items():
-                out[hf_tmpl.format(i)] = state[our_tmpl.format(i)]
+            self.layer_to_hf(state, i, out)
         return out
+
+    def layer_to_hf(self, state: dict, i: int, out: dict) -> None:
+        """Transformer layer `i`'s HF tensors (model.layers.{i}.*) from canonical `state`."""
+        self.attention_to_hf(state, i, out)
+        self.mlp_to_hf(state, i, out)
+        for hf_tmpl, our_tmpl in self._layer_map().items():
+            out[hf_tmpl.format(i)] = state[our_tmpl.format(i)]
 
 
 class MistralAdapter(LlamaAdapter):
@@ -814,6 +823,54 @@ class DeepseekV3Adapter(_DeepSeekMoE, LlamaAdapter):
     refused = ("`attention_bias`, `rope_interleave` false, `num_key_value_heads` != `num_attention_heads`, the MTP "
                "layers (`num_nextn_predict_layers`: not read, as transformers), as GLM-4.5's MoE")
 
+    # a multi-token prediction layer's own tensors, model.layers.{L + k}.* -> mtp.{k}.* (hybrid.model.mtp); it also
+    # holds copies of the word embeddings (embed_tokens) and of the head (shared_head.head), written, not read
+    MTP_MAP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+               "shared_head.norm.weight": "final_norm.weight"}
+
+    @classmethod
+    def with_stored_layers(cls, config: ModelConfig, names) -> ModelConfig:
+        """The checkpoint's multi-token prediction layers (model.layers.{L + k}.eh_proj, as DeepSeek stores them)
+        become --mtp-num-layers."""
+        depth = 0
+        while f"model.layers.{config.num_layers + depth}.eh_proj.weight" in names:
+            depth += 1
+        return _replace(config, mtp_num_layers=depth) if depth else config
+
+    def _mtp_state(self, state: dict, k: int) -> dict:
+        """MTP layer k's transformer layer under the canonical names of decoder layer L + k (its HF number)."""
+        inner, as_layer = f"mtp.{k}.layer.", f"layers.{self.config.num_layers + k}."
+        return {as_layer + n[len(inner):]: t for n, t in state.items() if n.startswith(inner)}
+
+    def globals_to_canonical(self, hf_state, wanted=None):
+        out = super().globals_to_canonical(hf_state, None if wanted is None else
+                                           {n for n in wanted if not n.startswith("mtp.")})
+        c = self.config
+        for k in range(c.mtp_num_layers or 0):
+            hf, ours, i = f"model.layers.{c.num_layers + k}.", f"mtp.{k}.", c.num_layers + k
+            if wanted is not None and not any(n.startswith(ours) for n in wanted):
+                continue
+            if hf + "eh_proj.weight" not in hf_state:  # none stored: they start from their initialisation
+                continue
+            for theirs, name in self.MTP_MAP.items():
+                out[ours + name] = get(hf_state, hf + theirs)
+            inner = None if wanted is None else {n.replace(ours + "layer.", f"layers.{i}.") for n in wanted}
+            for name, t in self.layer_to_canonical(hf_state, i, inner).items():
+                out[ours + "layer." + name[len(f"layers.{i}."):]] = t
+        return out
+
+    def to_hf(self, state):
+        out = super().to_hf(state)
+        c = self.config
+        for k in range(c.mtp_num_layers or 0):
+            hf, ours, i = f"model.layers.{c.num_layers + k}.", f"mtp.{k}.", c.num_layers + k
+            self.layer_to_hf(self._mtp_state(state, k), i, out)
+            for theirs, name in self.MTP_MAP.items():
+                out[hf + theirs] = state[ours + name]
+            out[hf + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()  # (files hold each once)
+            out[hf + "shared_head.head.weight"] = out.get("lm_head.weight", out["model.embed_tokens.weight"]).clone()
+        return out
+
     @classmethod
     def config_from_hf(cls, hf):
         name = "DeepseekV3"
@@ -835,7 +892,8 @@ class DeepseekV3Adapter(_DeepSeekMoE, LlamaAdapter):
         c = self.config
         return dict(super().family_fields(), q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
                     qk_nope_head_dim=c.qk_head_dim, qk_rope_head_dim=c.qk_pos_emb_head_dim, v_head_dim=c.v_head_dim,
-                    rope_interleave=True, num_mtp_layers=0, head_dim=c.qk_pos_emb_head_dim)  # (its rope's, there)
+                    rope_interleave=True, num_mtp_layers=c.mtp_num_layers or 0,
+                    head_dim=c.qk_pos_emb_head_dim)  # (its rope's, there)
 
     def _mla_tensors(self, i: int) -> dict:
         """HF name -> (canonical name, shape, rope block or None) of layer i's MLA projections and norms."""

@@ -38,9 +38,10 @@ def read_hf_config(path: str, flag: str = "--load-dir") -> ModelConfig:
                           f"supported: {', '.join(BY_HF_CLASS)}.")
     from transformers import AutoConfig  # transformers' import takes seconds: only for HF directories
     try:
-        return adapter_cls.config_from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
+        config = adapter_cls.config_from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
     except ConfigError as e:
         raise ConfigError(f"{flag} {path}: {e}") from None
+    return adapter_cls.with_stored_layers(config, HFTensors(path, flag))
 
 
 class HFTensors(Mapping):

@@ -223,12 +223,13 @@ def load_full_state(model, state: dict, config: ModelConfig, groups) -> None:
     load_parts(model, [state], config, groups)
 
 
-def load_parts(model, parts, config: ModelConfig, groups) -> None:
+def load_parts(model, parts, config: ModelConfig, groups, may_start_fresh: tuple = ()) -> list:
     """Copy full canonical tensors, given a part at a time (`parts`: dicts, such as one layer's, of any
     dtype), into this rank's parameters of `model`, each TP-sharded for this rank and cast to the
     parameter's dtype; tensors of other ranks' parameters are skipped. Only one part is held at a time and,
     under ZeRO-3, only that part's parameters are gathered (DeepSpeed's GatheredParameters: written, then
-    re-partitioned). Every parameter of the rank must have been in some part. Buffers a part names (the
+    re-partitioned). Every parameter of the rank must have been in some part but those whose names start with
+    `may_start_fresh`, which keep their initialisation (returned). Buffers a part names (the
     routers' score biases, replicated) are copied too, and a last stage's copy of a tied table
     (hybrid.model.virtual_stages.RankModel.tied_table) gets the word embeddings where a part has them."""
     params = canonical_parameters(model, config.num_layers)
@@ -255,8 +256,11 @@ def load_parts(model, parts, config: ModelConfig, groups) -> None:
         loaded.update(mine)
         del part, mine
     missing = sorted(set(params) - loaded)
+    fresh = [name for name in missing if name.startswith(may_start_fresh)] if may_start_fresh else []
+    missing = [name for name in missing if name not in fresh]
     if missing:
         raise ConfigError(f"--load: the checkpoint lacks {missing[:5]} (a different model shape?).")
+    return fresh
 
 
 def check_target_layout(config: ModelConfig, tp: int, pp: int) -> None:

@@ -72,11 +72,14 @@ def load_hf(engine, run: RunConfig, groups) -> tuple[int, int]:
     layout, every ZeRO stage), read a layer at a time and only for this rank's stage and experts; the
     optimizer and LR schedule start fresh at iteration 0."""
     wanted = names_to_load(engine.module, run.model.num_layers, buffers=False)  # this rank's (stage, experts)
-    load_parts(engine.module, hf_parts(run.checkpoint.load_hf, run.model, wanted), run.model, groups)
+    # multi-token prediction layers the HF model does not store (--mtp-num-layers) start from their initialisation
+    fresh = load_parts(engine.module, hf_parts(run.checkpoint.load_hf, run.model, wanted), run.model, groups,
+                       may_start_fresh=("mtp.",))
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights
     log(f"loaded the {run.model.family} weights of {run.checkpoint.load_hf} (--load-hf); optimizer, schedule and "
-        f"iteration start fresh")
+        f"iteration start fresh" + ("; the multi-token prediction layers (not in it) from their initialisation"
+                                    if fresh else ""))
     return 0, 0
 
 
