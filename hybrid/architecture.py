@@ -8,25 +8,8 @@ from typing import Optional
 
 from hybrid.conversion.families import infer_family
 from hybrid.errors import ConfigError
-from hybrid.model.config import LLAMA3_ROPE_DEFAULTS, ModelConfig, yarn_mscale
+from hybrid.model.config import LLAMA3_ROPE_DEFAULTS, MLA_YARN_ORIGINAL_CONTEXT, ModelConfig, yarn_scaling
 from hybrid.parallel.fp8 import DEFAULT_FP8_RECIPE, check_settings
-
-
-def yarn_scaling(factor: float, original: int, beta_fast: float = 32.0, beta_slow: float = 1.0, mscale: float = 1.0,
-                 mscale_all_dim: float = 0.0, round_to_int: bool = True) -> dict:
-    """Megatron-LM's YaRN settings (--rotary-scaling-factor, --yarn-*, --mscale, --mscale-all-dim) as transformers'
-    rope_parameters, the values meaning what megatron-core computes: its tables' scale is mscale(factor, mscale) /
-    mscale(factor, mscale_all_dim), which transformers writes as mscale / mscale_all_dim when both are set, else as
-    an explicit attention_factor (it ignores mscale without mscale_all_dim)."""
-    scaling = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original),
-               "beta_fast": float(beta_fast), "beta_slow": float(beta_slow)}
-    if mscale_all_dim:
-        scaling.update(mscale=float(mscale), mscale_all_dim=float(mscale_all_dim))
-    elif mscale != 1.0:
-        scaling["attention_factor"] = yarn_mscale(float(factor), float(mscale))
-    if not round_to_int:
-        scaling["truncate"] = False
-    return scaling
 
 
 def _yarn(args) -> bool:
@@ -42,7 +25,8 @@ def _rope_scaling(args) -> Optional[dict]:
             raise ConfigError("YaRN (--position-embedding-type yarn, or --multi-latent-attention's default rope) and "
                               "--use-rope-scaling / --rotary-seq-len-interpolation-factor are two rope scalings; give "
                               "one (--rope-type rope: MLA without YaRN).")
-        return yarn_scaling(args.rotary_scaling_factor, args.yarn_original_max_position_embeddings or 4096,
+        return yarn_scaling(args.rotary_scaling_factor, args.yarn_original_max_position_embeddings or
+                            MLA_YARN_ORIGINAL_CONTEXT,
                             args.yarn_beta_fast, args.yarn_beta_slow, args.mscale, args.mscale_all_dim,
                             args.yarn_correction_range_round_to_int)
     if args.use_rope_scaling and args.rotary_seq_len_interpolation_factor:

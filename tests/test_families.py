@@ -155,7 +155,7 @@ FAMILY_FLAGS = {
                  "--moe-router-enable-expert-bias", "--moe-router-num-groups", 4, "--moe-router-group-topk", 1,
                  "--moe-router-topk-scaling-factor", 2.5, "--moe-shared-expert-intermediate-size", 24],
     "deepseek_v3": ["--swiglu", "--untie-embeddings-and-output-weights", "--norm-epsilon", 1e-6,
-                    "--multi-latent-attention", "--q-lora-rank", 16, "--kv-lora-rank", 12, "--qk-head-dim", 8,
+                    "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", 16, "--kv-lora-rank", 12, "--qk-head-dim", 8,
                     "--qk-pos-emb-head-dim", 4, "--v-head-dim", 6, "--rotary-scaling-factor", 4, "--mscale", 1,
                     "--mscale-all-dim", 0.7, "--yarn-original-max-position-embeddings", 16, "--num-experts", 8,
                     "--moe-router-topk", 4, "--moe-ffn-hidden-size", 24, "--moe-layer-freq", "[0]+[1]*3",

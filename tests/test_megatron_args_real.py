@@ -106,11 +106,33 @@ MODELS = {
     "meta-llama/Llama-3.2-1B-Instruct.sh": dict(DENSE, num_layers=16, hidden_size=2048, num_attention_heads=32,
                                                 num_query_groups=8, ffn_hidden_size=8192, rotary_base=500000.0,
                                                 untie_embeddings_and_output_weights=False),
+    # DeepSeek's MLA (the latents normed: --qk-layernorm), YaRN and MoE, as their config.json hold them
+    "deepseek-ai/DeepSeek-R1.sh": dict(
+        DENSE, num_layers=61, hidden_size=7168, num_attention_heads=128, multi_latent_attention=True, q_lora_rank=1536,
+        kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, qk_layernorm=True, num_experts=256,
+        moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_num_groups=8,
+        moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5, moe_layer_freq=[0] * 3 + [1] * 58,
+        rope_scaling=dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                          beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
+    "deepseek-ai/DeepSeek-V2-Lite.sh": dict(
+        DENSE, num_layers=27, hidden_size=2048, num_attention_heads=16, multi_latent_attention=True, q_lora_rank=None,
+        kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, num_experts=64, moe_router_topk=6,
+        moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=2816, moe_router_score_function="softmax",
+        moe_layer_freq=[0] + [1] * 26,
+        rope_scaling=dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                          beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)),
+    "moonshotai/Kimi-K2-Instruct.sh": dict(
+        DENSE, num_layers=61, hidden_size=7168, num_attention_heads=64, multi_latent_attention=True, q_lora_rank=1536,
+        kv_lora_rank=512, v_head_dim=128, num_experts=384, moe_router_topk=8, moe_ffn_hidden_size=2048,
+        moe_shared_expert_intermediate_size=2048, moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, moe_router_num_groups=None, moe_router_topk_scaling_factor=2.827,
+        moe_layer_freq=[0] + [1] * 60, rope_scaling=dict(rope_type="yarn", factor=32.0,
+                                                         original_max_position_embeddings=4096, beta_fast=32.0,
+                                                         beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
 }
 HYBRID = "a hybrid (Mamba / attention)"
 REFUSALS = {
-    "deepseek-ai/DeepSeek-R1.sh": "multi-latent attention", "deepseek-ai/DeepSeek-V2-Lite.sh": "multi-latent attention",
-    "moonshotai/Kimi-K2-Instruct.sh": "multi-latent attention",
     "meta-llama/Llama-4-Maverick-17B-128E-Instruct.sh": "--no-rope-freq 4",
     "meta-llama/Llama-4-Scout-17B-16E-Instruct.sh": "--rotary-interleaved",
     "nvidia/Nemotron-Mini-4B-Instruct.sh": "--squared-relu",  # (its --rotary-percent 0.5 is read)

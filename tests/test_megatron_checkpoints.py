@@ -486,6 +486,10 @@ def _megatron_args(**changes):
     return argparse.Namespace(**base)
 
 
+# a small DeepSeek-style MLA (its latents normed, as DeepSeek's scripts give --qk-layernorm), YaRN x 40
+MLA = dict(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+           q_lora_rank=None, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+           rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=0.5)
 # each mapped argument at a value other than its default -> (the ModelConfig field, the value it must take)
 MAPPED = {
     "norm_epsilon": (dict(norm_epsilon=1e-6), "norm_epsilon", 1e-6),
@@ -523,6 +527,19 @@ MAPPED = {
                                    moe_router_num_groups=4, moe_router_group_topk=1), "moe_router_num_groups", 4),
     "moe_router_group_topk": (dict(num_experts=8, add_bias_linear=False, swiglu=True, moe_router_topk=4,
                                    moe_router_num_groups=4, moe_router_group_topk=2), "moe_router_group_topk", 2),
+    "mtp_num_layers": (dict(position_embedding_type="rope", mtp_num_layers=2), "mtp_num_layers", 2),
+    "mtp_loss_scaling_factor": (dict(position_embedding_type="rope", mtp_num_layers=1, mtp_loss_scaling_factor=0.3),
+                                "mtp_loss_scaling_factor", 0.3),
+    "multi_latent_attention (its rope YaRN by default, as megatron-core's MLA)": (
+        dict(MLA), "rope_scaling", lambda v: v["rope_type"] == "yarn" and v["factor"] == 40.0 and v["mscale_all_dim"] == 0.5),
+    **{f"{name} (MLA)": (dict(MLA, **{name: value}), name, value) for name, value in (
+        ("q_lora_rank", 24), ("kv_lora_rank", 20), ("qk_head_dim", 12), ("qk_pos_emb_head_dim", 8), ("v_head_dim", 10))},
+    "rope_type rope (MLA without YaRN)": (dict(MLA, rope_type="rope"), "rope_scaling", None),
+    "position_embedding_type yarn (and the --yarn-* arguments)": (
+        dict(position_embedding_type="yarn", rotary_scaling_factor=32.0, yarn_original_max_position_embeddings=4096,
+             yarn_beta_fast=16.0, yarn_beta_slow=2.0, yarn_correction_range_round_to_int=False), "rope_scaling",
+        dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096, beta_fast=16.0, beta_slow=2.0,
+             truncate=False)),
     "moe_router_load_balancing_type as the parser makes it (a one-element list)":
         (dict(num_experts=4, add_bias_linear=False, swiglu=True, moe_router_load_balancing_type=["seq_aux_loss"],
               moe_aux_loss_coeff=[0.01]),
@@ -542,10 +559,11 @@ def test_every_mapped_megatron_argument_reaches_the_model_at_a_value_other_than_
     assert got != default or field == "rope_scaling", (case, got, default)
 
 
-REFUSED = {"no_rope_freq": 2, "mtp_num_layers": 1, "experimental_attention_variant": "gdn",
+REFUSED = {"no_rope_freq": 2, "mtp_hsm": True, "mtp_use_repeated_layer": True, "mtp_hybrid_override_pattern": "*-",
+           "mtp_detach_heads": True, "experimental_attention_variant": "gdn",
            "linear_attention_freq": 4, "hybrid_override_pattern": "M*M*", "softmax_type": "learnable",
            "attention_output_gate": True, "qk_l2_norm": True, "glu_linear_offset": 1.0,
-           "activation_func_clamp_value": 7.0, "rope_type": "yarn", "quick_geglu": True,
+           "activation_func_clamp_value": 7.0, "quick_geglu": True,
            "hybrid_layer_pattern": "M*M*", "is_hybrid_model": True, "use_fused_weighted_squared_relu": True,
            "moe_apply_probs_on_input": True, "moe_mlp_glu_interleave_size": 32,
            "moe_shared_expert_glu_interleave_size": 32, "moe_expert_rank_capacity_factor": 1.5,
@@ -562,7 +580,7 @@ def test_every_model_changing_megatron_argument_not_computed_is_refused_by_name(
     Megatron-LM's arguments.py defines; and missing args are one message too."""
     from hybrid.conversion.megatron import REFUSED_ARGS, config_from_args
     from hybrid.errors import ConfigError
-    assert set(REFUSED) == set(REFUSED_ARGS) | {"rope_type"}
+    assert set(REFUSED) == set(REFUSED_ARGS)
     with pytest.raises(ConfigError, match=re.escape(f"--{name.replace('_', '-')} {REFUSED[name]}")):
         config_from_args(_megatron_args(position_embedding_type="rope", **{name: REFUSED[name]}), where="ckpt")
     args = _megatron_args()

@@ -823,6 +823,11 @@ class DeepseekV3Adapter(_DeepSeekMoE, LlamaAdapter):
     refused = ("`attention_bias`, `rope_interleave` false, `num_key_value_heads` != `num_attention_heads`, the MTP "
                "layers (`num_nextn_predict_layers`: not read, as transformers), as GLM-4.5's MoE")
 
+    qk_norm = True  # MLA's latent norms (hybrid.model.mla), which megatron-core's --qk-layernorm means with MLA
+
+    def _layer_map(self) -> dict:
+        return dict(self.LAYER_MAP)  # (the latent norms are mapped with the projections)
+
     # a multi-token prediction layer's own tensors, model.layers.{L + k}.* -> mtp.{k}.* (hybrid.model.mtp); it also
     # holds copies of the word embeddings (embed_tokens) and of the head (shared_head.head), written, not read
     MTP_MAP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
@@ -878,7 +883,7 @@ class DeepseekV3Adapter(_DeepSeekMoE, LlamaAdapter):
             _refuse(name, "rope_interleave", False, "DeepSeek's rope features are read in their interleaved order")
         if (hf.num_key_value_heads or hf.num_attention_heads) != hf.num_attention_heads:
             _refuse(name, "num_key_value_heads", hf.num_key_value_heads, "MLA has a key and value per head")
-        return _replace(super().config_from_hf(hf), multi_latent_attention=True, kv_channels=None,
+        return _replace(super().config_from_hf(hf), multi_latent_attention=True, kv_channels=None, qk_layernorm=True,
                         num_query_groups=hf.num_attention_heads, q_lora_rank=hf.q_lora_rank,
                         kv_lora_rank=hf.kv_lora_rank, qk_head_dim=hf.qk_nope_head_dim,
                         qk_pos_emb_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim)

@@ -35,7 +35,7 @@ import torch
 from hybrid.checkpoint.files import LATEST, MEGATRON_LATEST, load_file
 from hybrid.conversion.dcp_files import DCPCheckpoint
 from hybrid.errors import ConfigError
-from hybrid.model.config import LLAMA3_ROPE_DEFAULTS, ModelConfig
+from hybrid.model.config import LLAMA3_ROPE_DEFAULTS, MLA_YARN_ORIGINAL_CONTEXT, ModelConfig, yarn_scaling
 from hybrid.model.naming import EXPERTS, buffer_names
 
 RELEASE = "release"  # Megatron-LM's name for a checkpoint without an iteration
@@ -398,8 +398,6 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         raise ConfigError(f"{where}: the checkpoint's args lack {', '.join(missing)}, which the model's shape needs "
                           f"(saved with --no-save-args, or edited?); hybrid builds the model from them, as "
                           f"Megatron-LM's converter does.")
-    if _arg(args, "multi_latent_attention"):
-        refuse("multi-latent attention", "only multi-head / grouped-query attention")
     if _arg(args, "rotary_interleaved"):
         refuse("--rotary-interleaved", "rotary embeddings rotate halves, as transformers' Llama")
     if _arg(args, "squared_relu"):
@@ -415,16 +413,18 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
     kv_channels = _arg(args, "kv_channels")
     if kv_channels and int(kv_channels) * heads == int(args.hidden_size):
         kv_channels = None
-    rope = _arg(args, "position_embedding_type", "learned_absolute") == "rope" or \
-        bool(_arg(args, "use_rotary_position_embeddings"))
+    mla = bool(_arg(args, "multi_latent_attention"))
+    rope = _arg(args, "position_embedding_type", "learned_absolute") in ("rope", "yarn") or \
+        bool(_arg(args, "use_rotary_position_embeddings")) or mla
     if not rope and (_arg(args, "position_embedding_type") == "none" or _arg(args, "add_position_embedding") is False):
         refuse("no position embedding (--no-position-embedding without rotary embeddings)",
                "positions come from a learned table or rotary embeddings")
-    if _arg(args, "rope_type") not in (None, "rope"):  # Megatron-LM's choices: rope, yarn
-        refuse(f"--rope-type {args.rope_type} (--rotary-scaling-factor {_arg(args, 'rotary_scaling_factor')})",
-               "rotary scaling is llama3's (--use-rope-scaling) or linear interpolation; YaRN is not built")
-    rope_scaling = None
-    if _arg(args, "use_rope_scaling"):
+    rope_scaling = _megatron_yarn(args, mla)
+    if rope_scaling is not None and (_arg(args, "use_rope_scaling") or _arg(args, "rotary_seq_len_interpolation_factor")):
+        refuse("YaRN with --use-rope-scaling / --rotary-seq-len-interpolation-factor", "one rope scaling per model")
+    if rope_scaling is not None:
+        pass
+    elif _arg(args, "use_rope_scaling"):
         rope_scaling = {"rope_type": "llama3", "factor": float(_arg(args, "rope_scaling_factor", 8.0)),
                         **LLAMA3_ROPE_DEFAULTS}
     elif _arg(args, "rotary_seq_len_interpolation_factor"):
@@ -443,7 +443,7 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         vocab_size=true_vocab_size or rows,
         max_position_embeddings=int(_arg(args, "max_position_embeddings") or _arg(args, "seq_length")),
         ffn_hidden_size=_arg(args, "ffn_hidden_size"),
-        num_query_groups=int(args.num_query_groups) if _arg(args, "group_query_attention") else None,
+        num_query_groups=int(args.num_query_groups) if _arg(args, "group_query_attention") and not mla else None,
         position_embedding_type="rope" if rope else "learned_absolute",
         rotary_base=float(_arg(args, "rotary_base", 10000)), rotary_percent=float(_arg(args, "rotary_percent", 1.0) or 1.0),
         normalization=_arg(args, "normalization", "LayerNorm"),
@@ -452,13 +452,42 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)),
         hidden_dropout=float(_arg(args, "hidden_dropout", 0.1)),
         attention_dropout=float(_arg(args, "attention_dropout", 0.1)),
-        init_method_std=float(_arg(args, "init_method_std", 0.02)), kv_channels=kv_channels,
+        init_method_std=float(_arg(args, "init_method_std", 0.02)), kv_channels=None if mla else kv_channels,
         add_qkv_bias=bool(_arg(args, "add_qkv_bias", False)), qk_layernorm=bool(_arg(args, "qk_layernorm", False)),
         sliding_window=None if not window or window[0] == -1 else int(window[0]) + 1, rope_scaling=rope_scaling,
         window_attn_skip_freq=skip_freq if window and window[0] != -1 else None,
         apply_layernorm_1p=bool(_arg(args, "apply_layernorm_1p", False) or _arg(args, "layernorm_zero_centered_gamma")),
         make_vocab_size_divisible_by=int(_arg(args, "make_vocab_size_divisible_by", 128) or 128), hf_dtype=dtype,
-        **_moe_fields(args, refuse))
+        mtp_num_layers=int(_arg(args, "mtp_num_layers", 0) or 0) or None,
+        mtp_loss_scaling_factor=float(_arg(args, "mtp_loss_scaling_factor", 0.1) or 0.1),
+        **_mla_fields(args, mla), **_moe_fields(args, refuse))
+
+
+def _megatron_yarn(args: argparse.Namespace, mla: bool) -> Optional[dict]:
+    """YaRN as megatron-core computes it: MLA's rope (--rope-type, default yarn) from its MLATransformerConfig
+    (--rotary-scaling-factor, --mscale, --mscale-all-dim; its original context and betas are the config's
+    defaults, which no argument sets), or --position-embedding-type yarn from the --yarn-* arguments."""
+    if mla and (_arg(args, "rope_type") or "yarn") == "yarn":
+        return yarn_scaling(float(_arg(args, "rotary_scaling_factor", 1.0) or 1.0), MLA_YARN_ORIGINAL_CONTEXT,
+                            mscale=float(_arg(args, "mscale", 1.0)), mscale_all_dim=float(_arg(args, "mscale_all_dim", 0.0)))
+    if _arg(args, "position_embedding_type") != "yarn":
+        return None
+    round_to_int = _arg(args, "yarn_correction_range_round_to_int")
+    return yarn_scaling(float(_arg(args, "rotary_scaling_factor", 1.0) or 1.0),
+                        int(_arg(args, "yarn_original_max_position_embeddings") or MLA_YARN_ORIGINAL_CONTEXT),
+                        float(_arg(args, "yarn_beta_fast") or 32.0), float(_arg(args, "yarn_beta_slow") or 1.0),
+                        float(_arg(args, "mscale", 1.0)), float(_arg(args, "mscale_all_dim", 0.0)),
+                        True if round_to_int is None else bool(round_to_int))
+
+
+def _mla_fields(args: argparse.Namespace, mla: bool) -> dict:
+    """Multi-latent attention's sizes (Megatron-LM's names, as hybrid's flags)."""
+    if not mla:
+        return {}
+    return dict(multi_latent_attention=True, q_lora_rank=_arg(args, "q_lora_rank"),
+                kv_lora_rank=int(_arg(args, "kv_lora_rank", 32)), qk_head_dim=int(_arg(args, "qk_head_dim", 128)),
+                qk_pos_emb_head_dim=int(_arg(args, "qk_pos_emb_head_dim", 64)),
+                v_head_dim=int(_arg(args, "v_head_dim", 128)))
 
 
 # the args without which no model can be built (one message, not an AttributeError)
@@ -469,7 +498,10 @@ REQUIRED_ARGS = ("num_layers", "hidden_size", "num_attention_heads")
 # other than its default
 REFUSED_ARGS = {  # (names as megatron-core's TransformerConfig and Megatron-LM's arguments.py spell them)
     "no_rope_freq": "rotary embeddings left out of some layers; hybrid rotates every layer",
-    "mtp_num_layers": "multi-token prediction layers",
+    "mtp_hsm": "hidden-state mixing across the multi-token prediction depths",
+    "mtp_use_repeated_layer": "one multi-token prediction layer repeated over the depths",
+    "mtp_hybrid_override_pattern": "a hybrid (Mamba) multi-token prediction layer",
+    "mtp_detach_heads": "multi-token prediction heads detached from the embeddings and output layer",
     "experimental_attention_variant": "an attention other than softmax attention (gated delta net, DSA)",
     "linear_attention_freq": "linear attention layers among the softmax ones",
     "hybrid_override_pattern": "a hybrid (Mamba / attention) layer pattern",
@@ -562,13 +594,10 @@ NOT_MODEL_ARGS = {
     "BERT and T5 models (hybrid reads GPT models)": (
         "bert_binary_head", "encoder_num_layers", "decoder_num_layers", "relative_attention_max_distance",
         "relative_attention_num_buckets", "onnx_safe"),
-    "only with --multi-latent-attention or --rope-type yarn (refused)": (
-        "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor",
-        "mscale", "mscale_all_dim", "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int",
+    "where the multi-token prediction layers run (a pipeline placement)": ("mtp_standalone",),
+    "read with --position-embedding-type yarn (_megatron_yarn; megatron-core's MLA takes its config's defaults)": (
+        "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int",
         "yarn_original_max_position_embeddings"),
-    "only with --mtp-num-layers (refused)": (
-        "mtp_detach_heads", "mtp_hsm", "mtp_hybrid_override_pattern", "mtp_loss_scaling_factor", "mtp_standalone",
-        "mtp_use_repeated_layer"),
     "only with --experimental-attention-variant or --linear-attention-freq (refused)": (
         "dsa_indexer_head_dim", "dsa_indexer_k_norm_epsilon", "dsa_indexer_k_norm_fp32", "dsa_indexer_loss_coeff",
         "dsa_indexer_n_heads", "dsa_indexer_rope_interleaved", "dsa_indexer_rotate_activation",

@@ -22,6 +22,26 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def yarn_scaling(factor: float, original: int, beta_fast: float = 32.0, beta_slow: float = 1.0, mscale: float = 1.0,
+                 mscale_all_dim: float = 0.0, round_to_int: bool = True) -> dict:
+    """Megatron-LM's YaRN settings (--rotary-scaling-factor, --yarn-*, --mscale, --mscale-all-dim) as transformers'
+    rope_parameters, the values meaning what megatron-core computes: its tables' scale is mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim), which transformers writes as mscale / mscale_all_dim when both are set, else as
+    an explicit attention_factor (it ignores mscale without mscale_all_dim)."""
+    scaling = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original),
+               "beta_fast": float(beta_fast), "beta_slow": float(beta_slow)}
+    if mscale_all_dim:
+        scaling.update(mscale=float(mscale), mscale_all_dim=float(mscale_all_dim))
+    elif mscale != 1.0:
+        scaling["attention_factor"] = yarn_mscale(float(factor), float(mscale))
+    if not round_to_int:
+        scaling["truncate"] = False
+    return scaling
+
+
+MLA_YARN_ORIGINAL_CONTEXT = 4096  # megatron-core's MLATransformerConfig.original_max_position_embeddings
+
+
 @dataclass
 class ModelConfig:
     """Decoder-only transformer: GPT-2 style by default, Llama style with the flags noted."""
@@ -75,7 +95,8 @@ class ModelConfig:
     moe_grouped_gemm: bool = False  # --moe-grouped-gemm: torch._grouped_mm where it runs, else a loop
     kv_channels: Optional[int] = None  # --kv-channels: the head dimension; None = hidden / heads
     add_qkv_bias: bool = False  # --add-qkv-bias: a bias on Q, K and V only (Qwen2), with or without others
-    qk_layernorm: bool = False  # --qk-layernorm: a norm (--normalization) over each head of Q and K (Qwen3)
+    qk_layernorm: bool = False  # --qk-layernorm: a norm (--normalization) over each head of Q and K (Qwen3); with
+    # --multi-latent-attention the norms of its query and key-value latents, as megatron-core
     sliding_window: Optional[int] = None  # --window-size L,0: each token attends itself and L = window - 1 before
     window_attn_skip_freq: object = None  # --window-attn-skip-freq: every N-th layer (1-based) attends fully, or a
     # 0/1 list per layer (1: windowed), as Megatron-LM; None: the window on every layer
@@ -320,8 +341,12 @@ class ModelConfig:
             raise ConfigError(f"--multi-latent-attention: {', '.join(bad)} must be positive.")
         if self.position_embedding_type != "rope":
             raise ConfigError("--multi-latent-attention needs --position-embedding-type rope (or yarn).")
+        if not self.qk_layernorm:
+            raise ConfigError("--multi-latent-attention needs --qk-layernorm: with MLA it norms the query and key-value "
+                              "latents (megatron-core's q_layernorm / kv_layernorm, DeepSeek's q_a_layernorm / "
+                              "kv_a_layernorm); MLA without them is not implemented.")
         others = {"--num-query-groups": self.num_query_groups != self.num_attention_heads,
-                  "--qk-layernorm": self.qk_layernorm, "--add-qkv-bias": self.add_qkv_bias,
+                  "--add-qkv-bias": self.add_qkv_bias,
                   "--window-size": self.sliding_window is not None, "--rotary-percent": self.rotary_percent != 1.0,
                   "--kv-channels": self.kv_channels is not None}
         wrong = [flag for flag, on in others.items() if on]
