@@ -656,3 +656,23 @@ def test_a_gemma3_model_is_refused_as_a_megatron_checkpoint_before_anything_is_w
     assert not (tmp_path / "out").exists()
     args = megatron_args(ModelConfig(**common), 1, 1, ClientState(iteration=1, consumed_samples=8))
     assert args.window_attn_skip_freq == [1, 1, 0, 1] and args.window_size == (7, 0)
+
+
+def test_mla_and_mtp_models_are_refused_as_megatron_checkpoints_in_and_out(tmp_path):
+    """Megatron-LM's MLA and MTP weights are not mapped yet: reading one (its args are read: DeepSeek's scripts)
+    and writing one are each one message pointing to the HF route, and nothing is written."""
+    from hybrid.checkpoint.client_state import ClientState
+    from hybrid.conversion.megatron import stream_parts
+    from hybrid.conversion.megatron_write import write_megatron
+    from hybrid.errors import ConfigError
+    from hybrid.model.config import ModelConfig
+    common = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, position_embedding_type="rope",
+                  normalization="RMSNorm", swiglu=True, add_bias_linear=False)
+    for config, what in ((ModelConfig(**common, multi_latent_attention=True, qk_layernorm=True, kv_lora_rank=8,
+                                      qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8), "multi-latent attention"),
+                         (ModelConfig(**common, mtp_num_layers=1), "multi-token prediction layers")):
+        with pytest.raises(ConfigError, match=f"{what}.*--loader hf"):
+            next(iter(stream_parts(None, config, None, "ckpt")))
+        with pytest.raises(ConfigError, match=f"{what}.*--saver hf"):
+            write_megatron({}, config, 1, 1, str(tmp_path / "out"), ClientState(iteration=1, consumed_samples=8))
+        assert not (tmp_path / "out").exists()

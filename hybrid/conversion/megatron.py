@@ -211,6 +211,12 @@ class MegatronCheckpoint(MegatronSource):
         return stream_parts(reader, config, wanted, self.directory)
 
 
+def mla_or_mtp(config: ModelConfig) -> str:
+    """What of the model Megatron-LM checkpoints are not read or written with (empty when nothing)."""
+    return " and ".join(what for what, on in (("multi-latent attention", config.multi_latent_attention),
+                                               ("multi-token prediction layers", bool(config.mtp_num_layers))) if on)
+
+
 def _stores_own_head(ckpt: "MegatronCheckpoint") -> bool:
     """Whether a checkpoint whose args do not say if the output layer is tied holds a head of its own: megatron-core
     saves no output layer for a tied model at PP 1 (torch_dist: never), and on a later stage the tied copy equals
@@ -230,6 +236,11 @@ def stream_parts(reader, config: ModelConfig, wanted: Optional[set], directory: 
     """A reader's parts (`reader.part(layer, config, wanted)`: -1 for the tensors outside the layers), of
     `wanted` only (default: every parameter), vocabulary rows cut to config.vocab_size; an error naming what
     the checkpoint lacks."""
+    unread = mla_or_mtp(config)
+    if unread:
+        raise ConfigError(f"{directory}: the checkpoint's model has {unread}, whose weights hybrid does not read from "
+                          f"Megatron-LM checkpoints yet (its model and HF's DeepSeek-V3 have them); convert it to "
+                          f"HuggingFace with Megatron-LM's or Megatron-Bridge's tools, then use --loader hf.")
     expected = _expected(config)
     names = set(expected) | buffer_names(config)
     wanted = set(expected) if wanted is None else wanted & names

@@ -28,7 +28,7 @@ from hybrid.checkpoint.client_state import ClientState
 from hybrid.checkpoint.files import MEGATRON_LATEST, atomic_directory, tag_for
 from hybrid.checkpoint.tp_layout import tp_layout
 from hybrid.conversion.layout import shard_for_rank
-from hybrid.conversion.megatron import (LEGACY_FILE, buffer_names, is_buffer, megatron_global_key,
+from hybrid.conversion.megatron import (LEGACY_FILE, buffer_names, is_buffer, megatron_global_key, mla_or_mtp,
                                         megatron_layer_key)
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
@@ -99,6 +99,9 @@ def write_megatron(state: dict, config: ModelConfig, tp: int, pp: int, save_dir:
     if config.num_experts and config.num_experts % ep:
         raise ConfigError(f"--target-expert-parallel-size {ep} does not divide the model's {config.num_experts} "
                           f"experts.")
+    if mla_or_mtp(config):
+        raise ConfigError(f"writing a Megatron-LM checkpoint of a model with {mla_or_mtp(config)} is not implemented "
+                          f"yet; export with --saver hf (DeepSeek-V3) instead.")
     unwritable = [flag for flag, on in {"--sandwich-norms": config.sandwich_norms,
                                         "--local-rotary-base": config.local_rotary_base is not None,
                                         "--softmax-scale": config.softmax_scale is not None}.items() if on]
