@@ -73,7 +73,10 @@ def architecture_from_flags(args, vocab_size: int) -> ModelConfig:
         qk_layernorm=args.qk_layernorm, sliding_window=_sliding_window(args), rope_scaling=_rope_scaling(args),
         apply_layernorm_1p=args.apply_layernorm_1p, geglu=args.geglu, scale_embeddings=args.scale_embeddings,
         window_attn_skip_freq=args.window_attn_skip_freq, local_rotary_base=args.local_rotary_base,
-        softmax_scale=args.softmax_scale, sandwich_norms=args.sandwich_norms, **_mla_fields(args), **_moe_fields(args))
+        softmax_scale=args.softmax_scale, sandwich_norms=args.sandwich_norms,
+        attention_sinks=args.softmax_type == "learnable", quick_geglu=args.quick_geglu,
+        glu_linear_offset=args.glu_linear_offset, activation_func_clamp_value=args.activation_func_clamp_value,
+        **_mla_fields(args), **_moe_fields(args))
 
 
 MLA_FLAGS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",

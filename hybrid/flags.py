@@ -111,6 +111,14 @@ def _add_network_size_args(p):
                         "the token k + 1 ahead; trained, not used by evaluation or generation")
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
                    help="the multi-token prediction losses' weight (their mean's), as Megatron-LM")
+    g.add_argument("--softmax-type", default="vanilla", choices=["vanilla", "learnable"],
+                   help="learnable: a learned sink logit per head in the attention's softmax (GPT-OSS); Megatron's "
+                        "off-by-one is not built")
+    g.add_argument("--quick-geglu", action="store_true",
+                   help="gated MLP gate x sigmoid(1.702 gate) x up (GPT-OSS's experts) instead of --swiglu")
+    g.add_argument("--glu-linear-offset", type=float, default=0.0, help="--quick-geglu's up half + this (GPT-OSS: 1)")
+    g.add_argument("--activation-func-clamp-value", type=float, default=None,
+                   help="--quick-geglu's gate clamped <= this and its up half to +-this first (GPT-OSS: 7)")
     g.add_argument("--apply-layernorm-1p", action="store_true",
                    help="norms scale by (1 + weight), weights starting at 0 (Gemma's RMSNorm)")
     g.add_argument("--geglu", action="store_true", help="gated tanh-GeLU MLP (Gemma) instead of --swiglu / GeLU")

@@ -66,13 +66,20 @@ FAMILY_CONFIGS.update({
         tie_word_embeddings=False, rms_norm_eps=1e-6, rope_interleave=True,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16,
                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7})),
+    # attention sinks, Q/K/V/O biases, window-8 layers 0 and 2 and full layers 1 and 3, YaRN x 4 over 16 positions
+    # (untruncated ramp); 4 biased experts and a biased router, the quick-GeGLU clamped at 0.2 (so that it clamps)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, swiglu_limit=0.2, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 150000.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})),
 })
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss"]
 FAMILIES = DENSE + MOE
 RECORDED = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma": "gemma",
             "gemma3": "gemma3",
             "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe",
-            "deepseek_v3": "deepseek_v3"}
+            "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss"}
 
 
 def save_embedded_tokenizer(path):

@@ -145,7 +145,7 @@ def test_a_pipeline_hands_its_schedule_only_device_tensors():
     engine.fp16_enabled = lambda: False
     objective = RecordingObjective(engine)
     runtime = SimpleNamespace(engine=engine, tied=Tied(), objective=objective, device=META,
-                              model=SimpleNamespace(config=SimpleNamespace(splits_documents=True)))
+                              model=SimpleNamespace(config=SimpleNamespace(splits_documents=True, stages_take_ids=True)))
     pipeline = PipelineSchedules.__new__(PipelineSchedules)
     pipeline.runtime, pipeline.schedule, pipeline.has_first, pipeline.has_last = runtime, Schedule(), True, True
     micro = [(torch.zeros(2, 16, dtype=torch.long, device=META), torch.zeros(2, 16, dtype=torch.long, device=META))

@@ -22,7 +22,8 @@ DISTINCTIVE = {"llama3": dict(rope_scaling=None), "qwen2": dict(add_qkv_bias=Fal
                "qwen3": dict(qk_layernorm=False), "mistral": dict(sliding_window=None),
                "gemma": dict(apply_layernorm_1p=False), "gemma3": dict(sandwich_norms=False), "mixtral": dict(moe_router_topk=1),
                "qwen2_moe": dict(moe_router_pre_softmax=False), "qwen3_moe": dict(moe_router_pre_softmax=True),
-               "glm4_moe": dict(rotary_percent=1.0), "deepseek_v3": dict(rope_scaling=None)}
+               "glm4_moe": dict(rotary_percent=1.0), "deepseek_v3": dict(rope_scaling=None),
+               "gpt_oss": dict(activation_func_clamp_value=None)}
 # config.json fields that must survive import -> training -> export (what changes the model)
 KEPT_FIELDS = ("architectures", "layer_types", "query_pre_attn_scalar", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "rope_parameters", "sliding_window", "use_sliding_window",
@@ -31,7 +32,7 @@ KEPT_FIELDS = ("architectures", "layer_types", "query_pre_attn_scalar", "hidden_
                "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "n_routed_experts",
                "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
                "use_qk_norm", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-               "rope_interleave")
+               "rope_interleave", "num_local_experts", "swiglu_limit", "swiglu_alpha")
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +136,7 @@ FAMILY_FLAGS = {
     "gemma": ["--geglu", "--num-query-groups", 2, "--kv-channels", 16, "--apply-layernorm-1p", "--scale-embeddings",
               "--norm-epsilon", 1e-6],
     "gemma3": ["--geglu", "--num-query-groups", 2, "--kv-channels", 16, "--apply-layernorm-1p", "--scale-embeddings",
-               "--qk-layernorm", "--sandwich-norms", "--window-size", "7,0", "--window-attn-skip-freq", "[1,1,0,1]",
+               "--qk-layernorm", "--sandwich-norms", "--window-size", "7,0", "--window-attn-skip-freq", 3,
                "--rotary-base", 1000000, "--rotary-seq-len-interpolation-factor", 4, "--local-rotary-base", 10000,
                "--softmax-scale", 24 ** -0.5, "--norm-epsilon", 1e-6],
     "mixtral": ["--swiglu", "--num-query-groups", 2, "--window-size", "7,0", "--untie-embeddings-and-output-weights",
@@ -162,6 +163,12 @@ FAMILY_FLAGS = {
                     "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                     "--moe-router-num-groups", 4, "--moe-router-group-topk", 2, "--moe-router-topk-scaling-factor", 2.5,
                     "--moe-shared-expert-intermediate-size", 24],
+    "gpt_oss": ["--num-query-groups", 2, "--kv-channels", 16, "--untie-embeddings-and-output-weights",
+                "--norm-epsilon", 1e-5, "--softmax-type", "learnable", "--quick-geglu", "--glu-linear-offset", 1,
+                "--activation-func-clamp-value", 0.2, "--window-size", "7,0", "--window-attn-skip-freq", 2,
+                "--position-embedding-type", "yarn", "--rotary-base", 150000, "--rotary-scaling-factor", 4,
+                "--yarn-original-max-position-embeddings", 16, "--no-yarn-correction-range-round-to-int",
+                "--num-experts", 4, "--moe-ffn-hidden-size", 24, "--ffn-hidden-size", 24],
 }
 # fields an import takes from the HF config that flags leave at their defaults (not the architecture)
 NOT_ARCHITECTURE = ("family", "init_method_std", "seed", "vocab_size", "max_position_embeddings", "hf_dtype")
@@ -182,7 +189,8 @@ def test_family_flags_build_the_imported_architecture_and_dry_run_counts_its_par
                                             original_max_position_embeddings=8192)
     make_family(family, tmp_path, tokenizer=False, **overrides)
     imported = read_hf_config(str(tmp_path))
-    args = build_parser().parse_args([str(f) for f in COMMON_FLAGS + FAMILY_FLAGS[family]])
+    common = [f for f in COMMON_FLAGS if not (family == "gpt_oss" and f == "--disable-bias-linear")]  # (biased)
+    args = build_parser().parse_args([str(f) for f in common + FAMILY_FLAGS[family]])
     from hybrid.megatron_compat import check_compat
     check_compat(args)
     flagged = architecture_from_flags(args, 8192)
@@ -355,7 +363,7 @@ def test_resharding_an_imported_family_is_exact(family, hf_models, tmp_path):
     (["--use-rope-scaling"], "needs --position-embedding-type rope"),
     (["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor", "0"],
      "--rope-scaling-factor must be positive"),
-    (["--swiglu", "--geglu"], "--swiglu and --geglu are two gated MLPs; give one"),
+    (["--swiglu", "--geglu"], "--swiglu, --geglu and --quick-geglu are three gated MLPs; give one"),
     (["--padded-vocab-size", "100"], "--padded-vocab-size 100 is smaller than the tokenizer's vocabulary"),
     (["--no-position-embedding"], "--no-position-embedding without rope"),
     (["--load-hf", "{missing}"], "--load-hf {missing}: no such directory"),

@@ -286,7 +286,8 @@ def family_models(tmp_path_factory):
 
 @pytest.mark.parametrize("family,layout", [
     (family, layout) for family in ["gpt2", "llama3", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "mixtral",
-                                    "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3"] for layout in ("tp2_sp", "pp2")]
+                                    "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss"]
+     for layout in ("tp2_sp", "pp2")]
     + [("llama3", "cp2"), ("glm4_moe", "cp2"), ("deepseek_v3", "cp2")])
 def test_family_gradients_at_tp2_sp_and_pp2_equal_transformers_backward(family, layout, family_models, tmp_path):
     """One backward of each imported family, TP 2 + SP or PP 2 (DeepSpeed's engine), against transformers'

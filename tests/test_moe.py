@@ -451,7 +451,6 @@ def assert_ep2_evaluation_is_transformers_loss(path, hf, data, tmp_path):
     (["--expert-model-parallel-size", 2], 2, "the model has none"),
     (["--num-experts", 3, "--disable-bias-linear", "--expert-model-parallel-size", 2], 2,
      "--num-experts 3 is not divisible by --expert-model-parallel-size 2"),
-    (["--num-experts", 4], 1, "add --disable-bias-linear"),
     (["--num-experts", 4, "--disable-bias-linear", "--tensor-model-parallel-size", 2], 2, "needs --sequence-parallel"),
     (["--num-experts", 4, "--disable-bias-linear", "--moe-router-enable-expert-bias"], 1,
      "needs --moe-router-score-function sigmoid"),

@@ -89,6 +89,8 @@ def _numel(name: str, rule, config: ModelConfig, rows: dict, inputs: dict, norms
         return _moe_numel(name, config)
     if name.endswith("norm.weight") or name.endswith("norm.bias"):
         return norms.get(name.split(".")[-2], h)
+    if name.endswith(".attention.sinks"):  # one logit per head
+        return config.num_attention_heads
     module = ".".join(name.split(".")[2:4])  # layers.{i}.attention.qkv.weight -> attention.qkv
     return rows[module] * (inputs[module] if name.endswith(".weight") else 1)
 
@@ -100,9 +102,13 @@ def _moe_numel(name: str, config: ModelConfig) -> int:
     part = name.split(".mlp.", 1)[1]
     if part == "router.weight":
         return config.num_experts * h
+    if part == "router.bias":
+        return config.num_experts
     if part == "shared_gate":
         return h
     width = config.moe_shared_expert_intermediate_size if part.startswith("shared_mlp.") else config.moe_ffn_hidden_size
+    if name.endswith(".bias"):  # (--add-bias-linear: the experts' and shared experts' biases)
+        return width * gated if ".fc1." in name else h
     return width * h * (gated if ".fc1." in name else 1)
 
 

@@ -199,7 +199,9 @@ class GPT2Adapter(Adapter):
 
 def _extras(c: ModelConfig) -> list[str]:
     """The options only some Llama-family members have, as flags (for messages)."""
-    named = {"--add-qkv-bias": c.add_qkv_bias, "--qk-layernorm": c.qk_layernorm,
+    named = {"--add-qkv-bias": c.add_qkv_bias, "--qk-layernorm": c.qk_layernorm, "--softmax-type learnable":
+             c.attention_sinks, "--quick-geglu": c.quick_geglu, "--multi-latent-attention": c.multi_latent_attention,
+             "--mtp-num-layers": bool(c.mtp_num_layers), "--num-experts": bool(c.num_experts),
              "--window-size": c.sliding_window is not None, "--apply-layernorm-1p": c.apply_layernorm_1p,
              "--geglu": c.geglu, "--scale-embeddings": c.scale_embeddings, **_gemma3_options(c)}
     return [flag for flag, on in named.items() if on]
@@ -251,6 +253,17 @@ def _yarn_of(hf, params: dict) -> dict:
 
 
 
+def window_pattern(sliding: list):
+    """Which layers attend through the window (1 per layer), as Megatron-LM's --window-attn-skip-freq writes it:
+    N where every N-th layer (1-based) is the full one, else the list; None when every layer is windowed."""
+    if all(sliding):
+        return None
+    for n in range(2, len(sliding) + 1):
+        if sliding == [int((i + 1) % n != 0) for i in range(len(sliding))]:
+            return n
+    return sliding
+
+
 def _window_of(hf, family: str):
     """The sliding window every layer uses, or None; alternating local/global layers are refused."""
     layer_types = getattr(hf, "layer_types", None)
@@ -278,6 +291,7 @@ class LlamaAdapter(Adapter):
     gemma = False  # (1 + w) RMSNorm, GeGLU, embeddings x sqrt(hidden)
     gemma3 = False  # Gemma 3's options (_gemma3_options) may be on
     partial_rotary = False  # rope may rotate part of each head (`partial_rotary_factor` = --rotary-percent)
+    mla = False  # multi-latent attention and its multi-token prediction layers (DeepSeek-V3)
     REFUSED_BIASES = ("attention_bias", "mlp_bias")  # HF bias options this family's model does not have
     LAYER_MAP = {"model.layers.{}.input_layernorm.weight": "layers.{}.input_norm.weight",
                  "model.layers.{}.post_attention_layernorm.weight": "layers.{}.post_attention_norm.weight",
@@ -335,7 +349,10 @@ class LlamaAdapter(Adapter):
                       c.apply_layernorm_1p == self.gemma and c.scale_embeddings == self.gemma,
                   "no --window-size": self.windowed or c.sliding_window is None,
                   "no --rotary-percent": self.partial_rotary or c.rotary_percent == 1.0,
-                  "--sandwich-norms" + ("" if self.gemma3 else " off"): c.sandwich_norms == self.gemma3}
+                  "--sandwich-norms" + ("" if self.gemma3 else " off"): c.sandwich_norms == self.gemma3,
+                  "no --softmax-type learnable, --quick-geglu (GPT-OSS's)": not (c.attention_sinks or c.quick_geglu),
+                  "--multi-latent-attention" + ("" if self.mla else " off"): c.multi_latent_attention == self.mla,
+                  "no --mtp-num-layers (DeepSeek-V3's layers)": self.mla or not c.mtp_num_layers}
         missing = [what for what, ok in wanted.items() if not ok]
         if missing:
             raise ConfigError(f"exporting to {self.hf_class} needs {', '.join(missing)}.")
@@ -522,7 +539,7 @@ class Gemma3Adapter(GemmaAdapter):
         head_dim = config.head_dim
         scale = float(hf.query_pre_attn_scalar) ** -0.5
         return dataclasses.replace(
-            config, sandwich_norms=True, window_attn_skip_freq=sliding if any(sliding) and not all(sliding) else None,
+            config, sandwich_norms=True, window_attn_skip_freq=window_pattern(sliding) if any(sliding) else None,
             local_rotary_base=local_base, softmax_scale=None if scale == head_dim ** -0.5 else scale)
 
     def family_fields(self):
@@ -824,6 +841,7 @@ class DeepseekV3Adapter(_DeepSeekMoE, LlamaAdapter):
                "layers (`num_nextn_predict_layers`: not read, as transformers), as GLM-4.5's MoE")
 
     qk_norm = True  # MLA's latent norms (hybrid.model.mla), which megatron-core's --qk-layernorm means with MLA
+    mla = True
 
     def _layer_map(self) -> dict:
         return dict(self.LAYER_MAP)  # (the latent norms are mapped with the projections)
@@ -929,9 +947,116 @@ class DeepseekV3Adapter(_DeepSeekMoE, LlamaAdapter):
             out[hf_name] = state[name] if block is None else permute_rope_rows(state[name], block, pos, to_halves=False)
 
 
+class GptOssAdapter(LlamaAdapter):
+    family, hf_class, config_class = "gpt_oss", "GptOssForCausalLM", "GptOssConfig"
+    options = ("attention sinks (--softmax-type learnable), sliding-window and full layers (`layer_types`: "
+               "--window-size with --window-attn-skip-freq), YaRN rope, biases everywhere (--add-bias-linear: Q/K/V, "
+               "output, router, experts), every layer a softmax top-k MoE whose experts' clamped quick-GeGLU is "
+               "--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value `swiglu_limit`")
+    refused = ("`swiglu_alpha` other than 1.702, `attention_bias` false, MXFP4-quantized weights (load them with "
+               "transformers and save them dequantized), as Llama's")
+    qkv_bias = True  # (Q/K/V's biases as --add-bias-linear's, with the output's)
+    REFUSED_BIASES = ("mlp_bias",)
+    LAYER_MAP = dict(LlamaAdapter.LAYER_MAP, **{"model.layers.{}.self_attn.o_proj.bias": "layers.{}.attention.dense.bias",
+                                                "model.layers.{}.self_attn.sinks": "layers.{}.attention.sinks"})
+    SLIDING, FULL = "sliding_attention", "full_attention"
+
+    @classmethod
+    def config_from_hf(cls, hf):
+        name = "GptOss"
+        if getattr(hf, "quantization_config", None):
+            _refuse(name, "quantization_config", dict(hf.quantization_config).get("quant_method", "?"),
+                    "quantized (MXFP4) experts are not read; load the model with transformers and save_pretrained it "
+                    "dequantized")
+        if float(hf.swiglu_alpha) != 1.702:
+            _refuse(name, "swiglu_alpha", hf.swiglu_alpha, "the quick-GeGLU's alpha is 1.702 (megatron-core's)")
+        if not hf.attention_bias:
+            _refuse(name, "attention_bias", False, "GPT-OSS's attention has biases here (--add-bias-linear)")
+        unknown = set(hf.layer_types) - {cls.SLIDING, cls.FULL}
+        if unknown:
+            _refuse(name, "layer_types", sorted(unknown), "only sliding_attention and full_attention layers exist")
+        config = super().config_from_hf(hf)
+        sliding = [int(kind == cls.SLIDING) for kind in hf.layer_types]
+        return _replace(config, swiglu=False, quick_geglu=True, glu_linear_offset=1.0,
+                        activation_func_clamp_value=float(hf.swiglu_limit), add_bias_linear=True, add_qkv_bias=False,
+                        attention_sinks=True, num_experts=hf.num_local_experts, moe_router_topk=hf.num_experts_per_tok,
+                        moe_ffn_hidden_size=hf.intermediate_size, moe_layer_freq=1,
+                        sliding_window=int(hf.sliding_window) if any(sliding) else None,
+                        window_attn_skip_freq=window_pattern(sliding) if any(sliding) else None)
+
+    @classmethod
+    def _window(cls, hf, name: str):
+        return None  # (set from layer_types above)
+
+    def check_exportable(self):
+        c = self.config
+        wanted = {"rope": c.position_embedding_type == "rope", "RMSNorm": c.normalization == "RMSNorm",
+                  "--add-bias-linear": c.add_bias_linear, "--softmax-type learnable": c.attention_sinks,
+                  "--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value":
+                      c.quick_geglu and c.glu_linear_offset == 1.0 and c.activation_func_clamp_value is not None,
+                  "--num-experts on every layer (--moe-layer-freq 1)":
+                      bool(c.num_experts) and all(c.mlp_type_of(i) == "moe" for i in range(c.num_layers)),
+                  "softmax top-k routing (no --moe-router-pre-softmax, scaling, score bias, groups, shared experts)":
+                      bool(c.num_experts) and c.moe_router_score_function == "softmax"
+                      and not (c.moe_router_pre_softmax or c.moe_router_topk_scaling_factor
+                               or c.moe_router_enable_expert_bias or c.moe_router_num_groups
+                               or c.moe_shared_expert_intermediate_size),
+                  "none of --qk-layernorm, --add-qkv-bias, --sandwich-norms, --rotary-percent, --apply-layernorm-1p, "
+                  "--local-rotary-base, --softmax-scale": not (
+                      c.qk_layernorm or c.add_qkv_bias or c.sandwich_norms or c.rotary_percent != 1.0
+                      or c.apply_layernorm_1p or c.local_rotary_base is not None or c.softmax_scale is not None)}
+        missing = [what for what, ok in wanted.items() if not ok]
+        if missing:
+            raise ConfigError(f"exporting to {self.hf_class} needs {', '.join(missing)}.")
+
+    def family_fields(self):
+        c = self.config
+        kinds = [self.SLIDING if c.layer_window(i) is not None else self.FULL for i in range(c.num_layers)]
+        return dict(intermediate_size=c.moe_ffn_hidden_size, num_local_experts=c.num_experts,
+                    num_experts_per_tok=c.moe_router_topk, sliding_window=c.sliding_window or 128, layer_types=kinds,
+                    attention_bias=True, swiglu_limit=c.activation_func_clamp_value, swiglu_alpha=1.702)
+
+    def mlp_to_canonical(self, hf_state, i, out, wanted=None):
+        """GPT-OSS's fused experts (gate_up_proj [E, h, 2f], its gate and up columns interleaved; down_proj
+        [E, f, h]; their biases) -> each expert's fc1 = [gate; up] and fc2, [out, in]; the router's weight and bias."""
+        c = self.config
+        hf, ours = f"model.layers.{i}.mlp.", f"layers.{i}.mlp."
+        e, h, f = c.num_experts, c.hidden_size, c.moe_ffn_hidden_size
+        out[ours + "router.weight"] = expect(hf + "router.weight", get(hf_state, hf + "router.weight"), (e, h))
+        out[ours + "router.bias"] = expect(hf + "router.bias", get(hf_state, hf + "router.bias"), (e,))
+        mine = [j for j in range(e) if wanted is None or f"{ours}{EXPERTS[1:]}{j}.fc1.weight" in wanted]
+        if not mine:
+            return
+        gate_up = expect(hf + "experts.gate_up_proj", get(hf_state, hf + "experts.gate_up_proj"), (e, h, 2 * f))
+        gate_up_bias = expect(hf + "experts.gate_up_proj_bias", get(hf_state, hf + "experts.gate_up_proj_bias"),
+                              (e, 2 * f))
+        down = expect(hf + "experts.down_proj", get(hf_state, hf + "experts.down_proj"), (e, f, h))
+        down_bias = expect(hf + "experts.down_proj_bias", get(hf_state, hf + "experts.down_proj_bias"), (e, h))
+        for j in mine:
+            expert = f"{ours}{EXPERTS[1:]}{j}."
+            out[expert + "fc1.weight"] = torch.cat([gate_up[j][:, 0::2].t(), gate_up[j][:, 1::2].t()]).contiguous()
+            out[expert + "fc1.bias"] = torch.cat([gate_up_bias[j][0::2], gate_up_bias[j][1::2]]).contiguous()
+            out[expert + "fc2.weight"] = down[j].t().contiguous()
+            out[expert + "fc2.bias"] = down_bias[j].clone()
+
+    def mlp_to_hf(self, state, i, out):
+        c = self.config
+        hf, ours = f"model.layers.{i}.mlp.", f"layers.{i}.mlp."
+        out[hf + "router.weight"], out[hf + "router.bias"] = state[ours + "router.weight"], state[ours + "router.bias"]
+        experts = [f"{ours}{EXPERTS[1:]}{j}." for j in range(c.num_experts)]
+
+        def interleaved(t):  # [gate; up] along dim 0 -> gate and up alternating
+            gate, up = t.chunk(2, dim=0)
+            return torch.stack([gate, up], dim=1).reshape(t.shape)
+        out[hf + "experts.gate_up_proj"] = torch.stack([interleaved(state[x + "fc1.weight"]).t() for x in experts])
+        out[hf + "experts.gate_up_proj_bias"] = torch.stack([interleaved(state[x + "fc1.bias"]) for x in experts])
+        out[hf + "experts.down_proj"] = torch.stack([state[x + "fc2.weight"].t() for x in experts])
+        out[hf + "experts.down_proj_bias"] = torch.stack([state[x + "fc2.bias"] for x in experts])
+
+
 FAMILIES = {a.family: a for a in (GPT2Adapter, LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter, GemmaAdapter,
                                   Gemma3Adapter, MixtralAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter, Glm4MoeAdapter,
-                                  DeepseekV3Adapter)}
+                                  DeepseekV3Adapter, GptOssAdapter)}
 BY_HF_CLASS = {a.hf_class: a for a in FAMILIES.values()}
 
 
@@ -945,6 +1070,8 @@ def family_of(config: ModelConfig) -> str:
         return "gpt2"
     if config.multi_latent_attention:
         return "deepseek_v3"
+    if config.attention_sinks or config.quick_geglu:
+        return "gpt_oss"
     if config.num_experts:
         if config.moe_router_score_function == "sigmoid":
             return "glm4_moe"

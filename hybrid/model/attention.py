@@ -17,9 +17,10 @@ from hybrid.model.init import normal_init, output_layer_std
 from hybrid.model.norms import build_norm
 from hybrid.model.qkv import split_qkv
 from hybrid.model.rotary import RotaryEmbedding, apply_rotary
+from hybrid.model.sinks import sink_attention
 from hybrid.parallel.fp8 import gemm_for
 from hybrid.parallel.groups import as_groups
-from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear, make_parallel_param
 from hybrid.parallel.random import fork_tp_rng
 from hybrid.parallel.ring_attention import kernel_note, ring_attention
 
@@ -50,12 +51,12 @@ class CoreAttention(nn.Module):
             return "scaled_math"
         return "sdpa"
 
-    def forward(self, q, k, v, documents=None, cp=None, ulysses=None):
+    def forward(self, q, k, v, documents=None, cp=None, ulysses=None, sinks=None):
         """q [s, b, nq, d], k/v [s, b, ng, d] -> context [s, b, nq*d]; `documents` [b, s]: each query
         attends keys of its own document only (hybrid.model.sequence). This rank may hold part of the
         sequence: `cp` (the context-parallel Axis): chunks, attention is the K/V ring; `ulysses` (its
         Axis): a contiguous part, DeepSpeed's all-to-all attention gives each rank whole sequences of
-        heads / N for the local backends."""
+        heads / N for the local backends. `sinks` [nq]: each head's learned sink logit (hybrid.model.sinks)."""
         if cp is not None:
             v, v_dim = _pad_values(v, q.size(-1))  # the ring passes K and V as one tensor
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, heads, s_local, d]
@@ -63,25 +64,50 @@ class CoreAttention(nn.Module):
             if dropout:  # one seed per call from the per-TP-rank stream (its own on each CP rank), as masks
                 with fork_tp_rng():  # are drawn from it without CP; selective recompute redraws the same
                     seed = torch.randint(0, 2**62, (), dtype=torch.int64, device=q.device)
-            out = ring_attention(q, k, v, cp, self.scale, documents, dropout=dropout, seed=seed)[..., :v_dim]
+            out = ring_attention(q, k, v, cp, self.scale, documents, dropout=dropout, seed=seed,
+                                 sinks=sinks)[..., :v_dim]
             s, b = out.size(2), out.size(0)
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
         if ulysses is not None:
 
+            # the all-to-all gives Ulysses rank r heads r * n/N .. (r + 1) * n/N of this TP rank's
+            local_sinks = None if sinks is None else sinks.view(ulysses.size, -1)[ulysses.rank]
+
             def whole_sequences(q, k, v):  # [s, b, heads/N, d] -> [s, b, heads/N, value d]
-                return self.local(q, k, v, documents).view(v.shape[:-2] + (q.size(2), v.size(-1)))
+                return self.local(q, k, v, documents, local_sinks).view(v.shape[:-2] + (q.size(2), v.size(-1)))
             attention = DistributedAttention(whole_sequences, ulysses.group, scatter_idx=2, gather_idx=0)
             out = attention(q, k, v, 1)  # batch dim 1; [s/N, b, nq, d]
             return out.reshape(out.size(0), out.size(1), -1)
-        return self.local(q, k, v, documents)
+        return self.local(q, k, v, documents, sinks)
 
-    def local(self, q, k, v, documents=None):
+    def local(self, q, k, v, documents=None, sinks=None):
         """Attention over whole sequences held on this rank (every backend)."""
+        if sinks is not None:  # (no attention dropout: ModelConfig refuses it with sinks)
+            return self._with_sinks(q, k, v, sinks, documents)
         dropout = self.dropout if self.training else 0.0
         if dropout == 0.0:  # no randomness: no RNG fork (it copies generator states on every call)
             return self._attend(q, k, v, 0.0, documents)
         with fork_tp_rng():  # heads are TP-sharded: dropout masks must differ per TP rank
             return self._attend(q, k, v, dropout, documents)
+
+    def _with_sinks(self, q, k, v, sinks, documents=None):
+        """Attention with sinks (hybrid.model.sinks): causal in one call, or in query blocks where a window or
+        documents mask keys (as blocked_attention)."""
+        s, b = q.size(0), q.size(1)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, heads, s, d]
+        if documents is None and (self.window is None or s <= self.window):
+            out = sink_attention(q, k, v, sinks, self.scale)
+        else:
+            outs = []
+            for start, end, first_key in window_blocks(s, self.window):
+                positions = torch.arange(first_key, end, device=q.device)
+                mask = allowed_keys(positions[start - first_key:], positions, self.window)[None, None]
+                if documents is not None:
+                    mask = mask & (documents[:, start:end, None] == documents[:, None, first_key:end])[:, None]
+                outs.append(sink_attention(q[:, :, start:end], k[:, :, first_key:end], v[:, :, first_key:end],
+                                           sinks, self.scale, mask, causal=False))
+            out = torch.cat(outs, dim=2)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _attend(self, q, k, v, dropout, documents=None):
         s, b, nq, d = q.shape
@@ -229,6 +255,9 @@ class SelfAttention(nn.Module):
         self.rotary = (RotaryEmbedding(config.rotary_dim, *config.layer_rope(layer_number))
                        if config.position_embedding_type == "rope" else None)
         self.recompute_core = config.recompute_granularity == "selective"
+        # --softmax-type learnable (GPT-OSS): each head's sink logit, split over TP with the heads
+        self.sinks = make_parallel_param((config.num_attention_heads,), 0, 1, groups, nn.init.zeros_,
+                                          torch.float32, None) if config.attention_sinks else None
 
     def forward(self, x, layout=None):
         """x [s(/tp), b, h]; `layout` (hybrid.model.sequence.SequenceLayout): documents and positions."""
@@ -245,12 +274,13 @@ class SelfAttention(nn.Module):
                 cos, sin = self.rotary(s, x.device, None if layout is None else layout.positions)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if decoding:
-            return self.dense(layout.attend(self.layer_number, q, k, v, self.core.scale, self.core.window))
+            return self.dense(layout.attend(self.layer_number, q, k, v, self.core.scale, self.core.window,
+                                            self.sinks))
         split = (None, None, None) if layout is None else (layout.documents, layout.cp, layout.ulysses)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             # Selective recompute (Korthikanti et al. 2022): keep q, k, v; recompute the
             # s x s scores, softmax and dropout in backward. DeepSpeed restores the RNG states.
-            context = deepspeed.checkpointing.checkpoint(self.core, q, k, v, *split)
+            context = deepspeed.checkpointing.checkpoint(self.core, q, k, v, *split, self.sinks)
         else:
-            context = self.core(q, k, v, *split)
+            context = self.core(q, k, v, *split, self.sinks)
         return self.dense(context)  # [s, b, nq/tp * d] -> [s(/tp), b, h]

@@ -102,6 +102,7 @@ class ModelConfig:
     # 0/1 list per layer (1: windowed), as Megatron-LM; None: the window on every layer
     local_rotary_base: Optional[float] = None  # --local-rotary-base: the windowed layers' rope base, unscaled (Gemma 3)
     softmax_scale: Optional[float] = None  # --softmax-scale: scores x this (Gemma 3: query_pre_attn_scalar^-0.5)
+    attention_sinks: bool = False  # --softmax-type learnable: a learned sink logit per head (GPT-OSS)
     sandwich_norms: bool = False  # --sandwich-norms: the attention's and the MLP's outputs normed too (Gemma 2/3)
     rope_scaling: Optional[dict] = None  # {"rope_type": "llama3"|"linear"|"yarn", "factor": ..., ...} as transformers
     mtp_num_layers: Optional[int] = None  # --mtp-num-layers: DeepSeek-V3's multi-token prediction depths (training)
@@ -114,6 +115,9 @@ class ModelConfig:
     v_head_dim: int = 128  # --v-head-dim: each head's value features
     apply_layernorm_1p: bool = False  # --apply-layernorm-1p: norms scale by (1 + weight), weights start at 0
     geglu: bool = False  # --geglu: gated tanh-GeLU MLP (Gemma) instead of SwiGLU / GeLU
+    quick_geglu: bool = False  # --quick-geglu: gate x sigmoid(1.702 gate) x up (GPT-OSS), gated as --swiglu
+    glu_linear_offset: float = 0.0  # --glu-linear-offset: the gated unit's up half + this (GPT-OSS: 1)
+    activation_func_clamp_value: Optional[float] = None  # --activation-func-clamp-value: gate <= c, |up| <= c
     scale_embeddings: bool = False  # --scale-embeddings: word embeddings x sqrt(hidden), in their dtype (Gemma)
     reset_attention_mask: bool = False  # --reset-attention-mask: a token attends its own document only (packed data)
     reset_position_ids: bool = False  # --reset-position-ids: positions restart at 0 after each EOD token
@@ -217,8 +221,8 @@ class ModelConfig:
 
     @property
     def gated_linear_unit(self) -> bool:
-        """fc1 computes [gate; up] (SwiGLU or GeGLU)."""
-        return self.swiglu or self.geglu
+        """fc1 computes [gate; up] (SwiGLU, GeGLU or quick-GeGLU)."""
+        return self.swiglu or self.geglu or self.quick_geglu
 
     @property
     def qkv_bias(self) -> bool:
@@ -272,8 +276,13 @@ class ModelConfig:
                               f"{self.rotary_percent} gives {self.rotary_dim}.")
         if self.kv_channels is not None and self.kv_channels < 1:
             raise ConfigError(f"--kv-channels must be positive, got {self.kv_channels}.")
-        if self.swiglu and self.geglu:
-            raise ConfigError("--swiglu and --geglu are two gated MLPs; give one.")
+        if self.swiglu + self.geglu + self.quick_geglu > 1:
+            raise ConfigError("--swiglu, --geglu and --quick-geglu are three gated MLPs; give one.")
+        if (self.glu_linear_offset or self.activation_func_clamp_value is not None) and not self.quick_geglu:
+            raise ConfigError("--glu-linear-offset and --activation-func-clamp-value act on --quick-geglu's gated "
+                              "unit (GPT-OSS's); add --quick-geglu.")
+        if self.activation_func_clamp_value is not None and not self.activation_func_clamp_value > 0:
+            raise ConfigError(f"--activation-func-clamp-value must be positive, got {self.activation_func_clamp_value}.")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"--window-size: the window must hold at least the token itself (got a window of "
                               f"{self.sliding_window}).")
@@ -281,6 +290,10 @@ class ModelConfig:
         self._validate_layer_kinds()
         if self.multi_latent_attention:
             self._validate_mla()
+        if self.attention_sinks and (self.attention_dropout > 0 or self.multi_latent_attention):
+            raise ConfigError("--softmax-type learnable (attention sinks) runs without attention dropout and with "
+                              "multi-head / grouped-query attention; use --attention-dropout 0"
+                              + (" and drop --multi-latent-attention." if self.multi_latent_attention else "."))
         if self.mtp_num_layers is not None and self.mtp_num_layers < 0:
             raise ConfigError(f"--mtp-num-layers must be >= 0, got {self.mtp_num_layers}.")
         if self.mtp_num_layers and self.position_embedding_type != "rope":
@@ -318,9 +331,6 @@ class ModelConfig:
                               f"{self.num_experts}.")
         self._check_layer_pattern("--moe-layer-freq", self.moe_layer_freq)
         self._validate_router_groups()
-        if self.add_bias_linear:
-            raise ConfigError("--num-experts: the experts have no biases (as Megatron's grouped GEMM); add "
-                              "--disable-bias-linear.")
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (the bias "
                               "shifts sigmoid scores, as DeepSeek-V3 and Megatron-LM).")

@@ -68,11 +68,22 @@ class DecodeLayout(SequenceLayout):
             allowed = allowed & (key_slot > query_slot - window)
         return ((allowed & self.cache.valid[:, None, :end]) | (key_slot == query_slot))[:, None]
 
-    def attend(self, layer: int, q, k, v, scale: float, window: Optional[int]) -> torch.Tensor:
-        """q [s, b, nq, d], the new k, v [s, b, ng, d] -> context [s, b, nq*d] over every filled slot."""
+    def attend(self, layer: int, q, k, v, scale: float, window: Optional[int], sinks=None) -> torch.Tensor:
+        """q [s, b, nq, d], the new k, v [s, b, ng, d] -> context [s, b, nq*d] over every filled slot; `sinks`
+        [nq]: each head's sink logit (hybrid.model.sinks)."""
         s, b, nq, d = q.shape
         keys, values = self.cache.write(layer, self.start, k, v)
         mask = self.shared(("mask", s, window), lambda: self.mask(s, window, q.device))
-        out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), keys, values, attn_mask=mask, scale=scale,
-                                             enable_gqa=keys.size(1) != nq)
+        q = q.permute(1, 2, 0, 3)
+        if sinks is not None:  # the few new positions' scores, a sink column in their softmax (transformers' eager)
+            group = nq // keys.size(1)
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+            scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
+            scores = scores.masked_fill(~mask, float("-inf"))
+            sink = sinks.float()[None, :, None, None].expand(b, nq, s, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+            out = torch.matmul(probs.to(values.dtype), values)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                                 enable_gqa=keys.size(1) != nq)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)

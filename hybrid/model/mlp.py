@@ -76,8 +76,25 @@ def geglu(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return _gated(y, bias, "gelu_tanh")
 
 
+QUICK_GELU_ALPHA = 1.702  # megatron-core's quick_gelu, GPT-OSS's swiglu alpha
+
+
+def quick_geglu(y: torch.Tensor, bias: Optional[torch.Tensor], offset: float = 0.0, clamp=None) -> torch.Tensor:
+    """gate x sigmoid(1.702 gate) x (up + offset) on y = [gate | up], with `clamp` gate <= c and |up| <= c first
+    (megatron-core's quick_geglu with --glu-linear-offset and --activation-func-clamp-value; GPT-OSS's experts)."""
+    if bias is not None:
+        y = y + bias
+    gate, up = y.chunk(2, dim=-1)
+    if clamp is not None:
+        gate, up = gate.clamp(max=clamp), up.clamp(min=-clamp, max=clamp)
+    return gate * torch.sigmoid(gate * QUICK_GELU_ALPHA) * (up + offset)
+
+
 def activation_of(config):
-    """The MLP's activation on fc1's output (and bias): SwiGLU, GeGLU or tanh-GeLU."""
+    """The MLP's activation on fc1's output (and bias): SwiGLU, GeGLU, quick-GeGLU or tanh-GeLU."""
+    if config.quick_geglu:
+        offset, clamp = config.glu_linear_offset, config.activation_func_clamp_value
+        return lambda y, bias: quick_geglu(y, bias, offset, clamp)
     return swiglu if config.swiglu else geglu if config.geglu else bias_gelu
 
 

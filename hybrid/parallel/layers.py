@@ -57,7 +57,7 @@ def unshard(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tens
     return torch.cat([torch.cat([p[b] for p in pieces], dim=dim) for b in range(stride)], dim=dim)
 
 
-def _make_parallel_param(full_shape, dim, stride, groups: ParallelGroups, init_method, dtype, device) -> nn.Parameter:
+def make_parallel_param(full_shape, dim, stride, groups: ParallelGroups, init_method, dtype, device) -> nn.Parameter:
     full = torch.empty(full_shape, dtype=torch.float32)
     init_method(full)
     local = shard(full, dim, groups.tp_rank, groups.tp_size, stride)
@@ -94,7 +94,7 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = num_embeddings // world
         self.vocab_start = groups.tp_rank * self.rows_per_rank
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
-        self.weight = _make_parallel_param((num_embeddings, embedding_dim), 0, 1, groups,
+        self.weight = make_parallel_param((num_embeddings, embedding_dim), 0, 1, groups,
                                            init_method, params_dtype, device)
         self.weight.vocab_padded = True  # rows are the vocabulary (padded per TP degree by the model)
 
@@ -133,10 +133,10 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel, self.skip_bias_add = sequence_parallel, skip_bias_add
         self.input_size, self.output_size = input_size, output_size
         # [out, in] -> [out/tp, in]
-        self.weight = _make_parallel_param((output_size, input_size), 0, stride, groups,
+        self.weight = make_parallel_param((output_size, input_size), 0, stride, groups,
                                            init_method, params_dtype, device)
         if bias:
-            self.bias = _make_parallel_param((output_size,), 0, stride, groups,
+            self.bias = make_parallel_param((output_size,), 0, stride, groups,
                                              nn.init.zeros_, params_dtype, device)
         else:
             self.register_parameter("bias", None)
@@ -215,7 +215,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel, self.skip_bias_add = sequence_parallel, skip_bias_add
         self.input_size, self.output_size = input_size, output_size
         # [out, in] -> [out, in/tp]
-        self.weight = _make_parallel_param((output_size, input_size), 1, 1, groups,
+        self.weight = make_parallel_param((output_size, input_size), 1, 1, groups,
                                            init_method, params_dtype, device)
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))

@@ -295,12 +295,23 @@ def _step_plan(step: int, rank: int, size: int, chunk: int):
     return source, slice(chunk, None), slice(None), False
 
 
+# attention sinks (hybrid.model.sinks): a learned logit per head in each query's softmax denominator
+def sink_weights(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """sigmoid(lse - s): [b, heads, sq] fp32, the share of each query's softmax the keys keep."""
+    return torch.sigmoid(lse - sinks.float()[None, :, None])
+
+
+def sink_gradient(grad: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """d loss / d s [heads] from the output's gradient and the output y (both [b, heads, sq, d])."""
+    return -((grad.float() * out.float()).sum(-1) * (1 - weights)).sum(dim=(0, 2))
+
+
 class RingAttention(torch.autograd.Function):
     """q [b, nq, s_local, d], k/v [b, ng, s_local, d] -> attention of the full sequence for the local
     queries [b, nq, s_local, d]. `documents` [b, s] (the full sequence's, or None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, axis, documents, scale, math, p, seed):
+    def forward(ctx, q, k, v, axis, documents, scale, math, p, seed, sinks):
         size, rank = axis.size, axis.rank
         ring = _Ring(axis.group, size, rank)
         chunk = q.size(2) // 2
@@ -320,17 +331,26 @@ class RingAttention(torch.autograd.Function):
             out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l_)
             if wait is not None:
                 kv = wait()
+        if sinks is not None:  # the sinks' share of each query's softmax (hybrid.model.sinks)
+            out = out * sink_weights(lse, sinks)[..., None]
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, documents if documents is not None else torch.empty(0),
-                              seed if seed is not None else torch.empty(0))
+                              seed if seed is not None else torch.empty(0),
+                              sinks if sinks is not None else torch.empty(0))
+        ctx.has_sinks = sinks is not None
         ctx.axis, ctx.scale, ctx.math, ctx.has_documents, ctx.p = axis, scale, math, documents is not None, p
         ctx.states = states
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, documents, seed = ctx.saved_tensors
+        q, k, v, out, lse, documents, seed, sinks = ctx.saved_tensors
         axis, scale, math = ctx.axis, ctx.scale, ctx.math
+        grad_sinks = None
+        if ctx.has_sinks:  # the blocks' backward from sigma dy and the output y (hybrid.model.sinks)
+            weights = sink_weights(lse, sinks)
+            grad_sinks = sink_gradient(grad_out, out, weights).to(sinks.dtype)
+            grad_out = (grad_out.float() * weights[..., None]).to(grad_out.dtype)
         size, rank = axis.size, axis.rank
         ring = _Ring(axis.group, size, rank)
         chunk = q.size(2) // 2
@@ -357,7 +377,8 @@ class RingAttention(torch.autograd.Function):
             if wait is not None:
                 kv = wait()
         grad_kv = pending()
-        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None, None, None
+        return (grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None, None, None,
+                grad_sinks)
 
 
 def _block_dropouts(p: float, seed, q, size: int, rank: int):
@@ -389,10 +410,11 @@ def _mask(doc_of, rank, source, rows, cols, causal):
 
 
 def ring_attention(q, k, v, axis, scale: float, documents=None, math: bool = False, dropout: float = 0.0,
-                   seed: torch.Tensor = None):
+                   seed: torch.Tensor = None, sinks: torch.Tensor = None):
     """Context-parallel causal attention on this rank's [b, heads, s_local, d] (see the module docstring);
     `dropout` > 0 needs `seed`, an int64 tensor (keep_mask): the masks of this rank's queries (against every
-    key) are drawn from it, in forward and again in backward, so ranks may use different seeds."""
+    key) are drawn from it, in forward and again in backward, so ranks may use different seeds. `sinks` [heads]:
+    each head's sink logit (hybrid.model.sinks), applied to the merged output."""
     if dropout and seed is None:
         raise ValueError("ring_attention with dropout needs the seed its masks are drawn from")
-    return RingAttention.apply(q, k, v, axis, documents, scale, math, float(dropout), seed if dropout else None)
+    return RingAttention.apply(q, k, v, axis, documents, scale, math, float(dropout), seed if dropout else None, sinks)

@@ -15,24 +15,27 @@ from hybrid.parallel.mappings import sync_replicated_grad
 
 
 class _Weight(nn.Module):
-    """A bias-free projection's weight, [out, in], drawn by its canonical name."""
+    """A projection's weight, [out, in], drawn by its canonical name, and with `bias` its bias (zeros)."""
 
-    def __init__(self, out_features: int, in_features: int, init):
+    def __init__(self, out_features: int, in_features: int, init, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         init(self.weight)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
 
 class ExpertMLP(nn.Module):
-    """One expert: fc1 [up, h] (up = 2 f for SwiGLU/GeGLU, [gate; up]), fc2 [h, f]; no biases."""
+    """One expert: fc1 [up, h] (up = 2 f for SwiGLU/GeGLU, [gate; up]), fc2 [h, f]; biases with
+    --add-bias-linear (GPT-OSS's experts; megatron-core's grouped experts take them the same way)."""
 
     def __init__(self, config, name: str):
         super().__init__()
         f, h = config.moe_ffn_hidden_size, config.hidden_size
         up = 2 * f if config.gated_linear_unit else f
-        self.fc1 = _Weight(up, h, normal_init(config.seed, f"{name}.fc1.weight", config.init_method_std))
+        bias = config.add_bias_linear
+        self.fc1 = _Weight(up, h, normal_init(config.seed, f"{name}.fc1.weight", config.init_method_std), bias)
         self.fc2 = _Weight(h, f, normal_init(config.seed, f"{name}.fc2.weight",
-                                             output_layer_std(config.init_method_std, config.num_layers)))
+                                             output_layer_std(config.init_method_std, config.num_layers)), bias)
 
 
 class Experts(nn.Module):
@@ -58,22 +61,32 @@ class Experts(nn.Module):
         caller knows them without reading the device (padded to capacity), else None."""
         fc1 = [sync_replicated_grad(e.fc1.weight, tp_group) for e in self.deepspeed_experts]
         fc2 = [sync_replicated_grad(e.fc2.weight, tp_group) for e in self.deepspeed_experts]
+        b1, b2 = ([sync_replicated_grad(getattr(e, fc).bias, tp_group) for e in self.deepspeed_experts]
+                  if self.deepspeed_experts[0].fc1.bias is not None else [None] * len(fc1) for fc in ("fc1", "fc2"))
         up, f = fc1[0].size(0), fc2[0].size(1)
         if self.fp8 is not None:
-            outputs = [fp8_linear(activation(fp8_linear(part, w1, None, self.fp8), None), w2, None, self.fp8)
-                       for part, w1, w2 in zip(rows.split(sizes or counts.tolist()), fc1, fc2)]
+            outputs = [fp8_linear(activation(fp8_linear(part, w1, c1, self.fp8), None), w2, c2, self.fp8)
+                       for part, w1, w2, c1, c2 in zip(rows.split(sizes or counts.tolist()), fc1, fc2, b1, b2)]
             return torch.cat(outputs) if outputs else rows
         if self.grouped and rows.size(0) and grouped_gemm_fits(rows, rows.size(1), up, f):
             offsets = counts.cumsum(0).to(torch.int32)
             try:  # one grouped GEMM per projection, no host sync (torchtitan's and DeepSpeed AutoEP's path)
-                hidden = GroupedLinear.apply(rows, offsets, *fc1)
-                return GroupedLinear.apply(activation(hidden, None), offsets, *fc2)
+                hidden = _with_biases(GroupedLinear.apply(rows, offsets, *fc1), b1, counts)
+                return _with_biases(GroupedLinear.apply(activation(hidden, None), offsets, *fc2), b2, counts)
             except RuntimeError:  # a device without the kernel: the loop below from now on
                 self.grouped = False
         outputs = []
-        for part, w1, w2 in zip(rows.split(sizes or counts.tolist()), fc1, fc2):  # Megatron's SequentialMLP
-            outputs.append(F.linear(activation(F.linear(part, w1), None), w2))
+        for part, w1, w2, c1, c2 in zip(rows.split(sizes or counts.tolist()), fc1, fc2, b1, b2):  # SequentialMLP
+            outputs.append(F.linear(activation(F.linear(part, w1, c1), None), w2, c2))
         return torch.cat(outputs) if outputs else rows
+
+
+def _with_biases(out: torch.Tensor, biases: list, counts: torch.Tensor) -> torch.Tensor:
+    """Each expert's bias added to its rows of a grouped GEMM's output (the rows' experts repeated on the device,
+    their total given: no host sync)."""
+    if biases[0] is None:
+        return out
+    return out + torch.repeat_interleave(torch.stack(biases), counts, dim=0, output_size=out.size(0))
 
 
 class ExpertsHolder(nn.Module):

@@ -142,6 +142,8 @@ class Router(nn.Module):
         self.config, self.groups = config, as_groups(groups)
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         normal_init(config.seed, f"{name}.router.weight", config.init_method_std)(self.weight)
+        # a bias on the logits with --add-bias-linear (megatron-core's router; GPT-OSS's)
+        self.bias = nn.Parameter(torch.zeros(config.num_experts)) if config.add_bias_linear else None
         if config.moe_router_enable_expert_bias:
             self.register_buffer("score_bias", torch.zeros(config.num_experts))
         else:
@@ -166,9 +168,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, seq_length: int):
         """x [T, h] (T = s x b, sequence-major) -> (probs [T, k] fp32, indices [T, k], logits [T, E])."""
-        weight = sync_replicated_grad(self.weight, self.groups.tp_group) if self.config.sequence_parallel \
-            else self.weight
-        logits = F.linear(x, weight).float()  # in the input's dtype, scored in fp32 (as transformers, Megatron)
+        sync = self.config.sequence_parallel
+        weight = sync_replicated_grad(self.weight, self.groups.tp_group) if sync else self.weight
+        bias = sync_replicated_grad(self.bias, self.groups.tp_group) if sync and self.bias is not None else self.bias
+        logits = F.linear(x, weight, bias).float()  # in the input's dtype, scored in fp32 (as transformers, Megatron)
         probs, indices = route(logits, self.config, self.score_bias)
         if self.training and torch.is_grad_enabled():  # once per micro-batch, in the recomputed pass under recompute
             probs = self._attach_losses(probs, indices, logits, seq_length)
