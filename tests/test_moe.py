@@ -562,11 +562,14 @@ def test_qwen_moe_evaluates_to_transformers_loss_with_its_experts_split_over_2_r
 
 
 @pytest.mark.slow
-def test_glm4_moe_evaluates_to_transformers_loss_with_its_experts_split_over_2_ranks(data, tmp_path):
-    """GLM-4.5's partial rope, score-biased group-limited sigmoid routing, shared expert and dense first layer:
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "gpt_oss"])
+def test_frontier_moe_families_evaluate_to_transformers_loss_with_their_experts_split_over_2_ranks(family, data,
+                                                                                                   tmp_path):
+    """GLM-4.5 (partial rope, score-biased group-limited sigmoid routing, a shared expert, a dense first layer),
+    DeepSeek-V3 (MLA, YaRN, the same MoE) and GPT-OSS (sinks, windows, biased experts, the clamped quick-GeGLU):
     launch/evaluate.py at EP 2 gives transformers' loss on the same windows."""
     from tests.hf_families import make_family
-    hf = make_family("glm4_moe", tmp_path / "hf", tokenizer=False)  # (its score biases random, as its norms)
+    hf = make_family(family, tmp_path / "hf", tokenizer=False)  # (its score biases random, as its norms)
     assert_ep2_evaluation_is_transformers_loss(tmp_path / "hf", hf, data, tmp_path)
 
 
