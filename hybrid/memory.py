@@ -59,7 +59,7 @@ def _pipeline_units(config: ModelConfig, inventory: dict) -> list[list[str]]:
     def names(prefix):
         return [n for n in inventory if n.startswith(prefix)]
     units = [names("embedding.")] + [names(f"layers.{i}.") for i in range(config.num_layers)]
-    units.append(names("final_norm."))
+    units.append(names("final_norm.") + names("mtp."))  # (multi-token prediction's layers: the last stage's)
     units.append(["output_layer.weight"] if config.untie_embeddings_and_output_weights
                  else ["embedding.word_embeddings.weight"])
     return units
@@ -120,6 +120,8 @@ def stage_parameters(config: ModelConfig, tp: int, pp: int, partition: str = "pa
                 replica = inventory["embedding.word_embeddings.weight"][0]
             else:
                 chosen += units[-1]
+                if config.mtp_num_layers and not first:  # multi-token prediction reads a copy of the embeddings
+                    replica = inventory["embedding.word_embeddings.weight"][0]
         ranks.append({"params": {n: inventory[n] for n in dict.fromkeys(chosen)}, "replica": replica,
                       "layers": sorted(i for p in mine for i in p.layers), "first": first, "last": last})
     return ranks
@@ -271,12 +273,12 @@ class ActivationSettings:
 
 def attention_kernel_for(device_type: str, precision: str, dropout: float, config: ModelConfig) -> str:
     """Which SDPA path torch takes: on CUDA the flash/efficient kernels (dropout included); on CPU
-    the flash kernel without dropout and the math path (s x s scores) with it; Megatron's
+    the flash kernel without dropout and the math path (s x s scores) with it or with MLA's value heads; Megatron's
     query-key layer scaling under fp16 is an explicit math path."""
     if config.apply_query_key_layer_scaling and precision == "fp16":
         return "math"
-    if device_type == "cpu" and dropout > 0:
-        return "math"
+    if device_type == "cpu" and (dropout > 0 or config.value_head_dim != config.head_dim):
+        return "math"  # (CPU's fused kernel takes one head size for Q, K and V; MLA's values differ)
     return "flash"
 
 
@@ -308,8 +310,47 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
         norm = 4 * shard + 4 * (shard // h) + e * shard
     total = (4 if config.sandwich_norms else 2) * norm  # the input and post-attention norms (and the output norms)
     moe = config.mlp_type_of(layer) == "moe"
-    total += (1 if moe else 2) * e * sbh  # each column-parallel linear's (all-gathered) input: the norms' outputs
-    total += e * s * b * (heads + 2 * groups) * d  # QKV output (K and V are views of it)
+    if config.multi_latent_attention:  # the MLP's input; the attention's tensors (hybrid.model.mla)
+        total += (0 if moe else 1) * e * sbh + _mla_bytes(config, s, b, t, sp, e, heads)
+    else:
+        total += (1 if moe else 2) * e * sbh  # each column-parallel linear's (all-gathered) input: the norms' outputs
+        total += _qkv_bytes(config, act, s, b, e, heads, groups, d)
+    if act.recompute != "selective":
+        window = config.layer_window(layer)
+        total += _core_attention_bytes(s, b, heads, d, e, m, act.attention_kernel, attn_dropout,
+                                       _attended_keys(s, window))
+        if window is not None and s > window:
+            total += _window_extra_bytes(s, b, heads, d, e, window)
+    if moe:
+        total += moe_block_bytes(config, s, b, t, sp, e)
+    else:
+        total += e * s * b * (3 * f if config.gated_linear_unit else 2 * f)  # GeLU: input, output; gated: fc1 out, product
+    if dropout:
+        total += 2 * m * shard  # the two residual dropout masks
+    return total
+
+
+def _mla_bytes(config: ModelConfig, s: int, b: int, t: int, sp: bool, e: int, heads: int) -> int:
+    """What multi-latent attention keeps for backward on one TP rank: the norm's output its down projections take
+    (a sequence shard under SP), the query and key-value latents and their norms (fp32 input, rstd, output; a
+    shard under SP), the up projections' gathered inputs, the rotated query, the key (its rope part expanded to
+    every head, a new tensor), the values made contiguous, and the attention's output."""
+    local = s // t if sp and t > 1 else s
+    q_rank, kv_rank = config.q_lora_rank or 0, config.kv_lora_rank
+    d, v = config.head_dim, config.v_head_dim
+    latents = local * b * (q_rank + kv_rank)
+    total = e * local * b * config.hidden_size  # the down projections' input
+    total += 4 * latents + 4 * local * b * (2 if q_rank else 1) + e * latents  # the latents' norms
+    total += e * s * b * (q_rank + kv_rank + config.qk_pos_emb_head_dim)  # the up projections' inputs, the rope key
+    # (the up projections' outputs are split and copied into q, k and v, not kept)
+    total += e * s * b * heads * (d + d + v + v) + 8 * s * config.qk_pos_emb_head_dim  # q, k, v, output; tables
+    return total
+
+
+def _qkv_bytes(config: ModelConfig, act, s: int, b: int, e: int, heads: int, groups: int, d: int) -> int:
+    """The fused QKV projection's output and what the attention derives from it (Q/K norms, rope, GQA copies, the
+    ring's and Ulysses' own tensors) and its output."""
+    total = e * s * b * (heads + 2 * groups) * d  # QKV output (K and V are views of it)
     if config.qk_layernorm:  # an RMSNorm over each Q and K head, as the layer norms (fp32 input, rstd, output)
         qk = s * b * (heads + groups) * d
         total += 4 * qk + 4 * (qk // d) + e * qk
@@ -329,18 +370,6 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
         elif heads != groups:
             total -= e * s * b * heads * d
         total += e * s * b * (heads + 2 * groups) * d + e * s * b * heads * d
-    if act.recompute != "selective":
-        window = config.layer_window(layer)
-        total += _core_attention_bytes(s, b, heads, d, e, m, act.attention_kernel, attn_dropout,
-                                       _attended_keys(s, window))
-        if window is not None and s > window:
-            total += _window_extra_bytes(s, b, heads, d, e, window)
-    if moe:
-        total += moe_block_bytes(config, s, b, t, sp, e)
-    else:
-        total += e * s * b * (3 * f if config.gated_linear_unit else 2 * f)  # GeLU: input, output; gated: fc1 out, product
-    if dropout:
-        total += 2 * m * shard  # the two residual dropout masks
     return total
 
 
@@ -606,6 +635,8 @@ def estimate(plan: MemoryPlan) -> list[dict]:
         if plan.muon:  # the sharded Muon's gathers, beside the fp32 gradient partitions DeepSpeed hands it
             step += muon_step_bytes(info["params"], plan.zero, plan.ep)
         each = [layer_activation_bytes(config, act, layer=i) for i in info["layers"]]
+        if info["last"]:  # multi-token prediction's layers (hybrid.model.mtp)
+            each += [layer_activation_bytes(config, act, layer=i) for i in config.mtp_layers]
         per_layer = max(each, default=layer_activation_bytes(config, act))
         layers = len(info["layers"])
         in_flight = in_flight_micro_batches(stage, plan.pp, plan.num_micro_batches, plan.schedule, plan.virtual)
@@ -674,7 +705,10 @@ def _embedding_and_head_bytes(config: ModelConfig, act: ActivationSettings, firs
         total += e * shard + (act.mask_bytes * shard if config.hidden_dropout > 0 else 0)
     if last:
         vocab = config.padded_vocab_size(t) // t
-        total += e * shard + e * s * b * h + (e + (4 if e != 4 else 0)) * s * b * vocab
+        depths = 1 + (config.mtp_num_layers or 0)  # multi-token prediction: each depth's hidden and logits, and
+        total += depths * (e * shard + e * s * b * h + (e + (4 if e != 4 else 0)) * s * b * vocab)
+        if depths > 1:  # the objective's copy of a depth's logits; each depth's embeddings, norms and eh_proj input
+            total += e * s * b * vocab + (depths - 1) * (4 * e + 8) * shard
     return total
 
 

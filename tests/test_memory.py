@@ -499,3 +499,47 @@ def test_dry_run_counts_zero3_under_a_pipeline_stage_by_stage():
     for zero1, zero3 in zip(rows[1], rows[3]):
         # (beside DeepSpeed's default ZeRO-3 reduce bucket, 5e8 elements allocated whole: 2 GB here in fp32)
         assert zero3["params"] < zero1["params"] and zero3["total"] - 4 * 500_000_000 < zero1["total"]
+
+
+@pytest.mark.parametrize("mla", [dict(q_lora_rank=48), dict(q_lora_rank=None)], ids=["q-latent", "q-projection"])
+@pytest.mark.parametrize("recompute", [None, "selective"])
+def test_mla_layer_activation_bytes_within_10pct_of_saved_tensors(mla, recompute):
+    """Multi-latent attention's saved tensors (its latents, their norms, the up projections' outputs, the rotated
+    query, the expanded key) as the dry run counts them."""
+    import dataclasses
+    config = dataclasses.replace(_model_config("llama", 0.0, recompute), multi_latent_attention=True, qk_layernorm=True,
+                                 num_query_groups=None, kv_lora_rank=32, qk_head_dim=24, qk_pos_emb_head_dim=8,
+                                 v_head_dim=16, rope_scaling=None, **mla)
+    config = dataclasses.replace(config, num_query_groups=config.num_attention_heads)
+    measured = _measured_layer_bytes(config, None, seq=64, batch=2)
+    estimated = _estimated_layer_bytes(config, 1, seq=64, batch=2)
+    assert abs(estimated - measured) <= 0.10 * measured, (estimated, measured)
+
+
+def test_dry_run_counts_mtp_layers_and_the_last_stages_embedding_copy():
+    """--mtp-num-layers: the last stage holds the MTP layers (their parameters counted as the real model's), reads a
+    copy of the word embeddings when another stage holds them, and keeps each depth's activations and logits."""
+    from tests.test_mtp import deepseek_style
+    from hybrid.model.gpt import GPTModel
+    config = deepseek_style()
+    real = sum(p.numel() for p in GPTModel(config).parameters())
+    plain = memory.stage_parameters(dataclasses_replace(config, mtp_num_layers=None), 1, 1, "uniform")
+    with_mtp = memory.stage_parameters(config, 1, 1, "uniform")
+    assert sum(n for n, _ in with_mtp[0]["params"].values()) == real
+    assert {n for n in with_mtp[0]["params"] if n.startswith("mtp.")} == \
+        {n for n, _ in GPTModel(config).named_parameters() if n.startswith("mtp.")}
+    assert sum(n for n, _ in plain[0]["params"].values()) < real
+    first, last = memory.stage_parameters(config, 1, 2, "uniform")
+    assert not any(n.startswith("mtp.") for n in first["params"]) and any(n.startswith("mtp.") for n in last["params"])
+    assert last["replica"] == first["params"]["embedding.word_embeddings.weight"][0]
+    plan = dict(micro_batch=2, seq_length=16, tp=1, pp=2, dp=1, num_micro_batches=2, zero=memory.ZeroSettings(),
+                partition="uniform", device_type="cpu")
+    with_rows = memory.estimate(memory.MemoryPlan(model=config, **plan))
+    without_rows = memory.estimate(memory.MemoryPlan(model=dataclasses_replace(config, mtp_num_layers=None), **plan))
+    assert with_rows[0]["activations"] == without_rows[0]["activations"]
+    assert with_rows[1]["activations"] > without_rows[1]["activations"]
+
+
+def dataclasses_replace(config, **fields):
+    import dataclasses
+    return dataclasses.replace(config, **fields)
