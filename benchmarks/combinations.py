@@ -77,6 +77,12 @@ FEATURES = {
                      kind="model", group="family"),
     "gemma": Feature(("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--geglu",
                       "--apply-layernorm-1p", "--scale-embeddings"), kind="model", group="family"),
+    # DeepSeek-V3's attention: query and key-value latents, heads of 8 + 4 (rope) and values of 6, YaRN's default
+    "mla": Feature(("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                    "--disable-bias-linear", "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", 16,
+                    "--kv-lora-rank", 12, "--qk-head-dim", 8, "--qk-pos-emb-head-dim", 4, "--v-head-dim", 6),
+                   kind="model", group="family"),
+    "mtp": Feature(("--mtp-num-layers", 1, "--mtp-loss-scaling-factor", 0.3), kind="model"),  # with a rope family
     "window": Feature(("--window-size", "4,0"), kind="model"),
     "bf16": Feature(("--bf16",), kind="precision"),
     "fp8": Feature(("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"), kind="precision", group="fp8"),

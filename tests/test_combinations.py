@@ -51,6 +51,12 @@ SAMPLE = {  # combination -> the outcome it must have (a rule's name for a refus
     "dp2+pp2+muon": "equal",
     "ep2+zero1+muon": "equal",
     "bf16+muon": "muon-precision",
+    # DeepSeek-V3's MLA (values of their own head size) over the layouts, and its multi-token prediction over PP
+    "mla+tp2_sp": "equal",
+    "mla+cp2": "equal",
+    "mla+ulysses2": "equal",
+    "mla+mtp+pp2": "equal",
+    "mla+mtp+ep2+tp2_sp": "equal",
 }
 
 

@@ -682,6 +682,8 @@ class _DeepSeekMoE(_MoEFamily):
 
     def _moe_wanted(self):
         c = self.config
+        if not c.num_experts:
+            return {}  # (--num-experts is wanted first)
         k, chosen = c.moe_router_topk, c.moe_router_group_topk
         return {"--moe-router-score-function sigmoid": c.moe_router_score_function == "sigmoid",
                 "dense layers first, then MoE layers only (--moe-layer-freq)": self._first_dense() is not None,
