@@ -839,8 +839,8 @@ class DeepseekV3Adapter(_DeepSeekMoE, LlamaAdapter):
                "or none, `kv_lora_rank`, `qk_nope_head_dim` = --qk-head-dim, `qk_rope_head_dim` = "
                "--qk-pos-emb-head-dim, `v_head_dim`; YaRN's `mscale_all_dim` on the softmax scale), DeepSeek's MoE "
                "(as GLM-4.5's); also Kimi-K2 and DeepSeek-V3.1/R1")
-    refused = ("`attention_bias`, `rope_interleave` false, `num_key_value_heads` != `num_attention_heads`, the MTP "
-               "layers (`num_nextn_predict_layers`: not read, as transformers), as GLM-4.5's MoE")
+    refused = ("`attention_bias`, `rope_interleave` false, `num_key_value_heads` != `num_attention_heads`, as GLM-4.5's "
+               "MoE; its MTP layers (model.layers.{L + k}) are read and written as --mtp-num-layers")
 
     qk_norm = True  # MLA's latent norms (hybrid.model.mla), which megatron-core's --qk-layernorm means with MLA
     mla = True
