@@ -69,6 +69,8 @@ class Setup:
     fp32_grad_accumulation: bool = False  # the DeepSpeed config's data_types.grad_accum_dtype fp32 (with --bf16)
     optimizer: str = "adam"  # --optimizer
     offload_optimizer: bool = False  # the DeepSpeed config's zero_optimization.offload_optimizer
+    mla: bool = False  # --multi-latent-attention
+    mtp: bool = False  # --mtp-num-layers > 0 (from the flags or a --load-hf checkpoint's layers)
 
     @property
     def torch_schedule(self) -> bool:
@@ -290,6 +292,30 @@ RULES = [
                    f"{' and fp32 gradient accumulation' if s.zero_stage else ''}: DeepSpeed steps its own "
                    f"{s.precision} optimizer's flat master weights there; use ZeRO-1/2/3 (--zero-stage 1)"
                    f"{' without data_types.grad_accum_dtype fp32' if s.zero_stage else ''}, or train in fp32."),
+    Rule("mtp-objective", "--mtp-num-layers with --dpo or --grpo",
+         "multi-token prediction's depths train with the language-model loss; a preference or policy loss has no "
+         "target for them",
+         lambda s: s.mtp and (s.dpo or s.grpo),
+         lambda s: f"--mtp-num-layers with --{'dpo' if s.dpo else 'grpo'}: multi-token prediction trains with the "
+                   f"language-model loss only; use --mtp-num-layers 0 (also for a checkpoint that stores MTP layers)."),
+    Rule("mtp-split-backward", "--mtp-num-layers with a split-backward pipeline schedule (zero-bubble, zbv, "
+                               "dualpipev)",
+         "their weight step differentiates each stage's own modules; the MTP layers' and the word embeddings' use on "
+         "the last stage is not built into it (a ZB-V run failed in its backward)",
+         lambda s: s.mtp and s.split_backward,
+         lambda s: f"--mtp-num-layers with --pipeline-schedule {s.schedule}: the split backward does not reach the "
+                   f"multi-token prediction layers; use --pipeline-schedule 1f1b or interleaved."),
+    Rule("mla-fp8", "--multi-latent-attention with --fp8-format",
+         "MLA's projections run their GEMMs in the weights' dtype (their FP8 path is not built)",
+         lambda s: s.mla and s.fp8 is not None,
+         lambda s: "--fp8-format with --multi-latent-attention: MLA's projections have no FP8 GEMMs here; drop "
+                   "--fp8-format."),
+    Rule("muon-mla-mtp", "--optimizer muon with --multi-latent-attention or --mtp-num-layers",
+         "Muon's matrices are named by the layer's fused QKV, output and MLP projections; MLA's and the MTP layers' "
+         "projections are not among them yet",
+         lambda s: s.optimizer == "muon" and (s.mla or s.mtp),
+         lambda s: "--optimizer muon with --multi-latent-attention / --mtp-num-layers: Muon does not step their "
+                   "projections yet; use AdamW (the DeepSpeed config's optimizer)."),
     Rule("grad-reduce-bf16-precision", "--grad-reduce-in-bf16 without --bf16",
          "gradients are reduced in the training precision's type (DeepSpeed's communication_data_type)",
          lambda s: s.grad_reduce_bf16 and s.precision != "bf16",

@@ -414,10 +414,6 @@ def _prepare_flags(args) -> None:
     """The saved run's architecture (--use-checkpoint-args), Megatron's other spellings, the demo's defaults."""
     apply_checkpoint_args(args)
     apply_megatron_aliases(args)
-    if args.mtp_num_layers and (args.dpo or args.grpo):
-        raise ConfigError(f"--mtp-num-layers with --{'dpo' if args.dpo else 'grpo'}: multi-token prediction trains "
-                          f"with the language-model loss only; drop --mtp-num-layers for preference or policy "
-                          f"training.")
     _sft_flags(args)
     _grpo_flags(args)
     _demo_defaults(args)
@@ -702,7 +698,8 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path
                 fp8=fp8_recipe(args), fp8_param_gather=args.fp8_param_gather,
                 cpu_offloading=dsc.cpu_offloading(args, ds), dpo=bool(args.dpo),
                 dpo_precomputed=bool(args.dpo and args.dpo_reference_logps), grpo=bool(args.grpo),
-                grpo_kl=bool(args.grpo and args.grpo_beta > 0),
+                grpo_kl=bool(args.grpo and args.grpo_beta > 0), mla=model.multi_latent_attention,
+                mtp=bool(model.mtp_num_layers),
                 moe_capacity=bool(model.num_experts and model.moe_expert_capacity_factor is not None),
                 fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds), optimizer=args.optimizer or "adam",
                 offload_optimizer=dsc.optimizer_offload(ds))

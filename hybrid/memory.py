@@ -43,7 +43,7 @@ def parameter_inventory(config: ModelConfig, tp: int) -> dict[str, tuple[int, bo
         if rule.vocab_padded:  # vocabulary rows padded for this TP degree, then split
             out[name] = (config.padded_vocab_size(tp) // tp * h, True)
             continue
-        decayed = not (name.endswith(".bias") or "norm." in name)
+        decayed = not (name.endswith(".bias") or "norm." in name or name.endswith(".attention.sinks"))
         out[name] = (numel // tp if rule.dim is not None else numel, decayed)
     return out
 

@@ -59,6 +59,13 @@ EXAMPLES = {
                            "--global-batch-size", 16], 1),
     "grpo-rampup": (["--grpo", "--rampup-batch-size", 8, 8, 64, "--global-batch-size", 16], 1),
     "muon-precision": (["--optimizer", "muon", "--bf16"], 1),
+    "mtp-objective": (["--grpo", "--position-embedding-type", "rope", "--mtp-num-layers", 1, "--global-batch-size", 16],
+                      1),
+    "mla-fp8": (["--multi-latent-attention", "--qk-layernorm", "--position-embedding-type", "rope", "--fp8-format",
+                 "hybrid"], 1),
+    "muon-mla-mtp": (["--position-embedding-type", "rope", "--mtp-num-layers", 1, "--optimizer", "muon"], 1),
+    "mtp-split-backward": (PP2 + ["--position-embedding-type", "rope", "--mtp-num-layers", 1, "--pipeline-schedule",
+                                  "zbv"], 2),
 }
 
 
@@ -256,3 +263,4 @@ def test_advisor_proposals_respect_the_experts_ep_and_compile_rules():
     # a DP the EP no longer divides is never proposed (TP 2 leaves DP 2 at EP 2: allowed with SP)
     plan4 = _plan(model=dict(moe, sequence_parallel=True), ep=4)
     assert "--tensor-model-parallel-size 2" not in dict(_candidates(plan4)), "EP 4 does not divide DP 2"
+

@@ -57,6 +57,7 @@ SAMPLE = {  # combination -> the outcome it must have (a rule's name for a refus
     "mla+ulysses2": "equal",
     "mla+mtp+pp2": "equal",
     "mla+mtp+ep2+tp2_sp": "equal",
+    "mla+mtp+pp2_zbv": "mtp-split-backward",
 }
 
 

@@ -36,6 +36,9 @@ def _tp_layout(config_json: str) -> tuple:
     # a tiny model of the same structure (names and layers depend on the options, not the sizes)
     tiny = dataclasses.replace(config, hidden_size=2 * config.num_attention_heads, ffn_hidden_size=2, vocab_size=8,
                                max_position_embeddings=2, make_vocab_size_divisible_by=1, rotary_percent=1.0,
+                               **({"q_lora_rank": 2 if config.q_lora_rank else None, "kv_lora_rank": 2,
+                                   "qk_head_dim": 2, "qk_pos_emb_head_dim": 2, "v_head_dim": 2}
+                                  if config.multi_latent_attention else {}),
                                **({"moe_ffn_hidden_size": 2} if config.num_experts else {}),
                                **({"moe_shared_expert_intermediate_size": 2}
                                   if config.moe_shared_expert_intermediate_size else {}))

@@ -283,7 +283,8 @@ class LlamaAdapter(Adapter):
 
     family, hf_class, config_class = "llama", "LlamaForCausalLM", "LlamaConfig"
     options = "RoPE (default, llama3 and linear scaling), RMSNorm, SwiGLU, no biases, GQA, any head_dim, tied or untied"
-    refused = "`attention_bias`, `mlp_bias`, `rope_scaling` types other than llama3/linear, `partial_rotary_factor` < 1"
+    refused = ("`attention_bias`, `mlp_bias`, `rope_scaling` types other than llama3/linear/yarn, `partial_rotary_factor` "
+               "< 1, quantized weights (`quantization_config`)")
     hidden_act = "silu"
     qkv_bias = False  # the HF class always has Q/K/V biases (Qwen2)
     qk_norm = False  # per-head Q/K RMSNorm (Qwen3)
@@ -302,6 +303,12 @@ class LlamaAdapter(Adapter):
     @classmethod
     def config_from_hf(cls, hf) -> ModelConfig:
         name = cls.hf_class.replace("ForCausalLM", "")
+        quantization = getattr(hf, "quantization_config", None)
+        if quantization:  # (DeepSeek-V3's and Kimi-K2's FP8 blocks with their weight_scale_inv, GPT-OSS's MXFP4, ...)
+            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else \
+                getattr(quantization, "quant_method", "?")
+            _refuse(name, "quantization_config", method, "quantized weights are read as they are stored, without "
+                    "their scales; load the model with transformers and save_pretrained it dequantized (bf16)")
         for field in cls.REFUSED_BIASES:
             if getattr(hf, field, False):
                 _refuse(name, field, True, "biases on the output projection and MLP of this family are not "
@@ -955,8 +962,7 @@ class GptOssAdapter(LlamaAdapter):
                "--window-size with --window-attn-skip-freq), YaRN rope, biases everywhere (--add-bias-linear: Q/K/V, "
                "output, router, experts), every layer a softmax top-k MoE whose experts' clamped quick-GeGLU is "
                "--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value `swiglu_limit`")
-    refused = ("`swiglu_alpha` other than 1.702, `attention_bias` false, MXFP4-quantized weights (load them with "
-               "transformers and save them dequantized), as Llama's")
+    refused = "`swiglu_alpha` other than 1.702, `attention_bias` false, as Llama's (MXFP4 weights: save them dequantized)"
     qkv_bias = True  # (Q/K/V's biases as --add-bias-linear's, with the output's)
     REFUSED_BIASES = ("mlp_bias",)
     LAYER_MAP = dict(LlamaAdapter.LAYER_MAP, **{"model.layers.{}.self_attn.o_proj.bias": "layers.{}.attention.dense.bias",
@@ -966,10 +972,6 @@ class GptOssAdapter(LlamaAdapter):
     @classmethod
     def config_from_hf(cls, hf):
         name = "GptOss"
-        if getattr(hf, "quantization_config", None):
-            _refuse(name, "quantization_config", dict(hf.quantization_config).get("quant_method", "?"),
-                    "quantized (MXFP4) experts are not read; load the model with transformers and save_pretrained it "
-                    "dequantized")
         if float(hf.swiglu_alpha) != 1.702:
             _refuse(name, "swiglu_alpha", hf.swiglu_alpha, "the quick-GeGLU's alpha is 1.702 (megatron-core's)")
         if not hf.attention_bias:
@@ -1004,9 +1006,11 @@ class GptOssAdapter(LlamaAdapter):
                                or c.moe_router_enable_expert_bias or c.moe_router_num_groups
                                or c.moe_shared_expert_intermediate_size),
                   "none of --qk-layernorm, --add-qkv-bias, --sandwich-norms, --rotary-percent, --apply-layernorm-1p, "
-                  "--local-rotary-base, --softmax-scale": not (
+                  "--scale-embeddings, --local-rotary-base, --softmax-scale, --multi-latent-attention, "
+                  "--mtp-num-layers": not (
                       c.qk_layernorm or c.add_qkv_bias or c.sandwich_norms or c.rotary_percent != 1.0
-                      or c.apply_layernorm_1p or c.local_rotary_base is not None or c.softmax_scale is not None)}
+                      or c.apply_layernorm_1p or c.scale_embeddings or c.local_rotary_base is not None
+                      or c.softmax_scale is not None or c.multi_latent_attention or c.mtp_num_layers)}
         missing = [what for what, ok in wanted.items() if not ok]
         if missing:
             raise ConfigError(f"exporting to {self.hf_class} needs {', '.join(missing)}.")

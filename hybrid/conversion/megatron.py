@@ -470,7 +470,8 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         apply_layernorm_1p=bool(_arg(args, "apply_layernorm_1p", False) or _arg(args, "layernorm_zero_centered_gamma")),
         make_vocab_size_divisible_by=int(_arg(args, "make_vocab_size_divisible_by", 128) or 128), hf_dtype=dtype,
         mtp_num_layers=int(_arg(args, "mtp_num_layers", 0) or 0) or None,
-        mtp_loss_scaling_factor=float(_arg(args, "mtp_loss_scaling_factor", 0.1) or 0.1),
+        mtp_loss_scaling_factor=float(_arg(args, "mtp_loss_scaling_factor", None) if
+                                      _arg(args, "mtp_loss_scaling_factor", None) is not None else 0.1),
         **_mla_fields(args, mla), **_moe_fields(args, refuse))
 
 
@@ -637,6 +638,9 @@ def _moe_fields(args: argparse.Namespace, refuse) -> dict:
                       ("moe_latent_size", "latent MoE projections"), ("moe_router_padding_for_fp8", "FP8 padding")):
         if _arg(args, name):
             refuse(f"--{name.replace('_', '-')} {_arg(args, name)}", f"{why} is not implemented")
+    if bool(_arg(args, "add_bias_linear", True)):
+        refuse("experts with biases (--add-bias-linear with --num-experts)", "biased experts are read from HF "
+               "(GPT-OSS), not from Megatron-LM checkpoints yet; Megatron-LM MoE runs use --disable-bias-linear")
     balancing = _arg(args, "moe_router_load_balancing_type", "aux_loss")
     coeff = _arg(args, "moe_aux_loss_coeff", 0.0)
     # Megatron-LM's parser takes a list of each (nargs="+"): one element is that one loss

@@ -108,6 +108,14 @@ def write_megatron(state: dict, config: ModelConfig, tp: int, pp: int, save_dir:
     if unwritable:
         raise ConfigError(f"a Megatron-LM checkpoint has no argument for {', '.join(unwritable)} (Gemma 3's "
                           f"options): Megatron-LM would build another model. Export with --saver hf instead.")
+    unmapped = [flag for flag, on in {
+        "YaRN rope": (config.rope_scaling or {}).get("rope_type") == "yarn",
+        "--softmax-type learnable": config.attention_sinks, "--quick-geglu": config.quick_geglu,
+        "biased experts (--add-bias-linear with --num-experts)": bool(config.num_experts) and config.add_bias_linear,
+    }.items() if on]
+    if unmapped:
+        raise ConfigError(f"writing a Megatron-LM checkpoint of a model with {', '.join(unmapped)} is not implemented "
+                          f"yet (GPT-OSS's and YaRN models' Megatron names are not mapped); export with --saver hf.")
     iteration = int(client_state.iteration)
     tag = tag_for(iteration)
     args = megatron_args(config, tp, pp, client_state, ep)

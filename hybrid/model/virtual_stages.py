@@ -144,6 +144,7 @@ class VirtualStage(nn.Module):
         # the head's table: the untied head, or (V placement) the embedding used a second time
         self.head = (owner.output_layer if owner.output_layer is not None else owner.embedding) if plan.last else None
 
+
     def decode(self, inputs, layout):
         """A decoding step over the new positions only: ids [b, s] (first stage) or hidden [s, b, h] in; hidden
         out, or at the last stage the newest position's logits [1, b, V/tp] (hybrid.model.generate)."""

@@ -27,7 +27,7 @@ from hybrid.training.moe_hooks import keep_fp32_buffers
 from hybrid.training.lr_schedules import MegatronLRScheduler
 from hybrid.training.muon import MuonWithAdamW, ShardedMuonWithAdamW
 
-_NO_DECAY = re.compile(r"(^|\.)bias$|norm\.weight$|norm\.bias$")
+_NO_DECAY = re.compile(r"(^|\.)bias$|norm\.weight$|norm\.bias$|\.attention\.sinks$")  # (sinks: 1-D, as Megatron)
 
 
 def build_model(run: RunConfig, groups) -> nn.Module:
