@@ -88,7 +88,7 @@ def mla(p: dict, device, dtype) -> dict:
     mask = None  # is_causal in transformers' SDPA path
 
     def hf_call(inp):
-        h = inp.transpose(0, 1)
+        h = inp.transpose(0, 1).contiguous()
         cos, sin = rotary(h, positions)
         return theirs(h, (cos, sin), mask)[0]
     return _compare(_step(lambda inp: ours(inp), x), _step(hf_call, x), p["rounds"])
@@ -117,7 +117,8 @@ def moe(p: dict, device, dtype) -> dict:
         for param in theirs.parameters():
             param.normal_(0, 0.02)
     x = torch.randn(p["seq"], p["batch"], p["hidden"], device=device, dtype=dtype)
-    return _compare(_step(lambda inp: ours(inp), x), _step(lambda inp: theirs(inp.transpose(0, 1)), x), p["rounds"])
+    return _compare(_step(lambda inp: ours(inp), x), _step(lambda inp: theirs(inp.transpose(0, 1).contiguous()), x),
+                    p["rounds"])
 
 
 def sinks(p: dict, device, dtype) -> dict:
@@ -143,7 +144,7 @@ def sinks(p: dict, device, dtype) -> dict:
     causal = torch.full((p["seq"], p["seq"]), float("-inf"), device=device, dtype=dtype).triu(1)[None, None]
 
     def hf_call(inp):
-        h = inp.transpose(0, 1)
+        h = inp.transpose(0, 1).contiguous()
         return theirs(h, rotary(h, positions), causal)[0]
     return _compare(_step(lambda inp: ours(inp), x), _step(hf_call, x), p["rounds"])
 
