@@ -106,10 +106,12 @@ def test_a_deepseek_v3_style_run_with_mtp_trains_as_at_one_rank(world, layout, o
     compare_grads(assemble_grads(results), grads, VOCAB, 1e-6)
 
 
-def test_deepseek_v3_mtp_layers_export_as_deepseek_stores_them_and_round_trip_bit_identically(tmp_path):
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_mtp_layers_export_as_deepseek_and_glm_store_them_and_round_trip_bit_identically(family, tmp_path):
     """model.layers.{L + k}.*: the MTP layer's attention, MoE and norms as a decoder layer's, enorm, hnorm,
     eh_proj, shared_head.norm and copies of the embeddings and head; transformers loads the export (ignoring
-    those, as it does DeepSeek-V3's layer 61) with the same logits, and the import reads them back exactly."""
+    those, as it does DeepSeek-V3's layer 61 and GLM-4.5's 92) with the same logits, and the import reads them back
+    exactly."""
     import dataclasses
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -117,7 +119,7 @@ def test_deepseek_v3_mtp_layers_export_as_deepseek_stores_them_and_round_trip_bi
     from hybrid.model.gpt import GPTModel
     from hybrid.model.naming import canonical_parameters
     from tests.hf_families import make_family
-    hf = make_family("deepseek_v3", tmp_path / "hf", tokenizer=False)
+    hf = make_family(family, tmp_path / "hf", tokenizer=False)
     state, config, _ = read_hf_dir(str(tmp_path / "hf"))
     assert config.mtp_num_layers is None  # transformers' save keeps none
     config = dataclasses.replace(config, mtp_num_layers=1)

@@ -292,7 +292,8 @@ class LlamaAdapter(Adapter):
     gemma = False  # (1 + w) RMSNorm, GeGLU, embeddings x sqrt(hidden)
     gemma3 = False  # Gemma 3's options (_gemma3_options) may be on
     partial_rotary = False  # rope may rotate part of each head (`partial_rotary_factor` = --rotary-percent)
-    mla = False  # multi-latent attention and its multi-token prediction layers (DeepSeek-V3)
+    mla = False  # multi-latent attention (DeepSeek-V3)
+    stores_mtp = False  # multi-token prediction layers in the checkpoint (_StoredMTP)
     REFUSED_BIASES = ("attention_bias", "mlp_bias")  # HF bias options this family's model does not have
     LAYER_MAP = {"model.layers.{}.input_layernorm.weight": "layers.{}.input_norm.weight",
                  "model.layers.{}.post_attention_layernorm.weight": "layers.{}.post_attention_norm.weight",
@@ -359,7 +360,7 @@ class LlamaAdapter(Adapter):
                   "--sandwich-norms" + ("" if self.gemma3 else " off"): c.sandwich_norms == self.gemma3,
                   "no --softmax-type learnable, --quick-geglu (GPT-OSS's)": not (c.attention_sinks or c.quick_geglu),
                   "--multi-latent-attention" + ("" if self.mla else " off"): c.multi_latent_attention == self.mla,
-                  "no --mtp-num-layers (DeepSeek-V3's layers)": self.mla or not c.mtp_num_layers}
+                  "no --mtp-num-layers (DeepSeek-V3's and GLM-4.5's layers)": self.stores_mtp or not c.mtp_num_layers}
         missing = [what for what, ok in wanted.items() if not ok]
         if missing:
             raise ConfigError(f"exporting to {self.hf_class} needs {', '.join(missing)}.")
@@ -651,6 +652,63 @@ class _MoEFamily:
                 out[hf + "shared_expert_gate.weight"] = state[ours + "shared_gate"]
 
 
+class _StoredMTP:
+    """DeepSeek's multi-token prediction layers as its checkpoints (and GLM-4.5's) store them: model.layers.{L + k}.*
+    are depth k's layer (named as a decoder layer) and its own tensors (hybrid.model.mtp), read as --mtp-num-layers
+    and written back. Mixed in before the family's adapter."""
+
+    stores_mtp = True
+
+    # a multi-token prediction layer's own tensors, model.layers.{L + k}.* -> mtp.{k}.* (hybrid.model.mtp); it also
+    # holds copies of the word embeddings (embed_tokens) and of the head (shared_head.head), written, not read
+    MTP_MAP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+               "shared_head.norm.weight": "final_norm.weight"}
+
+    @classmethod
+    def with_stored_layers(cls, config: ModelConfig, names) -> ModelConfig:
+        """The checkpoint's multi-token prediction layers (model.layers.{L + k}.eh_proj, as DeepSeek stores them)
+        become --mtp-num-layers."""
+        depth = 0
+        while f"model.layers.{config.num_layers + depth}.eh_proj.weight" in names:
+            depth += 1
+        return _replace(config, mtp_num_layers=depth) if depth else config
+
+    def _mtp_state(self, state: dict, k: int) -> dict:
+        """MTP layer k's transformer layer under the canonical names of decoder layer L + k (its HF number)."""
+        inner, as_layer = f"mtp.{k}.layer.", f"layers.{self.config.num_layers + k}."
+        return {as_layer + n[len(inner):]: t for n, t in state.items() if n.startswith(inner)}
+
+    def globals_to_canonical(self, hf_state, wanted=None):
+        out = super().globals_to_canonical(hf_state, None if wanted is None else
+                                           {n for n in wanted if not n.startswith("mtp.")})
+        c = self.config
+        for k in range(c.mtp_num_layers or 0):
+            hf, ours, i = f"model.layers.{c.num_layers + k}.", f"mtp.{k}.", c.num_layers + k
+            if wanted is not None and not any(n.startswith(ours) for n in wanted):
+                continue
+            if hf + "eh_proj.weight" not in hf_state:  # none stored: they start from their initialisation
+                continue
+            for theirs, name in self.MTP_MAP.items():
+                out[ours + name] = get(hf_state, hf + theirs)
+            inner = None if wanted is None else {n.replace(ours + "layer.", f"layers.{i}.") for n in wanted}
+            for name, t in self.layer_to_canonical(hf_state, i, inner).items():
+                out[ours + "layer." + name[len(f"layers.{i}."):]] = t
+        return out
+
+    def to_hf(self, state):
+        out = super().to_hf(state)
+        c = self.config
+        for k in range(c.mtp_num_layers or 0):
+            hf, ours, i = f"model.layers.{c.num_layers + k}.", f"mtp.{k}.", c.num_layers + k
+            self.layer_to_hf(self._mtp_state(state, k), i, out)
+            for theirs, name in self.MTP_MAP.items():
+                out[hf + theirs] = state[ours + name]
+            out[hf + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()  # (files hold each once)
+            out[hf + "shared_head.head.weight"] = out.get("lm_head.weight", out["model.embed_tokens.weight"]).clone()
+        return out
+
+
+
 class _DeepSeekMoE(_MoEFamily):
     """DeepSeek-V3's mixture of experts (also GLM-4.5's): sigmoid scores, the score bias
     (`e_score_correction_bias`) choosing, group-limited top-k (`n_group`, `topk_group`: groups scored by their
@@ -790,15 +848,15 @@ class Qwen3MoeAdapter(_MoEFamily, Qwen3Adapter):
         return dict(super().family_fields(), **_qwen_moe_fields(self.config, shared=False))
 
 
-class Glm4MoeAdapter(_DeepSeekMoE, LlamaAdapter):
+class Glm4MoeAdapter(_StoredMTP, _DeepSeekMoE, LlamaAdapter):
     family, hf_class, config_class = "glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig"
     options = ("Llama's, rope on part of each head (`partial_rotary_factor` = --rotary-percent), optional Q/K/V "
                "biases (`attention_bias` = --add-qkv-bias) and per-head Q/K norms (`use_qk_norm` = --qk-layernorm); "
                "DeepSeek's MoE: sigmoid routing with the score bias (--moe-router-enable-expert-bias), groups "
                "(--moe-router-num-groups / --moe-router-group-topk), `routed_scaling_factor` "
                "(--moe-router-topk-scaling-factor), shared experts, the first layers dense (--moe-layer-freq)")
-    refused = ("`norm_topk_prob` off with top-k > 1, `topk_group` with topk // topk_group != 2, the MTP layers "
-               "(`num_nextn_predict_layers`: not read, as transformers), as Llama's")
+    refused = ("`norm_topk_prob` off with top-k > 1, `topk_group` with topk // topk_group != 2, as Llama's; its MTP "
+               "layers (model.layers.{L + k}) are read and written as --mtp-num-layers")
     partial_rotary = True
     REFUSED_BIASES = ("mlp_bias",)  # `attention_bias` is Q/K/V's (the output projection never has one)
 
@@ -822,7 +880,7 @@ class Glm4MoeAdapter(_DeepSeekMoE, LlamaAdapter):
         rope = {"rope_type": "default"} if not c.rope_scaling else dict(c.rope_scaling)
         return dict(super().family_fields(), attention_bias=c.add_qkv_bias, use_qk_norm=c.qk_layernorm,
                     rope_parameters=dict(rope, rope_theta=c.rotary_base, partial_rotary_factor=c.rotary_percent),
-                    num_nextn_predict_layers=0)
+                    num_nextn_predict_layers=c.mtp_num_layers or 0)
 
 
 def _rope_order(pos: int, interleaved_to_halves: bool) -> torch.Tensor:
@@ -840,7 +898,7 @@ def permute_rope_rows(t: torch.Tensor, block: int, pos: int, to_halves: bool) ->
     return blocks[:, order].reshape(t.shape).contiguous()
 
 
-class DeepseekV3Adapter(_DeepSeekMoE, LlamaAdapter):
+class DeepseekV3Adapter(_StoredMTP, _DeepSeekMoE, LlamaAdapter):
     family, hf_class, config_class = "deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config"
     options = ("Llama's (yarn rope included), multi-head latent attention (--multi-latent-attention: `q_lora_rank` "
                "or none, `kv_lora_rank`, `qk_nope_head_dim` = --qk-head-dim, `qk_rope_head_dim` = "
@@ -854,54 +912,6 @@ class DeepseekV3Adapter(_DeepSeekMoE, LlamaAdapter):
 
     def _layer_map(self) -> dict:
         return dict(self.LAYER_MAP)  # (the latent norms are mapped with the projections)
-
-    # a multi-token prediction layer's own tensors, model.layers.{L + k}.* -> mtp.{k}.* (hybrid.model.mtp); it also
-    # holds copies of the word embeddings (embed_tokens) and of the head (shared_head.head), written, not read
-    MTP_MAP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-               "shared_head.norm.weight": "final_norm.weight"}
-
-    @classmethod
-    def with_stored_layers(cls, config: ModelConfig, names) -> ModelConfig:
-        """The checkpoint's multi-token prediction layers (model.layers.{L + k}.eh_proj, as DeepSeek stores them)
-        become --mtp-num-layers."""
-        depth = 0
-        while f"model.layers.{config.num_layers + depth}.eh_proj.weight" in names:
-            depth += 1
-        return _replace(config, mtp_num_layers=depth) if depth else config
-
-    def _mtp_state(self, state: dict, k: int) -> dict:
-        """MTP layer k's transformer layer under the canonical names of decoder layer L + k (its HF number)."""
-        inner, as_layer = f"mtp.{k}.layer.", f"layers.{self.config.num_layers + k}."
-        return {as_layer + n[len(inner):]: t for n, t in state.items() if n.startswith(inner)}
-
-    def globals_to_canonical(self, hf_state, wanted=None):
-        out = super().globals_to_canonical(hf_state, None if wanted is None else
-                                           {n for n in wanted if not n.startswith("mtp.")})
-        c = self.config
-        for k in range(c.mtp_num_layers or 0):
-            hf, ours, i = f"model.layers.{c.num_layers + k}.", f"mtp.{k}.", c.num_layers + k
-            if wanted is not None and not any(n.startswith(ours) for n in wanted):
-                continue
-            if hf + "eh_proj.weight" not in hf_state:  # none stored: they start from their initialisation
-                continue
-            for theirs, name in self.MTP_MAP.items():
-                out[ours + name] = get(hf_state, hf + theirs)
-            inner = None if wanted is None else {n.replace(ours + "layer.", f"layers.{i}.") for n in wanted}
-            for name, t in self.layer_to_canonical(hf_state, i, inner).items():
-                out[ours + "layer." + name[len(f"layers.{i}."):]] = t
-        return out
-
-    def to_hf(self, state):
-        out = super().to_hf(state)
-        c = self.config
-        for k in range(c.mtp_num_layers or 0):
-            hf, ours, i = f"model.layers.{c.num_layers + k}.", f"mtp.{k}.", c.num_layers + k
-            self.layer_to_hf(self._mtp_state(state, k), i, out)
-            for theirs, name in self.MTP_MAP.items():
-                out[hf + theirs] = state[ours + name]
-            out[hf + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()  # (files hold each once)
-            out[hf + "shared_head.head.weight"] = out.get("lm_head.weight", out["model.embed_tokens.weight"]).clone()
-        return out
 
     @classmethod
     def config_from_hf(cls, hf):
