@@ -93,6 +93,8 @@ def build_parser():
     p.add_argument("--sft-train-on-prompt", action="store_true", help="--sft: every token takes loss")
     p.add_argument("--sft-truncation", default="truncate", choices=["truncate", "drop"])
     p.add_argument("--sft-skip-bad", action="store_true", help="--sft: count and skip malformed rows")
+    p.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each sequence over this many ranks (the ring attention, as launch/train.py's)")
     p.add_argument("--log-json", default=None)
     return p
 
@@ -168,14 +170,19 @@ def open_checkpoint(args, seq_length: Optional[int] = None) -> Source:
     return Source(config, tp, pp, parts)
 
 
-def layout_dims(source: Source, ep: int) -> ParallelDims:
-    """The job's layout for the checkpoint: its TP x PP, `ep` (--expert-model-parallel-size), the rest DP."""
+def layout_dims(source: Source, ep: int, cp: int = 1) -> ParallelDims:
+    """The job's layout for the checkpoint: its TP x PP, `ep` (--expert-model-parallel-size), `cp`
+    (--context-parallel-size: each sequence over CP ranks, the ring), the rest DP."""
     config = source.config
     if ep > 1 and not config.num_experts:
         raise ConfigError(f"--expert-model-parallel-size {ep}: the checkpoint's model has no experts.")
     if config.num_experts and config.num_experts % ep:
         raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the model's {config.num_experts} experts.")
-    return ParallelDims(int(os.environ.get("WORLD_SIZE", "1")), source.tp, source.pp, expert_parallel=ep)
+    if cp > 1 and config.sliding_window is not None:
+        raise ConfigError(f"--context-parallel-size {cp}: the model attends through a sliding window, which the ring "
+                          f"attention does not compute; evaluate at --context-parallel-size 1.")
+    return ParallelDims(int(os.environ.get("WORLD_SIZE", "1")), source.tp, source.pp, context_parallel=cp,
+                        expert_parallel=ep)
 
 
 def loaded_model(config, groups, parts, device):
@@ -194,8 +201,11 @@ def evaluate(args) -> dict:
         raise ConfigError("--data-path: evaluate.py takes one dataset prefix (no blend weights).")
     source = open_checkpoint(args, args.seq_length)
     config, pp = source.config, source.pp
-    dims = layout_dims(source, args.expert_model_parallel_size)
-    dp = dims.data_parallel
+    dims = layout_dims(source, args.expert_model_parallel_size, args.context_parallel_size)
+    dp, cp = dims.data_parallel, dims.context_parallel
+    if cp > 1 and args.seq_length % (2 * cp):
+        raise ConfigError(f"--context-parallel-size {cp}: --seq-length {args.seq_length} must be a multiple of "
+                          f"{2 * cp} (each rank holds two of its 2 x CP chunks).")
     if args.eval_iters is None and not args.sft:
         args.eval_iters = 10
     if args.eval_iters is not None and args.eval_iters % dp:
@@ -223,6 +233,9 @@ def evaluate(args) -> dict:
         dist.all_reduce(total, group=groups.pp.group)
     if dp > 1:
         dist.all_reduce(total, group=groups.dp.group)
+    if cp > 1:  # each CP rank's loss is its tokens' share (x CP for a mean, the sum's part per token)
+        dist.all_reduce(total, group=groups.cp.group)
+        total = total if args.sft else total / cp
     if args.sft:
         return {"lm_loss": total.item() / counts["loss_tokens"], **counts}
     return {"lm_loss": total.item() / len(batches), "tokens": len(batches) * args.micro_batch_size * args.seq_length}

@@ -707,8 +707,8 @@ def _embedding_and_head_bytes(config: ModelConfig, act: ActivationSettings, firs
         vocab = config.padded_vocab_size(t) // t
         depths = 1 + (config.mtp_num_layers or 0)  # multi-token prediction: each depth's hidden and logits, and
         total += depths * (e * shard + e * s * b * h + (e + (4 if e != 4 else 0)) * s * b * vocab)
-        if depths > 1:  # the objective's copy of a depth's logits; each depth's embeddings, norms and eh_proj input
-            total += e * s * b * vocab + (depths - 1) * (4 * e + 8) * shard
+        if depths > 1:  # the objective's copies of the depths' logits; each depth's embeddings, norms, eh_proj input
+            total += (depths - 1) * (e * s * b * vocab + (4 * e + 8) * shard)
     return total
 
 

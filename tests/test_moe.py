@@ -431,20 +431,22 @@ def test_load_hf_mixtral_trains_at_ep2_as_at_one_rank_evaluates_to_transformers_
     assert_ep2_evaluation_is_transformers_loss(path, hf, data, tmp_path)  # the imported model, experts over 2 ranks
 
 
-def assert_ep2_evaluation_is_transformers_loss(path, hf, data, tmp_path):
+def assert_ep2_evaluation_is_transformers_loss(path, hf, data, tmp_path, layouts=(("--expert-model-parallel-size", 2),)):
     """The HF model at `path` converted, evaluated by launch/evaluate.py with its experts split over 2
-    ranks: transformers' loss on the same windows, within 1e-5."""
+    ranks (or each of the 2-rank `layouts`): transformers' loss on the same windows, within 1e-5."""
     from hybrid.conversion.checkpoint_util import main as convert
     from tests.launch_helpers import read_log, run
     from tests.test_conversion import hf_windows_loss
     assert convert(["--loader", "hf", "--load-dir", str(path), "--save-dir", str(tmp_path / "hybrid"),
                     "--no-progress-bar"]) == 0
-    log = tmp_path / "eval.jsonl"
-    run("torchrun", 2, ["--load", tmp_path / "hybrid", "--data-path", data, "--seq-length", 32, "--micro-batch-size",
-                        2, "--eval-iters", 4, "--expert-model-parallel-size", 2, "--log-json", log],
-        script="launch/evaluate.py")
-    ours, want = read_log(log)[0]["lm_loss"], hf_windows_loss(hf, data, 32, 8)
-    assert abs(ours - want) <= 1e-5 * abs(want), (ours, want)
+    want = hf_windows_loss(hf, data, 32, 8)
+    for i, layout in enumerate(layouts):
+        log = tmp_path / f"eval{i}.jsonl"
+        run("torchrun", 2, ["--load", tmp_path / "hybrid", "--data-path", data, "--seq-length", 32,
+                            "--micro-batch-size", 2, "--eval-iters", 4, *layout, "--log-json", log],
+            script="launch/evaluate.py")
+        ours = read_log(log)[0]["lm_loss"]
+        assert abs(ours - want) <= 1e-5 * abs(want), (layout, ours, want)
 
 
 @pytest.mark.parametrize("extra,world,message", [
@@ -567,10 +569,18 @@ def test_frontier_moe_families_evaluate_to_transformers_loss_with_their_experts_
                                                                                                    tmp_path):
     """GLM-4.5 (partial rope, score-biased group-limited sigmoid routing, a shared expert, a dense first layer),
     DeepSeek-V3 (MLA, YaRN, the same MoE) and GPT-OSS (sinks, windows, biased experts, the clamped quick-GeGLU):
-    launch/evaluate.py at EP 2 gives transformers' loss on the same windows."""
+    launch/evaluate.py at EP 2, and at CP 2 (the ring; GPT-OSS's windows are refused there), gives transformers'
+    loss on the same windows."""
     from tests.hf_families import make_family
     hf = make_family(family, tmp_path / "hf", tokenizer=False)  # (its score biases random, as its norms)
-    assert_ep2_evaluation_is_transformers_loss(tmp_path / "hf", hf, data, tmp_path)
+    layouts = [("--expert-model-parallel-size", 2)] + ([] if family == "gpt_oss" else [("--context-parallel-size", 2)])
+    assert_ep2_evaluation_is_transformers_loss(tmp_path / "hf", hf, data, tmp_path, layouts)
+    if family == "gpt_oss":
+        from tests.launch_helpers import run
+        refused = run("torchrun", 2, ["--load", tmp_path / "hybrid", "--data-path", data, "--seq-length", 32,
+                                      "--eval-iters", 4, "--context-parallel-size", 2], script="launch/evaluate.py",
+                      check=False)
+        assert refused.returncode != 0 and "sliding window" in refused.stderr and "Traceback" not in refused.stderr
 
 
 @pytest.mark.parametrize("experts,k,groups,chosen,function", [(16, 4, 4, 2, "sigmoid"), (16, 6, 4, 2, "sigmoid"),

@@ -76,9 +76,9 @@ class LanguageModeling(Objective):
         if local == 1:
             return self.lm_loss.of_whole_sequences(logits, target, scale)
         # multi-token prediction (training): the decoder's logits, then depth k's against the labels k ahead
-        # (copies: the cross-entropy works in its logits' memory, which views of one tensor cannot give it)
+        # (the depths' copies first: the cross-entropy works in its logits' memory, the decoder's in the tensor's own)
         rows = logits.size(0) // local
-        depths = [logits.narrow(0, k * rows, rows).clone() for k in range(local)]
+        depths = [logits.narrow(0, 0, rows)] + [logits.narrow(0, k * rows, rows).clone() for k in range(1, local)]
         loss = self.lm_loss.of_whole_sequences(depths[0], target, scale)
         valid = (target != IGNORE_INDEX).sum()
         extra = 0.0
