@@ -253,6 +253,22 @@ def _yarn_of(hf, params: dict) -> dict:
 
 
 
+SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types (Gemma 3, GPT-OSS)
+
+
+def sliding_layers(hf, family: str) -> list:
+    """1 per windowed layer of transformers' `layer_types` (other kinds refused by name)."""
+    unknown = set(hf.layer_types) - {SLIDING, FULL}
+    if unknown:
+        _refuse(family, "layer_types", sorted(unknown), "only sliding_attention and full_attention layers exist")
+    return [int(kind == SLIDING) for kind in hf.layer_types]
+
+
+def layer_types(c: ModelConfig) -> list:
+    """transformers' `layer_types` of the model's windowed and full layers (ModelConfig.layer_window)."""
+    return [SLIDING if c.layer_window(i) is not None else FULL for i in range(c.num_layers)]
+
+
 def window_pattern(sliding: list):
     """Which layers attend through the window (1 per layer), as Megatron-LM's --window-attn-skip-freq writes it:
     N where every N-th layer (1-based) is the full one, else the list; None when every layer is windowed."""
@@ -516,31 +532,26 @@ class Gemma3Adapter(GemmaAdapter):
                  "model.layers.{}.pre_feedforward_layernorm.weight": "layers.{}.post_attention_norm.weight",
                  "model.layers.{}.post_feedforward_layernorm.weight": "layers.{}.mlp_output_norm.weight",
                  "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.dense.weight"}
-    SLIDING, FULL = "sliding_attention", "full_attention"
-
     @classmethod
     def _rope(cls, hf) -> tuple:
-        return _rope_of(hf, hf.rope_parameters[cls.FULL])
+        return _rope_of(hf, hf.rope_parameters[FULL])
 
     @classmethod
     def _window(cls, hf, name: str):
-        return int(hf.sliding_window) if cls.SLIDING in hf.layer_types else None
+        return int(hf.sliding_window) if SLIDING in hf.layer_types else None
 
     @classmethod
     def config_from_hf(cls, hf) -> ModelConfig:
         name = cls.hf_class.replace("ForCausalLM", "")
         if getattr(hf, "use_bidirectional_attention", False):
             _refuse(name, "use_bidirectional_attention", True, "attention here is causal")
-        unknown = set(hf.layer_types) - {cls.SLIDING, cls.FULL}
-        if unknown:
-            _refuse(name, "layer_types", sorted(unknown), "only sliding_attention and full_attention layers exist")
+        sliding = sliding_layers(hf, name)
         config = super().config_from_hf(hf)
-        sliding = [int(kind == cls.SLIDING) for kind in hf.layer_types]
         local_base = None
         if any(sliding):
-            local_base, local_scaling = _rope_of(hf, hf.rope_parameters[cls.SLIDING])
+            local_base, local_scaling = _rope_of(hf, hf.rope_parameters[SLIDING])
             if local_scaling and (local_scaling, local_base) != (config.rope_scaling, config.rotary_base):
-                _refuse(name, "rope_parameters.sliding_attention", hf.rope_parameters[cls.SLIDING],
+                _refuse(name, "rope_parameters.sliding_attention", hf.rope_parameters[SLIDING],
                         "the sliding layers' rope is unscaled here, or the full layers' own")
             if local_scaling:  # the full layers' rope on every layer
                 local_base = None
@@ -552,13 +563,13 @@ class Gemma3Adapter(GemmaAdapter):
 
     def family_fields(self):
         c = self.config
-        kinds = [self.SLIDING if c.layer_window(i) is not None else self.FULL for i in range(c.num_layers)]
+        kinds = layer_types(c)
         ropes = {}
         for i, kind in enumerate(kinds):  # each kind's rope, as the model computes it (ModelConfig.layer_rope)
             base, scaling = c.layer_rope(i)
             ropes[kind] = dict(scaling, rope_theta=base) if scaling else {"rope_type": "default", "rope_theta": base}
-        for kind in (self.SLIDING, self.FULL):  # a kind no layer has: the other's
-            ropes.setdefault(kind, ropes[self.FULL if kind == self.SLIDING else self.SLIDING])
+        for kind in (SLIDING, FULL):  # a kind no layer has: the other's
+            ropes.setdefault(kind, ropes[FULL if kind == SLIDING else SLIDING])
         return dict(super().family_fields(), layer_types=kinds, sliding_window=c.sliding_window or 4096,
                     rope_parameters=ropes, query_pre_attn_scalar=self._pre_attn_scalar())
 
@@ -977,7 +988,6 @@ class GptOssAdapter(LlamaAdapter):
     REFUSED_BIASES = ("mlp_bias",)
     LAYER_MAP = dict(LlamaAdapter.LAYER_MAP, **{"model.layers.{}.self_attn.o_proj.bias": "layers.{}.attention.dense.bias",
                                                 "model.layers.{}.self_attn.sinks": "layers.{}.attention.sinks"})
-    SLIDING, FULL = "sliding_attention", "full_attention"
 
     @classmethod
     def config_from_hf(cls, hf):
@@ -986,11 +996,8 @@ class GptOssAdapter(LlamaAdapter):
             _refuse(name, "swiglu_alpha", hf.swiglu_alpha, "the quick-GeGLU's alpha is 1.702 (megatron-core's)")
         if not hf.attention_bias:
             _refuse(name, "attention_bias", False, "GPT-OSS's attention has biases here (--add-bias-linear)")
-        unknown = set(hf.layer_types) - {cls.SLIDING, cls.FULL}
-        if unknown:
-            _refuse(name, "layer_types", sorted(unknown), "only sliding_attention and full_attention layers exist")
+        sliding = sliding_layers(hf, name)
         config = super().config_from_hf(hf)
-        sliding = [int(kind == cls.SLIDING) for kind in hf.layer_types]
         return _replace(config, swiglu=False, quick_geglu=True, glu_linear_offset=1.0,
                         activation_func_clamp_value=float(hf.swiglu_limit), add_bias_linear=True, add_qkv_bias=False,
                         attention_sinks=True, num_experts=hf.num_local_experts, moe_router_topk=hf.num_experts_per_tok,
@@ -1027,7 +1034,7 @@ class GptOssAdapter(LlamaAdapter):
 
     def family_fields(self):
         c = self.config
-        kinds = [self.SLIDING if c.layer_window(i) is not None else self.FULL for i in range(c.num_layers)]
+        kinds = layer_types(c)
         return dict(intermediate_size=c.moe_ffn_hidden_size, num_local_experts=c.num_experts,
                     num_experts_per_tok=c.moe_router_topk, sliding_window=c.sliding_window or 128, layer_types=kinds,
                     attention_bias=True, swiglu_limit=c.activation_func_clamp_value, swiglu_alpha=1.702)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hybrid.model.init import normal_init, vocab_rows_init
 from hybrid.parallel import mappings as M
 from hybrid.parallel.groups import as_groups
-from hybrid.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_matmul
+from hybrid.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_matmul, local_rows_lookup
 from hybrid.parallel.random import fork_tp_rng
 
 
@@ -74,13 +74,7 @@ def embed_with(table, input_ids, config, groups, training: bool):
     """Embedding's word embeddings (rope models: no position table) through `table`, this TP rank's rows of the
     vocabulary (the last stage's copy of the word embeddings: hybrid.model.virtual_stages)."""
     groups = as_groups(groups)
-    ids = input_ids.t()
-    if groups.tp_size > 1:
-        local = ids - groups.tp_rank * table.size(0)
-        outside = (local < 0) | (local >= table.size(0))
-        out = F.embedding(local.masked_fill(outside, 0), table).masked_fill(outside.unsqueeze(-1), 0.0)
-    else:
-        out = F.embedding(ids, table)
+    out = local_rows_lookup(input_ids.t(), table, groups.tp_rank * table.size(0), groups.tp_size)
     hidden = _scaled(M.reduce_from_tp_region(out, groups.tp_group), config)
     return _embedding_out(hidden, config, groups.tp_group, training)
 

@@ -74,6 +74,16 @@ def mark_tensor_parallel(param: torch.Tensor, dim: int, stride: int = 1) -> None
     param.partition_stride = stride
 
 
+def local_rows_lookup(ids: torch.Tensor, table: torch.Tensor, vocab_start: int, tp_size: int) -> torch.Tensor:
+    """The embeddings of `ids` from this TP rank's vocabulary rows `table` (the rows from `vocab_start`): zeros for
+    the ids other ranks hold (their sum over TP is the whole lookup)."""
+    if tp_size == 1:
+        return F.embedding(ids, table)
+    local_ids = ids - vocab_start
+    outside = (local_ids < 0) | (local_ids >= table.size(0))
+    return F.embedding(local_ids.masked_fill(outside, 0), table).masked_fill(outside.unsqueeze(-1), 0.0)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose vocabulary rows are split over TP ranks.
 
@@ -99,13 +109,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.vocab_padded = True  # rows are the vocabulary (padded per TP degree by the model)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.groups.tp_size > 1:
-            local_ids = ids - self.vocab_start
-            outside = (local_ids < 0) | (local_ids >= self.rows_per_rank)
-            local_ids = local_ids.masked_fill(outside, 0)
-            out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        else:
-            out = F.embedding(ids, self.weight)
+        out = local_rows_lookup(ids, self.weight, self.vocab_start, self.groups.tp_size)
         if self.reduce_scatter_embeddings:
             return M.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         return M.reduce_from_tp_region(out, self.tp_group)
