@@ -60,6 +60,8 @@ def run(launcher: str, nproc: int, flags: list[str], script: str = "launch/train
     process memory) pass `launch=True`, as do the `deepspeed` and `accelerate` launchers."""
     argv = [str(f) for f in flags]
     if launch or launcher in ("deepspeed", "accelerate") or script not in IN_PROCESS or os.environ.get(REAL_LAUNCHES):
+        from tests.rank_pool import build_deepspeed_cpu_ops
+        build_deepspeed_cpu_ops()
         proc = subprocess.run(command(launcher, nproc, script) + argv, cwd=ROOT, env=env(), capture_output=True,
                               text=True, timeout=timeout)
     else:

@@ -129,6 +129,24 @@ class RankPool:
 
 _POOLS: dict[int, RankPool] = {}
 
+# DeepSpeed's CPU ops, JIT-built (torch.utils.cpp_extension) the first time a run needs them: about 95 s on 2 cores
+# from nothing, and again whenever the interpreter's headers move (each fresh CI venv). Built here, once per
+# session, in the test process and with no deadline, before any pool rank or launched run could: a rank killed
+# by its test's timeout while it held cpp_extension's build lock left the lock behind, and every later run that
+# needed the op then waited on it until its own timeout (one CI run spent its 90 minutes that way).
+DEEPSPEED_CPU_OPS = ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder")
+_OPS_BUILT = False
+
+
+def build_deepspeed_cpu_ops() -> None:
+    global _OPS_BUILT
+    if _OPS_BUILT:
+        return
+    from deepspeed.accelerator import get_accelerator
+    for name in DEEPSPEED_CPU_OPS:
+        get_accelerator().create_op_builder(name).load(verbose=False)
+    _OPS_BUILT = True
+
 
 def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 300,
                  failed: Optional[Callable[[Any], bool]] = None, partial: bool = False, **kwargs) -> list[Any]:
@@ -139,6 +157,7 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 300,
     """
     pool = _POOLS.get(world_size)
     if pool is None or not all(p.is_alive() for p in pool.procs):
+        build_deepspeed_cpu_ops()
         pool = _POOLS[world_size] = RankPool(world_size)
     return pool.run(fn, args, kwargs, timeout, failed=failed, partial=partial)
 
