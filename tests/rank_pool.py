@@ -135,6 +135,7 @@ _POOLS: dict[int, RankPool] = {}
 # by its test's timeout while it held cpp_extension's build lock left the lock behind, and every later run that
 # needed the op then waited on it until its own timeout (one CI run spent its 90 minutes that way).
 DEEPSPEED_CPU_OPS = ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder")
+STALE_LOCK_SECONDS = 600  # a build takes under 2 minutes: a lock this old was left by a killed process
 _OPS_BUILT = False
 
 
@@ -143,8 +144,15 @@ def build_deepspeed_cpu_ops() -> None:
     if _OPS_BUILT:
         return
     from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory
     for name in DEEPSPEED_CPU_OPS:
-        get_accelerator().create_op_builder(name).load(verbose=False)
+        builder = get_accelerator().create_op_builder(name)
+        lock = os.path.join(_get_build_directory(builder.name, verbose=False), "lock")
+        if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > STALE_LOCK_SECONDS:
+            print(f"removing {lock}, left by a process killed while it built {builder.name} (cpp_extension would wait "
+                  f"on it forever)")
+            os.remove(lock)
+        builder.load(verbose=False)
     _OPS_BUILT = True
 
 

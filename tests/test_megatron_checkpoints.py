@@ -7,6 +7,7 @@ and what --saver megatron writes (both formats) loads in megatron-core with ever
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -202,7 +203,7 @@ def test_moe_parts_read_only_the_ranks_experts(qwen2_moe, safe_torch_load):
     source = open_megatron(os.path.join(qwen2_moe, "torch_dist"))
     config = source.config()
     whole = source.state(config)
-    mine = {expert_name(layer, e, fc) for layer in range(config.num_layers) for e in (2, 3) for fc in ("fc1", "fc2")}
+    mine = {expert_name(f"layers.{layer}.", e, fc) for layer in range(config.num_layers) for e in (2, 3) for fc in ("fc1", "fc2")}
     read = {}
     for part in source.parts(config, mine):
         read.update(part)
@@ -658,21 +659,101 @@ def test_a_gemma3_model_is_refused_as_a_megatron_checkpoint_before_anything_is_w
     assert args.window_attn_skip_freq == [1, 1, 0, 1] and args.window_size == (7, 0)
 
 
-def test_mla_and_mtp_models_are_refused_as_megatron_checkpoints_in_and_out(tmp_path):
-    """Megatron-LM's MLA and MTP weights are not mapped yet: reading one (its args are read: DeepSeek's scripts)
-    and writing one are each one message pointing to the HF route, and nothing is written."""
+def _hybrid_model(directory: str):
+    """hybrid's one-rank model (training mode, where the MTP layers run; dropout off) holding a Megatron checkpoint's
+    weights, read as conversion reads them."""
+    from hybrid.conversion.megatron import open_megatron, whole_state
+    from hybrid.model.gpt import GPTModel
+    from hybrid.parallel.groups import ParallelGroups
+    ckpt = open_megatron(directory)
+    config = dataclasses.replace(ckpt.config(), hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(config, ParallelGroups.single()).train()
+    model.load_state_dict(whole_state(ckpt, config), strict=True)
+    return model
+
+
+@pytest.mark.slow
+def test_a_deepseek_v3_style_model_with_mla_and_mtp_exports_with_megatron_core_logits_and_round_trips(tmp_path):
+    """megatron-core's GPTModel with MLA (a low-rank query, the latent norms, a value head of its own size, YaRN with
+    mscale_all_dim, DeepSeek's rope rows), GLM-4.5's DeepSeek MoE and two MTP depths, at TP 2 + SP: its torch_dist
+    (the local spec's names) and the legacy files with Transformer Engine's names (latent norms fused into the up
+    projections, the down projections whole on each rank) export to transformers' DeepseekV3ForCausalLM with
+    megatron-core's logits, and hybrid's model holding them has megatron-core's loss at each MTP depth (the one its
+    training forward logs); --saver megatron writes TE's legacy files at TP 2 and torch_dist, which megatron-core
+    loads with every tensor equal (the MTP layers' too), and the local spec's legacy files at TP 2 x PP 2 (the down
+    projections split over TP, the MTP layers on the last stage), which read back to the same logits and losses."""
+    out = str(tmp_path / "ref")
+    _reference(out, "deepseek_v3")
+    ref = torch.load(os.path.join(out, "reference.pt"), weights_only=False)
+    assert ref["mtp_losses"].shape == (2,)
+
+    def read_back(directory: str, hf_dir: str) -> None:
+        import torch.nn.functional as F
+        _export_matches(directory, out, hf_dir)
+        model = _hybrid_model(directory)
+        ids, labels, s = ref["tokens"], ref["labels"], ref["tokens"].size(1)
+        logits = model(ids, stage=0)[..., :ref["logits"].size(-1)]  # [3 s, b, V]: the decoder's, depth 1's, 2's
+        for k in (1, 2):  # megatron-core's: labels shifted k more, the last k positions masked
+            got = F.cross_entropy(logits[k * s:(k + 1) * s].transpose(0, 1)[:, :s - k].reshape(-1, logits.size(-1)),
+                                  labels[:, k:].reshape(-1))
+            assert abs(got.item() - ref["mtp_losses"][k - 1].item()) < 1e-5, (k, got, ref["mtp_losses"])
+    for fmt in ("torch_dist", "torch"):
+        read_back(os.path.join(out, fmt), str(tmp_path / f"hf_{fmt}"))
+    assert json.load(open(tmp_path / "hf_torch" / "config.json"))["architectures"] == ["DeepseekV3ForCausalLM"]
+    for fmt, tp in (("torch", 2), ("torch_dist", 1)):
+        proc = _convert("--loader", "megatron", "--saver", "megatron", "--load-dir", os.path.join(out, "torch_dist"),
+                        "--save-dir", tmp_path / f"back_{fmt}", "--target-tensor-parallel-size", tp, "--ckpt-format", fmt)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        check = _check_in_megatron_core(out, "deepseek_v3", str(tmp_path / f"back_{fmt}"), fmt, tmp_path / fmt)
+        assert any(key.endswith("linear_kv_down_proj.weight") for key in check["keys"])
+        assert any(key.startswith("mtp.layers.1.transformer_layer.mlp.experts") for key in check["keys"])
+        assert all(diff == 0.0 for rank in check["diffs"] for diff in rank.values()), check["diffs"]
+    proc = _convert("--loader", "megatron", "--saver", "megatron", "--load-dir", os.path.join(out, "torch"),
+                    "--save-dir", tmp_path / "local" / "ckpt", "--target-tensor-parallel-size", 2,
+                    "--target-pipeline-parallel-size", 2, "--ckpt-format", "torch", "--saver-transformer-impl", "local")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = torch.load(tmp_path / "local" / "ckpt" / f"iter_{ITERATION:07d}" / "mp_rank_01_001" / "model_optim_rng.pt",
+                      weights_only=True)["model"]
+    assert last["decoder.layers.0.self_attention.linear_kv_down_proj.weight"].shape[0] == (16 + 8) // 2
+    assert "mtp.layers.1.eh_proj.weight" in last
+    read_back(str(tmp_path / "local" / "ckpt"), str(tmp_path / "hf_local"))
+
+
+YARNS = [  # (multi-latent attention, rope_scaling): each as Megatron-LM's args say it
+    (True, {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+            "mscale": 1.0, "mscale_all_dim": 1.0}),  # DeepSeek-V3's
+    (True, {"factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}),
+    (False, {"factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+             "truncate": False}),  # GPT-OSS's
+    (False, {"factor": 8.0, "original_max_position_embeddings": 2048, "beta_fast": 16.0, "beta_slow": 2.0,
+             "attention_factor": 1.3}),
+    (False, {"factor": 2.0, "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
+             "mscale": 0.7, "mscale_all_dim": 0.5}),
+]
+
+
+@pytest.mark.parametrize("mla,yarn", YARNS)
+def test_a_yarn_rope_is_written_as_megatron_args_that_read_back_to_it(mla, yarn):
+    """--saver megatron's args for a YaRN rope (MLA's --rope-type yarn, else --position-embedding-type yarn and the
+    --yarn-* arguments) read back, through the reader Megatron-LM checkpoints go through, to the same rope; MLA's
+    YaRN, whose original context and betas no argument sets, is refused where they differ from megatron-core's."""
     from hybrid.checkpoint.client_state import ClientState
-    from hybrid.conversion.megatron import stream_parts
-    from hybrid.conversion.megatron_write import write_megatron
+    from hybrid.conversion.megatron import config_from_args
+    from hybrid.conversion.megatron_write import megatron_args
     from hybrid.errors import ConfigError
     from hybrid.model.config import ModelConfig
-    common = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, position_embedding_type="rope",
-                  normalization="RMSNorm", swiglu=True, add_bias_linear=False)
-    for config, what in ((ModelConfig(**common, multi_latent_attention=True, qk_layernorm=True, kv_lora_rank=8,
-                                      qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8), "multi-latent attention"),
-                         (ModelConfig(**common, mtp_num_layers=1), "multi-token prediction layers")):
-        with pytest.raises(ConfigError, match=f"{what}.*--loader hf"):
-            next(iter(stream_parts(None, config, None, "ckpt")))
-        with pytest.raises(ConfigError, match=f"{what}.*--saver hf"):
-            write_megatron({}, config, 1, 1, str(tmp_path / "out"), ClientState(iteration=1, consumed_samples=8))
-        assert not (tmp_path / "out").exists()
+    mla_fields = dict(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=8, kv_lora_rank=8, qk_head_dim=8,
+                      qk_pos_emb_head_dim=4, v_head_dim=8) if mla else {}
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                         position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                         rope_scaling=dict(yarn, rope_type="yarn"), **mla_fields)
+    back = config_from_args(megatron_args(config, 1, 1, ClientState(iteration=1, consumed_samples=8)))
+    assert back.rope_scaling.keys() == config.rope_scaling.keys()
+    for key, value in config.rope_scaling.items():
+        assert back.rope_scaling[key] == pytest.approx(value, rel=1e-12) if isinstance(value, float) else \
+            back.rope_scaling[key] == value, key
+    assert back.attention_scale == pytest.approx(config.attention_scale, rel=1e-12)
+    if mla:
+        odd = dataclasses.replace(config, rope_scaling=dict(config.rope_scaling, original_max_position_embeddings=8192))
+        with pytest.raises(ConfigError, match="original context 4096"):
+            megatron_args(odd, 1, 1, ClientState(iteration=1, consumed_samples=8))

@@ -909,6 +909,32 @@ def permute_rope_rows(t: torch.Tensor, block: int, pos: int, to_halves: bool) ->
     return blocks[:, order].reshape(t.shape).contiguous()
 
 
+HF_LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3Attention builds q_a_layernorm / kv_a_layernorm with its default eps
+
+
+def mla_rope_blocks(config: ModelConfig) -> dict:
+    """MLA's projections whose rows make rope features (canonical names inside a layer) -> the size of their row
+    blocks, the rope features last in each: a head of the query, the whole kv down projection (latent, then the
+    shared rope key)."""
+    head = config.qk_head_dim + config.qk_pos_emb_head_dim
+    return {"attention.q.weight": head, "attention.q_up.weight": head,
+            "attention.kv_down.weight": config.kv_lora_rank + config.qk_pos_emb_head_dim}
+
+
+def deepseek_rope_rows(state: dict, config: ModelConfig, to_halves: bool) -> dict:
+    """`state` (canonical names) with MLA's rope rows permuted from DeepSeek's interleaved order, which HF's
+    DeepSeek-V3 checkpoints and megatron-core's MLA keep, to the halves hybrid rotates (`to_halves`), or back;
+    unchanged without MLA. Optimizer moments are permuted as their parameters."""
+    if not config.multi_latent_attention:
+        return state
+    blocks = mla_rope_blocks(config)
+    out = {}
+    for name, t in state.items():
+        block = next((size for rest, size in blocks.items() if name.endswith("." + rest)), None)
+        out[name] = t if block is None else permute_rope_rows(t, block, config.qk_pos_emb_head_dim, to_halves)
+    return out
+
+
 class DeepseekV3Adapter(_StoredMTP, _DeepSeekMoE, LlamaAdapter):
     family, hf_class, config_class = "deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config"
     options = ("Llama's (yarn rope included), multi-head latent attention (--multi-latent-attention: `q_lora_rank` "
@@ -931,6 +957,10 @@ class DeepseekV3Adapter(_StoredMTP, _DeepSeekMoE, LlamaAdapter):
             _refuse(name, "rope_interleave", False, "DeepSeek's rope features are read in their interleaved order")
         if (hf.num_key_value_heads or hf.num_attention_heads) != hf.num_attention_heads:
             _refuse(name, "num_key_value_heads", hf.num_key_value_heads, "MLA has a key and value per head")
+        if float(hf.rms_norm_eps) != HF_LATENT_NORM_EPS:
+            _refuse(name, "rms_norm_eps", hf.rms_norm_eps, f"transformers' DeepseekV3 computes its latent norms with eps "
+                    f"{HF_LATENT_NORM_EPS} whatever rms_norm_eps says, hybrid's MLA (as megatron-core's) with the "
+                    f"model's one epsilon")
         return _replace(super().config_from_hf(hf), multi_latent_attention=True, kv_channels=None, qk_layernorm=True,
                         num_query_groups=hf.num_attention_heads, q_lora_rank=hf.q_lora_rank,
                         kv_lora_rank=hf.kv_lora_rank, qk_head_dim=hf.qk_nope_head_dim,
@@ -940,6 +970,10 @@ class DeepseekV3Adapter(_StoredMTP, _DeepSeekMoE, LlamaAdapter):
         super().check_exportable()
         if not self.config.multi_latent_attention:
             raise ConfigError(f"exporting to {self.hf_class} needs --multi-latent-attention.")
+        if self.config.norm_epsilon != HF_LATENT_NORM_EPS:
+            raise ConfigError(f"exporting to {self.hf_class} needs --norm-epsilon {HF_LATENT_NORM_EPS} (the model's is "
+                              f"{self.config.norm_epsilon}): transformers computes the latent norms with eps "
+                              f"{HF_LATENT_NORM_EPS} whatever rms_norm_eps says, so the export would be another model.")
 
     def family_fields(self):
         c = self.config
@@ -949,32 +983,31 @@ class DeepseekV3Adapter(_StoredMTP, _DeepSeekMoE, LlamaAdapter):
                     head_dim=c.qk_pos_emb_head_dim)  # (its rope's, there)
 
     def _mla_tensors(self, i: int) -> dict:
-        """HF name -> (canonical name, shape, rope block or None) of layer i's MLA projections and norms."""
+        """HF name -> (canonical name, shape) of layer i's MLA projections and norms."""
         c = self.config
         p, ours = f"model.layers.{i}.self_attn.", f"layers.{i}.attention."
         n, h, d, kv, pos = c.num_attention_heads, c.hidden_size, c.head_dim, c.kv_lora_rank, c.qk_pos_emb_head_dim
         if c.q_lora_rank is None:
-            tensors = {p + "q_proj.weight": (ours + "q.weight", (n * d, h), d)}
+            tensors = {p + "q_proj.weight": (ours + "q.weight", (n * d, h))}
         else:
             r = c.q_lora_rank
-            tensors = {p + "q_a_proj.weight": (ours + "q_down.weight", (r, h), None),
-                       p + "q_a_layernorm.weight": (ours + "q_down_norm.weight", (r,), None),
-                       p + "q_b_proj.weight": (ours + "q_up.weight", (n * d, r), d)}
+            tensors = {p + "q_a_proj.weight": (ours + "q_down.weight", (r, h)),
+                       p + "q_a_layernorm.weight": (ours + "q_down_norm.weight", (r,)),
+                       p + "q_b_proj.weight": (ours + "q_up.weight", (n * d, r))}
         return dict(tensors, **{
-            p + "kv_a_proj_with_mqa.weight": (ours + "kv_down.weight", (kv + pos, h), kv + pos),
-            p + "kv_a_layernorm.weight": (ours + "kv_down_norm.weight", (kv,), None),
-            p + "kv_b_proj.weight": (ours + "kv_up.weight", (n * (c.qk_head_dim + c.v_head_dim), kv), None)})
+            p + "kv_a_proj_with_mqa.weight": (ours + "kv_down.weight", (kv + pos, h)),
+            p + "kv_a_layernorm.weight": (ours + "kv_down_norm.weight", (kv,)),
+            p + "kv_b_proj.weight": (ours + "kv_up.weight", (n * (c.qk_head_dim + c.v_head_dim), kv))})
 
     def attention_to_canonical(self, hf_state, i, out):
-        pos = self.config.qk_pos_emb_head_dim
-        for hf_name, (name, shape, block) in self._mla_tensors(i).items():
-            t = expect(hf_name, get(hf_state, hf_name), shape)
-            out[name] = t if block is None else permute_rope_rows(t, block, pos, to_halves=True)
+        read = {name: expect(hf_name, get(hf_state, hf_name), shape)
+                for hf_name, (name, shape) in self._mla_tensors(i).items()}
+        out.update(deepseek_rope_rows(read, self.config, to_halves=True))
 
     def attention_to_hf(self, state, i, out):
-        pos = self.config.qk_pos_emb_head_dim
-        for hf_name, (name, _, block) in self._mla_tensors(i).items():
-            out[hf_name] = state[name] if block is None else permute_rope_rows(state[name], block, pos, to_halves=False)
+        ours = deepseek_rope_rows({name: state[name] for name, _ in self._mla_tensors(i).values()}, self.config,
+                                  to_halves=False)
+        out.update({hf_name: ours[name] for hf_name, (name, _) in self._mla_tensors(i).items()})
 
 
 class GptOssAdapter(LlamaAdapter):

@@ -15,10 +15,15 @@ rows only), and in the legacy files (one per TP x PP x EP rank) SequentialMLP's
 the legacy GroupedMLP's `mlp.experts.weight1/weight2` ([h, experts x f] / [experts x f, h]); the router, its
 expert bias (hybrid's score bias), and shared experts with their gate.
 
+Multi-latent attention (MLA_LAYER_NAMES): the local spec's names and Transformer Engine's (the latent norms fused
+into the up projections), the down projections whole on each TP rank (TE) or split over TP (the local spec); its
+rope rows are in DeepSeek's interleaved order, as in HF's DeepSeek-V3 (hybrid.conversion.families.deepseek_rope_rows).
+Multi-token prediction layers: `mtp.layers.{k}.` (MTP_NAMES, and `transformer_layer.` + a layer's names), on the
+last pipeline stage.
+
 What is refused, by name: pre-megatron-core layouts (`language_model.`), the options hybrid's model does
-not compute (erf GeLU, partial or interleaved rotary, squared ReLU, multi-latent attention, grouped or
-jittered routing, Sinkhorn balancing), and in the legacy format uneven or virtual pipeline splits and an
-expert TP other than TP.
+not compute (erf GeLU, interleaved rotary, squared ReLU, jittered routing, Sinkhorn balancing), and in the legacy
+format uneven or virtual pipeline splits and an expert TP other than TP.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import math
 import os
 import re
 from typing import Iterator, Optional
@@ -40,7 +46,7 @@ from hybrid.model.naming import EXPERTS, buffer_names
 
 RELEASE = "release"  # Megatron-LM's name for a checkpoint without an iteration
 LEGACY_FILE = "model_optim_rng.pt"
-MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 
 # inside decoder.layers.{i}.: Megatron's names (local spec, and Transformer Engine's fused norm + linear) -> ours
 LAYER_NAMES = {
@@ -65,6 +71,24 @@ LAYER_NAMES = {
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_mlp.fc2.weight",
     "mlp.shared_experts.gate_weight": "mlp.shared_gate",
 }
+# multi-latent attention's (hybrid.model.mla), over LAYER_NAMES when the args say --multi-latent-attention: the latent
+# norms are what megatron-core's q_layernorm / kv_layernorm are then (the local spec), which Transformer Engine fuses
+# into the up projections; the down projections are split over TP by the local spec, whole on every rank with TE
+MLA_LAYER_NAMES = {
+    "self_attention.linear_q_proj.weight": "attention.q.weight",
+    "self_attention.linear_q_down_proj.weight": "attention.q_down.weight",
+    "self_attention.linear_q_up_proj.weight": "attention.q_up.weight",
+    "self_attention.linear_kv_down_proj.weight": "attention.kv_down.weight",
+    "self_attention.linear_kv_up_proj.weight": "attention.kv_up.weight",
+    **{f"self_attention.{norm}_layernorm.{field}": f"attention.{norm}_down_norm.{field}"
+       for norm in ("q", "kv") for field in ("weight", "bias")},
+    **{f"self_attention.linear_{norm}_up_proj.layer_norm_{field}": f"attention.{norm}_down_norm.{field}"
+       for norm in ("q", "kv") for field in ("weight", "bias")},
+}
+MLA_NORM_NAMES = {"local": {"q_down_norm": "self_attention.q_layernorm.", "kv_down_norm": "self_attention.kv_layernorm."},
+                  "transformer_engine": {"q_down_norm": "self_attention.linear_q_up_proj.layer_norm_",
+                                         "kv_down_norm": "self_attention.linear_kv_up_proj.layer_norm_"}}
+MLA_DOWN = ("attention.q_down.weight", "attention.kv_down.weight")  # (canonical, inside a layer)
 BUFFERS = ("mlp.router.score_bias",)  # canonical names (inside a layer) of state that is not a parameter
 GLOBAL_NAMES = {
     "embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
@@ -79,6 +103,13 @@ NORM_NAMES = {
                            "post_attention_norm": "mlp.linear_fc1.layer_norm_"},
 }
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# multi-token prediction (megatron-core's MultiTokenPredictionLayer, on the last stage): mtp.layers.{k}. + its norms
+# and projection (MTP_NAMES), or transformer_layer. + a layer's names; ours: hybrid.model.mtp's mtp.{k}.
+_MTP_KEY = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+MTP_LAYER = "transformer_layer."
+MTP_NAMES = {f"{theirs}.{field}": f"{ours}.{field}" for theirs, ours in (
+    ("enorm", "enorm"), ("hnorm", "hnorm"), ("final_layernorm", "final_norm")) for field in ("weight", "bias")}
+MTP_NAMES["eh_proj.weight"] = "eh_proj.weight"
 # experts inside decoder.layers.{i}. (group 1: the expert index, local or global as the spelling has it)
 EXPERT_KEYS = {
     "sequential": re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_(fc[12])\.weight$"),  # local index
@@ -88,42 +119,69 @@ EXPERT_KEYS = {
 }
 
 
-def megatron_layer_key(canonical_rest: str, spelling: str) -> str:
+def megatron_layer_key(canonical_rest: str, spelling: str, mla: bool = False, moe: bool = False) -> str:
     """The name inside decoder.layers.{i}. of one of our layer parameters (`attention.qkv.weight`, ...), the
-    norms spelled as `spelling` (local | transformer_engine) names them."""
+    norms spelled as `spelling` (local | transformer_engine) names them. A norm with no linear layer after it to fuse
+    into stays a norm of its own (Transformer Engine's TENorm): an MoE layer's before its router, and with
+    multi-latent attention the input norm."""
     module, _, field = canonical_rest.partition(".")
-    if module in NORM_NAMES[spelling]:
+    if moe and module == "post_attention_norm":
+        return "pre_mlp_layernorm." + field
+    if module in NORM_NAMES[spelling] and not (mla and module == "input_norm"):
         return NORM_NAMES[spelling][module] + field
-    return _UNNORMED[canonical_rest]
+    if mla and module == "attention" and field.partition(".")[0] in MLA_NORM_NAMES[spelling]:
+        norm, _, field = field.partition(".")
+        return MLA_NORM_NAMES[spelling][norm] + field
+    return (_MLA_UNNORMED if mla and canonical_rest in _MLA_UNNORMED else _UNNORMED)[canonical_rest]
 
 
 _UNNORMED = {ours: theirs for theirs, ours in LAYER_NAMES.items() if not ours.startswith(tuple(NORM_NAMES["local"]))}
+_UNNORMED["input_norm.weight"], _UNNORMED["input_norm.bias"] = "input_layernorm.weight", "input_layernorm.bias"
+_MLA_UNNORMED = {ours: theirs for theirs, ours in MLA_LAYER_NAMES.items() if "norm" not in ours}
 
 
 def megatron_global_key(name: str) -> str:
     return {ours: theirs for theirs, ours in GLOBAL_NAMES.items()}[name]
 
 
-def expert_name(layer: int, expert: int, fc: str) -> str:
-    """Our canonical name of one expert's fc1 / fc2 weight (the expert's global index)."""
-    return f"layers.{layer}.mlp{EXPERTS}{expert}.{fc}.weight"
+def expert_name(scope: str, expert: int, fc: str) -> str:
+    """Our canonical name of one expert's fc1 / fc2 weight (the expert's global index) in a layer (`scope`: its
+    canonical prefix, `layers.{i}.` or an MTP layer's `mtp.{k}.layer.`)."""
+    return f"{scope}mlp{EXPERTS}{expert}.{fc}.weight"
+
+
+def layer_scope(key: str, layer_offset: int = 0) -> Optional[tuple]:
+    """(our prefix, the name inside the layer) of a Megatron key inside a transformer layer: a decoder layer's
+    (its number + `layer_offset`) or an MTP layer's; None for other keys."""
+    match = _LAYER_KEY.match(key)
+    if match:
+        return f"layers.{int(match.group(1)) + layer_offset}.", match.group(2)
+    match = _MTP_KEY.match(key)
+    if match and match.group(2).startswith(MTP_LAYER):
+        return f"mtp.{match.group(1)}.layer.", match.group(2)[len(MTP_LAYER):]
+    return None
 
 
 def is_buffer(name: str) -> bool:
-    return name.startswith("layers.") and name.split(".", 2)[2] in BUFFERS
+    return any(name.endswith("." + buffer) for buffer in BUFFERS)
 
 
-def canonical_of(key: str, layer_offset: int = 0) -> Optional[str]:
-    """Our canonical name of a Megatron model key (its layer number + `layer_offset`); None for state
-    that is not a weight (`_extra_state`, the router's token counts); an error for a weight hybrid does not
-    know. Expert weights are named by the readers (hybrid.conversion.megatron._expert_tensors)."""
+def canonical_of(key: str, layer_offset: int = 0, mla: bool = False) -> Optional[str]:
+    """Our canonical name of a Megatron model key (its layer number + `layer_offset`; `mla`: the checkpoint's model
+    has multi-latent attention); None for state that is not a weight (`_extra_state`, the router's token counts); an
+    error for a weight hybrid does not know. Expert weights are named by the readers
+    (hybrid.conversion.megatron._expert_tensors)."""
     if "_extra_state" in key or key.endswith("router.local_tokens_per_expert"):
         return None
     if key in GLOBAL_NAMES:
         return GLOBAL_NAMES[key]
-    match = _LAYER_KEY.match(key)
-    if match and match.group(2) in LAYER_NAMES:
-        return f"layers.{int(match.group(1)) + layer_offset}.{LAYER_NAMES[match.group(2)]}"
+    scope = layer_scope(key, layer_offset)
+    names = {**LAYER_NAMES, **MLA_LAYER_NAMES} if mla else LAYER_NAMES
+    if scope and scope[1] in names:
+        return scope[0] + names[scope[1]]
+    match = _MTP_KEY.match(key)
+    if match and match.group(2) in MTP_NAMES:
+        return f"mtp.{match.group(1)}.{MTP_NAMES[match.group(2)]}"
     raise ConfigError(f"Megatron checkpoint key {key!r} is not one hybrid reads (see hybrid/conversion/"
                       f"megatron.py for the names it maps); the model has a part hybrid's does not.")
 
@@ -211,12 +269,6 @@ class MegatronCheckpoint(MegatronSource):
         return stream_parts(reader, config, wanted, self.directory)
 
 
-def mla_or_mtp(config: ModelConfig) -> str:
-    """What of the model Megatron-LM checkpoints are not read or written with (empty when nothing)."""
-    return " and ".join(what for what, on in (("multi-latent attention", config.multi_latent_attention),
-                                               ("multi-token prediction layers", bool(config.mtp_num_layers))) if on)
-
-
 def _stores_own_head(ckpt: "MegatronCheckpoint") -> bool:
     """Whether a checkpoint whose args do not say if the output layer is tied holds a head of its own: megatron-core
     saves no output layer for a tied model at PP 1 (torch_dist: never), and on a later stage the tied copy equals
@@ -236,11 +288,7 @@ def stream_parts(reader, config: ModelConfig, wanted: Optional[set], directory: 
     """A reader's parts (`reader.part(layer, config, wanted)`: -1 for the tensors outside the layers), of
     `wanted` only (default: every parameter), vocabulary rows cut to config.vocab_size; an error naming what
     the checkpoint lacks."""
-    unread = mla_or_mtp(config)
-    if unread:
-        raise ConfigError(f"{directory}: the checkpoint's model has {unread}, whose weights hybrid does not read from "
-                          f"Megatron-LM checkpoints yet (its model and HF's DeepSeek-V3 have them); convert it to "
-                          f"HuggingFace with Megatron-LM's or Megatron-Bridge's tools, then use --loader hf.")
+    from hybrid.conversion.families import deepseek_rope_rows  # (families imports transformers: only when reading)
     expected = _expected(config)
     names = set(expected) | buffer_names(config)
     wanted = set(expected) if wanted is None else wanted & names
@@ -252,7 +300,7 @@ def stream_parts(reader, config: ModelConfig, wanted: Optional[set], directory: 
                 part[name] = tensor[: config.vocab_size]
         seen.update(part)
         if part:
-            yield part
+            yield deepseek_rope_rows(part, config, to_halves=True)  # (MLA's: megatron-core keeps DeepSeek's order)
     missing = sorted(wanted - seen)
     if missing:
         raise ConfigError(f"{directory}: the checkpoint lacks {missing[:5]}; its args describe another model than "
@@ -490,6 +538,40 @@ def _megatron_yarn(args: argparse.Namespace, mla: bool) -> Optional[dict]:
                         float(_arg(args, "yarn_beta_fast") or 32.0), float(_arg(args, "yarn_beta_slow") or 1.0),
                         float(_arg(args, "mscale", 1.0)), float(_arg(args, "mscale_all_dim", 0.0)),
                         True if round_to_int is None else bool(round_to_int))
+
+
+def megatron_rope_args(config: ModelConfig) -> dict:
+    """Megatron-LM's args for the model's YaRN rope (the inverse of _megatron_yarn: MLA's --rope-type yarn, else
+    --position-embedding-type yarn with the --yarn-* arguments), and MLA's --rope-type; {} for other ropes. An error
+    where Megatron-LM's arguments cannot say it (MLA's YaRN has a fixed original context and betas)."""
+    scaling = config.rope_scaling or {}
+    mla = config.multi_latent_attention
+    if scaling.get("rope_type") != "yarn":
+        return {"rope_type": "rope"} if mla else {}
+    factor = float(scaling["factor"])
+    if "mscale_all_dim" in scaling:
+        mscale, all_dim = float(scaling["mscale"]), float(scaling["mscale_all_dim"])
+    elif "attention_factor" in scaling and factor > 1:  # (yarn_mscale inverted)
+        mscale, all_dim = (float(scaling["attention_factor"]) - 1.0) / (0.1 * math.log(factor)), 0.0
+    else:
+        mscale, all_dim = 1.0, 0.0
+    args = dict(rotary_scaling_factor=factor, mscale=mscale, mscale_all_dim=all_dim)
+    if mla:
+        args["rope_type"] = "yarn"
+    else:
+        args.update(position_embedding_type="yarn",
+                    yarn_original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+                    yarn_beta_fast=float(scaling["beta_fast"]), yarn_beta_slow=float(scaling["beta_slow"]),
+                    yarn_correction_range_round_to_int=bool(scaling.get("truncate", True)))
+    back = _megatron_yarn(argparse.Namespace(**args), mla)
+    if set(back) != set(scaling) or any(not math.isclose(float(back[k]), float(scaling[k]), rel_tol=1e-12)
+                                        if isinstance(back[k], (int, float)) else back[k] != scaling[k] for k in back):
+        raise ConfigError(f"the model's YaRN rope {scaling} has no Megatron-LM arguments that say it (they read back "
+                          f"as {back}; " + (f"MLA's YaRN is megatron-core's MLATransformerConfig's, with original "
+                                            f"context {MLA_YARN_ORIGINAL_CONTEXT} and betas 32 / 1" if mla else
+                                            "--yarn-* cover factor, original context, betas, mscale") +
+                          "); export with --saver hf instead.")
+    return args
 
 
 def _mla_fields(args: argparse.Namespace, mla: bool) -> dict:
@@ -788,19 +870,20 @@ class _LegacyParts:
                               f"and TP {self.tp} is not read (its files interleave expert ranks over TP); save it once "
                               f"as --ckpt-format torch_dist, then convert.")
         local = experts // self.ep if experts else 0
+        self.mla = bool(_arg(args, "multi_latent_attention"))
         self.per_stage = int(args.num_layers) // self.pp
         self.index = {}  # canonical name -> [(path, key, tp rank, tensor -> the weight)]
         for tp_rank, pp_rank, ep_rank, path in self.files:
             offset = pp_rank * self.per_stage
             for key in _legacy_model(path):
-                match = _LAYER_KEY.match(key)
-                pieces = _expert_pieces(match.group(2), ep_rank * local, local) if match and experts else []
+                scope = layer_scope(key, offset)
+                pieces = _expert_pieces(scope[1], ep_rank * local, local) if scope and experts else []
                 for expert, fc, pick in pieces:
-                    name = expert_name(int(match.group(1)) + offset, expert, fc)
+                    name = expert_name(scope[0], expert, fc)
                     self.index.setdefault(name, []).append((path, key, tp_rank, pick))
                 if pieces or ep_rank > 0:  # other weights are in every EP rank's file: EP rank 0's are read
                     continue
-                name = canonical_of(key, offset)
+                name = canonical_of(key, offset, self.mla)
                 if name is not None and not (name == "output_layer.weight" and not
                                              _arg(args, "untie_embeddings_and_output_weights", False)):
                     if name == "embedding.word_embeddings.weight" and pp_rank > 0:
@@ -818,12 +901,25 @@ class _LegacyParts:
                     opened[path] = _legacy_model(path)
                 tensor = opened[path][key]
                 shards.setdefault(name, {})[tp_rank] = tensor if pick is None else pick(tensor)
-        for name in [n for n in shards if EXPERTS in n or is_buffer(n)]:  # joined here, not by the TP layout
-            by_rank = shards.pop(name)
-            whole[name] = _join_expert(name, [by_rank[r] for r in sorted(by_rank)], config) if EXPERTS in name \
-                else by_rank[0]
+        for name in [n for n in shards if EXPERTS in n or is_buffer(n) or n.endswith(MLA_DOWN)]:  # joined here, not
+            by_rank = shards.pop(name)                                                      # by the TP layout
+            ordered = [by_rank[r] for r in sorted(by_rank)]
+            whole[name] = _join_expert(name, ordered, config) if EXPERTS in name else \
+                _join_latent_down(name, ordered, config, self.ckpt.directory) if not is_buffer(name) else ordered[0]
         full = dataclasses.replace(config, vocab_size=_rows(self.ckpt))  # rows are cut in parts()
         return {**merge_shards(shards, full, self.tp, self.ckpt.directory, dtype=None), **whole}
+
+
+def _join_latent_down(name: str, shards: list, config: ModelConfig, directory: str) -> torch.Tensor:
+    """An MLA down projection from its legacy files: whole in each (Transformer Engine's TELinear, duplicated), or
+    split by rows over TP (the local spec's ColumnParallelLinear)."""
+    rows = config.q_lora_rank if name.endswith("q_down.weight") else config.kv_lora_rank + config.qk_pos_emb_head_dim
+    if shards[0].size(0) == rows:
+        return shards[0]
+    joined = torch.cat(shards)
+    if joined.size(0) != rows:
+        raise ConfigError(f"{directory}: {name}'s TP shards hold {joined.size(0)} rows, the args say {rows}.")
+    return joined
 
 
 def _rows(ckpt: MegatronCheckpoint) -> int:
@@ -855,6 +951,7 @@ class _DistParts:
         self.ckpt = ckpt
         self.dcp = DCPCheckpoint(ckpt.directory)
         self.layers = int(ckpt.args.num_layers)
+        self.mla = bool(_arg(ckpt.args, "multi_latent_attention"))
         self.prefix = prefix
         self.keys = [k[len(prefix):] for k in self.dcp.tensors
                      if k.startswith(prefix) and k[len(prefix):].startswith(MODEL_PREFIXES)]
@@ -881,21 +978,26 @@ class _DistParts:
                                           f"the args say {self.layers}.")
                     if self.dcp.holds(self.prefix + key, layer):  # (with dense and MoE layers, a key holds some of them)
                         self._read_into(out, key, rest, layer, (layer,), wanted)
+            elif layer < 0 and layer_scope(key):  # an MTP layer's (one key per layer)
+                scope, rest = layer_scope(key)
+                self._read_into(out, key, rest, scope, (), wanted)
             elif layer < 0:
-                name = canonical_of(key)
+                name = canonical_of(key, mla=self.mla)
                 if name is not None and not (name == "output_layer.weight" and tied):
                     out[name] = self._read(key)
         return out
 
-    def _read_into(self, out: dict, key: str, rest: str, layer: int, index: tuple, wanted: set) -> None:
-        """One layer's tensor of `key` (its slice [index]); experts one at a time, the wanted ones only."""
+    def _read_into(self, out: dict, key: str, rest: str, layer, index: tuple, wanted: set) -> None:
+        """One layer's tensor of `key` (its slice [index]; `layer`: a decoder layer's number, or an MTP layer's
+        canonical prefix); experts one at a time, the wanted ones only."""
+        scope = f"layers.{layer}." if isinstance(layer, int) else layer
         match = EXPERT_KEYS["dist"].match(rest)
         if match is None:
-            name = canonical_of(f"decoder.layers.{layer}.{rest}")
+            name = canonical_of(key if scope.startswith("mtp.") else f"decoder.layers.{layer}.{rest}", mla=self.mla)
             if name is not None:
                 out[name] = self._read(key, index)
             return
         for expert in range(self._shape(key)[len(index)]):
-            name = expert_name(layer, expert, match.group(1))
+            name = expert_name(scope, expert, match.group(1))
             if name in wanted:
                 out[name] = self._read(key, (*index, expert))

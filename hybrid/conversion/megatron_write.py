@@ -1,14 +1,15 @@
 """Megatron-LM checkpoints, written (checkpoint_util.py --saver megatron), in both of its formats:
 
 - `--ckpt-format torch` (legacy): one `model_optim_rng.pt` per TP x PP (x EP) rank, layer numbers local to
-  the stage, the norms spelled as --saver-transformer-impl says (transformer_engine, Megatron-LM's default,
-  or local), experts as SequentialMLP names them (`mlp.experts.local_experts.J`, J local to the EP rank).
+  the stage (the MTP layers, `mtp.layers.{k}.`, on the last), the norms spelled as --saver-transformer-impl says
+  (transformer_engine, Megatron-LM's default, or local; MLA's down projections whole with TE, split over TP in the
+  local spec), experts as SequentialMLP names them (`mlp.experts.local_experts.J`, J local to the EP rank).
 - `--ckpt-format torch_dist` (megatron-core's dist_checkpointing): what `dist_checkpointing.save` writes for
   the model's sharded_state_dict, in one process with torch.distributed.checkpoint (no process group):
   global tensors under megatron-core's sharded keys (every layer's weight of one kind stacked
   [num_layers, ...], or one key per layer when dense and MoE layers mix; experts [experts, ...]; the
-  norms under Transformer Engine's names, which megatron-core uses for both specs), the linear layers'
-  `_extra_state` objects (empty, as a model without FP8 state has them), `common.pt` (args, iteration)
+  norms under Transformer Engine's names, Megatron-LM's default, which megatron-core's local spec also uses for a
+  dense layer's norms), the linear layers' `_extra_state` objects (empty, as a model without FP8 state has them), `common.pt` (args, iteration)
   and `metadata.json`. Any TP / PP / EP loads it.
 
 Weights only: Megatron-LM resumes it with --no-load-optim --no-load-rng (or --finetune); the args it
@@ -28,14 +29,16 @@ from hybrid.checkpoint.client_state import ClientState
 from hybrid.checkpoint.files import MEGATRON_LATEST, atomic_directory, tag_for
 from hybrid.checkpoint.tp_layout import tp_layout
 from hybrid.conversion.layout import shard_for_rank
-from hybrid.conversion.megatron import (LEGACY_FILE, buffer_names, is_buffer, megatron_global_key, mla_or_mtp,
-                                        megatron_layer_key)
+from hybrid.conversion.megatron import (LEGACY_FILE, MLA_DOWN, MTP_LAYER, MTP_NAMES, buffer_names, is_buffer,
+                                        megatron_global_key, megatron_layer_key, megatron_rope_args)
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
 from hybrid.model.naming import EXPERTS
 from hybrid.parallel.layers import shard
 
 LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+MLA_LINEARS = ("self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj",
+               "self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj", "self_attention.linear_proj")
 SHARED_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 EXPERT_LINEARS = ("linear_fc1", "linear_fc2")
 # megatron-core's torch_dist metadata.json (its sharded and common backends)
@@ -67,9 +70,14 @@ def megatron_args(config: ModelConfig, tp: int, pp: int, client_state: ClientSta
         hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
         init_method_std=config.init_method_std, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
-        num_experts=config.num_experts, multi_latent_attention=False,
+        num_experts=config.num_experts, multi_latent_attention=config.multi_latent_attention,
         consumed_train_samples=int(client_state.consumed_samples), consumed_valid_samples=0,
         iteration=int(client_state.iteration), bf16=config.hf_dtype == "bfloat16", fp16=config.hf_dtype == "float16")
+    if config.multi_latent_attention:
+        arch.update({name: getattr(config, name) for name in (
+            "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")})
+    arch.update(megatron_rope_args(config), mtp_num_layers=config.mtp_num_layers,
+                mtp_loss_scaling_factor=config.mtp_loss_scaling_factor)
     if config.num_experts:
         arch.update({name: getattr(config, name) for name in (
             "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
@@ -99,9 +107,6 @@ def write_megatron(state: dict, config: ModelConfig, tp: int, pp: int, save_dir:
     if config.num_experts and config.num_experts % ep:
         raise ConfigError(f"--target-expert-parallel-size {ep} does not divide the model's {config.num_experts} "
                           f"experts.")
-    if mla_or_mtp(config):
-        raise ConfigError(f"writing a Megatron-LM checkpoint of a model with {mla_or_mtp(config)} is not implemented "
-                          f"yet; export with --saver hf (DeepSeek-V3) instead.")
     unwritable = [flag for flag, on in {"--sandwich-norms": config.sandwich_norms,
                                         "--local-rotary-base": config.local_rotary_base is not None,
                                         "--softmax-scale": config.softmax_scale is not None}.items() if on]
@@ -109,16 +114,17 @@ def write_megatron(state: dict, config: ModelConfig, tp: int, pp: int, save_dir:
         raise ConfigError(f"a Megatron-LM checkpoint has no argument for {', '.join(unwritable)} (Gemma 3's "
                           f"options): Megatron-LM would build another model. Export with --saver hf instead.")
     unmapped = [flag for flag, on in {
-        "YaRN rope": (config.rope_scaling or {}).get("rope_type") == "yarn",
         "--softmax-type learnable": config.attention_sinks, "--quick-geglu": config.quick_geglu,
         "biased experts (--add-bias-linear with --num-experts)": bool(config.num_experts) and config.add_bias_linear,
     }.items() if on]
     if unmapped:
         raise ConfigError(f"writing a Megatron-LM checkpoint of a model with {', '.join(unmapped)} is not implemented "
-                          f"yet (GPT-OSS's and YaRN models' Megatron names are not mapped); export with --saver hf.")
+                          f"yet (GPT-OSS's Megatron names are not mapped); export with --saver hf.")
     iteration = int(client_state.iteration)
     tag = tag_for(iteration)
-    args = megatron_args(config, tp, pp, client_state, ep)
+    args = megatron_args(config, tp, pp, client_state, ep)  # (before anything is written: it may refuse the rope)
+    from hybrid.conversion.families import deepseek_rope_rows
+    state = deepseek_rope_rows(state, config, to_halves=False)  # MLA's rope rows in megatron-core's order
     with atomic_directory(save_dir) as tmp:
         directory = os.path.join(tmp, tag)
         os.makedirs(directory)
@@ -150,26 +156,52 @@ def _write_legacy(state: dict, config: ModelConfig, tp: int, pp: int, ep: int, d
                 torch.save(dict(common, model=model), os.path.join(directory, name, LEGACY_FILE))
 
 
+def _layer_scope(name: str, config: ModelConfig, first: int) -> Optional[tuple]:
+    """(layer number, Megatron's prefix, the name inside the layer) of a canonical name inside a transformer layer:
+    a decoder layer's (numbered from the stage's `first`), or an MTP layer's (numbered after the decoder's); None for
+    other names."""
+    if name.startswith("layers."):
+        layer, rest = int(name.split(".")[1]), name.split(".", 2)[2]
+        return layer, f"decoder.layers.{layer - first}.", rest
+    if name.startswith("mtp.") and name.split(".", 2)[2].startswith("layer."):
+        depth, rest = int(name.split(".")[1]), name.split(".", 3)[3]
+        return config.num_layers + depth, f"mtp.layers.{depth}.{MTP_LAYER}", rest
+    return None
+
+
+def _mtp_key(name: str) -> str:
+    """Megatron's key of an MTP layer's own norm or projection (mtp.{k}.enorm.weight, ...)."""
+    depth, rest = name[len("mtp."):].split(".", 1)
+    return f"mtp.layers.{depth}." + {ours: theirs for theirs, ours in MTP_NAMES.items()}[rest]
+
+
 def _legacy_model(state, config, tp, tp_rank, stage, pp, first, last, experts, spelling) -> dict:
-    """One legacy file's `model`: this stage's layers (stage-local numbers), this EP rank's experts, TP shards."""
+    """One legacy file's `model`: this stage's layers (stage-local numbers; the MTP layers on the last stage), this
+    EP rank's experts, TP shards."""
     model = {}
     for name in sorted(state):
-        if name.startswith("layers."):
-            layer, rest = int(name.split(".")[1]), name.split(".", 2)[2]
-            if not first <= layer < last:
+        scope = _layer_scope(name, config, first)
+        if scope is not None:
+            layer, prefix, rest = scope
+            if not (first <= layer < last or (layer >= config.num_layers and stage == pp - 1)):
                 continue
             moe = config.mlp_type_of(layer) == "moe"
-            prefix = f"decoder.layers.{layer - first}."
             if EXPERTS in name:
                 expert, fc = rest[len("mlp") + len(EXPERTS):].split(".")[:2]
                 if int(expert) in experts:
                     key = f"{prefix}mlp.experts.local_experts.{int(expert) - experts.start}.linear_{fc}.weight"
                     model[key] = _expert_shard(state[name], fc, config, tp, tp_rank).contiguous().clone()
                 continue
-            key = prefix + ("pre_mlp_layernorm." + rest.split(".", 1)[1] if moe and rest.startswith("post_attention")
-                            else megatron_layer_key(rest, spelling))
-            value = state[name] if is_buffer(name) else shard_for_rank(name, state[name], config, tp, tp_rank)
+            key = prefix + megatron_layer_key(rest, spelling, config.multi_latent_attention, moe)
+            if rest in MLA_DOWN and spelling == "local":  # (ColumnParallelLinear there; TE's TELinear: whole)
+                value = shard(state[name], 0, tp_rank, tp)
+            else:
+                value = state[name] if is_buffer(name) else shard_for_rank(name, state[name], config, tp, tp_rank)
             model[key] = value.contiguous().clone()
+            continue
+        if name.startswith("mtp."):
+            if stage == pp - 1:
+                model[_mtp_key(name)] = shard_for_rank(name, state[name], config, tp, tp_rank).contiguous().clone()
             continue
         on_first = name.startswith("embedding.")
         if (on_first and stage == 0) or (not on_first and stage == pp - 1):
@@ -178,13 +210,17 @@ def _legacy_model(state, config, tp, tp_rank, stage, pp, first, last, experts, s
         model["output_layer.weight"] = shard_for_rank("embedding.word_embeddings.weight",
                                                       state["embedding.word_embeddings.weight"], config, tp,
                                                       tp_rank).contiguous().clone()
-    for i in range(last - first):
-        for module in _linear_modules(config, first + i):
-            model[f"decoder.layers.{i}.{module}._extra_state"] = None
-        if config.mlp_type_of(first + i) == "moe":
+    scopes = [(first + i, f"decoder.layers.{i}.") for i in range(last - first)]
+    if stage == pp - 1:
+        scopes += [(layer, f"mtp.layers.{layer - config.num_layers}.{MTP_LAYER}") for layer in config.mtp_layers]
+        model.update({f"mtp.layers.{k}.eh_proj._extra_state": None for k in range(config.mtp_num_layers or 0)})
+    for layer, prefix in scopes:
+        for module in _linear_modules(config, layer):
+            model[f"{prefix}{module}._extra_state"] = None
+        if config.mlp_type_of(layer) == "moe":
             for j in range(len(experts)):
                 for linear in EXPERT_LINEARS:
-                    model[f"decoder.layers.{i}.mlp.experts.local_experts.{j}.{linear}._extra_state"] = None
+                    model[f"{prefix}mlp.experts.local_experts.{j}.{linear}._extra_state"] = None
     if stage == pp - 1 and (config.untie_embeddings_and_output_weights or pp > 1):
         model["output_layer._extra_state"] = None
     return model
@@ -192,9 +228,12 @@ def _legacy_model(state, config, tp, tp_rank, stage, pp, first, last, experts, s
 
 def _linear_modules(config: ModelConfig, layer: int) -> tuple:
     """The linear layers of a layer that keep an `_extra_state` (not the experts')."""
+    attention = LINEAR_MODULES[:2]
+    if config.multi_latent_attention:
+        attention = MLA_LINEARS if config.q_lora_rank else ("self_attention.linear_q_proj",) + MLA_LINEARS[2:]
     if config.mlp_type_of(layer) != "moe":
-        return LINEAR_MODULES
-    return LINEAR_MODULES[:2] + (SHARED_LINEARS if config.moe_shared_expert_intermediate_size else ())
+        return attention + LINEAR_MODULES[2:]
+    return attention + (SHARED_LINEARS if config.moe_shared_expert_intermediate_size else ())
 
 
 def _expert_shard(tensor: torch.Tensor, fc: str, config: ModelConfig, tp: int, tp_rank: int) -> torch.Tensor:
@@ -238,20 +277,26 @@ def _dist_tensors(state: dict, config: ModelConfig, tp: int) -> dict:
     per_key: dict[str, dict[int, torch.Tensor]] = {}  # key -> {layer: tensor}
     out = {}
     for name, tensor in state.items():
-        if not name.startswith("layers."):
-            out[megatron_global_key(name)] = _padded(name, tensor, config, tp).contiguous()
+        scope = _layer_scope(name, config, 0)
+        if scope is None:
+            out[_mtp_key(name) if name.startswith("mtp.") else megatron_global_key(name)] = \
+                _padded(name, tensor, config, tp).contiguous()
             continue
-        layer, rest = int(name.split(".")[1]), name.split(".", 2)[2]
+        layer, prefix, rest = scope
+        mtp = layer >= config.num_layers  # (one key per MTP layer, as megatron-core's MultiTokenPredictionBlock)
         if EXPERTS in name:
             expert, fc = rest[len("mlp") + len(EXPERTS):].split(".")[:2]
-            key = _dist_key(layer, f"mlp.experts.experts.linear_{fc}.weight", stacked)
+            key = f"mlp.experts.experts.linear_{fc}.weight"
+            key = prefix + key if mtp else _dist_key(layer, key, stacked)
             per_key.setdefault(key, {}).setdefault(layer, {})[int(expert)] = tensor
             continue
-        per_key.setdefault(_dist_key(layer, megatron_layer_key(rest, "transformer_engine"), stacked), {})[layer] = tensor
+        key = megatron_layer_key(rest, "transformer_engine", config.multi_latent_attention,
+                                 config.mlp_type_of(layer) == "moe")
+        per_key.setdefault(prefix + key if mtp else _dist_key(layer, key, stacked), {})[layer] = tensor
     for key, layers in per_key.items():
         values = [torch.stack([v[e] for e in sorted(v)]) if isinstance(v, dict) else v
                   for _, v in sorted(layers.items())]
-        if stacked:
+        if stacked and not key.startswith("mtp."):
             if len(values) != config.num_layers:
                 raise ConfigError(f"{key}: {len(values)} of {config.num_layers} layers in the source.")
             out[key] = torch.stack(values)
@@ -272,16 +317,21 @@ def _dist_objects(config: ModelConfig) -> list:
     """The unique keys of the linear layers' `_extra_state` ShardedObjects (`{key}/shard_{offsets}_{shape}`,
     offsets and shape over the stacked axes: the layer, then the expert)."""
     stacked, layers, experts = homogeneous(config), config.num_layers, config.num_experts or 0
-    keys = []
-    for layer in range(layers):
-        axes = ([layer], [layers]) if stacked else ([0], [1])
+    keys = [_object_key(f"mtp.layers.{k}.eh_proj._extra_state", [0], [1]) for k in range(config.mtp_num_layers or 0)]
+    for layer in [*range(layers), *config.mtp_layers]:
+        mtp = layer >= layers  # (MTP layers: one key each, never stacked)
+        stack = stacked and not mtp
+        prefix = f"mtp.layers.{layer - layers}.{MTP_LAYER}" if mtp else None
+        axes = ([layer], [layers]) if stack else ([0], [1])
         for module in _linear_modules(config, layer):
-            keys.append(_object_key(_dist_key(layer, f"{module}._extra_state", stacked), *axes))
+            keys.append(_object_key(prefix + f"{module}._extra_state" if mtp else
+                                    _dist_key(layer, f"{module}._extra_state", stack), *axes))
         if config.mlp_type_of(layer) == "moe":
             for expert in range(experts):
                 for linear in EXPERT_LINEARS:
-                    key = _dist_key(layer, f"mlp.experts.experts.{linear}._extra_state", stacked)
-                    offsets, shape = ([layer, expert], [layers, experts]) if stacked else ([expert], [experts])
+                    key = f"mlp.experts.experts.{linear}._extra_state"
+                    key = prefix + key if mtp else _dist_key(layer, key, stack)
+                    offsets, shape = ([layer, expert], [layers, experts]) if stack else ([expert], [experts])
                     keys.append(_object_key(key, offsets, shape))
     return keys
 
