@@ -8,7 +8,8 @@ from typing import Optional
 
 from hybrid.conversion.families import infer_family
 from hybrid.errors import ConfigError
-from hybrid.model.config import LLAMA3_ROPE_DEFAULTS, MLA_YARN_ORIGINAL_CONTEXT, ModelConfig, yarn_scaling
+from hybrid.model.config import (GPT_OSS_YARN, LLAMA3_ROPE_DEFAULTS, MLA_YARN_ORIGINAL_CONTEXT, ModelConfig,
+                                 yarn_scaling)
 from hybrid.parallel.fp8 import DEFAULT_FP8_RECIPE, check_settings
 
 
@@ -20,6 +21,8 @@ def _yarn(args) -> bool:
 
 
 def _rope_scaling(args) -> Optional[dict]:
+    if getattr(args, "enable_gpt_oss", False):  # (what Megatron-LM's model builder sets, whatever the flags say)
+        return yarn_scaling(*GPT_OSS_YARN)
     if _yarn(args):
         if args.use_rope_scaling or args.rotary_seq_len_interpolation_factor:
             raise ConfigError("YaRN (--position-embedding-type yarn, or --multi-latent-attention's default rope) and "
@@ -64,7 +67,7 @@ def architecture_from_flags(args, vocab_size: int) -> ModelConfig:
         ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=args.num_query_groups if args.group_query_attention or args.num_query_groups else None,
         position_embedding_type="rope" if args.use_rotary_position_embeddings or args.position_embedding_type == "yarn"
-        else args.position_embedding_type,
+        or args.enable_gpt_oss else args.position_embedding_type,
         rotary_base=args.rotary_base, rotary_percent=args.rotary_percent, normalization=args.normalization, norm_epsilon=args.norm_epsilon,
         swiglu=args.swiglu, add_bias_linear=not args.disable_bias_linear,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,

@@ -367,7 +367,7 @@ _CHECKPOINT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hid
                     "position_embedding_type", "use_rotary_position_embeddings", "rotary_base", "rotary_percent",
                     "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
                     "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
-                    "yarn_correction_range_round_to_int", *MLA_FLAGS, "softmax_type", "quick_geglu",
+                    "yarn_correction_range_round_to_int", "enable_gpt_oss", *MLA_FLAGS, "softmax_type", "quick_geglu",
                     "glu_linear_offset", "activation_func_clamp_value",
                     "normalization",
                     "norm_epsilon", "swiglu", "group_query_attention", "num_query_groups", "disable_bias_linear",

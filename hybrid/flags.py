@@ -92,6 +92,9 @@ def _add_network_size_args(p):
                    help="YaRN's mscale_all_dim (MLA: also the softmax scale x mscale(factor, this)^2)")
     g.add_argument("--yarn-original-max-position-embeddings", type=int, default=None,
                    help="YaRN: the context the model was trained at (default 4096, megatron-core's)")
+    g.add_argument("--enable-gpt-oss", action="store_true",
+                   help="Megatron-LM's post-training switch: GPT-OSS's YaRN (factor 32, original context 131072, "
+                        "betas 32 / 1, the correction range not rounded), over the other rope flags")
     g.add_argument("--yarn-beta-fast", type=float, default=32.0)
     g.add_argument("--yarn-beta-slow", type=float, default=1.0)
     g.add_argument("--yarn-correction-range-round-to-int", dest="yarn_correction_range_round_to_int",

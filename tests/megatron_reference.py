@@ -22,7 +22,8 @@ writes, under OUT:
 
 CPU stand-ins (megatron-core calls CUDA unconditionally): torch.cuda.synchronize / current_device for its
 writer, CudaRNGStatesTracker.fork for its forward (dropout is 0); for MLA, Transformer Engine's core attention
-(CoreAttentionStandIn: megatron-core's own takes no value head size of its own) and TELinear; for MoE, its router's unbound
+(CoreAttentionStandIn: megatron-core's own takes no value head size of its own) and TELinear; the sliding-window
+mask; for MoE, its router's unbound
 te_general_gemm, GroupedMLP's grouped_gemm check (built and loaded, never run), and its torch norms'
 refusal of SP (which only concerns their gradients).
 """
@@ -78,6 +79,18 @@ MOE_ARGS = {
                      moe_router_num_groups=4, moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5),
 }
 MOE_ARGS["deepseek_v3"] = MOE_ARGS["glm4_moe"]
+# GPT-OSS style (Megatron-LM's examples/post_training/modelopt/conf/openai/gpt-oss-20b.sh, scaled down): learned
+# sinks (--softmax-type learnable), windowed and full layers alternating (--window-size 3,0 --window-attn-skip-freq 2),
+# biases everywhere (--add-bias-linear: QKV, output, router, experts), the clamped quick-GeGLU (--quick-geglu
+# --glu-linear-offset 1 --activation-func-clamp-value 7), a softmax top-2 router over 4 experts, --enable-gpt-oss's YaRN
+FAMILIES["gpt_oss"] = dict(LLAMA, swiglu=False, add_bias_linear=True, add_qkv_bias=False, gpt_oss=True)
+MOE_ARGS["gpt_oss"] = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_router_pre_softmax=False,
+                           moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False)
+MOE.update(gpt_oss=FAMILIES["gpt_oss"])
+GPT_OSS = dict(softmax_type="learnable", glu_linear_offset=1.0, activation_func_clamp_value=7.0, window_size=(3, 0),
+               window_attn_skip_freq=2)
+GPT_OSS_YARN = dict(yarn_rotary_scaling_factor=32.0, yarn_original_max_position_embeddings=131072, yarn_beta_fast=32.0,
+                    yarn_beta_slow=1.0, yarn_mscale=1.0, yarn_mscale_all_dim=0.0, yarn_correction_range_round_to_int=False)
 ROUTER_ARGS = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups",
                "moe_router_group_topk", "moe_router_topk_scaling_factor")  # where a family sets them
 MTP_SCALE = 0.3  # --mtp-loss-scaling-factor
@@ -96,6 +109,12 @@ def _cpu_stand_ins() -> None:
     from megatron.core.transformer import multi_latent_attention
     if not isinstance(multi_latent_attention.TELinear, type):  # (a MagicMock without Transformer Engine; MLA asks
         multi_latent_attention.TELinear = type("TransformerEngineAbsent", (), {})  # isinstance of it)
+    from megatron.core.fusions import fused_softmax
+
+    def window_mask(sq, skv, window_size):  # megatron-core's sliding-window mask, made on the CPU (it asks for CUDA)
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+    fused_softmax.get_sliding_window_causal_mask = window_mask
     from megatron.core.transformer import torch_norm  # its norms refuse SP (their gradients' sync): forward only
     new = torch_norm.WrappedTorchNorm.__new__
 
@@ -142,11 +161,13 @@ def megatron_args(family: str, tp: int, iteration: int, ep: int = 1) -> argparse
         padded_vocab_size=s["vocab"], make_vocab_size_divisible_by=128, vocab_size=None,
         tokenizer_type="NullTokenizer", tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
         virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=_etp(family, tp),
         sequence_parallel=family in MOE and tp > 1, moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
         transformer_impl="transformer_engine", ckpt_format="torch_dist", params_dtype=torch.float32,
         bf16=False, fp16=False, attention_backend=AttnBackend.auto, multi_latent_attention="mla" in f,
         mtp_num_layers=f.get("mtp"), mtp_loss_scaling_factor=MTP_SCALE,
+        **(dict(GPT_OSS, quick_geglu=True, enable_gpt_oss=True) if f.get("gpt_oss") else {}),
         **f.get("mla", {}),
         consumed_train_samples=iteration * 8, consumed_valid_samples=0, global_batch_size=8, micro_batch_size=4,
         train_iters=20, lr=3e-4, min_lr=3e-5, lr_decay_style="cosine", lr_decay_iters=20, lr_warmup_iters=2,
@@ -177,13 +198,17 @@ def build_model(family: str, tp: int, ep: int = 1, grouped: bool = False):
                    moe_shared_expert_intermediate_size=m["moe_shared_expert_intermediate_size"],
                    moe_shared_expert_gate=m["moe_shared_expert_gate"], moe_token_dispatcher_type="allgather",
                    moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep,
+                   expert_tensor_parallel_size=_etp(family, tp),
                    sequence_parallel=tp > 1, moe_grouped_gemm=grouped, **{k: m[k] for k in ROUTER_ARGS if k in m})
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
     from megatron.core.transformer.transformer_config import MLATransformerConfig
     mla = f.get("mla")
     config = (MLATransformerConfig if mla else TransformerConfig)(
         num_layers=s["num_layers"], hidden_size=s["hidden_size"], num_attention_heads=s["num_attention_heads"],
         num_query_groups=f["num_query_groups"], ffn_hidden_size=s["ffn_hidden_size"], use_cpu_initialization=True,
-        gated_linear_unit=gated, activation_func=F.silu if gated else F.gelu, bias_activation_fusion=not gated,
+        gated_linear_unit=gated or bool(f.get("gpt_oss")), activation_func=quick_gelu if f.get("gpt_oss") else
+        F.silu if gated else F.gelu, bias_activation_fusion=not gated and not f.get("gpt_oss"),
+        **(GPT_OSS if f.get("gpt_oss") else {}),
         normalization=f["normalization"], layernorm_epsilon=f.get("eps", 1e-5), add_bias_linear=f["add_bias_linear"],
         add_qkv_bias=f["add_qkv_bias"], qk_layernorm=f["qk_layernorm"], hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=torch.float32, tensor_model_parallel_size=tp, init_method_std=0.2, **moe,
@@ -194,12 +219,16 @@ def build_model(family: str, tp: int, ep: int = 1, grouped: bool = False):
                                     multi_latent_attention=bool(mla))
     if mla:
         spec.submodules.self_attention.submodules.core_attention = CoreAttentionStandIn
+    if f.get("gpt_oss"):  # what --enable-gpt-oss sets on the config (Megatron-LM's post-training model builder)
+        for name, value in GPT_OSS_YARN.items():
+            setattr(config, name, value)
     mtp_spec = None
     if f.get("mtp"):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
         mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     model = GPTModel(config, spec, vocab_size=s["vocab"], max_sequence_length=s["seq_length"],
-                     position_embedding_type=f["position_embedding_type"], parallel_output=False,
+                     position_embedding_type="yarn" if f.get("gpt_oss") else f["position_embedding_type"],
+                     parallel_output=False,
                      share_embeddings_and_output_weights=not f["untie"],
                      rope_scaling=f["use_rope_scaling"], rope_scaling_factor=8.0,
                      rotary_percent=f.get("rotary_percent", 1.0), mtp_block_spec=mtp_spec)
@@ -268,6 +297,11 @@ def _decoder_only(model):
         model.mtp_process, model.config.mtp_num_layers = process, layers
 
 
+def _etp(family: str, tp: int) -> int:
+    """The expert-TP: TP's, but 1 for experts with biases (megatron-core builds those only at expert-TP 1)."""
+    return 1 if FAMILIES[family].get("gpt_oss") else tp
+
+
 def _legacy_dir(out: str, fmt: str, tag: str, tp_rank: int, ep_rank: int, ep: int) -> str:
     return os.path.join(out, fmt, tag, f"mp_rank_{tp_rank:02d}" + (f"_{ep_rank:03d}" if ep > 1 else ""))
 
@@ -279,7 +313,8 @@ def _rank(rank: int, world: int, out: str, family: str, iteration: int, port: in
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     tp = world // ep
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=_etp(family, tp))
     torch.manual_seed(1234)
     model = build_model(family, tp, ep)
     args = megatron_args(family, tp, iteration, ep)
@@ -294,7 +329,7 @@ def _rank(rank: int, world: int, out: str, family: str, iteration: int, port: in
     tp_rank, ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
     legacy_args = argparse.Namespace(**dict(vars(args), ckpt_format="torch"))
     spellings = {"torch": te_state_dict(model)}
-    if family in MOE:
+    if family in MOE and not FAMILIES[family].get("gpt_oss"):  # (grouped GEMMs have no expert biases)
         spellings["torch_te_grouped"] = te_state_dict(model, "te_grouped")
         dist.barrier()
         grouped = build_model(family, tp, ep, grouped=True)  # megatron-core fills GroupedMLP from torch_dist
@@ -383,7 +418,8 @@ def _check(rank: int, world: int, out: str, family: str, reference: str, written
     _cpu_stand_ins()
     from megatron.core import parallel_state as ps
     tp = world // ep
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=_etp(family, tp))
     torch.manual_seed(99)  # other initial weights: a tensor the load missed shows
     source, target = build_model(family, tp, ep), build_model(family, tp, ep)
     # the reference in the legacy format: megatron-core caches a torch_dist checkpoint's metadata per process
@@ -391,6 +427,11 @@ def _check(rank: int, world: int, out: str, family: str, reference: str, written
     _load_into(target, written, fmt, rank, ep, te_names=True)  # (hybrid writes what Megatron-LM's default, TE, has)
     a, b = source.state_dict(), target.state_dict()
     diffs = {k: (a[k] - b[k]).abs().max().item() for k in a if torch.is_tensor(a[k])}
+    if fmt == "torch_dist":  # and what the local spec's model reads there (its own names where they differ)
+        local = build_model(family, tp, ep)
+        _load_into(local, written, fmt, rank, ep)
+        c = local.state_dict()
+        diffs.update({f"local:{k}": (a[k] - c[k]).abs().max().item() for k in a if torch.is_tensor(a[k])})
     gathered = [None] * world
     dist.all_gather_object(gathered, diffs)
     if rank == 0:

@@ -145,6 +145,9 @@ def build_deepspeed_cpu_ops() -> None:
         return
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory
+    if get_accelerator().device_name() != "cpu":  # (on a GPU machine DeepSpeed's own ops are other builders)
+        _OPS_BUILT = True
+        return
     for name in DEEPSPEED_CPU_OPS:
         builder = get_accelerator().create_op_builder(name)
         lock = os.path.join(_get_build_directory(builder.name, verbose=False), "lock")

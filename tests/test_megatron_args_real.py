@@ -130,13 +130,22 @@ MODELS = {
         moe_layer_freq=[0] + [1] * 60, rope_scaling=dict(rope_type="yarn", factor=32.0,
                                                          original_max_position_embeddings=4096, beta_fast=32.0,
                                                          beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
+    # GPT-OSS: learned sinks, windowed and full layers alternating, biases everywhere, the clamped quick-GeGLU,
+    # --enable-gpt-oss's YaRN (post-training's flag: added below, the fixtures' parser lacks it)
+    **{f"openai/gpt-oss-{size}.sh": dict(
+        num_layers=layers, hidden_size=2880, num_attention_heads=64, num_query_groups=8, kv_channels=64,
+        ffn_hidden_size=2880, num_experts=experts, moe_router_topk=4, moe_ffn_hidden_size=2880, attention_sinks=True,
+        quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0, sliding_window=128,
+        window_attn_skip_freq=2, add_bias_linear=True, add_qkv_bias=False, swiglu=False, rotary_base=150000.0,
+        untie_embeddings_and_output_weights=True,
+        rope_scaling=dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=131072, beta_fast=32.0,
+                          beta_slow=1.0, truncate=False)) for size, layers, experts in (("20b", 24, 32), ("120b", 36, 128))},
 }
 HYBRID = "a hybrid (Mamba / attention)"
 REFUSALS = {
     "meta-llama/Llama-4-Maverick-17B-128E-Instruct.sh": "--no-rope-freq 4",
     "meta-llama/Llama-4-Scout-17B-16E-Instruct.sh": "--rotary-interleaved",
     "nvidia/Nemotron-Mini-4B-Instruct.sh": "--squared-relu",  # (its --rotary-percent 0.5 is read)
-    "openai/gpt-oss-20b.sh": "--softmax-type learnable", "openai/gpt-oss-120b.sh": "--softmax-type learnable",
     **{name: HYBRID for name in RUNS if name.startswith("nvidia/") and "Nemotron-Mini" not in name},
     # helpers beside Kimi-K2's script that set a few flags, no model
     "moonshotai/kimi_k2_instruct.sh": "lack num_layers", "moonshotai/kimi_k2_instruct_export.sh": "lack num_layers",
@@ -158,7 +167,8 @@ def test_a_public_run_script_parsed_by_megatron_lm_is_the_hf_models_architecture
     from hybrid.errors import ConfigError
     from hybrid.flags import build_parser
     from hybrid.megatron_compat import check_compat
-    config = config_from_args(megatron_args(RUNS[script]["args"]), where=script)
+    gpt_oss = {"enable_gpt_oss": True} if "--enable-gpt-oss" in RUNS[script]["argv"] else {}
+    config = config_from_args(megatron_args(dict(RUNS[script]["args"], **gpt_oss)), where=script)
     for field, want in MODELS[script].items():
         assert getattr(config, field) == want, (script, field, getattr(config, field))
     if "Llama-3" in script:

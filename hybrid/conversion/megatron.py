@@ -20,6 +20,8 @@ into the up projections), the down projections whole on each TP rank (TE) or spl
 rope rows are in DeepSeek's interleaved order, as in HF's DeepSeek-V3 (hybrid.conversion.families.deepseek_rope_rows).
 Multi-token prediction layers: `mtp.layers.{k}.` (MTP_NAMES, and `transformer_layer.` + a layer's names), on the
 last pipeline stage.
+GPT-OSS's: learned sinks (`core_attention.softmax_offset`), the router's and the experts' biases (legacy files at
+expert-TP 1 hold the whole experts in each TP rank's file), `--enable-gpt-oss`'s YaRN.
 
 What is refused, by name: pre-megatron-core layouts (`language_model.`), the options hybrid's model does
 not compute (erf GeLU, interleaved rotary, squared ReLU, jittered routing, Sinkhorn balancing), and in the legacy
@@ -41,7 +43,8 @@ import torch
 from hybrid.checkpoint.files import LATEST, MEGATRON_LATEST, load_file
 from hybrid.conversion.dcp_files import DCPCheckpoint
 from hybrid.errors import ConfigError
-from hybrid.model.config import LLAMA3_ROPE_DEFAULTS, MLA_YARN_ORIGINAL_CONTEXT, ModelConfig, yarn_scaling
+from hybrid.model.config import (GPT_OSS_YARN, LLAMA3_ROPE_DEFAULTS, MLA_YARN_ORIGINAL_CONTEXT, ModelConfig,
+                                 yarn_scaling)
 from hybrid.model.naming import EXPERTS, buffer_names
 
 RELEASE = "release"  # Megatron-LM's name for a checkpoint without an iteration
@@ -67,6 +70,8 @@ LAYER_NAMES = {
     "mlp.linear_fc2.weight": "mlp.fc2.weight", "mlp.linear_fc2.bias": "mlp.fc2.bias",
     # an MoE layer's router, its expert bias (a buffer: hybrid's score bias) and shared experts
     "mlp.router.weight": "mlp.router.weight", "mlp.router.expert_bias": "mlp.router.score_bias",
+    "mlp.router.bias": "mlp.router.bias",  # (--add-bias-linear: GPT-OSS's)
+    "self_attention.core_attention.softmax_offset": "attention.sinks",  # --softmax-type learnable
     "mlp.shared_experts.linear_fc1.weight": "mlp.shared_mlp.fc1.weight",
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_mlp.fc2.weight",
     "mlp.shared_experts.gate_weight": "mlp.shared_gate",
@@ -111,11 +116,11 @@ MTP_NAMES = {f"{theirs}.{field}": f"{ours}.{field}" for theirs, ours in (
     ("enorm", "enorm"), ("hnorm", "hnorm"), ("final_layernorm", "final_norm")) for field in ("weight", "bias")}
 MTP_NAMES["eh_proj.weight"] = "eh_proj.weight"
 # experts inside decoder.layers.{i}. (group 1: the expert index, local or global as the spelling has it)
-EXPERT_KEYS = {
-    "sequential": re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_(fc[12])\.weight$"),  # local index
-    "te_grouped": re.compile(r"^mlp\.experts\.linear_(fc[12])\.weight(\d+)$"),  # local index (groups swapped)
+EXPERT_KEYS = {  # (the weight or, with --add-bias-linear, the bias: GPT-OSS's)
+    "sequential": re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_(fc[12])\.(weight|bias)$"),  # local index
+    "te_grouped": re.compile(r"^mlp\.experts\.linear_(fc[12])\.(weight|bias)(\d+)$"),  # local index (groups swapped)
     "grouped": re.compile(r"^mlp\.experts\.weight([12])$"),  # every local expert in one tensor
-    "dist": re.compile(r"^mlp\.experts\.experts\.linear_(fc[12])\.weight$"),  # torch_dist: [experts, ...] global
+    "dist": re.compile(r"^mlp\.experts\.experts\.linear_(fc[12])\.(weight|bias)$"),  # torch_dist: [experts, ...]
 }
 
 
@@ -144,10 +149,10 @@ def megatron_global_key(name: str) -> str:
     return {ours: theirs for theirs, ours in GLOBAL_NAMES.items()}[name]
 
 
-def expert_name(scope: str, expert: int, fc: str) -> str:
-    """Our canonical name of one expert's fc1 / fc2 weight (the expert's global index) in a layer (`scope`: its
-    canonical prefix, `layers.{i}.` or an MTP layer's `mtp.{k}.layer.`)."""
-    return f"{scope}mlp{EXPERTS}{expert}.{fc}.weight"
+def expert_name(scope: str, expert: int, fc: str, field: str = "weight") -> str:
+    """Our canonical name of one expert's fc1 / fc2 weight or bias (the expert's global index) in a layer (`scope`:
+    its canonical prefix, `layers.{i}.` or an MTP layer's `mtp.{k}.layer.`)."""
+    return f"{scope}mlp{EXPERTS}{expert}.{fc}.{field}"
 
 
 def layer_scope(key: str, layer_offset: int = 0) -> Optional[tuple]:
@@ -463,9 +468,9 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         refuse("--squared-relu", "the MLP is SwiGLU, GeGLU or tanh-GeLU")
     if _arg(args, "heterogeneous_layers_config_path") or _arg(args, "heterogeneous_layers_config_encoded_json"):
         refuse("heterogeneous layers", "every layer has the same shape")
-    swiglu = bool(_arg(args, "swiglu", False))
+    swiglu, quick = bool(_arg(args, "swiglu", False)), bool(_arg(args, "quick_geglu", False))
     bias = bool(_arg(args, "add_bias_linear", True))
-    if not swiglu and not _arg(args, "openai_gelu") and not (bias and _arg(args, "bias_gelu_fusion", True)):
+    if not swiglu and not quick and not _arg(args, "openai_gelu") and not (bias and _arg(args, "bias_gelu_fusion", True)):
         refuse("the exact (erf) GeLU", "the GeLU MLP is the tanh approximation, which Megatron computes with "
                "--openai-gelu or with its fused bias + GeLU (--add-bias-linear, bias_gelu_fusion)")
     heads = int(args.num_attention_heads)
@@ -474,10 +479,14 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         kv_channels = None
     mla = bool(_arg(args, "multi_latent_attention"))
     rope = _arg(args, "position_embedding_type", "learned_absolute") in ("rope", "yarn") or \
-        bool(_arg(args, "use_rotary_position_embeddings")) or mla
+        bool(_arg(args, "use_rotary_position_embeddings")) or mla or bool(_arg(args, "enable_gpt_oss"))
     if not rope and (_arg(args, "position_embedding_type") == "none" or _arg(args, "add_position_embedding") is False):
         refuse("no position embedding (--no-position-embedding without rotary embeddings)",
                "positions come from a learned table or rotary embeddings")
+    if mla and (_arg(args, "rope_type") or "yarn") != "yarn" and (_arg(args, "use_rope_scaling") or
+                                                                  _arg(args, "rotary_seq_len_interpolation_factor")):
+        refuse("--use-rope-scaling / --rotary-seq-len-interpolation-factor with MLA's --rope-type rope",
+               "megatron-core's MLA builds its rope without them, so the checkpoint's model never applied them")
     rope_scaling = _megatron_yarn(args, mla)
     if rope_scaling is not None and (_arg(args, "use_rope_scaling") or _arg(args, "rotary_seq_len_interpolation_factor")):
         refuse("YaRN with --use-rope-scaling / --rotary-seq-len-interpolation-factor", "one rope scaling per model")
@@ -507,10 +516,14 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         rotary_base=float(_arg(args, "rotary_base", 10000)), rotary_percent=float(_arg(args, "rotary_percent", 1.0) or 1.0),
         normalization=_arg(args, "normalization", "LayerNorm"),
         norm_epsilon=float(_arg(args, "norm_epsilon", None) or _arg(args, "layernorm_epsilon", None) or 1e-5),
-        swiglu=swiglu, add_bias_linear=bias,
+        swiglu=swiglu, add_bias_linear=bias, quick_geglu=quick,
+        glu_linear_offset=float(_arg(args, "glu_linear_offset", 0.0) or 0.0),
+        activation_func_clamp_value=_arg(args, "activation_func_clamp_value"),
+        attention_sinks=_arg(args, "softmax_type", "vanilla") == "learnable",
         untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)),
         hidden_dropout=float(_arg(args, "hidden_dropout", 0.1)),
-        attention_dropout=float(_arg(args, "attention_dropout", 0.1)),
+        attention_dropout=0.0 if _arg(args, "softmax_type") == "learnable" else  # (sinks run without it here)
+        float(_arg(args, "attention_dropout", 0.1)),
         init_method_std=float(_arg(args, "init_method_std", 0.02)), kv_channels=None if mla else kv_channels,
         add_qkv_bias=bool(_arg(args, "add_qkv_bias", False)), qk_layernorm=bool(_arg(args, "qk_layernorm", False)),
         sliding_window=None if not window or window[0] == -1 else int(window[0]) + 1, rope_scaling=rope_scaling,
@@ -527,6 +540,8 @@ def _megatron_yarn(args: argparse.Namespace, mla: bool) -> Optional[dict]:
     """YaRN as megatron-core computes it: MLA's rope (--rope-type, default yarn) from its MLATransformerConfig
     (--rotary-scaling-factor, --mscale, --mscale-all-dim; its original context and betas are the config's
     defaults, which no argument sets), or --position-embedding-type yarn from the --yarn-* arguments."""
+    if _arg(args, "enable_gpt_oss"):  # Megatron-LM's post-training switch: GPT-OSS's YaRN, set on the model's config
+        return yarn_scaling(*GPT_OSS_YARN)
     if mla and (_arg(args, "rope_type") or "yarn") == "yarn":
         return yarn_scaling(float(_arg(args, "rotary_scaling_factor", 1.0) or 1.0), MLA_YARN_ORIGINAL_CONTEXT,
                             mscale=float(_arg(args, "mscale", 1.0)), mscale_all_dim=float(_arg(args, "mscale_all_dim", 0.0)))
@@ -546,6 +561,9 @@ def megatron_rope_args(config: ModelConfig) -> dict:
     where Megatron-LM's arguments cannot say it (MLA's YaRN has a fixed original context and betas)."""
     scaling = config.rope_scaling or {}
     mla = config.multi_latent_attention
+    if mla and scaling and scaling.get("rope_type") != "yarn":
+        raise ConfigError(f"the model's MLA rope has {scaling.get('rope_type')} scaling, which megatron-core's MLA does "
+                          f"not compute (its rope is plain or YaRN, --rope-type); export with --saver hf instead.")
     if scaling.get("rope_type") != "yarn":
         return {"rope_type": "rope"} if mla else {}
     factor = float(scaling["factor"])
@@ -599,12 +617,9 @@ REFUSED_ARGS = {  # (names as megatron-core's TransformerConfig and Megatron-LM'
     "experimental_attention_variant": "an attention other than softmax attention (gated delta net, DSA)",
     "linear_attention_freq": "linear attention layers among the softmax ones",
     "hybrid_override_pattern": "a hybrid (Mamba / attention) layer pattern",
-    "softmax_type": "a softmax with an offset or learned sinks",
+    "softmax_type": "a softmax with an offset of one (off-by-one); learned sinks (learnable) are read",
     "attention_output_gate": "a gate on the attention output",
     "qk_l2_norm": "L2-normalized queries and keys",
-    "glu_linear_offset": "an offset on the GLU's linear half (GPT-OSS's clamped SwiGLU)",
-    "activation_func_clamp_value": "a clamped activation (GPT-OSS's clamped SwiGLU)",
-    "quick_geglu": "the quick-GeLU GLU (GPT-OSS's)",
     "hybrid_layer_pattern": "a hybrid (Mamba / attention) layer pattern",
     "is_hybrid_model": "a hybrid (Mamba / attention) model",
     "use_fused_weighted_squared_relu": "squared-ReLU experts weighted before the activation",
@@ -621,7 +636,7 @@ REFUSED_ARGS = {  # (names as megatron-core's TransformerConfig and Megatron-LM'
     "mrope_section": "multimodal rotary sections",
     "spec": "a layer spec of the run's own",
 }
-_OFF_VALUES = {"softmax_type": ("vanilla",), "glu_linear_offset": (0.0,), "experimental_attention_variant": ("none",)}
+_OFF_VALUES = {"softmax_type": ("vanilla", "learnable"), "experimental_attention_variant": ("none",)}
 
 # The rest of Megatron-LM's arguments that could describe the model (those of its parser groups "network size",
 # "transformer configuration", "mla", "moe", "experimental", "heterogeneous architecture" and
@@ -720,9 +735,6 @@ def _moe_fields(args: argparse.Namespace, refuse) -> dict:
                       ("moe_latent_size", "latent MoE projections"), ("moe_router_padding_for_fp8", "FP8 padding")):
         if _arg(args, name):
             refuse(f"--{name.replace('_', '-')} {_arg(args, name)}", f"{why} is not implemented")
-    if bool(_arg(args, "add_bias_linear", True)):
-        refuse("experts with biases (--add-bias-linear with --num-experts)", "biased experts are read from HF "
-               "(GPT-OSS), not from Megatron-LM checkpoints yet; Megatron-LM MoE runs use --disable-bias-linear")
     balancing = _arg(args, "moe_router_load_balancing_type", "aux_loss")
     coeff = _arg(args, "moe_aux_loss_coeff", 0.0)
     # Megatron-LM's parser takes a list of each (nargs="+"): one element is that one loss
@@ -765,7 +777,9 @@ def megatron_run_args(args: argparse.Namespace) -> dict:
 ARCHITECTURE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
                       "normalization", "swiglu", "untie_embeddings_and_output_weights", "position_embedding_type",
                       "qk_layernorm", "add_qkv_bias", "rotary_base", "rotary_percent", "max_position_embeddings", "num_experts",
-                      "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+                      "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                      "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                      "v_head_dim", "mtp_num_layers")
 
 
 def contradictions(flags: argparse.Namespace, defaults: dict, args: argparse.Namespace) -> list[str]:
@@ -809,29 +823,31 @@ def _legacy_dir_name(tp_rank: int, pp_rank: int, ep_rank: int, pp: int, ep: int)
 
 
 def _expert_pieces(rest: str, first: int, local: int) -> list:
-    """[(global expert, fc, tensor -> that expert's [out, in] weight)] of one legacy expert key (the name
-    inside its layer), or [] when the key is not an expert's. `first`: this EP rank's first expert."""
+    """[(global expert, fc, field, tensor -> that expert's [out, in] weight or its bias)] of one legacy expert key
+    (the name inside its layer), or [] when the key is not an expert's. `first`: this EP rank's first expert."""
     for spelling, pattern in EXPERT_KEYS.items():
         match = pattern.match(rest)
         if match is None or spelling == "dist":
             continue
         if spelling == "sequential":
-            return [(first + int(match.group(1)), match.group(2), lambda t: t)]
+            return [(first + int(match.group(1)), match.group(2), match.group(3), lambda t: t)]
         if spelling == "te_grouped":
-            return [(first + int(match.group(2)), match.group(1), lambda t: t)]
+            return [(first + int(match.group(3)), match.group(1), match.group(2), lambda t: t)]
         if match.group(1) == "1":  # [h, experts x out]: expert j is view(E, h, out)[j], transposed
-            return [(first + j, "fc1", lambda t, j=j: t.view(local, t.size(0), -1)[j].t()) for j in range(local)]
-        return [(first + j, "fc2", lambda t, j=j: t.view(local, -1, t.size(1))[j].t()) for j in range(local)]
+            return [(first + j, "fc1", "weight", lambda t, j=j: t.view(local, t.size(0), -1)[j].t())
+                    for j in range(local)]
+        return [(first + j, "fc2", "weight", lambda t, j=j: t.view(local, -1, t.size(1))[j].t()) for j in range(local)]
     return []
 
 
 def _join_expert(name: str, shards: list, config: ModelConfig) -> torch.Tensor:
-    """An expert's weight from its expert-TP shards: fc1 by rows ([gate; up] per shard when gated), fc2 by
-    columns, as Megatron splits a dense MLP (hybrid's experts are whole on every rank)."""
+    """An expert's weight or bias from its expert-TP shards: fc1's by rows ([gate; up] per shard when gated), fc2's
+    weight by columns and its bias whole on every shard, as Megatron splits a dense MLP (hybrid's experts are whole
+    on every rank)."""
     from hybrid.parallel.layers import unshard  # (layout imports DeepSpeed: only when reading)
-    if len(shards) == 1:
+    if len(shards) == 1 or name.endswith("fc2.bias"):
         return shards[0]
-    if name.endswith("fc1.weight"):
+    if name.endswith(("fc1.weight", "fc1.bias")):
         return unshard(shards, 0, 2 if config.gated_linear_unit else 1)
     return unshard(shards, 1)
 
@@ -865,7 +881,9 @@ class _LegacyParts:
             raise ConfigError(f"{ckpt.directory}: {args.num_layers} layers do not split evenly over PP {self.pp}.")
         experts = int(_arg(args, "num_experts") or 0)
         etp = int(_arg(args, "expert_tensor_parallel_size") or self.tp)
-        if experts and etp != self.tp:
+        # expert-TP 1 at EP 1 (biased experts, GPT-OSS's, need it): every TP rank's file holds the whole experts
+        self.whole_experts = bool(experts) and etp == 1 and self.ep == 1
+        if experts and etp != self.tp and not self.whole_experts:
             raise ConfigError(f"{ckpt.directory}: a legacy MoE checkpoint with --expert-tensor-parallel-size {etp} "
                               f"and TP {self.tp} is not read (its files interleave expert ranks over TP); save it once "
                               f"as --ckpt-format torch_dist, then convert.")
@@ -878,8 +896,8 @@ class _LegacyParts:
             for key in _legacy_model(path):
                 scope = layer_scope(key, offset)
                 pieces = _expert_pieces(scope[1], ep_rank * local, local) if scope and experts else []
-                for expert, fc, pick in pieces:
-                    name = expert_name(scope[0], expert, fc)
+                for expert, fc, field, pick in ([] if self.whole_experts and tp_rank else pieces):
+                    name = expert_name(scope[0], expert, fc, field)
                     self.index.setdefault(name, []).append((path, key, tp_rank, pick))
                 if pieces or ep_rank > 0:  # other weights are in every EP rank's file: EP rank 0's are read
                     continue
@@ -998,6 +1016,6 @@ class _DistParts:
                 out[name] = self._read(key, index)
             return
         for expert in range(self._shape(key)[len(index)]):
-            name = expert_name(scope, expert, match.group(1))
+            name = expert_name(scope, expert, match.group(1), match.group(2))
             if name in wanted:
                 out[name] = self._read(key, (*index, expert))

@@ -8,8 +8,8 @@
   the model's sharded_state_dict, in one process with torch.distributed.checkpoint (no process group):
   global tensors under megatron-core's sharded keys (every layer's weight of one kind stacked
   [num_layers, ...], or one key per layer when dense and MoE layers mix; experts [experts, ...]; the
-  norms under Transformer Engine's names, Megatron-LM's default, which megatron-core's local spec also uses for a
-  dense layer's norms), the linear layers' `_extra_state` objects (empty, as a model without FP8 state has them), `common.pt` (args, iteration)
+  norms under Transformer Engine's names, Megatron-LM's default, and also under the local spec's where it has
+  others: dist_layer_keys), the linear layers' `_extra_state` objects (empty, as a model without FP8 state has them), `common.pt` (args, iteration)
   and `metadata.json`. Any TP / PP / EP loads it.
 
 Weights only: Megatron-LM resumes it with --no-load-optim --no-load-rng (or --finetune); the args it
@@ -63,13 +63,17 @@ def megatron_args(config: ModelConfig, tp: int, pp: int, client_state: ClientSta
         normalization=config.normalization, norm_epsilon=config.norm_epsilon,
         apply_layernorm_1p=config.apply_layernorm_1p, swiglu=config.swiglu, openai_gelu=not config.gated_linear_unit,
         squared_relu=False, add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
+        quick_geglu=config.quick_geglu, glu_linear_offset=config.glu_linear_offset,
+        activation_func_clamp_value=config.activation_func_clamp_value,
+        softmax_type="learnable" if config.attention_sinks else "vanilla",
         qk_layernorm=config.qk_layernorm, untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
         padded_vocab_size=config.padded_vocab_size(tp), make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
         window_size=(config.sliding_window - 1, 0) if config.sliding_window else None,
         window_attn_skip_freq=config.window_attn_skip_freq if config.sliding_window else None,
         hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
         init_method_std=config.init_method_std, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=expert_tp(config, tp),
         num_experts=config.num_experts, multi_latent_attention=config.multi_latent_attention,
         consumed_train_samples=int(client_state.consumed_samples), consumed_valid_samples=0,
         iteration=int(client_state.iteration), bf16=config.hf_dtype == "bfloat16", fp16=config.hf_dtype == "float16")
@@ -113,13 +117,10 @@ def write_megatron(state: dict, config: ModelConfig, tp: int, pp: int, save_dir:
     if unwritable:
         raise ConfigError(f"a Megatron-LM checkpoint has no argument for {', '.join(unwritable)} (Gemma 3's "
                           f"options): Megatron-LM would build another model. Export with --saver hf instead.")
-    unmapped = [flag for flag, on in {
-        "--softmax-type learnable": config.attention_sinks, "--quick-geglu": config.quick_geglu,
-        "biased experts (--add-bias-linear with --num-experts)": bool(config.num_experts) and config.add_bias_linear,
-    }.items() if on]
-    if unmapped:
-        raise ConfigError(f"writing a Megatron-LM checkpoint of a model with {', '.join(unmapped)} is not implemented "
-                          f"yet (GPT-OSS's Megatron names are not mapped); export with --saver hf.")
+    if ckpt_format != "torch_dist" and expert_tp(config, tp) == 1 and tp > 1 and ep > 1:
+        raise ConfigError(f"experts with biases are written at expert-TP 1 (megatron-core builds them only there), and "
+                          f"the legacy format at TP {tp} x EP {ep} interleaves expert ranks over TP, which hybrid does "
+                          f"not write; use --ckpt-format torch_dist, or TP 1 or EP 1.")
     iteration = int(client_state.iteration)
     tag = tag_for(iteration)
     args = megatron_args(config, tp, pp, client_state, ep)  # (before anything is written: it may refuse the rope)
@@ -187,13 +188,17 @@ def _legacy_model(state, config, tp, tp_rank, stage, pp, first, last, experts, s
                 continue
             moe = config.mlp_type_of(layer) == "moe"
             if EXPERTS in name:
-                expert, fc = rest[len("mlp") + len(EXPERTS):].split(".")[:2]
+                expert, fc, field = rest[len("mlp") + len(EXPERTS):].split(".")[:3]
                 if int(expert) in experts:
-                    key = f"{prefix}mlp.experts.local_experts.{int(expert) - experts.start}.linear_{fc}.weight"
-                    model[key] = _expert_shard(state[name], fc, config, tp, tp_rank).contiguous().clone()
+                    key = f"{prefix}mlp.experts.local_experts.{int(expert) - experts.start}.linear_{fc}.{field}"
+                    model[key] = _expert_shard(state[name], fc, field, config, tp, tp_rank).contiguous().clone()
                 continue
             key = prefix + megatron_layer_key(rest, spelling, config.multi_latent_attention, moe)
             if rest in MLA_DOWN and spelling == "local":  # (ColumnParallelLinear there; TE's TELinear: whole)
+                if state[name].size(0) % tp:
+                    raise ConfigError(f"--saver-transformer-impl local splits MLA's down projections over TP, and "
+                                      f"{name}'s {state[name].size(0)} rows do not divide by TP {tp}; write "
+                                      f"transformer_engine's (whole on each rank) or another TP.")
                 value = shard(state[name], 0, tp_rank, tp)
             else:
                 value = state[name] if is_buffer(name) else shard_for_rank(name, state[name], config, tp, tp_rank)
@@ -203,8 +208,9 @@ def _legacy_model(state, config, tp, tp_rank, stage, pp, first, last, experts, s
             if stage == pp - 1:
                 model[_mtp_key(name)] = shard_for_rank(name, state[name], config, tp, tp_rank).contiguous().clone()
             continue
-        on_first = name.startswith("embedding.")
-        if (on_first and stage == 0) or (not on_first and stage == pp - 1):
+        on_first = name.startswith("embedding.")  # (the last stage holds the embeddings too when it has MTP layers:
+        mtp_stage = bool(config.mtp_num_layers) and stage == pp - 1  # megatron-core builds them there)
+        if (on_first and (stage == 0 or mtp_stage)) or (not on_first and stage == pp - 1):
             model[megatron_global_key(name)] = shard_for_rank(name, state[name], config, tp, tp_rank).contiguous().clone()
     if stage == pp - 1 and pp > 1 and config.tied_embeddings:  # the last stage's copy of the table
         model["output_layer.weight"] = shard_for_rank("embedding.word_embeddings.weight",
@@ -236,12 +242,20 @@ def _linear_modules(config: ModelConfig, layer: int) -> tuple:
     return attention + (SHARED_LINEARS if config.moe_shared_expert_intermediate_size else ())
 
 
-def _expert_shard(tensor: torch.Tensor, fc: str, config: ModelConfig, tp: int, tp_rank: int) -> torch.Tensor:
-    """An expert's weight on one expert-TP rank (expert TP = TP, Megatron-LM's default): fc1 by rows
-    ([gate; up] per rank when gated), fc2 by columns, as a dense MLP."""
+def expert_tp(config: ModelConfig, tp: int) -> int:
+    """The experts' TP: TP's (Megatron-LM's default), but 1 for experts with biases, which megatron-core builds only
+    at expert-TP 1 (GPT-OSS's)."""
+    return 1 if config.num_experts and config.add_bias_linear else tp
+
+
+def _expert_shard(tensor: torch.Tensor, fc: str, field: str, config: ModelConfig, tp: int, tp_rank: int) -> torch.Tensor:
+    """An expert's weight or bias on one expert-TP rank (expert_tp): fc1's by rows ([gate; up] per rank when gated),
+    fc2's weight by columns and its bias whole, as a dense MLP; whole at expert-TP 1."""
+    if expert_tp(config, tp) == 1:
+        return tensor
     if fc == "fc1":
         return shard(tensor, 0, tp_rank, tp, 2 if config.gated_linear_unit else 1)
-    return shard(tensor, 1, tp_rank, tp)
+    return tensor if field == "bias" else shard(tensor, 1, tp_rank, tp)
 
 
 # --- torch_dist -----------------------------------------------------------------------------------
@@ -285,14 +299,13 @@ def _dist_tensors(state: dict, config: ModelConfig, tp: int) -> dict:
         layer, prefix, rest = scope
         mtp = layer >= config.num_layers  # (one key per MTP layer, as megatron-core's MultiTokenPredictionBlock)
         if EXPERTS in name:
-            expert, fc = rest[len("mlp") + len(EXPERTS):].split(".")[:2]
-            key = f"mlp.experts.experts.linear_{fc}.weight"
+            expert, fc, field = rest[len("mlp") + len(EXPERTS):].split(".")[:3]
+            key = f"mlp.experts.experts.linear_{fc}.{field}"
             key = prefix + key if mtp else _dist_key(layer, key, stacked)
             per_key.setdefault(key, {}).setdefault(layer, {})[int(expert)] = tensor
             continue
-        key = megatron_layer_key(rest, "transformer_engine", config.multi_latent_attention,
-                                 config.mlp_type_of(layer) == "moe")
-        per_key.setdefault(prefix + key if mtp else _dist_key(layer, key, stacked), {})[layer] = tensor
+        for key in dist_layer_keys(rest, config.multi_latent_attention, config.mlp_type_of(layer) == "moe"):
+            per_key.setdefault(prefix + key if mtp else _dist_key(layer, key, stacked), {})[layer] = tensor
     for key, layers in per_key.items():
         values = [torch.stack([v[e] for e in sorted(v)]) if isinstance(v, dict) else v
                   for _, v in sorted(layers.items())]
@@ -303,6 +316,17 @@ def _dist_tensors(state: dict, config: ModelConfig, tp: int) -> dict:
         else:
             out[key] = values[0]
     return out
+
+
+def dist_layer_keys(rest: str, mla: bool, moe: bool) -> tuple:
+    """The torch_dist keys (inside a layer) of one of our layer parameters: Transformer Engine's (Megatron-LM's
+    default), and where megatron-core's local spec names the tensor otherwise, its name too (the same tensor twice,
+    so that either loads it; Megatron-LM's loads let a checkpoint hold keys its model lacks). The local spec maps its
+    norms to TE's fused names for a dense layer's attention and MLP, not before an MoE router (TE's own norm
+    there), and not at all with MLA (its latent norms, its pre-MLP norm)."""
+    te = megatron_layer_key(rest, "transformer_engine", mla, moe)
+    local = megatron_layer_key(rest, "local", True, moe) if mla else megatron_layer_key(rest, "transformer_engine")
+    return (te,) if local == te else (te, local)
 
 
 def _padded(name: str, tensor: torch.Tensor, config: ModelConfig, tp: int) -> torch.Tensor:

@@ -40,6 +40,9 @@ def yarn_scaling(factor: float, original: int, beta_fast: float = 32.0, beta_slo
 
 
 MLA_YARN_ORIGINAL_CONTEXT = 4096  # megatron-core's MLATransformerConfig.original_max_position_embeddings
+# Megatron-LM's --enable-gpt-oss (megatron/post_training/model_builder.py sets it on the model's config): GPT-OSS's YaRN as
+# yarn_scaling's arguments (factor, original context, betas, mscale, mscale_all_dim, the correction range not rounded)
+GPT_OSS_YARN = (32.0, 131072, 32.0, 1.0, 1.0, 0.0, False)
 
 
 @dataclass

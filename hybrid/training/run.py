@@ -125,6 +125,8 @@ def megatron_base_model(args):
     # dropout is the run's (Megatron-LM's --use-checkpoint-args takes the architecture, not the regularisation)
     config = dataclasses.replace(source.config(), hidden_dropout=args.hidden_dropout,
                                  attention_dropout=args.attention_dropout)
+    if config.mtp_num_layers and args.mtp_loss_scaling_factor != build_parser().get_default("mtp_loss_scaling_factor"):
+        config = dataclasses.replace(config, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)  # (a training weight)
     # whether its Adam state maps ("none": it does; the config decides whether this run loads it)
     args.megatron_optimizer_problem = source.optimizer().problem or "none"
     if config.num_experts:  # how the experts train: the flags given, else the checkpoint's (its expert bias)
