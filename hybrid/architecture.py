@@ -101,7 +101,7 @@ def _mla_fields(args) -> dict:
 
 MOE_FLAGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
              "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
-             "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
+             "moe_router_enable_expert_bias", "moe_router_dtype", "moe_shared_expert_intermediate_size",
              "moe_shared_expert_gate")  # the architecture (an imported model's config sets them)
 MOE_TRAINING_FLAGS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                       "moe_router_bias_update_rate", "moe_expert_capacity_factor",

@@ -323,6 +323,9 @@ def _add_moe_args(p):
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's width (default --ffn-hidden-size)")
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
+    g.add_argument("--moe-router-dtype", default=None, choices=["fp32", "fp64"],
+                   help="fp32: the router's GEMM in fp32 under bf16 (megatron-core's; --load-hf of DeepSeek-V3 and "
+                        "GLM-4.5 sets it, as transformers routes them); default: the input's dtype")
     g.add_argument("--moe-router-pre-softmax", action="store_true",
                    help="softmax over every expert, then top-k (Qwen2-MoE without norm_topk_prob)")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)

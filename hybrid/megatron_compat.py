@@ -90,8 +90,6 @@ _FLAGS = [
     CompatFlag("--enable-zbh1-exact-semantics", "refused", "see --enable-zbh1-pipeline"),
     CompatFlag("--use-flash-attn-triton", "refused", "the Triton flash attention is not used; use --use-flash-attn "
                "(flash-attn 2) or drop the flag (SDPA)"),
-    CompatFlag("--moe-router-dtype", "neutral", "the router scores its logits in fp32 (as transformers); fp64 "
-               "routing is not implemented", nargs="1", neutral="fp32"),
     CompatFlag("--moe-shared-expert-overlap", "accepted", "the shared expert and the routed ones are computed in the "
                "same layer either way; overlapping their communication changes no value"),
     CompatFlag("--moe-layer-recompute", "refused", "recomputing only the MoE layers is not implemented; use "

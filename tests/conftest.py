@@ -1,6 +1,10 @@
 import os
+import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# DeepSpeed's JIT-built CPU ops (tests/rank_pool.py builds them), per interpreter: two environments building into one
+# directory (a CI venv beside a developer's) rebuilt each other's ops and waited on each other's build locks
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -556,6 +556,8 @@ MAPPED = {
         dict(position_embedding_type="rope", enable_gpt_oss=True), "rope_scaling",
         dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=131072, beta_fast=32.0, beta_slow=1.0,
              truncate=False)),
+    "moe_router_dtype": (dict(num_experts=4, add_bias_linear=False, swiglu=True, moe_router_dtype="fp32"),
+                         "moe_router_dtype", "fp32"),
     "moe_router_load_balancing_type as the parser makes it (a one-element list)":
         (dict(num_experts=4, add_bias_linear=False, swiglu=True, moe_router_load_balancing_type=["seq_aux_loss"],
               moe_aux_loss_coeff=[0.01]),

@@ -622,3 +622,33 @@ def test_group_limited_routing_equals_megatron_core_and_where_both_define_it_tra
         order, hf_order = indices.argsort(-1), hf_indices.argsort(-1)
         assert torch.equal(indices.gather(1, order), hf_indices.gather(1, hf_order))
         torch.testing.assert_close(probs.gather(1, order), hf_weights.gather(1, hf_order), rtol=1e-6, atol=1e-7)
+
+
+def test_router_dtype_fp32_gives_transformers_deepseek_router_logits_in_bf16_and_the_import_sets_it():
+    """--moe-router-dtype fp32 (megatron-core's; what --load-hf of DeepSeek-V3 and GLM-4.5 sets): under bf16 the
+    router's GEMM runs on fp32 casts, as transformers' DeepseekV3TopkRouter computes its logits, bit for bit; without
+    it the GEMM runs in bf16 (Mixtral's and Qwen's routers), which differs."""
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from hybrid.conversion.families import DeepseekV3Adapter
+    from hybrid.model.moe.router import Router
+    from tests.hf_families import COMMON, FAMILY_CONFIGS
+    hf_config = transformers.DeepseekV3Config(**{**COMMON, **FAMILY_CONFIGS["deepseek_v3"][2], "hidden_size": 64,
+                                                 "n_group": 1, "topk_group": 1})
+    assert DeepseekV3Adapter.config_from_hf(hf_config).moe_router_dtype == "fp32"
+    hf = DeepseekV3TopkRouter(hf_config).to(torch.bfloat16)
+    torch.nn.init.normal_(hf.weight, std=0.5)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    want = hf(x)
+    want = want[0] if isinstance(want, tuple) else want  # (the logits)
+    got = {}
+    for dtype in ("fp32", None):
+        router = Router(moe_config(hidden_size=64, num_experts=8, moe_router_dtype=dtype,
+                                   moe_router_score_function="sigmoid"), ParallelGroups.single(), "router").eval()
+        router.to(torch.bfloat16).weight.data.copy_(hf.weight.data)
+        got[dtype] = router(x, 64)[2]
+    assert want.dtype == got["fp32"].dtype == torch.float32
+    assert torch.equal(got["fp32"], want)
+    assert not torch.equal(got[None], want)
+    with pytest.raises(ConfigError, match="--moe-router-dtype fp64: only fp32"):
+        moe_config(moe_router_dtype="fp64")

@@ -747,6 +747,7 @@ class _DeepSeekMoE(_MoEFamily):
         return _replace(config, num_experts=experts, moe_router_topk=k, moe_ffn_hidden_size=int(hf.moe_intermediate_size),
                         moe_layer_freq=1 if dense == 0 else [int(i >= dense) for i in range(hf.num_hidden_layers)],
                         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                        moe_router_dtype="fp32",  # (transformers' router: F.linear of fp32 casts)
                         moe_router_topk_scaling_factor=None if scale == 1.0 else scale,
                         moe_router_num_groups=groups, moe_router_group_topk=chosen,
                         moe_shared_expert_intermediate_size=shared or None)
@@ -863,7 +864,8 @@ class Glm4MoeAdapter(_StoredMTP, _DeepSeekMoE, LlamaAdapter):
     family, hf_class, config_class = "glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig"
     options = ("Llama's, rope on part of each head (`partial_rotary_factor` = --rotary-percent), optional Q/K/V "
                "biases (`attention_bias` = --add-qkv-bias) and per-head Q/K norms (`use_qk_norm` = --qk-layernorm); "
-               "DeepSeek's MoE: sigmoid routing with the score bias (--moe-router-enable-expert-bias), groups "
+               "DeepSeek's MoE: sigmoid routing with the score bias (--moe-router-enable-expert-bias; its GEMM in fp32: "
+               "--moe-router-dtype fp32), groups "
                "(--moe-router-num-groups / --moe-router-group-topk), `routed_scaling_factor` "
                "(--moe-router-topk-scaling-factor), shared experts, the first layers dense (--moe-layer-freq)")
     refused = ("`norm_topk_prob` off with top-k > 1, `topk_group` with topk // topk_group != 2, as Llama's; its MTP "

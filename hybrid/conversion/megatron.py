@@ -693,7 +693,7 @@ NOT_MODEL_ARGS = {
         "fp8", "fp8_recipe", "fp8_margin", "fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo",
         "fp8_wgrad", "fp8_output_proj", "fp8_quantizer_factory", "fp4", "fp4_recipe", "fp4_quantizer_factory",
         "first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
-        "disable_bf16_reduced_precision_matmul", "fp32_residual_connection", "moe_router_dtype",
+        "disable_bf16_reduced_precision_matmul", "fp32_residual_connection",
         "moe_combine_bwd_dtype", "moe_dispatch_fwd_dtype", "main_grads_dtype", "main_params_dtype", "exp_avg_dtype",
         "exp_avg_sq_dtype", "use_precision_aware_optimizer"),
     "training alone (the loss's reduction, initialization, optimizer-side clipping, logging, upcycling)": (
@@ -754,6 +754,7 @@ def _moe_fields(args: argparse.Namespace, refuse) -> dict:
         moe_router_load_balancing_type=balancing, moe_aux_loss_coeff=float(coeff or 0.0),
         moe_z_loss_coeff=_arg(args, "moe_z_loss_coeff"),
         moe_router_enable_expert_bias=bool(_arg(args, "moe_router_enable_expert_bias", False)),
+        moe_router_dtype=_arg(args, "moe_router_dtype"),  # (fp64: refused by ModelConfig, one message)
         moe_router_bias_update_rate=float(_arg(args, "moe_router_bias_update_rate", 1e-3) or 1e-3),
         moe_shared_expert_intermediate_size=_arg(args, "moe_shared_expert_intermediate_size"),
         moe_shared_expert_gate=bool(_arg(args, "moe_shared_expert_gate", False)),

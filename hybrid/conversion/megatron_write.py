@@ -87,7 +87,8 @@ def megatron_args(config: ModelConfig, tp: int, pp: int, client_state: ClientSta
             "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
             "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
             "moe_router_load_balancing_type",
-            "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+            "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_enable_expert_bias", "moe_router_dtype",
+            "moe_router_bias_update_rate",
             "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_expert_capacity_factor",
             "moe_token_drop_policy", "moe_pad_expert_input_to_capacity")}, moe_grouped_gemm=False)
     run.pop("disable_bias_linear", None)

@@ -89,6 +89,9 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0  # --moe-aux-loss-coeff (0: no balancing loss, Megatron's default)
     moe_z_loss_coeff: Optional[float] = None  # --moe-z-loss-coeff: the router z-loss
     moe_router_enable_expert_bias: bool = False  # --moe-router-enable-expert-bias (sigmoid; DeepSeek-V3)
+    # --moe-router-dtype fp32: the router's GEMM in fp32 (megatron-core's; transformers' DeepSeek-V3 and GLM-4.5
+    # routers); None: in the input's dtype (Mixtral's, Qwen's, GPT-OSS's), its scores in fp32 either way
+    moe_router_dtype: Optional[str] = None
     moe_router_bias_update_rate: float = 1e-3  # --moe-router-bias-update-rate: the bias step per iteration
     moe_shared_expert_intermediate_size: Optional[int] = None  # --moe-shared-expert-intermediate-size
     moe_shared_expert_gate: bool = False  # --moe-shared-expert-gate: sigmoid(x w) x shared output (Qwen2-MoE)
@@ -334,6 +337,9 @@ class ModelConfig:
                               f"{self.num_experts}.")
         self._check_layer_pattern("--moe-layer-freq", self.moe_layer_freq)
         self._validate_router_groups()
+        if self.moe_router_dtype not in (None, "fp32"):
+            raise ConfigError(f"--moe-router-dtype {self.moe_router_dtype}: only fp32 routing is implemented (the "
+                              f"GEMM in fp32, as megatron-core's); use fp32 or drop the flag.")
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (the bias "
                               "shifts sigmoid scores, as DeepSeek-V3 and Megatron-LM).")

@@ -171,7 +171,10 @@ class Router(nn.Module):
         sync = self.config.sequence_parallel
         weight = sync_replicated_grad(self.weight, self.groups.tp_group) if sync else self.weight
         bias = sync_replicated_grad(self.bias, self.groups.tp_group) if sync and self.bias is not None else self.bias
-        logits = F.linear(x, weight, bias).float()  # in the input's dtype, scored in fp32 (as transformers, Megatron)
+        if self.config.moe_router_dtype == "fp32":  # the GEMM in fp32 (megatron-core's --moe-router-dtype fp32)
+            logits = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        else:  # in the input's dtype, scored in fp32 (as transformers' Mixtral / Qwen / GPT-OSS)
+            logits = F.linear(x, weight, bias).float()
         probs, indices = route(logits, self.config, self.score_bias)
         if self.training and torch.is_grad_enabled():  # once per micro-batch, in the recomputed pass under recompute
             probs = self._attach_losses(probs, indices, logits, seq_length)
