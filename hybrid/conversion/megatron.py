@@ -42,6 +42,7 @@ import torch
 
 from hybrid.checkpoint.files import LATEST, MEGATRON_LATEST, load_file
 from hybrid.conversion.dcp_files import DCPCheckpoint
+from hybrid.conversion.families import deepseek_rope_rows
 from hybrid.errors import ConfigError
 from hybrid.model.config import (GPT_OSS_YARN, LLAMA3_ROPE_DEFAULTS, MLA_YARN_ORIGINAL_CONTEXT, ModelConfig,
                                  yarn_scaling)
@@ -293,7 +294,6 @@ def stream_parts(reader, config: ModelConfig, wanted: Optional[set], directory: 
     """A reader's parts (`reader.part(layer, config, wanted)`: -1 for the tensors outside the layers), of
     `wanted` only (default: every parameter), vocabulary rows cut to config.vocab_size; an error naming what
     the checkpoint lacks."""
-    from hybrid.conversion.families import deepseek_rope_rows  # (families imports transformers: only when reading)
     expected = _expected(config)
     names = set(expected) | buffer_names(config)
     wanted = set(expected) if wanted is None else wanted & names

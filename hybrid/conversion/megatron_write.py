@@ -9,8 +9,8 @@
   global tensors under megatron-core's sharded keys (every layer's weight of one kind stacked
   [num_layers, ...], or one key per layer when dense and MoE layers mix; experts [experts, ...]; the
   norms under Transformer Engine's names, Megatron-LM's default, and also under the local spec's where it has
-  others: dist_layer_keys), the linear layers' `_extra_state` objects (empty, as a model without FP8 state has them), `common.pt` (args, iteration)
-  and `metadata.json`. Any TP / PP / EP loads it.
+  others: dist_layer_keys), the linear layers' `_extra_state` objects (empty, as a model without FP8 state has
+  them), `common.pt` (args, iteration) and `metadata.json`. Any TP / PP / EP loads it.
 
 Weights only: Megatron-LM resumes it with --no-load-optim --no-load-rng (or --finetune); the args it
 stores describe the model (and the run's counters), so --use-checkpoint-args rebuilds it.
@@ -28,6 +28,7 @@ import torch
 from hybrid.checkpoint.client_state import ClientState
 from hybrid.checkpoint.files import MEGATRON_LATEST, atomic_directory, tag_for
 from hybrid.checkpoint.tp_layout import tp_layout
+from hybrid.conversion.families import deepseek_rope_rows
 from hybrid.conversion.layout import shard_for_rank
 from hybrid.conversion.megatron import (LEGACY_FILE, MLA_DOWN, MTP_LAYER, MTP_NAMES, buffer_names, is_buffer,
                                         megatron_global_key, megatron_layer_key, megatron_rope_args)
@@ -125,7 +126,6 @@ def write_megatron(state: dict, config: ModelConfig, tp: int, pp: int, save_dir:
     iteration = int(client_state.iteration)
     tag = tag_for(iteration)
     args = megatron_args(config, tp, pp, client_state, ep)  # (before anything is written: it may refuse the rope)
-    from hybrid.conversion.families import deepseek_rope_rows
     state = deepseek_rope_rows(state, config, to_halves=False)  # MLA's rope rows in megatron-core's order
     with atomic_directory(save_dir) as tmp:
         directory = os.path.join(tmp, tag)
