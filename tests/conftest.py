@@ -1,5 +1,7 @@
+import glob
 import os
 import sys
+import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # DeepSpeed's JIT-built CPU ops (tests/rank_pool.py builds them), per interpreter: two environments building into one
@@ -66,3 +68,19 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("=", f"warning: {len(slow)} test(s) over {SLOW_TEST_SECONDS} s", yellow=True)
         for seconds, nodeid in slow:
             terminalreporter.write_line(f"{seconds:7.1f}s {nodeid}")
+
+
+_SESSION_START = time.time()
+SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """DeepSpeed's CPU all-reduce (its shm_comm op) leaves two /dev/shm buffers of about 69 MB behind every
+    multi-rank run, never unlinked; those this session made are removed (a day of runs filled a 24 GB machine's
+    memory with them, and a run was killed for memory)."""
+    for path in glob.glob(SHM_BUFFERS):
+        try:
+            if os.path.getmtime(path) >= _SESSION_START:
+                os.remove(path)
+        except OSError:
+            pass
