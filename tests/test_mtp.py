@@ -97,6 +97,32 @@ def test_the_depths_train_without_entering_the_logged_loss_and_each_is_its_shift
             torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-7)
 
 
+def test_full_recompute_recomputes_each_depth_and_gives_the_same_loss_and_gradients():
+    """--recompute-granularity full (megatron-core checkpoints each MTP layer as it does the decoder's): every
+    depth's forward runs again in backward, and the loss and every gradient are those without recompute."""
+    from hybrid.model.gpt import GPTModel
+    from hybrid.model.objectives import LanguageModeling, mtp_loss_scale
+    from hybrid.parallel.groups import ParallelGroups
+    ids, labels = _batches()[0]
+    results = []
+    for recompute in (None, "full"):
+        config = deepseek_style(recompute_granularity=recompute, recompute_method="uniform", recompute_num_layers=1)
+        model = GPTModel(config, ParallelGroups.single()).train()
+        calls = []
+        for layer in model.mtp:
+            layer.register_forward_hook(lambda *_: calls.append(1))
+        objective = LanguageModeling(ParallelGroups.single(), VOCAB, mtp_loss_scale=mtp_loss_scale(config))
+        loss = objective.loss(model(ids, stage=0), labels, None)
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                        len(calls)))
+    (plain, plain_grads, plain_calls), (recomputed, grads, calls) = results
+    assert (plain_calls, calls) == (2, 4)  # the two depths, then again in backward
+    assert recomputed == plain and plain_grads.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], plain_grads[name], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("world,layout", [(4, dict(tensor_parallel=2, expert_parallel=2)),
                                           (2, dict(pipeline_parallel=2))], ids=["tp2_sp_ep2", "pp2"])
 def test_a_deepseek_v3_style_run_with_mtp_trains_as_at_one_rank(world, layout, one_rank):

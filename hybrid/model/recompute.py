@@ -12,6 +12,11 @@ def checkpoint(fn, *args):
     return deepspeed.checkpointing.checkpoint(fn, *args)
 
 
+def full_recompute(config, training: bool) -> bool:
+    """Whether --recompute-granularity full applies now (training with gradients)."""
+    return config.recompute_granularity == "full" and training and torch.is_grad_enabled()
+
+
 class LayerChunk:
     """Runs consecutive layers; the unit that full recompute checkpoints."""
 
@@ -29,7 +34,7 @@ def run_layers(layers, hidden, config, training: bool, layout=None):
     uniform: chunks of `recompute_num_layers` layers are recomputed as units;
     block: the first `recompute_num_layers` layers are recomputed, the rest are not.
     `layout`: the micro-batch's documents and positions (hybrid.model.sequence), passed to every layer."""
-    if config.recompute_granularity != "full" or not (training and torch.is_grad_enabled()):
+    if not full_recompute(config, training):
         return LayerChunk(layers)(hidden, layout)
     n = max(1, config.recompute_num_layers)
     if config.recompute_method == "uniform":

@@ -24,7 +24,7 @@ from hybrid.model.embedding import Embedding, OutputHead, embed_with, word_init,
 from hybrid.model.mtp import MTPLayer, shifted
 from hybrid.model.naming import mtp_prefix
 from hybrid.model.norms import build_norm
-from hybrid.model.recompute import run_layers
+from hybrid.model.recompute import checkpoint, full_recompute, run_layers
 from hybrid.model.sequence import sequence_layout, stage_layout_of
 from hybrid.model.transformer import TransformerLayer
 from hybrid.parallel.groups import as_groups
@@ -174,7 +174,10 @@ class VirtualStage(nn.Module):
                 for k, layer in enumerate(owner.mtp, start=1):
                     ahead = shifted(ids, k, 0)
                     embedded = owner.embed_table(ahead if layout is None else layout.local(ahead), layout)
-                    hidden = layer(hidden, embedded, layout)
+                    if full_recompute(owner.config, owner.training):  # each depth a unit, as megatron-core's
+                        hidden = checkpoint(layer, hidden, embedded, layout)
+                    else:
+                        hidden = layer(hidden, embedded, layout)
                     depths.append(owner.logits(hidden, for_loss))
                 logits = torch.cat(depths, dim=0)
             return logits
