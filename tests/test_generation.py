@@ -68,6 +68,22 @@ def test_greedy_equals_transformers_and_the_logprobs_equal_its_forward(family, h
     assert out.stats["new_tokens"] == NEW * len(batch) and out.stats["cache_bytes"] > 0
 
 
+def test_mla_decoding_caches_latents_and_rope_keys_not_each_heads_keys_and_values(hf_models):
+    """DeepSeek-V3's cache (hybrid.model.kv_cache.attend_latent): per layer and slot its normed latent (12) and
+    shared rope key (4), not 4 heads' keys (12) and values (6); the greedy tokens and log-probabilities equal
+    transformers' (test above) with the up projection absorbed."""
+    from hybrid.model.generate import SamplingOptions, generate
+    path, _ = hf_models["deepseek_v3"]
+    model = one_rank_model(path)
+    batch = prompts()
+    out = generate(model, None, batch, SamplingOptions(max_new_tokens=NEW))
+    slots = max(PROMPT_LENGTHS) + NEW
+    c = model.config
+    assert out.stats["cache_bytes"] == c.num_layers * len(batch) * slots * (c.kv_lora_rank + c.qk_pos_emb_head_dim) * 4
+    assert c.kv_lora_rank + c.qk_pos_emb_head_dim < c.num_attention_heads * (c.qk_head_dim + c.qk_pos_emb_head_dim
+                                                                              + c.v_head_dim)
+
+
 def test_a_row_stops_at_its_eos_and_the_batch_when_every_row_has(hf_models):
     from hybrid.model.generate import SamplingOptions, generate
     path, hf = hf_models["llama3"]
@@ -124,7 +140,7 @@ def _generate_on_rank(path: str, tp: int, pp: int, ep: int, sp: bool, batch: lis
 @pytest.mark.slow
 @pytest.mark.parametrize("family,tp,pp,ep,sp", [("llama3", 2, 1, 1, True), ("qwen3", 1, 2, 1, False),
                                                 ("mistral", 2, 1, 1, False), ("mixtral", 1, 1, 2, False),
-                                                ("qwen3_moe", 2, 1, 1, True)])
+                                                ("qwen3_moe", 2, 1, 1, True), ("deepseek_v3", 2, 1, 1, True)])
 def test_greedy_at_tp2_sp_pp2_ep2_equals_transformers_and_sampling_equals_one_rank(family, tp, pp, ep, sp,
                                                                                    hf_models):
     from hybrid.model.generate import SamplingOptions, generate

@@ -241,19 +241,22 @@ def test_prompt_rows_are_tokenized_as_trl_does():
 
 
 MOE = ["--num-experts", 4, "--moe-router-topk", 2, "--disable-bias-linear"]
+MLA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+       "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", 16, "--kv-lora-rank", 12, "--qk-head-dim", 16,
+       "--qk-pos-emb-head-dim", 8, "--v-head-dim", 12]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,layout", [
     ([], ["--pipeline-model-parallel-size", 2]),
-    (["--grpo-scale-rewards", "batch"], ["--zero-stage", 3]),
+    (["--grpo-scale-rewards", "batch"] + MLA, ["--zero-stage", 3]),
     (MOE, ["--expert-model-parallel-size", 2]),
 ])
 def test_grpo_layouts_equal_one_rank(model, layout, tmp_path):
-    """PP 2 (decoding through the stages), DP 2 with ZeRO-3 (each step's parameters gathered by ZeRO-3's hooks;
-    each rank its own prompt groups, the advantages scaled by the whole batch's std) and EP 2 (an MoE model, experts
-    split over the data-parallel ranks): the completions' rewards, the losses and the mismatch as at one rank, over
-    6 iterations."""
+    """PP 2 (decoding through the stages), DP 2 with ZeRO-3 (each step's parameters gathered by ZeRO-3's hooks, an
+    MLA model's up projections with the attention that decodes from the latents; each rank its own prompt groups, the
+    advantages scaled by the whole batch's std) and EP 2 (an MoE model, experts split over the data-parallel ranks):
+    the completions' rewards, the losses and the mismatch as at one rank, over 6 iterations."""
     from tests.launch_helpers import one_rank
     flags = TASK + ["--train-iters", 6] + model
     want = one_rank(flags)

@@ -6,6 +6,11 @@ slot: slot j holds the j-th token of the padded row; `valid` marks the slots tha
 attends the slots up to its own that are valid (and, with a sliding window, the last `window` of them by slot:
 padding only precedes a row's tokens, so slot distances are position distances). A padding slot's query attends
 itself only, so its (unused) keys and values stay finite and never reach a real token through a zero weight.
+
+Multi-latent attention (hybrid.model.mla) caches what its keys and values are made from, the normed latent and
+the shared rope key of each token (kv_lora_rank + qk_pos_emb_head_dim numbers, against heads x (qk + v head
+sizes) for its keys and values: 576 against 40,960 for DeepSeek-V3), and attends them as DeepSeek-V2 describes (the up
+projection absorbed into the queries and the output, `attend_latent`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from hybrid.model.sequence import SequenceLayout
 
 
 class KVCache:
-    """Every layer's keys and values of one batch of rows, [b, kv heads/tp, slots, d] each, preallocated."""
+    """Every layer's keys and values of one batch of rows, [b, kv heads/tp, slots, d] each, preallocated (MLA:
+    its latents and rope keys, as one head each)."""
 
     def __init__(self, rows: int, slots: int, valid: torch.Tensor):
         self.rows, self.slots = rows, slots
@@ -87,3 +93,18 @@ class DecodeLayout(SequenceLayout):
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
                                                  enable_gqa=keys.size(1) != nq)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def attend_latent(self, layer: int, q_nope, q_pos, latent, rope_key, up_key, up_value, scale: float,
+                      window: Optional[int]) -> torch.Tensor:
+        """MLA over its cached latents: q_nope [s, b, h, n] and q_pos [s, b, h, p] (roped), the new normed latents
+        [s, b, c] and roped keys [s, b, p]; up_key [h, n, c] and up_value [h, v, c] the up projection's blocks of
+        each head -> context [s, b, h*v]. A head's score q_nope . (W_k c) + q_pos . k_pos is (W_k^T q_nope) . c +
+        q_pos . k_pos and its output W_v (P c): one attention whose single key head is [c | k_pos] and value head
+        c (SDPA shares it with every query head), no head's keys or values ever made."""
+        s, b = q_nope.shape[:2]
+        latents, rope_keys = self.cache.write(layer, self.start, latent[:, :, None], rope_key[:, :, None])
+        mask = self.shared(("mask", s, window), lambda: self.mask(s, window, q_nope.device))
+        q = torch.cat((torch.einsum("sbhn,hnc->bhsc", q_nope, up_key), q_pos.permute(1, 2, 0, 3)), dim=-1)
+        keys = torch.cat((latents, rope_keys), dim=-1)  # [b, 1, end, c + p]
+        out = F.scaled_dot_product_attention(q, keys, latents, attn_mask=mask, scale=scale, enable_gqa=True)
+        return torch.einsum("bhsc,hvc->sbhv", out, up_value).reshape(s, b, -1)

@@ -92,25 +92,30 @@ class MultiLatentAttention(nn.Module):
         else:
             q = self.q_up(self.q_down_norm(self.q_down(x)))  # [s, b, heads/tp * (nope + pos)]
         latent, k_pos = self.kv_down(x).split([self.config.kv_lora_rank, self.pos], dim=-1)
-        kv = self.kv_up(self.kv_down_norm(latent))  # [s, b, heads/tp * (nope + v)]
+        latent = self.kv_down_norm(latent)  # [s(/tp), b, kv_lora_rank]
         # the rope key serves every rank's heads: its gradient is the sum of theirs
         k_pos = gather_from_sequence_parallel_region(k_pos, tp_group) if self.config.sequence_parallel \
             else copy_to_tp_region(k_pos, tp_group)
         s, b = q.size(0), q.size(1)
         q = q.view(s, b, self.heads, self.nope + self.pos)
-        k_nope, v = kv.view(s, b, self.heads, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
         decoding = getattr(layout, "cache", None) is not None
         if decoding:
             cos, sin = layout.shared(self.rotary.key, lambda: self.rotary(s, x.device, layout.positions))
         else:
             cos, sin = self.rotary(s, x.device, None if layout is None else layout.positions)
         q_nope, q_pos = q.split([self.nope, self.pos], dim=-1)
-        q = torch.cat((q_nope, apply_rotary(q_pos, cos, sin)), dim=-1)
+        q_pos = apply_rotary(q_pos, cos, sin)
         k_pos = apply_rotary(k_pos.view(s, b, 1, self.pos), cos, sin)
+        if decoding:  # the cache holds latents and rope keys (hybrid.model.kv_cache); sequence parallelism is off
+            up = self.kv_up.weight.view(self.heads, self.nope + self.v_dim, -1)  # (ZeRO-3: gathered with this module)
+            return self.dense(layout.attend_latent(self.layer_number, q_nope, q_pos, latent, k_pos[:, :, 0],
+                                                   up[:, :self.nope], up[:, self.nope:], self.core.scale,
+                                                   self.core.window))
+        kv = self.kv_up(latent)  # [s, b, heads/tp * (nope + v)]
+        k_nope, v = kv.view(s, b, self.heads, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
+        q = torch.cat((q_nope, q_pos), dim=-1)
         k = torch.cat((k_nope, k_pos.expand(s, b, self.heads, self.pos)), dim=-1)
         v = v.contiguous()
-        if decoding:
-            return self.dense(layout.attend(self.layer_number, q, k, v, self.core.scale, self.core.window))
         split = (None, None, None) if layout is None else (layout.documents, layout.cp, layout.ulysses)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             context = deepspeed.checkpointing.checkpoint(self.core, q, k, v, *split)

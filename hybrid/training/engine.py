@@ -15,6 +15,7 @@ from hybrid.config import RunConfig
 from hybrid.errors import ConfigError
 from hybrid.model import build as model_build
 from hybrid.model.attention import backend_notes
+from hybrid.model.mla import MultiLatentAttention
 from hybrid.model.naming import canonical_buffers, canonical_parameters
 from hybrid.parallel import fp8
 from hybrid.training.deepspeed_fixes import (install_fp32_clipping, keep_host_activations_when_offloading,
@@ -142,6 +143,10 @@ def build_engine(run: RunConfig, groups):
         # The tied output head (PP = 1, or a V placement's last stage) reads the embedding table outside the
         # embedding's own forward.
         deepspeed.zero.register_external_parameter(engine.module, engine.module.embedding.word_embeddings.weight)
+    if run.zero_stage == 3:  # MLA's decoding reads its up projection in its own forward (hybrid.model.kv_cache)
+        for module in engine.module.modules():
+            if isinstance(module, MultiLatentAttention):
+                deepspeed.zero.register_external_parameter(module, module.kv_up.weight)
     return engine, model
 
 
