@@ -82,7 +82,8 @@ FEATURES = {
                     "--disable-bias-linear", "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", 16,
                     "--kv-lora-rank", 12, "--qk-head-dim", 8, "--qk-pos-emb-head-dim", 4, "--v-head-dim", 6),
                    kind="model", group="family"),
-    "mtp": Feature(("--mtp-num-layers", 1, "--mtp-loss-scaling-factor", 0.3), kind="model"),  # with a rope family
+    "mtp": Feature(("--position-embedding-type", "rope", "--mtp-num-layers", 1, "--mtp-loss-scaling-factor", 0.3),
+                   kind="model"),  # (rope: the depths see positions as rope does)
     "window": Feature(("--window-size", "4,0"), kind="model"),
     "bf16": Feature(("--bf16",), kind="precision"),
     "fp8": Feature(("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"), kind="precision", group="fp8"),
@@ -294,8 +295,10 @@ def write_matrix(results: list, out_dir: str, summary: dict) -> None:
     reruns = [r for r in results if "rerun_of" in r]
     if reruns:
         lines += ["", "## Cells run again (--rerun-failed)", ""]
-        lines += [f"- {r['combination']}: {r['status']} in {r['seconds']:.0f} s; first {r['rerun_of']['status']} after "
-                  f"{r['rerun_of'].get('seconds', 0):.0f} s ({r['rerun_of'].get('error', '')[-120:]!r})" for r in reruns]
+        lines += [f"- {r['combination']}: {r['status']} in {r.get('seconds', 0):.0f} s; first {r['rerun_of']['status']} "
+                  f"after {r['rerun_of'].get('seconds', 0):.0f} s "
+                  f"({(r['rerun_of'].get('error') or r['rerun_of'].get('message') or r['rerun_of'].get('rule') or '')[-120:]!r})"
+                  for r in reruns]
     with open(os.path.join(out_dir, "combinations.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     try:

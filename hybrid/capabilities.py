@@ -50,7 +50,6 @@ class Setup:
     cp: int = 1  # --context-parallel-size
     ulysses: int = 1  # --ds-sequence-parallel-size
     attention_dropout: bool = False  # --attention-dropout > 0
-    sliding_window: bool = False  # --window-size
     experts: bool = False  # --num-experts
     ep: int = 1  # --expert-model-parallel-size
     sequence_parallel: bool = False  # --sequence-parallel (at TP > 1)
@@ -158,11 +157,6 @@ RULES = [
          lambda s: s.flash_attn and s.precision == "fp32",
          lambda s: "--use-flash-attn needs --bf16 or --fp16 (flash-attn has no fp32 kernels); add one, or drop "
                    "--use-flash-attn for SDPA."),
-    Rule("cp-sliding-window", "--context-parallel-size > 1 with --window-size",
-         "the ring's block plan is causal over the whole sequence",
-         lambda s: s.cp > 1 and s.sliding_window,
-         lambda s: f"--context-parallel-size {s.cp} with --window-size: sliding-window attention is not built into "
-                   f"the ring; drop one of them."),
     Rule("moe-zero3-ep", "--expert-model-parallel-size > 1 with ZeRO-3",
          "DeepSpeed 0.19's ZeRO-3 refuses its native MoE layers ('Native DeepSpeed MoE is not supported with ZeRO "
          "Stage 3'), whose expert groups expert parallelism needs (only its AutoEP layers, HF-module replacements "

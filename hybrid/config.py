@@ -691,7 +691,7 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path
                 grad_reduce_bf16=bool(args.grad_reduce_in_bf16), accelerator=dsc.accelerator_kind(),
                 zero_source=ds_path or "--zero-stage", documents=model.splits_documents, cp=dims.context_parallel,
                 ulysses=dims.ulysses, attention_dropout=model.attention_dropout > 0,
-                sliding_window=model.sliding_window is not None, experts=bool(model.num_experts),
+                experts=bool(model.num_experts),
                 ep=dims.expert_parallel, sequence_parallel=model.sequence_parallel, seq_length=args.seq_length,
                 heads_per_tp=model.num_attention_heads // tp, groups_per_tp=model.num_query_groups // tp,
                 experts_on_every_stage=_experts_on_every_stage(model, dims, pipeline),

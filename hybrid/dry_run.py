@@ -58,7 +58,7 @@ def _setup(plan: MemoryPlan):
     return Setup(pp=plan.pp, tp=plan.tp, schedule=plan.schedule, zero_stage=plan.zero.stage,
                  precision=plan.zero.precision, recompute=plan.recompute, micro_batches=plan.num_micro_batches,
                  cp=plan.cp, ulysses=plan.ulysses, attention_dropout=model.attention_dropout > 0,
-                 sliding_window=model.sliding_window is not None, documents=model.splits_documents,
+                 documents=model.splits_documents,
                  torch_compile=plan.torch_compile, experts=bool(model.num_experts), ep=plan.ep,
                  sequence_parallel=model.sequence_parallel, seq_length=plan.seq_length,
                  heads_per_tp=model.num_attention_heads // plan.tp, groups_per_tp=model.num_query_groups // plan.tp,

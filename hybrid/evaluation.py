@@ -178,9 +178,6 @@ def layout_dims(source: Source, ep: int, cp: int = 1) -> ParallelDims:
         raise ConfigError(f"--expert-model-parallel-size {ep}: the checkpoint's model has no experts.")
     if config.num_experts and config.num_experts % ep:
         raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the model's {config.num_experts} experts.")
-    if cp > 1 and config.sliding_window is not None:
-        raise ConfigError(f"--context-parallel-size {cp}: the model attends through a sliding window, which the ring "
-                          f"attention does not compute; evaluate at --context-parallel-size 1.")
     return ParallelDims(int(os.environ.get("WORLD_SIZE", "1")), source.tp, source.pp, context_parallel=cp,
                         expert_parallel=ep)
 

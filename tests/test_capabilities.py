@@ -31,7 +31,6 @@ EXAMPLES = {
                             "--tensor-model-parallel-size", 2], 2),
     "flash-attn-cpu": None,  # flash-attn is not installable here: its absence is refused first; Setup below
     "flash-attn-fp32": None,
-    "cp-sliding-window": (["--context-parallel-size", 2, "--attention-dropout", 0, "--window-size", "4,0"], 2),
     "moe-zero3-ep": (["--num-experts", 4, "--disable-bias-linear", "--zero-stage", 3, "--expert-model-parallel-size",
                       2], 2),
     "grad-reduce-bf16-precision": (["--grad-reduce-in-bf16"], 1),

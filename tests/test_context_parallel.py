@@ -28,7 +28,7 @@ def _attention_inputs(seq=64, heads=4, groups=2, dim=8, seed=0):
     return q, k, v, grad, ids
 
 
-def _ring_on_rank(documents: bool, math: bool):
+def _ring_on_rank(documents: bool, math: bool, window=None):
     import torch.distributed as dist
     from hybrid.model.sequence import documents_of
     from hybrid.parallel import ring_attention as ring
@@ -40,17 +40,18 @@ def _ring_on_rank(documents: bool, math: bool):
     docs = documents_of(ids, EOD) if documents else None
     index = local_index(q.size(2), axis.size, axis.rank)
     local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*local, axis, 0.3, docs, math)
+    out = ring_attention(*local, axis, 0.3, docs, math, window=window)
     out.backward(grad[:, :, index])
     return index, out.detach(), [t.grad for t in local]
 
 
-def _full_attention(documents: bool):
+def _full_attention(documents: bool, window=None):
+    from hybrid.model.attention import allowed_keys
     from hybrid.model.sequence import documents_of
     q, k, v, grad, ids = _attention_inputs()
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     s = q.size(2)
-    mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None]
+    mask = allowed_keys(torch.arange(s), torch.arange(s), window)[None, None]
     if documents:
         docs = documents_of(ids, EOD)
         mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
@@ -79,6 +80,19 @@ def test_ring_attention_equals_full_attention_with_gqa_and_documents(cp, documen
     want, want_grads = _full_attention(documents)
     results = run_on_ranks(_ring_on_rank, cp, documents, math)
     assert_ring_equals(results, want, want_grads)
+
+
+@pytest.mark.parametrize("cp,documents,math,window", [(2, False, False, 5), (4, False, False, 5), (4, True, False, 12),
+                                                      (4, False, True, 20), (2, True, True, 24)])
+def test_ring_attention_with_a_sliding_window_equals_full_windowed_attention(cp, documents, math, window):
+    """Gemma 3's and GPT-OSS's windowed layers under CP: the ring's blocks masked to the window (each query sees
+    itself and window - 1 keys before it, transformers' sliding_window), the blocks wholly outside it skipped
+    (window 5 at CP 4: chunks of 8), with documents and on the math kernel; outputs and q/k/v gradients equal the
+    whole sequence's windowed attention."""
+    want, want_grads = _full_attention(documents, window)
+    unwindowed, _ = _full_attention(documents)
+    assert (want - unwindowed).abs().max() > 1e-2  # the window matters on these inputs
+    assert_ring_equals(run_on_ranks(_ring_on_rank, cp, documents, math, window), want, want_grads)
 
 
 def _flash_standins():
@@ -346,7 +360,6 @@ def test_resume_at_cp2_with_dropout_is_bitwise_equal_to_straight(data, tmp_path)
 
 
 @pytest.mark.parametrize("extra,world,message", [
-    (CP2 + ["--window-size", "4,0"], 2, "--context-parallel-size 2 with --window-size"),
     (["--context-parallel-size", 3], 3, "--seq-length 16 must be divisible by 6"),
     (CP2 + ["--cp-comm-type", "a2a"], 2, "--cp-comm-type a2a is not supported"),
     (["--context-parallel-size", 2], 3, r"--context-parallel-size \(2\)"),
@@ -434,4 +447,4 @@ def test_dry_run_counts_a_rank_s_part_of_the_sequence_and_proposes_context_paral
     with_dropout = dataclasses.replace(plan, model=dataclasses.replace(config, attention_dropout=0.1))
     assert "--context-parallel-size 2" in dict(dry_run._candidates(with_dropout))  # the ring has attention dropout
     with_window = dataclasses.replace(plan, model=dataclasses.replace(config, sliding_window=4096))
-    assert "--context-parallel-size 2" not in dict(dry_run._candidates(with_window))  # the table refuses it
+    assert "--context-parallel-size 2" in dict(dry_run._candidates(with_window))  # the ring has sliding windows

@@ -331,6 +331,15 @@ def test_load_hf_trains_at_tp2_pp2_sp_as_at_one_rank_evaluates_to_transformers_a
     assert abs(ours - want) <= 1e-5 * abs(want), (ours, want)
 
 
+@pytest.mark.slow
+def test_gemma3_with_windowed_layers_evaluates_to_transformers_loss_at_cp2(hf_models, data, tmp_path):
+    """Gemma 3's windowed (8) and full layers, each kind its own rope, at CP 2 (the ring, its blocks masked to the
+    window, chunks of 8 over 32 positions): launch/evaluate.py gives transformers' loss on the same windows."""
+    from tests.test_moe import assert_evaluation_is_transformers_loss
+    path, hf = hf_models["gemma3"]
+    assert_evaluation_is_transformers_loss(path, hf, data, tmp_path, [("--context-parallel-size", 2)])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_resharding_an_imported_family_is_exact(family, hf_models, tmp_path):
     from hybrid.conversion.checkpoint_util import main as convert

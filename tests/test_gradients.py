@@ -288,12 +288,13 @@ def family_models(tmp_path_factory):
     (family, layout) for family in ["gpt2", "llama3", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "mixtral",
                                     "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss"]
      for layout in ("tp2_sp", "pp2")]
-    + [("llama3", "cp2"), ("glm4_moe", "cp2"), ("deepseek_v3", "cp2")])
+    + [("llama3", "cp2"), ("glm4_moe", "cp2"), ("deepseek_v3", "cp2"), ("gemma3", "cp2"), ("gpt_oss", "cp2")])
 def test_family_gradients_at_tp2_sp_and_pp2_equal_transformers_backward(family, layout, family_models, tmp_path):
     """One backward of each imported family, TP 2 + SP or PP 2 (DeepSpeed's engine), against transformers'
     own backward on the same batch: the loss and every parameter's gradient (the TP shards joined); CP 2 (the
-    ring, the engine reducing over DP x CP) for rope scaled by llama3, rope on part of the head (GLM-4.5) and MLA's
-    value heads smaller than its query/key heads (DeepSeek-V3)."""
+    ring, the engine reducing over DP x CP) for rope scaled by llama3, rope on part of the head (GLM-4.5), MLA's
+    value heads smaller than its query/key heads (DeepSeek-V3), and sliding windows (Gemma 3; GPT-OSS with its sinks:
+    windows of 8 over 16 positions in chunks of 4)."""
     from tests.model_harness import assemble_grads, compare_grads
     from tests.rank_pool import run_on_ranks
     if family == "gpt2":

@@ -428,25 +428,32 @@ def test_load_hf_mixtral_trains_at_ep2_as_at_one_rank_evaluates_to_transformers_
     original, trained = load_file(str(path / "model.safetensors")), load_file(str(tmp_path / "export" / "model.safetensors"))
     assert set(trained) == set(original) and not torch.equal(trained["model.layers.0.block_sparse_moe.experts.3.w1.weight"],
                                                              original["model.layers.0.block_sparse_moe.experts.3.w1.weight"])
-    assert_ep2_evaluation_is_transformers_loss(path, hf, data, tmp_path)  # the imported model, experts over 2 ranks
+    assert_evaluation_is_transformers_loss(path, hf, data, tmp_path)  # the imported model, experts over 2 ranks
 
 
-def assert_ep2_evaluation_is_transformers_loss(path, hf, data, tmp_path, layouts=(("--expert-model-parallel-size", 2),)):
+def assert_evaluation_is_transformers_loss(path, hf, data, tmp_path, layouts=(("--expert-model-parallel-size", 2),),
+                                          tp2_pp2: bool = False):
     """The HF model at `path` converted, evaluated by launch/evaluate.py with its experts split over 2
-    ranks (or each of the 2-rank `layouts`): transformers' loss on the same windows, within 1e-5."""
+    ranks (or each of the 2-rank `layouts`; `tp2_pp2`: also converted to TP 2 x PP 2 and evaluated there with
+    sequence parallelism): transformers' loss on the same windows, within 1e-5."""
     from hybrid.conversion.checkpoint_util import main as convert
     from tests.launch_helpers import read_log, run
     from tests.test_conversion import hf_windows_loss
-    assert convert(["--loader", "hf", "--load-dir", str(path), "--save-dir", str(tmp_path / "hybrid"),
-                    "--no-progress-bar"]) == 0
     want = hf_windows_loss(hf, data, 32, 8)
-    for i, layout in enumerate(layouts):
+    runs = [("hybrid", 2, []), ("tp2pp2", 4, ["--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size",
+                                            "2"])][:2 if tp2_pp2 else 1]
+    for name, _, target in runs:
+        assert convert(["--loader", "hf", "--load-dir", str(path), "--save-dir", str(tmp_path / name),
+                        "--no-progress-bar", *target]) == 0
+    evaluations = [("hybrid", 2, layout) for layout in layouts] + \
+        ([("tp2pp2", 4, ("--sequence-parallel",))] if tp2_pp2 else [])
+    for i, (name, ranks, layout) in enumerate(evaluations):
         log = tmp_path / f"eval{i}.jsonl"
-        run("torchrun", 2, ["--load", tmp_path / "hybrid", "--data-path", data, "--seq-length", 32,
-                            "--micro-batch-size", 2, "--eval-iters", 4, *layout, "--log-json", log],
+        run("torchrun", ranks, ["--load", tmp_path / name, "--data-path", data, "--seq-length", 32,
+                                "--micro-batch-size", 2, "--eval-iters", 4, *layout, "--log-json", log],
             script="launch/evaluate.py")
         ours = read_log(log)[0]["lm_loss"]
-        assert abs(ours - want) <= 1e-5 * abs(want), (layout, ours, want)
+        assert abs(ours - want) <= 1e-5 * abs(want), (name, layout, ours, want)
 
 
 @pytest.mark.parametrize("extra,world,message", [
@@ -560,27 +567,21 @@ def test_qwen_moe_evaluates_to_transformers_loss_with_its_experts_split_over_2_r
     (Qwen3-MoE): launch/evaluate.py at EP 2 gives transformers' loss on the same windows."""
     from tests.hf_families import make_family
     hf = make_family(family, tmp_path / "hf", tokenizer=False)
-    assert_ep2_evaluation_is_transformers_loss(tmp_path / "hf", hf, data, tmp_path)
+    assert_evaluation_is_transformers_loss(tmp_path / "hf", hf, data, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "gpt_oss"])
-def test_frontier_moe_families_evaluate_to_transformers_loss_with_their_experts_split_over_2_ranks(family, data,
+def test_frontier_moe_families_evaluate_to_transformers_loss_at_ep2_cp2_and_tp2_sp_pp2(family, data,
                                                                                                    tmp_path):
     """GLM-4.5 (partial rope, score-biased group-limited sigmoid routing, a shared expert, a dense first layer),
     DeepSeek-V3 (MLA, YaRN, the same MoE) and GPT-OSS (sinks, windows, biased experts, the clamped quick-GeGLU):
-    launch/evaluate.py at EP 2, and at CP 2 (the ring; GPT-OSS's windows are refused there), gives transformers'
-    loss on the same windows."""
+    launch/evaluate.py at EP 2, at CP 2 (the ring; GPT-OSS's sinks on its merged output and its windowed layers'
+    blocks masked) and at TP 2 + SP x PP 2 gives transformers' loss on the same windows."""
     from tests.hf_families import make_family
     hf = make_family(family, tmp_path / "hf", tokenizer=False)  # (its score biases random, as its norms)
-    layouts = [("--expert-model-parallel-size", 2)] + ([] if family == "gpt_oss" else [("--context-parallel-size", 2)])
-    assert_ep2_evaluation_is_transformers_loss(tmp_path / "hf", hf, data, tmp_path, layouts)
-    if family == "gpt_oss":
-        from tests.launch_helpers import run
-        refused = run("torchrun", 2, ["--load", tmp_path / "hybrid", "--data-path", data, "--seq-length", 32,
-                                      "--eval-iters", 4, "--context-parallel-size", 2], script="launch/evaluate.py",
-                      check=False)
-        assert refused.returncode != 0 and "sliding window" in refused.stderr and "Traceback" not in refused.stderr
+    layouts = [("--expert-model-parallel-size", 2), ("--context-parallel-size", 2)]
+    assert_evaluation_is_transformers_loss(tmp_path / "hf", hf, data, tmp_path, layouts, tp2_pp2=True)
 
 
 @pytest.mark.parametrize("experts,k,groups,chosen,function", [(16, 4, 4, 2, "sigmoid"), (16, 6, 4, 2, "sigmoid"),

@@ -57,6 +57,97 @@ def test_sink_attention_equals_transformers_eager_forward_and_backward(window, d
     assert expected[3].abs().max() > 1e-3  # the sinks take a gradient
 
 
+P_DROP, SEED = 0.3, 1234
+
+
+def _eager_dropped(q, k, v, sinks, scale, mask, keep):
+    """transformers' GptOss eager attention with dropout on its probabilities (the sink column dropped first),
+    the keep mask given: [b, heads, s, d]."""
+    group = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~mask, float("-inf"))
+    combined = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(q.size(0), -1, q.size(2), 1)], dim=-1)
+    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return (probs * keep / (1 - P_DROP)) @ v
+
+
+@pytest.mark.parametrize("window,documents", [(None, False), (5, False), (None, True), (6, True)])
+def test_sink_attention_with_dropout_equals_transformers_eager_dropped_by_the_same_keep_mask(window, documents,
+                                                                                              monkeypatch):
+    """Attention dropout with sinks (GPT-OSS run scripts keep Megatron-LM's default --attention-dropout 0.1): the
+    local path, in query blocks of 4 where a window or documents mask keys, equals transformers' eager formula
+    with its probabilities dropped by the keep mask hashed from (seed, row, head, positions), forward and
+    backward (the sinks' gradient included)."""
+    from hybrid.model import attention
+    from hybrid.model.config import ModelConfig
+    from hybrid.parallel.ring_attention import allowed_keys, keep_mask
+    monkeypatch.setattr(attention, "WINDOW_BLOCK", 4)
+    monkeypatch.setattr(attention, "DOCUMENT_BLOCK", 4)
+    g = torch.Generator().manual_seed(1)
+    s, b, heads, groups, d = 19, 2, 4, 2, 8
+    config = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=heads, num_query_groups=groups,
+                         position_embedding_type="rope", attention_dropout=P_DROP, attention_sinks=True,
+                         sliding_window=window)
+    core = attention.CoreAttention(config, 0).train()
+    monkeypatch.setattr(core, "dropout_seed", lambda q: torch.tensor(SEED))
+    q = torch.randn(s, b, heads, d, generator=g, requires_grad=True)
+    k, v = (torch.randn(s, b, groups, d, generator=g, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(heads, generator=g, requires_grad=True)
+    docs = (torch.arange(s)[None, :].expand(b, s) >= torch.tensor([[7], [12]])).long() if documents else None
+    out = core(q, k, v, docs, sinks=sinks)
+    mask = allowed_keys(torch.arange(s), torch.arange(s), window)[None, None]
+    if documents:
+        mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
+    keep = keep_mask(torch.tensor(SEED), b, heads, torch.arange(s), torch.arange(s), P_DROP)
+    want = _eager_dropped(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), sinks, core.scale, mask, keep)
+    want = want.permute(2, 0, 1, 3).reshape(s, b, -1)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    undropped = core.eval()(q, k, v, docs, sinks=sinks)
+    assert (undropped - out).abs().max() > 1e-2  # dropout ran
+    grad = torch.randn(out.shape, generator=g)
+    for a, e in zip(torch.autograd.grad(out, (q, k, v, sinks), grad), torch.autograd.grad(want, (q, k, v, sinks), grad)):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+def _ring_with_sinks_dropout_and_window(window: int):
+    import torch.distributed as dist
+    from hybrid.parallel import ring_attention as ring
+    from hybrid.parallel.groups import Axis
+    from tests.test_context_parallel import _attention_inputs
+    axis = Axis.of(dist.group.WORLD)
+    q, k, v, grad, _ = _attention_inputs()
+    sinks = torch.linspace(-1.0, 1.5, q.size(1))
+    index = ring.local_index(q.size(2), axis.size, axis.rank)
+    local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)] + [sinks.clone().requires_grad_()]
+    out = ring.ring_attention(*local[:3], axis, 0.3, dropout=P_DROP, seed=torch.tensor(SEED), sinks=local[3],
+                              window=window)
+    out.backward(grad[:, :, index])
+    return index, out.detach(), [t.grad for t in local]
+
+
+def test_the_ring_with_sinks_dropout_and_a_window_equals_transformers_eager_on_the_whole_sequence():
+    """GPT-OSS's windowed layers under CP with attention dropout: the ring (its blocks masked to the window,
+    dropped by the keep mask, the sinks on the merged output) equals the eager formula over the whole sequence:
+    outputs and the q/k/v and sinks' gradients (the K/V ones summed where blocks travelled; the sinks' over ranks)."""
+    from hybrid.parallel.ring_attention import allowed_keys, keep_mask
+    from tests.test_context_parallel import _attention_inputs
+    q, k, v, grad, _ = _attention_inputs()
+    b, heads, s, _ = q.shape
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, torch.linspace(-1.0, 1.5, heads))]
+    keep = keep_mask(torch.tensor(SEED), b, heads, torch.arange(s), torch.arange(s), P_DROP)
+    want = _eager_dropped(*leaves, 0.3, allowed_keys(torch.arange(s), torch.arange(s), 12)[None, None], keep)
+    want_grads = torch.autograd.grad(want, leaves, grad)
+    got = [torch.zeros_like(t) for t in want_grads]
+    for index, out, grads in run_on_ranks(_ring_with_sinks_dropout_and_window, 2, 12):
+        torch.testing.assert_close(out, want[:, :, index].detach(), rtol=1e-5, atol=1e-6)
+        got[0][:, :, index] = grads[0]
+        got[1][:, :, index] += grads[1]
+        got[2][:, :, index] += grads[2]
+        got[3] += grads[3]
+    for a, e in zip(got, want_grads):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
 def _iteration(layout: dict) -> dict:
     from hybrid.model.build import build_model
     from hybrid.model.config import ModelConfig

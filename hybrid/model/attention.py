@@ -22,7 +22,7 @@ from hybrid.parallel.fp8 import gemm_for
 from hybrid.parallel.groups import as_groups
 from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear, make_parallel_param
 from hybrid.parallel.random import fork_tp_rng
-from hybrid.parallel.ring_attention import kernel_note, ring_attention
+from hybrid.parallel.ring_attention import BlockDropout, allowed_keys, kernel_note, ring_attention
 
 
 class CoreAttention(nn.Module):
@@ -60,12 +60,10 @@ class CoreAttention(nn.Module):
         if cp is not None:
             v, v_dim = _pad_values(v, q.size(-1))  # the ring passes K and V as one tensor
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, heads, s_local, d]
-            dropout, seed = self.dropout if self.training else 0.0, None
-            if dropout:  # one seed per call from the per-TP-rank stream (its own on each CP rank), as masks
-                with fork_tp_rng():  # are drawn from it without CP; selective recompute redraws the same
-                    seed = torch.randint(0, 2**62, (), dtype=torch.int64, device=q.device)
+            dropout = self.dropout if self.training else 0.0
+            seed = self.dropout_seed(q) if dropout else None
             out = ring_attention(q, k, v, cp, self.scale, documents, dropout=dropout, seed=seed,
-                                 sinks=sinks)[..., :v_dim]
+                                 sinks=sinks, window=self.window)[..., :v_dim]
             s, b = out.size(2), out.size(0)
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
         if ulysses is not None:
@@ -80,23 +78,38 @@ class CoreAttention(nn.Module):
             return out.reshape(out.size(0), out.size(1), -1)
         return self.local(q, k, v, documents, sinks)
 
+    def dropout_seed(self, q) -> torch.Tensor:
+        """The seed of one call's hashed dropout masks (ring_attention.keep_mask), drawn from the per-TP-rank
+        stream (its own on each CP / Ulysses rank), as masks are drawn from it otherwise; selective recompute
+        redraws the same."""
+        with fork_tp_rng():
+            return torch.randint(0, 2**62, (), dtype=torch.int64, device=q.device)
+
     def local(self, q, k, v, documents=None, sinks=None):
         """Attention over whole sequences held on this rank (every backend)."""
-        if sinks is not None:  # (no attention dropout: ModelConfig refuses it with sinks)
-            return self._with_sinks(q, k, v, sinks, documents)
         dropout = self.dropout if self.training else 0.0
+        if sinks is not None:
+            return self._with_sinks(q, k, v, sinks, documents, dropout)
         if dropout == 0.0:  # no randomness: no RNG fork (it copies generator states on every call)
             return self._attend(q, k, v, 0.0, documents)
         with fork_tp_rng():  # heads are TP-sharded: dropout masks must differ per TP rank
             return self._attend(q, k, v, dropout, documents)
 
-    def _with_sinks(self, q, k, v, sinks, documents=None):
+    def _with_sinks(self, q, k, v, sinks, documents=None, dropout: float = 0.0):
         """Attention with sinks (hybrid.model.sinks): causal in one call, or in query blocks where a window or
-        documents mask keys (as blocked_attention)."""
+        documents mask keys (as blocked_attention); attention dropout on the math kernel, its keep mask hashed
+        from the positions (BlockDropout)."""
         s, b = q.size(0), q.size(1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, heads, s, d]
+        seed = self.dropout_seed(q) if dropout else None
+
+        def drop(start: int, end: int, first_key: int):  # the dropout of queries start..end against keys first_key..
+            if seed is None:
+                return None
+            return BlockDropout(dropout, seed, b, q.size(1), torch.arange(start, end, device=q.device),
+                                torch.arange(first_key, end, device=q.device))
         if documents is None and (self.window is None or s <= self.window):
-            out = sink_attention(q, k, v, sinks, self.scale)
+            out = sink_attention(q, k, v, sinks, self.scale, dropout=drop(0, s, 0))
         else:
             outs = []
             for start, end, first_key in window_blocks(s, self.window):
@@ -105,7 +118,7 @@ class CoreAttention(nn.Module):
                 if documents is not None:
                     mask = mask & (documents[:, start:end, None] == documents[:, None, first_key:end])[:, None]
                 outs.append(sink_attention(q[:, :, start:end], k[:, :, first_key:end], v[:, :, first_key:end],
-                                           sinks, self.scale, mask, causal=False))
+                                           sinks, self.scale, mask, causal=False, dropout=drop(start, end, first_key)))
             out = torch.cat(outs, dim=2)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
@@ -120,6 +133,9 @@ class CoreAttention(nn.Module):
             out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                   dropout_p=dropout, softmax_scale=self.scale, causal=True, window_size=window)
             return out[..., :v_dim].transpose(0, 1).reshape(s, b, -1)
+        v_dim = v.size(-1)
+        if torch.compiler.is_compiling():  # torch 2.13's TorchInductor fails on SDPA with values of their own head
+            v, v_dim = _pad_values(v, d)  # size (MLA; its fuse_attention pattern check): padded as for flash-attn
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, heads, s, d]
         if backend == "scaled_math":
             if k.size(1) != nq:  # GQA: each KV head serves its group's consecutive query heads
@@ -133,7 +149,7 @@ class CoreAttention(nn.Module):
         else:  # SDPA shares each KV head with its group's query heads itself (no K/V copies)
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.scale,
                                                  enable_gqa=k.size(1) != nq)
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [b, n, s, d] -> [s, b, n*d]
+        return out[..., :v_dim].permute(2, 0, 1, 3).reshape(s, b, -1)  # [b, n, s, d] -> [s, b, n*d]
 
     def _scaled_math(self, q, k, v, dropout, documents=None):
         coeff = float(self.layer_number)
@@ -162,7 +178,7 @@ def backend_notes(config, context_parallel: int, device_type: str = "cpu", dtype
         capability = torch.cuda.get_device_capability() if device_type == "cuda" and torch.cuda.is_available() \
             else (9, 0)
         note = kernel_note(device_type, dtype, config.splits_documents, config.attention_dropout > 0, capability,
-                           config.head_dim)
+                           config.head_dim, config.sliding_window is not None)
         notes.append(f"--context-parallel-size {context_parallel}: the ring's blocks run {note}")
     if not config.use_flash_attn:
         return notes
@@ -174,15 +190,6 @@ def backend_notes(config, context_parallel: int, device_type: str = "cpu", dtype
                         "blocks (flash-attn's variable-length form would read the document lengths on the host every "
                         "step)"]
     return notes
-
-
-def allowed_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, window) -> torch.Tensor:
-    """[queries, keys] bool: causal, and within the last `window` positions (the token itself included,
-    transformers' sliding_window) when a window is set."""
-    allowed = key_pos[None, :] <= query_pos[:, None]
-    if window is not None:
-        allowed &= key_pos[None, :] > query_pos[:, None] - window
-    return allowed
 
 
 WINDOW_BLOCK = 256  # the least query block of windowed_attention (small windows would mean many tiny blocks)

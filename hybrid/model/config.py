@@ -296,10 +296,9 @@ class ModelConfig:
         self._validate_layer_kinds()
         if self.multi_latent_attention:
             self._validate_mla()
-        if self.attention_sinks and (self.attention_dropout > 0 or self.multi_latent_attention):
-            raise ConfigError("--softmax-type learnable (attention sinks) runs without attention dropout and with "
-                              "multi-head / grouped-query attention; use --attention-dropout 0"
-                              + (" and drop --multi-latent-attention." if self.multi_latent_attention else "."))
+        if self.attention_sinks and self.multi_latent_attention:
+            raise ConfigError("--softmax-type learnable (attention sinks) runs with multi-head / grouped-query "
+                              "attention; drop --multi-latent-attention.")
         if self.mtp_num_layers is not None and self.mtp_num_layers < 0:
             raise ConfigError(f"--mtp-num-layers must be >= 0, got {self.mtp_num_layers}.")
         if self.mtp_num_layers and self.position_embedding_type != "rope":
@@ -366,7 +365,7 @@ class ModelConfig:
                               "kv_a_layernorm); MLA without them is not implemented.")
         others = {"--num-query-groups": self.num_query_groups != self.num_attention_heads,
                   "--add-qkv-bias": self.add_qkv_bias,
-                  "--window-size": self.sliding_window is not None, "--rotary-percent": self.rotary_percent != 1.0,
+                  "--rotary-percent": self.rotary_percent != 1.0,
                   "--kv-channels": self.kv_channels is not None}
         wrong = [flag for flag, on in others.items() if on]
         if wrong:

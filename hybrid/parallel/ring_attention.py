@@ -12,7 +12,11 @@ travels with it back to its owner.
 Which part of a block can attend what follows from the chunk order (no mask needed without
 documents): the own block is causal; a block from an earlier rank is seen whole by all local queries
 through its first chunk only; one from a later rank is seen whole by the local second chunk only.
-With packed documents a block is further masked to same-document pairs.
+With packed documents a block is further masked to same-document pairs; with a sliding window
+(`window`, transformers' sliding_window: a query sees itself and the window - 1 keys before it) to the
+pairs within it (`allowed_keys`, the one rule every attention path uses), and a block whose keys all lie
+before every local query's window is not computed (decided from the chunk positions on the host, no sync):
+its K/V still travel the ring.
 
 Attention dropout (`dropout` > 0) runs on the math kernel: whether query i keeps key j is a function
 of (a seed drawn once per call from the rank's RNG stream, batch row, head, i's and j's positions in
@@ -74,9 +78,9 @@ def keep_mask(seed: torch.Tensor, batch: int, heads: int, query_pos: torch.Tenso
     return x.float().div_(_PRIME) >= p
 
 
-class _Dropout:
-    """Attention dropout of one ring block: its probability and the full-sequence positions of its queries
-    and keys; `keep(rows)` the mask of those query rows."""
+class BlockDropout:
+    """Attention dropout of one block (of the ring, or of a rank's whole sequences with sinks): its probability
+    and the full-sequence positions of its queries and keys; `keep(rows)` the mask of those query rows."""
 
     def __init__(self, p: float, seed: torch.Tensor, batch: int, heads: int, query_pos, key_pos):
         self.p, self.seed, self.batch, self.heads = p, seed, batch, heads
@@ -87,6 +91,15 @@ class _Dropout:
 
     def apply(self, probs: torch.Tensor, rows: slice) -> torch.Tensor:
         return torch.where(self.keep(rows), probs * (1.0 / (1.0 - self.p)), 0.0)
+
+
+def allowed_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, window) -> torch.Tensor:
+    """[queries, keys] bool: causal, and within the last `window` positions (the token itself included,
+    transformers' sliding_window) when a window is set."""
+    allowed = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        allowed &= key_pos[None, :] > query_pos[:, None] - window
+    return allowed
 
 
 def _additive(mask, dtype):
@@ -120,22 +133,24 @@ def block_kernel(q: torch.Tensor, mask, dropout, math: bool = False) -> str:
 
 
 def kernel_note(device_type: str, dtype: torch.dtype, documents: bool, dropout: bool,
-                capability: tuple = FLASH_CAPABILITY, head_dim: int = 128) -> str:
+                capability: tuple = FLASH_CAPABILITY, head_dim: int = 128, window: bool = False) -> str:
     """Which kernel the ring's blocks run, and why (for the run's log)."""
     if device_type == "cpu" and not dropout:
         return "aten's fused CPU flash-attention kernel"
-    if device_type == "cuda" and not (documents or dropout) and dtype in (torch.float16, torch.bfloat16):
+    if device_type == "cuda" and not (documents or dropout or window) and dtype in (torch.float16, torch.bfloat16):
         if capability >= FLASH_CAPABILITY and head_dim <= 256:
             return "aten's fused CUDA flash-attention kernel (GQA without K/V copies)"
         why = (f"compute capability {capability[0]}.{capability[1]} (flash-attention needs 8.0)"
                if capability < FLASH_CAPABILITY else f"head dim {head_dim} (flash-attention takes up to 256)")
         return f"aten's fused CUDA memory-efficient kernel (K/V heads repeated under GQA), because of {why}"
     why = ("attention dropout (its masks hashed from full-sequence positions)" if dropout else
-           "packed documents (masks)" if documents else f"{dtype} (the fused kernel takes fp16/bf16)")
+           "packed documents (masks)" if documents else
+           "the sliding window (masks, in the blocks it cuts; the others skipped or unmasked)" if window else
+           f"{dtype} (the fused kernel takes fp16/bf16)")
     return f"the exact tiled math kernel, because of {why}"
 
 
-def block_forward(q, k, v, mask, causal: bool, scale: float, math: bool = False, dropout: "_Dropout" = None):
+def block_forward(q, k, v, mask, causal: bool, scale: float, math: bool = False, dropout: "BlockDropout" = None):
     """One block's attention output [b, nq, sq, d], log-sum-exp [b, nq, sq] (fp32; -inf where a query may
     see no key of the block) and the kernel's state for its backward; with `dropout` the output of the kept
     probabilities (scaled), the log-sum-exp of all of them (the merge's weights)."""
@@ -173,7 +188,7 @@ def block_forward(q, k, v, mask, causal: bool, scale: float, math: bool = False,
 
 
 def block_backward(grad_out, q, k, v, out, lse, mask, causal: bool, scale: float, math: bool = False,
-                   dropout: "_Dropout" = None, state=None):
+                   dropout: "BlockDropout" = None, state=None):
     """Gradients of one block's q, k, v (k, v compact under GQA) given the merged output and
     log-sum-exp of these queries (with `dropout`: the same kept probabilities as forward; `state`: what the
     block's forward kernel returned for its backward)."""
@@ -308,14 +323,15 @@ def sink_gradient(grad: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) 
 
 class RingAttention(torch.autograd.Function):
     """q [b, nq, s_local, d], k/v [b, ng, s_local, d] -> attention of the full sequence for the local
-    queries [b, nq, s_local, d]. `documents` [b, s] (the full sequence's, or None)."""
+    queries [b, nq, s_local, d]. `documents` [b, s] (the full sequence's, or None); `window` a sliding window
+    (or None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, axis, documents, scale, math, p, seed, sinks):
+    def forward(ctx, q, k, v, axis, documents, scale, math, p, seed, sinks, window):
         size, rank = axis.size, axis.rank
         ring = _Ring(axis.group, size, rank)
         chunk = q.size(2) // 2
-        doc_of = _documents_by_rank(documents, q.size(2) * size, size, q.device)
+        masks = _Masks(documents, window, q.size(2) * size, size, rank, q.device)
         dropouts = _block_dropouts(p, seed, q, size, rank)
         kv = torch.stack([k, v]).contiguous()
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -324,11 +340,13 @@ class RingAttention(torch.autograd.Function):
         for step in range(size):
             wait = ring.shift(kv) if step < size - 1 else None
             source, rows, cols, causal = _step_plan(step, rank, size, chunk)
-            mask = _mask(doc_of, rank, source, rows, cols, causal)
-            o, l_, state = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], mask,
-                                         causal and mask is None, scale, math, dropouts and dropouts(source, rows, cols))
-            states.append(state)
-            out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l_)
+            states.append(None)
+            if masks.visible(source, rows, cols):
+                mask = masks.of(source, rows, cols, causal)
+                o, l_, states[-1] = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], mask,
+                                                  causal and mask is None, scale, math,
+                                                  dropouts and dropouts(source, rows, cols))
+                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l_)
             if wait is not None:
                 kv = wait()
         if sinks is not None:  # the sinks' share of each query's softmax (hybrid.model.sinks)
@@ -339,6 +357,7 @@ class RingAttention(torch.autograd.Function):
                               sinks if sinks is not None else torch.empty(0))
         ctx.has_sinks = sinks is not None
         ctx.axis, ctx.scale, ctx.math, ctx.has_documents, ctx.p = axis, scale, math, documents is not None, p
+        ctx.window = window
         ctx.states = states
         return out
 
@@ -354,7 +373,7 @@ class RingAttention(torch.autograd.Function):
         size, rank = axis.size, axis.rank
         ring = _Ring(axis.group, size, rank)
         chunk = q.size(2) // 2
-        doc_of = _documents_by_rank(documents if ctx.has_documents else None, q.size(2) * size, size, q.device)
+        masks = _Masks(documents if ctx.has_documents else None, ctx.window, q.size(2) * size, size, rank, q.device)
         dropouts = _block_dropouts(ctx.p, seed, q, size, rank)
         grad_out = grad_out.contiguous()
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -364,57 +383,79 @@ class RingAttention(torch.autograd.Function):
         for step in range(size):
             wait = ring.shift(kv) if step < size - 1 else None
             source, rows, cols, causal = _step_plan(step, rank, size, chunk)
-            mask = _mask(doc_of, rank, source, rows, cols, causal)
-            dq, dk, dv = block_backward(grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                        out[:, :, rows], lse[:, :, rows], mask, causal and mask is None, scale, math,
-                                        dropouts and dropouts(source, rows, cols), ctx.states[step])
-            grad_q[:, :, rows] += dq.float()
+            visible = masks.visible(source, rows, cols)
+            if visible:
+                mask = masks.of(source, rows, cols, causal)
+                dq, dk, dv = block_backward(grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                            out[:, :, rows], lse[:, :, rows], mask, causal and mask is None, scale,
+                                            math, dropouts and dropouts(source, rows, cols), ctx.states[step])
+                grad_q[:, :, rows] += dq.float()
             if pending is not None:  # the accumulated gradient of this block, from the previous rank
                 grad_kv = pending()
-            grad_kv[0][:, :, cols] += dk.float()
-            grad_kv[1][:, :, cols] += dv.float()
+            if visible:
+                grad_kv[0][:, :, cols] += dk.float()
+                grad_kv[1][:, :, cols] += dv.float()
             pending = ring.shift(grad_kv)  # to the rank that takes this block next (finally its owner)
             if wait is not None:
                 kv = wait()
         grad_kv = pending()
         return (grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None, None, None,
-                grad_sinks)
+                grad_sinks, None)
 
 
 def _block_dropouts(p: float, seed, q, size: int, rank: int):
-    """None without dropout; else (source rank, query rows, key columns) -> that block's _Dropout."""
+    """None without dropout; else (source rank, query rows, key columns) -> that block's BlockDropout."""
     if not p:
         return None
     seq_len = q.size(2) * size
     positions = [local_index(seq_len, size, r, q.device) for r in range(size)]
-    return lambda source, rows, cols: _Dropout(p, seed, q.size(0), q.size(1), positions[rank][rows],
+    return lambda source, rows, cols: BlockDropout(p, seed, q.size(0), q.size(1), positions[rank][rows],
                                                positions[source][cols])
 
 
-def _documents_by_rank(documents, seq_len, size, device):
-    """rank -> [b, s_local] document indices of that rank's positions (None without documents)."""
-    if documents is None:
-        return None
-    return [documents[:, local_index(seq_len, size, r, device)] for r in range(size)]
+class _Masks:
+    """The pairs each block of this rank may attend beyond the block plan's causality: same document (packed
+    documents), within the sliding window; None where the plan is the whole rule."""
 
+    def __init__(self, documents, window, seq_len: int, size: int, rank: int, device):
+        self.window, self.rank = window, rank
+        self.host = [local_index(seq_len, size, r) for r in range(size)]  # positions held by each rank
+        self.positions = [p.to(device) for p in self.host]
+        self.doc_of = None if documents is None else [documents[:, p] for p in self.positions]
 
-def _mask(doc_of, rank, source, rows, cols, causal):
-    """bool [b, 1, rows, cols] same-document mask (and causal on the own block), or None."""
-    if doc_of is None:
-        return None
-    mask = doc_of[rank][:, rows, None] == doc_of[source][:, None, cols]
-    if causal:
-        n = mask.size(-1)
-        mask = mask & torch.ones(n, n, dtype=torch.bool, device=mask.device).tril()
-    return mask[:, None]
+    def visible(self, source: int, rows, cols) -> bool:
+        """Whether any local query of `rows` sees a key of the block (decided on the host: no sync)."""
+        if self.window is None:
+            return True
+        return int(self.host[self.rank][rows].min()) - int(self.host[source][cols].max()) < self.window
+
+    def _cut(self, source: int, rows, cols) -> bool:
+        """Whether the window hides some pair of the block (else the block runs as without a window)."""
+        return (self.window is not None
+                and int(self.host[self.rank][rows].max()) - int(self.host[source][cols].min()) >= self.window)
+
+    def of(self, source: int, rows, cols, causal: bool):
+        """bool [b or 1, 1, rows, cols], or None (the block's keys all visible, causal on the own block)."""
+        mask = None
+        if self._cut(source, rows, cols):  # (causal included: positions rise within a rank's chunks)
+            mask = allowed_keys(self.positions[self.rank][rows], self.positions[source][cols], self.window)[None, None]
+        if self.doc_of is not None:
+            same = (self.doc_of[self.rank][:, rows, None] == self.doc_of[source][:, None, cols])[:, None]
+            if mask is None and causal:
+                n = same.size(-1)
+                same = same & torch.ones(n, n, dtype=torch.bool, device=same.device).tril()
+            mask = same if mask is None else mask & same
+        return mask
 
 
 def ring_attention(q, k, v, axis, scale: float, documents=None, math: bool = False, dropout: float = 0.0,
-                   seed: torch.Tensor = None, sinks: torch.Tensor = None):
+                   seed: torch.Tensor = None, sinks: torch.Tensor = None, window: int = None):
     """Context-parallel causal attention on this rank's [b, heads, s_local, d] (see the module docstring);
     `dropout` > 0 needs `seed`, an int64 tensor (keep_mask): the masks of this rank's queries (against every
     key) are drawn from it, in forward and again in backward, so ranks may use different seeds. `sinks` [heads]:
-    each head's sink logit (hybrid.model.sinks), applied to the merged output."""
+    each head's sink logit (hybrid.model.sinks), applied to the merged output; `window` a sliding window
+    (allowed_keys)."""
     if dropout and seed is None:
         raise ValueError("ring_attention with dropout needs the seed its masks are drawn from")
-    return RingAttention.apply(q, k, v, axis, documents, scale, math, float(dropout), seed if dropout else None, sinks)
+    return RingAttention.apply(q, k, v, axis, documents, scale, math, float(dropout), seed if dropout else None, sinks,
+                               window)
