@@ -12,7 +12,10 @@ overlap, and the longest sequence that fits a memory budget; JSON (and a PNG wit
 2. Overlap: one attention layer's ring (forward + backward) at CP 2 against its compute alone (the same
    block kernels run back to back in one process, no communication): 1.0 means the K/V transfers
    are fully hidden behind compute.
-3. Fits: the `--dry-run` estimator's longest sequence (a multiple of 1024) whose peak per rank fits
+3. Sliding windows: one attention layer's ring (forward + backward) at CP 2 with a window (--window; the blocks
+   the window cuts run in bands against the keys each band reaches, those it hides are skipped) against the
+   same ring without one (every pair causal): the windowed layer's share of a full layer's time.
+4. Fits: the `--dry-run` estimator's longest sequence (a multiple of 1024) whose peak per rank fits
    --budget-gb for Llama 3 8B at TP 8, bf16, selective recompute, ZeRO-1, at CP 1/2/4.
 """
 
@@ -105,6 +108,30 @@ def _ring_seconds(seq: int, repeats: int) -> tuple[float, float]:
     return min(ring_times), min(alone_times)
 
 
+def _window_seconds(seq: int, window: int, repeats: int) -> tuple[float, float]:
+    """(the ring with `window`, the ring without) forward + backward seconds at CP 2, this rank's."""
+    import torch.distributed as dist
+    from hybrid.parallel.groups import Axis
+    from hybrid.parallel.ring_attention import ring_attention
+    axis = Axis.of(dist.group.WORLD)
+    g = torch.Generator().manual_seed(2)
+    heads, d, local = 8, 64, seq // 2
+    q, k, v = (torch.randn(1, heads, local, d, generator=g) for _ in range(3))
+    grad = torch.randn(1, heads, local, d, generator=g)
+
+    def run(w):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        ring_attention(qq, kk, vv, axis, d ** -0.5, window=w).backward(grad)
+
+    timings = []
+    for w in (window, None) * (repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        run(w)
+        timings.append(time.perf_counter() - start)
+    return min(timings[2::2]), min(timings[3::2])  # the first round warms up
+
+
 def _worker(rank, world, port, task, args, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -157,6 +184,7 @@ def main() -> None:
     parser.add_argument("--ring-seq", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-gb", type=float, default=80.0)
+    parser.add_argument("--window", type=int, default=128, help="the sliding window of section 3 (GPT-OSS's 128)")
     parser.add_argument("--chart", default=None, help="write a PNG of activation bytes per rank (needs matplotlib)")
     parser.add_argument("--output", default=None, help="also write the JSON here")
     args = parser.parse_args()
@@ -177,10 +205,13 @@ def main() -> None:
                                     ring_buffer_bytes_estimated=buffers))
             print(json.dumps(activations[-1]), file=sys.stderr, flush=True)
     ring, alone = max(on_ranks(2, _ring_seconds, args.ring_seq, args.repeats), key=lambda t: t[0])
+    windowed, full = max(on_ranks(2, _window_seconds, args.ring_seq, args.window, args.repeats), key=lambda t: t[0])
     result = dict(
         machine=f"{os.cpu_count()} CPU cores, gloo, fp32", model=MODEL, batch=args.batch, activations=activations,
         ring_overlap=dict(seq=args.ring_seq, cp=2, ring_seconds=ring, compute_alone_seconds=alone,
                           ratio=ring / alone),
+        windowed_ring=dict(seq=args.ring_seq, cp=2, window=args.window, windowed_seconds=windowed,
+                           causal_seconds=full, ratio=windowed / full),
         longest_sequence_fitting=dict(model="Llama 3 8B, TP 8 + SP, bf16, selective recompute, ZeRO-1",
                                       budget_gb=args.budget_gb,
                                       by_cp={cp: longest_fitting_sequence(cp, args.budget_gb) for cp in (1, 2, 4, 8)}))

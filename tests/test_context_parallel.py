@@ -36,6 +36,7 @@ def _ring_on_rank(documents: bool, math: bool, window=None):
     from hybrid.parallel.ring_attention import local_index, ring_attention
     axis = Axis.of(dist.group.WORLD)
     ring.MATH_TILE_BYTES = 4096 if math else 64 * 2**20  # the math kernel in tiles of 4 query rows
+    ring.BAND_ROWS = 1 if math else 256  # windowed blocks in bands of `window` rows (uneven within a chunk), or whole
     q, k, v, grad, ids = _attention_inputs()
     docs = documents_of(ids, EOD) if documents else None
     index = local_index(q.size(2), axis.size, axis.rank)
@@ -83,11 +84,12 @@ def test_ring_attention_equals_full_attention_with_gqa_and_documents(cp, documen
 
 
 @pytest.mark.parametrize("cp,documents,math,window", [(2, False, False, 5), (4, False, False, 5), (4, True, False, 12),
-                                                      (4, False, True, 20), (2, True, True, 24)])
+                                                      (4, False, True, 20), (2, True, True, 24), (4, False, True, 3)])
 def test_ring_attention_with_a_sliding_window_equals_full_windowed_attention(cp, documents, math, window):
     """Gemma 3's and GPT-OSS's windowed layers under CP: the ring's blocks masked to the window (each query sees
     itself and window - 1 keys before it, transformers' sliding_window), the blocks wholly outside it skipped
-    (window 5 at CP 4: chunks of 8), with documents and on the math kernel; outputs and q/k/v gradients equal the
+    (window 5 at CP 4: chunks of 8), those it cuts in bands of query rows against the keys each band's window
+    reaches (with the math kernel: bands of `window` rows), with documents; outputs and q/k/v gradients equal the
     whole sequence's windowed attention."""
     want, want_grads = _full_attention(documents, window)
     unwindowed, _ = _full_attention(documents)

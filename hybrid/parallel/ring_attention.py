@@ -16,7 +16,8 @@ With packed documents a block is further masked to same-document pairs; with a s
 (`window`, transformers' sliding_window: a query sees itself and the window - 1 keys before it) to the
 pairs within it (`allowed_keys`, the one rule every attention path uses), and a block whose keys all lie
 before every local query's window is not computed (decided from the chunk positions on the host, no sync):
-its K/V still travel the ring.
+its K/V still travel the ring; a block the window cuts runs in bands of query rows, each against the keys its
+window reaches, so a windowed layer costs s x (band + window), not s^2.
 
 Attention dropout (`dropout` > 0) runs on the math kernel: whether query i keeps key j is a function
 of (a seed drawn once per call from the rank's RNG stream, batch row, head, i's and j's positions in
@@ -340,12 +341,11 @@ class RingAttention(torch.autograd.Function):
         for step in range(size):
             wait = ring.shift(kv) if step < size - 1 else None
             source, rows, cols, causal = _step_plan(step, rank, size, chunk)
-            states.append(None)
-            if masks.visible(source, rows, cols):
-                mask = masks.of(source, rows, cols, causal)
-                o, l_, states[-1] = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], mask,
-                                                  causal and mask is None, scale, math,
-                                                  dropouts and dropouts(source, rows, cols))
+            states.append([])
+            for rows, cols, mask, causal in masks.bands(source, rows, cols, causal):
+                o, l_, state = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], mask, causal, scale,
+                                             math, dropouts and dropouts(source, rows, cols))
+                states[-1].append(state)
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, l_)
             if wait is not None:
                 kv = wait()
@@ -383,16 +383,16 @@ class RingAttention(torch.autograd.Function):
         for step in range(size):
             wait = ring.shift(kv) if step < size - 1 else None
             source, rows, cols, causal = _step_plan(step, rank, size, chunk)
-            visible = masks.visible(source, rows, cols)
-            if visible:
-                mask = masks.of(source, rows, cols, causal)
+            grads = []
+            for (rows, cols, mask, causal), state in zip(masks.bands(source, rows, cols, causal), ctx.states[step]):
                 dq, dk, dv = block_backward(grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                            out[:, :, rows], lse[:, :, rows], mask, causal and mask is None, scale,
-                                            math, dropouts and dropouts(source, rows, cols), ctx.states[step])
+                                            out[:, :, rows], lse[:, :, rows], mask, causal, scale, math,
+                                            dropouts and dropouts(source, rows, cols), state)
                 grad_q[:, :, rows] += dq.float()
+                grads.append((cols, dk, dv))
             if pending is not None:  # the accumulated gradient of this block, from the previous rank
                 grad_kv = pending()
-            if visible:
+            for cols, dk, dv in grads:
                 grad_kv[0][:, :, cols] += dk.float()
                 grad_kv[1][:, :, cols] += dv.float()
             pending = ring.shift(grad_kv)  # to the rank that takes this block next (finally its owner)
@@ -413,39 +413,58 @@ def _block_dropouts(p: float, seed, q, size: int, rank: int):
                                                positions[source][cols])
 
 
+BAND_ROWS = 256  # query rows per band of a block the window cuts (at least the window)
+
+
 class _Masks:
-    """The pairs each block of this rank may attend beyond the block plan's causality: same document (packed
-    documents), within the sliding window; None where the plan is the whole rule."""
+    """The parts of each block this rank computes and the pairs they may attend beyond the block plan's causality
+    (same document; within the sliding window), decided from the chunks' positions on the host (no sync)."""
 
     def __init__(self, documents, window, seq_len: int, size: int, rank: int, device):
-        self.window, self.rank = window, rank
+        self.window, self.rank, self.chunk = window, rank, seq_len // (2 * size)
         self.host = [local_index(seq_len, size, r) for r in range(size)]  # positions held by each rank
         self.positions = [p.to(device) for p in self.host]
         self.doc_of = None if documents is None else [documents[:, p] for p in self.positions]
 
-    def visible(self, source: int, rows, cols) -> bool:
-        """Whether any local query of `rows` sees a key of the block (decided on the host: no sync)."""
-        if self.window is None:
-            return True
-        return int(self.host[self.rank][rows].min()) - int(self.host[source][cols].max()) < self.window
+    def bands(self, source: int, rows: slice, cols: slice, causal: bool) -> list:
+        """(query rows, key columns, mask or None, causal) of each part of the block: the block whole, or, where
+        the window cuts it, bands of at most max(BAND_ROWS, window) rows of one chunk, each against the keys its
+        window reaches (none where it reaches no key): sliding-window attention costs s x (band + window)."""
+        rows, cols = _span(rows, 2 * self.chunk), _span(cols, 2 * self.chunk)
+        queries, keys = self.host[self.rank], self.host[source]
+        if self.window is None or int(queries[rows].max()) - int(keys[cols].min()) < self.window:
+            mask = self._documents(source, rows, cols, causal)
+            return [(rows, cols, mask, causal and mask is None)]
+        band, parts = max(BAND_ROWS, self.window), []
+        for first in range(rows.start, rows.stop, self.chunk):  # each chunk's rows (positions contiguous)
+            for start in range(first, min(first + self.chunk, rows.stop), band):
+                tile = slice(start, min(start + band, first + self.chunk, rows.stop))
+                low = int(queries[tile.start]) - self.window + 1  # the keys its window reaches: contiguous columns
+                lo = cols.start + int(torch.searchsorted(keys[cols], low))
+                hi = cols.start + int(torch.searchsorted(keys[cols], int(queries[tile.stop - 1]), right=True))
+                if lo < hi:
+                    span = slice(lo, hi)
+                    mask = allowed_keys(self.positions[self.rank][tile], self.positions[source][span],
+                                        self.window)[None, None]
+                    same = self._documents(source, tile, span, False)
+                    parts.append((tile, span, mask if same is None else mask & same, False))
+        return parts
 
-    def _cut(self, source: int, rows, cols) -> bool:
-        """Whether the window hides some pair of the block (else the block runs as without a window)."""
-        return (self.window is not None
-                and int(self.host[self.rank][rows].max()) - int(self.host[source][cols].min()) >= self.window)
+    def _documents(self, source: int, rows: slice, cols: slice, causal: bool):
+        """bool [b, 1, rows, cols] same-document pairs (causal on the own block), or None without documents."""
+        if self.doc_of is None:
+            return None
+        same = (self.doc_of[self.rank][:, rows, None] == self.doc_of[source][:, None, cols])[:, None]
+        if causal:
+            n = same.size(-1)
+            same = same & torch.ones(n, n, dtype=torch.bool, device=same.device).tril()
+        return same
 
-    def of(self, source: int, rows, cols, causal: bool):
-        """bool [b or 1, 1, rows, cols], or None (the block's keys all visible, causal on the own block)."""
-        mask = None
-        if self._cut(source, rows, cols):  # (causal included: positions rise within a rank's chunks)
-            mask = allowed_keys(self.positions[self.rank][rows], self.positions[source][cols], self.window)[None, None]
-        if self.doc_of is not None:
-            same = (self.doc_of[self.rank][:, rows, None] == self.doc_of[source][:, None, cols])[:, None]
-            if mask is None and causal:
-                n = same.size(-1)
-                same = same & torch.ones(n, n, dtype=torch.bool, device=same.device).tril()
-            mask = same if mask is None else mask & same
-        return mask
+
+def _span(part: slice, length: int) -> slice:
+    """`part` with explicit start and stop."""
+    start, stop, _ = part.indices(length)
+    return slice(start, stop)
 
 
 def ring_attention(q, k, v, axis, scale: float, documents=None, math: bool = False, dropout: float = 0.0,
