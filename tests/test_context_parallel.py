@@ -28,7 +28,7 @@ def _attention_inputs(seq=64, heads=4, groups=2, dim=8, seed=0):
     return q, k, v, grad, ids
 
 
-def _ring_on_rank(documents: bool, math: bool, window=None):
+def _ring_on_rank(documents: bool, math: bool, window=None, band: int = 256):
     import torch.distributed as dist
     from hybrid.model.sequence import documents_of
     from hybrid.parallel import ring_attention as ring
@@ -36,7 +36,7 @@ def _ring_on_rank(documents: bool, math: bool, window=None):
     from hybrid.parallel.ring_attention import local_index, ring_attention
     axis = Axis.of(dist.group.WORLD)
     ring.MATH_TILE_BYTES = 4096 if math else 64 * 2**20  # the math kernel in tiles of 4 query rows
-    ring.BAND_ROWS = 1 if math else 256  # windowed blocks in bands of `window` rows (uneven within a chunk), or whole
+    ring.BAND_ROWS = band  # 1: windowed blocks in bands of `window` rows (uneven within a chunk); 256: a chunk whole
     q, k, v, grad, ids = _attention_inputs()
     docs = documents_of(ids, EOD) if documents else None
     index = local_index(q.size(2), axis.size, axis.rank)
@@ -83,18 +83,20 @@ def test_ring_attention_equals_full_attention_with_gqa_and_documents(cp, documen
     assert_ring_equals(results, want, want_grads)
 
 
-@pytest.mark.parametrize("cp,documents,math,window", [(2, False, False, 5), (4, False, False, 5), (4, True, False, 12),
-                                                      (4, False, True, 20), (2, True, True, 24), (4, False, True, 3)])
-def test_ring_attention_with_a_sliding_window_equals_full_windowed_attention(cp, documents, math, window):
+@pytest.mark.parametrize("cp,documents,math,window,band", [
+    (2, False, False, 5, 1), (4, False, False, 5, 256), (4, True, False, 12, 1), (4, False, True, 20, 256),
+    (2, True, True, 24, 1), (4, False, True, 3, 1)])
+def test_ring_attention_with_a_sliding_window_equals_full_windowed_attention(cp, documents, math, window, band):
     """Gemma 3's and GPT-OSS's windowed layers under CP: the ring's blocks masked to the window (each query sees
     itself and window - 1 keys before it, transformers' sliding_window), the blocks wholly outside it skipped
     (window 5 at CP 4: chunks of 8), those it cuts in bands of query rows against the keys each band's window
-    reaches (with the math kernel: bands of `window` rows), with documents; outputs and q/k/v gradients equal the
-    whole sequence's windowed attention."""
+    reaches (`band` 1: bands of `window` rows, uneven within a chunk; 256: a chunk whole), with documents, on the
+    fused CPU kernel and the math kernel; outputs and q/k/v gradients equal the whole sequence's windowed
+    attention."""
     want, want_grads = _full_attention(documents, window)
     unwindowed, _ = _full_attention(documents)
     assert (want - unwindowed).abs().max() > 1e-2  # the window matters on these inputs
-    assert_ring_equals(run_on_ranks(_ring_on_rank, cp, documents, math, window), want, want_grads)
+    assert_ring_equals(run_on_ranks(_ring_on_rank, cp, documents, math, window, band), want, want_grads)
 
 
 def _flash_standins():
@@ -207,6 +209,8 @@ def test_the_log_says_which_kernel_the_ring_runs():
     assert "math kernel, because of attention dropout" in kernel_note("cuda", torch.bfloat16, False, True)
     assert "math kernel, because of torch.float32" in kernel_note("cuda", torch.float32, False, False)
     assert "fused CPU" in kernel_note("cpu", torch.float32, True, False)
+    windowed = kernel_note("cuda", torch.bfloat16, False, False, window=True)  # uncut blocks fused, cut ones banded
+    assert windowed.startswith("aten's fused CUDA flash-attention") and "bands" in windowed and "math" in windowed
 
 
 P_DROP, SEED = 0.3, 1234567

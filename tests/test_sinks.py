@@ -75,9 +75,9 @@ def _eager_dropped(q, k, v, sinks, scale, mask, keep):
 def test_sink_attention_with_dropout_equals_transformers_eager_dropped_by_the_same_keep_mask(window, documents,
                                                                                               monkeypatch):
     """Attention dropout with sinks (GPT-OSS run scripts keep Megatron-LM's default --attention-dropout 0.1): the
-    local path, in query blocks of 4 where a window or documents mask keys, equals transformers' eager formula
-    with its probabilities dropped by the keep mask hashed from (seed, row, head, positions), forward and
-    backward (the sinks' gradient included)."""
+    local path, in query blocks of max(window, 4) where a window or documents mask keys, equals transformers'
+    eager formula with its probabilities dropped by the keep mask hashed from (seed, row, head, positions),
+    forward and backward (the sinks' gradient included)."""
     from hybrid.model import attention
     from hybrid.model.config import ModelConfig
     from hybrid.parallel.ring_attention import allowed_keys, keep_mask
@@ -115,6 +115,7 @@ def _ring_with_sinks_dropout_and_window(window: int):
     from hybrid.parallel.groups import Axis
     from tests.test_context_parallel import _attention_inputs
     axis = Axis.of(dist.group.WORLD)
+    ring.MATH_TILE_BYTES, ring.BAND_ROWS = 4096, 1  # math tiles of a few rows; bands of the window's 12 rows
     q, k, v, grad, _ = _attention_inputs()
     sinks = torch.linspace(-1.0, 1.5, q.size(1))
     index = ring.local_index(q.size(2), axis.size, axis.rank)

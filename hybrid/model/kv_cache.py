@@ -9,8 +9,10 @@ itself only, so its (unused) keys and values stay finite and never reach a real 
 
 Multi-latent attention (hybrid.model.mla) caches what its keys and values are made from, the normed latent and
 the shared rope key of each token (kv_lora_rank + qk_pos_emb_head_dim numbers, against heads x (qk + v head
-sizes) for its keys and values: 576 against 40,960 for DeepSeek-V3), and attends them as DeepSeek-V2 describes (the up
-projection absorbed into the queries and the output, `attend_latent`).
+sizes) for its keys and values: 576 against 40,960 for DeepSeek-V3). A step of one new token per row attends
+them as DeepSeek-V2 describes (the up projection absorbed into the queries and the output, `attend_latent`); the
+prompt's step (compute-bound, many queries) makes the keys and values of its slots from their latents and attends
+them as any attention, without keeping them.
 """
 
 from __future__ import annotations
@@ -77,8 +79,12 @@ class DecodeLayout(SequenceLayout):
     def attend(self, layer: int, q, k, v, scale: float, window: Optional[int], sinks=None) -> torch.Tensor:
         """q [s, b, nq, d], the new k, v [s, b, ng, d] -> context [s, b, nq*d] over every filled slot; `sinks`
         [nq]: each head's sink logit (hybrid.model.sinks)."""
-        s, b, nq, d = q.shape
         keys, values = self.cache.write(layer, self.start, k, v)
+        return self.attend_slots(q, keys, values, scale, window, sinks)
+
+    def attend_slots(self, q, keys, values, scale: float, window: Optional[int], sinks=None) -> torch.Tensor:
+        """q [s, b, nq, d] against the filled slots' keys and values [b, ng, end, d] -> context [s, b, nq*d]."""
+        s, b, nq, d = q.shape
         mask = self.shared(("mask", s, window), lambda: self.mask(s, window, q.device))
         q = q.permute(1, 2, 0, 3)
         if sinks is not None:  # the few new positions' scores, a sink column in their softmax (transformers' eager)
@@ -94,17 +100,19 @@ class DecodeLayout(SequenceLayout):
                                                  enable_gqa=keys.size(1) != nq)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-    def attend_latent(self, layer: int, q_nope, q_pos, latent, rope_key, up_key, up_value, scale: float,
+    def attend_latent(self, q_nope, q_pos, latents, rope_keys, up_key, up_value, scale: float,
                       window: Optional[int]) -> torch.Tensor:
-        """MLA over its cached latents: q_nope [s, b, h, n] and q_pos [s, b, h, p] (roped), the new normed latents
-        [s, b, c] and roped keys [s, b, p]; up_key [h, n, c] and up_value [h, v, c] the up projection's blocks of
-        each head -> context [s, b, h*v]. A head's score q_nope . (W_k c) + q_pos . k_pos is (W_k^T q_nope) . c +
-        q_pos . k_pos and its output W_v (P c): one attention whose single key head is [c | k_pos] and value head
-        c (SDPA shares it with every query head), no head's keys or values ever made."""
-        s, b = q_nope.shape[:2]
-        latents, rope_keys = self.cache.write(layer, self.start, latent[:, :, None], rope_key[:, :, None])
-        mask = self.shared(("mask", s, window), lambda: self.mask(s, window, q_nope.device))
+        """MLA's decoding step over its cached latents: q_nope [s, b, h, n] and q_pos [s, b, h, p] (roped), the
+        filled slots' normed latents [b, 1, end, c] and roped keys [b, 1, end, p]; up_key [h, n, c] and up_value
+        [h, v, c] the up projection's blocks of each head -> context [s, b, h*v]. A head's score
+        q_nope . (W_k c) + q_pos . k_pos is (W_k^T q_nope) . c + q_pos . k_pos and its output W_v (P c): one
+        attention with a single key [c | k_pos] and value c, every head's queries as its rows (no copy of the
+        key per head; the mask, [b, h*s, end], is small for the step's few rows), no head's keys or values made."""
+        s, b, h, _ = q_nope.shape
+        end = latents.size(2)
+        mask = self.shared(("mask", s, window), lambda: self.mask(s, window, q_nope.device))  # [b, 1, s, end]
         q = torch.cat((torch.einsum("sbhn,hnc->bhsc", q_nope, up_key), q_pos.permute(1, 2, 0, 3)), dim=-1)
-        keys = torch.cat((latents, rope_keys), dim=-1)  # [b, 1, end, c + p]
-        out = F.scaled_dot_product_attention(q, keys, latents, attn_mask=mask, scale=scale, enable_gqa=True)
-        return torch.einsum("bhsc,hvc->sbhv", out, up_value).reshape(s, b, -1)
+        out = F.scaled_dot_product_attention(q.reshape(b, 1, h * s, -1), torch.cat((latents, rope_keys), dim=-1),
+                                             latents, attn_mask=mask.expand(b, h, s, end).reshape(b, 1, h * s, end),
+                                             scale=scale)
+        return torch.einsum("bhsc,hvc->sbhv", out.view(b, h, s, -1), up_value).reshape(s, b, -1)

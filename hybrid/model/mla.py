@@ -107,10 +107,8 @@ class MultiLatentAttention(nn.Module):
         q_pos = apply_rotary(q_pos, cos, sin)
         k_pos = apply_rotary(k_pos.view(s, b, 1, self.pos), cos, sin)
         if decoding:  # the cache holds latents and rope keys (hybrid.model.kv_cache); sequence parallelism is off
-            up = self.kv_up.weight.view(self.heads, self.nope + self.v_dim, -1)  # (ZeRO-3: gathered with this module)
-            return self.dense(layout.attend_latent(self.layer_number, q_nope, q_pos, latent, k_pos[:, :, 0],
-                                                   up[:, :self.nope], up[:, self.nope:], self.core.scale,
-                                                   self.core.window))
+            latents, rope_keys = layout.cache.write(self.layer_number, layout.start, latent[:, :, None], k_pos)
+            return self.dense(self._decode(q_nope, q_pos, latents, rope_keys, layout))
         kv = self.kv_up(latent)  # [s, b, heads/tp * (nope + v)]
         k_nope, v = kv.view(s, b, self.heads, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
         q = torch.cat((q_nope, q_pos), dim=-1)
@@ -122,3 +120,20 @@ class MultiLatentAttention(nn.Module):
         else:
             context = self.core(q, k, v, *split)
         return self.dense(context)  # [s, b, heads/tp * v] -> [s(/tp), b, h]
+
+    def _decode(self, q_nope, q_pos, latents, rope_keys, layout):
+        """A decoding step's context [s, b, heads/tp * v] from the filled slots' latents [b, 1, end, c] and rope
+        keys [b, 1, end, p]: one new token per row with the up projection absorbed (its weight read here:
+        ZeRO-3 gathers it with this module, hybrid.training.engine), the prompt's step through the projection."""
+        s, b = q_nope.shape[:2]
+        if s == 1:
+            up = self.kv_up.weight.view(self.heads, self.nope + self.v_dim, -1)
+            return layout.attend_latent(q_nope, q_pos, latents, rope_keys, up[:, :self.nope], up[:, self.nope:],
+                                        self.core.scale, self.core.window)
+        end = latents.size(2)
+        kv = self.kv_up(latents[:, 0].transpose(0, 1))  # [end, b, heads/tp * (nope + v)]
+        k_nope, v = kv.view(end, b, self.heads, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, rope_keys[:, 0].transpose(0, 1)[:, :, None].expand(end, b, self.heads, self.pos)), -1)
+        keys, values = (t.permute(1, 2, 0, 3) for t in (k, v))  # [b, heads/tp, end, d]
+        return layout.attend_slots(torch.cat((q_nope, q_pos), dim=-1), keys, values, self.core.scale,
+                                   self.core.window)

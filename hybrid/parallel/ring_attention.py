@@ -138,16 +138,16 @@ def kernel_note(device_type: str, dtype: torch.dtype, documents: bool, dropout: 
     """Which kernel the ring's blocks run, and why (for the run's log)."""
     if device_type == "cpu" and not dropout:
         return "aten's fused CPU flash-attention kernel"
-    if device_type == "cuda" and not (documents or dropout or window) and dtype in (torch.float16, torch.bfloat16):
+    if device_type == "cuda" and not (documents or dropout) and dtype in (torch.float16, torch.bfloat16):
+        banded = "; in windowed layers the bands of the blocks the window cuts run the exact tiled math kernel " \
+            "(masks)" if window else ""
         if capability >= FLASH_CAPABILITY and head_dim <= 256:
-            return "aten's fused CUDA flash-attention kernel (GQA without K/V copies)"
+            return "aten's fused CUDA flash-attention kernel (GQA without K/V copies)" + banded
         why = (f"compute capability {capability[0]}.{capability[1]} (flash-attention needs 8.0)"
                if capability < FLASH_CAPABILITY else f"head dim {head_dim} (flash-attention takes up to 256)")
-        return f"aten's fused CUDA memory-efficient kernel (K/V heads repeated under GQA), because of {why}"
+        return f"aten's fused CUDA memory-efficient kernel (K/V heads repeated under GQA), because of {why}" + banded
     why = ("attention dropout (its masks hashed from full-sequence positions)" if dropout else
-           "packed documents (masks)" if documents else
-           "the sliding window (masks, in the blocks it cuts; the others skipped or unmasked)" if window else
-           f"{dtype} (the fused kernel takes fp16/bf16)")
+           "packed documents (masks)" if documents else f"{dtype} (the fused kernel takes fp16/bf16)")
     return f"the exact tiled math kernel, because of {why}"
 
 
@@ -422,8 +422,10 @@ class _Masks:
 
     def __init__(self, documents, window, seq_len: int, size: int, rank: int, device):
         self.window, self.rank, self.chunk = window, rank, seq_len // (2 * size)
-        self.host = [local_index(seq_len, size, r) for r in range(size)]  # positions held by each rank
-        self.positions = [p.to(device) for p in self.host]
+        self.host = [local_index(seq_len, size, r) for r in range(size)]  # positions held by each rank (decisions)
+        self.positions = None  # the same made on the device (no copy from the host: no sync), where masks need them
+        if window is not None or documents is not None:
+            self.positions = [local_index(seq_len, size, r, device) for r in range(size)]
         self.doc_of = None if documents is None else [documents[:, p] for p in self.positions]
 
     def bands(self, source: int, rows: slice, cols: slice, causal: bool) -> list:
