@@ -71,7 +71,8 @@ def test_greedy_equals_transformers_and_the_logprobs_equal_its_forward(family, h
 def test_mla_decoding_caches_latents_and_rope_keys_not_each_heads_keys_and_values(hf_models):
     """DeepSeek-V3's cache (hybrid.model.kv_cache.attend_latent): per layer and slot its normed latent (12) and
     shared rope key (4), not 4 heads' keys (12) and values (6); the greedy tokens and log-probabilities equal
-    transformers' (test above) with the up projection absorbed."""
+    transformers' (test above) with the up projection absorbed in each one-token step (the prompt's step makes its
+    slots' keys and values from their latents)."""
     from hybrid.model.generate import SamplingOptions, generate
     path, _ = hf_models["deepseek_v3"]
     model = one_rank_model(path)
