@@ -109,11 +109,8 @@ class MultiLatentAttention(nn.Module):
         if decoding:  # the cache holds latents and rope keys (hybrid.model.kv_cache); sequence parallelism is off
             latents, rope_keys = layout.cache.write(self.layer_number, layout.start, latent[:, :, None], k_pos)
             return self.dense(self._decode(q_nope, q_pos, latents, rope_keys, layout))
-        kv = self.kv_up(latent)  # [s, b, heads/tp * (nope + v)]
-        k_nope, v = kv.view(s, b, self.heads, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
+        k, v = self._keys_values(latent, k_pos)
         q = torch.cat((q_nope, q_pos), dim=-1)
-        k = torch.cat((k_nope, k_pos.expand(s, b, self.heads, self.pos)), dim=-1)
-        v = v.contiguous()
         split = (None, None, None) if layout is None else (layout.documents, layout.cp, layout.ulysses)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             context = deepspeed.checkpointing.checkpoint(self.core, q, k, v, *split)
@@ -121,19 +118,23 @@ class MultiLatentAttention(nn.Module):
             context = self.core(q, k, v, *split)
         return self.dense(context)  # [s, b, heads/tp * v] -> [s(/tp), b, h]
 
+    def _keys_values(self, latent, k_pos):
+        """Each head's keys [s, b, heads/tp, nope + pos] and values [s, b, heads/tp, v] from the normed latents
+        [s(/tp), b, c] (the up projection) and the roped shared key [s, b, 1, pos]."""
+        kv = self.kv_up(latent)  # [s, b, heads/tp * (nope + v)]
+        s, b = kv.shape[:2]
+        k_nope, v = kv.view(s, b, self.heads, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
+        return torch.cat((k_nope, k_pos.expand(s, b, self.heads, self.pos)), dim=-1), v.contiguous()
+
     def _decode(self, q_nope, q_pos, latents, rope_keys, layout):
         """A decoding step's context [s, b, heads/tp * v] from the filled slots' latents [b, 1, end, c] and rope
         keys [b, 1, end, p]: one new token per row with the up projection absorbed (its weight read here:
         ZeRO-3 gathers it with this module, hybrid.training.engine), the prompt's step through the projection."""
-        s, b = q_nope.shape[:2]
-        if s == 1:
+        if q_nope.size(0) == 1:
             up = self.kv_up.weight.view(self.heads, self.nope + self.v_dim, -1)
             return layout.attend_latent(q_nope, q_pos, latents, rope_keys, up[:, :self.nope], up[:, self.nope:],
                                         self.core.scale, self.core.window)
-        end = latents.size(2)
-        kv = self.kv_up(latents[:, 0].transpose(0, 1))  # [end, b, heads/tp * (nope + v)]
-        k_nope, v = kv.view(end, b, self.heads, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat((k_nope, rope_keys[:, 0].transpose(0, 1)[:, :, None].expand(end, b, self.heads, self.pos)), -1)
+        k, v = self._keys_values(latents[:, 0].transpose(0, 1), rope_keys.permute(2, 0, 1, 3))  # every filled slot
         keys, values = (t.permute(1, 2, 0, 3) for t in (k, v))  # [b, heads/tp, end, d]
         return layout.attend_slots(torch.cat((q_nope, q_pos), dim=-1), keys, values, self.core.scale,
                                    self.core.window)

@@ -332,8 +332,8 @@ class RingAttention(torch.autograd.Function):
         size, rank = axis.size, axis.rank
         ring = _Ring(axis.group, size, rank)
         chunk = q.size(2) // 2
-        masks = _Masks(documents, window, q.size(2) * size, size, rank, q.device)
-        dropouts = _block_dropouts(p, seed, q, size, rank)
+        masks = _Masks(documents, window, q.size(2) * size, size, rank, q.device, bool(p))
+        dropouts = _block_dropouts(p, seed, q, masks)
         kv = torch.stack([k, v]).contiguous()
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
@@ -373,8 +373,9 @@ class RingAttention(torch.autograd.Function):
         size, rank = axis.size, axis.rank
         ring = _Ring(axis.group, size, rank)
         chunk = q.size(2) // 2
-        masks = _Masks(documents if ctx.has_documents else None, ctx.window, q.size(2) * size, size, rank, q.device)
-        dropouts = _block_dropouts(ctx.p, seed, q, size, rank)
+        masks = _Masks(documents if ctx.has_documents else None, ctx.window, q.size(2) * size, size, rank, q.device,
+                       bool(ctx.p))
+        dropouts = _block_dropouts(ctx.p, seed, q, masks)
         grad_out = grad_out.contiguous()
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
@@ -403,14 +404,13 @@ class RingAttention(torch.autograd.Function):
                 grad_sinks, None)
 
 
-def _block_dropouts(p: float, seed, q, size: int, rank: int):
+def _block_dropouts(p: float, seed, q, masks: "_Masks"):
     """None without dropout; else (source rank, query rows, key columns) -> that block's BlockDropout."""
     if not p:
         return None
-    seq_len = q.size(2) * size
-    positions = [local_index(seq_len, size, r, q.device) for r in range(size)]
-    return lambda source, rows, cols: BlockDropout(p, seed, q.size(0), q.size(1), positions[rank][rows],
-                                               positions[source][cols])
+    positions = masks.positions
+    return lambda source, rows, cols: BlockDropout(p, seed, q.size(0), q.size(1), positions[masks.rank][rows],
+                                                   positions[source][cols])
 
 
 BAND_ROWS = 256  # query rows per band of a block the window cuts (at least the window)
@@ -420,11 +420,11 @@ class _Masks:
     """The parts of each block this rank computes and the pairs they may attend beyond the block plan's causality
     (same document; within the sliding window), decided from the chunks' positions on the host (no sync)."""
 
-    def __init__(self, documents, window, seq_len: int, size: int, rank: int, device):
+    def __init__(self, documents, window, seq_len: int, size: int, rank: int, device, dropout: bool = False):
         self.window, self.rank, self.chunk = window, rank, seq_len // (2 * size)
         self.host = [local_index(seq_len, size, r) for r in range(size)]  # positions held by each rank (decisions)
-        self.positions = None  # the same made on the device (no copy from the host: no sync), where masks need them
-        if window is not None or documents is not None:
+        self.positions = None  # the same made on the device (no copy from the host: no sync), where masks or
+        if window is not None or documents is not None or dropout:  # dropout's hash need them
             self.positions = [local_index(seq_len, size, r, device) for r in range(size)]
         self.doc_of = None if documents is None else [documents[:, p] for p in self.positions]
 
