@@ -58,6 +58,10 @@ SAMPLE = {  # combination -> the outcome it must have (a rule's name for a refus
     "mla+mtp+pp2": "equal",
     "mla+mtp+ep2+tp2_sp": "equal",
     "mla+mtp+pp2_zbv": "mtp-split-backward",
+    # found by the sweep: MLA under --torch-compile (TorchInductor's attention pattern check on values of their own
+    # head size) and MLA with a window (refused for no reason)
+    "compile+mla": "equal",
+    "mla+window": "equal",
 }
 
 
