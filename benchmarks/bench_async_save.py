@@ -67,7 +67,8 @@ def main() -> None:
                              "median_iteration_s": statistics.median(r["elapsed_ms_per_iter"] / 1000 for r in records)}
     print(json.dumps({"stall": results, "baseline_run_s": baseline,
                       "async_over_sync": results["async"]["stall_s_per_save"] / results["sync"]["stall_s_per_save"],
-                      "thread_async_over_sync": results["async"]["thread_s_per_save"] / results["sync"]["thread_s_per_save"],
+                      "thread_async_over_sync":
+                          results["async"]["thread_s_per_save"] / results["sync"]["thread_s_per_save"],
                       "config": {k: v for k, v in vars(args).items() if k != "extra"}}))
 
 

@@ -67,7 +67,8 @@ def linear_layers(tokens: int, repeats: int, device) -> dict:
         for name, n_in, n_out, kind, segments in shapes:
             fp8 = gemm_for(config, groups, "layers.0.x", kind, segments) if recipe else None
             cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
-            layers.append((cls(n_in, n_out, groups, torch.nn.init.normal_, bias=False, fp8=fp8).to(device, torch.bfloat16),
+            layer = cls(n_in, n_out, groups, torch.nn.init.normal_, bias=False, fp8=fp8)
+            layers.append((layer.to(device, torch.bfloat16),
                            torch.randn(tokens, 1, n_in, device=device, dtype=torch.bfloat16, requires_grad=True)))
 
         def step():

@@ -161,7 +161,8 @@ def main(argv=None) -> None:
     results = {"preset": args.preset, "shapes": p, "torch": torch.__version__, "threads": torch.get_num_threads(),
                "mla_attention": mla(p, device, dtype), "deepseek_moe": moe(p, device, dtype),
                "sink_attention": sinks(p, device, dtype)}
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"frontier_{args.preset}.json")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"frontier_{args.preset}.json")
     with open(out, "w") as f:
         json.dump(results, f, indent=2)
     print(json.dumps(results, indent=2))

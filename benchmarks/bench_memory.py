@@ -1,5 +1,6 @@
 """The largest rank's peak memory at PP 2 x DP 2 under ZeRO-1, -2 and -3 (the one runtime), measured and as
-`--dry-run` estimates it, stage by stage, in bf16 and fp32, for a GPT-2-small-sized model with an untied head (162M parameters), as JSON.
+`--dry-run` estimates it, stage by stage, in bf16 and fp32, for a GPT-2-small-sized model with an untied head (162M
+parameters), as JSON.
 
     python benchmarks/bench_memory.py [--num-layers 12 --hidden-size 768 --seq-length 128]
 
@@ -36,7 +37,8 @@ def _flags(a, zero: int, bucket: int, config_dir: str, bf16: bool) -> list:
         "--num-layers", a.num_layers, "--hidden-size", a.hidden_size, "--num-attention-heads", a.hidden_size // 64,
         "--seq-length", a.seq_length, "--max-position-embeddings", a.seq_length, "--micro-batch-size", 1,
         "--global-batch-size", 4, "--train-iters", 2, "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", 50256, "--untie-embeddings-and-output-weights", "--lr", 1e-4, "--log-interval", 1, "--eval-iters", 0, "--no-progress-bar",
+        "--vocab-size", 50256, "--untie-embeddings-and-output-weights", "--lr", 1e-4, "--log-interval", 1,
+        "--eval-iters", 0, "--no-progress-bar",
         "--num-workers", 0, "--pipeline-model-parallel-size", 2, "--deepspeed", config,
         *(["--bf16"] if bf16 else [])]]
 

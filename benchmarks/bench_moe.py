@@ -123,8 +123,9 @@ def experts_benchmark(tokens: int, repeats: int, device, dtype) -> dict:
         layer, x, step = _moe_layer_and_step(tokens, device, dtype, moe_grouped_gemm=grouped)
         seconds = _time(step, repeats, device)
         results[grouped] = layer(x).detach().float()
+        ran_grouped = bool(layer.grouped_gemm) if grouped else False
         out["grouped_gemm" if grouped else "per_expert_loop"] = {"seconds": seconds, "tokens_per_s": tokens / seconds,
-                                                                 "ran_grouped": bool(layer.grouped_gemm) if grouped else False}
+                                                                 "ran_grouped": ran_grouped}
     out["grouped_over_loop"] = out["per_expert_loop"]["seconds"] / out["grouped_gemm"]["seconds"]
     out["max_abs_difference"] = (results[True] - results[False]).abs().max().item()
     return out

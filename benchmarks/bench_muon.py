@@ -60,7 +60,8 @@ def main() -> None:
     a = p.parse_args()
     heads = max(1, a.hidden_size // 64)
     base = ["--num-layers", a.num_layers, "--hidden-size", a.hidden_size, "--num-attention-heads", heads,
-            "--ffn-hidden-size", 4 * a.hidden_size, "--seq-length", a.seq_length, "--max-position-embeddings", a.seq_length, "--micro-batch-size", 1,
+            "--ffn-hidden-size", 4 * a.hidden_size, "--seq-length", a.seq_length, "--max-position-embeddings",
+            a.seq_length, "--micro-batch-size", 1,
             "--global-batch-size", 2, "--train-iters", a.iters, "--mock-data", "--tokenizer-type", "NullTokenizer",
             "--vocab-size", 1024, "--lr", 1e-3, "--log-interval", 1, "--eval-iters", 0, "--no-progress-bar",
             "--hidden-dropout", 0, "--attention-dropout", 0, "--swiglu", "--disable-bias-linear"]

@@ -108,7 +108,8 @@ def worker(a) -> None:
     from hybrid.parallel.groups import build_groups
     torch.set_num_threads(1)
     groups = build_groups(pipeline_parallel=2)
-    runs = {"one_runtime_1f1b": one_runtime(a, groups), "deepspeed_pipeline_engine": deepspeed_pipeline_engine(a, groups)}
+    runs = {"one_runtime_1f1b": one_runtime(a, groups),
+            "deepspeed_pipeline_engine": deepspeed_pipeline_engine(a, groups)}
     tokens = a.micro_batches * a.micro_batch_size * a.seq_length
     measured = {name: [] for name in runs}
     for name, step in runs.items():  # warm-up (first-step set-up)

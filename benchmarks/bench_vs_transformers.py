@@ -169,7 +169,7 @@ def bench_config(c: dict, device: torch.device, variants: list[str], rounds: int
                 peaks[name] = max(peaks.get(name, 0), torch.cuda.max_memory_allocated() - others)
     run = steps_by_name.get("hybrid") or steps_by_name.get("hybrid_compiled")
     flops = flops_per_iteration(run.run.model, c["batch"], c["seq"], run.run.model.padded_vocab_size(1))
-    from hybrid.training.profiling import device_peak_tflops  # the one table of peaks (the run's MFU's)
+    from hybrid.training.metrics import device_peak_tflops  # the one table of peaks (the run's MFU's)
     peak = device_peak_tflops(device, "bf16", False)
     out = {}
     for name in variants:

@@ -121,7 +121,8 @@ def _tiny(data: str, save) -> list:
     assets = os.path.join(ROOT, "hybrid", "data", "default")
     return [str(f) for f in ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
             "--max-position-embeddings", 16, "--micro-batch-size", 2, "--global-batch-size", 8, "--train-iters", 4,
-            "--lr", 1e-3, "--min-lr", 1e-4, "--lr-decay-style", "cosine", "--lr-warmup-iters", 1, "--weight-decay", 0.01,
+            "--lr", 1e-3, "--min-lr", 1e-4, "--lr-decay-style", "cosine", "--lr-warmup-iters", 1, "--weight-decay",
+                             0.01,
             "--clip-grad", 1.0, "--hidden-dropout", 0, "--attention-dropout", 0, "--seed", 7, "--log-interval", 1,
             "--eval-iters", 0, "--no-progress-bar", "--data-path", data, "--vocab-file",
             os.path.join(assets, "vocab.json"), "--merge-file", os.path.join(assets, "merges.txt"),
@@ -293,11 +294,15 @@ def write_matrix(results: list, out_dir: str, summary: dict) -> None:
     for rule in sorted({rule for rule, _ in refusals}):
         lines.append(f"- `{rule}`: " + ", ".join(c for r, c in refusals if r == rule))
     reruns = [r for r in results if "rerun_of" in r]
+
+    def _first_outcome(first: dict) -> str:
+        return first.get("error") or first.get("message") or first.get("rule") or ""
+
     if reruns:
         lines += ["", "## Cells run again (--rerun-failed)", ""]
-        lines += [f"- {r['combination']}: {r['status']} in {r.get('seconds', 0):.0f} s; first {r['rerun_of']['status']} "
-                  f"after {r['rerun_of'].get('seconds', 0):.0f} s "
-                  f"({(r['rerun_of'].get('error') or r['rerun_of'].get('message') or r['rerun_of'].get('rule') or '')[-120:]!r})"
+        lines += [f"- {r['combination']}: {r['status']} in {r.get('seconds', 0):.0f} s; first "
+                  f"{r['rerun_of']['status']} after {r['rerun_of'].get('seconds', 0):.0f} s "
+                  f"({_first_outcome(r['rerun_of'])[-120:]!r})"
                   for r in reruns]
     with open(os.path.join(out_dir, "combinations.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -127,7 +127,8 @@ def fp16_loss_scale_stop():
 def ring_flash_vs_full():
     """Two CP ranks' ring steps in one process (the blocks each computes, merged as the ring merges them),
     on aten's CUDA flash kernel, against full-sequence SDPA: output and q/k/v gradients, bf16, GQA."""
-    from hybrid.parallel.ring_attention import _step_plan, block_backward, block_forward, block_kernel, local_index, merge
+    from hybrid.parallel.ring_attention import (_step_plan, block_backward, block_forward, block_kernel, local_index,
+                                                merge)
     b, heads, groups, s, d, size = 2, 8, 2, 1024, 64, 2
     q = torch.randn(b, heads, s, d, device=DEVICE, dtype=torch.bfloat16)
     k, v = (torch.randn(b, groups, s, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
@@ -176,7 +177,8 @@ def grouped_gemm_bf16():
     loop = torch.cat([F.linear(part, w) for part, w in zip(rows.split(counts.tolist()), weights)])
     loop.float().square().mean().backward()
     want = [rows.grad] + [w.grad for w in weights]
-    figures = {"output": _close(out, loop, 0), "grads": max(_close(a, b, 0) for a, b in zip(got, want) if b.abs().max() > 0)}
+    figures = {"output": _close(out, loop, 0),
+               "grads": max(_close(a, b, 0) for a, b in zip(got, want) if b.abs().max() > 0)}
     return {"ok": all(v < 2e-2 for v in figures.values()), **figures}
 
 
@@ -219,7 +221,8 @@ def compile_vs_eager():
         loss.backward()
         losses.append(loss.item())
     grad = _close(compiled.layers[0].mlp.fc1.weight.grad, eager.layers[0].mlp.fc1.weight.grad, 0)
-    return {"ok": abs(losses[0] - losses[1]) / losses[0] < 1e-2 and grad < 5e-2, "loss_rel": abs(losses[0] - losses[1]) / losses[0],
+    return {"ok": abs(losses[0] - losses[1]) / losses[0] < 1e-2 and grad < 5e-2,
+            "loss_rel": abs(losses[0] - losses[1]) / losses[0],
             "grad_rel": grad}
 
 

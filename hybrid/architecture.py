@@ -68,7 +68,8 @@ def architecture_from_flags(args, vocab_size: int) -> ModelConfig:
         num_query_groups=args.num_query_groups if args.group_query_attention or args.num_query_groups else None,
         position_embedding_type="rope" if args.use_rotary_position_embeddings or args.position_embedding_type == "yarn"
         or args.enable_gpt_oss else args.position_embedding_type,
-        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent, normalization=args.normalization, norm_epsilon=args.norm_epsilon,
+        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent, normalization=args.normalization,
+        norm_epsilon=args.norm_epsilon,
         swiglu=args.swiglu, add_bias_linear=not args.disable_bias_linear,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
@@ -100,7 +101,8 @@ def _mla_fields(args) -> dict:
 
 
 MOE_FLAGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
-             "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+             "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+             "moe_router_group_topk",
              "moe_router_enable_expert_bias", "moe_router_dtype", "moe_shared_expert_intermediate_size",
              "moe_shared_expert_gate")  # the architecture (an imported model's config sets them)
 MOE_TRAINING_FLAGS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
@@ -136,7 +138,8 @@ def model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = N
     num_layers = args.recompute_num_layers or args.checkpoint_num_layers or 1
     if base is not None and vocab_size > base.vocab_size:
         raise ConfigError(f"--load-hf {args.load_hf}: the tokenizer has {vocab_size} tokens but the model's "
-                          f"embedding only {base.vocab_size}; use the model's own tokenizer (drop the tokenizer flags).")
+                          f"embedding only {base.vocab_size}; use the model's own tokenizer (drop the tokenizer "
+                          f"flags).")
     architecture = base or architecture_from_flags(args, vocab_size)
     if architecture.family is None:  # recorded in the checkpoints, so export writes this family
         architecture = dataclasses.replace(architecture, family=infer_family(architecture))

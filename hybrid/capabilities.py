@@ -176,9 +176,9 @@ RULES = [
          "fewer groups and its reduction would wait forever",
          lambda s: s.experts and s.pp > 1 and s.experts_on_every_stage is False,
          lambda s: f"--num-experts with --pipeline-model-parallel-size {s.pp}: a pipeline rank holds no MoE layer "
-                   f"(with --moe-layer-freq and this stage split); every pipeline rank needs at least one, as DeepSpeed "
-                   f"reduces each optimizer group's gradient norm over the pipeline. Use --moe-layer-freq 1, or a "
-                   f"--pipeline-partition giving each rank an MoE layer."),
+                   f"(with --moe-layer-freq and this stage split); every pipeline rank needs at least one, as "
+                   f"DeepSpeed reduces each optimizer group's gradient norm over the pipeline. Use --moe-layer-freq 1, "
+                   f"or a --pipeline-partition giving each rank an MoE layer."),
     Rule("moe-universal-pipeline", "universal checkpoints of MoE models with pipeline parallelism",
          "the expert groups' universal conversion is written for PP = 1 (DeepSpeed's own tool does not read "
          "expert groups); not built for pipeline stages",

@@ -3,7 +3,7 @@ job config: the model (hybrid.model.config.ModelConfig), the parallel sizes (hyb
 ParallelDims) and pipeline schedule (hybrid.pipeline_plan.PipelineSchedule), training, optimizer,
 data, checkpoint and logging settings.
 
-Every check runs in `build_run_config`, once, before any model is built or DeepSpeed is imported;
+Every check runs in `build_run_config`, once, before any model is built or process group made;
 a mistake raises ConfigError naming the flag (and the DeepSpeed config key where both are
 involved) and the fix. The flags themselves are in hybrid.flags, the merge with the DeepSpeed
 JSON in hybrid.ds_config, the architecture in hybrid.architecture, the refused combinations in
@@ -24,6 +24,7 @@ from hybrid.capabilities import Setup, check
 from hybrid.checkpoint.client_state import SavedLayout, read_client_state
 from hybrid.checkpoint.files import read_tag
 from hybrid.data import default as default_data
+from hybrid.data.arithmetic import DEFAULT_REWARDS
 from hybrid.data.chat import ChatOptions
 from hybrid.data.plan import data_files
 from hybrid.errors import ConfigError
@@ -423,8 +424,9 @@ def _sft_flags(args) -> None:
     """--sft: conversations packed with their document masks and positions, the loss a token mean."""
     if args.dpo:
         _dpo_flags(args)
-    elif (args.dpo_beta != 0.1 or args.dpo_label_smoothing or args.dpo_loss_type != "sigmoid" or args.dpo_reference_logps
-          or args.dpo_max_length or args.dpo_max_prompt_length or args.dpo_truncation_mode != "keep_start"):
+    elif (args.dpo_beta != 0.1 or args.dpo_label_smoothing or args.dpo_loss_type != "sigmoid"
+          or args.dpo_reference_logps or args.dpo_max_length or args.dpo_max_prompt_length
+          or args.dpo_truncation_mode != "keep_start"):
         raise ConfigError("--dpo-beta / --dpo-label-smoothing / --dpo-loss-type / --dpo-reference-logps / "
                           "--dpo-max-length / --dpo-max-prompt-length / --dpo-truncation-mode set DPO: add --dpo.")
     if not (args.sft or args.dpo):
@@ -470,7 +472,8 @@ def _grpo_flags(args) -> None:
                           f"samples: a temperature > 0, top-p in (0, 1], top-k 0 (off) or more.")
     if args.max_new_tokens < 1 or args.grpo_iterations < 1 or args.grpo_epsilon <= 0 or args.grpo_beta < 0:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} and --grpo-iterations {args.grpo_iterations} "
-                          f"take at least 1, --grpo-epsilon {args.grpo_epsilon} > 0, --grpo-beta {args.grpo_beta} >= 0.")
+                          f"take at least 1, --grpo-epsilon {args.grpo_epsilon} > 0, --grpo-beta {args.grpo_beta} >= "
+                          f"0.")
     if args.grpo_epsilon_high is not None and args.grpo_epsilon_high <= 0:
         raise ConfigError(f"--grpo-epsilon-high {args.grpo_epsilon_high}: give a positive clip.")
     if args.grpo_beta > 0 and not args.load_hf:
@@ -480,7 +483,6 @@ def _grpo_flags(args) -> None:
         if args.data_path:
             raise ConfigError("--grpo with --data-path needs --reward-function FILE.py:NAME (TRL's signature: "
                               "prompts, completions, completion_ids, **columns -> list of floats).")
-        from hybrid.data.arithmetic import DEFAULT_REWARDS  # not at the top: only --grpo runs use the task
         functions = list(DEFAULT_REWARDS)
     if args.reward_weights is not None and len(args.reward_weights) != len(functions):
         raise ConfigError(f"--reward-weights: {len(args.reward_weights)} weights for {len(functions)} "
@@ -503,7 +505,8 @@ def grpo_options(args, global_batch: int, dp: int) -> GRPOOptions:
     g = args.grpo_group_size
     if global_batch % (g * dp):
         raise ConfigError(f"--global-batch-size {global_batch}: --grpo counts completions, in whole groups of "
-                          f"--grpo-group-size {g} on each of the {dp} data-parallel ranks: give a multiple of {g * dp}.")
+                          f"--grpo-group-size {g} on each of the {dp} data-parallel ranks: give a multiple of "
+                          f"{g * dp}.")
     return GRPOOptions(g, args.grpo_epsilon, args.grpo_epsilon_high, args.grpo_beta, args.grpo_loss_type,
                        args.grpo_scale_rewards, args.grpo_iterations, args.max_new_tokens, args.temperature,
                        args.top_p, args.top_k, tuple(args.reward_function), tuple(args.reward_weights or ()))

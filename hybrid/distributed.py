@@ -89,7 +89,7 @@ def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = Non
     default nccl on CUDA, gloo on CPU), then DeepSpeed's comm. `timeout_minutes`
     (--distributed-timeout-minutes) bounds every collective of every group made afterwards; a call
     when torch.distributed is already initialised changes neither."""
-    import deepspeed  # here, not at the top: its import takes seconds, and flag errors must not wait for it
+    import deepspeed  # not at the top: data tools import this module and never need DeepSpeed (seconds to load)
 
     timeout = datetime.timedelta(minutes=timeout_minutes)
     share_cpu_cores()

@@ -62,7 +62,8 @@ def _setup(plan: MemoryPlan):
                  torch_compile=plan.torch_compile, experts=bool(model.num_experts), ep=plan.ep,
                  sequence_parallel=model.sequence_parallel, seq_length=plan.seq_length,
                  heads_per_tp=model.num_attention_heads // plan.tp, groups_per_tp=model.num_query_groups // plan.tp,
-                 dpo=plan.reference_model, optimizer="muon" if plan.muon else "adam")  # --dpo without precomputed values (with them nothing is refused)
+                 # --dpo without precomputed values (with them nothing is refused)
+                 dpo=plan.reference_model, optimizer="muon" if plan.muon else "adam")
 
 
 def _fits_model(plan: MemoryPlan) -> bool:

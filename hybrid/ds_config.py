@@ -20,7 +20,8 @@ def load_ds_config(args) -> tuple[dict, Optional[str]]:
     path = args.deepspeed_config
     if isinstance(args.deepspeed, str):
         if path and path != args.deepspeed:
-            raise ConfigError(f"--deepspeed {args.deepspeed} and --deepspeed_config {path} name different files; give one.")
+            raise ConfigError(f"--deepspeed {args.deepspeed} and --deepspeed_config {path} name different files; give "
+                              f"one.")
         path = args.deepspeed
     if path is None:
         path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None

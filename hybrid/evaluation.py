@@ -45,7 +45,7 @@ from hybrid.parallel.dims import ParallelDims
 from hybrid.parallel.groups import build_groups
 from hybrid.parallel.cross_entropy import IGNORE_INDEX
 from hybrid.pipeline_plan import PipelineSchedule
-from hybrid.conversion.megatron_source import megatron_kind, open_source
+from hybrid.conversion.megatron.source import megatron_kind, open_source
 from hybrid.safe_loading import install_safe_torch_load
 
 
@@ -177,7 +177,8 @@ def layout_dims(source: Source, ep: int, cp: int = 1) -> ParallelDims:
     if ep > 1 and not config.num_experts:
         raise ConfigError(f"--expert-model-parallel-size {ep}: the checkpoint's model has no experts.")
     if config.num_experts and config.num_experts % ep:
-        raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the model's {config.num_experts} experts.")
+        raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the model's {config.num_experts} "
+                          f"experts.")
     return ParallelDims(int(os.environ.get("WORLD_SIZE", "1")), source.tp, source.pp, context_parallel=cp,
                         expert_parallel=ep)
 

@@ -48,11 +48,13 @@ def _add_network_size_args(p):
                    choices=["learned_absolute", "rope", "yarn", "alibi"],
                    help="learned_absolute | rope | yarn (rope with YaRN scaling: --rotary-scaling-factor, --yarn-*; "
                         "alibi is refused)")
-    g.add_argument("--use-rotary-position-embeddings", action="store_true", help="alias of --position-embedding-type rope")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="alias of --position-embedding-type rope")
     g.add_argument("--no-position-embedding", action="store_true", help="no learned position table (with rope)")
     g.add_argument("--rotary-base", type=float, default=10000.0)
     g.add_argument("--rotary-percent", type=float, default=1.0,
-                   help="rope rotates the first int(head dim x this) features of each head, the rest pass (GLM-4.5: 0.5)")
+                   help="rope rotates the first int(head dim x this) features of each head, the rest pass (GLM-4.5: "
+                        "0.5)")
     g.add_argument("--normalization", default="LayerNorm", type=_normalization, choices=["LayerNorm", "RMSNorm"],
                    help="LayerNorm | RMSNorm (any case, as Megatron-DeepSpeed scripts write rmsnorm)")
     g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
@@ -320,7 +322,8 @@ def _add_moe_args(p):
                    help="split each layer's experts over this many ranks inside DP (all-to-all token dispatch)")
     g.add_argument("--moe-layer-freq", type=_moe_layer_freq, default=1,
                    help="N: every N-th layer from layer 0 is MoE; or a 0/1 list per layer")
-    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's width (default --ffn-hidden-size)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="each expert's width (default --ffn-hidden-size)")
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
     g.add_argument("--moe-router-dtype", default=None, choices=["fp32", "fp64"],
@@ -386,7 +389,8 @@ def _add_distributed_args(p):
                    help="layers in each virtual stage; virtual stages per rank = num-layers / (PP x this)")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                    help="virtual pipeline stages per rank (current Megatron-LM's spelling of the setting above)")
-    g.add_argument("--use-distributed-optimizer", action="store_true", help="ZeRO-1 when the DeepSpeed config sets no stage")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="ZeRO-1 when the DeepSpeed config sets no stage")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="default: nccl on CUDA, gloo on CPU")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
@@ -407,7 +411,8 @@ def _add_data_args(p):
     g.add_argument("--train-data-path", nargs="+", default=None, help="the train split's own blend (all its documents)")
     g.add_argument("--valid-data-path", nargs="+", default=None, help="the valid split's own blend")
     g.add_argument("--test-data-path", nargs="+", default=None, help="the test split's own blend")
-    g.add_argument("--data-cache-path", default=None, help="directory for the sample-index cache (default: beside the data)")
+    g.add_argument("--data-cache-path", default=None,
+                   help="directory for the sample-index cache (default: beside the data)")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--num-workers", type=int, default=0)
     g.add_argument("--data-impl", "--dataset-impl", dest="data_impl", default="mmap", choices=["mmap"])
@@ -453,8 +458,8 @@ def _add_data_args(p):
                    help="--dpo: a prompt keeps its last N tokens before the sides are cut (TRL 0.x's "
                         "max_prompt_length; default: the whole prompt, as TRL 1.x)")
     g.add_argument("--dpo-truncation-mode", default="keep_start", choices=["keep_start", "keep_end"],
-                   help="--dpo: TRL's truncation_mode: a side longer than --dpo-max-length keeps its start (a pair whose "
-                        "prompt alone fills it is dropped, as TRL drops it) or its end")
+                   help="--dpo: TRL's truncation_mode: a side longer than --dpo-max-length keeps its start (a pair "
+                        "whose prompt alone fills it is dropped, as TRL drops it) or its end")
     g.add_argument("--dpo-reference-logps", default=None, metavar="FILE",
                    help="--dpo: the reference model's log-probabilities of every window, read from FILE, or computed "
                         "once before training and written there; either way training holds no reference model")
@@ -505,7 +510,8 @@ def _add_logging_args(p):
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
-                   default=True, help="stop at the first non-finite loss or gradient norm (the default, as Megatron-LM): "
+                   default=True,
+                   help="stop at the first non-finite loss or gradient norm (the default, as Megatron-LM): "
                    "read on the device and checked at each log and before each save; no update is applied from it")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false", help="train on through non-finite losses (DeepSpeed skips those steps)")

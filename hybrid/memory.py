@@ -16,6 +16,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from deepspeed.runtime import utils as ds_utils
+
 from hybrid.checkpoint.tp_layout import full_numels, tp_layout
 from hybrid.errors import ConfigError
 from hybrid.model.attention import window_blocks
@@ -74,7 +76,6 @@ def partition_layers(config: ModelConfig, tp: int, pp: int, partition: str = "pa
     if config.num_layers < pp:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {config.num_layers}: "
                           f"every stage needs at least one layer.")
-    from deepspeed.runtime import utils as ds_utils  # not at the top: flags are checked before DeepSpeed loads
     inventory = parameter_inventory(config, tp)
     units = _pipeline_units(config, inventory)
     method = resolve_partition(partition, config.num_layers, pp)
@@ -324,7 +325,8 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
     if moe:
         total += moe_block_bytes(config, s, b, t, sp, e)
     else:
-        total += e * s * b * (3 * f if config.gated_linear_unit else 2 * f)  # GeLU: input, output; gated: fc1 out, product
+        # GeLU: input, output; gated: fc1 out, product
+        total += e * s * b * (3 * f if config.gated_linear_unit else 2 * f)
     if dropout:
         total += 2 * m * shard  # the two residual dropout masks
     return total
@@ -530,7 +532,8 @@ class MemoryPlan:
 def _stage_model_states(params: dict, plan: MemoryPlan) -> dict:
     """ZeRO bytes of one rank's parameters: dense ones partitioned over DP; its 1/EP of the experts in
     their own groups (DeepSpeed's MoE groups), partitioned over the expert-data-parallel group, DP / EP."""
-    dense = [[n for name, (n, d) in params.items() if d == decayed and not is_expert(name)] for decayed in (True, False)]
+    dense = [[n for name, (n, d) in params.items() if d == decayed and not is_expert(name)]
+             for decayed in (True, False)]
     if plan.muon:
         return _muon_rank_bytes(params, plan)
     states = model_state_bytes(dense, plan.zero)
@@ -587,7 +590,8 @@ def _sharded_muon_state_bytes(params: dict, zero: ZeroSettings) -> dict:
     """--optimizer muon under ZeRO-1/2/3 (hybrid.training.muon.ShardedMuonWithAdamW): ZeRO's bytes for the
     groups AdamW's decayed and undecayed parameters and the Muon matrices, the Muon group's partition keeping
     one momentum buffer instead of Adam's two moments and no step."""
-    groups = [[n for name, (n, d) in params.items() if d == decayed and not takes_muon(name)] for decayed in (True, False)]
+    groups = [[n for name, (n, d) in params.items() if d == decayed and not takes_muon(name)]
+              for decayed in (True, False)]
     muon = [n for name, (n, _) in params.items() if takes_muon(name)]
     states = model_state_bytes([*groups, muon], zero)
     if muon:
@@ -646,8 +650,8 @@ def estimate(plan: MemoryPlan) -> list[dict]:
             host_activations, activations = activations, 0  # copies each back before its layer's backward)
         if plan.recompute == "full" and layers:  # backward rebuilds one chunk of layers at a time
             chunk = min(layers, max(1, config.recompute_num_layers))
-            activations += chunk * max(layer_activation_bytes(config, ActivationSettings(**dict(asdict(act), recompute=None)),
-                                                              layer=i) for i in info["layers"])
+            kept = ActivationSettings(**dict(asdict(act), recompute=None))
+            activations += chunk * max(layer_activation_bytes(config, kept, layer=i) for i in info["layers"])
         activations += int(_embedding_and_head_bytes(config, act, info["first"], info["last"]) * in_flight)
         if layers:
             activations += sequence_split_buffer_bytes(config, act, plan.device_type)
@@ -716,11 +720,12 @@ def format_table(rows: list[dict], plan: MemoryPlan) -> str:
     """The estimate as a table in GiB, one line per pipeline stage."""
     z = plan.zero
     split = f" x CP {plan.cp}" if plan.cp > 1 else f" x Ulysses {plan.ulysses}" if plan.ulysses > 1 else ""
+    virtual = f", {plan.schedule} x {plan.virtual} virtual stages" if plan.pp > 1 and plan.schedule != "1f1b" else ""
     head = (f"memory per rank (GiB): TP {plan.tp}{split} x PP {plan.pp} x DP {plan.dp}, ZeRO-{z.stage}"
             f"{' + optimizer offload' if z.offload_optimizer else ''}, {z.precision}, micro batch {plan.micro_batch}, "
             f"seq {plan.seq_length}, recompute {plan.recompute or 'none'}"
             f"{', SP' if plan.model.sequence_parallel else ''}"
-            f"{f', {plan.schedule} x {plan.virtual} virtual stages' if plan.pp > 1 and plan.schedule != '1f1b' else ''}")
+            f"{virtual}")
     cols = ("stage", "layers", "params", "grads", "optimizer", "buffers", "activations", "step", "total")
     lines = [head, "  ".join(f"{c:>11}" for c in cols)]
     for r in rows:

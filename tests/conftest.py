@@ -47,7 +47,8 @@ def data(tmp_path_factory):
     return copy_default_corpus(str(tmp_path_factory.mktemp("data")))
 
 
-SLOW_TEST_SECONDS = 90  # a test over this (setup + call + teardown) is named at the end of the run: a report, not a failure
+# a test over this (setup + call + teardown) is named at the end of the run: a report, not a failure
+SLOW_TEST_SECONDS = 90
 _SECONDS: dict = {}
 
 

@@ -56,7 +56,8 @@ FAMILY_CONFIGS.update({
         n_shared_experts=1, n_group=4, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
         norm_topk_prob=True, attention_bias=True, use_qk_norm=True, tie_word_embeddings=False, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
-    # MLA: query rank 16, latent 12, heads of 8 + 4 (rope, stored interleaved) and values of 6; YaRN x 4 over 16 positions
+    # MLA: query rank 16, latent 12, heads of 8 + 4 (rope, stored interleaved) and values of 6; YaRN x 4 over 16
+    # positions
     # with mscale 1 / mscale_all_dim 0.7 (the tables and the softmax scale both scaled); DeepSeek's MoE (8 experts, 4
     # groups of which 2 are chosen, top-4), layer 0 dense
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
@@ -64,7 +65,8 @@ FAMILY_CONFIGS.update({
         n_routed_experts=8, num_experts_per_tok=4, moe_intermediate_size=24, n_shared_experts=1, n_group=4,
         topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
         tie_word_embeddings=False, rms_norm_eps=1e-6, rope_interleave=True,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                         "original_max_position_embeddings": 16,
                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7})),
     # attention sinks, Q/K/V/O biases, window-8 layers 0 and 2 and full layers 1 and 3, YaRN x 4 over 16 positions
     # (untruncated ramp); 4 biased experts and a biased router, the quick-GeGLU clamped at 0.2 (so that it clamps)

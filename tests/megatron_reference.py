@@ -90,7 +90,8 @@ MOE.update(gpt_oss=FAMILIES["gpt_oss"])
 GPT_OSS = dict(softmax_type="learnable", glu_linear_offset=1.0, activation_func_clamp_value=7.0, window_size=(3, 0),
                window_attn_skip_freq=2)
 GPT_OSS_YARN = dict(yarn_rotary_scaling_factor=32.0, yarn_original_max_position_embeddings=131072, yarn_beta_fast=32.0,
-                    yarn_beta_slow=1.0, yarn_mscale=1.0, yarn_mscale_all_dim=0.0, yarn_correction_range_round_to_int=False)
+                    yarn_beta_slow=1.0, yarn_mscale=1.0, yarn_mscale_all_dim=0.0,
+                    yarn_correction_range_round_to_int=False)
 ROUTER_ARGS = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups",
                "moe_router_group_topk", "moe_router_topk_scaling_factor")  # where a family sets them
 MTP_SCALE = 0.3  # --mtp-loss-scaling-factor
@@ -276,7 +277,8 @@ def te_state_dict(model, experts: str = "sequential") -> dict:
         if mla and not moe:
             name = name.replace("pre_mlp_layernorm.", TE_NAMES["pre_mlp_layernorm."])
         if experts == "te_grouped":
-            name = re.sub(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$", r"mlp.experts.\2.weight\1", name)
+            name = re.sub(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$", r"mlp.experts.\2.weight\1",
+                          name)
             if "local_experts" in name:
                 continue
         out[name] = value if value is not None else None
@@ -365,7 +367,8 @@ def _rank(rank: int, world: int, out: str, family: str, iteration: int, port: in
         for fmt in ("torch_dist", *spellings):
             with open(os.path.join(out, fmt, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write(str(iteration))
-        torch.save({"windows": windows, "tokens": tokens, "labels": labels, "logits": logits, "loss": loss, "args": vars(args),
+        torch.save({"windows": windows, "tokens": tokens, "labels": labels, "logits": logits, "loss": loss,
+                    "args": vars(args),
                     "mtp_losses": mtp_losses},
                    os.path.join(out, "reference.pt"))
     dist.barrier()
@@ -527,7 +530,8 @@ def _train_rank(rank: int, world: int, out: str, family: str, prefix: str, port:
         if iteration == t["save_at"]:
             args = megatron_args(family, world, iteration)
             args.consumed_train_samples = iteration * t["global_batch_size"]
-            args.lr, args.min_lr, args.lr_decay_style, args.weight_decay = t["lr"], t["lr"], "constant", t["weight_decay"]
+            args.lr, args.min_lr, args.lr_decay_style = t["lr"], t["lr"], "constant"
+            args.weight_decay = t["weight_decay"]
             directory = os.path.join(out, "trained", f"iter_{iteration:07d}")
             if rank == 0:
                 os.makedirs(directory, exist_ok=True)

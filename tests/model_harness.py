@@ -14,7 +14,8 @@ LLAMA = dict(GPT2, position_embedding_type="rope", normalization="RMSNorm", swig
 # every option of the Llama family members at once (Qwen2's Q/K/V bias, Qwen3's Q/K norms and head dim,
 # Mistral's window (shorter than the test sequences), Llama 3's rope scaling), and Gemma's
 FAMILY_OPTIONS = dict(LLAMA, add_qkv_bias=True, qk_layernorm=True, kv_channels=16, sliding_window=6,
-                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0,
                                     "original_max_position_embeddings": 8})
 GEMMA = dict(LLAMA, swiglu=False, geglu=True, apply_layernorm_1p=True, scale_embeddings=True, kv_channels=16,
              untie_embeddings_and_output_weights=False)

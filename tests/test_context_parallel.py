@@ -112,7 +112,8 @@ def _flash_standins():
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
         seed = torch.tensor([len(issued)])
         issued[int(seed)] = (q.size(2), k.size(2), is_causal)
-        return out, lse.float(), torch.empty(0), torch.empty(0), q.size(2), k.size(2), seed, torch.empty(0), torch.empty(0)
+        none = torch.empty(0)
+        return out, lse.float(), none, none, q.size(2), k.size(2), seed, none, none
 
     def backward(grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, *,
                  scale=None):

@@ -290,4 +290,5 @@ def test_converted_outputs_appear_complete_or_not_at_all(tmp_path):
             pass
     with atomic_directory(str(target), replace=True) as tmp:
         (Path(tmp) / "model.safetensors").write_text("2")
-    assert [p.name for p in target.iterdir()] == ["model.safetensors"] and (target / "model.safetensors").read_text() == "2"
+    assert [p.name for p in target.iterdir()] == ["model.safetensors"]
+    assert (target / "model.safetensors").read_text() == "2"

@@ -141,7 +141,8 @@ def test_sample_index_matches_megatron_loop():
     doc_idx = np.concatenate([rng.permutation(50), rng.permutation(50)]).astype(np.int32)
     for seq in (1, 7, 16, 64):
         num = (int(sizes.sum()) * 2 - 1) // seq
-        assert np.array_equal(build_sample_idx(sizes, doc_idx, seq, num), _megatron_sample_idx(sizes, doc_idx, seq, num))
+        assert np.array_equal(build_sample_idx(sizes, doc_idx, seq, num),
+                              _megatron_sample_idx(sizes, doc_idx, seq, num))
         for chunk in (1, 3, 17):  # documents taken a few at a time: samples straddle chunk boundaries
             assert np.array_equal(build_sample_idx(sizes, doc_idx, seq, num, chunk=chunk),
                                   _megatron_sample_idx(sizes, doc_idx, seq, num))

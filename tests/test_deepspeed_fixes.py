@@ -61,7 +61,8 @@ def _private_uses(path: str) -> list[str]:
 # kernels, the aten CPU flash-attention kernel and its backward that F.scaled_dot_product_attention
 # dispatches to (the ring needs their log-sum-exp; tests/test_context_parallel.py proves them against
 # SDPA) and their CUDA twins (the ring's fused GPU kernels, flash and memory-efficient: the contract tests run
-# them with CPU stand-ins in their place), torch's grouped GEMM (torch._grouped_mm: no public API in torch 2.13; torchtitan's and DeepSpeed
+# them with CPU stand-ins in their place), torch's grouped GEMM (torch._grouped_mm: no public API in torch 2.13;
+# torchtitan's and DeepSpeed
 # AutoEP's expert kernel; tests/test_moe.py proves it against a per-expert loop), a tokenizers model's own
 # parameters, torch's memory-snapshot API (torch.cuda.memory._record_memory_history / _dump_snapshot: the
 # names torch documents in "Understanding CUDA Memory Usage"; Megatron-LM calls the same), numpy's array
@@ -83,7 +84,8 @@ ALLOWED_IN = {os.path.join("hybrid", "parallel", "fp8.py"): {"._data", "._scale"
               # torch.optim.Muon's own Newton-Schulz iteration and learning-rate adjustment (no public function),
               # applied under ZeRO to the gathered matrices; tests/test_muon.py checks them bitwise against
               # torch.optim.Muon's step
-              os.path.join("hybrid", "training", "muon.py"): {"import _adjust_lr", "import _zeropower_via_newtonschulz"}}
+              os.path.join("hybrid", "training", "muon.py"): {"import _adjust_lr",
+                                                              "import _zeropower_via_newtonschulz"}}
 
 
 def test_no_private_attribute_of_deepspeed_or_torch_outside_the_fixes_module():
@@ -206,7 +208,8 @@ def _zero3_steps(precision: str, in_place: bool) -> dict:
 
     def watch(i):
         grad = optimizer.fp32_partitioned_groups_flat[i].grad
-        shared.append(grad.untyped_storage().data_ptr() == optimizer.grad_partitions_flat_buffer.untyped_storage().data_ptr())
+        flat = optimizer.grad_partitions_flat_buffer
+        shared.append(grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr())
         return step(i)
     optimizer._optimizer_step = watch
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32

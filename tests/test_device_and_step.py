@@ -145,7 +145,8 @@ def test_a_pipeline_hands_its_schedule_only_device_tensors():
     engine.fp16_enabled = lambda: False
     objective = RecordingObjective(engine)
     runtime = SimpleNamespace(engine=engine, tied=Tied(), objective=objective, device=META,
-                              model=SimpleNamespace(config=SimpleNamespace(splits_documents=True, stages_take_ids=True)))
+                              model=SimpleNamespace(config=SimpleNamespace(splits_documents=True,
+                                                                           stages_take_ids=True)))
     pipeline = PipelineSchedules.__new__(PipelineSchedules)
     pipeline.runtime, pipeline.schedule, pipeline.has_first, pipeline.has_last = runtime, Schedule(), True, True
     micro = [(torch.zeros(2, 16, dtype=torch.long, device=META), torch.zeros(2, 16, dtype=torch.long, device=META))
@@ -306,7 +307,7 @@ def test_zero3_builds_each_rank_a_partition_not_the_whole_model():
 
 
 def test_peak_tflops_comes_from_the_gpu_name_and_precision(monkeypatch):
-    from hybrid.training.profiling import device_peak_tflops
+    from hybrid.training.metrics import device_peak_tflops
     assert device_peak_tflops(torch.device("cpu"), "bf16", False) is None
     names = iter(["NVIDIA H200", "NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
                   "NVIDIA A100-SXM4-80GB", "Some Future GPU"])

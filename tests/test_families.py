@@ -20,12 +20,14 @@ from tests.launch_helpers import read_log, run
 # the option that makes each family what it is: turned off, the logits must change (so the proof can fail)
 DISTINCTIVE = {"llama3": dict(rope_scaling=None), "qwen2": dict(add_qkv_bias=False),
                "qwen3": dict(qk_layernorm=False), "mistral": dict(sliding_window=None),
-               "gemma": dict(apply_layernorm_1p=False), "gemma3": dict(sandwich_norms=False), "mixtral": dict(moe_router_topk=1),
+               "gemma": dict(apply_layernorm_1p=False), "gemma3": dict(sandwich_norms=False),
+               "mixtral": dict(moe_router_topk=1),
                "qwen2_moe": dict(moe_router_pre_softmax=False), "qwen3_moe": dict(moe_router_pre_softmax=True),
                "glm4_moe": dict(rotary_percent=1.0), "deepseek_v3": dict(rope_scaling=None),
                "gpt_oss": dict(activation_func_clamp_value=None)}
 # config.json fields that must survive import -> training -> export (what changes the model)
-KEPT_FIELDS = ("architectures", "layer_types", "query_pre_attn_scalar", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+KEPT_FIELDS = ("architectures", "layer_types", "query_pre_attn_scalar", "hidden_size", "intermediate_size",
+               "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "rope_parameters", "sliding_window", "use_sliding_window",
                "rms_norm_eps", "tie_word_embeddings", "attention_bias", "hidden_act", "hidden_activation",
                "vocab_size", "max_position_embeddings", "num_local_experts", "num_experts", "num_experts_per_tok",
@@ -85,7 +87,8 @@ def test_export_is_bit_identical_loads_cleanly_and_generates_what_the_original_d
     path, hf = hf_models[family]
     state, config, _ = read_hf_dir(str(path))
     write_hf_dir(state, config, str(tmp_path / "out"))
-    original, exported = load_file(str(path / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    original = load_file(str(path / "model.safetensors"))
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert set(original) == set(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
     reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
@@ -157,12 +160,14 @@ FAMILY_FLAGS = {
                  "--moe-router-topk-scaling-factor", 2.5, "--moe-shared-expert-intermediate-size", 24,
                  "--moe-router-dtype", "fp32"],
     "deepseek_v3": ["--swiglu", "--untie-embeddings-and-output-weights", "--norm-epsilon", 1e-6,
-                    "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", 16, "--kv-lora-rank", 12, "--qk-head-dim", 8,
+                    "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", 16, "--kv-lora-rank", 12,
+                    "--qk-head-dim", 8,
                     "--qk-pos-emb-head-dim", 4, "--v-head-dim", 6, "--rotary-scaling-factor", 4, "--mscale", 1,
                     "--mscale-all-dim", 0.7, "--yarn-original-max-position-embeddings", 16, "--num-experts", 8,
                     "--moe-router-topk", 4, "--moe-ffn-hidden-size", 24, "--moe-layer-freq", "[0]+[1]*3",
                     "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-dtype",
-                    "fp32", "--moe-router-num-groups", 4, "--moe-router-group-topk", 2, "--moe-router-topk-scaling-factor", 2.5,
+                    "fp32", "--moe-router-num-groups", 4, "--moe-router-group-topk", 2,
+                    "--moe-router-topk-scaling-factor", 2.5,
                     "--moe-shared-expert-intermediate-size", 24],
     "gpt_oss": ["--num-query-groups", 2, "--kv-channels", 16, "--untie-embeddings-and-output-weights",
                 "--norm-epsilon", 1e-5, "--softmax-type", "learnable", "--quick-geglu", "--glu-linear-offset", 1,
@@ -238,7 +243,8 @@ def test_rope_scaling_frequencies_equal_transformers():
                   "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
                  {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 2048, "beta_fast": 16.0,
                   "beta_slow": 2.0, "mscale": 0.8, "mscale_all_dim": 0.5, "truncate": False},
-                 {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192, "attention_factor": 1.3}]:
+                 {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192,
+                  "attention_factor": 1.3}]:
         config = LlamaConfig(hidden_size=2048, num_attention_heads=16, max_position_embeddings=131072,
                              rope_parameters=dict(rope, rope_theta=500000.0))
         theirs = LlamaRotaryEmbedding(config)
@@ -247,11 +253,13 @@ def test_rope_scaling_frequencies_equal_transformers():
         cos, sin = ours(64, "cpu")
         x = torch.zeros(1, 64, 128)
         want_cos, want_sin = theirs(x, torch.arange(64)[None])
-        assert torch.allclose(cos[:, 0, 0], want_cos[0], atol=1e-6) and torch.allclose(sin[:, 0, 0], want_sin[0], atol=1e-6)
+        assert torch.allclose(cos[:, 0, 0], want_cos[0], atol=1e-6)
+        assert torch.allclose(sin[:, 0, 0], want_sin[0], atol=1e-6)
 
 
 @pytest.mark.parametrize("family,field,fields,message", [
-    ("llama3", "rope_scaling.rope_type", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}},
+    ("llama3", "rope_scaling.rope_type",
+     {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}},
      "rope_scaling.rope_type='dynamic'"),
     ("deepseek_v3", "rope_interleave", {"rope_interleave": False}, "rope_interleave=False"),
     ("deepseek_v3", "num_key_value_heads", {"num_key_value_heads": 2}, "num_key_value_heads=2"),

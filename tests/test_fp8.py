@@ -217,7 +217,8 @@ def test_an_fp8_run_exports_a_bf16_model_transformers_loads(tmp_path):
     assert len([r for r in read_log(log) if "lm_loss" in r and "iteration" in r]) == 3
     model = AutoModelForCausalLM.from_pretrained(export)
     assert model.dtype == torch.bfloat16
-    original, trained = load_file(str(tmp_path / "model" / "model.safetensors")), load_file(str(export / "model.safetensors"))
+    original = load_file(str(tmp_path / "model" / "model.safetensors"))
+    trained = load_file(str(export / "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in trained.values())
     assert any(not torch.equal(trained[k], original[k]) for k in original)
 

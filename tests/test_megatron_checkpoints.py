@@ -199,11 +199,12 @@ def test_moe_evaluates_at_ep2_to_megatron_core_loss(qwen2_moe, tmp_path):
 def test_moe_parts_read_only_the_ranks_experts(qwen2_moe, safe_torch_load):
     """An EP rank's read of a torch_dist MoE checkpoint: only the experts it asks for come (a layer at a
     time), equal to the same experts of the whole read."""
-    from hybrid.conversion.megatron import expert_name, open_megatron
+    from hybrid.conversion.megatron.lm import expert_name, open_megatron
     source = open_megatron(os.path.join(qwen2_moe, "torch_dist"))
     config = source.config()
     whole = source.state(config)
-    mine = {expert_name(f"layers.{layer}.", e, fc) for layer in range(config.num_layers) for e in (2, 3) for fc in ("fc1", "fc2")}
+    mine = {expert_name(f"layers.{layer}.", e, fc)
+            for layer in range(config.num_layers) for e in (2, 3) for fc in ("fc1", "fc2")}
     read = {}
     for part in source.parts(config, mine):
         read.update(part)
@@ -294,7 +295,8 @@ def test_moe_saver_megatron_loads_in_megatron_core(qwen2_moe, fmt, tmp_path):
     """An MoE model written as Megatron-LM's (torch_dist: experts stacked [layers, experts, ...]; legacy: one
     file per EP rank, local expert numbers) loads in megatron-core at EP 2 with every tensor equal."""
     written = str(tmp_path / "written")
-    proc = _convert("--loader", "megatron", "--saver", "megatron", "--ckpt-format", fmt, "--target-expert-parallel-size",
+    proc = _convert("--loader", "megatron", "--saver", "megatron", "--ckpt-format", fmt,
+                    "--target-expert-parallel-size",
                     2, "--load-dir", os.path.join(qwen2_moe, "torch_dist"), "--save-dir", written)
     assert proc.returncode == 0, proc.stderr[-3000:]
     check = _check_in_megatron_core(qwen2_moe, "qwen2_moe", written, fmt, tmp_path, "--ep", "2", "--tp", "1")
@@ -329,8 +331,8 @@ def test_legacy_round_trip_at_tp2_pp2(llama, tied, tmp_path, safe_torch_load):
     import dataclasses
 
     from hybrid.checkpoint.client_state import ClientState
-    from hybrid.conversion.megatron import open_megatron
-    from hybrid.conversion.megatron_write import write_megatron
+    from hybrid.conversion.megatron.lm import open_megatron
+    from hybrid.conversion.megatron.write import write_megatron
     source = open_megatron(os.path.join(llama, "torch_dist"))
     config = source.config()
     state = source.state(config)
@@ -402,7 +404,8 @@ def test_resume_with_megatron_adam_state_continues_megatron_run(trained, tmp_pat
     losses, out = _continue_training(trained, tmp_path / "adam", "python", 1, None, "--zero-stage", 1)
     expected = trained[2]["losses"][3:]
     assert losses == pytest.approx(expected, abs=1e-5)
-    assert "with its Adam state (step 3)" in out and not os.path.exists(tmp_path / "adam" / "ckpt" / ".megatron-universal")
+    assert "with its Adam state (step 3)" in out
+    assert not os.path.exists(tmp_path / "adam" / "ckpt" / ".megatron-universal")
     fresh, out = _continue_training(trained, tmp_path / "fresh", "python", 1, None, "--zero-stage", 1,
                                     "--no-load-optim")
     assert fresh[0] == pytest.approx(expected[0], abs=1e-5) and abs(fresh[1] - expected[1]) > 1e-3
@@ -439,8 +442,8 @@ def test_a_missing_rank_file_is_one_message_naming_it(llama, layout, tmp_path, c
 
     from hybrid.checkpoint.client_state import ClientState
     from hybrid.conversion.checkpoint_util import main as convert
-    from hybrid.conversion.megatron import open_megatron
-    from hybrid.conversion.megatron_write import write_megatron
+    from hybrid.conversion.megatron.lm import open_megatron
+    from hybrid.conversion.megatron.write import write_megatron
     load = str(tmp_path / "load")
     if layout == "legacy_tp2":  # written by megatron-core itself
         shutil.copytree(os.path.join(llama, "torch"), load)
@@ -537,9 +540,11 @@ MAPPED = {
     "mtp_loss_scaling_factor": (dict(position_embedding_type="rope", mtp_num_layers=1, mtp_loss_scaling_factor=0.3),
                                 "mtp_loss_scaling_factor", 0.3),
     "multi_latent_attention (its rope YaRN by default, as megatron-core's MLA)": (
-        dict(MLA), "rope_scaling", lambda v: v["rope_type"] == "yarn" and v["factor"] == 40.0 and v["mscale_all_dim"] == 0.5),
+        dict(MLA), "rope_scaling",
+        lambda v: v["rope_type"] == "yarn" and v["factor"] == 40.0 and v["mscale_all_dim"] == 0.5),
     **{f"{name} (MLA)": (dict(MLA, **{name: value}), name, value) for name, value in (
-        ("q_lora_rank", 24), ("kv_lora_rank", 20), ("qk_head_dim", 12), ("qk_pos_emb_head_dim", 8), ("v_head_dim", 10))},
+        ("q_lora_rank", 24), ("kv_lora_rank", 20), ("qk_head_dim", 12), ("qk_pos_emb_head_dim", 8),
+        ("v_head_dim", 10))},
     "rope_type rope (MLA without YaRN)": (dict(MLA, rope_type="rope"), "rope_scaling", None),
     "position_embedding_type yarn (and the --yarn-* arguments)": (
         dict(position_embedding_type="yarn", rotary_scaling_factor=32.0, yarn_original_max_position_embeddings=4096,
@@ -569,7 +574,7 @@ MAPPED = {
 def test_every_mapped_megatron_argument_reaches_the_model_at_a_value_other_than_its_default(case):
     """The model a Megatron-LM checkpoint's args describe, each mapped argument given a value other than its default
     (a mapping that read the wrong name or ignored it would leave the default and fail)."""
-    from hybrid.conversion.megatron import config_from_args
+    from hybrid.conversion.megatron.lm import config_from_args
     changes, field, want = MAPPED[case]
     got = getattr(config_from_args(_megatron_args(**changes), where="ckpt"), field)
     default = getattr(config_from_args(_megatron_args(), where="ckpt"), field)
@@ -595,7 +600,7 @@ def test_every_model_changing_megatron_argument_not_computed_is_refused_by_name(
     e.g. a window on every layer where Megatron alternated windowed and full layers, YaRN read as plain RoPE):
     one message naming the argument and its value. Every refused name is one megatron-core's TransformerConfig or
     Megatron-LM's arguments.py defines; and missing args are one message too."""
-    from hybrid.conversion.megatron import REFUSED_ARGS, config_from_args
+    from hybrid.conversion.megatron.lm import REFUSED_ARGS, config_from_args
     from hybrid.errors import ConfigError
     assert set(REFUSED) == set(REFUSED_ARGS)
     with pytest.raises(ConfigError, match=re.escape(f"--{name.replace('_', '-')} {REFUSED[name]}")):
@@ -609,7 +614,7 @@ def test_every_model_changing_megatron_argument_not_computed_is_refused_by_name(
 def test_no_position_embedding_without_rotary_embeddings_is_refused():
     """--no-position-embedding (add_position_embedding False) with rotary embeddings is Llama's; without them the
     model has no position information, which hybrid does not build (before: read as a learned position table)."""
-    from hybrid.conversion.megatron import config_from_args
+    from hybrid.conversion.megatron.lm import config_from_args
     from hybrid.errors import ConfigError
     assert config_from_args(_megatron_args(add_position_embedding=False, use_rotary_position_embeddings=True),
                             where="ckpt").position_embedding_type == "rope"
@@ -623,7 +628,7 @@ def test_args_that_do_not_say_whether_the_head_is_tied_are_read_from_the_files(l
     own (this untied one) is read untied, its trained head kept (before: exported tied, the head dropped)."""
     import shutil
 
-    from hybrid.conversion.megatron import open_megatron
+    from hybrid.conversion.megatron.lm import open_megatron
     source = open_megatron(os.path.join(llama, fmt))
     assert source.args.untie_embeddings_and_output_weights
     load = tmp_path / "old"
@@ -640,7 +645,8 @@ def test_args_that_do_not_say_whether_the_head_is_tied_are_read_from_the_files(l
         torch.save(content, tag / "common.pt")
     old = open_megatron(str(load))
     assert old.config().untie_embeddings_and_output_weights
-    assert torch.equal(old.state(old.config())["output_layer.weight"], source.state(source.config())["output_layer.weight"])
+    assert torch.equal(old.state(old.config())["output_layer.weight"],
+                       source.state(source.config())["output_layer.weight"])
 
 
 def test_a_megatron_deepspeed_position_table_beside_rotary_embeddings_is_refused():
@@ -648,7 +654,7 @@ def test_a_megatron_deepspeed_position_table_beside_rotary_embeddings_is_refused
     --use-rotary-position-embeddings (its own Llama-2 script keeps it): refused by name, never dropped."""
     import argparse
 
-    from hybrid.conversion.megatron_deepspeed import megatron_lm_args
+    from hybrid.conversion.megatron.megatron_deepspeed import megatron_lm_args
     from hybrid.errors import ConfigError
     args = argparse.Namespace(num_attention_heads=4, use_rotary_position_embeddings=True, add_position_embedding=True)
     with pytest.raises(ConfigError, match="learned position table"):
@@ -662,7 +668,7 @@ def test_a_gemma3_model_is_refused_as_a_megatron_checkpoint_before_anything_is_w
     Megatron-LM checkpoint would describe another model, so it is one message naming them and the HF route, and
     nothing is written (its window pattern alone is Megatron-LM's --window-attn-skip-freq, written as such)."""
     from hybrid.checkpoint.client_state import ClientState
-    from hybrid.conversion.megatron_write import megatron_args, write_megatron
+    from hybrid.conversion.megatron.write import megatron_args, write_megatron
     from hybrid.errors import ConfigError
     from hybrid.model.config import ModelConfig
     common = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, position_embedding_type="rope",
@@ -678,7 +684,7 @@ def test_a_gemma3_model_is_refused_as_a_megatron_checkpoint_before_anything_is_w
 def _hybrid_model(directory: str):
     """hybrid's one-rank model (training mode, where the MTP layers run; dropout off) holding a Megatron checkpoint's
     weights, read as conversion reads them."""
-    from hybrid.conversion.megatron import open_megatron, whole_state
+    from hybrid.conversion.megatron.lm import open_megatron, whole_state
     from hybrid.model.gpt import GPTModel
     from hybrid.parallel.groups import ParallelGroups
     ckpt = open_megatron(directory)
@@ -718,7 +724,8 @@ def test_a_deepseek_v3_style_model_with_mla_and_mtp_exports_with_megatron_core_l
     assert json.load(open(tmp_path / "hf_torch" / "config.json"))["architectures"] == ["DeepseekV3ForCausalLM"]
     for fmt, tp in (("torch", 2), ("torch_dist", 1)):
         proc = _convert("--loader", "megatron", "--saver", "megatron", "--load-dir", os.path.join(out, "torch_dist"),
-                        "--save-dir", tmp_path / f"back_{fmt}", "--target-tensor-parallel-size", tp, "--ckpt-format", fmt)
+                        "--save-dir", tmp_path / f"back_{fmt}", "--target-tensor-parallel-size", tp, "--ckpt-format",
+                        fmt)
         assert proc.returncode == 0, proc.stderr[-3000:]
         check = _check_in_megatron_core(out, "deepseek_v3", str(tmp_path / f"back_{fmt}"), fmt, tmp_path / fmt)
         assert any(key.endswith("linear_kv_down_proj.weight") for key in check["keys"])
@@ -755,7 +762,8 @@ def test_a_gpt_oss_style_model_exports_with_megatron_core_logits_and_round_trips
     assert hf_config["layer_types"] == ["sliding_attention", "full_attention"] and hf_config["sliding_window"] == 4
     for fmt, tp in (("torch", 2), ("torch_dist", 1)):
         proc = _convert("--loader", "megatron", "--saver", "megatron", "--load-dir", os.path.join(out, "torch_dist"),
-                        "--save-dir", tmp_path / f"back_{fmt}", "--target-tensor-parallel-size", tp, "--ckpt-format", fmt)
+                        "--save-dir", tmp_path / f"back_{fmt}", "--target-tensor-parallel-size", tp, "--ckpt-format",
+                        fmt)
         assert proc.returncode == 0, proc.stderr[-3000:]
         check = _check_in_megatron_core(out, "gpt_oss", str(tmp_path / f"back_{fmt}"), fmt, tmp_path / fmt)
         for part in ("core_attention.softmax_offset", "router.bias", "local_experts.3.linear_fc2.bias"):
@@ -782,8 +790,8 @@ def test_a_yarn_rope_is_written_as_megatron_args_that_read_back_to_it(mla, yarn)
     --yarn-* arguments) read back, through the reader Megatron-LM checkpoints go through, to the same rope; MLA's
     YaRN, whose original context and betas no argument sets, is refused where they differ from megatron-core's."""
     from hybrid.checkpoint.client_state import ClientState
-    from hybrid.conversion.megatron import config_from_args
-    from hybrid.conversion.megatron_write import megatron_args
+    from hybrid.conversion.megatron.lm import config_from_args
+    from hybrid.conversion.megatron.write import megatron_args
     from hybrid.errors import ConfigError
     from hybrid.model.config import ModelConfig
     mla_fields = dict(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=8, kv_lora_rank=8, qk_head_dim=8,

@@ -56,8 +56,10 @@ def assets(tmp_path_factory):
     preprocess(preprocess_parser().parse_args(["--input", str(jsonl), "--output-prefix", str(tmp / "spm_data"),
                                                "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
                                                str(tmp / "spm.model"), "--append-eod"]), log=lambda _: None)
-    return {"DATA_SPM": str(tmp / "spm_data_text_document"), "DATA": data, "DATA2": data, "DATA3": data, "VOCAB": VOCAB, "MERGES": MERGES,
-            "SPM": str(tmp / "spm.model"), "CKPT": str(tmp / "ckpt"), "TB": str(tmp / "tb"), "DS_CONFIG": str(ds_config),
+    return {"DATA_SPM": str(tmp / "spm_data_text_document"), "DATA": data, "DATA2": data, "DATA3": data, "VOCAB": VOCAB,
+            "MERGES": MERGES,
+            "SPM": str(tmp / "spm.model"), "CKPT": str(tmp / "ckpt"), "TB": str(tmp / "tb"),
+            "DS_CONFIG": str(ds_config),
             "CACHE": str(tmp / "cache"), "HF_TOKENIZER": str(tmp / "hf_tok"), "KILL": str(tmp / "kill"),
             "SPLITS": str(tmp / "splits.txt")}
 
@@ -110,12 +112,14 @@ def test_real_run_script_parses_or_names_the_refused_flag(name, assets):
 def test_every_refused_flag_is_one_clear_message_from_the_script(assets):
     proc = run("python", 1, argv_of("bigscience_bloom_176b", assets)[:0] + ["--decoupled-lr", "1e-4"], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--decoupled-lr is not supported: a separate embedding/output learning rate is not implemented" in proc.stderr
+    assert ("--decoupled-lr is not supported: a separate embedding/output learning rate is not implemented"
+            in proc.stderr)
     assert all(f.why for f in COMPAT_FLAGS.values())
 
 
 SHRINK = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4", "--ffn-hidden-size": "128",
-          "--seq-length": "32", "--max-position-embeddings": "32", "--micro-batch-size": "2", "--global-batch-size": "8",
+          "--seq-length": "32", "--max-position-embeddings": "32", "--micro-batch-size": "2",
+          "--global-batch-size": "8",
           "--train-iters": "3", "--eval-iters": "1", "--eval-interval": "3", "--log-interval": "1",
           "--save-interval": "3", "--num-key-value-heads": "2", "--lr-warmup-iters": "1", "--lr-decay-iters": "3",
           "--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "1", "--lr-warmup-fraction": "0.1",

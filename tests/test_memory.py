@@ -80,7 +80,8 @@ def test_zero_state_bytes_equal_deepspeeds_buffers_at_dp2(stage, tmp_path):
     args = build_parser().parse_args(TINY)
     run = build_run_config(args, 2, 100)
     inventory = memory.parameter_inventory(run.model, 1)
-    groups = [[n for n, decayed in inventory.values() if decayed], [n for n, decayed in inventory.values() if not decayed]]
+    groups = [[n for n, decayed in inventory.values() if decayed],
+              [n for n, decayed in inventory.values() if not decayed]]
     assert sorted(map(sorted, groups)) == sorted(map(sorted, measured["groups"]))
     if stage in (1, 2):
         assert sum(groups[1]) % 4 != 0, "the test model must exercise DeepSpeed's partition padding"

@@ -16,7 +16,8 @@ VOCAB = 256
 def deepseek_style(**overrides):
     from hybrid.model.config import ModelConfig
     fields = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, position_embedding_type="rope",
-                  normalization="RMSNorm", swiglu=True, add_bias_linear=False, multi_latent_attention=True, qk_layernorm=True,
+                  normalization="RMSNorm", swiglu=True, add_bias_linear=False, multi_latent_attention=True,
+                  qk_layernorm=True,
                   q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
                   hidden_dropout=0.0, attention_dropout=0.0, untie_embeddings_and_output_weights=True, num_experts=4,
                   moe_router_topk=2, moe_ffn_hidden_size=16, moe_layer_freq=[0, 1, 1, 1],

@@ -196,14 +196,16 @@ def test_the_dry_run_counts_muons_state_as_the_optimizer_holds_it(moe):
 def test_muon_under_zero_equals_transformers_and_resumes_bitwise(llama, reference, tmp_path):
     """DP 2 with ZeRO-1, 2 and 3, and ZeRO-1 and 3 with optimizer offload (DeepSpeed's flat partitions: the momentum
     partitioned, each matrix's blend gathered and orthogonalized by torch's Newton-Schulz on one owner rank, the
-    update reduce-scattered): transformers + torch.optim.Muon + AdamW's losses within 1e-4; ZeRO-3 resumed from its iteration-2 checkpoint continues
+    update reduce-scattered): transformers + torch.optim.Muon + AdamW's losses within 1e-4; ZeRO-3 resumed from its
+    iteration-2 checkpoint continues
     bitwise (the partitioned momentum saved and loaded)."""
     flags = ["--load-hf", llama["hf"], "--data-path", llama["data"], *RUN, "--optimizer", "muon"]
     losses = {}
     # ZeRO-2 with DeepSpeed's round-robin gradient order, ZeRO-3 in small sub-groups (one step call each), and
     # optimizer offload (the partitions and their step on the host)
     configs = {1: {}, 2: {"round_robin_gradients": True}, 3: {"sub_group_size": 3000},
-               "1_offload": {"offload_optimizer": {"device": "cpu"}}, "3_offload": {"offload_optimizer": {"device": "cpu"}}}
+               "1_offload": {"offload_optimizer": {"device": "cpu"}},
+               "3_offload": {"offload_optimizer": {"device": "cpu"}}}
     for stage, extra in configs.items():
         log = tmp_path / f"zero{stage}.jsonl"
         save = ["--save", tmp_path / "ckpt", "--save-interval", 2] if stage == 3 else []
@@ -217,7 +219,8 @@ def test_muon_under_zero_equals_transformers_and_resumes_bitwise(llama, referenc
     assert losses["1_offload"] == losses[1]  # the same update, stepped on the host
     (tmp_path / "ckpt" / "latest").write_text("iter_0000002")
     resumed = tmp_path / "resumed.jsonl"
-    run("torchrun", 2, flags + ["--deepspeed", tmp_path / "zero3.json", "--log-json", resumed, "--load", tmp_path / "ckpt"])
+    run("torchrun", 2,
+        flags + ["--deepspeed", tmp_path / "zero3.json", "--log-json", resumed, "--load", tmp_path / "ckpt"])
     assert [r["lm_loss"] for r in read_log(resumed)] == losses[3][2:], (losses[3], read_log(resumed))
     # the momentum carried to another layout: DeepSpeed's universal checkpoint (its exp_avg), resumed at TP 2 + SP
     # ZeRO-1 from the ZeRO-3 DP 2 checkpoint, continues as transformers does
@@ -268,13 +271,15 @@ def test_muon_trains_an_moe_model_as_transformers_at_ep2_and_under_zero(llama, t
         proc = run(launcher, ranks, flags + extra + ["--log-json", log])
         losses = [r["lm_loss"] for r in read_log(log)]
         assert close(losses, want), (extra, losses, want)
-    assert "Muon's update on 40 matrices (24 weights" in proc.stdout + proc.stderr  # 4 layers: q, k, v, o, 2 experts x 3
+    # 4 layers: q, k, v, o, 2 experts x 3
+    assert "Muon's update on 40 matrices (24 weights" in proc.stdout + proc.stderr
     # the experts' momentum through a universal checkpoint: EP 2 ZeRO-1's iteration 2 resumed at one rank
     (tmp_path / "ckpt" / "latest").write_text("iter_0000002")
     from hybrid.conversion.checkpoint_util import main
     assert main(["--saver", "universal", "--load-dir", str(tmp_path / "ckpt"), "--no-progress-bar"]) == 0
     log = tmp_path / "universal.jsonl"
-    run("python", 1, flags + ["--zero-stage", 1, "--load", tmp_path / "ckpt", "--universal-checkpoint", "--log-json", log])
+    run("python", 1,
+        flags + ["--zero-stage", 1, "--load", tmp_path / "ckpt", "--universal-checkpoint", "--log-json", log])
     moved = [r["lm_loss"] for r in read_log(log)]
     assert close(moved, want[2:]), (moved, want)
 

@@ -55,7 +55,8 @@ def _step_with_a_nan_gradient(extra):
     from hybrid.training.engine import build_engine
     flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
              "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "10", "--mock-data",
-             "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--lr", "1e-2", "--lr-warmup-iters", "0", "--lr-decay-style", "constant",
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--lr", "1e-2", "--lr-warmup-iters", "0",
+             "--lr-decay-style", "constant",
              *extra]
     run_config = build_run_config(build_parser().parse_args(flags), 1, 64)
     model_parallel_seed(1, 0)

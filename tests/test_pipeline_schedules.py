@@ -77,7 +77,8 @@ def test_training_losses_equal_one_rank(layout, data, baseline, tmp_path):
     assert all(abs(g - w) <= 1e-5 * abs(w) for g, w in zip(evaluations, expected)), (evaluations, expected)
     assert all(r["consumed_samples"] == 8 * r["iteration"] for r in records)
     assert all(r["grad_norm"] > 0 for r in records)
-    schedule = "interleaved-1f1b" if "--pipeline-schedule" not in flags else flags[flags.index("--pipeline-schedule") + 1]
+    schedule = ("interleaved-1f1b" if "--pipeline-schedule" not in flags
+                else flags[flags.index("--pipeline-schedule") + 1])
     output = proc.stdout + proc.stderr
     assert f"PP=2 {schedule}" in output
     if ZERO1[1] in flags:  # DeepSpeed's ZeRO-1 optimizer holds the optimizer state, partitioned over DP

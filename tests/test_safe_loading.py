@@ -1,5 +1,6 @@
 """Nothing hybrid loads runs code (every other launched test resumes and converts under the same
-allow-list): a pickle whose __reduce__ calls os.system is planted in each kind of file hybrid or DeepSpeed reads (model states, ZeRO partitions, pipeline layer files, universal-checkpoint
+allow-list): a pickle whose __reduce__ calls os.system is planted in each kind of file hybrid or DeepSpeed reads (model
+states, ZeRO partitions, pipeline layer files, universal-checkpoint
 files, DeepSpeed's ds_to_universal input, a HuggingFace pytorch_model.bin); every load refuses it with one
 message naming the file and the class, and the command never runs. With --allow-unsafe-checkpoint-load it
 does run (the payload is real, so the refusals above mean something)."""

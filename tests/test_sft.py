@@ -99,7 +99,8 @@ def test_packing_keeps_each_conversation_whole_and_apart():
                      np.concatenate([m for _, m in encoded]).astype(bool), offsets, Counts())
     for truncation in ("truncate", "drop"):
         counts = Counts()
-        tokens, mask = pack(data, range(len(convs)), SEQ + 1, encoder.separator, ChatOptions(truncation=truncation), counts)
+        tokens, mask = pack(data, range(len(convs)), SEQ + 1, encoder.separator, ChatOptions(truncation=truncation),
+                            counts)
         pieces = [p for row in tokens for p in np.split(row, np.flatnonzero(row == encoder.separator)) if len(p)]
         pieces = [p[1:] if p[0] == encoder.separator else p for p in pieces]
         kept = [(i[:SEQ + 1], m) for i, m in encoded if truncation == "truncate" or len(i) <= SEQ + 1]
@@ -219,8 +220,8 @@ def test_sft_training_at_every_layout_gives_the_one_rank_losses(chat, tmp_path, 
 def test_sft_resume_mid_epoch_with_dropout_is_bitwise(chat, tmp_path):
     """30 windows, 8 a batch: the resumed run starts inside the first epoch and crosses into the second."""
     from tests.launch_helpers import read_log, run
-    base = RUN + ["--hidden-dropout", 0.1, "--attention-dropout", 0.1, "--load-hf", chat["hf"], "--data-path", chat["data"],
-        "--train-iters", 6]
+    base = RUN + ["--hidden-dropout", 0.1, "--attention-dropout", 0.1, "--load-hf", chat["hf"], "--data-path",
+                  chat["data"], "--train-iters", 6]
     straight, resumed, ckpt = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
     run("python", 1, base + ["--log-json", straight, "--save", ckpt, "--save-interval", 2])
     (ckpt / "latest").write_text("iter_0000002")
@@ -263,7 +264,8 @@ def test_readme_fine_tuning_blocks_run_as_written(tmp_path):
     for name in ("launch", "conversion", "ds_configs", "hybrid"):
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
     (tmp_path / "tutorial").mkdir()
-    environment = dict(env(), PATH=os.path.abspath(BIN) + os.pathsep + os.environ.get("PATH", ""), HYBRID_CACHE=str(tmp_path / "cache"))
+    environment = dict(env(), PATH=os.path.abspath(BIN) + os.pathsep + os.environ.get("PATH", ""),
+                       HYBRID_CACHE=str(tmp_path / "cache"))
     outputs = []
     for block in blocks:
         proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=environment,
@@ -314,7 +316,8 @@ def test_preprocess_sft_files_serve_the_windows_the_jsonl_gives(chat, tmp_path):
     pairs = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(9, seed=2))
     for source, extra in ((data, []), (pairs, ["--dpo"])):
         prefix = str(tmp_path / ("pairs" if extra else "chat"))
-        proc = subprocess.run([sys.executable, "launch/preprocess_data.py", "--sft", "--input", source, "--tokenizer-model",
+        proc = subprocess.run([sys.executable, "launch/preprocess_data.py", "--sft", "--input", source,
+                               "--tokenizer-model",
                                chat["hf"], "--output-prefix", prefix, "--workers", "2", "--chunk-size", "7",
                                "--skip-bad-lines"] + extra, cwd=ROOT, env=env(), capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -358,7 +361,8 @@ def test_preprocessed_files_made_another_way_are_one_message(chat, tmp_path):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--vocab-file", "{V}", "--merge-file", "{M}"], "--tokenizer-type GPT2BPETokenizer: the tokenizer has no chat template"),
+    (["--vocab-file", "{V}", "--merge-file", "{M}"],
+     "--tokenizer-type GPT2BPETokenizer: the tokenizer has no chat template"),
     (["--mock-data"], "--sft trains on conversations"),
     (["--train-epochs", 0], "--train-epochs 0: a positive number of epochs"),
     (["--train-epochs", 2, "--sft-streaming"], "--train-epochs with --sft-streaming: an epoch's windows are known"),
@@ -536,7 +540,8 @@ def test_dpo_pairs_are_tokenized_cut_and_dropped_as_trl_does(family, tmp_path):
     limits = {style: sorted(lengths)[len(lengths) // 2] + 2 for style, lengths in prompts.items()}
     long = {style: sum(n >= limits[style] for n in lengths) for style, lengths in prompts.items()}
     assert all(2 <= n <= 12 for n in long.values()), long
-    for style, mode, limit in [("messages", "keep_start", limits["messages"]), ("messages", "keep_end", limits["messages"]),
+    for style, mode, limit in [("messages", "keep_start", limits["messages"]),
+                               ("messages", "keep_end", limits["messages"]),
                                ("strings", "keep_start", limits["strings"]), ("strings", "keep_end", limits["strings"]),
                                ("messages", "keep_start", 0)]:
         path = write_jsonl(tmp_path / f"{style}.jsonl", rows[style])
@@ -567,13 +572,15 @@ def test_dpo_flag_mistakes_are_one_message(chat, pairs):
     for flags, message in [(["--pipeline-model-parallel-size", 2], "add --dpo-reference-logps FILE"),
                            (["--sft"], "--sft and --dpo are two trainings"),
                            (["--sft-streaming", "--dpo-reference-logps", "r.npz"], "drop --sft-streaming"),
-                           (["--dpo-loss-type", "ipo", "--dpo-label-smoothing", 0.1], "applies to --dpo-loss-type sigmoid"),
+                           (["--dpo-loss-type", "ipo", "--dpo-label-smoothing", 0.1],
+                            "applies to --dpo-loss-type sigmoid"),
                            (["--dpo-max-length", 65, "--seq-length", 128], "each side holds at most 64"),
                            (["--sft-truncation", "drop"], "use --dpo-max-length")]:
         with pytest.raises(ConfigError, match=message):
             run_training([str(f) for f in base + flags + ["--dry-run-world-size", 2]])
     with pytest.raises(ConfigError, match="--dpo-truncation-mode set DPO: add --dpo"):
-        run_training(["--sft", "--data-path", chat["data"], "--load-hf", chat["hf"], "--dpo-truncation-mode", "keep_end"])
+        run_training(["--sft", "--data-path", chat["data"], "--load-hf", chat["hf"], "--dpo-truncation-mode",
+                      "keep_end"])
     with pytest.raises(ConfigError, match="--dpo needs --load-hf DIR"):
         run_training(["--dpo", "--data-path", pairs["data"], "--tokenizer-model", chat["hf"]])
     bad = write_jsonl(chat["dir"] / "bad_pairs.jsonl", [{"prompt": "hi", "chosen": "yes", "rejected": ""}])

@@ -47,7 +47,8 @@ def test_sink_attention_equals_transformers_eager_forward_and_backward(window, d
     mask = mask[None, None]
     if documents:
         mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
-    want = _eager(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), sinks, core.scale, mask).permute(2, 0, 1, 3).reshape(s, b, -1)
+    want = _eager(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), sinks, core.scale, mask)
+    want = want.permute(2, 0, 1, 3).reshape(s, b, -1)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
     grad = torch.randn_like(out, generator=g) if hasattr(torch, "randn_like") else torch.randn(out.shape)
     got = torch.autograd.grad(out, (q, k, v, sinks), grad)
@@ -105,7 +106,8 @@ def test_sink_attention_with_dropout_equals_transformers_eager_dropped_by_the_sa
     undropped = core.eval()(q, k, v, docs, sinks=sinks)
     assert (undropped - out).abs().max() > 1e-2  # dropout ran
     grad = torch.randn(out.shape, generator=g)
-    for a, e in zip(torch.autograd.grad(out, (q, k, v, sinks), grad), torch.autograd.grad(want, (q, k, v, sinks), grad)):
+    for a, e in zip(torch.autograd.grad(out, (q, k, v, sinks), grad),
+                    torch.autograd.grad(want, (q, k, v, sinks), grad)):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
 
 

@@ -1,6 +1,6 @@
 """The package's import graph, every import counted (also those inside functions): no cycles, every
 module on a floor, no import from a lower floor to a higher one, and imports at the top of modules
-unless a comment on the line says why."""
+unless a comment on the line says why; and no line of the project's Python longer than 120 characters."""
 
 import ast
 import os
@@ -27,7 +27,8 @@ FLOORS = [
     # 7: entry points
     ("hybrid.cli",),
 ]
-SIBLINGS_APART = [("hybrid.evaluation", "hybrid.training"), ("hybrid.generation", "hybrid.training")]  # same floor, no import between them
+# same floor, no import between them
+SIBLINGS_APART = [("hybrid.evaluation", "hybrid.training"), ("hybrid.generation", "hybrid.training")]
 
 
 def _modules() -> dict:
@@ -159,3 +160,30 @@ def _late_imports(path: str) -> list[str]:
 def test_imports_sit_at_the_top_of_modules_unless_a_comment_says_why():
     late = [use for path in _modules().values() for use in _late_imports(path)]
     assert late == [], "imports inside functions without a comment saying why:\n" + "\n".join(late)
+
+
+MAX_LINE = 120  # characters; every Python file of the project
+
+
+def _long_lines(paths) -> list:
+    return [f"{os.path.relpath(path, ROOT)}:{number}: {len(line)} characters"
+            for path in paths for number, line in enumerate(open(path, encoding="utf-8").read().split("\n"), 1)
+            if len(line) > MAX_LINE]
+
+
+def _python_files() -> list:
+    out = []
+    for top in ("hybrid", "launch", "conversion", "tests", "benchmarks"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            out += [os.path.join(folder, name) for name in sorted(files) if name.endswith(".py")]
+    return out
+
+
+def test_no_line_is_longer_than_120_characters():
+    assert _long_lines(_python_files()) == []
+
+
+def test_the_line_check_finds_a_long_line(tmp_path):
+    path = tmp_path / "long.py"
+    path.write_text("x = 1\n" + "y = '" + "a" * MAX_LINE + "'\n")
+    assert _long_lines([str(path)]) == [f"{os.path.relpath(str(path), ROOT)}:2: {MAX_LINE + 6} characters"]

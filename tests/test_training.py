@@ -144,7 +144,8 @@ def test_megatron_tutorial_script_runs_unchanged_but_for_the_script_name(tmp_pat
 
 @pytest.mark.parametrize("flags, message", [
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-    (["--global-batch-size", 6, "--micro-batch-size", 4], "--global-batch-size 6 is not a multiple of --micro-batch-size 4"),
+    (["--global-batch-size", 6, "--micro-batch-size", 4],
+     "--global-batch-size 6 is not a multiple of --micro-batch-size 4"),
     (["--micro-batch-size", 3, "--deepspeed", "ds_configs/zero1_test_mb2.json"],
      "--micro-batch-size 3 disagrees with \"train_micro_batch_size_per_gpu\": 2"),
     (["--tensor-model-parallel-size", 2], "world size 1 is not a multiple of --tensor-model-parallel-size (2)"),

@@ -23,7 +23,8 @@ def _run(block: str, cwd) -> str:
     environment["PATH"] = BIN + os.pathsep + environment.get("PATH", "")
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=cwd, env=environment,
                           capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{block}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (f"{block}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
+                                  f"--- stderr ---\n{proc.stderr[-4000:]}")
     return proc.stdout + "\n" + proc.stderr
 
 

@@ -17,7 +17,8 @@ UNTIED = ["--untie-embeddings-and-output-weights"]
 # (source launcher, ranks, flags) -> (target launcher, ranks, flags)
 # trimmed for the suite's time (each passed when removed): dp2_zero3_to_tp2_zero1 (pp2_dp2_zero3_to_tp2_zero1 and
 # dp2_to_dp1_zero3), tp2_to_tp1_dp2 (TP changes stay in
-# tp2_pp2_to_tp1_pp2_dp2), dp2_zero2_to_tp2_zero1 (dp2_zero3_to_tp2_zero1), tp2_zero0_to_dp2_zero2 (pp2_zero0_to_pp1_zero1),
+# tp2_pp2_to_tp1_pp2_dp2), dp2_zero2_to_tp2_zero1 (dp2_zero3_to_tp2_zero1), tp2_zero0_to_dp2_zero2
+# (pp2_zero0_to_pp1_zero1),
 # deepspeed_1f1b_pp2_to_interleaved_pp2_dp2 (interleaved_pp2_v2_to_pp1 and tp2_to_zbv_pp2)
 CASES = {
     "dp2_to_dp1_zero3": (("torchrun", 2, ["--deepspeed", "ds_configs/zero3.json"]),

@@ -65,5 +65,6 @@ def has_manifest(ckpt: str) -> bool:
 
 def complete_tags(load_dir: str) -> list[str]:
     """The iteration tags in `load_dir` whose manifest verifies, newest first."""
-    tags = [n for n in os.listdir(load_dir) if re.fullmatch(r"iter_\d{7}", n) and has_manifest(os.path.join(load_dir, n))]
+    tags = [n for n in os.listdir(load_dir)
+            if re.fullmatch(r"iter_\d{7}", n) and has_manifest(os.path.join(load_dir, n))]
     return [t for t in sorted(tags, reverse=True) if verify_manifest(os.path.join(load_dir, t)) is None]

@@ -10,6 +10,8 @@ import json
 import re
 from typing import Optional
 
+from deepspeed.checkpoint import constants as c
+
 from hybrid.model.config import ModelConfig
 from hybrid.model.gpt import GPTModel
 from hybrid.model.naming import pipeline_name
@@ -122,7 +124,6 @@ def universal_checkpoint_info(config: ModelConfig, tp: int, pipeline: bool = Fal
     layer files older checkpoints hold), derived from tp_layout, so `ds_to_universal` in strict mode finds every
     pattern used. `tied_copy`: the name of a second copy of the tied embedding table (the virtual stages of
     older checkpoints kept one as a parameter), a vocabulary parameter too."""
-    from deepspeed.checkpoint import constants as c  # only here: the TP layout itself needs no DeepSpeed
     groups = {c.VOCABULARY_PARAMETER_PATTERNS: [], c.TP_REPLICATED_PARAMETER_PATTERNS: [],
               c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [], c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: []}
     for name, rule in tp_layout(config).items():

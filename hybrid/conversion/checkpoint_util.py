@@ -18,10 +18,10 @@ from hybrid.checkpoint.client_state import ClientState
 from hybrid.checkpoint.files import read_tag
 from hybrid.conversion.hf import read_hf_dir, write_hf_dir
 from hybrid.conversion.layout import check_target_layout, read_hybrid, resolve_tag, write_hybrid
-from hybrid.conversion.megatron import megatron_run_args
-from hybrid.conversion.megatron_source import megatron_kind, open_source
-from hybrid.conversion.megatron_universal import write_universal
-from hybrid.conversion.megatron_write import write_megatron
+from hybrid.conversion.megatron.lm import megatron_run_args
+from hybrid.conversion.megatron.source import megatron_kind, open_source
+from hybrid.conversion.megatron.universal import write_universal
+from hybrid.conversion.megatron.write import write_megatron
 from hybrid.conversion.universal import to_universal
 from hybrid.data.tokenizer import GPT2BPETokenizer, HFTokenizer
 from hybrid.errors import ConfigError
@@ -37,14 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["hybrid", "hf", "megatron"],
                    help="hybrid: a launch/train.py checkpoint; megatron (aliases mcore, core, legacy, "
                         "megatron_deepspeed): a Megatron-LM checkpoint, --ckpt-format torch or torch_dist, or a "
-                        "Megatron-DeepSpeed one, any TP/PP (a launch/train.py checkpoint is read as hybrid); hf (aliases llama_mistral, "
-                        "llama2_hf, loader_llama2_hf): a transformers directory")
+                        "Megatron-DeepSpeed one, any TP/PP (a launch/train.py checkpoint is read as hybrid); hf "
+                        "(aliases llama_mistral, llama2_hf, loader_llama2_hf): a transformers directory")
     p.add_argument("--saver", default="hybrid", type=_format_alias, choices=["hybrid", "hf", "universal", "megatron"],
                    help="hybrid: weights at --target-*-parallel-size; hf: a transformers directory; universal: "
                         "DeepSpeed's universal checkpoint of --load-dir's last checkpoint, written beside it (with "
                         "optimizer state; launch/train.py --load DIR --universal-checkpoint resumes it at any layout), "
-                        "or with --loader megatron of a Megatron-LM checkpoint's weights and Adam state, in --save-dir; "
-                        "megatron: a Megatron-LM checkpoint (--ckpt-format torch) at --target-*")
+                        "or with --loader megatron of a Megatron-LM checkpoint's weights and Adam state, in "
+                        "--save-dir; megatron: a Megatron-LM checkpoint (--ckpt-format torch) at --target-*")
     p.add_argument("--ckpt-format", default="torch", choices=["torch", "torch_dist"],
                    help="with --saver megatron: the legacy per-rank files (torch), or megatron-core's distributed "
                         "checkpoint (torch_dist; global tensors, which Megatron-LM loads at any TP / PP / EP)")
@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted: tensors keep the source's precision; training casts per its own flags")
     p.add_argument("--hf-convert", action="store_true", help="shorthand for --saver hf")
     p.add_argument("--load-dir", required=True)
-    p.add_argument("--save-dir", default=None, help="output directory (with --saver universal: only for --loader megatron)")
+    p.add_argument("--save-dir", default=None,
+                   help="output directory (with --saver universal: only for --loader megatron)")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     p.add_argument("--target-expert-parallel-size", type=int, default=1,

@@ -27,7 +27,8 @@ from hybrid.model.qkv import fuse_qkv, split_qkv_flat
 
 def expect(name: str, tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
     if tuple(tensor.shape) != tuple(shape):
-        raise ConfigError(f"HF tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(shape)} from config.json.")
+        raise ConfigError(f"HF tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(shape)} from "
+                          f"config.json.")
     return tensor
 
 
@@ -299,8 +300,8 @@ class LlamaAdapter(Adapter):
 
     family, hf_class, config_class = "llama", "LlamaForCausalLM", "LlamaConfig"
     options = "RoPE (default, llama3 and linear scaling), RMSNorm, SwiGLU, no biases, GQA, any head_dim, tied or untied"
-    refused = ("`attention_bias`, `mlp_bias`, `rope_scaling` types other than llama3/linear/yarn, `partial_rotary_factor` "
-               "< 1, quantized weights (`quantization_config`)")
+    refused = ("`attention_bias`, `mlp_bias`, `rope_scaling` types other than llama3/linear/yarn, "
+               "`partial_rotary_factor` < 1, quantized weights (`quantization_config`)")
     hidden_act = "silu"
     qkv_bias = False  # the HF class always has Q/K/V biases (Qwen2)
     qk_norm = False  # per-head Q/K RMSNorm (Qwen3)
@@ -401,7 +402,8 @@ class LlamaAdapter(Adapter):
 
     def globals_to_canonical(self, hf_state, wanted=None):
         c, h = self.config, self.config.hidden_size
-        names = {"embedding.word_embeddings.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight"}
+        names = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+                 "final_norm.weight": "model.norm.weight"}
         if c.untie_embeddings_and_output_weights:
             names["output_layer.weight"] = "lm_head.weight"
         out = {ours: get(hf_state, hf) for ours, hf in names.items() if wanted is None or ours in wanted}
@@ -421,7 +423,8 @@ class LlamaAdapter(Adapter):
     def attention_to_canonical(self, hf_state, i: int, out: dict) -> None:
         """q/k/v projections (and biases) -> the fused QKV (hybrid.model.qkv)."""
         c = self.config
-        groups, per_group, d, h = c.num_query_groups, c.num_attention_heads // c.num_query_groups, c.head_dim, c.hidden_size
+        groups, d, h = c.num_query_groups, c.head_dim, c.hidden_size
+        per_group = c.num_attention_heads // groups
         shapes = {"q": (groups * per_group * d,), "k": (groups * d,), "v": (groups * d,)}
         p = f"model.layers.{i}.self_attn."
         for kind in ("weight", "bias") if self.qkv_bias else ("weight",):
@@ -612,7 +615,8 @@ class _MoEFamily:
         c = self.config
         shared = bool(c.moe_shared_expert_intermediate_size)
         wanted = {"--num-experts": bool(c.num_experts),
-                  ("--moe-shared-expert-intermediate-size" if self.shared else "no shared experts"): shared == self.shared,
+                  ("--moe-shared-expert-intermediate-size" if self.shared else "no shared experts"):
+                      shared == self.shared,
                   "--moe-shared-expert-gate" + ("" if self.shared_gated else " off"):
                       not shared or c.moe_shared_expert_gate == self.shared_gated, **self._moe_wanted()}
         if not self.sigmoid_routing:
@@ -744,7 +748,8 @@ class _DeepSeekMoE(_MoEFamily):
         dense = int(hf.first_k_dense_replace)
         shared = int(hf.n_shared_experts or 0) * int(hf.moe_intermediate_size)
         scale = float(hf.routed_scaling_factor)
-        return _replace(config, num_experts=experts, moe_router_topk=k, moe_ffn_hidden_size=int(hf.moe_intermediate_size),
+        return _replace(config, num_experts=experts, moe_router_topk=k,
+                        moe_ffn_hidden_size=int(hf.moe_intermediate_size),
                         moe_layer_freq=1 if dense == 0 else [int(i >= dense) for i in range(hf.num_hidden_layers)],
                         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                         moe_router_dtype="fp32",  # (transformers' router: F.linear of fp32 casts)
@@ -785,7 +790,8 @@ def _replace(config: ModelConfig, **fields) -> ModelConfig:
 
 class MixtralAdapter(_MoEFamily, MistralAdapter):
     family, hf_class, config_class = "mixtral", "MixtralForCausalLM", "MixtralConfig"
-    options = "Mistral's, every layer a mixture of experts: softmax top-k renormalised (--num-experts, --moe-router-topk)"
+    options = ("Mistral's, every layer a mixture of experts: softmax top-k renormalised (--num-experts, "
+               "--moe-router-topk)")
     refused = "`router_jitter_noise` > 0, as Mistral's"
     moe_block, expert_names = "block_sparse_moe", ("w1", "w3", "w2")  # on disk (transformers 5 fuses them on load)
 
@@ -816,10 +822,12 @@ def _qwen_moe_config(hf, config, shared: bool) -> ModelConfig:
     experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts")
     step, dense = int(getattr(hf, "decoder_sparse_step", 1) or 1), set(getattr(hf, "mlp_only_layers", None) or [])
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(hf.num_hidden_layers)]
-    fields = dict(num_experts=experts, moe_router_topk=hf.num_experts_per_tok, moe_ffn_hidden_size=hf.moe_intermediate_size,
+    fields = dict(num_experts=experts, moe_router_topk=hf.num_experts_per_tok,
+                  moe_ffn_hidden_size=hf.moe_intermediate_size,
                   moe_layer_freq=1 if all(pattern) else pattern, moe_router_pre_softmax=not hf.norm_topk_prob)
     if shared:
-        fields.update(moe_shared_expert_intermediate_size=hf.shared_expert_intermediate_size, moe_shared_expert_gate=True)
+        fields.update(moe_shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
+                      moe_shared_expert_gate=True)
     return _replace(config, **fields)
 
 
@@ -864,8 +872,8 @@ class Glm4MoeAdapter(_StoredMTP, _DeepSeekMoE, LlamaAdapter):
     family, hf_class, config_class = "glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig"
     options = ("Llama's, rope on part of each head (`partial_rotary_factor` = --rotary-percent), optional Q/K/V "
                "biases (`attention_bias` = --add-qkv-bias) and per-head Q/K norms (`use_qk_norm` = --qk-layernorm); "
-               "DeepSeek's MoE: sigmoid routing with the score bias (--moe-router-enable-expert-bias; its GEMM in fp32: "
-               "--moe-router-dtype fp32), groups "
+               "DeepSeek's MoE: sigmoid routing with the score bias (--moe-router-enable-expert-bias; its GEMM in "
+               "fp32: --moe-router-dtype fp32), groups "
                "(--moe-router-num-groups / --moe-router-group-topk), `routed_scaling_factor` "
                "(--moe-router-topk-scaling-factor), shared experts, the first layers dense (--moe-layer-freq)")
     refused = ("`norm_topk_prob` off with top-k > 1, `topk_group` with topk // topk_group != 2, as Llama's; its MTP "
@@ -911,7 +919,8 @@ def permute_rope_rows(t: torch.Tensor, block: int, pos: int, to_halves: bool) ->
     return blocks[:, order].reshape(t.shape).contiguous()
 
 
-HF_LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3Attention builds q_a_layernorm / kv_a_layernorm with its default eps
+# transformers' DeepseekV3Attention builds q_a_layernorm / kv_a_layernorm with its default eps
+HF_LATENT_NORM_EPS = 1e-6
 
 
 def mla_rope_blocks(config: ModelConfig) -> dict:
@@ -943,8 +952,8 @@ class DeepseekV3Adapter(_StoredMTP, _DeepSeekMoE, LlamaAdapter):
                "or none, `kv_lora_rank`, `qk_nope_head_dim` = --qk-head-dim, `qk_rope_head_dim` = "
                "--qk-pos-emb-head-dim, `v_head_dim`; YaRN's `mscale_all_dim` on the softmax scale), DeepSeek's MoE "
                "(as GLM-4.5's); also Kimi-K2 and DeepSeek-V3.1/R1")
-    refused = ("`attention_bias`, `rope_interleave` false, `num_key_value_heads` != `num_attention_heads`, as GLM-4.5's "
-               "MoE; its MTP layers (model.layers.{L + k}) are read and written as --mtp-num-layers")
+    refused = ("`attention_bias`, `rope_interleave` false, `num_key_value_heads` != `num_attention_heads`, as "
+               "GLM-4.5's MoE; its MTP layers (model.layers.{L + k}) are read and written as --mtp-num-layers")
 
     qk_norm = True  # MLA's latent norms (hybrid.model.mla), which megatron-core's --qk-layernorm means with MLA
     mla = True
@@ -960,7 +969,8 @@ class DeepseekV3Adapter(_StoredMTP, _DeepSeekMoE, LlamaAdapter):
         if (hf.num_key_value_heads or hf.num_attention_heads) != hf.num_attention_heads:
             _refuse(name, "num_key_value_heads", hf.num_key_value_heads, "MLA has a key and value per head")
         if float(hf.rms_norm_eps) != HF_LATENT_NORM_EPS:
-            _refuse(name, "rms_norm_eps", hf.rms_norm_eps, f"transformers' DeepseekV3 computes its latent norms with eps "
+            _refuse(name, "rms_norm_eps", hf.rms_norm_eps,
+                    f"transformers' DeepseekV3 computes its latent norms with eps "
                     f"{HF_LATENT_NORM_EPS} whatever rms_norm_eps says, hybrid's MLA (as megatron-core's) with the "
                     f"model's one epsilon")
         return _replace(super().config_from_hf(hf), multi_latent_attention=True, kv_channels=None, qk_layernorm=True,
@@ -1018,11 +1028,13 @@ class GptOssAdapter(LlamaAdapter):
                "--window-size with --window-attn-skip-freq), YaRN rope, biases everywhere (--add-bias-linear: Q/K/V, "
                "output, router, experts), every layer a softmax top-k MoE whose experts' clamped quick-GeGLU is "
                "--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value `swiglu_limit`")
-    refused = "`swiglu_alpha` other than 1.702, `attention_bias` false, as Llama's (MXFP4 weights: save them dequantized)"
+    refused = ("`swiglu_alpha` other than 1.702, `attention_bias` false, as Llama's (MXFP4 weights: save them "
+               "dequantized)")
     qkv_bias = True  # (Q/K/V's biases as --add-bias-linear's, with the output's)
     REFUSED_BIASES = ("mlp_bias",)
-    LAYER_MAP = dict(LlamaAdapter.LAYER_MAP, **{"model.layers.{}.self_attn.o_proj.bias": "layers.{}.attention.dense.bias",
-                                                "model.layers.{}.self_attn.sinks": "layers.{}.attention.sinks"})
+    LAYER_MAP = dict(LlamaAdapter.LAYER_MAP,
+                     **{"model.layers.{}.self_attn.o_proj.bias": "layers.{}.attention.dense.bias",
+                        "model.layers.{}.self_attn.sinks": "layers.{}.attention.sinks"})
 
     @classmethod
     def config_from_hf(cls, hf):

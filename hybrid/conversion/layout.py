@@ -30,7 +30,8 @@ from hybrid.model.naming import (EMBEDDING_WEIGHT, EXPERTS, buffer_names, canoni
                                  canonical_parameters, pipeline_index)
 from hybrid.parallel.layers import shard, unshard
 
-__all__ = ["read_hybrid", "hybrid_parts", "write_hybrid", "shard_for_rank", "partition_rule", "load_full_state", "resolve_tag",
+__all__ = ["read_hybrid", "hybrid_parts", "write_hybrid", "shard_for_rank", "partition_rule", "load_full_state",
+           "resolve_tag",
            "check_target_layout"]
 
 

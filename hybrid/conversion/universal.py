@@ -89,7 +89,8 @@ def _zero0_to_universal(ckpt: str, out_dir: str, config) -> None:
                 raise ConfigError(f"{ckpt}: a --optimizer muon run without ZeRO keeps torch's Muon state per HF "
                                   f"matrix, which the universal format does not hold; train with ZeRO-1/2/3 "
                                   f"(--zero-stage 1) for a universal checkpoint of Muon, or resume at this layout.")
-            param_groups = param_groups or [{k: v for k, v in g.items() if k != "params"} for g in optimizer["param_groups"]]
+            param_groups = param_groups or [{k: v for k, v in g.items() if k != "params"}
+                                            for g in optimizer["param_groups"]]
             for group, group_names in zip(optimizer["param_groups"], names):
                 for index, name in zip(group["params"], group_names):
                     state = optimizer["state"].get(index, {})

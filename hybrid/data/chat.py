@@ -65,7 +65,8 @@ class ChatOptions:
     skip_bad: bool = False  # --sft-skip-bad: malformed rows are counted and skipped instead of stopping the run
     pairs: bool = False  # --dpo: rows are preference pairs (prompt, chosen, rejected), packed side by side
     # a pair's truncation (TRL's DPOConfig, applied when windows are packed: the tokenized pairs do not depend on it)
-    dpo_max_length: int = 0  # --dpo-max-length: TRL's max_length, each side's tokens; 0: half a window (seq_length // 2)
+    # --dpo-max-length: TRL's max_length, each side's tokens; 0: half a window (seq_length // 2)
+    dpo_max_length: int = 0
     dpo_max_prompt_length: int = 0  # --dpo-max-prompt-length: the prompt's last tokens kept first (TRL 0.x); 0: all
     dpo_truncation_mode: str = "keep_start"  # --dpo-truncation-mode: TRL's truncation_mode (keep_start, keep_end)
     stream_buffer: int = 0  # --sft-streaming's shuffle buffer (hybrid.data.chat_stream); 0: the whole file up front
@@ -174,7 +175,8 @@ def conversation_of(row, where: str):
                       else [{"role": "assistant", "content": row["completion"]}])
         return "messages", _messages(list(prompt) + list(completion), where, "role", "content")
     raise BadRow(f"{where}: no conversation in the row: expected 'messages', 'conversations', "
-                 f"'instruction'/'output', 'prompt'/'completion' or 'input_ids' (it has {', '.join(map(str, row)) or 'no fields'})")
+                 f"'instruction'/'output', 'prompt'/'completion' or 'input_ids' (it has "
+                 f"{', '.join(map(str, row)) or 'no fields'})")
 
 
 def preference_pair_of(row, where: str) -> tuple:
@@ -185,10 +187,12 @@ def preference_pair_of(row, where: str) -> tuple:
         raise row
     if not isinstance(row, dict) or not all(k in row for k in ("prompt", "chosen", "rejected")):
         keys = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
-        raise BadRow(f"{where}: a preference pair needs 'prompt', 'chosen' and 'rejected' (TRL's format; it has {keys})")
+        raise BadRow(f"{where}: a preference pair needs 'prompt', 'chosen' and 'rejected' (TRL's format; it has "
+                     f"{keys})")
     for key in ("prompt", "chosen", "rejected"):
         value = row[key]
-        if value is None or (isinstance(value, (str, list)) and not value) or (isinstance(value, str) and not value.strip()):
+        if (value is None or (isinstance(value, (str, list)) and not value)
+                or (isinstance(value, str) and not value.strip())):
             raise BadRow(f"{where}: the pair's '{key}' is empty")
     if all(isinstance(row[key], str) for key in ("prompt", "chosen", "rejected")):
         return row["prompt"], row["chosen"], row["rejected"]
@@ -211,7 +215,8 @@ def _messages(turns, where: str, role_key: str, content_key: str, need_assistant
             raise BadRow(f"{where}: turn {k} is not an object with '{role_key}' and '{content_key}'")
         role = ROLES.get(str(turn[role_key]).lower())
         if role is None:
-            raise BadRow(f"{where}: turn {k} has the unknown role {turn[role_key]!r} (known: {', '.join(sorted(ROLES))})")
+            raise BadRow(f"{where}: turn {k} has the unknown role {turn[role_key]!r} (known: "
+                         f"{', '.join(sorted(ROLES))})")
         content = turn[content_key]
         if content is None or not isinstance(content, (str, list)):
             raise BadRow(f"{where}: turn {k} ({role}) has no text content")
@@ -320,9 +325,10 @@ class ChatEncoder:
             if isinstance(prompt, str):
                 eos = self.tok.eos_token
                 if not eos:
-                    raise ConfigError(f"{self.source}: plain-text preference pairs end each answer with the tokenizer's "
-                                      f"EOS token (as TRL does), and this tokenizer has none; give the pairs as message "
-                                      f"lists (rendered by the chat template) or a tokenizer with an eos_token.")
+                    raise ConfigError(f"{self.source}: plain-text preference pairs end each answer with the "
+                                      f"tokenizer's EOS token (as TRL does), and this tokenizer has none; give the "
+                                      f"pairs as message lists (rendered by the chat template) or a tokenizer with an "
+                                      f"eos_token.")
                 texts = [prompt] + [prompt + (a if a.endswith(eos) else a + eos) for a in (chosen, rejected)]
                 head, *sides = [list(self.tok(text)["input_ids"]) for text in texts]
             else:
@@ -526,9 +532,9 @@ def load_preprocessed(path: str, encoder: ChatEncoder) -> Tokenized:
     made = "launch/preprocess_data.py --sft" + (" --dpo" if meta.get("pairs") else "") + (
         " --sft-train-on-prompt" if meta.get("train_on_prompt") else "")
     if meta.get("pairs") != encoder.options.pairs:
+        wanted = "(--dpo) trains on preference pairs" if encoder.options.pairs else "(--sft) trains on conversations"
         raise ConfigError(f"--data-path {path}: made by {made}, which holds "
-                          f"{'preference pairs' if meta.get('pairs') else 'conversations'}; this run "
-                          f"{'(--dpo) trains on preference pairs' if encoder.options.pairs else '(--sft) trains on conversations'}.")
+                          f"{'preference pairs' if meta.get('pairs') else 'conversations'}; this run {wanted}.")
     if meta.get("fingerprint") != encoder.fingerprint():
         raise ConfigError(f"--data-path {path}: made by {made} with another tokenizer, chat template or "
                           f"--sft-train-on-prompt than this run's {encoder.source}; preprocess it again with the "
@@ -557,11 +563,12 @@ def _signature(path: str) -> list:
 
 def cached_tokenize(path: str, encoder: ChatEncoder, cache_dir: Optional[str] = None) -> Tokenized:
     """tokenize_file, once: rank 0 tokenizes and writes `<cache>/<name>.<fingerprint>.sft.npz` (beside the file
-    or directory, or in --data-cache-path), the other ranks wait and read it; a changed file, tokenizer, template or option
-    makes another key."""
+    or directory, or in --data-cache-path), the other ranks wait and read it; a changed file, tokenizer, template or
+    option makes another key."""
     if is_preprocessed(path):  # launch/preprocess_data.py --sft's files: read as they are
         return load_preprocessed(path, encoder)
-    key = hashlib.sha256(repr((os.path.abspath(path), _signature(path), encoder.fingerprint())).encode()).hexdigest()[:16]
+    key = hashlib.sha256(repr((os.path.abspath(path), _signature(path),
+                               encoder.fingerprint())).encode()).hexdigest()[:16]
     base = cache_dir or os.path.dirname(os.path.abspath(os.path.normpath(path)))
     cache = os.path.join(base, f"{os.path.basename(os.path.normpath(path))}.{key}.sft.npz")
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -637,8 +644,8 @@ def truncation_rule(options: ChatOptions, width: int) -> str:
     if not options.pairs:
         return f"--sft-truncation {options.truncation}"
     prompt = f", the prompt to its last {options.dpo_max_prompt_length}" if options.dpo_max_prompt_length else ""
-    return (f"TRL's truncation: --dpo-truncation-mode {options.dpo_truncation_mode} at {pair_max_length(options, width)}"
-            f" tokens a side{prompt}")
+    return (f"TRL's truncation: --dpo-truncation-mode {options.dpo_truncation_mode} at "
+            f"{pair_max_length(options, width)} tokens a side{prompt}")
 
 
 def pair_as_trl(unit, width: int, options: ChatOptions, counts: Counts):
@@ -695,7 +702,8 @@ class ChatDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         epoch, k = divmod(int(index), self.windows)
         w = self._order(epoch)[k]
-        sample = {"text": torch.from_numpy(self.tokens[w].astype(np.int64)), "loss_mask": torch.from_numpy(self.mask[w])}
+        sample = {"text": torch.from_numpy(self.tokens[w].astype(np.int64)),
+                  "loss_mask": torch.from_numpy(self.mask[w])}
         if self.reference_logps is not None:
             sample["reference_logps"] = torch.from_numpy(self.reference_logps[w])
         return sample
@@ -736,7 +744,8 @@ def train_windows(data_config, seq_length: int, seed: int, encoder: ChatEncoder)
         raise ConfigError("--train-epochs counts the passes over one file's conversations; with a weighted blend "
                           "of several give --train-iters or --train-samples.")
     data = cached_tokenize(paths[0], encoder, data_config.data_cache_path)
-    start, stop = (0, len(data)) if own else split_ranges(data_config.split, len(data), data_config.legacy_data_rules)[0]
+    start, stop = ((0, len(data)) if own
+                   else split_ranges(data_config.split, len(data), data_config.legacy_data_rules)[0])
     order = start + np.random.RandomState(seed).permutation(stop - start)
     tokens, _ = pack(data, order, seq_length + 1, encoder.separator, encoder.options, Counts())
     return len(tokens)

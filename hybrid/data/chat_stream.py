@@ -265,7 +265,8 @@ def split_datasets(path: str, ranges_of, num_samples, seq_length: int, seed: int
             continue
         cache = stream_cache(path, encoder, (start, stop), cache_dir)
         if split == 0:
-            out.append(StreamingChatDataset(path, (start, stop), encoder, seq_length + 1, seed, encoder.options.stream_buffer,
+            out.append(StreamingChatDataset(path, (start, stop), encoder, seq_length + 1, seed,
+                                            encoder.options.stream_buffer,
                                             wanted, cache, writer))
             log(f"sft: {path} train: rows {start}-{stop} streamed (tokenized as the batches need them, shuffle buffer "
                 f"{encoder.options.stream_buffer}; cache {cache})")

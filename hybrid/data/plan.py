@@ -44,8 +44,8 @@ def _plain(value):
 
 
 def plan_changes(saved: dict, now: dict) -> tuple[list[str], str]:
-    """The saved run summary and this run's (hybrid.config.checkpoint_summary) -> (the differences of the data plan, each the flags
-    and both values; the global batch size's change, or ''). A field the checkpoint did not record is not
+    """The saved run summary and this run's (hybrid.config.checkpoint_summary) -> (the differences of the data plan,
+    each the flags and both values; the global batch size's change, or ''). A field the checkpoint did not record is not
     compared (checkpoints written before it was)."""
     changes = []
     for section, field, flags in PLAN:

@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep-newlines", action="store_true", help="with --split-sentences: newlines stay in sentences")
     g.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed JSON lines")
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_TYPES + ("HuggingFaceTokenizer", "PretrainedFromHF"))
+    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
+                   choices=TOKENIZER_TYPES + ("HuggingFaceTokenizer", "PretrainedFromHF"))
     g.add_argument("--vocab-file", "--vocab", dest="vocab_file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-model", "--tokenizer-name-or-path", dest="tokenizer_model", default=None,

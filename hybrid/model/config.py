@@ -40,7 +40,8 @@ def yarn_scaling(factor: float, original: int, beta_fast: float = 32.0, beta_slo
 
 
 MLA_YARN_ORIGINAL_CONTEXT = 4096  # megatron-core's MLATransformerConfig.original_max_position_embeddings
-# Megatron-LM's --enable-gpt-oss (megatron/post_training/model_builder.py sets it on the model's config): GPT-OSS's YaRN as
+# Megatron-LM's --enable-gpt-oss (megatron/post_training/model_builder.py sets it on the model's config): GPT-OSS's
+# YaRN as
 # yarn_scaling's arguments (factor, original context, betas, mscale, mscale_all_dim, the correction range not rounded)
 GPT_OSS_YARN = (32.0, 131072, 32.0, 1.0, 1.0, 0.0, False)
 
@@ -128,7 +129,8 @@ class ModelConfig:
     reset_attention_mask: bool = False  # --reset-attention-mask: a token attends its own document only (packed data)
     reset_position_ids: bool = False  # --reset-position-ids: positions restart at 0 after each EOD token
     eod_token: Optional[int] = None  # the end-of-document id at which those two split sequences (the tokenizer's)
-    fp8_recipe: Optional[str] = None  # --fp8-recipe when --fp8-format is given: tensorwise|rowwise|delayed; None: no FP8
+    # --fp8-recipe when --fp8-format is given: tensorwise|rowwise|delayed; None: no FP8
+    fp8_recipe: Optional[str] = None
     fp8_format: str = "hybrid"  # --fp8-format e4m3|hybrid (hybrid: gradients in e5m2)
     fp8_amax_history_len: int = 1  # --fp8-amax-history-len (delayed scaling)
     fp8_amax_compute_algo: str = "most_recent"  # --fp8-amax-compute-algo most_recent|max (delayed scaling)
@@ -288,7 +290,8 @@ class ModelConfig:
             raise ConfigError("--glu-linear-offset and --activation-func-clamp-value act on --quick-geglu's gated "
                               "unit (GPT-OSS's); add --quick-geglu.")
         if self.activation_func_clamp_value is not None and not self.activation_func_clamp_value > 0:
-            raise ConfigError(f"--activation-func-clamp-value must be positive, got {self.activation_func_clamp_value}.")
+            raise ConfigError(f"--activation-func-clamp-value must be positive, got "
+                              f"{self.activation_func_clamp_value}.")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"--window-size: the window must hold at least the token itself (got a window of "
                               f"{self.sliding_window}).")
@@ -360,9 +363,9 @@ class ModelConfig:
         if self.position_embedding_type != "rope":
             raise ConfigError("--multi-latent-attention needs --position-embedding-type rope (or yarn).")
         if not self.qk_layernorm:
-            raise ConfigError("--multi-latent-attention needs --qk-layernorm: with MLA it norms the query and key-value "
-                              "latents (megatron-core's q_layernorm / kv_layernorm, DeepSeek's q_a_layernorm / "
-                              "kv_a_layernorm); MLA without them is not implemented.")
+            raise ConfigError("--multi-latent-attention needs --qk-layernorm: with MLA it norms the query and "
+                              "key-value latents (megatron-core's q_layernorm / kv_layernorm, DeepSeek's q_a_layernorm "
+                              "/ kv_a_layernorm); MLA without them is not implemented.")
         others = {"--num-query-groups": self.num_query_groups != self.num_attention_heads,
                   "--add-qkv-bias": self.add_qkv_bias,
                   "--rotary-percent": self.rotary_percent != 1.0,
@@ -392,7 +395,8 @@ class ModelConfig:
                               f"{experts // groups} experts.")
 
     def _check_layer_pattern(self, flag: str, freq, meaning: str = "") -> None:
-        """Megatron-LM's per-layer patterns (--moe-layer-freq, --window-attn-skip-freq): N >= 1, or one 0/1 per layer."""
+        """Megatron-LM's per-layer patterns (--moe-layer-freq, --window-attn-skip-freq): N >= 1, or one 0/1 per
+        layer."""
         if isinstance(freq, (list, tuple)):
             if len(freq) != self.num_layers or set(freq) - {0, 1}:
                 raise ConfigError(f"{flag} as a list needs one 0 or 1 per layer ({self.num_layers}{meaning}), "

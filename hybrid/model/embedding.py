@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from hybrid.model.init import normal_init, vocab_rows_init
 from hybrid.parallel import mappings as M
 from hybrid.parallel.groups import as_groups
-from hybrid.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_matmul, local_rows_lookup
+from hybrid.parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, column_parallel_matmul,
+                                    local_rows_lookup)
 from hybrid.parallel.random import fork_tp_rng
 
 

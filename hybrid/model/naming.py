@@ -93,7 +93,8 @@ def buffer_names(config) -> set:
     if not config.num_experts or not config.moe_router_enable_expert_bias:
         return set()
     return {f"layers.{i}.mlp.router.score_bias" for i in config.moe_layers} | \
-        {f"{mtp_prefix(config, i)}layer.mlp.router.score_bias" for i in config.mtp_layers if config.mlp_type_of(i) == "moe"}
+        {f"{mtp_prefix(config, i)}layer.mlp.router.score_bias" for i in config.mtp_layers
+         if config.mlp_type_of(i) == "moe"}
 
 
 def mtp_prefix(config, layer: int) -> str:

@@ -30,7 +30,8 @@ Block kernels (`block_kernel`): on CPU aten's fused flash-attention for CPU (for
 and GQA); on CUDA in fp16/bf16 aten's fused flash-attention (`_scaled_dot_product_flash_attention` and its
 backward, called as torch's own context parallelism calls them: the log-sum-exp out, the merged one back
 in; GQA's K/V not repeated, the kernel shares each KV head); elsewhere, and on CUDA with document masks,
-a window's bands, dropout or fp32, an exact math kernel in query tiles (fp32 scores of at most MATH_TILE_BYTES at a time,
+a window's bands, dropout or fp32, an exact math kernel in query tiles (fp32 scores of at most MATH_TILE_BYTES at a
+time,
 recomputed in backward). Every kernel has one contract: a block's output and fp32 log-sum-exp
 [b, nq, sq] from (q, k, v, causal, scale), and the gradients from the merged output and log-sum-exp, so
 the merge and the ring are the same code whichever runs (the CPU suite runs the CUDA wrapper against

@@ -44,7 +44,8 @@ RELIED_ON = [
      "is_model_parallel_parameter(p) or (self.model_parallel_rank == 0)"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.__init__",
      "self.model_parallel_rank = mpu.get_model_parallel_rank()"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine._backward_post_hook", "needs_scaler and not self._manual_backward_expected"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine._backward_post_hook",
+     "needs_scaler and not self._manual_backward_expected"),
     ("deepspeed.runtime.fp16.fused_optimizer", "FP16_Optimizer.backward",
      "scaled_loss = (loss.float()) * self.loss_scale_config.cur_scale"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.setup_buckets",
@@ -61,7 +62,8 @@ RELIED_ON = [
      "single_grad_partition = self.flatten(self.averaged_gradients[sub_group_id])"),
     ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.release_sub_module",
      "self.__active_backward_submodules.pop(submodule.ds_id, None)"),
-    ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.release_backward_leftovers",
+    ("deepspeed.runtime.zero.partitioned_param_coordinator",
+     "PartitionedParameterCoordinator.release_backward_leftovers",
      "while self.__active_backward_submodules:"),
     ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.__init__",
      "self.__active_backward_submodules: Dict[int, Module] = {}"),
@@ -78,7 +80,8 @@ RELIED_ON = [
     ("deepspeed.runtime.engine", "DeepSpeedEngine.allreduce_bucket", "tensor_to_allreduce.mul_(1. / dp_world_size)"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.__init__", "self.param_names = param_names"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.__init__", "self.param_names = param_names"),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
+    ("deepspeed.runtime.zero.stage3",
+     "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
      "param_groups"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.save_checkpoint", "self.checkpoint_engine.commit(commit_info)"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine._save_checkpoint", "self.checkpoint_engine.save("),
@@ -286,7 +289,8 @@ def release_input_embedding_after_its_gradient(engine, embedding) -> None:
     active modules: the tied head at PP = 1 reads it through the top module, so nothing is saved there). The
     method is replaced on this optimizer object only."""
     optimizer = engine.optimizer
-    if engine.zero_optimization_stage() != 3 or embedding is None or getattr(optimizer, "parameter_offload", None) is None:
+    if (engine.zero_optimization_stage() != 3 or embedding is None
+            or getattr(optimizer, "parameter_offload", None) is None):
         return
     coordinator = optimizer.parameter_offload.get_param_coordinator()
     reduce = optimizer.reduce_ready_partitions_and_remove_grads

@@ -12,6 +12,8 @@ import torch.nn as nn
 from deepspeed.accelerator import get_accelerator
 
 from hybrid.config import RunConfig
+from hybrid.conversion.hf import hf_parts
+from hybrid.conversion.layout import load_parts
 from hybrid.errors import ConfigError
 from hybrid.model import build as model_build
 from hybrid.model.attention import backend_notes
@@ -139,7 +141,8 @@ def build_engine(run: RunConfig, groups):
         use_async_checkpoint_engine(engine)
     if run.parallel.pipeline_parallel > 1:
         prepare_pipeline_engine(engine, groups.mpu)
-    if run.zero_stage == 3 and run.model.tied_embeddings and model.embedding is not None and model.final_norm is not None:
+    if (run.zero_stage == 3 and run.model.tied_embeddings and model.embedding is not None
+            and model.final_norm is not None):
         # The tied output head (PP = 1, or a V placement's last stage) reads the embedding table outside the
         # embedding's own forward.
         deepspeed.zero.register_external_parameter(engine.module, engine.module.embedding.word_embeddings.weight)
@@ -151,15 +154,13 @@ def build_engine(run: RunConfig, groups):
 
 
 def build_reference(run: RunConfig, groups, engine) -> nn.Module:
-    """--dpo (and --grpo's KL): the frozen reference model, the --load-hf weights at this run's layout (PP = 1), in eval mode
-    (no dropout) and the training precision, beside the engine (never partitioned: it has no optimizer); the
+    """--dpo (and --grpo's KL): the frozen reference model, the --load-hf weights at this run's layout (PP = 1), in
+    eval mode (no dropout) and the training precision, beside the engine (never partitioned: it has no optimizer); the
     DPO objective scores each micro-batch with it (hybrid.model.objectives.PreferencePairs)."""
-    # the HF reader: only for --dpo here
-    from hybrid.conversion.hf import hf_parts
-    from hybrid.conversion.layout import load_parts
     config = dataclasses.replace(run.model, hidden_dropout=0.0, attention_dropout=0.0, recompute_granularity=None)
     reference = model_build.build_model(config, groups).eval()
-    wanted = set(canonical_parameters(reference, config.num_layers)) | set(canonical_buffers(reference, config.num_layers))
+    wanted = (set(canonical_parameters(reference, config.num_layers))
+              | set(canonical_buffers(reference, config.num_layers)))
     load_parts(reference, hf_parts(run.checkpoint.load_hf, config, wanted), config, groups)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.training.precision, torch.float32)
     reference.requires_grad_(False)

@@ -18,10 +18,10 @@ from hybrid.parallel import fp8
 from hybrid.training.engine import units_per_step
 from hybrid.training.health import HealthCheck
 from hybrid.training.logging import MetricsLogger, Timer, log
-from hybrid.training.metrics import iteration_record
+from hybrid.training.metrics import device_peak_tflops, iteration_record
 from hybrid.training.moe_hooks import MoEStepHooks
 from hybrid.training.plots import reward_plot
-from hybrid.training.profiling import StepProfiler, device_peak_tflops
+from hybrid.training.profiling import StepProfiler
 from hybrid.training.reduction import reduce_interval
 from hybrid.training.saving import CheckpointSaver
 from hybrid.training.runtime import build_runtime

@@ -1,14 +1,46 @@
-"""One logged iteration's record (Megatron-LM's log line, --log-json, TensorBoard, wandb): throughput,
-model TFLOP/s, the optimizer's state, the run's counters, and the MoE layers' losses where there are any."""
+"""One logged iteration's record (Megatron-LM's log line, --log-json, TensorBoard, wandb): throughput, model
+TFLOP/s and the model FLOPs utilisation against the accelerator's peak (its table is here), the optimizer's
+state, the run's counters, and the MoE layers' losses where there are any."""
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from hybrid.training.flops import flops_per_iteration
+
+# dense (no sparsity) tensor-core peak TFLOP/s by GPU name and GEMM precision, from NVIDIA's data sheets;
+# the first entry whose words stand in the device name as whole words is taken (so "H100 PCIe" before "H100";
+# "L4" is not "NVIDIA L40", "B200" not "NVIDIA GB200": GPUs the table lacks get no MFU unless --peak-tflops)
+PEAK_TFLOPS = (
+    ("GH200", {"bf16": 989.4, "fp8": 1978.9, "tf32": 494.7}),
+    ("H200", {"bf16": 989.4, "fp8": 1978.9, "tf32": 494.7}),
+    ("H100 PCIe", {"bf16": 756.0, "fp8": 1513.0, "tf32": 378.0}),
+    ("H100 NVL", {"bf16": 835.0, "fp8": 1671.0, "tf32": 417.5}),
+    ("H100", {"bf16": 989.4, "fp8": 1978.9, "tf32": 494.7}),
+    ("B200", {"bf16": 2250.0, "fp8": 4500.0, "tf32": 1100.0}),
+    ("A100", {"bf16": 312.0, "tf32": 156.0}),
+    ("L40S", {"bf16": 362.1, "fp8": 733.0, "tf32": 183.0}),
+    ("L4", {"bf16": 121.0, "fp8": 242.0, "tf32": 60.0}),
+)
+
+
+def device_peak_tflops(device: torch.device, precision: str, fp8: bool) -> Optional[float]:
+    """The GPU's peak TFLOP/s for the run's GEMMs (fp8 when FP8 GEMMs run, bf16 for bf16/fp16, TF32 for
+    fp32), or None (a CPU, or a GPU not in the table: --peak-tflops gives it)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    kind = "fp8" if fp8 else "tf32" if precision == "fp32" else "bf16"
+    words = re.split(r"[\s_-]+", name.strip())  # "NVIDIA A100-SXM4-80GB" -> NVIDIA, A100, SXM4, 80GB
+    for key, peaks in PEAK_TFLOPS:
+        wanted = key.split()
+        if any(words[i:i + len(wanted)] == wanted for i in range(len(words))):
+            return peaks.get(kind)
+    return None
 
 
 def iteration_record(run, engine, device, iteration: int, consumed: int, loss: float, lr: float, seconds: float,

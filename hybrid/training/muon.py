@@ -128,8 +128,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         """For the log: what takes which optimizer."""
         matrices = len(self.muon.param_groups[0]["params"])
         return (f"torch.optim.Muon on {matrices} matrices ({len(self.matrices)} weights, fused ones split into their "
-                f"HF projections) + torch.optim.AdamW on the other {sum(len(g['params']) for g in self.adamw.param_groups)} "
-                f"parameters")
+                f"HF projections) + torch.optim.AdamW on the other "
+                f"{sum(len(g['params']) for g in self.adamw.param_groups)} parameters")
 
     @property
     def muon_group(self) -> dict:

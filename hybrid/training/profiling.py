@@ -1,49 +1,16 @@
-"""What a run measures of itself beyond the log line: the accelerator's peak FLOP/s (for the logged MFU),
-torch.profiler traces of chosen iterations (--profile, Megatron-LM's flags) and a CUDA memory snapshot
-(--record-memory-history)."""
+"""What a run measures of itself beyond the log line: torch.profiler traces of chosen iterations (--profile,
+Megatron-LM's flags) and a CUDA memory snapshot (--record-memory-history). The peak FLOP/s of the logged MFU
+sit beside it in hybrid.training.metrics."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import os
-import re
-from typing import Optional
 
 import torch
 
 from hybrid.training.logging import log
-
-# dense (no sparsity) tensor-core peak TFLOP/s by GPU name and GEMM precision, from NVIDIA's data sheets;
-# the first entry whose words stand in the device name as whole words is taken (so "H100 PCIe" before "H100";
-# "L4" is not "NVIDIA L40", "B200" not "NVIDIA GB200": GPUs the table lacks get no MFU unless --peak-tflops)
-PEAK_TFLOPS = (
-    ("GH200", {"bf16": 989.4, "fp8": 1978.9, "tf32": 494.7}),
-    ("H200", {"bf16": 989.4, "fp8": 1978.9, "tf32": 494.7}),
-    ("H100 PCIe", {"bf16": 756.0, "fp8": 1513.0, "tf32": 378.0}),
-    ("H100 NVL", {"bf16": 835.0, "fp8": 1671.0, "tf32": 417.5}),
-    ("H100", {"bf16": 989.4, "fp8": 1978.9, "tf32": 494.7}),
-    ("B200", {"bf16": 2250.0, "fp8": 4500.0, "tf32": 1100.0}),
-    ("A100", {"bf16": 312.0, "tf32": 156.0}),
-    ("L40S", {"bf16": 362.1, "fp8": 733.0, "tf32": 183.0}),
-    ("L4", {"bf16": 121.0, "fp8": 242.0, "tf32": 60.0}),
-)
-
-
-def device_peak_tflops(device: torch.device, precision: str, fp8: bool) -> Optional[float]:
-    """The GPU's peak TFLOP/s for the run's GEMMs (fp8 when FP8 GEMMs run, bf16 for bf16/fp16, TF32 for
-    fp32), or None (a CPU, or a GPU not in the table: --peak-tflops gives it)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    kind = "fp8" if fp8 else "tf32" if precision == "fp32" else "bf16"
-    words = re.split(r"[\s_-]+", name.strip())  # "NVIDIA A100-SXM4-80GB" -> NVIDIA, A100, SXM4, 80GB
-    for key, peaks in PEAK_TFLOPS:
-        wanted = key.split()
-        if any(words[i:i + len(wanted)] == wanted for i in range(len(words))):
-            return peaks.get(kind)
-    return None
-
 
 class StepProfiler:
     """--profile: torch.profiler over the iterations after `start` up to `end` done (Megatron-LM's
@@ -97,8 +64,10 @@ class StepProfiler:
 MEMORY_REPORT = "HYBRID_MEMORY_REPORT"  # a file: each rank appends its peak resident memory of the run (benchmarks)
 # what a run imports after its process groups exist (deepspeed.initialize's compile, AutoEP and optimizer modules,
 # the pipeline schedules): about 0.11 GiB of code on CPU, imported before the baseline so the report counts data
-IMPORTED_DURING_A_RUN = ("torch._inductor.compile_fx", "torch.distributed.pipelining", "deepspeed.module_inject.auto_ep_layer",
-                         "deepspeed.runtime.superoffload.superoffload_stage3", "deepspeed.runtime.zero.muon.muon_optimizer",
+IMPORTED_DURING_A_RUN = ("torch._inductor.compile_fx", "torch.distributed.pipelining",
+                         "deepspeed.module_inject.auto_ep_layer",
+                         "deepspeed.runtime.superoffload.superoffload_stage3",
+                         "deepspeed.runtime.zero.muon.muon_optimizer",
                          "deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.stage_1_and_2")
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybrid.conversion.hf import hf_fingerprint
 from hybrid.data.batches import Collator, to_device
 from hybrid.model.forward_only import forward_only
 from hybrid.model.objectives import DocumentScores
@@ -121,7 +122,6 @@ KEY_PARTS = {"key": "other windows (another data file, tokenizer or template, --
 
 def file_key(run, parts: list) -> dict:
     """The key of this run's reference values: its windows, the --load-hf weights, the precision."""
-    from hybrid.conversion.hf import hf_fingerprint  # (the one HF reader; training imports it here only)
     return {"key": windows_key(parts), "model": hf_fingerprint(run.checkpoint.load_hf),
             "precision": run.training.precision}
 

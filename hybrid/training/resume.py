@@ -19,8 +19,8 @@ from hybrid.checkpoint.manifest import complete_tags, verify_manifest
 from hybrid.config import RunConfig, checkpoint_summary
 from hybrid.conversion.hf import hf_parts
 from hybrid.conversion.layout import hybrid_parts, load_parts
-from hybrid.conversion.megatron_source import megatron_kind, open_source
-from hybrid.conversion.megatron_universal import write_universal
+from hybrid.conversion.megatron.source import megatron_kind, open_source
+from hybrid.conversion.megatron.universal import write_universal
 from hybrid.conversion.universal import convert
 from hybrid.data.plan import plan_changes
 from hybrid.errors import ConfigError
@@ -277,8 +277,8 @@ def _restore_score_biases(engine, universal_dir: str, num_layers: int) -> None:
 def _load_megatron(engine, run: RunConfig, groups, load_dir: str) -> tuple[int, int]:
     """A Megatron-LM checkpoint (either format, any TP x PP x EP): unless --finetune, its iteration, consumed
     samples and the LR schedule's position (Megatron's scheduler counts samples). Its Adam state, where it
-    maps (hybrid.conversion.megatron.MegatronOptimizer), is loaded with the weights by DeepSpeed's universal
-    loader from a universal checkpoint made beside --save (hybrid.conversion.megatron_universal), then
+    maps (hybrid.conversion.megatron.lm.MegatronOptimizer), is loaded with the weights by DeepSpeed's universal
+    loader from a universal checkpoint made beside --save (hybrid.conversion.megatron.universal), then
     removed; otherwise the weights are resharded for this rank as they are read (a layer at a time) and
     Adam starts fresh, the log says why."""
     source = open_source(load_dir)

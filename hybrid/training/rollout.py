@@ -28,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from hybrid.data import arithmetic, prompts
 from hybrid.errors import ConfigError
 from hybrid.model.generate import SamplingOptions, generate
 from hybrid.model.grpo import GRPOOptions, advantages, completion_rows, nanstd, token_logps
@@ -281,7 +282,6 @@ class Rollout:
 
 def grpo_prompts(run, tokenizer) -> list:
     """The run's prompts: --data-path's file (hybrid.data.prompts), or the embedded arithmetic task."""
-    from hybrid.data import arithmetic, prompts  # not at the top: only --grpo runs read prompts
     hf = tokenizer.to_transformers() if hasattr(tokenizer, "to_transformers") else None
     if hf is None:
         raise ConfigError("--grpo decodes completions for its rewards with a HuggingFace tokenizer: use --load-hf DIR, "

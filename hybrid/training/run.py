@@ -1,5 +1,5 @@
-"""launch/train.py's entry: flags -> configs (every flag checked before DeepSpeed is imported or a process
-group exists) -> the layout's groups -> model -> DeepSpeed engine -> the training loop -> the demo's export.
+"""launch/train.py's entry: flags -> configs (every flag checked before a process group exists or anything is
+built) -> the layout's groups -> model -> DeepSpeed engine -> the training loop -> the demo's export.
 A user's mistake ends in one message and exit status 2; a dead or silent peer in one message and PEER_FAILED.
 """
 
@@ -14,19 +14,30 @@ import time
 from typing import Optional
 
 import torch.distributed as dist
+from deepspeed.utils import logger as ds_logger
 
 from hybrid.architecture import MOE_TRAINING_FLAGS
 from hybrid.config import RunConfig, apply_sft_tutorial_defaults, build_run_config, data_config, tokenizer_kwargs
 from hybrid.conversion.hf import read_hf_config
-from hybrid.conversion.megatron import ARCHITECTURE_FLAGS, contradictions
-from hybrid.conversion.megatron_source import megatron_kind, open_source
+from hybrid.conversion.megatron.lm import ARCHITECTURE_FLAGS, contradictions
+from hybrid.conversion.megatron.source import megatron_kind, open_source
+from hybrid.data.batches import build_datasets
 from hybrid.data.chat import ChatEncoder, train_windows
 from hybrid.data.tokenizer import build_tokenizer
-from hybrid.distributed import end_distributed
+from hybrid.distributed import end_distributed, init_distributed
+from hybrid.dry_run import report
 from hybrid.errors import ConfigError
 from hybrid.flags import build_parser
+from hybrid.parallel.groups import build_groups
+from hybrid.parallel.random import model_parallel_seed
 from hybrid.safe_loading import install_safe_torch_load
+from hybrid.training import reference_logps, resume
+from hybrid.training.deepspeed_fixes import release_engine
+from hybrid.training.demo import finish
+from hybrid.training.engine import build_engine, build_reference
 from hybrid.training.logging import log
+from hybrid.training.loop import Trainer
+from hybrid.training.profiling import PeakResidentMemory
 
 
 def _timeout_of(argv) -> float:
@@ -37,7 +48,6 @@ def _timeout_of(argv) -> float:
 
 
 def _quiet_deepspeed() -> None:
-    from deepspeed.utils import logger as ds_logger  # not at the top: flags are checked before DeepSpeed loads
     if not os.environ.get("HYBRID_VERBOSE"):
         ds_logger.setLevel(logging.WARNING)
 
@@ -60,16 +70,10 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     if args.train_epochs is not None:
         _epochs_as_samples(args, tokenizer)
     run = build_run_config(args, world_size, tokenizer.vocab_size, base_model, separator)
-    # What follows is imported only now, every flag being checked: DeepSpeed's import takes seconds and
-    # prints, and a mistake in the flags is answered without it.
     if args.dry_run:  # the memory estimate: nothing built, no process group
-        from hybrid.dry_run import report  # (see above)
         if int(os.environ.get("RANK", "0")) == 0:
             print(report(run, args.gpu_memory_gb), flush=True)
         return 0
-    # (see above)
-    from hybrid.training import resume
-    from hybrid.training.demo import finish
     if not resume.already_finished(run):
         _train(run, args, tokenizer)
     return finish(run)
@@ -126,7 +130,8 @@ def megatron_base_model(args):
     config = dataclasses.replace(source.config(), hidden_dropout=args.hidden_dropout,
                                  attention_dropout=args.attention_dropout)
     if config.mtp_num_layers and args.mtp_loss_scaling_factor != build_parser().get_default("mtp_loss_scaling_factor"):
-        config = dataclasses.replace(config, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)  # (a training weight)
+        # (a training weight)
+        config = dataclasses.replace(config, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
     # whether its Adam state maps ("none": it does; the config decides whether this run loads it)
     args.megatron_optimizer_problem = source.optimizer().problem or "none"
     if config.num_experts:  # how the experts train: the flags given, else the checkpoint's (its expert bias)
@@ -138,16 +143,6 @@ def megatron_base_model(args):
 
 def _train(run: RunConfig, args, tokenizer) -> None:
     """The layout's groups, the seeds, the data, the engine, where to start, the loop."""
-    # imported here, after the flags are checked (see run_training)
-    from hybrid.data.batches import build_datasets
-    from hybrid.distributed import init_distributed
-    from hybrid.parallel.groups import build_groups
-    from hybrid.parallel.random import model_parallel_seed
-    from hybrid.training import reference_logps, resume
-    from hybrid.training.deepspeed_fixes import release_engine
-    from hybrid.training.engine import build_engine, build_reference
-    from hybrid.training.loop import Trainer
-    from hybrid.training.profiling import PeakResidentMemory
     init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
     _quiet_deepspeed()
     groups = build_groups(run.parallel, experts=bool(run.model.num_experts))
@@ -155,14 +150,15 @@ def _train(run: RunConfig, args, tokenizer) -> None:
     model_parallel_seed(run.training.seed, groups.tp.rank, groups.sequence.rank)
     prompts = None
     if run.training.grpo:  # prompts instead of token windows (the engine makes its own samples)
-        from hybrid.training.rollout import grpo_prompts  # (see above)
+        from hybrid.training.rollout import grpo_prompts  # not at the top: it imports transformers' sampling warpers
         prompts, datasets = grpo_prompts(run, tokenizer), (None, None, None)
     else:
         datasets = build_datasets(run.data, run.training, tokenizer.vocab_size, tokenizer)
     engine, _ = build_engine(run, groups)
     start = functools.partial(resume.start, engine, run, groups)
     if run.training.dpo:  # the reference model, or its values read or scored with the windows; then the start
-        reference, (iteration, consumed) = reference_logps.prepare(run, groups, engine, datasets, build_reference, start)
+        reference, (iteration, consumed) = reference_logps.prepare(run, groups, engine, datasets, build_reference,
+                                                                   start)
     else:  # --grpo-beta > 0: the KL's frozen starting model
         reference = build_reference(run, groups, engine) if run.training.grpo and run.training.grpo.beta else None
         iteration, consumed = start()

@@ -37,7 +37,8 @@ class MoELayer(nn.Module):
         self.deepspeed_moe = ExpertsHolder(Experts(config, name, self.expert_offset, self.num_local_experts, ep))
         self.shared_mlp = None
         if config.moe_shared_expert_intermediate_size:
-            self.shared_mlp = dense_mlp(config, groups, f"{name}.shared_mlp", config.moe_shared_expert_intermediate_size)
+            self.shared_mlp = dense_mlp(config, groups, f"{name}.shared_mlp",
+                                        config.moe_shared_expert_intermediate_size)
         self.shared_gate = None
         if config.moe_shared_expert_gate:
             self.shared_gate = nn.Parameter(torch.empty(1, config.hidden_size))

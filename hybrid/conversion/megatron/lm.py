@@ -41,7 +41,7 @@ from typing import Iterator, Optional
 import torch
 
 from hybrid.checkpoint.files import LATEST, MEGATRON_LATEST, load_file
-from hybrid.conversion.dcp_files import DCPCheckpoint
+from hybrid.conversion.megatron.dcp_files import DCPCheckpoint
 from hybrid.conversion.families import deepseek_rope_rows
 from hybrid.errors import ConfigError
 from hybrid.model.config import (GPT_OSS_YARN, LLAMA3_ROPE_DEFAULTS, MLA_YARN_ORIGINAL_CONTEXT, ModelConfig,
@@ -91,7 +91,8 @@ MLA_LAYER_NAMES = {
     **{f"self_attention.linear_{norm}_up_proj.layer_norm_{field}": f"attention.{norm}_down_norm.{field}"
        for norm in ("q", "kv") for field in ("weight", "bias")},
 }
-MLA_NORM_NAMES = {"local": {"q_down_norm": "self_attention.q_layernorm.", "kv_down_norm": "self_attention.kv_layernorm."},
+MLA_NORM_NAMES = {"local": {"q_down_norm": "self_attention.q_layernorm.",
+                            "kv_down_norm": "self_attention.kv_layernorm."},
                   "transformer_engine": {"q_down_norm": "self_attention.linear_q_up_proj.layer_norm_",
                                          "kv_down_norm": "self_attention.linear_kv_up_proj.layer_norm_"}}
 MLA_DOWN = ("attention.q_down.weight", "attention.kv_down.weight")  # (canonical, inside a layer)
@@ -176,7 +177,7 @@ def canonical_of(key: str, layer_offset: int = 0, mla: bool = False) -> Optional
     """Our canonical name of a Megatron model key (its layer number + `layer_offset`; `mla`: the checkpoint's model
     has multi-latent attention); None for state that is not a weight (`_extra_state`, the router's token counts); an
     error for a weight hybrid does not know. Expert weights are named by the readers
-    (hybrid.conversion.megatron._expert_tensors)."""
+    (hybrid.conversion.megatron.lm._expert_tensors)."""
     if "_extra_state" in key or key.endswith("router.local_tokens_per_expert"):
         return None
     if key in GLOBAL_NAMES:
@@ -189,7 +190,7 @@ def canonical_of(key: str, layer_offset: int = 0, mla: bool = False) -> Optional
     if match and match.group(2) in MTP_NAMES:
         return f"mtp.{match.group(1)}.{MTP_NAMES[match.group(2)]}"
     raise ConfigError(f"Megatron checkpoint key {key!r} is not one hybrid reads (see hybrid/conversion/"
-                      f"megatron.py for the names it maps); the model has a part hybrid's does not.")
+                      f"megatron/lm.py for the names it maps); the model has a part hybrid's does not.")
 
 
 def iteration_dir(path: str) -> Optional[str]:
@@ -226,7 +227,7 @@ def _format_of(directory: str) -> Optional[str]:
 @dataclasses.dataclass
 class MegatronSource:
     """What both Megatron readers share (Megatron-LM's here, Megatron-DeepSpeed's in
-    hybrid.conversion.megatron_deepspeed): the stored args (Megatron-LM's spelling) and counters."""
+    hybrid.conversion.megatron.megatron_deepspeed): the stored args (Megatron-LM's spelling) and counters."""
 
     directory: str  # the iteration (or tag) directory
     args: argparse.Namespace
@@ -406,7 +407,8 @@ def _optimizer_groups(node) -> tuple:
 
 def _expected(config: ModelConfig) -> dict:
     """Canonical names of the model -> whether the tensor has vocabulary rows."""
-    from hybrid.checkpoint.tp_layout import tp_layout  # builds a tiny model: only when weights are read
+    # not at the top: loads the model and DeepSpeed (args need neither)
+    from hybrid.checkpoint.tp_layout import tp_layout
     return {name: rule.vocab_padded for name, rule in tp_layout(config).items()}
 
 
@@ -470,7 +472,8 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         refuse("heterogeneous layers", "every layer has the same shape")
     swiglu, quick = bool(_arg(args, "swiglu", False)), bool(_arg(args, "quick_geglu", False))
     bias = bool(_arg(args, "add_bias_linear", True))
-    if not swiglu and not quick and not _arg(args, "openai_gelu") and not (bias and _arg(args, "bias_gelu_fusion", True)):
+    if (not swiglu and not quick and not _arg(args, "openai_gelu")
+            and not (bias and _arg(args, "bias_gelu_fusion", True))):
         refuse("the exact (erf) GeLU", "the GeLU MLP is the tanh approximation, which Megatron computes with "
                "--openai-gelu or with its fused bias + GeLU (--add-bias-linear, bias_gelu_fusion)")
     heads = int(args.num_attention_heads)
@@ -488,7 +491,8 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         refuse("--use-rope-scaling / --rotary-seq-len-interpolation-factor with MLA's --rope-type rope",
                "megatron-core's MLA builds its rope without them, so the checkpoint's model never applied them")
     rope_scaling = _megatron_yarn(args, mla)
-    if rope_scaling is not None and (_arg(args, "use_rope_scaling") or _arg(args, "rotary_seq_len_interpolation_factor")):
+    if rope_scaling is not None and (_arg(args, "use_rope_scaling")
+                                     or _arg(args, "rotary_seq_len_interpolation_factor")):
         refuse("YaRN with --use-rope-scaling / --rotary-seq-len-interpolation-factor", "one rope scaling per model")
     if rope_scaling is not None:
         pass
@@ -513,7 +517,8 @@ def config_from_args(args: argparse.Namespace, true_vocab_size: Optional[int] = 
         ffn_hidden_size=_arg(args, "ffn_hidden_size"),
         num_query_groups=int(args.num_query_groups) if _arg(args, "group_query_attention") and not mla else None,
         position_embedding_type="rope" if rope else "learned_absolute",
-        rotary_base=float(_arg(args, "rotary_base", 10000)), rotary_percent=float(_arg(args, "rotary_percent", 1.0) or 1.0),
+        rotary_base=float(_arg(args, "rotary_base", 10000)),
+        rotary_percent=float(_arg(args, "rotary_percent", 1.0) or 1.0),
         normalization=_arg(args, "normalization", "LayerNorm"),
         norm_epsilon=float(_arg(args, "norm_epsilon", None) or _arg(args, "layernorm_epsilon", None) or 1e-5),
         swiglu=swiglu, add_bias_linear=bias, quick_geglu=quick,
@@ -544,7 +549,8 @@ def _megatron_yarn(args: argparse.Namespace, mla: bool) -> Optional[dict]:
         return yarn_scaling(*GPT_OSS_YARN)
     if mla and (_arg(args, "rope_type") or "yarn") == "yarn":
         return yarn_scaling(float(_arg(args, "rotary_scaling_factor", 1.0) or 1.0), MLA_YARN_ORIGINAL_CONTEXT,
-                            mscale=float(_arg(args, "mscale", 1.0)), mscale_all_dim=float(_arg(args, "mscale_all_dim", 0.0)))
+                            mscale=float(_arg(args, "mscale", 1.0)),
+                            mscale_all_dim=float(_arg(args, "mscale_all_dim", 0.0)))
     if _arg(args, "position_embedding_type") != "yarn":
         return None
     round_to_int = _arg(args, "yarn_correction_range_round_to_int")
@@ -562,8 +568,8 @@ def megatron_rope_args(config: ModelConfig) -> dict:
     scaling = config.rope_scaling or {}
     mla = config.multi_latent_attention
     if mla and scaling and scaling.get("rope_type") != "yarn":
-        raise ConfigError(f"the model's MLA rope has {scaling.get('rope_type')} scaling, which megatron-core's MLA does "
-                          f"not compute (its rope is plain or YaRN, --rope-type); export with --saver hf instead.")
+        raise ConfigError(f"the model's MLA rope has {scaling.get('rope_type')} scaling, which megatron-core's MLA "
+                          f"does not compute (its rope is plain or YaRN, --rope-type); export with --saver hf instead.")
     if scaling.get("rope_type") != "yarn":
         return {"rope_type": "rope"} if mla else {}
     factor = float(scaling["factor"])
@@ -679,7 +685,8 @@ NOT_MODEL_ARGS = {
         "cpu_offloading_retain_pinned_cpu_buffers", "activation_offload_fraction", "fine_grained_activation_offloading",
         "fine_grained_offloading_max_inflight_offloads", "offload_modules", "min_offloaded_tensor_size",
         "delta_offload_bytes_across_pp_ranks", "delay_offload_until_cuda_graph", "moe_paged_stash",
-        "moe_paged_stash_buffer_size_factor_cpu", "moe_paged_stash_buffer_size_factor_cuda", "moe_paged_stash_page_size",
+        "moe_paged_stash_buffer_size_factor_cpu", "moe_paged_stash_buffer_size_factor_cuda",
+        "moe_paged_stash_page_size",
         "defer_embedding_wgrad_compute", "delay_wgrad_compute", "wgrad_deferral_limit",
         "clone_scatter_output_in_embedding", "init_model_with_meta_device", "use_cpu_initialization",
         "perform_initialization", "gdp_num_chunk_states_to_recompute", "mhc_recompute_layer_num"),
@@ -750,7 +757,8 @@ def _moe_fields(args: argparse.Namespace, refuse) -> dict:
         moe_router_score_function=_arg(args, "moe_router_score_function", "softmax") or "softmax",
         moe_router_pre_softmax=bool(_arg(args, "moe_router_pre_softmax", False)),
         moe_router_topk_scaling_factor=_arg(args, "moe_router_topk_scaling_factor"),
-        moe_router_num_groups=_arg(args, "moe_router_num_groups"), moe_router_group_topk=_arg(args, "moe_router_group_topk"),
+        moe_router_num_groups=_arg(args, "moe_router_num_groups"),
+        moe_router_group_topk=_arg(args, "moe_router_group_topk"),
         moe_router_load_balancing_type=balancing, moe_aux_loss_coeff=float(coeff or 0.0),
         moe_z_loss_coeff=_arg(args, "moe_z_loss_coeff"),
         moe_router_enable_expert_bias=bool(_arg(args, "moe_router_enable_expert_bias", False)),
@@ -777,7 +785,8 @@ def megatron_run_args(args: argparse.Namespace) -> dict:
 # flag namespace attribute -> the stored args' attribute
 ARCHITECTURE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
                       "normalization", "swiglu", "untie_embeddings_and_output_weights", "position_embedding_type",
-                      "qk_layernorm", "add_qkv_bias", "rotary_base", "rotary_percent", "max_position_embeddings", "num_experts",
+                      "qk_layernorm", "add_qkv_bias", "rotary_base", "rotary_percent", "max_position_embeddings",
+                      "num_experts",
                       "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                       "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                       "v_head_dim", "mtp_num_layers")
@@ -845,7 +854,7 @@ def _join_expert(name: str, shards: list, config: ModelConfig) -> torch.Tensor:
     """An expert's weight or bias from its expert-TP shards: fc1's by rows ([gate; up] per shard when gated), fc2's
     weight by columns and its bias whole on every shard, as Megatron splits a dense MLP (hybrid's experts are whole
     on every rank)."""
-    from hybrid.parallel.layers import unshard  # (layout imports DeepSpeed: only when reading)
+    from hybrid.parallel.layers import unshard  # (it loads DeepSpeed: only when reading weights)
     if len(shards) == 1 or name.endswith("fc2.bias"):
         return shards[0]
     if name.endswith(("fc1.weight", "fc1.bias")):
@@ -995,7 +1004,8 @@ class _DistParts:
                     if self._shape(key)[0] != self.layers:
                         raise ConfigError(f"{self.ckpt.directory}: {key} stacks {self._shape(key)[0]} layers, "
                                           f"the args say {self.layers}.")
-                    if self.dcp.holds(self.prefix + key, layer):  # (with dense and MoE layers, a key holds some of them)
+                    # (with dense and MoE layers, a key holds some of them)
+                    if self.dcp.holds(self.prefix + key, layer):
                         self._read_into(out, key, rest, layer, (layer,), wanted)
             elif layer < 0 and layer_scope(key):  # an MTP layer's (one key per layer)
                 scope, rest = layer_scope(key)

@@ -30,8 +30,8 @@ from hybrid.checkpoint.files import MEGATRON_LATEST, atomic_directory, tag_for
 from hybrid.checkpoint.tp_layout import tp_layout
 from hybrid.conversion.families import deepseek_rope_rows
 from hybrid.conversion.layout import shard_for_rank
-from hybrid.conversion.megatron import (LEGACY_FILE, MLA_DOWN, MTP_LAYER, MTP_NAMES, buffer_names, is_buffer,
-                                        megatron_global_key, megatron_layer_key, megatron_rope_args)
+from hybrid.conversion.megatron.lm import (LEGACY_FILE, MLA_DOWN, MTP_LAYER, MTP_NAMES, buffer_names, is_buffer,
+                                           megatron_global_key, megatron_layer_key, megatron_rope_args)
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
 from hybrid.model.naming import EXPERTS
@@ -67,8 +67,10 @@ def megatron_args(config: ModelConfig, tp: int, pp: int, client_state: ClientSta
         quick_geglu=config.quick_geglu, glu_linear_offset=config.glu_linear_offset,
         activation_func_clamp_value=config.activation_func_clamp_value,
         softmax_type="learnable" if config.attention_sinks else "vanilla",
-        qk_layernorm=config.qk_layernorm, untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
-        padded_vocab_size=config.padded_vocab_size(tp), make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
+        qk_layernorm=config.qk_layernorm,
+        untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
+        padded_vocab_size=config.padded_vocab_size(tp),
+        make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
         window_size=(config.sliding_window - 1, 0) if config.sliding_window else None,
         window_attn_skip_freq=config.window_attn_skip_freq if config.sliding_window else None,
         hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
@@ -86,8 +88,8 @@ def megatron_args(config: ModelConfig, tp: int, pp: int, client_state: ClientSta
     if config.num_experts:
         arch.update({name: getattr(config, name) for name in (
             "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
-            "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
-            "moe_router_load_balancing_type",
+            "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+            "moe_router_group_topk", "moe_router_load_balancing_type",
             "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_enable_expert_bias", "moe_router_dtype",
             "moe_router_bias_update_rate",
             "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_expert_capacity_factor",
@@ -108,8 +110,8 @@ def write_megatron(state: dict, config: ModelConfig, tp: int, pp: int, save_dir:
     missing = sorted(buffer_names(config) - set(state))
     if missing:
         raise ConfigError(f"the model's routers have expert biases, and the source does not carry them ({missing[0]}, "
-                          f"...); convert from a checkpoint that has them (a Megatron-LM checkpoint, or launch/train.py "
-                          f"--save).")
+                          f"...); convert from a checkpoint that has them (a Megatron-LM checkpoint, or "
+                          f"launch/train.py --save).")
     if config.num_experts and config.num_experts % ep:
         raise ConfigError(f"--target-expert-parallel-size {ep} does not divide the model's {config.num_experts} "
                           f"experts.")
@@ -152,8 +154,8 @@ def _write_legacy(state: dict, config: ModelConfig, tp: int, pp: int, ep: int, d
             experts = range(ep_rank * local_experts, (ep_rank + 1) * local_experts)
             for tp_rank in range(tp):
                 model = _legacy_model(state, config, tp, tp_rank, stage, pp, first, last, experts, spelling)
-                name = f"mp_rank_{tp_rank:02d}" + (f"_{stage:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1
-                                                                                       else "")
+                name = (f"mp_rank_{tp_rank:02d}" + (f"_{stage:03d}" if pp > 1 else "")
+                        + (f"_{ep_rank:03d}" if ep > 1 else ""))
                 os.makedirs(os.path.join(directory, name))
                 torch.save(dict(common, model=model), os.path.join(directory, name, LEGACY_FILE))
 
@@ -212,7 +214,8 @@ def _legacy_model(state, config, tp, tp_rank, stage, pp, first, last, experts, s
         on_first = name.startswith("embedding.")  # (the last stage holds the embeddings too when it has MTP layers:
         mtp_stage = bool(config.mtp_num_layers) and stage == pp - 1  # megatron-core builds them there)
         if (on_first and (stage == 0 or mtp_stage)) or (not on_first and stage == pp - 1):
-            model[megatron_global_key(name)] = shard_for_rank(name, state[name], config, tp, tp_rank).contiguous().clone()
+            shard = shard_for_rank(name, state[name], config, tp, tp_rank)
+            model[megatron_global_key(name)] = shard.contiguous().clone()
     if stage == pp - 1 and pp > 1 and config.tied_embeddings:  # the last stage's copy of the table
         model["output_layer.weight"] = shard_for_rank("embedding.word_embeddings.weight",
                                                       state["embedding.word_embeddings.weight"], config, tp,
@@ -249,7 +252,8 @@ def expert_tp(config: ModelConfig, tp: int) -> int:
     return 1 if config.num_experts and config.add_bias_linear else tp
 
 
-def _expert_shard(tensor: torch.Tensor, fc: str, field: str, config: ModelConfig, tp: int, tp_rank: int) -> torch.Tensor:
+def _expert_shard(tensor: torch.Tensor, fc: str, field: str, config: ModelConfig, tp: int,
+                  tp_rank: int) -> torch.Tensor:
     """An expert's weight or bias on one expert-TP rank (expert_tp): fc1's by rows ([gate; up] per rank when gated),
     fc2's weight by columns and its bias whole, as a dense MLP; whole at expert-TP 1."""
     if expert_tp(config, tp) == 1:

@@ -8,7 +8,7 @@ transformer layers in order, the final norm, an untied output layer's `lm_head`)
 Megatron-DeepSpeed keeps Megatron-LM's pre-core names (`query_key_value`, `dense_h_to_4h`, ...) and its args
 spell some options differently (`normalization rmsnorm`, `num_key_value_heads`, `use_rotary_position_
 embeddings`, `layernorm_epsilon`); both are translated here, and the model is built from the translated
-args by Megatron-LM's rules (hybrid.conversion.megatron.config_from_args). Its fused QKV changed layout
+args by Megatron-LM's rules (hybrid.conversion.megatron.lm.config_from_args). Its fused QKV changed layout
 once: up to its FPDT change (December 2024) each TP rank holds megatron-core's grouped layout ([q heads of
 a KV group, k, v] per group), after it [all q | all k | all v] (`ds_sequence_parallel_fpdt` in the stored
 args marks that version), regrouped here. Weights, the iteration and the consumed samples come across;
@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 import torch
 
 from hybrid.checkpoint.files import LATEST, load_file, read_tag
-from hybrid.conversion.megatron import MegatronOptimizer, MegatronSource, config_from_args, stream_parts
+from hybrid.conversion.megatron.lm import MegatronOptimizer, MegatronSource, config_from_args, stream_parts
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
 
@@ -88,10 +88,11 @@ def megatron_lm_args(args: argparse.Namespace, where: str) -> argparse.Namespace
     """Megatron-DeepSpeed's stored args in Megatron-LM's spelling (what config_from_args reads)."""
     for name, what in MEGATRON_DEEPSPEED_REFUSED.items():
         if getattr(args, name, None) not in (None, False, 0):
-            raise ConfigError(f"{where}: --{name.replace('_', '-')} {getattr(args, name)}: {what}, which hybrid's model "
-                              f"does not compute.")
+            raise ConfigError(f"{where}: --{name.replace('_', '-')} {getattr(args, name)}: {what}, which hybrid's "
+                              f"model does not compute.")
     experts = getattr(args, "num_experts", None)
-    if isinstance(experts, (list, tuple)) and any(int(e) > 1 for e in experts) or isinstance(experts, int) and experts > 1:
+    if (isinstance(experts, (list, tuple)) and any(int(e) > 1 for e in experts)
+            or isinstance(experts, int) and experts > 1):
         raise ConfigError(f"{where}: a Megatron-DeepSpeed mixture of experts (--num-experts {experts}: DeepSpeed's MoE "
                           f"layers) is not read; convert it with Megatron-DeepSpeed's own tools first.")
     if getattr(args, "use_rotary_position_embeddings", False) and getattr(args, "add_position_embedding", True):
@@ -113,7 +114,7 @@ def megatron_lm_args(args: argparse.Namespace, where: str) -> argparse.Namespace
 @dataclasses.dataclass
 class MegatronDeepSpeedCheckpoint(MegatronSource):
     """One Megatron-DeepSpeed checkpoint (its tag directory, args in Megatron-LM's spelling, rank 0's
-    model-states file without weights): the interface of hybrid.conversion.megatron.MegatronCheckpoint."""
+    model-states file without weights): the interface of hybrid.conversion.megatron.lm.MegatronCheckpoint."""
 
     format: str = FORMAT
 
@@ -259,7 +260,8 @@ def _check_complete(ckpt: MegatronDeepSpeedCheckpoint, layer_files: list) -> Non
     if names or odd:
         raise ConfigError(f"{ckpt.directory}: the args declare TP {ckpt.tp}; "
                           + (f"missing {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}" if names else "")
-                          + ("; " if names and odd else "") + (f"not of that layout: {', '.join(odd[:6])}" if odd else "")
+                          + ("; " if names and odd else "") + (f"not of that layout: "
+                                                               f"{', '.join(odd[:6])}" if odd else "")
                           + ". The checkpoint is incomplete: copy every rank's files, then convert.")
 
 

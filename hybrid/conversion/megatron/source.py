@@ -1,6 +1,6 @@
-"""Which Megatron checkpoint a path holds, and its reader: Megatron-LM's (hybrid.conversion.megatron:
+"""Which Megatron checkpoint a path holds, and its reader: Megatron-LM's (hybrid.conversion.megatron.lm:
 `latest_checkpointed_iteration.txt`, legacy or torch_dist) or Megatron-DeepSpeed's
-(hybrid.conversion.megatron_deepspeed: DeepSpeed's files with Megatron's args). Both readers have one
+(hybrid.conversion.megatron.megatron_deepspeed: DeepSpeed's files with Megatron's args). Both readers have one
 interface (config, parts, state, iteration, consumed_samples, optimizer, args), so training, evaluation
 and conversion take either."""
 
@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hybrid.conversion.megatron import MegatronCheckpoint, iteration_dir, open_megatron
-from hybrid.conversion.megatron_deepspeed import MegatronDeepSpeedCheckpoint, checkpoint_dir, open_megatron_deepspeed
+from hybrid.conversion.megatron.lm import MegatronCheckpoint, iteration_dir, open_megatron
+from hybrid.conversion.megatron.megatron_deepspeed import (MegatronDeepSpeedCheckpoint, checkpoint_dir,
+                                                           open_megatron_deepspeed)
 
 
 def megatron_kind(path: str) -> Optional[str]:
