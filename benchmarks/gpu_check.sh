@@ -7,7 +7,7 @@
 #
 # Needs torch (CUDA build), transformers and an importable DeepSpeed (e.g. PYTHONPATH to a wheel
 # unpacked by shared/gpu's recipe); torchao for the FP8 steps (skipped without it). Runs, most telling first:
-# benchmarks/gpu_paths.py (each CUDA-only path against its reference: NCCL, flash-attn vs SDPA, bf16/fp16
+# checks/gpu_paths.py (each CUDA-only path against its reference: NCCL, flash-attn vs SDPA, bf16/fp16
 # against fp32, the fp16 loss-scale stop, the ring's fused CUDA kernel vs full attention, grouped GEMM vs
 # the loop, async save vs sync, pinned batches, compile vs eager, FP8 GEMM vs torchao, --cpu-offloading vs
 # none, MoE host syncs; TP overlap, Ulysses and MoE all-to-all on NCCL with 2+ GPUs),
@@ -92,7 +92,7 @@ EOF
     tail -n 1 "$SUMMARY"
 }
 
-step gpu_paths 240 python benchmarks/gpu_paths.py --out "$OUT/gpu_paths.jsonl"
+step gpu_paths 240 python checks/gpu_paths.py --out "$OUT/gpu_paths.jsonl"
 step bench_vs_transformers 180 python benchmarks/bench_vs_transformers.py $BENCH \
     --variants hybrid,hybrid_compiled,transformers_eager,transformers_compiled \
     --json "$OUT/bench_vs_transformers.json" --chart "$OUT/bench_vs_transformers.png"

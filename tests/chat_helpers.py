@@ -34,7 +34,7 @@ def make_chat_tokenizer(path=None, template: str = CHATML):
     <|im_end|>, pad <|endoftext|>); saved to `path` when given."""
     from transformers import Qwen2Tokenizer
 
-    from tests.launch_helpers import MERGES, VOCAB
+    from checks.launch_helpers import MERGES, VOCAB
     tok = Qwen2Tokenizer(vocab=VOCAB, merges=MERGES, unk_token=None, bos_token=None, eos_token="<|im_end|>",
                          pad_token="<|endoftext|>")
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})

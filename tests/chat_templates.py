@@ -112,7 +112,7 @@ def family_tokenizer(family: str, tagged: bool = False):
     and Mistral have no pad) and its template."""
     from transformers import Qwen2Tokenizer
 
-    from tests.launch_helpers import MERGES, VOCAB
+    from checks.launch_helpers import MERGES, VOCAB
     _, bos, eos, pad, others = FAMILIES[family]
     tok = Qwen2Tokenizer(vocab=VOCAB, merges=MERGES, unk_token=None, bos_token=bos, eos_token=eos, pad_token=pad)
     tok.add_tokens(others, special_tokens=True)  # special, but not in all_special_tokens (as Llama 3's reserved)

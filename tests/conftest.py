@@ -4,7 +4,7 @@ import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# DeepSpeed's JIT-built CPU ops (tests/rank_pool.py builds them), per interpreter: two environments building into one
+# DeepSpeed's JIT-built CPU ops (checks/rank_pool.py builds them), per interpreter: two environments building into one
 # directory (a CI venv beside a developer's) rebuilt each other's ops and waited on each other's build locks
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 @pytest.fixture(autouse=True, scope="module")
 def _close_rank_pools_after_each_module():
     yield
-    from tests.rank_pool import close_pools
+    from checks.rank_pool import close_pools
     close_pools()
 
 
@@ -43,7 +43,7 @@ def _loading_rules_restored_after_each_test():
 @pytest.fixture(scope="session")
 def data(tmp_path_factory):
     """The embedded corpus's token files, copied once per test run (every module trains on them)."""
-    from tests.launch_helpers import copy_default_corpus
+    from checks.launch_helpers import copy_default_corpus
     return copy_default_corpus(str(tmp_path_factory.mktemp("data")))
 
 

@@ -102,7 +102,7 @@ def assemble_grads(results) -> dict:
 
 
 def compare_grads(full: dict, ref: dict, vocab: int, atol: float):
-    from tests.rank_pool import assert_close
+    from checks.rank_pool import assert_close
     assert set(full) == set(ref), f"parameter names differ: {set(full) ^ set(ref)}"
     for name in ref:
         got, want = full[name], ref[name]

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.launch_helpers import read_log, run
+from checks.launch_helpers import read_log, run
 from tests.test_training import TINY
 
 

@@ -1,14 +1,10 @@
-"""A fixed sample of the combination sweep (benchmarks/combinations.py; the whole sweep writes its matrix to
-benchmarks/results/combinations.md): each combination is refused by a rule of the capability table before
+"""A fixed sample of the combination sweep (checks/combinations.py; the whole sweep writes its matrix to
+checks/results/combinations.md): each combination is refused by a rule of the capability table before
 any rank starts, or trains 4 iterations equal to one rank and resumes bitwise."""
-
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import combinations  # noqa: E402
+from checks import combinations
 
 SAMPLE = {  # combination -> the outcome it must have (a rule's name for a refusal)
     "tp2_sp+pp2_interleaved": "equal",
@@ -67,7 +63,7 @@ SAMPLE = {  # combination -> the outcome it must have (a rule's name for a refus
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from tests.launch_helpers import copy_default_corpus
+    from checks.launch_helpers import copy_default_corpus
     work = tmp_path_factory.mktemp("combinations")
     return str(work), copy_default_corpus(str(work))
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.model_harness import CONFIGS, assemble_grads, compare_grads, reference
-from tests.rank_pool import assert_close, run_on_ranks
+from checks.rank_pool import assert_close, run_on_ranks
 from tests.test_documents import DOCUMENTS, EOD, packed_batch
 
 
@@ -340,7 +340,7 @@ LAUNCHED = {  # name: (ranks, extra flags, flags of the one-rank run it must equ
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAUNCHED))
 def test_launched_context_parallel_runs_give_the_one_rank_losses(data, tmp_path, name):
-    from tests.launch_helpers import one_rank, read_log, run
+    from checks.launch_helpers import one_rank, read_log, run
     from tests.test_training import TINY, assert_same_losses
     ranks, extra, baseline = LAUNCHED[name]
     want = [r["lm_loss"] for r in one_rank(TINY + ["--data-path", data] + baseline)]
@@ -354,7 +354,7 @@ def test_launched_context_parallel_runs_give_the_one_rank_losses(data, tmp_path,
 @pytest.mark.slow
 def test_resume_at_cp2_with_dropout_is_bitwise_equal_to_straight(data, tmp_path):
     """Hidden and attention dropout on (the ring's masks from a seed drawn from the restored RNG streams)."""
-    from tests.launch_helpers import read_log, run
+    from checks.launch_helpers import read_log, run
     from tests.test_training import TINY
     base = TINY + CP2 + ["--hidden-dropout", 0.1, "--attention-dropout", 0.1, "--data-path", data]
     straight_log, log, ckpt = tmp_path / "straight.jsonl", tmp_path / "log.jsonl", tmp_path / "ckpt"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybrid.conversion.layout import read_hybrid
-from tests.launch_helpers import MERGES, VOCAB, read_log, run
+from checks.launch_helpers import MERGES, VOCAB, read_log, run
 
 VOCAB_SIZE = 8192  # the embedded tokenizer's
 

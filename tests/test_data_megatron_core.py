@@ -209,7 +209,7 @@ def test_split_sentences_writes_one_sequence_per_sentence_grouped_by_document(tm
 
 
 def test_split_data_paths_cache_path_and_eod_mask_loss_reach_training(tmp_path):
-    from tests.launch_helpers import copy_default_corpus, read_log, run
+    from checks.launch_helpers import copy_default_corpus, read_log, run
     data = copy_default_corpus(str(tmp_path))
     cache = tmp_path / "index_cache"
     flags = ["--num-layers", 1, "--hidden-size", 32, "--num-attention-heads", 2, "--seq-length", 16,

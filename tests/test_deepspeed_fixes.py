@@ -140,7 +140,7 @@ def _one_rank_allreduce_calls() -> list:
 
 
 def test_gradients_are_not_copied_through_an_allreduce_of_one_rank():
-    from tests.rank_pool import run_on_ranks
+    from checks.rank_pool import run_on_ranks
     assert run_on_ranks(_one_rank_allreduce_calls, 2) == [[2, 3, 4]] * 2
 
 
@@ -167,7 +167,7 @@ def test_a_finished_run_leaves_no_engine_and_no_group_threads_behind(data, zero_
     """release_engine: after a run no DeepSpeed engine survives (its gradient hooks, ZeRO-3's module stack and
     its coordinator's class-level cache kept them all, with their process groups: a pool rank reached 2,800
     gloo threads in the sweep), so a process that trains again holds one run's gloo threads, not every run's."""
-    from tests.rank_pool import run_on_ranks
+    from checks.rank_pool import run_on_ranks
     per_run = [run_on_ranks(_engines_and_gloo_threads_after_a_run, 2, data, zero_config) for _ in range(3)]
     for rank in range(2):
         engines, threads = zip(*[results[rank] for results in per_run])
@@ -233,7 +233,7 @@ def test_zero3_steps_on_its_gradient_partitions_bitwise_as_deepspeed(precision):
     weights after three clipped, accumulated steps over several sub-groups are bitwise DeepSpeed's own."""
     import torch
 
-    from tests.rank_pool import run_on_ranks
+    from checks.rank_pool import run_on_ranks
     ours, theirs = (run_on_ranks(_zero3_steps, 2, precision, in_place) for in_place in (True, False))
     for mine, deepspeeds in zip(ours, theirs):
         assert mine["sub_groups"] > 2 and deepspeeds["flattened"] >= 3 * mine["sub_groups"]
@@ -300,7 +300,7 @@ def test_zero3_releases_the_input_embedding_before_reducing_its_gradient():
     released when its gradient reaches ZeRO, and three accumulated, clipped steps are bitwise DeepSpeed's."""
     import torch
 
-    from tests.rank_pool import run_on_ranks
+    from checks.rank_pool import run_on_ranks
     ours, theirs = (run_on_ranks(_zero3_embedding_release, 2, release) for release in (True, False))
     for mine, deepspeeds in zip(ours, theirs):
         assert len(mine["gathered_at_reduce"]) == 6 and all(deepspeeds["gathered_at_reduce"])

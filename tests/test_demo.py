@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from hybrid.training.demo import EXPORT_FAILED, finish
-from tests.launch_helpers import run
+from checks.launch_helpers import run
 
 
 @pytest.mark.slow

@@ -14,9 +14,9 @@ from hybrid.config import build_run_config
 from hybrid.flags import build_parser
 from hybrid.data.gpt_dataset import MockGPTDataset
 from hybrid.parallel.groups import ParallelGroups
-from tests.rank_pool import run_on_ranks
+from checks.rank_pool import run_on_ranks
 from hybrid.training.loop import Trainer
-from tests.launch_helpers import read_log, run
+from checks.launch_helpers import read_log, run
 
 META = torch.device("meta")
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

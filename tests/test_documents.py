@@ -13,7 +13,7 @@ from hybrid.model.gpt import GPTModel
 from hybrid.model.sequence import documents_of, positions_of
 from hybrid.parallel.cross_entropy import IGNORE_INDEX
 from tests.model_harness import CONFIGS, assemble_grads, compare_grads, reference, scheduled_run, sharded_run
-from tests.rank_pool import assert_close, run_on_ranks
+from checks.rank_pool import assert_close, run_on_ranks
 
 EOD = 99  # the last id of the tiny models' vocabulary (100)
 DOCUMENTS = dict(reset_attention_mask=True, reset_position_ids=True, eod_token=EOD)
@@ -154,7 +154,7 @@ def test_torch_schedules_give_every_stage_the_documents(style, schedule):
 
 @pytest.mark.slow
 def test_reset_flags_reach_training(tmp_path):
-    from tests.launch_helpers import read_log, run
+    from checks.launch_helpers import read_log, run
     flags = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 64,
              "--micro-batch-size", 2, "--global-batch-size", 4, "--train-iters", 2, "--log-interval", 1,
              "--no-progress-bar", "--eval-iters", 0, "--hidden-dropout", 0, "--attention-dropout", 0]

@@ -15,7 +15,7 @@ import torch
 from hybrid.conversion.hf import read_hf_config, read_hf_dir, write_hf_dir
 from hybrid.errors import ConfigError
 from tests.hf_families import FAMILIES, FAMILY_CONFIGS, RECORDED, make_family
-from tests.launch_helpers import read_log, run
+from checks.launch_helpers import read_log, run
 
 # the option that makes each family what it is: turned off, the logits must change (so the proof can fail)
 DISTINCTIVE = {"llama3": dict(rope_scaling=None), "qwen2": dict(add_qkv_bias=False),

@@ -19,7 +19,7 @@ pytest.importorskip("torchao.float8", reason="torchao is not installed (pip inst
 from hybrid.model.config import ModelConfig  # noqa: E402
 from hybrid.parallel.fp8 import Fp8Gemm, Fp8Settings, end_iteration, fp8_linear  # noqa: E402
 from hybrid.parallel.groups import ParallelGroups  # noqa: E402
-from tests.launch_helpers import read_log, run  # noqa: E402
+from checks.launch_helpers import read_log, run  # noqa: E402
 from tests.model_harness import LLAMA, assemble_grads, batch, compare_grads, reference, sharded_run  # noqa: E402
 
 
@@ -73,7 +73,7 @@ FP8_LLAMA = dict(LLAMA, fp8_recipe="tensorwise")
 def test_tp2_sp_computes_one_ranks_fp8_gradients(recipe):
     """Every amax over the whole tensor (TP-split weights and output gradients, SP-gathered inputs): TP 2 + SP
     gives the one-rank FP8 model's loss and gradients."""
-    from tests.rank_pool import run_on_ranks
+    from checks.rank_pool import run_on_ranks
     data = batch()
     cfg = dict(FP8_LLAMA, fp8_recipe=recipe)
     ref_loss, _, ref_grads = reference(cfg, data)
@@ -205,7 +205,7 @@ def test_an_fp8_run_exports_a_bf16_model_transformers_loads(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from tests.hf_families import make_family
-    from tests.launch_helpers import copy_default_corpus
+    from checks.launch_helpers import copy_default_corpus
     make_family("llama3", tmp_path / "model", dtype="bfloat16")
     data = copy_default_corpus(str(tmp_path))
     log, export = tmp_path / "log.jsonl", tmp_path / "export"

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.hf_families import FAMILIES, make_family
-from tests.launch_helpers import run
-from tests.rank_pool import run_on_ranks
+from checks.launch_helpers import run
+from checks.rank_pool import run_on_ranks
 
 PROMPT_LENGTHS = (5, 11, 2, 7)
 NEW = 12

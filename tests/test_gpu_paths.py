@@ -1,4 +1,4 @@
-"""benchmarks/gpu_paths.py, the GPU check's list of CUDA-only paths: on a machine without a GPU each
+"""checks/gpu_paths.py, the GPU check's list of CUDA-only paths: on a machine without a GPU each
 check says so in one line; the checks whose kernels have CPU twins run here, so a wrong call in them
 fails on CPU, not in the minutes a GPU is lent."""
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from benchmarks import gpu_paths
+from checks import gpu_paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the paths issue 35 lists as run only on CUDA, each a check of its own
@@ -23,7 +23,7 @@ EXPECTED = {"nccl", "flash_attn_vs_sdpa", "precision", "fp16_loss_scale_stop", "
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run of this script is the GPU check itself")
 def test_without_a_gpu_every_check_is_one_skip_line(tmp_path):
     out = tmp_path / "paths.jsonl"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_paths.py"), "--out", str(out)],
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "checks", "gpu_paths.py"), "--out", str(out)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]

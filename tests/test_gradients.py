@@ -118,7 +118,7 @@ def _tp2_cross_entropy():
 
 def test_vocab_parallel_cross_entropy_at_tp2_equals_torchs_cross_entropy_and_its_gradient():
     from hybrid.parallel.cross_entropy import IGNORE_INDEX
-    from tests.rank_pool import run_on_ranks
+    from checks.rank_pool import run_on_ranks
     results = run_on_ranks(_tp2_cross_entropy, 2)
     target = torch.randint(0, 13, (5, 2), generator=torch.Generator().manual_seed(5))
     target[2, 1] = IGNORE_INDEX
@@ -296,7 +296,7 @@ def test_family_gradients_at_tp2_sp_and_pp2_equal_transformers_backward(family, 
     value heads smaller than its query/key heads (DeepSeek-V3), and sliding windows (Gemma 3; GPT-OSS with its sinks:
     windows of 8 over 16 positions in chunks of 4)."""
     from tests.model_harness import assemble_grads, compare_grads
-    from tests.rank_pool import run_on_ranks
+    from checks.rank_pool import run_on_ranks
     if family == "gpt2":
         import transformers
         torch.manual_seed(0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.hf_families import make_family, save_embedded_tokenizer
-from tests.launch_helpers import MERGES, VOCAB, read_log, run
+from checks.launch_helpers import MERGES, VOCAB, read_log, run
 
 G, NEW = 4, 6
 
@@ -257,7 +257,7 @@ def test_grpo_layouts_equal_one_rank(model, layout, tmp_path):
     MLA model's up projections with the attention that decodes from the latents; each rank its own prompt groups, the
     advantages scaled by the whole batch's std) and EP 2 (an MoE model, experts split over the data-parallel ranks):
     the completions' rewards, the losses and the mismatch as at one rank, over 6 iterations."""
-    from tests.launch_helpers import one_rank
+    from checks.launch_helpers import one_rank
     flags = TASK + ["--train-iters", 6] + model
     want = one_rank(flags)
     log = tmp_path / "log.jsonl"
@@ -312,7 +312,7 @@ def test_readme_grpo_command_learns_the_embedded_task_and_draws_the_reward(tmp_p
     here), reward.png is written and the export samples."""
     import os
     import shlex
-    from tests.launch_helpers import ROOT
+    from checks.launch_helpers import ROOT
     readme = open(os.path.join(ROOT, "README.md")).read()
     command = shlex.split(readme.split("<!-- grpo-command -->")[1].split("```bash")[1].split("```")[0].strip())
     assert command[:2] == ["deepspeed", "launch/train.py"] and "--grpo" in command, command

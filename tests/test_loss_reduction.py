@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.launch_helpers import MERGES, VOCAB, read_log, run
+from checks.launch_helpers import MERGES, VOCAB, read_log, run
 
 TINY = ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
         "--max-position-embeddings", 16, "--global-batch-size", 8, "--train-iters", 4,

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from tests.launch_helpers import ROOT, env, read_log, run
+from checks.launch_helpers import ROOT, env, read_log, run
 
 pytest.importorskip("megatron.core.models.gpt", reason="megatron-core is not installed")
 

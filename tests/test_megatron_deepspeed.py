@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tests.launch_helpers import ROOT, env, read_log, run
+from checks.launch_helpers import ROOT, env, read_log, run
 
 DATA = os.path.join(ROOT, "tests", "data", "megatron_deepspeed")
 CHECKPOINTS = ["llama_gqa_tp2pp2", "gpt2_tp2"]

@@ -15,7 +15,7 @@ from hybrid.config import build_run_config
 from hybrid.flags import build_parser
 from hybrid.errors import ConfigError
 from hybrid.megatron_compat import COMPAT_FLAGS
-from tests.launch_helpers import MERGES, ROOT, VOCAB, copy_default_corpus, read_log, run
+from checks.launch_helpers import MERGES, ROOT, VOCAB, copy_default_corpus, read_log, run
 
 CORPUS = json.load(open(os.path.join(ROOT, "tests", "data", "megatron_run_scripts.json")))["scripts"]
 # what each script does on a GPU machine: None = runs; else the flag its refusal names

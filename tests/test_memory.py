@@ -15,7 +15,7 @@ from hybrid import memory
 from hybrid.config import build_run_config
 from hybrid.flags import build_parser
 from hybrid.model.config import ModelConfig
-from tests.rank_pool import run_on_ranks
+from checks.rank_pool import run_on_ranks
 
 # hidden 34 / 1 layer: the no-decay group (510 elements) is not a multiple of 2 x DP, so the
 # estimate must reproduce DeepSpeed's padding

@@ -7,7 +7,7 @@ import torch
 
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
-from tests.rank_pool import assert_close, run_on_ranks
+from checks.rank_pool import assert_close, run_on_ranks
 from tests.model_harness import CONFIGS, assemble_grads, batch, compare_grads, reference, sharded_run
 
 ATOL = 1e-5

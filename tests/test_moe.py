@@ -170,14 +170,14 @@ def _padded_ep2(padded: bool):
     layer = build_moe(config, groups, "layers.0.mlp")
     torch.manual_seed(3 + dist.get_rank())
     x, g = torch.randn(6, 4, 16), torch.randn(6, 4, 16)
-    from benchmarks.bench_moe import HostReads
+    from checks.host_reads import HostReads
     with HostReads() as recorder:
         out, dx, dw = grads(layer, x, layer, g)
     return dict(ep_rank=groups.ep.rank, x=x, g=g, out=out, dx=dx, dw=dw, host_reads=recorder.reads)
 
 
 def test_padded_all_to_all_at_ep2_equals_one_rank_with_the_same_drops():
-    from tests.rank_pool import run_on_ranks
+    from checks.rank_pool import run_on_ranks
     config = moe_config(moe_expert_capacity_factor=1.0, moe_grouped_gemm=True)
     whole = build_moe(config, ParallelGroups.single(), "layers.0.mlp")
     expert_grads = {}
@@ -204,7 +204,7 @@ def test_padded_all_to_all_at_ep2_equals_one_rank_with_the_same_drops():
 
 
 def test_dropless_and_padded_dispatch_at_ep1_read_nothing_on_the_host():
-    from benchmarks.bench_moe import HostReads
+    from checks.host_reads import HostReads
     x = torch.randn(6, 4, 16)
     for fields, expected in (({}, []), (dict(moe_expert_capacity_factor=1.0), ["__int__"]),
                              (dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True), [])):
@@ -335,7 +335,7 @@ MOE_LAYOUTS = {  # name: (ranks, flags); every one must give the one-rank losses
 def test_launched_expert_parallel_runs_give_the_one_rank_losses(data, tmp_path, name):
     """8 iterations (sigmoid routing with the score bias updated every step, balancing and z losses,
     shared experts, grouped GEMM): the losses of one rank, within 1e-5; the balancing loss is logged."""
-    from tests.launch_helpers import one_rank, read_log, run
+    from checks.launch_helpers import one_rank, read_log, run
     from tests.test_training import TINY, assert_same_losses
     ranks, extra = MOE_LAYOUTS[name]
     baseline = one_rank(TINY + ["--data-path", data] + MOE_FLAGS)
@@ -350,7 +350,7 @@ def test_launched_expert_parallel_runs_give_the_one_rank_losses(data, tmp_path, 
 def test_ep2_without_zero_clips_and_logs_with_the_one_rank_gradient_norm(data, tmp_path):
     """ZeRO-0 at EP 2 with a clip that acts (0.05 against norms near 0.8): each EP rank holds other experts,
     so the norm sums their squares over the EP group; the logged norms and the losses are one rank's."""
-    from tests.launch_helpers import one_rank, read_log, run
+    from checks.launch_helpers import one_rank, read_log, run
     from tests.test_training import TINY, assert_same_losses
     clip = ["--clip-grad", 0.05]
     baseline = one_rank(TINY + ["--data-path", data] + MOE_FLAGS + clip)
@@ -369,7 +369,7 @@ def test_ep2_zero2_gives_the_one_rank_losses_and_its_universal_checkpoint_resume
     rank's fp32 partitions and Adam moments of DeepSpeed's dense and expert groups, experts by global
     index), resumes at EP 1 with ZeRO-1 with the uninterrupted losses; the score biases come along."""
     from hybrid.conversion.checkpoint_util import main as convert
-    from tests.launch_helpers import one_rank, read_log, run
+    from checks.launch_helpers import one_rank, read_log, run
     from tests.test_training import TINY, assert_same_losses
     baseline = [r["lm_loss"] for r in one_rank(TINY + ["--data-path", data] + MOE_FLAGS)]
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
@@ -393,7 +393,7 @@ def test_ep2_zero2_gives_the_one_rank_losses_and_its_universal_checkpoint_resume
 def test_resume_at_ep2_with_dropout_is_bitwise_equal_to_straight(data, tmp_path):
     """DeepSpeed writes each expert to its own file (by global index) and reads them back on their EP
     ranks; with dropout on and the score bias saved, the resumed losses are the uninterrupted ones."""
-    from tests.launch_helpers import read_log, run
+    from checks.launch_helpers import read_log, run
     from tests.test_training import TINY
     base = TINY + MOE_FLAGS + EP2 + ["--hidden-dropout", 0.1, "--data-path", data, "--deepspeed",
                                      "ds_configs/zero1.json"]
@@ -413,7 +413,7 @@ def test_load_hf_mixtral_trains_at_ep2_as_at_one_rank_evaluates_to_transformers_
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     from tests.hf_families import make_family
-    from tests.launch_helpers import read_log, run
+    from checks.launch_helpers import read_log, run
     from tests.test_families import TRAIN
     path = tmp_path / "mixtral"
     hf = make_family("mixtral", path)
@@ -438,7 +438,7 @@ def assert_evaluation_is_transformers_loss(path, hf, data, tmp_path, layouts=(("
     ranks (or each of the 2-rank `layouts`; `tp2_pp2`: also converted to TP 2 x PP 2 and evaluated there with
     sequence parallelism): transformers' loss on the same windows, within 1e-5."""
     from hybrid.conversion.checkpoint_util import main as convert
-    from tests.launch_helpers import read_log, run
+    from checks.launch_helpers import read_log, run
     from tests.test_conversion import hf_windows_loss
     want = hf_windows_loss(hf, data, 32, 8)
     runs = [("hybrid", 2, []), ("tp2pp2", 4, ["--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.model_harness import assemble_grads, compare_grads
-from tests.rank_pool import run_on_ranks
+from checks.rank_pool import run_on_ranks
 
 VOCAB = 256
 
@@ -181,7 +181,7 @@ def test_launched_deepseek_v3_with_mtp_trains_at_tp2_sp_ep2_and_pp2_as_at_one_ra
     at one rank, at TP 2 + SP x EP 2 and at PP 2 agree, and the run's --export-hf loads in transformers."""
     from transformers import AutoModelForCausalLM
     from tests.hf_families import make_family
-    from tests.launch_helpers import read_log, run
+    from checks.launch_helpers import read_log, run
     from tests.test_families import TRAIN
     make_family("deepseek_v3", tmp_path / "hf")
     flags = ["--load-hf", tmp_path / "hf", "--data-path", data, "--mtp-num-layers", 1, "--mtp-loss-scaling-factor",

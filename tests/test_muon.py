@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.hf_families import make_family
-from tests.launch_helpers import read_log, run
+from checks.launch_helpers import read_log, run
 
 SEQ = 16
 LR = 0.01
@@ -382,7 +382,7 @@ def test_sharded_muon_equals_torch_muon_on_each_hf_matrix_bitwise(contiguous):
     fused QKV with a head size of its own and gate/up whose learning-rate adjustment differs from the other
     matrices') steps the weights bitwise as torch.optim.Muon does on each HF matrix, over two steps (the
     momentum); and it makes no tensor without a device (on a GPU one would be made on the host)."""
-    from tests.rank_pool import run_on_ranks
+    from checks.rank_pool import run_on_ranks
     results = run_on_ranks(_sharded_against_torch_muon, 2, contiguous)
     assert all(equal for equal, _ in results), results
     assert all(not missing for _, missing in results), results

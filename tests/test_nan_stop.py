@@ -6,8 +6,8 @@ and never applies an update from a non-finite gradient; the check makes no host 
 import pytest
 import torch
 
-from tests.launch_helpers import read_log, run
-from tests.rank_pool import run_on_ranks
+from checks.launch_helpers import read_log, run
+from checks.rank_pool import run_on_ranks
 from tests.test_training import TINY
 
 DIVERGING = [str(f) for f in TINY]

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from hybrid.checkpoint.manifest import MANIFEST
-from tests.launch_helpers import MERGES, ROOT, VOCAB, command, env, read_log, run
+from checks.launch_helpers import MERGES, ROOT, VOCAB, command, env, read_log, run
 
 FLAGS = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 32,
          "--micro-batch-size", 2, "--global-batch-size", 8, "--train-iters", 12, "--save-interval", 4,

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from hybrid.safe_loading import safe_load
-from tests.launch_helpers import run
+from checks.launch_helpers import run
 from tests.test_training import TINY
 
 REFUSED = "refused to unpickle posix.system"

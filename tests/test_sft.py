@@ -165,7 +165,7 @@ def test_packed_conversations_give_transformers_loss_over_the_assistant_tokens(c
 
 @pytest.mark.slow
 def test_evaluate_sft_at_tp2_equals_transformers_over_the_assistant_tokens(chat, tmp_path):
-    from tests.launch_helpers import read_log, run
+    from checks.launch_helpers import read_log, run
     log = tmp_path / "eval.jsonl"
     run("torchrun", 2, ["--load-hf", chat["hf"], "--sft", "--data-path", chat["data"], "--seq-length", SEQ,
                         "--micro-batch-size", 2, "--tensor-model-parallel-size", 2, "--sequence-parallel",
@@ -206,7 +206,7 @@ def _sft_base(chat, name: str) -> list:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_sft_training_at_every_layout_gives_the_one_rank_losses(chat, tmp_path, name):
-    from tests.launch_helpers import one_rank, read_log, run
+    from checks.launch_helpers import one_rank, read_log, run
     from tests.test_training import assert_same_losses
     base = _sft_base(chat, name)
     ranks, extra = LAYOUTS[name]
@@ -219,7 +219,7 @@ def test_sft_training_at_every_layout_gives_the_one_rank_losses(chat, tmp_path, 
 @pytest.mark.slow
 def test_sft_resume_mid_epoch_with_dropout_is_bitwise(chat, tmp_path):
     """30 windows, 8 a batch: the resumed run starts inside the first epoch and crosses into the second."""
-    from tests.launch_helpers import read_log, run
+    from checks.launch_helpers import read_log, run
     base = RUN + ["--hidden-dropout", 0.1, "--attention-dropout", 0.1, "--load-hf", chat["hf"], "--data-path",
                   chat["data"], "--train-iters", 6]
     straight, resumed, ckpt = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
@@ -257,7 +257,7 @@ def test_weighted_paths_blend_and_split_gives_validation_windows(tmp_path):
 def test_readme_fine_tuning_blocks_run_as_written(tmp_path):
     import os
     import subprocess
-    from tests.launch_helpers import BIN, ROOT, env
+    from checks.launch_helpers import BIN, ROOT, env
     readme = open(os.path.join(ROOT, "README.md")).read()
     blocks = [part.split("```bash", 1)[1].split("```", 1)[0] for part in readme.split("<!-- sft-tutorial -->")[1:]]
     assert len(blocks) == 2, "the README's fine-tuning section has two blocks: the embedded tutorial, your model"
@@ -286,7 +286,7 @@ def test_readme_fine_tuning_blocks_run_as_written(tmp_path):
 def test_train_epochs_is_whole_batches_covering_every_window_that_many_times(chat, tmp_path):
     from hybrid.data.chat import train_windows
     from hybrid.config import DataConfig
-    from tests.launch_helpers import read_log, run
+    from checks.launch_helpers import read_log, run
     windows = train_windows(DataConfig(data_path=[chat["data"]], split="100,0,0", chat=ChatOptions()), SEQ, 1234,
                             ChatEncoder(chat["tok"], "t"))
     log = tmp_path / "log.jsonl"
@@ -309,7 +309,7 @@ def test_preprocess_sft_files_serve_the_windows_the_jsonl_gives(chat, tmp_path):
     from hybrid.data.batches import build_datasets
     from hybrid.data.tokenizer import HFTokenizer
     from tests.chat_helpers import preference_rows
-    from tests.launch_helpers import ROOT, env
+    from checks.launch_helpers import ROOT, env
     rows = [as_row(c, "sharegpt") for c in chat["convs"]]
     data = write_jsonl(tmp_path / "chat.jsonl", rows[:20] + [{"conversations": [{"from": "alien", "value": "x"}]}]
                        + rows[20:])
@@ -370,7 +370,7 @@ def test_preprocessed_files_made_another_way_are_one_message(chat, tmp_path):
 ])
 def test_sft_flag_mistakes_are_one_message(chat, flags, message):
     from hybrid.training.run import run_training
-    from tests.launch_helpers import MERGES, VOCAB
+    from checks.launch_helpers import MERGES, VOCAB
     flags = [str(f).replace("{V}", VOCAB).replace("{M}", MERGES) for f in flags]
     base = ["--sft"] + ([] if "--mock-data" in flags else ["--data-path", chat["data"]])
     if "--vocab-file" not in flags:
@@ -602,7 +602,7 @@ DPO_LAYOUTS = {"tp2_sp": LAYOUTS["tp2_sp"], "cp2": LAYOUTS["cp2"], "dp2_zero3": 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(DPO_LAYOUTS))
 def test_dpo_training_at_every_layout_gives_the_one_rank_losses_and_rewards(chat, pairs, tmp_path, name):
-    from tests.launch_helpers import one_rank, read_log, run
+    from checks.launch_helpers import one_rank, read_log, run
     from tests.test_training import assert_same_losses
     base = DPO_RUN + ["--load-hf", chat["hf"], "--data-path", pairs["data"]]
     want = one_rank(base)
@@ -661,7 +661,7 @@ def test_dry_run_counts_the_dpo_reference_model_unless_its_values_are_precompute
 def test_dpo_reference_logps_computed_once_at_dp2_then_read_gives_the_reference_models_losses(chat, pairs, tmp_path):
     """--dpo-reference-logps FILE: scored at DP 2 before training (each rank every other window), written, the
     model freed; read by a one-rank run that builds no reference model; both = the run that scores every batch."""
-    from tests.launch_helpers import one_rank, read_log, run
+    from checks.launch_helpers import one_rank, read_log, run
     from tests.test_training import assert_same_losses
     base = DPO_RUN + ["--load-hf", chat["hf"], "--data-path", pairs["data"]]
     want = [r["lm_loss"] for r in one_rank(base)]
@@ -760,7 +760,7 @@ def test_streamed_training_at_dp2_equals_one_rank_and_resumes_at_the_next_window
     """--sft-streaming in training: DP 2 (each rank's worker makes the same stream, each rank keeps its windows)
     gives the one-rank losses, and a run resumed at iteration 4 (its worker makes the stream again from the
     cache and sends from the next window) continues with the straight run's losses, bitwise."""
-    from tests.launch_helpers import read_log, run
+    from checks.launch_helpers import read_log, run
     from tests.test_training import assert_same_losses
     data = write_jsonl(tmp_path / "chat.jsonl", [as_row(c, "messages") for c in chat["convs"]])
     base = TRAIN + ["--load-hf", chat["hf"], "--data-path", data, "--sft-streaming", "--sft-shuffle-buffer", 16]

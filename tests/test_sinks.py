@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.model_harness import assemble_grads, compare_grads
-from tests.rank_pool import run_on_ranks
+from checks.rank_pool import run_on_ranks
 
 
 def _eager(q, k, v, sinks, scale, mask):

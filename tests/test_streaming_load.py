@@ -9,6 +9,8 @@ import json
 import pytest
 import torch
 
+from checks import combinations
+
 
 def _resident(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -105,7 +107,7 @@ def _stage_and_expert_reads(path, pp, ep):
 @pytest.mark.parametrize("pp, ep", [(2, 1), (1, 2)], ids=["pp2", "ep2"])
 def test_each_rank_reads_only_its_stage_and_its_experts(pp, ep, tmp_path):
     from tests.hf_families import make_family
-    from tests.rank_pool import run_on_ranks
+    from checks.rank_pool import run_on_ranks
     make_family("mixtral", tmp_path / "hf", tokenizer=False)
     results = run_on_ranks(_stage_and_expert_reads, 2, str(tmp_path / "hf"), pp, ep)
     for r in results:
@@ -159,19 +161,7 @@ def test_finetune_load_of_a_hybrid_checkpoint_adds_about_one_layer_to_the_peak_n
     assert got["differ"] == []
 
 
-def _benchmarks():
-    """benchmarks/combinations.py, importable here and on pool ranks started before this test."""
-    import os
-    import sys
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    import combinations
-    return combinations
-
-
 def _save_tiny(save, names, data):
-    combinations = _benchmarks()
     from hybrid.training.run import run_training
     argv = combinations._tiny(data, save) + combinations._flags(names)
     argv[argv.index("--train-iters") + 1] = "2"
@@ -185,9 +175,8 @@ def test_parts_of_every_checkpoint_storage_are_the_whole_readers_tensors(names, 
     """hybrid_parts, at each way DeepSpeed and the torch schedules store weights (module files, layer
     files, virtual stages, MoE expert files), gives every tensor of read_hybrid exactly, each in one
     part, the embeddings first and then each layer's in order; asked for a subset it reads only that."""
-    combinations = _benchmarks()
-    from tests.launch_helpers import copy_default_corpus
-    from tests.rank_pool import run_on_ranks
+    from checks.launch_helpers import copy_default_corpus
+    from checks.rank_pool import run_on_ranks
     from hybrid.checkpoint.client_state import ClientState
     from hybrid.conversion.layout import hybrid_parts, read_hybrid
     data = copy_default_corpus(str(tmp_path))

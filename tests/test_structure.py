@@ -173,7 +173,7 @@ def _long_lines(paths) -> list:
 
 def _python_files() -> list:
     out = []
-    for top in ("hybrid", "launch", "conversion", "tests", "benchmarks"):
+    for top in ("hybrid", "launch", "conversion", "checks", "tests", "benchmarks"):
         for folder, _, files in os.walk(os.path.join(ROOT, top)):
             out += [os.path.join(folder, name) for name in sorted(files) if name.endswith(".py")]
     return out

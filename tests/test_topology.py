@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hybrid.errors import ConfigError
-from tests.rank_pool import run_on_ranks
+from checks.rank_pool import run_on_ranks
 from hybrid.parallel.dims import ParallelDims
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.rank_pool import assert_close, run_on_ranks
+from checks.rank_pool import assert_close, run_on_ranks
 
 ATOL = 1e-5
 S, B, H, OUT, VOCAB = 8, 2, 16, 24, 64

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.launch_helpers import MERGES, VOCAB, one_rank, read_log, run
+from checks.launch_helpers import MERGES, VOCAB, one_rank, read_log, run
 
 TINY = ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
         "--max-position-embeddings", 16, "--micro-batch-size", 2, "--global-batch-size", 8, "--train-iters", 8,
@@ -216,7 +216,7 @@ def test_two_nodes_on_one_machine_train_together_tp_inside_dp_across(runs, data,
     import subprocess
     import sys
     from hybrid.distributed import free_port
-    from tests.launch_helpers import env
+    from checks.launch_helpers import env
     port, log = str(free_port()), tmp_path / "nodes.jsonl"
     flags = [str(f) for f in TINY + ["--data-path", data, "--tensor-model-parallel-size", 2, "--log-json", log]]
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
@@ -236,7 +236,7 @@ def test_readme_main_command_trains_saves_exports_and_samples(tmp_path):
     import shlex
     import subprocess
     from hybrid.distributed import free_port
-    from tests.launch_helpers import BIN, ROOT, env
+    from checks.launch_helpers import BIN, ROOT, env
     readme = open(os.path.join(ROOT, "README.md")).read()
     line = readme.split("<!-- main-command -->")[1].split("```bash")[1].split("```")[0].strip()
     command = shlex.split(line.split("&&")[-1])

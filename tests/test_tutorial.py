@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from tests.launch_helpers import BIN, ROOT, env
+from checks.launch_helpers import BIN, ROOT, env
 
 
 def _blocks() -> list[str]:

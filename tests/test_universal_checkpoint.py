@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.launch_helpers import one_rank_runs, read_log, run
+from checks.launch_helpers import one_rank_runs, read_log, run
 from tests.test_training import TINY, assert_same_losses
 
 UNTIED = ["--untie-embeddings-and-output-weights"]

@@ -2,7 +2,7 @@
 ({"check", "ok", figures...}, or "skipped" with the reason), to stdout and --out. benchmarks/gpu_check.sh
 runs it first; on a machine without a GPU every check says, in one line, that it needs one.
 
-    python benchmarks/gpu_paths.py [--out gpu_paths.jsonl] [--only ring_flash_vs_full,...]
+    python checks/gpu_paths.py [--out gpu_paths.jsonl] [--only ring_flash_vs_full,...]
 
 Checks (single GPU unless said): nccl (process group, timeout, a collective), flash_attn_vs_sdpa (causal,
 window, dropout statistics; packed documents fall back to SDPA), precision (bf16 and fp16 forward/backward
@@ -273,8 +273,8 @@ def activation_offload():
 def moe_host_syncs():
     """torch's own count of synchronisations in one MoE layer's forward + backward (grouped GEMM, bf16):
     none dropless or padded to capacity, one with an unpadded capacity (as Megatron's); the CPU stand-in
-    (benchmarks/bench_moe.py's HostReads, tests/test_moe.py) must agree."""
-    from benchmarks.bench_moe import dispatch_benchmark
+    (checks/host_reads.py's HostReads, tests/test_moe.py) must agree."""
+    from checks.moe_dispatch import dispatch_benchmark
     result = dispatch_benchmark(4096, 3, DEVICE, torch.bfloat16)
     expected = {"dropless": 0, "capacity": 1, "capacity_padded": 0}
     reads = {k: v["host_reads"] for k, v in result.items() if isinstance(v, dict)}

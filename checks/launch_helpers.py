@@ -54,13 +54,13 @@ def run(launcher: str, nproc: int, flags: list[str], script: str = "launch/train
         check: bool = True, launch: bool = False) -> subprocess.CompletedProcess:
     """`script flags` on `nproc` ranks -> its exit status and output.
 
-    The entry runs on warm gloo ranks of the pool (tests/rank_pool.py: imports done once per module, the
+    The entry runs on warm gloo ranks of the pool (checks/rank_pool.py: imports done once per module, the
     script's own `main(argv)` called on every rank, its output captured), which is what a launcher would run
     minus the process start; the tests that are about launching itself (the launchers, restarts, signals,
     process memory) pass `launch=True`, as do the `deepspeed` and `accelerate` launchers."""
     argv = [str(f) for f in flags]
     if launch or launcher in ("deepspeed", "accelerate") or script not in IN_PROCESS or os.environ.get(REAL_LAUNCHES):
-        from tests.rank_pool import build_deepspeed_cpu_ops
+        from checks.rank_pool import build_deepspeed_cpu_ops
         build_deepspeed_cpu_ops()
         proc = subprocess.run(command(launcher, nproc, script) + argv, cwd=ROOT, env=env(), capture_output=True,
                               text=True, timeout=timeout)
@@ -77,7 +77,7 @@ def _run_in_pool(launcher: str, nproc: int, script: str, argv: list, timeout: in
     """The pooled run: each rank's exit status, stdout and stderr; a rank that gave none within 15 s of another
     rank's failure (waiting in a collective its failed peer never joins) counts as killed, as a launcher kills
     it. torchrun's status is 1 when any rank failed (its ChildFailedError), python's the rank's own."""
-    from tests.rank_pool import run_on_ranks
+    from checks.rank_pool import run_on_ranks
     results = run_on_ranks(_entry_on_rank, nproc, script, argv, timeout=timeout,
                            failed=lambda result: result[0] != 0, partial=True)
     results = [r if r is not None else (-9, "", "(killed: no result after a peer failed)\n") for r in results]

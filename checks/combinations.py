@@ -6,12 +6,12 @@ loss's own change over the 4 iterations, so a wrong update cannot pass as roundi
 other masks and only the resume is compared) and resumes from its iteration-2 checkpoint with iterations 3-4
 bitwise those of the uninterrupted run.
 
-    python benchmarks/combinations.py                     # the whole sweep: matrix in benchmarks/results/
-    python benchmarks/combinations.py --only tp2_sp+pp2,ep2+cp2 --quick
+    python checks/combinations.py                     # the whole sweep: matrix in checks/results/
+    python checks/combinations.py --only tp2_sp+pp2,ep2+cp2 --quick
 
-Writes benchmarks/results/combinations.md (the pair matrix and the triples) and combinations.png (a heatmap),
+Writes checks/results/combinations.md (the pair matrix and the triples) and combinations.png (a heatmap),
 and prints one JSON line per combination. The runs go through launch/train.py's own entry
-(hybrid.training.run.run_training) on gloo ranks kept in a pool (tests/rank_pool.py), so a combination
+(hybrid.training.run.run_training) on gloo ranks kept in a pool (checks/rank_pool.py), so a combination
 costs seconds, not a process start.
 """
 
@@ -183,8 +183,8 @@ def _train_on_rank(argv: list) -> int:
 
 
 def _run(argv: list, world: int, timeout: float) -> list:
-    from tests.launch_helpers import read_log
-    from tests.rank_pool import run_on_ranks
+    from checks.launch_helpers import read_log
+    from checks.rank_pool import run_on_ranks
     log = argv[argv.index("--log-json") + 1]
     if os.path.exists(log):
         os.remove(log)
@@ -268,7 +268,7 @@ def write_matrix(results: list, out_dir: str, summary: dict) -> None:
     short = {"equal": "ok", "refused": "R", "refused outside the table": "R*", "skipped": "-", "differs": "DIFF",
              "resume differs": "RESUME", "crashed": "CRASH"}
     names = [n for n in FEATURES if FEATURES[n].paired]
-    lines = ["# Combination sweep (benchmarks/combinations.py)", "",
+    lines = ["# Combination sweep (checks/combinations.py)", "",
              "ok: 4 iterations equal one rank (relative difference within min(1e-5 fp32 / 2e-2 bf16, 5% of the "
              "loss's own change over the 4 iterations); bf16 and FP8 against one rank's bf16 / FP8 run; with dropout "
              "only the resume is compared) and the "
@@ -328,13 +328,13 @@ def write_matrix(results: list, out_dir: str, summary: dict) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default=None, help="comma-separated combinations (features joined by +)")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    p.add_argument("--out", default=os.path.join(ROOT, "checks", "results"))
     p.add_argument("--quick", action="store_true", help="do not write the matrix")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--rerun-failed", action="store_true",
                    help="run again only the failed cells of --out's combinations.json and rewrite the matrix")
     a = p.parse_args()
-    from tests.launch_helpers import copy_default_corpus
+    from checks.launch_helpers import copy_default_corpus
     work = tempfile.mkdtemp(prefix="combinations-")
     data = copy_default_corpus(work)
     combos = [tuple(c.split("+")) for c in a.only.split(",")] if a.only else all_combinations()
@@ -363,7 +363,7 @@ def main() -> int:
         write_matrix(results, a.out, summary)
         with open(os.path.join(a.out, "combinations.json"), "w") as f:
             json.dump({"summary": summary, "results": results}, f, indent=1)
-    from tests.rank_pool import close_pools
+    from checks.rank_pool import close_pools
     close_pools()
     return 0 if all(r["status"] in ("equal", "refused", "skipped") for r in results) else 1
 
