@@ -25,7 +25,7 @@ from hybrid.checkpoint.client_state import SavedLayout, read_client_state
 from hybrid.checkpoint.files import read_tag
 from hybrid.data import default as default_data
 from hybrid.data.arithmetic import DEFAULT_REWARDS
-from hybrid.data.chat import ChatOptions
+from hybrid.data.chat.options import ChatOptions
 from hybrid.data.plan import data_files
 from hybrid.errors import ConfigError
 from hybrid.megatron_compat import check_compat

@@ -29,7 +29,9 @@ from hybrid.checkpoint.files import read_tag
 from hybrid.conversion.hf import hf_parts, read_hf_config
 from hybrid.conversion.layout import load_parts, read_hybrid
 from hybrid.data.batches import Collator, to_device
-from hybrid.data.chat import ChatEncoder, ChatOptions, evaluation_windows
+from hybrid.data.chat.dataset import evaluation_windows
+from hybrid.data.chat.options import ChatOptions
+from hybrid.data.chat.template import ChatEncoder
 from hybrid.data.indexed import IndexedDataset
 from hybrid.data.tokenizer import HFTokenizer
 from hybrid.distributed import end_distributed

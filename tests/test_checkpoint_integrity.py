@@ -99,7 +99,7 @@ def test_the_data_plan_compares_each_setting_and_each_files_size(tmp_path):
     import dataclasses
 
     from hybrid.config import DataConfig
-    from hybrid.data.chat import ChatOptions
+    from hybrid.data.chat.options import ChatOptions
     from hybrid.data.plan import data_files, plan_changes
     prefix = str(tmp_path / "corpus")
     for suffix in (".bin", ".idx"):

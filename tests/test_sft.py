@@ -12,8 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid.data.chat import (ChatEncoder, ChatOptions, Counts, evaluation_windows, load_tokenized, pack,
-                               tokenize_file)
+from hybrid.data.chat.cache import load_tokenized, tokenize_file
+from hybrid.data.chat.dataset import evaluation_windows
+from hybrid.data.chat.options import ChatOptions, Counts
+from hybrid.data.chat.packing import pack
+from hybrid.data.chat.template import ChatEncoder
 from hybrid.errors import ConfigError
 from tests.chat_helpers import (CHATML_PLAIN, as_row, conversations, make_chat_model, make_chat_tokenizer,
                                 write_jsonl)
@@ -91,7 +94,7 @@ def test_the_mask_covers_what_the_assistant_writes_with_or_without_generation_ma
 def test_packing_keeps_each_conversation_whole_and_apart():
     tok = make_chat_tokenizer()
     encoder = ChatEncoder(tok, "t")
-    from hybrid.data.chat import Tokenized
+    from hybrid.data.chat.template import Tokenized
     convs = conversations(25, seed=4, long_every=6)
     encoded = [encoder.encode(c, "x") for c in convs]
     offsets = np.cumsum([0] + [len(i) for i, _ in encoded])
@@ -236,7 +239,7 @@ def test_weighted_paths_blend_and_split_gives_validation_windows(tmp_path):
     --split gives each its validation conversations."""
     from hybrid.config import DataConfig, TrainingConfig
     from hybrid.data.batches import build_datasets
-    from hybrid.data.chat import ChatOptions
+    from hybrid.data.chat.options import ChatOptions
     from hybrid.data.tokenizer import HFTokenizer
     make_chat_tokenizer(tmp_path / "tok")
     a = write_jsonl(tmp_path / "a.jsonl", [as_row(c, "messages") for c in conversations(60, seed=5)])
@@ -284,7 +287,7 @@ def test_readme_fine_tuning_blocks_run_as_written(tmp_path):
 
 @pytest.mark.slow
 def test_train_epochs_is_whole_batches_covering_every_window_that_many_times(chat, tmp_path):
-    from hybrid.data.chat import train_windows
+    from hybrid.data.chat.dataset import train_windows
     from hybrid.config import DataConfig
     from checks.launch_helpers import read_log, run
     windows = train_windows(DataConfig(data_path=[chat["data"]], split="100,0,0", chat=ChatOptions()), SEQ, 1234,
@@ -350,7 +353,7 @@ def test_preprocessed_files_made_another_way_are_one_message(chat, tmp_path):
         load_tokenized(prefix + "_text_document", ChatEncoder(chat["tok"], "t", ChatOptions(train_on_prompt=True)))
     with pytest.raises(ConfigError, match=r"holds conversations; this run \(--dpo\) trains on preference pairs"):
         load_tokenized(prefix + "_text_document", ChatEncoder(chat["tok"], "t", ChatOptions(pairs=True)))
-    from hybrid.data.chat_stream import split_datasets
+    from hybrid.data.chat.stream import split_datasets
     with pytest.raises(ConfigError, match="preprocessed files are read memory-mapped already; drop --sft-streaming"):
         split_datasets(prefix + "_text_document", lambda n: [(0, n), (0, 0), (0, 0)], [8, 0, 0], SEQ, 1,
                        ChatEncoder(chat["tok"], "t", ChatOptions(stream_buffer=8)))
@@ -523,7 +526,7 @@ def test_dpo_pairs_are_tokenized_cut_and_dropped_as_trl_does(family, tmp_path):
     the tokens scored (everything after the prompt's shared prefix, the template's turn end included) equal; and
     --dpo-max-prompt-length keeps a prompt's last tokens (before: each side got half the window, a long prompt
     dropped its pair, and only the assistant's text was scored)."""
-    from hybrid.data.chat import preference_pair_of
+    from hybrid.data.chat.rows import preference_pair_of
     from tests.chat_helpers import preference_rows
     from tests.chat_templates import family_tokenizer
     tok = family_tokenizer(family)
@@ -696,7 +699,7 @@ def test_dpo_reference_logps_computed_once_at_dp2_then_read_gives_the_reference_
 # ------------------------------------------------------------------------------------------- --sft-streaming
 
 def _stream(path, encoder, rows, seed=1, buffer=64, cache=None, writer=True):
-    from hybrid.data import chat_stream
+    from hybrid.data.chat import stream as chat_stream
     cache = cache or chat_stream.stream_cache(path, encoder, rows, None)
     return chat_stream.StreamingChatDataset(path, rows, encoder, SEQ + 1, seed, buffer, 10 ** 6, cache, writer)
 
@@ -717,7 +720,7 @@ def test_streamed_windows_hold_every_conversation_once_an_epoch_the_same_way_fro
     holds every conversation once; a stream started at window k (a resumed run) sends what a stream from 0
     sends from k; a second reader takes the cached blocks and tokenizes nothing; a buffer of 1 is the file's
     order packed; and the worker stays a bounded number of windows ahead of the run."""
-    from hybrid.data import chat_stream
+    from hybrid.data.chat import stream as chat_stream
     convs = conversations(2600, seed=5)
     path = write_jsonl(tmp_path / "many.jsonl", [as_row(c, "messages") for c in convs])
     encoder = ChatEncoder(chat["tok"], "t", ChatOptions())

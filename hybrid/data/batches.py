@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hybrid.data import chat, chat_stream
+from hybrid.data.chat import dataset as chat_dataset, stream as chat_stream
+from hybrid.data.chat.template import ChatEncoder
 from hybrid.data.default import default_data_prefix
 from hybrid.data.gpt_dataset import MockGPTDataset, build_train_valid_test_datasets
 from hybrid.errors import ConfigError
@@ -56,10 +57,10 @@ def build_datasets(data, training, vocab_size: int, tokenizer=None):
 
 def _chat_datasets(data, training, counts, tokenizer):
     """--sft: each file's conversations split by --split (or each split's own files), blended by weight."""
-    encoder = chat.ChatEncoder(tokenizer.to_transformers(), "--tokenizer-model", data.chat)
+    encoder = ChatEncoder(tokenizer.to_transformers(), "--tokenizer-model", data.chat)
 
     def split_datasets(path, ranges_of, wanted, seq_length, seed, cache_dir):
-        split = chat_stream.split_datasets if data.chat.stream_buffer else chat.split_datasets
+        split = chat_stream.split_datasets if data.chat.stream_buffer else chat_dataset.split_datasets
         return split(path, ranges_of, wanted, seq_length, seed, encoder, cache_dir)
     split_paths = data.split_data_paths if any(data.split_data_paths or ()) else None
     return build_train_valid_test_datasets(data.data_path, data.split, counts, training.seq_length, training.seed,
@@ -122,7 +123,7 @@ def micro_batches(dataset, consumed: int, micro: int, dp_rank: int, dp_size: int
     # The loader gets its own generator: making an iterator draws a base seed from it, which from
     # the global generator would shift every later dropout mask of a resumed run by one draw.
     if any(getattr(part, "streams", False) for part in getattr(dataset, "datasets", [dataset])):
-        num_workers = 0  # --sft-streaming: the stream has its own worker process (hybrid.data.chat_stream)
+        num_workers = 0  # --sft-streaming: the stream has its own worker process (hybrid.data.chat.stream)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=collator or Collator(), persistent_workers=num_workers > 0,
                                          pin_memory=torch.device(device).type == "cuda",

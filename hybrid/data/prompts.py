@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybrid.data.chat import BadRow, read_rows
+from hybrid.data.chat.rows import BadRow, read_rows
 from hybrid.errors import ConfigError
 
 

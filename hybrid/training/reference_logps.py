@@ -5,7 +5,7 @@ window of the training (and validation) data once; each window's per-document su
 tokens (hybrid.model.preference.document_logps; documents 2k, 2k + 1 are pair k's chosen and rejected
 answers) are written to FILE, and the reference model is freed, so training holds one model. A later run with
 the same windows reads FILE and never builds the reference model. The windows come with their values in the
-batch (the chat dataset's "reference_logps"; hybrid.data.chat.ChatDataset), so every layout and order uses
+batch (the chat dataset's "reference_logps"; hybrid.data.chat.dataset.ChatDataset), so every layout and order uses
 them as they are.
 
 The file is keyed by everything the values depend on: the windows themselves (a hash of their tokens and loss
@@ -39,7 +39,8 @@ _VERSION = 1
 
 
 def chat_parts(dataset) -> list:
-    """The packed-window datasets (hybrid.data.chat.ChatDataset) a split is made of: a blend's parts, or itself."""
+    """The packed-window datasets (hybrid.data.chat.dataset.ChatDataset) a split is made of: a blend's parts, or
+    itself."""
     return list(getattr(dataset, "datasets", None) or [dataset])
 
 

@@ -22,7 +22,8 @@ from hybrid.conversion.hf import read_hf_config
 from hybrid.conversion.megatron.lm import ARCHITECTURE_FLAGS, contradictions
 from hybrid.conversion.megatron.source import megatron_kind, open_source
 from hybrid.data.batches import build_datasets
-from hybrid.data.chat import ChatEncoder, train_windows
+from hybrid.data.chat.dataset import train_windows
+from hybrid.data.chat.template import ChatEncoder
 from hybrid.data.tokenizer import build_tokenizer
 from hybrid.distributed import end_distributed, init_distributed
 from hybrid.dry_run import report

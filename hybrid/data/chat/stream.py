@@ -4,7 +4,7 @@ A background process (forked, as DataLoader workers are) reads the training rows
 (hybrid.data.chat: the model's chat template and its loss mask), passes them through a shuffle buffer of
 --sft-shuffle-buffer conversations (datasets' `IterableDataset.shuffle`: each arriving conversation takes the
 place of one drawn at random from the buffer, which leaves), packs what leaves into windows (the same
-packing as the whole-file path, hybrid.data.chat.pack_units) and sends them to the training process, a bounded
+packing as the whole-file path, hybrid.data.chat.packing.pack_units) and sends them to the training process, a bounded
 number ahead. Epoch e draws from `RandomState(seed + 1 + e)`, so the windows are a function of the file, the
 tokenizer and its template, --seq-length and --seed alone, not of timing: every DP rank's worker makes the same
 ones and each rank keeps the windows its sampler asks for, and a resumed run's worker makes them again up to
@@ -31,8 +31,12 @@ from typing import Optional
 import numpy as np
 import torch
 
-from hybrid.data.chat import (BadRow, ChatDataset, ChatEncoder, Counts, _signature, encode_rows, is_preprocessed,
-                              pack_units, read_rows, truncation_rule)
+from hybrid.data.chat.cache import signature, is_preprocessed
+from hybrid.data.chat.dataset import ChatDataset
+from hybrid.data.chat.options import Counts
+from hybrid.data.chat.packing import pack_units, truncation_rule
+from hybrid.data.chat.rows import BadRow, read_rows
+from hybrid.data.chat.template import ChatEncoder, encode_rows
 from hybrid.distributed import log
 from hybrid.errors import ConfigError
 
@@ -48,7 +52,7 @@ def count_rows(path: str) -> int:
 
 def stream_cache(path: str, encoder: ChatEncoder, rows: tuple[int, int], cache_dir: Optional[str]) -> str:
     """The directory of a file's tokenized blocks (beside the file, or in --data-cache-path)."""
-    key = hashlib.sha256(repr((os.path.abspath(path), _signature(path), encoder.fingerprint(), rows,
+    key = hashlib.sha256(repr((os.path.abspath(path), signature(path), encoder.fingerprint(), rows,
                                ROWS_PER_SHARD, _VERSION)).encode()).hexdigest()[:16]
     base = cache_dir or os.path.dirname(os.path.abspath(os.path.normpath(path)))
     return os.path.join(base, f"{os.path.basename(os.path.normpath(path))}.{key}.sft-stream")
@@ -251,7 +255,7 @@ def _rank() -> int:
 
 def split_datasets(path: str, ranges_of, num_samples, seq_length: int, seed: int, encoder: ChatEncoder,
                    cache_dir: Optional[str] = None) -> list:
-    """hybrid.data.chat.split_datasets with the training split streamed: its rows (--split divides the file's
+    """hybrid.data.chat.dataset.split_datasets with the training split streamed: its rows (--split divides the file's
     rows, counted without tokenizing) go to a StreamingChatDataset; a validation or test split, a small part,
     is tokenized here (through the same cache) and packed as the whole-file path packs it."""
     if is_preprocessed(path):
