@@ -187,3 +187,13 @@ def test_the_line_check_finds_a_long_line(tmp_path):
     path = tmp_path / "long.py"
     path.write_text("x = 1\n" + "y = '" + "a" * MAX_LINE + "'\n")
     assert _long_lines([str(path)]) == [f"{os.path.relpath(str(path), ROOT)}:2: {MAX_LINE + 6} characters"]
+
+
+def test_the_engine_and_the_loop_call_converters_and_name_no_feature():
+    """MoE, FP8 and profiling reach the engine and the training loop only through hybrid.training.converters."""
+    for module in ("engine", "loop"):
+        text = open(os.path.join(ROOT, "hybrid", "training", f"{module}.py"), encoding="utf-8").read()
+        named = [name for name in ("moe_hooks", "MoEStepHooks", "keep_fp32_buffers", "from hybrid.parallel import fp8",
+                                   "StepProfiler", "end_iteration", "keep_fp32_histories") if name in text]
+        assert named == [], (module, named)
+        assert "converters" in text, module

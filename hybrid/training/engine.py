@@ -19,14 +19,13 @@ from hybrid.model import build as model_build
 from hybrid.model.attention import backend_notes
 from hybrid.model.mla import MultiLatentAttention
 from hybrid.model.naming import canonical_buffers, canonical_parameters
-from hybrid.parallel import fp8
+from hybrid.training import converters
 from hybrid.training.deepspeed_fixes import (install_fp32_clipping, keep_host_activations_when_offloading,
                                              prepare_pipeline_engine, register_moe_layers, skip_non_finite_steps,
                                              release_input_embedding_after_its_gradient, step_on_gradient_partitions,
                                              skip_one_rank_gradient_allreduce, use_async_checkpoint_engine,
                                              zero_partitions)
 from hybrid.training.logging import log
-from hybrid.training.moe_hooks import keep_fp32_buffers
 from hybrid.training.lr_schedules import MegatronLRScheduler
 from hybrid.training.muon import MuonWithAdamW, ShardedMuonWithAdamW
 
@@ -94,8 +93,7 @@ def build_engine(run: RunConfig, groups):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.training.precision, torch.float32)
     for note in backend_notes(run.model, run.parallel.context_parallel, get_accelerator().device_name(), dtype):
         log(note)
-    if run.model.fp8_recipe:
-        fp8.check_device(torch.device(get_accelerator().current_device_name()))
+    converters.before_build(run, torch.device(get_accelerator().current_device_name()))  # MoE, FP8, profiling
     model = build_model(run, groups)
     register_moe_layers(model, groups, run.zero_stage)  # DeepSpeed's MoE handling (before initialize)
     freeze(model, run)
@@ -124,9 +122,7 @@ def build_engine(run: RunConfig, groups):
         raise
     if isinstance(client, ShardedMuonWithAdamW):
         client.attach(zero_partitions(engine.optimizer))
-    if run.model.num_experts:
-        keep_fp32_buffers(engine.module)  # DeepSpeed's bf16/fp16 cast took the score bias and counts along
-    fp8.keep_fp32_histories(engine.module)  # and delayed scaling's amax histories
+    converters.after_engine(run, engine.module)  # what DeepSpeed's cast took to bf16/fp16 back in fp32
     log(f"optimizer: {describe_optimizer(engine)}")
     if run.zero_stage == 0:
         skip_one_rank_gradient_allreduce(engine)

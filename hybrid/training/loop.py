@@ -14,14 +14,12 @@ import torch.distributed as dist
 from hybrid.config import RunConfig, config_summary
 from hybrid.data.batches import Collator, micro_batches
 from hybrid.model.objectives import objective_for
-from hybrid.parallel import fp8
+from hybrid.training.converters import loop_converters
 from hybrid.training.engine import units_per_step
 from hybrid.training.health import HealthCheck
 from hybrid.training.logging import MetricsLogger, Timer, log
 from hybrid.training.metrics import device_peak_tflops, iteration_record
-from hybrid.training.moe_hooks import MoEStepHooks
 from hybrid.training.plots import reward_plot
-from hybrid.training.profiling import StepProfiler
 from hybrid.training.reduction import reduce_interval
 from hybrid.training.saving import CheckpointSaver
 from hybrid.training.runtime import build_runtime
@@ -44,9 +42,7 @@ class Trainer:
         # what the run trains for (LM, SFT, DPO), handed to the one runtime of every layout and schedule
         self.objective = objective_for(run.training, run.model, groups, None if run.training.grpo else reference)
         self.step = build_runtime(run, groups, engine, self.objective)
-        self.moe = MoEStepHooks.of(engine.module, run.parallel.sequence_split) if run.model.num_experts else None
-        self.fp8_delayed = fp8.has_delayed(engine.module)
-        self.profiler = StepProfiler(run.logging.profile, dist.get_rank() if dist.is_initialized() else 0, self.device)
+        self.converters = loop_converters(run, groups, engine.module, self.device)  # MoE, FP8, profiling
         self.peak_tflops = run.logging.peak_tflops or device_peak_tflops(
             self.device, run.training.precision, run.model.fp8_recipe is not None)
         self.saver = CheckpointSaver(engine, run, groups.sequence, self.device)
@@ -108,7 +104,9 @@ class Trainer:
         values = self.health.checked_losses(pending)
         self.health.check_loss_scale(self.skipped)
         per_iteration = seconds() / len(pending)
-        extra = dict(self.moe.metrics() if self.moe else {})  # this rank's MoE layers, per micro-batch
+        extra = {}  # the converters' (this rank's MoE layers, per micro-batch)
+        for converter in self.converters:
+            extra.update(converter.metrics())
         # the objective's own (--dpo: rewards, margin and accuracy over the interval's pairs, every DP rank's)
         extra.update(self.objective.metrics(self.groups, self.device))
         stall = self.saver.take_stall()
@@ -134,16 +132,12 @@ class Trainer:
         """One training iteration; its (loss, lr, gradient norm finite, iteration number), on the device."""
         lr = self.engine.get_lr()[0]
         skipped_before = getattr(self.engine, "skipped_steps", 0)
-        if self.moe:
-            self.moe.before(self.step.micro_batches)
-        self.profiler.before(iteration)
+        for converter in self.converters:
+            converter.before_iteration(iteration, self.step.micro_batches)
         record = (self.step.train(batches), lr, self.health.norm_finite(), iteration + 1)
-        self.profiler.after(iteration + 1)
-        if self.moe:
-            self.moe.after()
         skipped = getattr(self.engine, "skipped_steps", 0) - skipped_before  # a host int DeepSpeed keeps
-        if self.fp8_delayed:  # delayed scaling: the iteration's amaxes into the histories (not a skipped step's)
-            fp8.end_iteration(self.engine.module, self.groups.dp.group, stepped=not skipped)
+        for converter in reversed(self.converters):
+            converter.after_iteration(iteration, stepped=not skipped)
         self.skipped += skipped
         return record
 
