@@ -121,10 +121,9 @@ def _tiny(data: str, save) -> list:
     assets = os.path.join(ROOT, "hybrid", "data", "default")
     return [str(f) for f in ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
             "--max-position-embeddings", 16, "--micro-batch-size", 2, "--global-batch-size", 8, "--train-iters", 4,
-            "--lr", 1e-3, "--min-lr", 1e-4, "--lr-decay-style", "cosine", "--lr-warmup-iters", 1, "--weight-decay",
-                             0.01,
-            "--clip-grad", 1.0, "--hidden-dropout", 0, "--attention-dropout", 0, "--seed", 7, "--log-interval", 1,
-            "--eval-iters", 0, "--no-progress-bar", "--data-path", data, "--vocab-file",
+            "--lr", 1e-3, "--min-lr", 1e-4, "--lr-decay-style", "cosine", "--lr-warmup-iters", 1,
+            "--weight-decay", 0.01, "--clip-grad", 1.0, "--hidden-dropout", 0, "--attention-dropout", 0, "--seed", 7,
+            "--log-interval", 1, "--eval-iters", 0, "--no-progress-bar", "--data-path", data, "--vocab-file",
             os.path.join(assets, "vocab.json"), "--merge-file", os.path.join(assets, "merges.txt"),
             "--make-vocab-size-divisible-by", 8, "--split", "98,2,0", "--num-workers", 0,
             *(["--save", save, "--save-interval", 2] if save else [])]]

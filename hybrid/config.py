@@ -708,10 +708,10 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path
                 offload_optimizer=dsc.optimizer_offload(ds))
 
 
-def _megatron_optimizer(args, checkpoint: CheckpointConfig, setup: Setup) -> None:
-    """--load of a Megatron-LM checkpoint: its Adam state is loaded when it maps (run.py found out) and the
-    table allows this run a universal load (how DeepSpeed takes it); else the reason is kept for the log."""
-    problem = getattr(args, "megatron_optimizer_problem", None)
+def _megatron_optimizer(args, checkpoint: CheckpointConfig, setup: Setup, problem: str) -> None:
+    """--load of a Megatron-LM checkpoint: its Adam state is loaded when it maps (`problem` "none"; run.py found
+    out) and the table allows this run a universal load (how DeepSpeed takes it); else the reason is kept for the
+    log."""
     if problem == "none" and (args.finetune or args.no_load_optim):
         problem = "--finetune" if args.finetune else "--no-load-optim"
     elif problem == "none" and not args.save:
@@ -752,10 +752,13 @@ def _pipeline_engine_checkpoint(args, checkpoint: CheckpointConfig, setup: Setup
 
 
 def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_size: int,
-                     base_model: Optional[ModelConfig] = None, eod_token: Optional[int] = None) -> RunConfig:
+                     base_model: Optional[ModelConfig] = None, eod_token: Optional[int] = None,
+                     megatron_optimizer_problem: Optional[str] = None) -> RunConfig:
     """Validate the flags against each other, the DeepSpeed config and the world size.
-    `base_model`: the architecture of --load-hf's model (hybrid.conversion.hf.read_hf_config);
-    `eod_token`: the tokenizer's end-of-document id (--reset-attention-mask / --reset-position-ids)."""
+    `base_model`: the architecture of --load-hf's model (hybrid.conversion.hf.read_hf_config) or of --load's
+    Megatron checkpoint; `eod_token`: the tokenizer's end-of-document id (--reset-attention-mask /
+    --reset-position-ids); `megatron_optimizer_problem`: with a Megatron checkpoint, whether its Adam state maps
+    ("none") or why not (hybrid.training.run.megatron_base_model)."""
     _prepare_flags(args)
     ds, ds_path = dsc.load_ds_config(args)
     stage = dsc.zero_stage(args, ds, ds_path, args.pipeline_model_parallel_size)
@@ -783,8 +786,8 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     pipeline = _pipeline(args, model, dims)
     setup = _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path)
     check(setup)
-    if getattr(args, "megatron_optimizer_problem", None) is not None:
-        _megatron_optimizer(args, checkpoint, setup)
+    if megatron_optimizer_problem is not None:
+        _megatron_optimizer(args, checkpoint, setup, megatron_optimizer_problem)
     _pipeline_engine_checkpoint(args, checkpoint, setup)
     run = RunConfig(model=model, parallel=dims, pipeline=pipeline, training=training,
                     optimizer=_optimizer(args, optimizer, clip, length), data=data, checkpoint=checkpoint,

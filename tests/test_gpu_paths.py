@@ -30,7 +30,7 @@ def test_without_a_gpu_every_check_is_one_skip_line(tmp_path):
     assert {r["check"] for r in lines} == EXPECTED and len(lines) == len(EXPECTED)
     assert all(r["ok"] is None and "GPU" in r["skipped"] for r in lines)
     assert proc.stdout.strip().splitlines() == [json.dumps(r) for r in lines]
-    assert "gpu_paths.py" in open(os.path.join(ROOT, "benchmarks", "gpu_check.sh")).read()
+    assert "checks/gpu_paths.py" in open(os.path.join(ROOT, "benchmarks", "gpu_check.sh")).read()
 
 
 def test_checks_with_cpu_twins_pass_on_cpu(monkeypatch):

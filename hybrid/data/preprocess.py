@@ -185,17 +185,17 @@ def _chunks(path: str, chunk_size: int):
 
 
 def _init_chat_worker(tokenizer_kwargs: dict, options, source: str) -> None:
-    from hybrid.data.chat.template import ChatEncoder  # chat data's module (and torch): only for --sft
+    from hybrid.data.chat.template import ChatEncoder  # chat data's modules: only --sft reads chat data
     _WORKER.update(encoder=ChatEncoder(build_tokenizer(**tokenizer_kwargs).to_transformers(), source, options))
 
 
 def _encode_chat_chunk(rows):
-    from hybrid.data.chat.template import encode_rows  # chat data's module (and torch): only for --sft
+    from hybrid.data.chat.template import encode_rows  # chat data's modules: only --sft reads chat data
     return encode_rows(rows, _WORKER["encoder"])
 
 
 def _row_chunks(path: str, chunk_size: int):
-    from hybrid.data.chat.rows import read_rows  # chat data's module (and torch): only for --sft
+    from hybrid.data.chat.rows import read_rows  # chat data's modules: only --sft reads chat data
     rows = []
     for item in read_rows(path):
         rows.append(item)
@@ -254,7 +254,7 @@ def preprocess_chat(args: argparse.Namespace, log=print) -> dict:
     --sft tokenizes them (hybrid.data.chat), written as Megatron .bin/.idx files: each sequence a document of
     tokens, beside it the same document of loss-mask bytes, and a description (the tokenizer's fingerprint, the
     options, the counts) that train.py checks. Rows are tokenized by --workers processes in chunks, in order."""
-    # chat data's module (and torch): only for --sft
+    # chat data's modules: only --sft reads chat data
     from hybrid.data.chat.cache import describe_preprocessed, preprocessed_files
     from hybrid.data.chat.options import ChatOptions
     from hybrid.data.chat.template import ChatEncoder, collect

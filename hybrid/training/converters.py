@@ -112,8 +112,9 @@ class ProfilerConverter(Converter):
         self.profiler.after(done + 1)
 
 
-# the loop calls them in this order before an iteration and in reverse after it (the profiler innermost)
-CONVERTERS = (MoEConverter, Fp8Converter, ProfilerConverter)
+# the loop calls them in this order before an iteration and in reverse after it: the profiler innermost, the
+# score-bias update before delayed scaling's histories
+CONVERTERS = (Fp8Converter, MoEConverter, ProfilerConverter)
 
 
 def before_build(run: RunConfig, device: torch.device) -> None:

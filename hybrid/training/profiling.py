@@ -12,6 +12,7 @@ import torch
 
 from hybrid.training.logging import log
 
+
 class StepProfiler:
     """--profile: torch.profiler over the iterations after `start` up to `end` done (Megatron-LM's
     numbering), its trace written as a Chrome / Perfetto JSON per profiled rank (and the CUDA profiler range

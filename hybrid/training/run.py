@@ -57,9 +57,9 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     """Parse flags, build everything, train. Returns the process exit code."""
     args = build_parser().parse_args(argv)
     install_safe_torch_load(args.allow_unsafe_checkpoint_load)  # before anything reads a file
-    base_model = None
+    base_model, optimizer_problem = None, None
     if args.load and not args.load_hf and megatron_kind(args.load):
-        base_model = megatron_base_model(args)
+        base_model, optimizer_problem = megatron_base_model(args)
     if args.load_hf:  # the architecture and tokenizer of a HuggingFace model
         base_model = read_hf_config(args.load_hf, "--load-hf")
         if args.tokenizer_type is None and not args.vocab_file:
@@ -70,7 +70,8 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     separator = _document_end(args, tokenizer)
     if args.train_epochs is not None:
         _epochs_as_samples(args, tokenizer)
-    run = build_run_config(args, world_size, tokenizer.vocab_size, base_model, separator)
+    run = build_run_config(args, world_size, tokenizer.vocab_size, base_model, separator,
+                           megatron_optimizer_problem=optimizer_problem)
     if args.dry_run:  # the memory estimate: nothing built, no process group
         if int(os.environ.get("RANK", "0")) == 0:
             print(report(run, args.gpu_memory_gb), flush=True)
@@ -117,9 +118,10 @@ def _epochs_as_samples(args, tokenizer) -> None:
         f"{args.train_samples} (whole global batches of {batch})")
 
 
-def megatron_base_model(args):
-    """--load names a Megatron-LM checkpoint: the model its stored args describe (as Megatron-LM's converter
-    builds it); architecture flags that contradict them are one message naming both values."""
+def megatron_base_model(args) -> tuple:
+    """--load names a Megatron-LM checkpoint: (the model its stored args describe, as Megatron-LM's converter
+    builds it; whether its Adam state maps: "none" where it does, else why not). Architecture flags that
+    contradict the checkpoint are one message naming both values."""
     source = open_source(args.load)
     defaults = {name: build_parser().get_default(name) for name in ARCHITECTURE_FLAGS}
     problems = contradictions(args, defaults, source.args)
@@ -133,13 +135,12 @@ def megatron_base_model(args):
     if config.mtp_num_layers and args.mtp_loss_scaling_factor != build_parser().get_default("mtp_loss_scaling_factor"):
         # (a training weight)
         config = dataclasses.replace(config, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
-    # whether its Adam state maps ("none": it does; the config decides whether this run loads it)
-    args.megatron_optimizer_problem = source.optimizer().problem or "none"
     if config.num_experts:  # how the experts train: the flags given, else the checkpoint's (its expert bias)
         for name in MOE_TRAINING_FLAGS:
             if getattr(args, name) == build_parser().get_default(name):
                 setattr(args, name, getattr(config, name))
-    return config
+    # whether its Adam state maps ("none": it does; the config decides whether this run loads it)
+    return config, source.optimizer().problem or "none"
 
 
 def _train(run: RunConfig, args, tokenizer) -> None:

@@ -786,8 +786,7 @@ def megatron_run_args(args: argparse.Namespace) -> dict:
 ARCHITECTURE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
                       "normalization", "swiglu", "untie_embeddings_and_output_weights", "position_embedding_type",
                       "qk_layernorm", "add_qkv_bias", "rotary_base", "rotary_percent", "max_position_embeddings",
-                      "num_experts",
-                      "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                      "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                       "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                       "v_head_dim", "mtp_num_layers")
 

@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from hybrid.data.chat.cache import signature, is_preprocessed
+from hybrid.data.chat.cache import is_preprocessed, signature
 from hybrid.data.chat.dataset import ChatDataset
 from hybrid.data.chat.options import Counts
 from hybrid.data.chat.packing import pack_units, truncation_rule

@@ -4,10 +4,10 @@ rendering: hybrid.data.chat), and preference pairs tokenized as TRL tokenizes th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import hashlib
 import re
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
