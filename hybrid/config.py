@@ -294,7 +294,7 @@ def _demo_defaults(args) -> None:
     if args.grpo:  # the embedded arithmetic task: the reward's curve over a short run
         if args.lr is None:  # a model from scratch climbs the digits reward within 10 iterations at this rate
             args.lr, args.min_lr = 2e-2, args.min_lr or 2e-3
-        _demo_run(args, GRPO_DEMO_DIR, "Question: 12 + 7 = ?  Answer:", iterations=30, warmup=0)
+        vars(args).update(_demo_run(args, GRPO_DEMO_DIR, "Question: 12 + 7 = ?  Answer:", iterations=30, warmup=0))
         if args.global_batch_size is None:
             args.global_batch_size = 4 * args.grpo_group_size
         if args.max_new_tokens == GRPO_DEFAULTS["max_new_tokens"]:
@@ -303,23 +303,31 @@ def _demo_defaults(args) -> None:
             args.log_interval = 1
         return
     # long enough on 2 CPU cores (~3 minutes) for the sample to be recognisable text; flags win
-    _demo_run(args, DEMO_DIR, "The Python", iterations=600, warmup=30)
+    vars(args).update(_demo_run(args, DEMO_DIR, "The Python", iterations=600, warmup=30))
 
 
-def _demo_run(args, save: str, prompt: str, iterations: int, warmup: int) -> None:
+def _demo_run(args, save: str, prompt: str, iterations: int, warmup: int) -> dict:
     """A demo's defaults where the flags leave them open: where it saves and exports, the sample's prompt,
     its length, micro batch 8 and the learning rate."""
-    args.save = args.save or save
-    args.export_hf = args.export_hf or os.path.join(args.save, "hf")
-    args.sample_prompt = args.sample_prompt if args.sample_prompt is not None else prompt
+    out = {"save": args.save or save}
+    out["export_hf"] = args.export_hf or os.path.join(out["save"], "hf")
+    out["sample_prompt"] = args.sample_prompt if args.sample_prompt is not None else prompt
     if args.train_iters is None and not (args.train_samples or args.train_tokens):
-        args.train_iters = iterations
+        out["train_iters"] = iterations
     if args.micro_batch_size is None and args.global_batch_size is None:
-        args.micro_batch_size = 8
+        out["micro_batch_size"] = 8
     if args.lr is None:
-        args.lr, args.min_lr = 1e-3, args.min_lr or 1e-4
+        out["lr"], out["min_lr"] = 1e-3, args.min_lr or 1e-4
         if not (args.lr_warmup_iters or args.lr_warmup_fraction or args.lr_warmup_samples):
-            args.lr_warmup_iters = warmup
+            out["lr_warmup_iters"] = warmup
+    return out
+
+
+def with_flags(args: argparse.Namespace, **decided) -> argparse.Namespace:
+    """The flags with values decided after parsing (--load-hf's tokenizer, a Megatron checkpoint's MoE training,
+    the SFT tutorial's defaults, --train-epochs' samples): a new namespace each time; the parsed one is never
+    written, so no module learns a decision by reading it back from the flags."""
+    return argparse.Namespace(**{**vars(args), **decided})
 
 
 SFT_DEMO_DIR = os.path.join("runs", "sft")
@@ -327,20 +335,20 @@ GRPO_DEMO_DIR = os.path.join("runs", "grpo")
 SFT_SAMPLE_PROMPT = "What is the `json` module for?"
 
 
-def apply_sft_tutorial_defaults(args) -> None:
+def sft_tutorial_defaults(args) -> dict:
     """`--sft` with no data flags: the embedded chat set (conversations about Python from its documentation)
     with the embedded tokenizer's ChatML version, ending, as the main job does, in runs/sft with a
     HuggingFace export (tokenizer and chat template included) and an answer to a chat prompt (--no-demo: none).
-    Runs before the tokenizer is chosen, which it sets."""
+    Decided before the tokenizer is chosen, which it sets; the flags it decides (with_flags)."""
     if not args.sft or args.data_path or args.train_data_path or args.mock_data:
-        return
-    args.data_path = [str(default_data.CHAT)]
-    args.data_cache_path = args.data_cache_path or str(default_data.cache_dir())  # not inside the package
+        return {}
+    out = {"data_path": [str(default_data.CHAT)],
+           "data_cache_path": args.data_cache_path or str(default_data.cache_dir())}  # not inside the package
     if not (args.load_hf or args.tokenizer_type or args.tokenizer_model or args.vocab_file):
-        args.tokenizer_type, args.tokenizer_model = "HFTokenizer", default_data.default_chat_tokenizer()
+        out.update(tokenizer_type="HFTokenizer", tokenizer_model=default_data.default_chat_tokenizer())
     if args.no_demo:
-        return
-    _demo_run(args, SFT_DEMO_DIR, SFT_SAMPLE_PROMPT, iterations=300, warmup=20)
+        return out
+    return {**out, **_demo_run(args, SFT_DEMO_DIR, SFT_SAMPLE_PROMPT, iterations=300, warmup=20)}
 
 
 def apply_megatron_aliases(args: argparse.Namespace) -> list[str]:
@@ -758,7 +766,9 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     `base_model`: the architecture of --load-hf's model (hybrid.conversion.hf.read_hf_config) or of --load's
     Megatron checkpoint; `eod_token`: the tokenizer's end-of-document id (--reset-attention-mask /
     --reset-position-ids); `megatron_optimizer_problem`: with a Megatron checkpoint, whether its Adam state maps
-    ("none") or why not (hybrid.training.run.megatron_base_model)."""
+    ("none") or why not (hybrid.training.run.megatron_base_model). The flags are normalized on a copy of `args`
+    (recorded in the checkpoints as the run's), never in the caller's namespace."""
+    args = argparse.Namespace(**vars(args))
     _prepare_flags(args)
     ds, ds_path = dsc.load_ds_config(args)
     stage = dsc.zero_stage(args, ds, ds_path, args.pipeline_model_parallel_size)

@@ -24,10 +24,7 @@ from deepspeed.accelerator import get_accelerator
 
 from hybrid.architecture import fp8_fields
 from hybrid.capabilities import Setup, check
-from hybrid.checkpoint.client_state import read_client_state
-from hybrid.checkpoint.files import read_tag
-from hybrid.conversion.hf import hf_parts, read_hf_config
-from hybrid.conversion.layout import load_parts, read_hybrid
+from hybrid.conversion.layout import load_parts
 from hybrid.data.batches import Collator, to_device
 from hybrid.data.chat.dataset import evaluation_windows
 from hybrid.data.chat.options import ChatOptions
@@ -47,7 +44,7 @@ from hybrid.parallel.dims import ParallelDims
 from hybrid.parallel.groups import build_groups
 from hybrid.parallel.cross_entropy import IGNORE_INDEX
 from hybrid.pipeline_plan import PipelineSchedule
-from hybrid.conversion.megatron.source import megatron_kind, open_source
+from hybrid.conversion.source import HF, HYBRID, open_source
 from hybrid.safe_loading import install_safe_torch_load
 
 
@@ -131,23 +128,19 @@ def open_checkpoint(args, seq_length: Optional[int] = None) -> Source:
     flags ask for (default: the checkpoint's own; TP = PP = 1 for --load-hf)."""
     if (args.load is None) == (args.load_hf is None):
         raise ConfigError("give one of --load CHECKPOINT_DIR and --load-hf HF_MODEL_DIR.")
-    megatron = open_source(args.load) if args.load and megatron_kind(args.load) else None
-    if args.load_hf:  # its config, at the TP x PP asked for (default 1)
-        config = read_hf_config(args.load_hf, "--load-hf")
-        tp, pp = args.tensor_model_parallel_size or 1, args.pipeline_model_parallel_size or 1
-        config.validate(tp)
-    elif megatron is None and (not os.path.isdir(args.load) or read_tag(args.load) is None):
-        raise ConfigError(f"--load {args.load}: no hybrid checkpoint there (no 'latest' file) and no Megatron-LM "
-                          f"checkpoint (no latest_checkpointed_iteration.txt).")
-    elif megatron is not None:  # the model its args describe, at the TP x PP asked for (default: its own)
-        config = megatron.config()
-        tp = args.tensor_model_parallel_size or int(getattr(megatron.args, "tensor_model_parallel_size", 1) or 1)
-        pp = args.pipeline_model_parallel_size or int(getattr(megatron.args, "pipeline_model_parallel_size", 1) or 1)
-        config.validate(tp)
+    if args.load_hf:
+        source = open_source(args.load_hf, "--load-hf", kind=HF)
     else:
-        saved = read_client_state(args.load, read_tag(args.load))
-        config = saved.model_config()
-        tp, pp = saved.layout.tensor_parallel, saved.layout.pipeline_parallel
+        source = open_source(args.load, "--load")
+        if source.kind == HF:
+            raise ConfigError(f"--load {args.load}: a transformers directory; give it as --load-hf {args.load}.")
+    config = source.config()
+    if source.kind == HYBRID:  # evaluated at the layout it was saved at (its files are read whole)
+        tp, pp = source.layout
+    else:  # the TP x PP asked for (default: its own; TP = PP = 1 for an HF model)
+        tp = args.tensor_model_parallel_size or source.layout[0]
+        pp = args.pipeline_model_parallel_size or source.layout[1]
+        config.validate(tp)
     config = dataclasses.replace(config, **fp8_fields(args))
     check(Setup(fp8=config.fp8_recipe), only=("fp8-mxfp8", "fp8-blockwise"))
     config.hidden_dropout = config.attention_dropout = 0.0
@@ -158,17 +151,14 @@ def open_checkpoint(args, seq_length: Optional[int] = None) -> Source:
     if config.sequence_parallel and seq_length is not None and seq_length % tp:
         raise ConfigError(f"--sequence-parallel needs --seq-length {seq_length} divisible by the checkpoint's "
                           f"tensor-parallel size {tp}.")
-    if megatron is not None:  # read a part at a time, this rank's tensors only (its stage, its experts)
-        def parts(wanted):
-            return megatron.parts(config, wanted)
-    elif args.load_hf:
-        def parts(wanted):
-            return hf_parts(args.load_hf, config, wanted)
-    else:
-        state = read_hybrid(args.load)[0]
+    if source.kind == HYBRID:  # read whole, once (every rank reads the files the layout needs)
+        state = source.state(config)
 
         def parts(wanted):
             return [state]
+    else:  # a part at a time, this rank's tensors only (its stage, its experts)
+        def parts(wanted):
+            return source.parts(config, wanted)
     return Source(config, tp, pp, parts)
 
 

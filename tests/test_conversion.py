@@ -292,3 +292,35 @@ def test_converted_outputs_appear_complete_or_not_at_all(tmp_path):
         (Path(tmp) / "model.safetensors").write_text("2")
     assert [p.name for p in target.iterdir()] == ["model.safetensors"]
     assert (target / "model.safetensors").read_text() == "2"
+
+
+def test_one_function_tells_every_checkpoint_kind_apart_and_each_source_reads_alike(tmp_path):
+    """hybrid.conversion.source: checkpoint_kind names HF, hybrid, Megatron-LM and Megatron-DeepSpeed directories
+    (and nothing else), and every source's parts, read a part at a time, are exactly its whole state."""
+    from hybrid.conversion.source import (HF, HYBRID, MEGATRON_DEEPSPEED, MEGATRON_LM, checkpoint_kind,
+                                          open_source)
+    from hybrid.errors import ConfigError
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hf = tmp_path / "hf"
+    make_llama(str(hf))
+    hybrid = os.path.join(root, "tests", "data", "pipeline_engine", "ckpt")  # layer files, with Megatron's pointer
+    mds = os.path.join(root, "tests", "data", "megatron_deepspeed", "gpt2_tp2")
+    megatron = tmp_path / "megatron"
+    (megatron / "iter_0000003").mkdir(parents=True)
+    (megatron / "iter_0000003" / ".metadata").write_text("")
+    (megatron / "latest_checkpointed_iteration.txt").write_text("3")
+    (tmp_path / "empty").mkdir()
+    assert [checkpoint_kind(str(p)) for p in (hf, hybrid, mds, megatron, tmp_path / "empty", tmp_path / "none")] == \
+        [HF, HYBRID, MEGATRON_DEEPSPEED, MEGATRON_LM, None, None]
+    for path, layout in ((hf, (1, 1)), (hybrid, (1, 2)), (mds, (2, 1))):
+        source = open_source(str(path))
+        config = source.config()
+        whole = source.state(config)
+        parts = {}
+        for part in source.parts(config, set(whole)):
+            assert not set(part) & set(parts), path  # each tensor in one part
+            parts.update(part)
+        assert set(parts) == set(whole) and source.layout == layout, path
+        assert all(torch.equal(parts[name].float(), whole[name].float()) for name in whole), path
+    with pytest.raises(ConfigError, match="no checkpoint there"):
+        open_source(str(tmp_path / "empty"))

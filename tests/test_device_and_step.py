@@ -344,3 +344,44 @@ def test_cpu_ranks_share_the_cores_unless_omp_num_threads_is_set(monkeypatch):
         assert share_cpu_cores() is None and torch.get_num_threads() == before
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_loop_calls_its_converters_around_each_iteration_in_order_and_says_whether_it_stepped():
+    """MoE, FP8 and profiling act through hybrid.training.converters: before an iteration in the list's order, after
+    it in reverse (the profiler innermost), told whether DeepSpeed took the step; a run without the features has
+    none."""
+    from types import SimpleNamespace
+
+    from hybrid.training.converters import loop_converters
+    calls, skip = [], [0]
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def before_iteration(self, done, micro_batches):
+            calls.append((self.name, "before", done, micro_batches))
+
+        def after_iteration(self, done, stepped):
+            calls.append((self.name, "after", done, stepped))
+
+    engine = SimpleNamespace(get_lr=lambda: [0.1], skipped_steps=0)
+
+    def train(batches):
+        calls.append(("train",))
+        engine.skipped_steps += skip[0]
+        return torch.tensor(1.0)
+    trainer = Trainer.__new__(Trainer)
+    trainer.engine, trainer.step = engine, SimpleNamespace(train=train, micro_batches=4)
+    trainer.health, trainer.skipped = SimpleNamespace(norm_finite=lambda: True), 0
+    trainer.converters = [Recorder("first"), Recorder("second")]
+    trainer._iteration(None, 5)
+    assert calls == [("first", "before", 5, 4), ("second", "before", 5, 4), ("train",),
+                     ("second", "after", 5, True), ("first", "after", 5, True)]
+    calls.clear()
+    skip[0] = 1  # DeepSpeed skipped this step (fp16 overflow, a non-finite gradient norm)
+    trainer._iteration(None, 6)
+    assert calls[-2:] == [("second", "after", 6, False), ("first", "after", 6, False)] and trainer.skipped == 1
+    plain = SimpleNamespace(model=SimpleNamespace(num_experts=None, fp8_recipe=None),
+                            logging=SimpleNamespace(profile=None))
+    assert loop_converters(plain, None, torch.nn.Linear(1, 1), torch.device("cpu")) == []

@@ -14,14 +14,11 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from hybrid.checkpoint.client_state import ClientState
-from hybrid.checkpoint.files import read_tag
-from hybrid.conversion.hf import read_hf_dir, write_hf_dir
-from hybrid.conversion.layout import check_target_layout, read_hybrid, resolve_tag, write_hybrid
-from hybrid.conversion.megatron.lm import megatron_run_args
-from hybrid.conversion.megatron.source import megatron_kind, open_source
+from hybrid.conversion.hf import write_hf_dir
+from hybrid.conversion.layout import check_target_layout, resolve_tag, write_hybrid
 from hybrid.conversion.megatron.universal import write_universal
 from hybrid.conversion.megatron.write import write_megatron
+from hybrid.conversion.source import HF, HYBRID, MEGATRON_KINDS, MEGATRON_LM, checkpoint_kind, open_source
 from hybrid.conversion.universal import to_universal
 from hybrid.data.tokenizer import GPT2BPETokenizer, HFTokenizer
 from hybrid.errors import ConfigError
@@ -121,8 +118,8 @@ def convert(args) -> str:
                           "transformers directory first (transformers' convert_llama_weights_to_hf), then use "
                           "--loader hf (or llama_mistral) --checkpoint-type hf.")
     saver = "hf" if args.hf_convert else args.saver
-    loader = args.loader
-    if loader == "megatron" and not megatron_kind(args.load_dir) and read_tag(args.load_dir) is not None:
+    loader, found = args.loader, checkpoint_kind(args.load_dir)
+    if loader == "megatron" and found == HYBRID:
         loader = "hybrid"  # a launch/train.py checkpoint named with Megatron's loader name (as before)
     if saver == "universal":
         return _universal(argparse.Namespace(**dict(vars(args), loader=loader)))
@@ -130,21 +127,11 @@ def convert(args) -> str:
         raise ConfigError(f"--saver {saver} needs --save-dir DIR.")
     show = not args.no_progress_bar
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
-    if loader == "hf":
-        state, config, _ = read_hf_dir(args.load_dir, _progress(show, "shards"))
-        client_state = ClientState()
-    elif loader == "megatron":
-        source = open_source(args.load_dir, "--load-dir")
-        config = source.config(args.true_vocab_size)
-        state = source.state(config)
-        client_state = ClientState(iteration=source.iteration, consumed_samples=source.consumed_samples,
-                                   args=megatron_run_args(source.args))
-    else:
-        state, meta = read_hybrid(args.load_dir, progress=_progress(show, "reading"))
-        saved = ClientState.from_meta(meta)
-        config = saved.model_config()
-        client_state = ClientState(iteration=saved.iteration, consumed_samples=saved.consumed_samples,
-                                   run=saved.run, args=saved.args)
+    kind = {"hf": HF, "hybrid": HYBRID}.get(loader) or (found if found in MEGATRON_KINDS else MEGATRON_LM)
+    source = open_source(args.load_dir, "--load-dir", kind)
+    config = source.config(args.true_vocab_size)
+    state = source.state(config, _progress(show, "shards" if kind == HF else "reading"))
+    client_state = source.client_state()
     if args.make_vocab_size_divisible_by:
         config.make_vocab_size_divisible_by = args.make_vocab_size_divisible_by
     if saver == "hf":
@@ -164,7 +151,7 @@ def convert(args) -> str:
 def _universal(args) -> str:
     """Universal checkpoint of --load-dir's latest checkpoint, beside it (DeepSpeed's layout); of a
     Megatron-LM checkpoint (its weights and Adam state), in --save-dir."""
-    if args.loader == "megatron" and megatron_kind(args.load_dir):
+    if args.loader == "megatron" and checkpoint_kind(args.load_dir) in MEGATRON_KINDS:
         if not args.save_dir:
             raise ConfigError("--loader megatron --saver universal needs --save-dir DIR (the universal checkpoint's "
                               "directory; launch/train.py --load DIR --universal-checkpoint resumes it).")

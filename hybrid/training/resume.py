@@ -1,10 +1,12 @@
 """Where a run starts: a checkpoint in --load (DeepSpeed's own load at the same layout, a universal
-checkpoint at any layout, or weights only from any layout), --load-hf's weights, or from scratch."""
+checkpoint at any layout, or weights only from any layout), --load-hf's weights, or from scratch. Each load path
+says what it found (a `Start`), and one epilogue (`begin`) ends them all."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -19,7 +21,7 @@ from hybrid.checkpoint.manifest import complete_tags, verify_manifest
 from hybrid.config import RunConfig, checkpoint_summary
 from hybrid.conversion.hf import hf_parts
 from hybrid.conversion.layout import hybrid_parts, load_parts
-from hybrid.conversion.megatron.source import megatron_kind, open_source
+from hybrid.conversion.source import MEGATRON_DEEPSPEED, MEGATRON_KINDS, checkpoint_kind, open_source
 from hybrid.conversion.megatron.universal import write_universal
 from hybrid.conversion.universal import convert
 from hybrid.data.plan import plan_changes
@@ -53,6 +55,40 @@ def already_finished(run: RunConfig) -> bool:
     return True
 
 
+@dataclass
+class Start:
+    """Where a run starts, as one load path found it; `begin` ends every path the same way."""
+
+    said: str  # the log line
+    iteration: int = 0
+    consumed: int = 0
+    state: Optional[ClientState] = None  # hybrid's record of the checkpoint: its data plan (and RNG streams)
+    restore_rng: bool = False  # the checkpoint's RNG streams continue (DeepSpeed loaded its engine state)
+    copied_weights: bool = False  # weights copied into the module: ZeRO's / bf16's fp32 masters must follow
+    schedule_at_consumed: bool = False  # the LR schedule moves to the consumed samples (DeepSpeed did not load it)
+
+
+def begin(engine, run: RunConfig, groups, start: Start) -> tuple[int, int]:
+    """The one epilogue of every load path: the fp32 masters follow copied weights, the checkpoint's RNG streams
+    and data plan, the LR schedule's position, one log line. Returns (iteration, consumed samples)."""
+    if start.copied_weights and hasattr(engine.optimizer, "refresh_fp32_params"):
+        engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights
+    state = start.state
+    if state is not None:
+        if (start.restore_rng and not run.checkpoint.no_load_rng and state.rng_states is not None
+                and not set_rng_states(state.rng_states, groups.sequence)):
+            log("the checkpoint's RNG states are for another number of context-parallel / Ulysses ranks: the dropout "
+                "streams continue from this run's seed")
+        report_data_plan(state, run)
+    if start.schedule_at_consumed:
+        # Megatron's scheduler position is the consumed samples (or tokens); only Adam starts fresh
+        scheduler = getattr(engine, "lr_scheduler", None)
+        if scheduler is not None and hasattr(scheduler, "set_position"):
+            scheduler.set_position(start.consumed * (run.training.seq_length if scheduler.unit == "tokens" else 1))
+    log(start.said)
+    return start.iteration, start.consumed
+
+
 def start(engine, run: RunConfig, groups) -> tuple[int, int]:
     """Where the run starts: the checkpoint in --load when there is one (a restart), else --load-hf's
     weights, else --load's messages, else from scratch. Returns (iteration, consumed samples)."""
@@ -75,12 +111,10 @@ def load_hf(engine, run: RunConfig, groups) -> tuple[int, int]:
     # multi-token prediction layers the HF model does not store (--mtp-num-layers) start from their initialisation
     fresh = load_parts(engine.module, hf_parts(run.checkpoint.load_hf, run.model, wanted), run.model, groups,
                        may_start_fresh=("mtp.",))
-    if hasattr(engine.optimizer, "refresh_fp32_params"):
-        engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights
-    log(f"loaded the {run.model.family} weights of {run.checkpoint.load_hf} (--load-hf); optimizer, schedule and "
+    return begin(engine, run, groups, Start(
+        f"loaded the {run.model.family} weights of {run.checkpoint.load_hf} (--load-hf); optimizer, schedule and "
         f"iteration start fresh" + ("; the multi-token prediction layers (not in it) from their initialisation"
-                                    if fresh else ""))
-    return 0, 0
+                                    if fresh else ""), copied_weights=True))
 
 
 def load(engine, run: RunConfig, groups) -> tuple[int, int]:
@@ -90,20 +124,24 @@ def load(engine, run: RunConfig, groups) -> tuple[int, int]:
     --no-load-optim: no optimizer or schedule state. --no-load-rng: keep this run's seeds.
     Checkpoints written by conversion hold weights only and load like --no-load-optim.
     """
+    return begin(engine, run, groups, _load(engine, run, groups))
+
+
+def _load(engine, run: RunConfig, groups) -> Start:
+    """The load path --load takes, and what it found."""
     c = run.checkpoint
     load_dir = c.load
     if not os.path.isdir(load_dir) and os.path.abspath(load_dir) != os.path.abspath(c.save or ""):
         raise ConfigError(f"--load {load_dir}: no such directory.")
     tag = latest_tag(load_dir) if os.path.isdir(load_dir) else None
-    if megatron_kind(load_dir):  # Megatron-LM's (no hybrid `latest`) or Megatron-DeepSpeed's
+    if checkpoint_kind(load_dir) in MEGATRON_KINDS:  # Megatron-LM's (no hybrid `latest`) or Megatron-DeepSpeed's
         return _load_megatron(engine, run, groups, load_dir)
     if c.universal_checkpoint and os.path.isdir(load_dir) and read_tag(load_dir, LATEST_UNIVERSAL) and tag is None:
         return _load_universal(engine, run, load_dir, groups)  # one made from a Megatron-LM checkpoint
     if tag is None:
         if c.finetune:
             raise ConfigError(f"--load {load_dir} --finetune: no checkpoint there (no '{LATEST}' file).")
-        log(f"WARNING: no checkpoint found in {load_dir} (no '{LATEST}' file); training from scratch.")
-        return 0, 0
+        return Start(f"WARNING: no checkpoint found in {load_dir} (no '{LATEST}' file); training from scratch.")
     if c.universal_checkpoint:
         return _load_universal(engine, run, load_dir, groups)
     tag = complete_tag(load_dir, tag)
@@ -124,9 +162,7 @@ def load(engine, run: RunConfig, groups) -> tuple[int, int]:
                           f"{_fix_command(load_dir)}.") from None
     if path is None:
         raise ConfigError(f"--load {load_dir}: DeepSpeed could not load checkpoint {tag}.")
-    iteration, consumed = _restore_client_state(client_state, run, groups.sequence)
-    log(f"loaded checkpoint {load_dir}/{tag} at iteration {iteration}")
-    return iteration, consumed
+    return _resumed(client_state, lambda iteration: f"loaded checkpoint {load_dir}/{tag} at iteration {iteration}")
 
 
 def complete_tag(load_dir: str, tag: str) -> str:
@@ -144,14 +180,12 @@ def complete_tag(load_dir: str, tag: str) -> str:
     return older[0]
 
 
-def _restore_client_state(client_state: Optional[dict], run: RunConfig, sequence=None) -> tuple[int, int]:
+def _resumed(client_state: Optional[dict], said) -> Start:
+    """A checkpoint DeepSpeed loaded with its engine state: its counters, RNG streams and data plan continue;
+    `said(iteration)`: the log line."""
     state = ClientState.from_meta(client_state)
-    if not run.checkpoint.no_load_rng and state.rng_states is not None and not set_rng_states(state.rng_states,
-                                                                                              sequence):
-        log("the checkpoint's RNG states are for another number of context-parallel / Ulysses ranks: the dropout "
-            "streams continue from this run's seed")
-    report_data_plan(state, run)
-    return int(state.iteration), int(state.consumed_samples)
+    iteration = int(state.iteration)
+    return Start(said(iteration), iteration, int(state.consumed_samples), state, restore_rng=True)
 
 
 def report_data_plan(state: ClientState, run: RunConfig) -> None:
@@ -220,7 +254,7 @@ def check_same_layout(state: ClientState, run: RunConfig, load_dir: str, tag: st
                           f"at this layout, {_fix_command(load_dir)}.")
 
 
-def _load_universal(engine, run: RunConfig, load_dir: str, groups) -> tuple[int, int]:
+def _load_universal(engine, run: RunConfig, load_dir: str, groups) -> Start:
     """--universal-checkpoint: DeepSpeed loads the per-parameter fp32 weights and Adam moments and
     slices them for this rank's TP/PP/DP position (its `load_universal` mode)."""
     tag = read_tag(load_dir, LATEST_UNIVERSAL)
@@ -245,11 +279,9 @@ def _load_universal(engine, run: RunConfig, load_dir: str, groups) -> tuple[int,
         deepspeed_fixes.repair_zero3_universal_load(engine, os.path.join(load_dir, tag))
     if run.model.num_experts:
         _restore_score_biases(engine, os.path.join(load_dir, tag), run.model.num_layers)
-    iteration, consumed = _restore_client_state(client_state, run, groups.sequence)
     decays = ", ".join(f"{group['weight_decay']:g}" for group in engine.optimizer.param_groups)
-    log(f"loaded universal checkpoint {load_dir}/{tag} at iteration {iteration} (weight decay per parameter "
-        f"group: {decays})")
-    return iteration, consumed
+    return _resumed(client_state, lambda iteration: f"loaded universal checkpoint {load_dir}/{tag} at iteration "
+                                                    f"{iteration} (weight decay per parameter group: {decays})")
 
 
 def _same_optimizer(saved: ClientState, run: RunConfig, what: str) -> None:
@@ -274,7 +306,7 @@ def _restore_score_biases(engine, universal_dir: str, num_layers: int) -> None:
                 buffer.copy_(saved[canonical_name(name, num_layers)])
 
 
-def _load_megatron(engine, run: RunConfig, groups, load_dir: str) -> tuple[int, int]:
+def _load_megatron(engine, run: RunConfig, groups, load_dir: str) -> Start:
     """A Megatron-LM checkpoint (either format, any TP x PP x EP): unless --finetune, its iteration, consumed
     samples and the LR schedule's position (Megatron's scheduler counts samples). Its Adam state, where it
     maps (hybrid.conversion.megatron.lm.MegatronOptimizer), is loaded with the weights by DeepSpeed's universal
@@ -282,32 +314,23 @@ def _load_megatron(engine, run: RunConfig, groups, load_dir: str) -> tuple[int, 
     removed; otherwise the weights are resharded for this rank as they are read (a layer at a time) and
     Adam starts fresh, the log says why."""
     source = open_source(load_dir)
-    what = (f"Megatron-DeepSpeed checkpoint {source.directory}" if source.format == "megatron-deepspeed" else
+    what = (f"Megatron-DeepSpeed checkpoint {source.directory}" if source.kind == MEGATRON_DEEPSPEED else
             f"Megatron-LM checkpoint {source.directory} (--ckpt-format {source.format})")
     c = run.checkpoint
     if c.load_megatron_optimizer:
         return _load_megatron_with_optimizer(engine, run, groups, source, what)
     wanted = names_to_load(engine.module, run.model.num_layers)  # with the routers' score biases
     load_parts(engine.module, source.parts(run.model, wanted), run.model, groups)
-    if hasattr(engine.optimizer, "refresh_fp32_params"):
-        engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights
     if c.finetune:
-        log(f"loaded the weights of the {what} for fine-tuning; optimizer, schedule and iteration start fresh")
-        return 0, 0
+        return Start(f"loaded the weights of the {what} for fine-tuning; optimizer, schedule and iteration start "
+                     f"fresh", copied_weights=True)
     iteration, consumed = source.iteration, source.consumed_samples
-    _schedule_at(engine, run, consumed)
-    log(f"loaded the weights of the {what} at iteration {iteration} ({consumed} consumed samples); the LR schedule "
-        f"continues from there; Adam starts fresh: {c.megatron_optimizer_problem or 'not loaded'}")
-    return iteration, consumed
+    return Start(f"loaded the weights of the {what} at iteration {iteration} ({consumed} consumed samples); the LR "
+                 f"schedule continues from there; Adam starts fresh: {c.megatron_optimizer_problem or 'not loaded'}",
+                 iteration, consumed, copied_weights=True, schedule_at_consumed=True)
 
 
-def _schedule_at(engine, run: RunConfig, consumed: int) -> None:
-    scheduler = getattr(engine, "lr_scheduler", None)
-    if scheduler is not None and hasattr(scheduler, "set_position"):
-        scheduler.set_position(consumed * (run.training.seq_length if scheduler.unit == "tokens" else 1))
-
-
-def _load_megatron_with_optimizer(engine, run: RunConfig, groups, source, what: str) -> tuple[int, int]:
+def _load_megatron_with_optimizer(engine, run: RunConfig, groups, source, what: str) -> Start:
     """The universal checkpoint of `source` is written by rank 0 under --save (every rank reads it there),
     loaded, and removed."""
     directory = os.path.join(run.checkpoint.save, MEGATRON_UNIVERSAL)
@@ -315,19 +338,18 @@ def _load_megatron_with_optimizer(engine, run: RunConfig, groups, source, what: 
         write_universal(source, run.model, directory, log=log, replace=True, clip_grad=run.optimizer.clip_grad)
     dist.barrier()
     try:
-        iteration, consumed = _load_universal(engine, run, directory, groups)
+        found = _load_universal(engine, run, directory, groups)
     finally:
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(directory, ignore_errors=True)
-    _schedule_at(engine, run, consumed)
-    log(f"loaded the {what} at iteration {iteration} ({consumed} consumed samples) with its Adam state "
-        f"(step {source.optimizer().step}); the LR schedule continues from there")
-    return iteration, consumed
+    found.said = (f"loaded the {what} at iteration {found.iteration} ({found.consumed} consumed samples) with its "
+                  f"Adam state (step {source.optimizer().step}); the LR schedule continues from there")
+    found.schedule_at_consumed = True
+    return found
 
 
-def _load_pipeline_engine(engine, run: RunConfig, groups, load_dir: str, tag: str,
-                          saved: ClientState) -> tuple[int, int]:
+def _load_pipeline_engine(engine, run: RunConfig, groups, load_dir: str, tag: str, saved: ClientState) -> Start:
     """A checkpoint of DeepSpeed's pipeline engine (layer files; every 1f1b checkpoint before the one runtime),
     at any layout: with its optimizer state through a universal checkpoint (hybrid.conversion.universal, DeepSpeed's
     ds_to_universal) written under --save, loaded and removed; else (the config says why) its weights, the LR
@@ -345,33 +367,26 @@ def _load_pipeline_engine(engine, run: RunConfig, groups, load_dir: str, tag: st
         write_atomic(os.path.join(directory, LATEST_UNIVERSAL), tag)
     dist.barrier()
     try:
-        iteration, consumed = _load_universal(engine, run, directory, groups)
+        found = _load_universal(engine, run, directory, groups)
     finally:
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(directory, ignore_errors=True)
-    log(f"loaded {load_dir}/{tag}, written by DeepSpeed's pipeline engine, with its optimizer state (through a "
-        f"universal checkpoint) at iteration {iteration}")
-    return iteration, consumed
+    found.said = (f"loaded {load_dir}/{tag}, written by DeepSpeed's pipeline engine, with its optimizer state "
+                  f"(through a universal checkpoint) at iteration {found.iteration}")
+    return found
 
 
 def _load_weights_only(engine, run: RunConfig, groups, load_dir: str, tag: str,
-                       saved: ClientState, why: str = "a converted checkpoint: weights only") -> tuple[int, int]:
-    """--finetune, or a converted checkpoint: weights from any layout, fresh optimizer and schedule."""
+                       saved: ClientState, why: str = "a converted checkpoint: weights only") -> Start:
+    """--finetune, or a converted checkpoint: weights from any layout, a fresh optimizer; without --finetune the
+    LR schedule continues where the run was (its data plan reported; its RNG streams are this run's)."""
     wanted = names_to_load(engine.module, run.model.num_layers, buffers=False)
     load_parts(engine.module, hybrid_parts(load_dir, tag, run.model, wanted), run.model, groups)
-    if hasattr(engine.optimizer, "refresh_fp32_params"):
-        engine.optimizer.refresh_fp32_params()  # ZeRO / bf16 masters follow the new weights
     if run.checkpoint.finetune:
-        log(f"loaded weights from {load_dir}/{tag} for fine-tuning; optimizer, schedule and iteration start fresh")
-        return 0, 0
+        return Start(f"loaded weights from {load_dir}/{tag} for fine-tuning; optimizer, schedule and iteration start "
+                     f"fresh", copied_weights=True)
     iteration, consumed = int(saved.iteration), int(saved.consumed_samples)
-    report_data_plan(saved, run)
-    # a pretraining run resumed from weights only: the LR schedule continues where the run was
-    # (Megatron's scheduler position is the consumed samples, or tokens), only Adam starts fresh
-    scheduler = getattr(engine, "lr_scheduler", None)
-    if scheduler is not None and hasattr(scheduler, "set_position"):
-        scheduler.set_position(consumed * (run.training.seq_length if scheduler.unit == "tokens" else 1))
-    log(f"loaded weights of {load_dir}/{tag} ({why}; the optimizer starts fresh) at iteration {iteration}; the LR "
-        f"schedule continues from there")
-    return iteration, consumed
+    return Start(f"loaded weights of {load_dir}/{tag} ({why}; the optimizer starts fresh) at iteration {iteration}; "
+                 f"the LR schedule continues from there", iteration, consumed, saved, copied_weights=True,
+                 schedule_at_consumed=True)

@@ -17,10 +17,11 @@ import torch.distributed as dist
 from deepspeed.utils import logger as ds_logger
 
 from hybrid.architecture import MOE_TRAINING_FLAGS
-from hybrid.config import RunConfig, apply_sft_tutorial_defaults, build_run_config, data_config, tokenizer_kwargs
+from hybrid.config import (RunConfig, build_run_config, data_config, sft_tutorial_defaults, tokenizer_kwargs,
+                           with_flags)
 from hybrid.conversion.hf import read_hf_config
 from hybrid.conversion.megatron.lm import ARCHITECTURE_FLAGS, contradictions
-from hybrid.conversion.megatron.source import megatron_kind, open_source
+from hybrid.conversion.source import MEGATRON_KINDS, checkpoint_kind, open_source
 from hybrid.data.batches import build_datasets
 from hybrid.data.chat.dataset import train_windows
 from hybrid.data.chat.template import ChatEncoder
@@ -58,18 +59,19 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     install_safe_torch_load(args.allow_unsafe_checkpoint_load)  # before anything reads a file
     base_model, optimizer_problem = None, None
-    if args.load and not args.load_hf and megatron_kind(args.load):
-        base_model, optimizer_problem = megatron_base_model(args)
+    if args.load and not args.load_hf and checkpoint_kind(args.load) in MEGATRON_KINDS:
+        base_model, optimizer_problem, moe_training = megatron_base_model(args)
+        args = with_flags(args, **moe_training)
     if args.load_hf:  # the architecture and tokenizer of a HuggingFace model
         base_model = read_hf_config(args.load_hf, "--load-hf")
         if args.tokenizer_type is None and not args.vocab_file:
-            args.tokenizer_type, args.tokenizer_model = "HFTokenizer", args.load_hf
-    apply_sft_tutorial_defaults(args)
+            args = with_flags(args, tokenizer_type="HFTokenizer", tokenizer_model=args.load_hf)
+    args = with_flags(args, **sft_tutorial_defaults(args))
     tokenizer = build_tokenizer(**tokenizer_kwargs(args))
     world_size = args.dry_run_world_size or int(os.environ.get("WORLD_SIZE", "1"))
     separator = _document_end(args, tokenizer)
     if args.train_epochs is not None:
-        _epochs_as_samples(args, tokenizer)
+        args = with_flags(args, train_samples=_epochs_as_samples(args, tokenizer))
     run = build_run_config(args, world_size, tokenizer.vocab_size, base_model, separator,
                            megatron_optimizer_problem=optimizer_problem)
     if args.dry_run:  # the memory estimate: nothing built, no process group
@@ -95,7 +97,7 @@ def _document_end(args, tokenizer) -> Optional[int]:
     return ChatEncoder(tokenizer.to_transformers(), source).separator
 
 
-def _epochs_as_samples(args, tokenizer) -> None:
+def _epochs_as_samples(args, tokenizer) -> int:
     """--train-epochs N (--sft): the run is N passes over the training windows, i.e. --train-samples N x windows
     rounded up to whole global batches (the conversations are tokenized and packed now, on rank 0, into the
     cache the run then reads)."""
@@ -113,15 +115,17 @@ def _epochs_as_samples(args, tokenizer) -> None:
     windows = train_windows(data, args.seq_length, args.seed, encoder)
     # whole iterations covering every window N times (the last one may start the next epoch)
     batch = args.global_batch_size or args.micro_batch_size or 1
-    args.train_samples = -(-args.train_epochs * windows // batch) * batch
-    log(f"--train-epochs {args.train_epochs}: {windows} training windows an epoch -> --train-samples "
-        f"{args.train_samples} (whole global batches of {batch})")
+    samples = -(-args.train_epochs * windows // batch) * batch
+    log(f"--train-epochs {args.train_epochs}: {windows} training windows an epoch -> --train-samples {samples} "
+        f"(whole global batches of {batch})")
+    return samples
 
 
 def megatron_base_model(args) -> tuple:
     """--load names a Megatron-LM checkpoint: (the model its stored args describe, as Megatron-LM's converter
-    builds it; whether its Adam state maps: "none" where it does, else why not). Architecture flags that
-    contradict the checkpoint are one message naming both values."""
+    builds it; whether its Adam state maps: "none" where it does, else why not; the experts' training flags the
+    run does not give, the checkpoint's). Architecture flags that contradict the checkpoint are one message
+    naming both values."""
     source = open_source(args.load)
     defaults = {name: build_parser().get_default(name) for name in ARCHITECTURE_FLAGS}
     problems = contradictions(args, defaults, source.args)
@@ -135,12 +139,12 @@ def megatron_base_model(args) -> tuple:
     if config.mtp_num_layers and args.mtp_loss_scaling_factor != build_parser().get_default("mtp_loss_scaling_factor"):
         # (a training weight)
         config = dataclasses.replace(config, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
-    if config.num_experts:  # how the experts train: the flags given, else the checkpoint's (its expert bias)
-        for name in MOE_TRAINING_FLAGS:
-            if getattr(args, name) == build_parser().get_default(name):
-                setattr(args, name, getattr(config, name))
+    moe_training = {}  # how the experts train: the flags given, else the checkpoint's (its expert bias)
+    if config.num_experts:
+        moe_training = {name: getattr(config, name) for name in MOE_TRAINING_FLAGS
+                        if getattr(args, name) == build_parser().get_default(name)}
     # whether its Adam state maps ("none": it does; the config decides whether this run loads it)
-    return config, source.optimizer().problem or "none"
+    return config, source.optimizer().problem or "none", moe_training
 
 
 def _train(run: RunConfig, args, tokenizer) -> None:

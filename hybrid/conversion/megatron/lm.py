@@ -40,6 +40,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from hybrid.checkpoint.client_state import ClientState
 from hybrid.checkpoint.files import LATEST, MEGATRON_LATEST, load_file
 from hybrid.conversion.megatron.dcp_files import DCPCheckpoint
 from hybrid.conversion.families import deepseek_rope_rows
@@ -241,14 +242,27 @@ class MegatronSource:
     def consumed_samples(self) -> int:
         return int(getattr(self.args, "consumed_train_samples", 0) or 0)
 
-    def state(self, config: ModelConfig) -> dict:
+    def state(self, config: ModelConfig, progress=None) -> dict:
         """Every canonical tensor (the routers' score biases too, when the model has them)."""
         return whole_state(self, config)
+
+    def client_state(self) -> ClientState:
+        """What a hybrid checkpoint converted from it records: the counters and the run's args."""
+        return ClientState(iteration=self.iteration, consumed_samples=self.consumed_samples,
+                           args=megatron_run_args(self.args))
+
+    @property
+    def layout(self) -> tuple[int, int]:
+        """The TP x PP it was saved at."""
+        return (int(getattr(self.args, "tensor_model_parallel_size", 1) or 1),
+                int(getattr(self.args, "pipeline_model_parallel_size", 1) or 1))
 
 
 @dataclasses.dataclass
 class MegatronCheckpoint(MegatronSource):
     """One Megatron-LM checkpoint: its format, stored args and counters; `config()`, `parts()`."""
+
+    kind = "megatron-lm"  # (hybrid.conversion.source)
 
     format: str = "torch"  # "torch" (legacy) | "torch_dist"
 

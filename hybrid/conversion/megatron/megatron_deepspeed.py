@@ -117,6 +117,7 @@ class MegatronDeepSpeedCheckpoint(MegatronSource):
     model-states file without weights): the interface of hybrid.conversion.megatron.lm.MegatronCheckpoint."""
 
     format: str = FORMAT
+    kind = FORMAT  # (hybrid.conversion.source)
 
     @property
     def has_optimizer(self) -> bool:

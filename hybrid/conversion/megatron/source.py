@@ -16,14 +16,14 @@ from hybrid.conversion.megatron.megatron_deepspeed import (MegatronDeepSpeedChec
 def megatron_kind(path: str) -> Optional[str]:
     """"megatron-lm", "megatron-deepspeed", or None (hybrid's own checkpoint, or none)."""
     if iteration_dir(path) is not None:
-        return "megatron-lm"
+        return MegatronCheckpoint.kind
     if checkpoint_dir(path) is not None:
-        return "megatron-deepspeed"
+        return MegatronDeepSpeedCheckpoint.kind
     return None
 
 
 def open_source(path: str, flag: str = "--load") -> "MegatronCheckpoint | MegatronDeepSpeedCheckpoint":
     """The reader of the Megatron checkpoint in `path` (one message when there is none)."""
-    if megatron_kind(path) == "megatron-deepspeed":
+    if megatron_kind(path) == MegatronDeepSpeedCheckpoint.kind:
         return open_megatron_deepspeed(path)
     return open_megatron(path, flag)

@@ -214,8 +214,8 @@ def _legacy_model(state, config, tp, tp_rank, stage, pp, first, last, experts, s
         on_first = name.startswith("embedding.")  # (the last stage holds the embeddings too when it has MTP layers:
         mtp_stage = bool(config.mtp_num_layers) and stage == pp - 1  # megatron-core builds them there)
         if (on_first and (stage == 0 or mtp_stage)) or (not on_first and stage == pp - 1):
-            shard = shard_for_rank(name, state[name], config, tp, tp_rank)
-            model[megatron_global_key(name)] = shard.contiguous().clone()
+            piece = shard_for_rank(name, state[name], config, tp, tp_rank)
+            model[megatron_global_key(name)] = piece.contiguous().clone()
     if stage == pp - 1 and pp > 1 and config.tied_embeddings:  # the last stage's copy of the table
         model["output_layer.weight"] = shard_for_rank("embedding.word_embeddings.weight",
                                                       state["embedding.word_embeddings.weight"], config, tp,
