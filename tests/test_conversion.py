@@ -182,10 +182,12 @@ def test_finetune_with_frozen_layers_leaves_them_bit_identical(data, tmp_path):
     ("shape", "has shape"),
     ("truncated", "weight file model.safetensors is unreadable"),
     ("not_a_checkpoint", "pytorch_model.bin is unreadable"),
+    ("hf_as_hybrid", "no 'latest' file; not a hybrid checkpoint directory"),  # --loader hybrid, the default
+    ("missing_as_hybrid", "no 'latest' file; not a hybrid checkpoint directory"),
 ])
 def test_bad_conversion_input_is_a_clear_error_with_no_output(tmp_path, case, message):
     src, out = tmp_path / "src", tmp_path / "out"
-    tp = 1
+    tp, loader = 1, "hybrid" if case.endswith("_as_hybrid") else "hf"
     if case == "bert":
         src.mkdir()
         (src / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
@@ -208,7 +210,11 @@ def test_bad_conversion_input_is_a_clear_error_with_no_output(tmp_path, case, me
         make_gpt2(src)
         (src / "model.safetensors").unlink()
         (src / "pytorch_model.bin").write_text("<html><body>404 Not Found</body></html>")
-    proc = convert("--loader", "hf", "--load-dir", src, "--save-dir", out, "--target-tensor-parallel-size", tp,
+    elif case == "hf_as_hybrid":
+        make_gpt2(src)
+    elif case == "missing_as_hybrid":
+        src = tmp_path / "nothing"
+    proc = convert("--loader", loader, "--load-dir", src, "--save-dir", out, "--target-tensor-parallel-size", tp,
                    check=False)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]

@@ -118,7 +118,8 @@ def convert(args) -> str:
                           "transformers directory first (transformers' convert_llama_weights_to_hf), then use "
                           "--loader hf (or llama_mistral) --checkpoint-type hf.")
     saver = "hf" if args.hf_convert else args.saver
-    loader, found = args.loader, checkpoint_kind(args.load_dir)
+    loader = args.loader
+    found = checkpoint_kind(args.load_dir) if loader == "megatron" else None
     if loader == "megatron" and found == HYBRID:
         loader = "hybrid"  # a launch/train.py checkpoint named with Megatron's loader name (as before)
     if saver == "universal":

@@ -52,7 +52,7 @@ def partition_rule(name: str, config: ModelConfig) -> Optional[tuple[int, int]]:
     return None if rule.dim is None else (rule.dim, rule.stride)
 
 
-def _open_checkpoint(load_dir: str, tag: Optional[str]) -> tuple[str, dict, ClientState]:
+def open_hybrid(load_dir: str, tag: Optional[str]) -> tuple[str, dict, ClientState]:
     """(the checkpoint's directory, rank 0's model-states file without its weights, its client state),
     after the manifest says every file is there."""
     tag = resolve_tag(load_dir, tag)
@@ -77,7 +77,7 @@ def hybrid_parts(load_dir: str, tag: Optional[str], config: ModelConfig, wanted:
     are memory-mapped and opened again for each part, so a part's pages leave the resident set with it
     (for --finetune: loading adds about one layer, not the model; `load_parts` takes the parts).
     ZeRO-3 checkpoints are read whole (DeepSpeed's zero_to_fp32 consolidates all partitions at once)."""
-    ckpt, _, saved = _open_checkpoint(load_dir, tag)
+    ckpt, _, saved = open_hybrid(load_dir, tag)
     if saved.storage == "zero3":
         state, _ = read_hybrid(load_dir, tag)
         yield {name: state.pop(name) for name in wanted if name in state}
@@ -97,7 +97,7 @@ def hybrid_parts(load_dir: str, tag: Optional[str], config: ModelConfig, wanted:
 def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tuple[dict, dict]:
     """-> (canonical full fp32 state dict with padded vocab rows removed, rank 0's model-states file
     without its weights). How the weights are stored comes from the recorded client state."""
-    ckpt, meta, saved = _open_checkpoint(load_dir, tag)
+    ckpt, meta, saved = open_hybrid(load_dir, tag)
     config = saved.model_config()
     tp = saved.layout.tensor_parallel
     if saved.storage == "zero3":

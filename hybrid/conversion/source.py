@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from typing import Iterator, Optional
 
-from hybrid.checkpoint.client_state import ClientState, read_client_state
+from hybrid.checkpoint.client_state import ClientState
 from hybrid.checkpoint.files import read_tag
 from hybrid.conversion.hf import hf_parts, read_hf_config, read_hf_dir
-from hybrid.conversion.layout import hybrid_parts, read_hybrid
+from hybrid.conversion.layout import hybrid_parts, open_hybrid, read_hybrid
 from hybrid.conversion.megatron.lm import MegatronCheckpoint
 from hybrid.conversion.megatron.megatron_deepspeed import MegatronDeepSpeedCheckpoint
 from hybrid.conversion.megatron.source import megatron_kind, open_source as open_megatron_source
@@ -70,8 +70,8 @@ class HybridSource:
     kind = HYBRID
 
     def __init__(self, directory: str, flag: str):
-        self.directory, self.flag, self.tag = directory, flag, read_tag(directory)
-        self.saved: ClientState = read_client_state(directory, self.tag)
+        checkpoint, _, self.saved = open_hybrid(directory, None)  # `latest`'s tag, its manifest checked
+        self.directory, self.flag, self.tag = directory, flag, os.path.basename(checkpoint)
 
     @property
     def iteration(self) -> int:

@@ -343,6 +343,7 @@ def _load_megatron_with_optimizer(engine, run: RunConfig, groups, source, what: 
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(directory, ignore_errors=True)
+    log(found.said)  # the universal load's own line (the weight decay of each parameter group)
     found.said = (f"loaded the {what} at iteration {found.iteration} ({found.consumed} consumed samples) with its "
                   f"Adam state (step {source.optimizer().step}); the LR schedule continues from there")
     found.schedule_at_consumed = True
@@ -372,6 +373,7 @@ def _load_pipeline_engine(engine, run: RunConfig, groups, load_dir: str, tag: st
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(directory, ignore_errors=True)
+    log(found.said)  # the universal load's own line (the weight decay of each parameter group)
     found.said = (f"loaded {load_dir}/{tag}, written by DeepSpeed's pipeline engine, with its optimizer state "
                   f"(through a universal checkpoint) at iteration {found.iteration}")
     return found
