@@ -152,11 +152,12 @@ def convert(args) -> str:
 def _universal(args) -> str:
     """Universal checkpoint of --load-dir's latest checkpoint, beside it (DeepSpeed's layout); of a
     Megatron-LM checkpoint (its weights and Adam state), in --save-dir."""
-    if args.loader == "megatron" and checkpoint_kind(args.load_dir) in MEGATRON_KINDS:
+    kind = checkpoint_kind(args.load_dir) if args.loader == "megatron" else None
+    if kind in MEGATRON_KINDS:
         if not args.save_dir:
             raise ConfigError("--loader megatron --saver universal needs --save-dir DIR (the universal checkpoint's "
                               "directory; launch/train.py --load DIR --universal-checkpoint resumes it).")
-        source = open_source(args.load_dir, "--load-dir")
+        source = open_source(args.load_dir, "--load-dir", kind)
         tag = write_universal(source, source.config(args.true_vocab_size), args.save_dir,
                               log=lambda m: print(m, file=sys.stderr))
         return (f"wrote universal checkpoint {os.path.join(args.save_dir, tag)}; resume it with launch/train.py --load "

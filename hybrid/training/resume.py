@@ -134,8 +134,9 @@ def _load(engine, run: RunConfig, groups) -> Start:
     if not os.path.isdir(load_dir) and os.path.abspath(load_dir) != os.path.abspath(c.save or ""):
         raise ConfigError(f"--load {load_dir}: no such directory.")
     tag = latest_tag(load_dir) if os.path.isdir(load_dir) else None
-    if checkpoint_kind(load_dir) in MEGATRON_KINDS:  # Megatron-LM's (no hybrid `latest`) or Megatron-DeepSpeed's
-        return _load_megatron(engine, run, groups, load_dir)
+    kind = checkpoint_kind(load_dir)
+    if kind in MEGATRON_KINDS:  # Megatron-LM's (no hybrid `latest`) or Megatron-DeepSpeed's
+        return _load_megatron(engine, run, groups, load_dir, kind)
     if c.universal_checkpoint and os.path.isdir(load_dir) and read_tag(load_dir, LATEST_UNIVERSAL) and tag is None:
         return _load_universal(engine, run, load_dir, groups)  # one made from a Megatron-LM checkpoint
     if tag is None:
@@ -306,14 +307,14 @@ def _restore_score_biases(engine, universal_dir: str, num_layers: int) -> None:
                 buffer.copy_(saved[canonical_name(name, num_layers)])
 
 
-def _load_megatron(engine, run: RunConfig, groups, load_dir: str) -> Start:
+def _load_megatron(engine, run: RunConfig, groups, load_dir: str, kind: str) -> Start:
     """A Megatron-LM checkpoint (either format, any TP x PP x EP): unless --finetune, its iteration, consumed
     samples and the LR schedule's position (Megatron's scheduler counts samples). Its Adam state, where it
     maps (hybrid.conversion.megatron.lm.MegatronOptimizer), is loaded with the weights by DeepSpeed's universal
     loader from a universal checkpoint made beside --save (hybrid.conversion.megatron.universal), then
     removed; otherwise the weights are resharded for this rank as they are read (a layer at a time) and
     Adam starts fresh, the log says why."""
-    source = open_source(load_dir)
+    source = open_source(load_dir, kind=kind)
     what = (f"Megatron-DeepSpeed checkpoint {source.directory}" if source.kind == MEGATRON_DEEPSPEED else
             f"Megatron-LM checkpoint {source.directory} (--ckpt-format {source.format})")
     c = run.checkpoint

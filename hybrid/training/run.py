@@ -59,8 +59,9 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     install_safe_torch_load(args.allow_unsafe_checkpoint_load)  # before anything reads a file
     base_model, optimizer_problem = None, None
-    if args.load and not args.load_hf and checkpoint_kind(args.load) in MEGATRON_KINDS:
-        base_model, optimizer_problem, moe_training = megatron_base_model(args)
+    kind = checkpoint_kind(args.load) if args.load and not args.load_hf else None
+    if kind in MEGATRON_KINDS:
+        base_model, optimizer_problem, moe_training = megatron_base_model(args, kind)
         args = with_flags(args, **moe_training)
     if args.load_hf:  # the architecture and tokenizer of a HuggingFace model
         base_model = read_hf_config(args.load_hf, "--load-hf")
@@ -121,12 +122,12 @@ def _epochs_as_samples(args, tokenizer) -> int:
     return samples
 
 
-def megatron_base_model(args) -> tuple:
+def megatron_base_model(args, kind: str) -> tuple:
     """--load names a Megatron-LM checkpoint: (the model its stored args describe, as Megatron-LM's converter
     builds it; whether its Adam state maps: "none" where it does, else why not; the experts' training flags the
     run does not give, the checkpoint's). Architecture flags that contradict the checkpoint are one message
     naming both values."""
-    source = open_source(args.load)
+    source = open_source(args.load, kind=kind)
     defaults = {name: build_parser().get_default(name) for name in ARCHITECTURE_FLAGS}
     problems = contradictions(args, defaults, source.args)
     if problems:

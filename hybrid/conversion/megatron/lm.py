@@ -700,8 +700,7 @@ NOT_MODEL_ARGS = {
         "fine_grained_offloading_max_inflight_offloads", "offload_modules", "min_offloaded_tensor_size",
         "delta_offload_bytes_across_pp_ranks", "delay_offload_until_cuda_graph", "moe_paged_stash",
         "moe_paged_stash_buffer_size_factor_cpu", "moe_paged_stash_buffer_size_factor_cuda",
-        "moe_paged_stash_page_size",
-        "defer_embedding_wgrad_compute", "delay_wgrad_compute", "wgrad_deferral_limit",
+        "moe_paged_stash_page_size", "defer_embedding_wgrad_compute", "delay_wgrad_compute", "wgrad_deferral_limit",
         "clone_scatter_output_in_embedding", "init_model_with_meta_device", "use_cpu_initialization",
         "perform_initialization", "gdp_num_chunk_states_to_recompute", "mhc_recompute_layer_num"),
     "CUDA graphs and inference serving": (
