@@ -8,7 +8,10 @@ Each ZeRO stage is one launch/train.py run on 4 CPU ranks (--mock-data, 2 iterat
 peak resident set (Linux's /proc/self/clear_refs) after the imports and process groups and reads it after
 training (hybrid.training.run's --memory-report hook, HYBRID_MEMORY_REPORT), so the figure is what the model,
 its gradients, ZeRO's buffers, the optimizer and the activations took; the estimate is hybrid.memory's for the
-same flags. Writes benchmarks/results/memory_cpu.json (--out).
+same flags. ZeRO's buckets and ZeRO-3's optimizer sub-group (`sub_group_size`: the step's fp32 copy of the
+gradient partitions is made one sub-group at a time) are --bucket elements; under ZeRO-3 the untied vocabulary
+tables are row blocks (hybrid.model.config.ModelConfig.zero3_vocab_block_rows). Writes
+benchmarks/results/memory_cpu.json (--out).
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ def _flags(a, zero: int, bucket: int, config_dir: str, bf16: bool) -> list:
     config = os.path.join(config_dir, f"zero{zero}.json")
     with open(config, "w") as f:
         json.dump({"zero_optimization": {"stage": zero, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                                         "stage3_prefetch_bucket_size": bucket, "overlap_comm": False,
-                                         "contiguous_gradients": True},
+                                         "stage3_prefetch_bucket_size": bucket, "sub_group_size": bucket,
+                                         "overlap_comm": False, "contiguous_gradients": True},
                    "gradient_clipping": 1.0, "steps_per_print": 10**9}, f)
     return [str(x) for x in [
         "--num-layers", a.num_layers, "--hidden-size", a.hidden_size, "--num-attention-heads", a.hidden_size // 64,
@@ -78,7 +81,8 @@ def main() -> None:
     p.add_argument("--num-layers", type=int, default=12)
     p.add_argument("--hidden-size", type=int, default=768)
     p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--bucket", type=int, default=5_000_000, help="ZeRO's reduce / gather / prefetch buckets (elements)")
+    p.add_argument("--bucket", type=int, default=5_000_000,
+                   help="ZeRO's reduce / gather / prefetch buckets and ZeRO-3's optimizer sub-group (elements)")
     p.add_argument("--precision", choices=["both", "bf16", "fp32"], default="both")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "memory_cpu.json"))
     a = p.parse_args()
@@ -98,6 +102,7 @@ def main() -> None:
                 print(json.dumps({precision: {f"zero{zero}": row}}), file=sys.stderr, flush=True)
             largest = {zero: rows[precision][zero]["largest_rank"]["measured_gib"] for zero in rows[precision]}
             rows[precision]["zero3_below_zero1_gib"] = largest["zero1"] - largest["zero3"]
+            rows[precision]["zero3_below_zero1_gb"] = (largest["zero1"] - largest["zero3"]) * GiB / 1e9
     from hybrid.memory import parameter_inventory
     from hybrid.model.config import ModelConfig
     params = sum(n for n, _ in parameter_inventory(ModelConfig(

@@ -185,6 +185,15 @@ class RunConfig:
         return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
 
     @property
+    def model_form(self) -> ModelConfig:
+        """The model as the engine builds it: `model`, with under ZeRO-3 its untied vocabulary tables in row blocks
+        (ModelConfig.zero3_vocab_block_rows). Checkpoints record `model`."""
+        if self.zero_stage != 3:
+            return self.model
+        return dataclasses.replace(self.model,
+                                   vocab_block_rows=self.model.zero3_vocab_block_rows(self.parallel.tensor_parallel))
+
+    @property
     def cpu_offloading(self) -> bool:
         """--cpu-offloading (or the config's activation_checkpointing.cpu_checkpointing)."""
         return bool((self.ds_config.get("activation_checkpointing") or {}).get("cpu_checkpointing"))

@@ -35,7 +35,7 @@ def plan_from_run(run: RunConfig) -> MemoryPlan:
                             overlap_comm=bool(zero.get("overlap_comm", run.zero_stage == 3)),
                             contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
                             sub_group_size=int(zero.get("sub_group_size", 1_000_000_000)))
-    return MemoryPlan(model=run.model, tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=p.data_parallel,
+    return MemoryPlan(model=run.model_form, tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=p.data_parallel,
                       micro_batch=t.micro_batch_size, seq_length=t.seq_length, num_micro_batches=t.grad_acc_steps,
                       zero=settings, recompute=run.model.recompute_granularity, partition=run.pipeline.partition,
                       schedule=run.pipeline.schedule, virtual=run.pipeline.virtual_stages, cp=p.context_parallel,

@@ -22,7 +22,8 @@ from hybrid.checkpoint.tp_layout import full_numels, tp_layout
 from hybrid.errors import ConfigError
 from hybrid.model.attention import window_blocks
 from hybrid.model.config import ModelConfig
-from hybrid.model.naming import EXPERTS, is_fused, takes_muon
+from hybrid.model.naming import EXPERTS, is_fused, takes_muon, vocab_block_name
+from hybrid.parallel.layers import row_blocks
 from hybrid.parallel.ring_attention import tile_rows
 from hybrid.pipeline_plan import list_partition_bounds, plan_stages, resolve_partition
 
@@ -92,6 +93,22 @@ def partition_layers(config: ModelConfig, tp: int, pp: int, partition: str = "pa
                           f"one: use --pipeline-partition uniform, or a list such as "
                           f"{','.join([str(config.num_layers // pp)] * pp)}.")
     return counts
+
+
+def vocab_blocks(params: dict, config: ModelConfig, tp: int) -> dict:
+    """`params` ({name: (elements, decayed)}) with each untied vocabulary table as its row blocks where the model
+    holds it so (ZeRO-3: ModelConfig.vocab_block_rows), each a parameter of its own."""
+    if not config.vocab_blocked(tp):
+        return params
+    rows = config.padded_vocab_size(tp) // tp
+    out = {}
+    for name, (numel, decayed) in params.items():
+        if tp_layout(config)[name].vocab_padded:
+            for i, (start, stop) in enumerate(row_blocks(rows, config.vocab_block_rows)):
+                out[vocab_block_name(name, i)] = ((stop - start) * config.hidden_size, decayed)
+        else:
+            out[name] = (numel, decayed)
+    return out
 
 
 def stage_parameters(config: ModelConfig, tp: int, pp: int, partition: str = "parameters",
@@ -630,6 +647,7 @@ def estimate(plan: MemoryPlan) -> list[dict]:
     rows = []
     for stage, info in enumerate(stage_parameters(config, plan.tp, plan.pp, plan.partition, plan.schedule,
                                                   plan.virtual)):
+        info["params"] = vocab_blocks(info["params"], config, plan.tp)
         states = _stage_model_states(info["params"], plan)
         if info["replica"]:  # a tied table's copy: its weights and gradient in the working precision, whole
             states["params"] += info["replica"] * _BYTES[precision]

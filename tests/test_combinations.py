@@ -42,6 +42,11 @@ SAMPLE = {  # combination -> the outcome it must have (a rule's name for a refus
     # the one runtime: every schedule at PP 2 x DP 2 under ZeRO-2, ZeRO-3 and ZeRO-3 + offload, TP 2 x PP 2 ZeRO-3
     **{"+".join(cell): "equal" for cell in combinations.TRIPLES if "dp2" in cell and cell[1] in combinations.PIPELINES},
     "tp2_sp+pp2+zero3": "equal",
+    # untied (llama): ZeRO-3 holds each vocabulary table as row blocks (ModelConfig.zero3_vocab_block_rows), looked up
+    # and multiplied block by block, over DP, PP and TP with SP
+    "dp2+zero3+llama": "equal",
+    "llama+dp2+pp2+zero3": "equal",
+    "llama+tp2_sp+pp2+zero3": "equal",
     # Muon: each matrix orthogonalized whole on an owner rank of ZeRO's partitions, with TP and PP
     "tp2_sp+zero3+muon": "equal",
     "dp2+pp2+muon": "equal",

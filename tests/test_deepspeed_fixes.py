@@ -243,20 +243,22 @@ def test_zero3_steps_on_its_gradient_partitions_bitwise_as_deepspeed(precision):
         assert all(torch.equal(a, b) for a, b in zip(mine["weights"], deepspeeds["weights"]))
 
 
-def _zero3_embedding_release(release: bool) -> dict:
+def _zero3_embedding_release(release: bool, blocked: bool = False) -> dict:
     """On a pool rank: three ZeRO-3 steps of an embedding-first model, with or without
-    release_input_embedding_after_its_gradient; the table's status each time ZeRO reduces its gradient, and the
-    weights after the steps."""
+    release_input_embedding_after_its_gradient; the table's status (`blocked`: each of its three row blocks')
+    each time ZeRO reduces its gradient, and the weights after the steps."""
     import deepspeed
     import torch
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     from hybrid.parallel.groups import build_groups
+    from hybrid.parallel.layers import VocabParallelEmbedding, default_init
     from hybrid.training.deepspeed_fixes import release_engine, release_input_embedding_after_its_gradient
     class EmbeddingThenLinear(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.embedding = torch.nn.Embedding(300, 16)
+            self.embedding = (VocabParallelEmbedding(300, 16, groups, default_init(seed=3), block_rows=100)
+                              if blocked else torch.nn.Embedding(300, 16))
             self.hidden = torch.nn.Linear(16, 16)
             self.head = torch.nn.Linear(16, 300, bias=False)
 
@@ -271,12 +273,12 @@ def _zero3_embedding_release(release: bool) -> dict:
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 1000}}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=groups.mpu)
-    table = engine.module.embedding.weight
+    tables = [block.weight for block in engine.module.embedding.blocks] if blocked else [engine.module.embedding.weight]
     statuses = []
     reduce = engine.optimizer.reduce_ready_partitions_and_remove_grads
 
     def watch(param, *args, **kwargs):
-        if param is table:
+        if any(param is table for table in tables):
             statuses.append(param.ds_status == ZeroParamStatus.AVAILABLE)
         return reduce(param, *args, **kwargs)
     engine.optimizer.reduce_ready_partitions_and_remove_grads = watch
@@ -297,12 +299,14 @@ def _zero3_embedding_release(release: bool) -> dict:
 def test_zero3_releases_the_input_embedding_before_reducing_its_gradient():
     """release_input_embedding_after_its_gradient: DeepSpeed keeps an embedding's gathered table (its input, ids,
     takes no gradient) until the backward ends, through its gradient's reduction; with the fix the table is
-    released when its gradient reaches ZeRO, and three accumulated, clipped steps are bitwise DeepSpeed's."""
+    released when its gradient reaches ZeRO (a table in row blocks: each block), and three accumulated, clipped
+    steps are bitwise DeepSpeed's."""
     import torch
 
     from checks.rank_pool import run_on_ranks
-    ours, theirs = (run_on_ranks(_zero3_embedding_release, 2, release) for release in (True, False))
-    for mine, deepspeeds in zip(ours, theirs):
-        assert len(mine["gathered_at_reduce"]) == 6 and all(deepspeeds["gathered_at_reduce"])
-        assert not any(mine["gathered_at_reduce"])
-        assert all(torch.equal(a, b) for a, b in zip(mine["weights"], deepspeeds["weights"]))
+    for blocked in (False, True):  # the table whole, and as ZeRO-3's row blocks (hybrid.parallel.layers.TableBlock)
+        ours, theirs = (run_on_ranks(_zero3_embedding_release, 2, release, blocked) for release in (True, False))
+        for mine, deepspeeds in zip(ours, theirs):
+            assert len(mine["gathered_at_reduce"]) == (18 if blocked else 6) and all(deepspeeds["gathered_at_reduce"])
+            assert not any(mine["gathered_at_reduce"])
+            assert all(torch.equal(a, b) for a, b in zip(mine["weights"], deepspeeds["weights"]))

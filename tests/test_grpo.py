@@ -249,14 +249,16 @@ MLA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swi
 @pytest.mark.slow
 @pytest.mark.parametrize("model,layout", [
     ([], ["--pipeline-model-parallel-size", 2]),
-    (["--grpo-scale-rewards", "batch"] + MLA, ["--zero-stage", 3]),
+    (["--grpo-scale-rewards", "batch", "--untie-embeddings-and-output-weights"] + MLA,
+     ["--zero-stage", 3]),
     (MOE, ["--expert-model-parallel-size", 2]),
 ])
 def test_grpo_layouts_equal_one_rank(model, layout, tmp_path):
     """PP 2 (decoding through the stages), DP 2 with ZeRO-3 (each step's parameters gathered by ZeRO-3's hooks, an
-    MLA model's up projections with the attention that decodes from the latents; each rank its own prompt groups, the
-    advantages scaled by the whole batch's std) and EP 2 (an MoE model, experts split over the data-parallel ranks):
-    the completions' rewards, the losses and the mismatch as at one rank, over 6 iterations."""
+    MLA model's up projections with the attention that decodes from the latents, the untied tables' row blocks one
+    by one; each rank its own prompt groups, the advantages scaled by the whole batch's std) and EP 2 (an MoE model,
+    experts split over the data-parallel ranks): the completions' rewards, the losses and the mismatch as at one
+    rank, over 6 iterations."""
     from checks.launch_helpers import one_rank
     flags = TASK + ["--train-iters", 6] + model
     want = one_rank(flags)

@@ -4,6 +4,7 @@ layer within 10% of what torch's saved-tensor hooks see (no, selective, full rec
 TP 2 with and without SP; GPT-2 and Llama style); Korthikanti et al.'s Table 2 reproduced term by
 term; the parameter inventory equals the real model's parameters; `launch/train.py --dry-run`."""
 
+import dataclasses
 import json
 import math
 import os
@@ -216,7 +217,6 @@ def test_layer_activation_bytes_at_tp2_with_and_without_sp():
 
 
 def _sequence_split_cases():
-    import dataclasses
     from hybrid.model.sequence import sequence_layout
     from hybrid.parallel.groups import build_groups
     out = []
@@ -327,6 +327,35 @@ def test_parameter_inventory_equals_the_real_model_per_rank_and_stage(style, tp,
             bounds = real["deepspeed_bounds"]
             assert list(real["layers"]) == [sum(1 for i in range(5) if bounds[s] <= i + 1 < bounds[s + 1])
                                             for s in range(pp)]
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_zero3s_row_blocks_of_the_vocabulary_tables_are_counted_as_the_model_holds_them(tp, pp):
+    """Under ZeRO-3 an untied vocabulary table is row blocks, separate parameters (ModelConfig.zero3_vocab_block_rows,
+    DeepSpeed's TiledLinear), so ZeRO-3 gathers a block, not the table: here 4 blocks per table on each TP rank, none
+    larger than the layer's largest matrix. The estimator's blocks (memory.vocab_blocks) are the real model's
+    parameters at each TP rank and stage. A tied table, or one multi-token prediction reads, stays whole."""
+    from hybrid.model.naming import vocab_block
+    kwargs = dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=1000, max_position_embeddings=32,
+                  normalization="RMSNorm", swiglu=True, num_query_groups=2, position_embedding_type="rope",
+                  add_bias_linear=False, untie_embeddings_and_output_weights=True)
+    whole = ModelConfig(**kwargs)
+    assert dataclasses.replace(whole, untie_embeddings_and_output_weights=False).zero3_vocab_block_rows(tp) == 0
+    assert dataclasses.replace(whole, mtp_num_layers=1).zero3_vocab_block_rows(tp) == 0
+    kwargs["vocab_block_rows"] = whole.zero3_vocab_block_rows(tp)
+    config = ModelConfig(**kwargs)
+    assert config.vocab_blocked(tp) and not whole.vocab_blocked(tp)
+    stages = memory.stage_parameters(config, tp, pp)
+    reals = (_shapes_only_parameters(kwargs, tp) if pp == 1 else
+             run_on_ranks(_real_stage_parameters, tp * pp, kwargs, tp, pp, "parameters"))
+    for real in reals:
+        estimated = memory.vocab_blocks(stages[real["stage"]]["params"], config, tp)
+        assert {n: numel for n, (numel, _) in estimated.items()} == real["params"]
+        blocks = [n for n in real["params"] if vocab_block(n)]
+        assert len(blocks) == 4 * (2 if pp == 1 else 1)
+        largest_matrix = max(n for name, n in real["params"].items() if name.startswith("layers."))
+        assert max(real["params"][n] for n in blocks) <= largest_matrix
+        assert sum(real["params"][n] for n in blocks) == (2 if pp == 1 else 1) * whole.padded_vocab_size(tp) // tp * 64
 
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
@@ -455,7 +484,6 @@ def test_dry_run_bad_flag_is_one_message():
     dict(swiglu=False, moe_router_topk=1, moe_expert_capacity_factor=1.0, moe_router_load_balancing_type="none"),
 ], ids=["softmax-aux-z", "sigmoid-shared-grouped", "gelu-top1-capacity"])
 def test_moe_layer_activation_bytes_within_10pct_of_saved_tensors(moe):
-    import dataclasses
     config = dataclasses.replace(_model_config("llama", 0.0, None), num_experts=4, moe_ffn_hidden_size=96, **moe)
     measured = _measured_layer_bytes(config, None, seq=64, batch=2)
     estimated = sum(memory.layer_activation_bytes(config, memory.ActivationSettings(
@@ -507,7 +535,6 @@ def test_dry_run_counts_zero3_under_a_pipeline_stage_by_stage():
 def test_mla_layer_activation_bytes_within_10pct_of_saved_tensors(mla, recompute):
     """Multi-latent attention's saved tensors (its latents, their norms, the up projections' outputs, the rotated
     query, the expanded key) as the dry run counts them."""
-    import dataclasses
     config = dataclasses.replace(_model_config("llama", 0.0, recompute), multi_latent_attention=True, qk_layernorm=True,
                                  num_query_groups=None, kv_lora_rank=32, qk_head_dim=24, qk_pos_emb_head_dim=8,
                                  v_head_dim=16, rope_scaling=None, **mla)
@@ -542,5 +569,4 @@ def test_dry_run_counts_mtp_layers_and_the_last_stages_embedding_copy():
 
 
 def dataclasses_replace(config, **fields):
-    import dataclasses
     return dataclasses.replace(config, **fields)

@@ -130,6 +130,50 @@ def test_vocab_parallel_embedding_matches_embedding(tp, sequence_parallel):
     run_on_ranks(_check_embedding, tp, tp, sequence_parallel)
 
 
+def test_zero3s_row_blocks_of_the_tables_load_compute_and_read_back_as_the_tables():
+    """ZeRO-3's form of untied vocabulary tables, row blocks (ModelConfig.vocab_block_rows, hybrid.parallel.layers
+    .TableBlock): loaded from a whole model's state (load_full_state), the blocked model gives its logits and, its
+    blocks joined (join_vocab_blocks), its gradients. At TP 2 each rank's blocks are its shard's rows, and joined
+    as ds_to_universal leaves them (each block's TP slices in rank order) they are the table, padding included."""
+    import dataclasses
+
+    from hybrid.checkpoint.tp_layout import join_vocab_blocks
+    from hybrid.conversion.layout import load_full_state
+    from hybrid.model.config import ModelConfig
+    from hybrid.model.gpt import GPTModel
+    from hybrid.model.naming import canonical_parameters, names_to_load, vocab_block
+    from hybrid.parallel.groups import ParallelGroups
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=1000, seed=5,
+                         max_position_embeddings=16, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+                         attention_dropout=0.0, make_vocab_size_divisible_by=60)
+    whole = GPTModel(config, ParallelGroups.single())
+    state = {name: p.detach() for name, p in canonical_parameters(whole, 2).items()}
+    for tp in (1, 2):
+        blocked_config = dataclasses.replace(config, vocab_block_rows=config.zero3_vocab_block_rows(tp), seed=6)
+        ranks = [GPTModel(blocked_config, ParallelGroups.shapes_only(tp, rank)) for rank in range(tp)]
+        for rank, model in enumerate(ranks):
+            assert names_to_load(model, 2) == names_to_load(whole, 2)
+            load_full_state(model, state, config, ParallelGroups.shapes_only(tp, rank))
+        blocks = [{n: p.detach() for n, p in canonical_parameters(m, 2).items() if vocab_block(n)} for m in ranks]
+        assert len(blocks[0]) == 2 * (-(-config.padded_vocab_size(tp) // tp // blocked_config.vocab_block_rows)) > 2
+        joined = join_vocab_blocks({n: torch.cat([b[n] for b in blocks]) for n in blocks[0]}, tp)
+        for table in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            assert joined[table].shape[0] == config.padded_vocab_size(tp)
+            assert torch.equal(joined[table][:1000], state[table][:1000])
+            assert not joined[table][1000:].any()  # the padding rows
+    model = GPTModel(dataclasses.replace(config, vocab_block_rows=config.zero3_vocab_block_rows(1), seed=6),
+                     ParallelGroups.single())
+    load_full_state(model, state, config, ParallelGroups.single())
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    want, got = whole(ids), model(ids)
+    assert torch.equal(got, want)
+    want.square().mean().backward()
+    got.square().mean().backward()
+    grads = join_vocab_blocks({n: p.grad for n, p in canonical_parameters(model, 2).items()})
+    for name, param in canonical_parameters(whole, 2).items():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def _check_cross_entropy(tp, padded_vocab):
     from hybrid.parallel.cross_entropy import vocab_parallel_cross_entropy
     topo = _setup(tp)

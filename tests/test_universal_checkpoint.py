@@ -2,7 +2,7 @@
 launch/train.py saves, and `--load DIR --universal-checkpoint` resumes at another TP/PP/DP/ZeRO layout
 with optimizer state, LR schedule, iteration and consumed samples: iterations 5-8 equal the
 uninterrupted one-rank run within 1e-5 (fp32, dropout off). Plain loads at another layout end in one
-message naming what differs and the fix. ZeRO-3 checkpoints at TP 2 consolidate to HuggingFace."""
+message naming what differs and the fix. ZeRO-3 checkpoints at TP 2 and TP 1 consolidate to HuggingFace."""
 
 import os
 import re
@@ -15,7 +15,7 @@ from tests.test_training import TINY, assert_same_losses
 UNTIED = ["--untie-embeddings-and-output-weights"]
 
 # (source launcher, ranks, flags) -> (target launcher, ranks, flags)
-# trimmed for the suite's time (each passed when removed): dp2_zero3_to_tp2_zero1 (pp2_dp2_zero3_to_tp2_zero1 and
+# trimmed for the suite's time (each passed when removed): dp2_zero3_to_tp2_zero1 (pp2_dp2_zero3_untied_to_tp2_zero1 and
 # dp2_to_dp1_zero3), tp2_to_tp1_dp2 (TP changes stay in
 # tp2_pp2_to_tp1_pp2_dp2), dp2_zero2_to_tp2_zero1 (dp2_zero3_to_tp2_zero1), tp2_zero0_to_dp2_zero2
 # (pp2_zero0_to_pp1_zero1),
@@ -23,15 +23,17 @@ UNTIED = ["--untie-embeddings-and-output-weights"]
 CASES = {
     "dp2_to_dp1_zero3": (("torchrun", 2, ["--deepspeed", "ds_configs/zero3.json"]),
                          ("python", 1, ["--deepspeed", "ds_configs/zero3.json"])),
-    # ZeRO-3 under a pipeline (the one runtime) to TP 2 with ZeRO-1, the optimizer kept
-    "pp2_dp2_zero3_to_tp2_zero1": (("torchrun", 4, ["--pipeline-model-parallel-size", 2, "--deepspeed",
-                                                    "ds_configs/zero3.json"]),
-                                   ("torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed",
-                                                    "ds_configs/zero1.json"])),
-    "tp2_zero1_to_dp2_zero3_padded_vocab": (
+    # ZeRO-3 under a pipeline (the one runtime) to TP 2 with ZeRO-1, the optimizer kept; untied, so ZeRO-3 holds
+    # both vocabulary tables as row blocks (ModelConfig.zero3_vocab_block_rows), joined into the tables here
+    "pp2_dp2_zero3_untied_to_tp2_zero1": (("torchrun", 4, ["--pipeline-model-parallel-size", 2, "--deepspeed",
+                                                           "ds_configs/zero3.json", *UNTIED]),
+                                          ("torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed",
+                                                           "ds_configs/zero1.json", *UNTIED])),
+    # and the tables split into the blocks of a ZeRO-3 run from a universal checkpoint, padding rows in the last
+    "tp2_zero1_to_dp2_zero3_untied_padded_vocab": (
         ("torchrun", 2, ["--tensor-model-parallel-size", 2, "--deepspeed", "ds_configs/zero1.json",
-                         "--make-vocab-size-divisible-by", 60]),
-        ("torchrun", 2, ["--deepspeed", "ds_configs/zero3.json", "--make-vocab-size-divisible-by", 60])),
+                         "--make-vocab-size-divisible-by", 60, *UNTIED]),
+        ("torchrun", 2, ["--deepspeed", "ds_configs/zero3.json", "--make-vocab-size-divisible-by", 60, *UNTIED])),
     # no ZeRO (fp32): converted here, DeepSpeed's tool reads ZeRO partitions only
     "pp2_zero0_to_pp1_zero1": (("torchrun", 2, ["--pipeline-model-parallel-size", 2]),
                                ("python", 1, ["--deepspeed", "ds_configs/zero1.json"])),
@@ -158,21 +160,28 @@ def test_plain_load_at_another_layout_is_one_message_naming_the_difference_and_t
 
 
 @pytest.mark.slow
-def test_zero3_checkpoint_at_tp2_converts_to_huggingface_with_the_one_rank_weights(data, tmp_path):
+def test_zero3_checkpoints_convert_to_huggingface_with_the_one_rank_weights(data, tmp_path):
     from safetensors.torch import load_file
     import torch
+    """A Llama (untied): ZeRO-3 holds its vocabulary tables as row blocks (ModelConfig.zero3_vocab_block_rows),
+    joined by the readers: at TP 2 through DeepSpeed's ds_to_universal (each block's TP slices), at TP 1 through
+    its zero_to_fp32."""
+    llama = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+             *UNTIED]
     exported = {}
     for name, nproc, flags in (("zero3_tp2", 2, ["--tensor-model-parallel-size", 2, "--deepspeed",
-                                                 "ds_configs/zero3.json"]),
-                               ("one_rank", 1, [])):
+                                                 "ds_configs/zero3.json", *llama]),
+                               ("zero3_dp2", 2, ["--deepspeed", "ds_configs/zero3.json", *llama]),
+                               ("one_rank", 1, llama)):
         ckpt, hf = tmp_path / name, tmp_path / f"{name}_hf"
         _save_4(data, ckpt, "torchrun" if nproc > 1 else "python", nproc, flags, tmp_path / f"{name}.jsonl")
         run("python", 1, ["--saver", "hf", "--load-dir", ckpt, "--save-dir", hf, "--no-progress-bar"],
             script="conversion/checkpoint_util.py")
         exported[name] = load_file(str(hf / "model.safetensors"))
-    assert exported["zero3_tp2"].keys() == exported["one_rank"].keys()
-    for key, value in exported["one_rank"].items():  # 4 Adam steps at either layout: the same weights
-        torch.testing.assert_close(exported["zero3_tp2"][key], value, rtol=1e-4, atol=1e-6, msg=key)
+    for layout in ("zero3_tp2", "zero3_dp2"):
+        assert exported[layout].keys() == exported["one_rank"].keys()
+        for key, value in exported["one_rank"].items():  # 4 Adam steps at either layout: the same weights
+            torch.testing.assert_close(exported[layout][key], value, rtol=1e-4, atol=1e-6, msg=f"{layout} {key}")
 
 
 PIPELINE_ENGINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pipeline_engine")

@@ -10,11 +10,12 @@ import json
 import re
 from typing import Optional
 
+import torch
 from deepspeed.checkpoint import constants as c
 
 from hybrid.model.config import ModelConfig
 from hybrid.model.gpt import GPTModel
-from hybrid.model.naming import pipeline_name
+from hybrid.model.naming import pipeline_name, vocab_block
 from hybrid.parallel.groups import ParallelGroups
 
 
@@ -37,6 +38,7 @@ def _tp_layout(config_json: str) -> tuple:
     config = ModelConfig(**json.loads(config_json))
     # a tiny model of the same structure (names and layers depend on the options, not the sizes)
     tiny = dataclasses.replace(config, hidden_size=2 * config.num_attention_heads, ffn_hidden_size=2, vocab_size=8,
+                               vocab_block_rows=0,  # the tables whole: ZeRO-3's row blocks are a form of them
                                max_position_embeddings=2, make_vocab_size_divisible_by=1, rotary_percent=1.0,
                                **({"q_lora_rank": 2 if config.q_lora_rank else None, "kv_lora_rank": 2,
                                    "qk_head_dim": 2, "qk_pos_emb_head_dim": 2, "v_head_dim": 2}
@@ -126,7 +128,10 @@ def universal_checkpoint_info(config: ModelConfig, tp: int, pipeline: bool = Fal
     older checkpoints kept one as a parameter), a vocabulary parameter too."""
     groups = {c.VOCABULARY_PARAMETER_PATTERNS: [], c.TP_REPLICATED_PARAMETER_PATTERNS: [],
               c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [], c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: []}
+    blocked = config.vocab_blocked(tp)
     for name, rule in tp_layout(config).items():
+        if blocked and rule.vocab_padded:
+            continue  # its row blocks (ZeRO-3): column-parallel slices, no padding of their own (DeepSpeed's default)
         pattern = "^" + re.escape(pipeline_name(name, config.num_layers, config.tied_embeddings) if pipeline
                                   else name) + "$"
         if rule.vocab_padded:
@@ -145,3 +150,18 @@ def universal_checkpoint_info(config: ModelConfig, tp: int, pipeline: bool = Fal
             c.PARAMETER_TO_AVERAGE_PATTERNS: []}
     info.update({key: patterns for key, patterns in groups.items() if patterns})
     return info
+
+
+def join_vocab_blocks(state: dict, tp: int = 1) -> dict:
+    """`state` (canonical name -> tensor) with each vocabulary table's row blocks (hybrid.model.naming.vocab_block:
+    ZeRO-3's form of an untied table) joined into the table, in place. With `tp` > 1 each block holds that block of
+    every TP rank in rank order, as DeepSpeed's ds_to_universal joins TP slices (dim 0): the table is each rank's
+    blocks in order, rank after rank."""
+    blocks: dict[str, dict[int, torch.Tensor]] = {}
+    for name in [n for n in state if vocab_block(n)]:
+        table, index = vocab_block(name)
+        blocks.setdefault(table, {})[index] = state.pop(name)
+    for table, parts in blocks.items():
+        ordered = [parts[i] for i in sorted(parts)]
+        state[table] = torch.cat([torch.cat([part.chunk(tp)[rank] for part in ordered]) for rank in range(tp)])
+    return state

@@ -21,9 +21,9 @@ import deepspeed
 import torch
 from deepspeed.checkpoint import constants as c
 
-from hybrid.checkpoint.tp_layout import tp_layout
+from hybrid.checkpoint.tp_layout import join_vocab_blocks, tp_layout
 from hybrid.errors import ConfigError
-from hybrid.model.naming import EMBEDDING_WEIGHT, TIED_COPY_WEIGHT, canonical_name
+from hybrid.model.naming import EMBEDDING_WEIGHT, TIED_COPY_WEIGHT, canonical_name, vocab_block
 from hybrid.safe_loading import child_command, safe_load
 
 UNIVERSAL_INFO = "hybrid_universal.json"  # what the universal checkpoint was made from
@@ -111,7 +111,9 @@ def _run_tool_on(ckpt: str, out_dir: str, config, log) -> None:
         if canonical is not None and canonical != name:
             os.replace(os.path.join(zero, name), os.path.join(zero, canonical))
     drop_tied_copy(zero)
-    normalize(zero, config, _param_shapes(out_dir, config))
+    shapes = _param_shapes(out_dir, config)
+    join_block_folders(zero, shapes)
+    normalize(zero, config, shapes)
     alias_model_files(out_dir)
 
 
@@ -177,6 +179,34 @@ def drop_tied_copy(zero: str) -> None:
             shutil.rmtree(copy)
         else:
             os.replace(copy, original)
+
+
+def join_block_folders(zero: str, shapes: dict) -> None:
+    """A vocabulary table that ZeRO-3 held in row blocks (hybrid.model.naming.vocab_block) as the one directory of
+    the table: its weights and moments joined (hybrid.checkpoint.tp_layout.join_vocab_blocks; each block's TP
+    slices, which ds_to_universal put one after the other, counted from the block's shape in `shapes`), its step
+    the blocks' one step."""
+    tables: dict[str, list] = {}
+    for name in sorted(os.listdir(zero)):
+        if vocab_block(name) is not None and os.path.isdir(os.path.join(zero, name)):
+            tables.setdefault(vocab_block(name)[0], []).append(name)
+    for table, blocks in tables.items():
+        folder = os.path.join(zero, table)
+        os.makedirs(folder)
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            pieces, tp = {}, 1
+            for name in blocks:
+                value = safe_load(os.path.join(zero, name, f"{key}.pt"))
+                tensor = value[c.PARAM] if isinstance(value, dict) else value
+                rows, width = shapes[name]
+                pieces[name] = tensor.reshape(-1, width)  # ZeRO-3 writes flat tensors
+                tp = pieces[name].size(0) // rows
+            torch.save({c.PARAM: join_vocab_blocks(pieces, tp)[table], c.CAT_DIM: 0}, os.path.join(folder, f"{key}.pt"))
+        step = os.path.join(zero, blocks[0], "step.pt")
+        if os.path.isfile(step):
+            shutil.copy2(step, os.path.join(folder, "step.pt"))
+        for name in blocks:
+            shutil.rmtree(os.path.join(zero, name))
 
 
 def _param_shapes(out_dir: str, config) -> dict:

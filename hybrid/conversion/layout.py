@@ -22,13 +22,13 @@ from hybrid.checkpoint.client_state import ClientState, SavedLayout, model_summa
 from hybrid.checkpoint.files import (LATEST, MEGATRON_LATEST, atomic_directory, first_model_file, layer_file, load_file,
                                      model_file, read_tag, tag_for)
 from hybrid.checkpoint.manifest import verify_manifest, write_manifest
-from hybrid.checkpoint.tp_layout import full_numels, tp_layout
+from hybrid.checkpoint.tp_layout import full_numels, join_vocab_blocks, tp_layout
 from hybrid.conversion.ds_universal import read_fp32_state
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
 from hybrid.model.naming import (EMBEDDING_WEIGHT, EXPERTS, buffer_names, canonical_buffers, canonical_name,
-                                 canonical_parameters, pipeline_index)
-from hybrid.parallel.layers import shard, unshard
+                                 canonical_parameters, names_to_load, pipeline_index, vocab_block)
+from hybrid.parallel.layers import TableBlock, shard, unshard
 
 __all__ = ["read_hybrid", "hybrid_parts", "write_hybrid", "shard_for_rank", "partition_rule", "load_full_state",
            "resolve_tag",
@@ -105,7 +105,7 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
             # rank only; its ds_to_universal merges TP and PP too
             full = read_fp32_state(ckpt, config)
         else:
-            full = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag)
+            full = join_vocab_blocks(get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag))
         shards = {name: {0: value} for name, value in full.items()}
     else:
         shards = _read_shards(_locate(ckpt, saved, config, set(tp_layout(config)) | buffer_names(config)))
@@ -218,10 +218,22 @@ def shard_for_rank(name: str, tensor: torch.Tensor, config: ModelConfig, tp: int
 def load_full_state(model, state: dict, config: ModelConfig, groups) -> None:
     """Copy a full canonical state dict into this rank's parameters of `model` (any form: GPTModel, a
     DeepSpeed pipeline stage, virtual stages); see load_parts."""
-    missing = sorted(set(canonical_parameters(model, config.num_layers)) - set(state))
+    missing = sorted(names_to_load(model, config.num_layers, buffers=False) - set(state))
     if missing:
         raise ConfigError(f"--load: the checkpoint lacks {missing[:5]} (a different model shape?).")
     load_parts(model, [state], config, groups)
+
+
+def table_block_rows(model, config: ModelConfig, groups) -> dict:
+    """{id of a vocabulary table's row block (hybrid.parallel.layers.TableBlock): its rows [start, stop) within
+    this TP rank's rows of the table}."""
+    rank_start = groups.tp.rank * (config.padded_vocab_size(groups.tp.size) // groups.tp.size)
+    rows = {}
+    for module in model.modules():
+        if isinstance(module, TableBlock):
+            start = module.first_id - rank_start
+            rows[id(module.weight)] = (start, start + getattr(module.weight, "ds_shape", module.weight.shape)[0])
+    return rows
 
 
 def load_parts(model, parts, config: ModelConfig, groups, may_start_fresh: tuple = ()) -> list:
@@ -232,8 +244,11 @@ def load_parts(model, parts, config: ModelConfig, groups, may_start_fresh: tuple
     re-partitioned). Every parameter of the rank must have been in some part but those whose names start with
     `may_start_fresh`, which keep their initialisation (returned). Buffers a part names (the
     routers' score biases, replicated) are copied too, and a last stage's copy of a tied table
-    (hybrid.model.virtual_stages.RankModel.tied_table) gets the word embeddings where a part has them."""
+    (hybrid.model.virtual_stages.RankModel.tied_table) gets the word embeddings where a part has them. A table
+    in row blocks (ZeRO-3's form: hybrid.model.naming.vocab_block) takes each block's rows of the table."""
     params = canonical_parameters(model, config.num_layers)
+    sources = {name: (vocab_block(name) or (name,))[0] for name in params}
+    rows = table_block_rows(model, config, groups)
     buffers = canonical_buffers(model, config.num_layers)
     copy = getattr(model, "tied_table", None)
     loaded = set()
@@ -244,18 +259,26 @@ def load_parts(model, parts, config: ModelConfig, groups, may_start_fresh: tuple
             if copy is not None and EMBEDDING_WEIGHT in part and EMBEDDING_WEIGHT not in params:
                 copy.copy_(shard_for_rank(EMBEDDING_WEIGHT, part[EMBEDDING_WEIGHT], config, groups.tp.size,
                                           groups.tp.rank))
-        mine = {name: params[name] for name in part if name in params}
+        mine = {name: param for name, param in params.items() if sources[name] in part}
+        tables = {}  # this rank's shard of a blocked table, made once for all its blocks
         # DeepSpeed reads modifier_rank as the rank within each parameter's ZeRO group: its first rank writes
         with deepspeed.zero.GatheredParameters(list(mine.values()), modifier_rank=0):
             with torch.no_grad():
                 for name, param in mine.items():
-                    value = shard_for_rank(name, part[name], config, groups.tp.size, groups.tp.rank)
+                    source = sources[name]
+                    if id(param) not in rows:
+                        value = shard_for_rank(name, part[name], config, groups.tp.size, groups.tp.rank)
+                    else:
+                        if source not in tables:
+                            tables[source] = shard_for_rank(source, part[source], config, groups.tp.size,
+                                                            groups.tp.rank)
+                        value = tables[source][rows[id(param)][0]:rows[id(param)][1]]
                     if tuple(value.shape) != tuple(param.shape):
                         raise ConfigError(f"--load: {name} has shape {tuple(value.shape)} in the checkpoint but "
                                           f"{tuple(param.shape)} in the model; check the model flags.")
                     param.copy_(value)
         loaded.update(mine)
-        del part, mine
+        del part, mine, tables
     missing = sorted(set(params) - loaded)
     fresh = [name for name in missing if name.startswith(may_start_fresh)] if may_start_fresh else []
     missing = [name for name in missing if name not in fresh]

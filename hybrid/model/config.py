@@ -46,6 +46,9 @@ MLA_YARN_ORIGINAL_CONTEXT = 4096  # megatron-core's MLATransformerConfig.origina
 GPT_OSS_YARN = (32.0, 131072, 32.0, 1.0, 1.0, 0.0, False)
 
 
+MAX_VOCAB_BLOCKS = 8  # ZeRO-3's row blocks of a vocabulary table (ModelConfig.zero3_vocab_block_rows)
+
+
 @dataclass
 class ModelConfig:
     """Decoder-only transformer: GPT-2 style by default, Llama style with the flags noted."""
@@ -76,6 +79,10 @@ class ModelConfig:
     recompute_num_layers: int = 1  # --recompute-num-layers
     sequence_parallel: bool = False  # --sequence-parallel
     async_tensor_model_parallel_allreduce: bool = True  # off: --no-async-tensor-model-parallel-allreduce
+    # ZeRO-3 only, set by the engine (zero3_vocab_block_rows): an untied vocabulary table as
+    # separate parameters of this many rows each, so ZeRO-3 gathers one block at a time (DeepSpeed's TiledLinear);
+    # 0: the table one parameter. A form of the model, not the model: checkpoints record the run's 0
+    vocab_block_rows: int = 0
     seed: int = 1234  # --seed: the full weights depend on it alone, not on the layout
     num_experts: Optional[int] = None  # --num-experts: a mixture of experts on the layers --moe-layer-freq names
     moe_layer_freq: object = 1  # --moe-layer-freq: every N-th layer (from layer 0) is MoE, or a 0/1 list per layer
@@ -250,6 +257,30 @@ class ModelConfig:
     @property
     def tied_embeddings(self) -> bool:
         return not self.untie_embeddings_and_output_weights
+
+    def zero3_vocab_block_rows(self, tp: int) -> int:
+        """Under ZeRO-3, the rows of each block of an untied vocabulary table (vocab_block_rows; 0: whole).
+
+        ZeRO-3 gathers a parameter whole for its module's forward and backward, and autograd makes its gradient
+        whole before ZeRO reduce-scatters it: for a vocabulary table, by far a small model's largest parameter
+        (GPT-2's 38.6M of 162M), that is the table twice over beside the partitioned states, on the stage that
+        holds it. As DeepSpeed's TiledLinear does, the table is then separate parameters
+        (hybrid.parallel.layers.TableBlock), none larger than the layer's largest matrix (the MLP's first,
+        [ffn (x2 gated) / tp, h]), gathered and reduced one after the other, and at most MAX_VOCAB_BLOCKS of
+        them (each is a module with ZeRO-3's hooks and gathers of its own). Not for a table read outside its
+        module (tied, or multi-token prediction's embeddings): that reader takes the parameter whole."""
+        if self.tied_embeddings or self.mtp_num_layers:
+            return 0
+        rows = self.padded_vocab_size(tp) // tp
+        layer_rows = max(1, (self.ffn_hidden_size or 4 * self.hidden_size) * (2 if self.gated_linear_unit else 1) // tp)
+        if rows <= layer_rows:
+            return 0
+        blocks = min(MAX_VOCAB_BLOCKS, -(-rows // layer_rows))
+        return -(-rows // blocks)
+
+    def vocab_blocked(self, tp: int) -> bool:
+        """This model's untied vocabulary tables are row blocks (`blocks.{i}.weight`) at TP `tp`."""
+        return 0 < self.vocab_block_rows < self.padded_vocab_size(tp) // tp
 
     def padded_vocab_size(self, tp: int) -> int:
         """Vocabulary rounded up to a multiple of make-vocab-size-divisible-by x TP, as Megatron-LM."""

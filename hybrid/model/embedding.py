@@ -10,7 +10,7 @@ from hybrid.model.init import normal_init, vocab_rows_init
 from hybrid.parallel import mappings as M
 from hybrid.parallel.groups import as_groups
 from hybrid.parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, column_parallel_matmul,
-                                    local_rows_lookup)
+                                    local_rows_lookup, make_table_blocks)
 from hybrid.parallel.random import fork_tp_rng
 
 
@@ -27,7 +27,8 @@ class Embedding(nn.Module):
         groups = as_groups(groups)
         self.config, self.groups, self.tp_group = config, groups, groups.tp_group
         self.word_embeddings = VocabParallelEmbedding(
-            config.padded_vocab_size(groups.tp_size), config.hidden_size, groups, word_init(config))
+            config.padded_vocab_size(groups.tp_size), config.hidden_size, groups, word_init(config),
+            block_rows=config.vocab_block_rows)
         if config.position_embedding_type == "learned_absolute":
             # initialised before the module exists (ZeRO-3's zero.Init partitions it on construction)
             full = torch.empty(config.max_position_embeddings, config.hidden_size, dtype=torch.float32)
@@ -75,7 +76,7 @@ def embed_with(table, input_ids, config, groups, training: bool):
     """Embedding's word embeddings (rope models: no position table) through `table`, this TP rank's rows of the
     vocabulary (the last stage's copy of the word embeddings: hybrid.model.virtual_stages)."""
     groups = as_groups(groups)
-    out = local_rows_lookup(input_ids.t(), table, groups.tp_rank * table.size(0), groups.tp_size)
+    out = local_rows_lookup(input_ids.t(), table, groups.tp_rank * table.size(0), groups.tp_size == 1)
     hidden = _scaled(M.reduce_from_tp_region(out, groups.tp_group), config)
     return _embedding_out(hidden, config, groups.tp_group, training)
 
@@ -93,6 +94,18 @@ def parallel_logits(hidden, weight, groups, sequence_parallel: bool, vocab_size=
     return column_parallel_matmul(hidden, weight, None, groups, sequence_parallel, overlap)
 
 
+def output_head(config, groups):
+    """The untied output projection: OutputHead, or BlockedOutputHead in row blocks (ZeRO-3's vocab_block_rows)."""
+    groups = as_groups(groups)
+    if config.vocab_blocked(groups.tp_size):
+        return BlockedOutputHead(config, groups)
+    return OutputHead(config, groups)
+
+
+def _head_init(config):
+    return vocab_rows_init(normal_init(config.seed, "output_layer.weight", config.init_method_std), config.vocab_size)
+
+
 class OutputHead(ColumnParallelLinear):
     """Untied output projection (Llama style: --untie-embeddings-and-output-weights): logits stay
     split over the vocabulary, [s(/tp), b, h] -> [s, b, V/tp]."""
@@ -100,8 +113,7 @@ class OutputHead(ColumnParallelLinear):
     def __init__(self, config, groups):
         groups = as_groups(groups)
         super().__init__(config.hidden_size, config.padded_vocab_size(groups.tp_size), groups,
-                         vocab_rows_init(normal_init(config.seed, "output_layer.weight", config.init_method_std),
-                                         config.vocab_size), bias=False,
+                         _head_init(config), bias=False,
                          sequence_parallel=config.sequence_parallel,
                          overlap=config.async_tensor_model_parallel_allreduce)
         self.weight.vocab_padded = True  # rows are the (padded) vocabulary, as the embedding's
@@ -112,6 +124,35 @@ class OutputHead(ColumnParallelLinear):
         call and over the whole table, the padding columns cut from the logits: a multiplication by a slice of the
         table would keep ZeRO-3's gathered table alive after its release (the slice is what backward saves) and
         give the table's gradient a second full-size tensor."""
+        if self.groups.tp_size == 1:
+            return self(hidden)[..., :self.vocab_size].contiguous()
+        return self(hidden)
+
+
+class BlockedOutputHead(nn.Module):
+    """OutputHead with this TP rank's rows as TableBlocks (`blocks.{i}.weight`; ZeRO-3: ModelConfig.vocab_block_rows):
+    the input gathered (SP) or entered into the TP region once, each block's logits through its own module
+    (its weight gathered for it alone), concatenated: [s(/tp), b, h] -> [s, b, V/tp], the values of one matmul
+    (each logit is one row's dot product)."""
+
+    def __init__(self, config, groups):
+        super().__init__()
+        self.groups = groups = as_groups(groups)
+        self.sequence_parallel, self.vocab_size = config.sequence_parallel, config.vocab_size
+        padded = config.padded_vocab_size(groups.tp_size)
+        first_id = groups.tp_rank * padded // groups.tp_size
+        self.blocks = make_table_blocks((padded, config.hidden_size), config.vocab_block_rows, groups,
+                                        _head_init(config), torch.float32, None, first_id)
+
+    def forward(self, hidden):
+        if self.sequence_parallel:
+            hidden = M.gather_from_sequence_parallel_region(hidden, self.groups.tp_group)  # [s/tp, b, h] -> [s, b, h]
+        else:
+            hidden = M.copy_to_tp_region(hidden, self.groups.tp_group)
+        return torch.cat([block(hidden, lookup=False) for block in self.blocks], dim=-1)
+
+    def loss_logits(self, hidden):
+        """As OutputHead.loss_logits: no padding columns at TP = 1."""
         if self.groups.tp_size == 1:
             return self(hidden)[..., :self.vocab_size].contiguous()
         return self(hidden)

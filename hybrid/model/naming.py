@@ -32,6 +32,7 @@ TIED_COPY_WEIGHT = f"{TIED_COPY}.word_embeddings.weight"
 EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
 
 _PIPE_NAME = re.compile(r"^(\d+)\.(.*)$")
+_VOCAB_BLOCK = re.compile(r"^(embedding\.word_embeddings|output_layer)\.blocks\.(\d+)\.weight$")
 # an MoE layer's experts (DeepSpeed's MoE naming): layers.{i}.mlp.deepspeed_moe.experts.deepspeed_experts.{e}.fc1.weight
 EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
 
@@ -74,6 +75,19 @@ def canonical_name(name: str, num_layers: int) -> Optional[str]:
     if key == "word_embeddings.weight":
         return None
     return key
+
+
+def vocab_block(name: str) -> Optional[tuple[str, int]]:
+    """(the table's canonical name, the block's index) of a row block of an untied vocabulary table (ZeRO-3's form
+    of it: hybrid.parallel.layers.TableBlock, `embedding.word_embeddings.blocks.{i}.weight`,
+    `output_layer.blocks.{i}.weight`), else None."""
+    match = _VOCAB_BLOCK.match(name)
+    return (f"{match.group(1)}.weight", int(match.group(2))) if match else None
+
+
+def vocab_block_name(table: str, index: int) -> str:
+    """The name of row block `index` of the vocabulary table `table` (the inverse of vocab_block)."""
+    return f"{table[:-len('weight')]}blocks.{index}.weight"
 
 
 def global_expert_name(name: str, expert_offsets: dict, default: int = 0) -> str:
@@ -124,8 +138,8 @@ def canonical_parameters(model, num_layers: int) -> dict:
 def names_to_load(model, num_layers: int, buffers: bool = True) -> set:
     """What a checkpoint reader gives this rank's model: its parameters (and `buffers`) under canonical names and,
     for a last stage's copy of a tied table (hybrid.model.virtual_stages.RankModel.tied_table), the word
-    embeddings."""
-    names = set(canonical_parameters(model, num_layers))
+    embeddings. A table in row blocks (vocab_block) is read whole."""
+    names = {(vocab_block(name) or (name,))[0] for name in canonical_parameters(model, num_layers)}
     if buffers:
         names |= set(canonical_buffers(model, num_layers))
     if getattr(model, "tied_table", None) is not None:

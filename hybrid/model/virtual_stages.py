@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from hybrid.model.config import ModelConfig
-from hybrid.model.embedding import Embedding, OutputHead, embed_with, word_init, parallel_logits
+from hybrid.model.embedding import Embedding, embed_with, output_head, parallel_logits, word_init
 from hybrid.model.mtp import MTPLayer, shifted
 from hybrid.model.naming import mtp_prefix
 from hybrid.model.norms import build_norm
@@ -62,7 +62,7 @@ class RankModel(nn.Module):
         self.embedding = Embedding(config, groups) if holds_first else None
         self.layers = Layers({str(i): TransformerLayer(config, groups, i) for p in self.plans for i in p.layers})
         self.final_norm = build_norm(config, groups) if holds_last else None
-        self.output_layer = OutputHead(config, groups) if holds_last and not config.tied_embeddings else None
+        self.output_layer = output_head(config, groups) if holds_last and not config.tied_embeddings else None
         # multi-token prediction's layers (hybrid.model.mtp), on the last stage, named mtp.{depth}.*
         self.mtp = nn.ModuleList(MTPLayer(config, groups, i, mtp_prefix(config, i)) for i in config.mtp_layers) \
             if holds_last and config.mtp_num_layers else None

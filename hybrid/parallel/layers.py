@@ -74,14 +74,48 @@ def mark_tensor_parallel(param: torch.Tensor, dim: int, stride: int = 1) -> None
     param.partition_stride = stride
 
 
-def local_rows_lookup(ids: torch.Tensor, table: torch.Tensor, vocab_start: int, tp_size: int) -> torch.Tensor:
-    """The embeddings of `ids` from this TP rank's vocabulary rows `table` (the rows from `vocab_start`): zeros for
-    the ids other ranks hold (their sum over TP is the whole lookup)."""
-    if tp_size == 1:
+def local_rows_lookup(ids: torch.Tensor, table: torch.Tensor, vocab_start: int, whole: bool) -> torch.Tensor:
+    """The embeddings of `ids` from the vocabulary rows `table` (the rows from `vocab_start`; `whole`: every row):
+    zeros for the ids other ranks or blocks hold (their sum is the whole lookup)."""
+    if whole:
         return F.embedding(ids, table)
     local_ids = ids - vocab_start
     outside = (local_ids < 0) | (local_ids >= table.size(0))
     return F.embedding(local_ids.masked_fill(outside, 0), table).masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def row_blocks(rows: int, block_rows: int) -> list[tuple[int, int]]:
+    """[start, stop) of each block of a table of `rows` rows cut every `block_rows` rows (0: one block)."""
+    step = block_rows if 0 < block_rows < rows else rows
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+class TableBlock(nn.Module):
+    """Rows of a vocabulary table as a parameter of their own (`blocks.{i}.weight`, hybrid.model.naming.vocab_block),
+    so ZeRO-3 gathers, and reduces the gradient of, one block at a time: its own module, whose hooks gather its
+    weight when it runs. `first_id`: the vocabulary id of its first row. As an embedding (`lookup`) it gives the
+    rows of the ids it holds and zeros for the others; as an output head (not `lookup`) its rows' logits."""
+
+    def __init__(self, rows: torch.Tensor, first_id: int, dtype, device):
+        super().__init__()
+        self.first_id = first_id
+        self.weight = nn.Parameter(rows.to(dtype=dtype, device=device))
+        mark_tensor_parallel(self.weight, 0)
+
+    def forward(self, x: torch.Tensor, lookup: bool) -> torch.Tensor:
+        if lookup:
+            return local_rows_lookup(x, self.weight, self.first_id, whole=False)
+        return F.linear(x, self.weight)
+
+
+def make_table_blocks(full_shape, block_rows: int, groups: ParallelGroups, init_method, dtype, device, vocab_start):
+    """This TP rank's rows of a vocabulary table (initialised whole, as make_parallel_param does) as TableBlocks of
+    `block_rows` rows."""
+    full = torch.empty(full_shape, dtype=torch.float32)
+    init_method(full)
+    local = shard(full, 0, groups.tp_rank, groups.tp_size)
+    return nn.ModuleList(TableBlock(local[a:b].clone(), vocab_start + a, dtype, device)
+                         for a, b in row_blocks(local.size(0), block_rows))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -89,11 +123,14 @@ class VocabParallelEmbedding(nn.Module):
 
     Each rank looks up the ids in its range (others give zeros) and the partial results are
     summed: all-reduce, or with `reduce_scatter_embeddings` a reduce-scatter along dim 0 (the
-    sequence, for sequence parallelism; ids must then be `[s, b]`).
+    sequence, for sequence parallelism; ids must then be `[s, b]`). With `block_rows` (ZeRO-3) this
+    rank's rows are TableBlocks, each looked up on its own and summed: the same values, as each id is in
+    one block and the others add exact zeros.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, groups: ParallelGroups, init_method: InitMethod,
-                 reduce_scatter_embeddings: bool = False, params_dtype=torch.float32, device=None):
+                 reduce_scatter_embeddings: bool = False, params_dtype=torch.float32, device=None,
+                 block_rows: int = 0):
         super().__init__()
         self.groups = groups = as_groups(groups)
         self.tp_group = groups.tp_group
@@ -104,12 +141,23 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = num_embeddings // world
         self.vocab_start = groups.tp_rank * self.rows_per_rank
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        if 0 < block_rows < self.rows_per_rank:
+            self.blocks = make_table_blocks((num_embeddings, embedding_dim), block_rows, groups, init_method,
+                                            params_dtype, device, self.vocab_start)
+            self.register_parameter("weight", None)
+            return
+        self.blocks = None
         self.weight = make_parallel_param((num_embeddings, embedding_dim), 0, 1, groups,
                                            init_method, params_dtype, device)
         self.weight.vocab_padded = True  # rows are the vocabulary (padded per TP degree by the model)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = local_rows_lookup(ids, self.weight, self.vocab_start, self.groups.tp_size)
+        if self.blocks is not None:
+            out = self.blocks[0](ids, lookup=True)
+            for block in self.blocks[1:]:
+                out = out + block(ids, lookup=True)
+        else:
+            out = local_rows_lookup(ids, self.weight, self.vocab_start, self.groups.tp_size == 1)
         if self.reduce_scatter_embeddings:
             return M.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         return M.reduce_from_tp_region(out, self.tp_group)

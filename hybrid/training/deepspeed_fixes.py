@@ -10,6 +10,7 @@ import os
 
 import deepspeed
 from deepspeed.accelerator import get_accelerator
+from deepspeed.checkpoint.constants import PARAM
 import torch
 import torch.distributed as dist
 from deepspeed.moe.layer import MoE
@@ -22,7 +23,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
 from hybrid.checkpoint.files import load_file
 from hybrid.model.moe.moe_layer import MoELayer
-from hybrid.model.naming import canonical_parameters
+from hybrid.model.naming import canonical_parameters, vocab_block
 from hybrid.training.async_save import BackgroundWriter
 from hybrid.training.muon import FlatPartition, Partitioned
 
@@ -83,6 +84,11 @@ RELIED_ON = [
     ("deepspeed.runtime.zero.stage3",
      "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
      "param_groups"),
+    ("deepspeed.runtime.zero.stage3",
+     "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
+     "self.load_hp_checkpoint_state(os.path.join(checkpoint_dir, param_name)"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state",
+     "loaded_checkpoint_state.narrow(0, rank * partitioned_numel, partitioned_numel)"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.save_checkpoint", "self.checkpoint_engine.commit(commit_info)"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine._save_checkpoint", "self.checkpoint_engine.save("),
     ("deepspeed.runtime.engine", "DeepSpeedEngine._configure_checkpointing",
@@ -286,20 +292,23 @@ def release_input_embedding_after_its_gradient(engine, embedding) -> None:
     gradient arrives at ZeRO's reduction, the module is released as DeepSpeed's own post-backward hook releases
     a module (`release_sub_module`, backward); its backward has run, and the weights are gathered again by the
     next forward. A table another module still holds stays gathered (DeepSpeed's release skips a parameter with
-    active modules: the tied head at PP = 1 reads it through the top module, so nothing is saved there). The
-    method is replaced on this optimizer object only."""
+    active modules: the tied head at PP = 1 reads it through the top module, so nothing is saved there). A table
+    in blocks (hybrid.parallel.layers.TableBlock, ZeRO-3's vocab_block_rows): each block's module when its own
+    gradient arrives. The method is replaced on this optimizer object only."""
     optimizer = engine.optimizer
     if (engine.zero_optimization_stage() != 3 or embedding is None
             or getattr(optimizer, "parameter_offload", None) is None):
         return
     coordinator = optimizer.parameter_offload.get_param_coordinator()
     reduce = optimizer.reduce_ready_partitions_and_remove_grads
-    weight = embedding.weight
+    blocks = getattr(embedding, "blocks", None)
+    owner = {id(module.weight): module for module in ([embedding] if blocks is None else blocks)}
     active = coordinator._PartitionedParameterCoordinator__active_backward_submodules  # one dict, kept by DeepSpeed
 
     def release_then_reduce(param, *args, **kwargs):
-        if param is weight and getattr(embedding, "ds_id", None) in active:
-            coordinator.release_sub_module(embedding, forward=False)
+        module = owner.get(id(param))
+        if module is not None and getattr(module, "ds_id", None) in active:
+            coordinator.release_sub_module(module, forward=False)
         return reduce(param, *args, **kwargs)
 
     optimizer.reduce_ready_partitions_and_remove_grads = release_then_reduce
@@ -458,6 +467,34 @@ def use_canonical_param_names(engine, num_layers: int) -> None:
                            f"changed?); universal checkpoint loading cannot find its parameters.")
     canonical = {id(p): name for name, p in canonical_parameters(engine.module, num_layers).items()}
     optimizer.param_names = {param: canonical.get(id(param), name) for param, name in names.items()}
+
+
+def load_table_blocks_from_universal(engine, rows: dict) -> None:
+    """A ZeRO-3 universal load into a vocabulary table held in row blocks (hybrid.parallel.layers.TableBlock;
+    `rows`: {id of a block's parameter: its rows [start, stop) of the table}). A universal checkpoint holds the
+    table whole, one directory (hybrid.conversion.ds_universal.join_block_folders); DeepSpeed 0.19.8's ZeRO-3 load
+    reads each parameter's `zero/<name>/<key>.pt` (`load_hp_checkpoint_state`). A block's read takes its rows of
+    the table's file and this rank's partition of them as DeepSpeed's partitions any parameter (flat, padded to a
+    multiple of the partition group, this rank's slice). Replaced on this optimizer object only."""
+    optimizer = engine.optimizer
+    if engine.zero_optimization_stage() != 3 or not rows:
+        return
+    load = optimizer.load_hp_checkpoint_state
+
+    def load_block(folder, key, param=None):
+        block = vocab_block(os.path.basename(folder))
+        if block is None or param is None or id(param) not in rows:
+            return load(folder, key, param=param)
+        value = load_file(os.path.join(os.path.dirname(folder), block[0], f"{key}.pt"))
+        start, stop = rows[id(param)]
+        flat = (value[PARAM] if isinstance(value, dict) else value)[start:stop].reshape(-1)
+        group = optimizer._get_param_partition_group(param)
+        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        per = -(-flat.numel() // world)
+        flat = torch.cat([flat, flat.new_zeros(per * world - flat.numel())])
+        return flat.narrow(0, rank * per, per)
+
+    optimizer.load_hp_checkpoint_state = load_block
 
 
 def repair_zero3_universal_load(engine, universal_dir: str) -> None:

@@ -35,11 +35,12 @@ _NO_DECAY = re.compile(r"(^|\.)bias$|norm\.weight$|norm\.bias$|\.attention\.sink
 def build_model(run: RunConfig, groups) -> nn.Module:
     """This rank's model for the run's pipeline schedule (hybrid.model.build); under ZeRO-3 built inside
     `deepspeed.zero.Init`: each parameter is partitioned over its stage's DP x CP ranks as soon as its module
-    exists, so no rank ever holds its whole stage (the point of ZeRO-3 for models larger than a rank)."""
+    exists, so no rank ever holds its whole stage (the point of ZeRO-3 for models larger than a rank); an untied
+    vocabulary table is then parameters of a few rows each (RunConfig.model_form)."""
     zero3 = run.zero_stage == 3
     init = deepspeed.zero.Init(config_dict_or_path=run.ds_config, mpu=groups.mpu,
                                data_parallel_group=groups.mpu.get_data_parallel_group()) if zero3 else None
-    return model_build.build_model(run.model, groups, run.pipeline, init_context=init,
+    return model_build.build_model(run.model_form, groups, run.pipeline, init_context=init,
                                    compile_layers=run.training.torch_compile)
 
 

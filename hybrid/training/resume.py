@@ -20,7 +20,7 @@ from hybrid.checkpoint.files import (LATEST, LATEST_UNIVERSAL, first_model_file,
 from hybrid.checkpoint.manifest import complete_tags, verify_manifest
 from hybrid.config import RunConfig, checkpoint_summary
 from hybrid.conversion.hf import hf_parts
-from hybrid.conversion.layout import hybrid_parts, load_parts
+from hybrid.conversion.layout import hybrid_parts, load_parts, table_block_rows
 from hybrid.conversion.source import MEGATRON_DEEPSPEED, MEGATRON_KINDS, checkpoint_kind, open_source
 from hybrid.conversion.megatron.universal import write_universal
 from hybrid.conversion.universal import convert
@@ -264,6 +264,7 @@ def _load_universal(engine, run: RunConfig, load_dir: str, groups) -> Start:
                           f"'{LATEST_UNIVERSAL}' file). Make one from its last checkpoint with: python "
                           f"conversion/checkpoint_util.py --saver universal --load-dir {load_dir}")
     deepspeed_fixes.use_canonical_param_names(engine, run.model.num_layers)
+    deepspeed_fixes.load_table_blocks_from_universal(engine, table_block_rows(engine.module, run.model, groups))
     try:
         path, client_state = deepspeed_fixes.load_checkpoint(engine, load_dir, tag)
     except UnsafeCheckpointError:

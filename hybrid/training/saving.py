@@ -37,8 +37,9 @@ def optimizer_param_names(engine, run: RunConfig) -> Optional[list]:
 
 
 def _universal_info(run: RunConfig) -> dict:
-    """Every layout names parameters by their canonical names (a tied table's copy is not a parameter)."""
-    return universal_checkpoint_info(run.model, run.parallel.tensor_parallel)
+    """Every layout names parameters by their canonical names (a tied table's copy is not a parameter); ZeRO-3's
+    row blocks of a vocabulary table by theirs (RunConfig.model_form)."""
+    return universal_checkpoint_info(run.model_form, run.parallel.tensor_parallel)
 
 
 def write_files(engine, run: RunConfig, save_dir: str, iteration: int, consumed_samples: int, sequence=None) -> str:
