@@ -21,7 +21,7 @@ from typing import Optional
 from hybrid import ds_config as dsc
 from hybrid.architecture import MLA_FLAGS, MOE_FLAGS, fp8_recipe, model_config
 from hybrid.capabilities import Setup, check
-from hybrid.checkpoint.client_state import SavedLayout, read_client_state
+from hybrid.checkpoint.client_state import ClientState, SavedLayout, read_client_state
 from hybrid.checkpoint.files import read_tag
 from hybrid.data import default as default_data
 from hybrid.data.arithmetic import DEFAULT_REWARDS
@@ -127,6 +127,10 @@ class CheckpointConfig:
     # loads through a universal checkpoint made beside --save (hybrid.training.resume); else why not
     load_pipeline_engine: bool = False
     pipeline_engine_problem: Optional[str] = None
+    # a plain resume (not --finetune, not --universal-checkpoint) of a hybrid checkpoint: the rows of the row blocks
+    # its ZeRO-3 run held an untied vocabulary table in (SavedLayout.vocab_block_rows; 0: whole, as every
+    # checkpoint before the blocks), which this run's ZeRO-3 model takes, so DeepSpeed's own load finds its names
+    resumed_vocab_block_rows: Optional[int] = None
     load_hf: Optional[str] = None  # --load-hf: the HF model directory the run starts from (when --load has none)
     async_save: bool = False  # --async-save: checkpoints written in the background from a host copy
     export_hf: Optional[str] = None  # --export-hf: HF directory written from the final checkpoint
@@ -187,11 +191,14 @@ class RunConfig:
     @property
     def model_form(self) -> ModelConfig:
         """The model as the engine builds it: `model`, with under ZeRO-3 its untied vocabulary tables in row blocks
-        (ModelConfig.zero3_vocab_block_rows). Checkpoints record `model`."""
+        (ModelConfig.zero3_vocab_block_rows; a plain resume: as its checkpoint held them). Checkpoints record `model`
+        and, in their layout, the blocks' rows."""
         if self.zero_stage != 3:
             return self.model
-        return dataclasses.replace(self.model,
-                                   vocab_block_rows=self.model.zero3_vocab_block_rows(self.parallel.tensor_parallel))
+        rows = self.checkpoint.resumed_vocab_block_rows
+        if rows is None:
+            rows = self.model.zero3_vocab_block_rows(self.parallel.tensor_parallel)
+        return dataclasses.replace(self.model, vocab_block_rows=rows)
 
     @property
     def cpu_offloading(self) -> bool:
@@ -206,7 +213,8 @@ class RunConfig:
                            expert_parallel=p.expert_parallel, pipeline_schedule=self.pipeline.schedule,
                            virtual_stages=self.pipeline.virtual_stages, zero_stage=self.zero_stage,
                            stage_files="stages" if p.pipeline_parallel > 1 else "",
-                           stage_layers=tuple(self.pipeline.stage_layers or ()))
+                           stage_layers=tuple(self.pipeline.stage_layers or ()),
+                           vocab_block_rows=self.model_form.vocab_block_rows)
 
 
 def config_summary(run: RunConfig) -> dict:
@@ -742,19 +750,33 @@ def _megatron_optimizer(args, checkpoint: CheckpointConfig, setup: Setup, proble
     checkpoint.megatron_optimizer_problem = None if problem == "none" else problem
 
 
+def _resumed_checkpoint(args) -> Optional[ClientState]:
+    """The client state of the hybrid checkpoint a plain --load resumes (not --finetune, not a universal load);
+    None where there is none, or its file is unreadable (resume names what is wrong with it)."""
+    if not (args.load and os.path.isdir(args.load)) or args.finetune or args.universal_checkpoint:
+        return None
+    tag = read_tag(args.load)
+    if tag is None or not os.path.isdir(os.path.join(args.load, tag)):
+        return None
+    try:
+        return read_client_state(args.load, tag)
+    except ConfigError:
+        return None
+
+
+def _resumed_table_form(args, checkpoint: CheckpointConfig) -> None:
+    """A plain resume rebuilds the vocabulary tables as its checkpoint's run held them (CheckpointConfig
+    .resumed_vocab_block_rows); --finetune and universal loads read whole tables and take any form."""
+    saved = _resumed_checkpoint(args)
+    if saved is not None:
+        checkpoint.resumed_vocab_block_rows = saved.layout.vocab_block_rows
+
+
 def _pipeline_engine_checkpoint(args, checkpoint: CheckpointConfig, setup: Setup) -> None:
     """--load of a checkpoint DeepSpeed's pipeline engine wrote (its layer files; every 1f1b checkpoint before the
     one runtime): with its optimizer state it loads as a universal checkpoint, where this run can load one."""
-    if not (args.load and os.path.isdir(args.load)) or args.finetune or args.universal_checkpoint:
-        return
-    tag = read_tag(args.load)
-    if tag is None or not os.path.isdir(os.path.join(args.load, tag)):
-        return
-    try:
-        saved = read_client_state(args.load, tag)
-    except ConfigError:
-        return  # resume names what is wrong with the file
-    if saved.layout.storage != "layer_files" or saved.weights_only:
+    saved = _resumed_checkpoint(args)
+    if saved is None or saved.layout.storage != "layer_files" or saved.weights_only:
         return
     if args.no_load_optim:
         checkpoint.pipeline_engine_problem = "--no-load-optim"
@@ -808,6 +830,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     if megatron_optimizer_problem is not None:
         _megatron_optimizer(args, checkpoint, setup, megatron_optimizer_problem)
     _pipeline_engine_checkpoint(args, checkpoint, setup)
+    _resumed_table_form(args, checkpoint)
     run = RunConfig(model=model, parallel=dims, pipeline=pipeline, training=training,
                     optimizer=_optimizer(args, optimizer, clip, length), data=data, checkpoint=checkpoint,
                     logging=_logging(args), ds_config={}, args=dict(vars(args)))

@@ -70,3 +70,37 @@ def test_no_save_rng_leaves_the_rng_states_out_and_no_save_optim_is_refused(tmp_
     assert state.rng_states is None and state.iteration == 3 and state.consumed_samples == 24
     with pytest.raises(ConfigError, match="--no-save-optim.*always writes the optimizer state"):
         build_run_config(build_parser().parse_args([str(f) for f in BASE + ["--no-save-optim"]]), 1, 64)
+
+
+def test_a_plain_resume_builds_the_vocabulary_tables_as_its_zero3_checkpoint_held_them(tmp_path):
+    """Under ZeRO-3 an untied table is row blocks (RunConfig.model_form); a checkpoint records their rows in its
+    layout, and a plain resume takes them from there, so DeepSpeed's own load finds the names it wrote: whole tables
+    for a checkpoint from before the blocks (no record), the checkpoint's blocks otherwise. --finetune and universal
+    loads read whole tables into any form, and take this run's."""
+    import torch
+
+    from hybrid.config import build_run_config
+    from hybrid.flags import build_parser
+    flags = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
+             "--max-position-embeddings", 16, "--micro-batch-size", 1, "--global-batch-size", 2, "--train-iters", 8,
+             "--lr", 1e-3, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", 1000,
+             "--untie-embeddings-and-output-weights", "--zero-stage", 3]
+
+    def form(*extra):
+        run = build_run_config(build_parser().parse_args([str(f) for f in flags + list(extra)]), 2, 1001)
+        assert run.saved_layout().vocab_block_rows == run.model_form.vocab_block_rows
+        return run.model_form.vocab_block_rows
+
+    fresh = form()
+    assert fresh > 0 and form("--zero-stage", 1) == 0
+    for recorded, want in (({}, 0), ({"vocab_block_rows": 256}, 256)):
+        load = tmp_path / f"load{len(recorded)}"
+        (load / "iter_0000004").mkdir(parents=True)
+        (load / "latest").write_text("iter_0000004")
+        layout = dict(SavedLayout(zero_stage=3, data_parallel=2).to_dict(), **recorded)
+        if not recorded:
+            del layout["vocab_block_rows"]  # written before the blocks
+        torch.save(dict(ClientState(iteration=4, model={"num_layers": 2}).to_dict(), layout=layout),
+                   load / "iter_0000004" / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+        assert form("--load", load) == want
+        assert form("--load", load, "--finetune") == fresh

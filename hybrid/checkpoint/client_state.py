@@ -35,6 +35,9 @@ class SavedLayout:
     # older checkpoints, whose 1f1b files are DeepSpeed's pipeline engine's (one file per layer)
     stage_files: str = ""
     stage_layers: tuple = ()  # 1f1b: transformer layers per stage (empty: not recorded)
+    # ZeRO-3: the rows of each row block an untied vocabulary table was held in (ModelConfig.vocab_block_rows);
+    # 0: the tables whole (every checkpoint written before the blocks)
+    vocab_block_rows: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -265,10 +265,11 @@ class ModelConfig:
         whole before ZeRO reduce-scatters it: for a vocabulary table, by far a small model's largest parameter
         (GPT-2's 38.6M of 162M), that is the table twice over beside the partitioned states, on the stage that
         holds it. As DeepSpeed's TiledLinear does, the table is then separate parameters
-        (hybrid.parallel.layers.TableBlock), none larger than the layer's largest matrix (the MLP's first,
-        [ffn (x2 gated) / tp, h]), gathered and reduced one after the other, and at most MAX_VOCAB_BLOCKS of
-        them (each is a module with ZeRO-3's hooks and gathers of its own). Not for a table read outside its
-        module (tied, or multi-token prediction's embeddings): that reader takes the parameter whole."""
+        (hybrid.parallel.layers.TableBlock), gathered and reduced one after the other: as many as make each no
+        larger than the layer's largest matrix (the MLP's first, [ffn (x2 gated) / tp, h]), but at most
+        MAX_VOCAB_BLOCKS (each is a module with ZeRO-3's hooks and gathers of its own; GPT-2's 50,304 rows at
+        hidden 768: 8 blocks of 6,288 rows, twice its MLP matrix, an eighth of the table). Not for a table read
+        outside its module (tied, or multi-token prediction's embeddings): that reader takes the parameter whole."""
         if self.tied_embeddings or self.mtp_num_layers:
             return 0
         rows = self.padded_vocab_size(tp) // tp

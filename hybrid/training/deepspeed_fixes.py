@@ -485,7 +485,8 @@ def load_table_blocks_from_universal(engine, rows: dict) -> None:
         block = vocab_block(os.path.basename(folder))
         if block is None or param is None or id(param) not in rows:
             return load(folder, key, param=param)
-        value = load_file(os.path.join(os.path.dirname(folder), block[0], f"{key}.pt"))
+        # memory-mapped: each block reads its rows of the table, not the table (DeepSpeed asks once per block)
+        value = load_file(os.path.join(os.path.dirname(folder), block[0], f"{key}.pt"), mmap=True)
         start, stop = rows[id(param)]
         flat = (value[PARAM] if isinstance(value, dict) else value)[start:stop].reshape(-1)
         group = optimizer._get_param_partition_group(param)
