@@ -22,7 +22,9 @@ from hybrid import ds_config as dsc
 from hybrid.architecture import MLA_FLAGS, MOE_FLAGS, fp8_recipe, model_config
 from hybrid.capabilities import Setup, check
 from hybrid.checkpoint.client_state import ClientState, SavedLayout, read_client_state
-from hybrid.checkpoint.files import read_tag
+from hybrid.checkpoint.files import first_model_file, load_file, read_tag
+from hybrid.checkpoint.manifest import tag_to_resume
+from hybrid.conversion.megatron.source import megatron_kind
 from hybrid.data import default as default_data
 from hybrid.data.arithmetic import DEFAULT_REWARDS
 from hybrid.data.chat.options import ChatOptions
@@ -750,32 +752,36 @@ def _megatron_optimizer(args, checkpoint: CheckpointConfig, setup: Setup, proble
     checkpoint.megatron_optimizer_problem = None if problem == "none" else problem
 
 
-def _resumed_checkpoint(args) -> Optional[ClientState]:
-    """The client state of the hybrid checkpoint a plain --load resumes (not --finetune, not a universal load);
-    None where there is none, or its file is unreadable (resume names what is wrong with it)."""
-    if not (args.load and os.path.isdir(args.load)) or args.finetune or args.universal_checkpoint:
+def _resumed_checkpoint(args, checkpoint: CheckpointConfig) -> Optional[ClientState]:
+    """The client state of the hybrid checkpoint a plain --load resumes (not --finetune, not a universal load, not
+    a Megatron checkpoint), at the tag resume takes (the newest complete one: hybrid.checkpoint.manifest
+    .tag_to_resume), its file memory-mapped; None where there is none or it is unreadable (resume names why)."""
+    load = args.load
+    if not (load and os.path.isdir(load)) or checkpoint.finetune or checkpoint.universal_checkpoint \
+            or megatron_kind(load) is not None:
         return None
-    tag = read_tag(args.load)
-    if tag is None or not os.path.isdir(os.path.join(args.load, tag)):
+    tag = read_tag(load)
+    if tag is None or not os.path.isdir(os.path.join(load, tag)):
         return None
+    tag, _ = tag_to_resume(load, tag)
     try:
-        return read_client_state(args.load, tag)
+        return ClientState.from_meta(load_file(first_model_file(os.path.join(load, tag)), mmap=True)) if tag else None
     except ConfigError:
         return None
 
 
-def _resumed_table_form(args, checkpoint: CheckpointConfig) -> None:
-    """A plain resume rebuilds the vocabulary tables as its checkpoint's run held them (CheckpointConfig
-    .resumed_vocab_block_rows); --finetune and universal loads read whole tables and take any form."""
-    saved = _resumed_checkpoint(args)
-    if saved is not None:
+def _resumed_table_form(saved: Optional[ClientState], checkpoint: CheckpointConfig) -> None:
+    """A plain resume of a ZeRO-3 checkpoint (DeepSpeed's own load of its partitions) rebuilds the vocabulary
+    tables as that run held them (CheckpointConfig.resumed_vocab_block_rows); every other load reads whole tables
+    into any form, and this run's form is its own."""
+    if saved is not None and saved.layout.storage == "zero3" and not saved.weights_only:
         checkpoint.resumed_vocab_block_rows = saved.layout.vocab_block_rows
 
 
-def _pipeline_engine_checkpoint(args, checkpoint: CheckpointConfig, setup: Setup) -> None:
+def _pipeline_engine_checkpoint(args, checkpoint: CheckpointConfig, setup: Setup,
+                                saved: Optional[ClientState]) -> None:
     """--load of a checkpoint DeepSpeed's pipeline engine wrote (its layer files; every 1f1b checkpoint before the
     one runtime): with its optimizer state it loads as a universal checkpoint, where this run can load one."""
-    saved = _resumed_checkpoint(args)
     if saved is None or saved.layout.storage != "layer_files" or saved.weights_only:
         return
     if args.no_load_optim:
@@ -829,8 +835,9 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     check(setup)
     if megatron_optimizer_problem is not None:
         _megatron_optimizer(args, checkpoint, setup, megatron_optimizer_problem)
-    _pipeline_engine_checkpoint(args, checkpoint, setup)
-    _resumed_table_form(args, checkpoint)
+    saved = _resumed_checkpoint(args, checkpoint)
+    _pipeline_engine_checkpoint(args, checkpoint, setup, saved)
+    _resumed_table_form(saved, checkpoint)
     run = RunConfig(model=model, parallel=dims, pipeline=pipeline, training=training,
                     optimizer=_optimizer(args, optimizer, clip, length), data=data, checkpoint=checkpoint,
                     logging=_logging(args), ds_config={}, args=dict(vars(args)))

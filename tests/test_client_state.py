@@ -74,11 +74,13 @@ def test_no_save_rng_leaves_the_rng_states_out_and_no_save_optim_is_refused(tmp_
 
 def test_a_plain_resume_builds_the_vocabulary_tables_as_its_zero3_checkpoint_held_them(tmp_path):
     """Under ZeRO-3 an untied table is row blocks (RunConfig.model_form); a checkpoint records their rows in its
-    layout, and a plain resume takes them from there, so DeepSpeed's own load finds the names it wrote: whole tables
-    for a checkpoint from before the blocks (no record), the checkpoint's blocks otherwise. --finetune and universal
-    loads read whole tables into any form, and take this run's."""
+    layout, and a plain resume of a ZeRO-3 checkpoint takes them from the checkpoint it loads (the newest complete
+    one), so DeepSpeed's own load finds the names it wrote: whole tables for a checkpoint from before the blocks (no
+    record), the checkpoint's blocks otherwise. --finetune, universal loads and the loads of other checkpoints read
+    whole tables into any form, and take this run's."""
     import torch
 
+    from hybrid.checkpoint.manifest import write_manifest
     from hybrid.config import build_run_config
     from hybrid.flags import build_parser
     flags = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 16,
@@ -91,16 +93,29 @@ def test_a_plain_resume_builds_the_vocabulary_tables_as_its_zero3_checkpoint_hel
         assert run.saved_layout().vocab_block_rows == run.model_form.vocab_block_rows
         return run.model_form.vocab_block_rows
 
+    def checkpoint(load, iteration, weights_only=False, **layout):
+        tag = load / f"iter_{iteration:07d}"
+        tag.mkdir(parents=True)
+        (load / "latest").write_text(tag.name)
+        saved = dict(SavedLayout(data_parallel=2, **layout).to_dict())
+        if "vocab_block_rows" not in layout:
+            del saved["vocab_block_rows"]  # written before the blocks
+        torch.save(dict(ClientState(iteration=iteration, model={"num_layers": 2}, weights_only=weights_only).to_dict(),
+                        layout=saved), tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+        write_manifest(str(tag))
+        return tag
+
     fresh = form()
     assert fresh > 0 and form("--zero-stage", 1) == 0
-    for recorded, want in (({}, 0), ({"vocab_block_rows": 256}, 256)):
-        load = tmp_path / f"load{len(recorded)}"
-        (load / "iter_0000004").mkdir(parents=True)
-        (load / "latest").write_text("iter_0000004")
-        layout = dict(SavedLayout(zero_stage=3, data_parallel=2).to_dict(), **recorded)
-        if not recorded:
-            del layout["vocab_block_rows"]  # written before the blocks
-        torch.save(dict(ClientState(iteration=4, model={"num_layers": 2}).to_dict(), layout=layout),
-                   load / "iter_0000004" / "zero_pp_rank_0_mp_rank_00_model_states.pt")
-        assert form("--load", load) == want
-        assert form("--load", load, "--finetune") == fresh
+    cases = {"before_blocks": ({"zero_stage": 3}, 0), "blocks": ({"zero_stage": 3, "vocab_block_rows": 256}, 256),
+             "zero1": ({"zero_stage": 1}, fresh), "weights_only": ({"zero_stage": 3, "weights_only": True}, fresh)}
+    for name, (layout, want) in cases.items():
+        weights_only = layout.pop("weights_only", False)
+        checkpoint(tmp_path / name, 4, weights_only, **layout)
+        assert form("--load", tmp_path / name) == want, name
+        assert form("--load", tmp_path / name, "--finetune") == fresh
+        assert form("--load", tmp_path / name, "--universal-checkpoint") == fresh
+    # the newest checkpoint is incomplete (a file is not as its manifest lists it): resume takes the one before
+    newest = checkpoint(tmp_path / "before_blocks", 8, zero_stage=3, vocab_block_rows=256)
+    (newest / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"truncated")
+    assert form("--load", tmp_path / "before_blocks") == 0

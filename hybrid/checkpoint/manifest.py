@@ -68,3 +68,13 @@ def complete_tags(load_dir: str) -> list[str]:
     tags = [n for n in os.listdir(load_dir)
             if re.fullmatch(r"iter_\d{7}", n) and has_manifest(os.path.join(load_dir, n))]
     return [t for t in sorted(tags, reverse=True) if verify_manifest(os.path.join(load_dir, t)) is None]
+
+
+def tag_to_resume(load_dir: str, tag: str) -> tuple[str, Optional[str]]:
+    """(the tag a resume of `tag` loads, why not `tag`): `tag` if its files are as its manifest lists them, else the
+    newest older complete checkpoint ("" where there is none) and the problem of `tag`."""
+    problem = verify_manifest(os.path.join(load_dir, tag))
+    if problem is None:
+        return tag, None
+    older = [t for t in complete_tags(load_dir) if t < tag]
+    return (older[0] if older else ""), problem

@@ -17,7 +17,7 @@ from hybrid.capabilities import stage_placement
 from hybrid.checkpoint.client_state import ClientState, SavedLayout, read_client_state
 from hybrid.checkpoint.files import (LATEST, LATEST_UNIVERSAL, first_model_file, iteration_of, load_file, read_tag,
                                      write_atomic)
-from hybrid.checkpoint.manifest import complete_tags, verify_manifest
+from hybrid.checkpoint.manifest import tag_to_resume, verify_manifest
 from hybrid.config import RunConfig, checkpoint_summary
 from hybrid.conversion.hf import hf_parts
 from hybrid.conversion.layout import hybrid_parts, load_parts, table_block_rows
@@ -169,16 +169,15 @@ def _load(engine, run: RunConfig, groups) -> Start:
 def complete_tag(load_dir: str, tag: str) -> str:
     """`tag` if its files are as its manifest lists them; else the newest older complete checkpoint (said
     in the log), or an error naming the file when there is none."""
-    problem = verify_manifest(os.path.join(load_dir, tag))
+    chosen, problem = tag_to_resume(load_dir, tag)
     if problem is None:
         return tag
-    older = [t for t in complete_tags(load_dir) if t < tag]
-    if not older:
+    if not chosen:
         raise ConfigError(f"--load {load_dir}: checkpoint {tag} is incomplete: {problem}; no complete older "
                           f"checkpoint is there to resume from.")
-    log(f"WARNING: checkpoint {tag} in {load_dir} is incomplete ({problem}); resuming from {older[0]}, the newest "
+    log(f"WARNING: checkpoint {tag} in {load_dir} is incomplete ({problem}); resuming from {chosen}, the newest "
         f"complete checkpoint")
-    return older[0]
+    return chosen
 
 
 def _resumed(client_state: Optional[dict], said) -> Start:
