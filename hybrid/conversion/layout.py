@@ -224,16 +224,10 @@ def load_full_state(model, state: dict, config: ModelConfig, groups) -> None:
     load_parts(model, [state], config, groups)
 
 
-def table_block_rows(model, config: ModelConfig, groups) -> dict:
+def table_block_rows(model) -> dict:
     """{id of a vocabulary table's row block (hybrid.parallel.layers.TableBlock): its rows [start, stop) within
     this TP rank's rows of the table}."""
-    rank_start = groups.tp.rank * (config.padded_vocab_size(groups.tp.size) // groups.tp.size)
-    rows = {}
-    for module in model.modules():
-        if isinstance(module, TableBlock):
-            start = module.first_id - rank_start
-            rows[id(module.weight)] = (start, start + getattr(module.weight, "ds_shape", module.weight.shape)[0])
-    return rows
+    return {id(module.weight): module.local_rows for module in model.modules() if isinstance(module, TableBlock)}
 
 
 def load_parts(model, parts, config: ModelConfig, groups, may_start_fresh: tuple = ()) -> list:
@@ -248,7 +242,7 @@ def load_parts(model, parts, config: ModelConfig, groups, may_start_fresh: tuple
     in row blocks (ZeRO-3's form: hybrid.model.naming.vocab_block) takes each block's rows of the table."""
     params = canonical_parameters(model, config.num_layers)
     sources = {name: (vocab_block(name) or (name,))[0] for name in params}
-    rows = table_block_rows(model, config, groups)
+    rows = table_block_rows(model)
     buffers = canonical_buffers(model, config.num_layers)
     copy = getattr(model, "tied_table", None)
     loaded = set()

@@ -79,9 +79,9 @@ class ModelConfig:
     recompute_num_layers: int = 1  # --recompute-num-layers
     sequence_parallel: bool = False  # --sequence-parallel
     async_tensor_model_parallel_allreduce: bool = True  # off: --no-async-tensor-model-parallel-allreduce
-    # ZeRO-3 only, set by the engine (zero3_vocab_block_rows): an untied vocabulary table as
-    # separate parameters of this many rows each, so ZeRO-3 gathers one block at a time (DeepSpeed's TiledLinear);
-    # 0: the table one parameter. A form of the model, not the model: checkpoints record the run's 0
+    # ZeRO-3 only (RunConfig.model_form, zero3_vocab_block_rows): an untied vocabulary table as separate parameters
+    # of this many rows each, so ZeRO-3 gathers one block at a time (DeepSpeed's TiledLinear); 0: the table one
+    # parameter. A form of the model, not the model: checkpoints record it in their layout, their model with 0
     vocab_block_rows: int = 0
     seed: int = 1234  # --seed: the full weights depend on it alone, not on the layout
     num_experts: Optional[int] = None  # --num-experts: a mixture of experts on the layers --moe-layer-freq names

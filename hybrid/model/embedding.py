@@ -139,10 +139,8 @@ class BlockedOutputHead(nn.Module):
         super().__init__()
         self.groups = groups = as_groups(groups)
         self.sequence_parallel, self.vocab_size = config.sequence_parallel, config.vocab_size
-        padded = config.padded_vocab_size(groups.tp_size)
-        first_id = groups.tp_rank * padded // groups.tp_size
-        self.blocks = make_table_blocks((padded, config.hidden_size), config.vocab_block_rows, groups,
-                                        _head_init(config), torch.float32, None, first_id)
+        self.blocks = make_table_blocks((config.padded_vocab_size(groups.tp_size), config.hidden_size),
+                                        config.vocab_block_rows, groups, _head_init(config), torch.float32, None)
 
     def forward(self, hidden):
         if self.sequence_parallel:

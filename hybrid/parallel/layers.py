@@ -93,12 +93,13 @@ def row_blocks(rows: int, block_rows: int) -> list[tuple[int, int]]:
 class TableBlock(nn.Module):
     """Rows of a vocabulary table as a parameter of their own (`blocks.{i}.weight`, hybrid.model.naming.vocab_block),
     so ZeRO-3 gathers, and reduces the gradient of, one block at a time: its own module, whose hooks gather its
-    weight when it runs. `first_id`: the vocabulary id of its first row. As an embedding (`lookup`) it gives the
-    rows of the ids it holds and zeros for the others; as an output head (not `lookup`) its rows' logits."""
+    weight when it runs. `local_rows`: [start, stop) of the rows it holds within this TP rank's rows of the table;
+    `first_id`: the vocabulary id of its first row. As an embedding (`lookup`) it gives the rows of the ids it
+    holds and zeros for the others; as an output head (not `lookup`) its rows' logits."""
 
-    def __init__(self, rows: torch.Tensor, first_id: int, dtype, device):
+    def __init__(self, rows: torch.Tensor, local_rows: tuple[int, int], first_id: int, dtype, device):
         super().__init__()
-        self.first_id = first_id
+        self.local_rows, self.first_id = local_rows, first_id
         self.weight = nn.Parameter(rows.to(dtype=dtype, device=device))
         mark_tensor_parallel(self.weight, 0)
 
@@ -108,13 +109,14 @@ class TableBlock(nn.Module):
         return F.linear(x, self.weight)
 
 
-def make_table_blocks(full_shape, block_rows: int, groups: ParallelGroups, init_method, dtype, device, vocab_start):
+def make_table_blocks(full_shape, block_rows: int, groups: ParallelGroups, init_method, dtype, device):
     """This TP rank's rows of a vocabulary table (initialised whole, as make_parallel_param does) as TableBlocks of
     `block_rows` rows."""
     full = torch.empty(full_shape, dtype=torch.float32)
     init_method(full)
     local = shard(full, 0, groups.tp_rank, groups.tp_size)
-    return nn.ModuleList(TableBlock(local[a:b].clone(), vocab_start + a, dtype, device)
+    vocab_start = groups.tp_rank * local.size(0)
+    return nn.ModuleList(TableBlock(local[a:b].clone(), (a, b), vocab_start + a, dtype, device)
                          for a, b in row_blocks(local.size(0), block_rows))
 
 
@@ -141,9 +143,9 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = num_embeddings // world
         self.vocab_start = groups.tp_rank * self.rows_per_rank
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
-        if 0 < block_rows < self.rows_per_rank:
+        if len(row_blocks(self.rows_per_rank, block_rows)) > 1:
             self.blocks = make_table_blocks((num_embeddings, embedding_dim), block_rows, groups, init_method,
-                                            params_dtype, device, self.vocab_start)
+                                            params_dtype, device)
             self.register_parameter("weight", None)
             return
         self.blocks = None

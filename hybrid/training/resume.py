@@ -263,7 +263,7 @@ def _load_universal(engine, run: RunConfig, load_dir: str, groups) -> Start:
                           f"'{LATEST_UNIVERSAL}' file). Make one from its last checkpoint with: python "
                           f"conversion/checkpoint_util.py --saver universal --load-dir {load_dir}")
     deepspeed_fixes.use_canonical_param_names(engine, run.model.num_layers)
-    deepspeed_fixes.load_table_blocks_from_universal(engine, table_block_rows(engine.module, run.model, groups))
+    deepspeed_fixes.load_table_blocks_from_universal(engine, table_block_rows(engine.module))
     try:
         path, client_state = deepspeed_fixes.load_checkpoint(engine, load_dir, tag)
     except UnsafeCheckpointError:
