@@ -17,7 +17,7 @@ expert bias (hybrid's score bias), and shared experts with their gate.
 
 Multi-latent attention (MLA_LAYER_NAMES): the local spec's names and Transformer Engine's (the latent norms fused
 into the up projections), the down projections whole on each TP rank (TE) or split over TP (the local spec); its
-rope rows are in DeepSeek's interleaved order, as in HF's DeepSeek-V3 (hybrid.conversion.families.deepseek_rope_rows).
+rope rows are in DeepSeek's interleaved order, as in HF's DeepSeek-V3 (hybrid.conversion.families.mla_rope).
 Multi-token prediction layers: `mtp.layers.{k}.` (MTP_NAMES, and `transformer_layer.` + a layer's names), on the
 last pipeline stage.
 GPT-OSS's: learned sinks (`core_attention.softmax_offset`), the router's and the experts' biases (legacy files at
@@ -43,7 +43,7 @@ import torch
 from hybrid.checkpoint.client_state import ClientState
 from hybrid.checkpoint.files import LATEST, MEGATRON_LATEST, load_file
 from hybrid.conversion.megatron.dcp_files import DCPCheckpoint
-from hybrid.conversion.families import deepseek_rope_rows
+from hybrid.conversion.families.mla_rope import deepseek_rope_rows
 from hybrid.errors import ConfigError
 from hybrid.model.config import (GPT_OSS_YARN, LLAMA3_ROPE_DEFAULTS, MLA_YARN_ORIGINAL_CONTEXT, ModelConfig,
                                  yarn_scaling)

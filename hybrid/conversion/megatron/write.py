@@ -28,7 +28,7 @@ import torch
 from hybrid.checkpoint.client_state import ClientState
 from hybrid.checkpoint.files import MEGATRON_LATEST, atomic_directory, tag_for
 from hybrid.checkpoint.tp_layout import tp_layout
-from hybrid.conversion.families import deepseek_rope_rows
+from hybrid.conversion.families.mla_rope import deepseek_rope_rows
 from hybrid.conversion.layout import shard_for_rank
 from hybrid.conversion.megatron.lm import (LEGACY_FILE, MLA_DOWN, MTP_LAYER, MTP_NAMES, buffer_names, is_buffer,
                                            megatron_global_key, megatron_layer_key, megatron_rope_args)
