@@ -60,7 +60,7 @@ def test_every_model_argument_of_megatron_lms_parser_is_read_refused_or_explaine
     """Each of the parser's 300 arguments of its model groups is read by config_from_args (on a dense model, a MoE
     model and every real script), refused by name (REFUSED_ARGS), or listed in NOT_MODEL_ARGS with why it leaves
     the model alone; in one of them only, and no listed name is one the parser does not have."""
-    from hybrid.conversion.megatron.lm import NOT_MODEL_ARGS, REFUSED_ARGS, config_from_args
+    from hybrid.conversion.megatron.args import NOT_MODEL_ARGS, REFUSED_ARGS, config_from_args
     from hybrid.errors import ConfigError
     read = set()
     small = dict(num_layers=2, hidden_size=64, num_attention_heads=4, max_position_embeddings=32, seq_length=32)
@@ -164,7 +164,7 @@ def test_a_public_run_script_parsed_by_megatron_lm_is_the_hf_models_architecture
     tied or untied head, QKV biases, Q/K norms, the rope base and Llama 3's scaling, the MoE (before: Qwen3-MoE's
     one-element balancing list, as the parser makes it, was refused); and hybrid's own parser knows every flag of
     the script (accepted, mapped, or refused by name: --trust-remote-code, --moe-layer-recompute)."""
-    from hybrid.conversion.megatron.lm import config_from_args
+    from hybrid.conversion.megatron.args import config_from_args
     from hybrid.errors import ConfigError
     from hybrid.flags import build_parser
     from hybrid.megatron_compat import check_compat
@@ -187,7 +187,7 @@ def test_a_public_run_script_parsed_by_megatron_lm_is_the_hf_models_architecture
 
 @pytest.mark.parametrize("script", sorted(REFUSALS))
 def test_a_public_run_script_of_a_model_hybrid_does_not_build_is_refused_by_name(script):
-    from hybrid.conversion.megatron.lm import config_from_args
+    from hybrid.conversion.megatron.args import config_from_args
     from hybrid.errors import ConfigError
     with pytest.raises(ConfigError, match=REFUSALS[script].replace("(", r"\(").replace(")", r"\)")):
         config_from_args(megatron_args(RUNS[script]["args"]), where=script)
@@ -211,7 +211,7 @@ MDS_PARSED = {name: run for name, run in MDS_SCRIPTS.items() if "error" not in r
 def mds_config(changes: dict, read=None):
     """hybrid's model of Megatron-DeepSpeed args: its parser's defaults with `changes`, read as a checkpoint's
     stored args are (megatron_lm_args, then config_from_args); `read` collects every name either reads."""
-    from hybrid.conversion.megatron.lm import config_from_args
+    from hybrid.conversion.megatron.args import config_from_args
     from hybrid.conversion.megatron.megatron_deepspeed import megatron_lm_args
     values = {name: entry["default"] for name, entry in MDS_TABLE.items()}
     values.update(changes)
@@ -226,7 +226,7 @@ def mds_config(changes: dict, read=None):
 def test_every_model_argument_of_megatron_deepspeeds_parser_is_read_refused_or_explained():
     """Megatron-DeepSpeed's parser (its "network size" group and its MoE training arguments), as it parsed its own
     example scripts: each argument is read, refused by name, or listed with why it leaves the model alone."""
-    from hybrid.conversion.megatron.lm import NOT_MODEL_ARGS, REFUSED_ARGS
+    from hybrid.conversion.megatron.args import NOT_MODEL_ARGS, REFUSED_ARGS
     from hybrid.conversion.megatron.megatron_deepspeed import (MEGATRON_DEEPSPEED_REFUSED,
                                                                NOT_MODEL_ARGS_MEGATRON_DEEPSPEED)
     from hybrid.errors import ConfigError

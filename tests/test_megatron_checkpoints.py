@@ -199,7 +199,8 @@ def test_moe_evaluates_at_ep2_to_megatron_core_loss(qwen2_moe, tmp_path):
 def test_moe_parts_read_only_the_ranks_experts(qwen2_moe, safe_torch_load):
     """An EP rank's read of a torch_dist MoE checkpoint: only the experts it asks for come (a layer at a
     time), equal to the same experts of the whole read."""
-    from hybrid.conversion.megatron.lm import expert_name, open_megatron
+    from hybrid.conversion.megatron.lm import open_megatron
+    from hybrid.conversion.megatron.names import expert_name
     source = open_megatron(os.path.join(qwen2_moe, "torch_dist"))
     config = source.config()
     whole = source.state(config)
@@ -574,7 +575,7 @@ MAPPED = {
 def test_every_mapped_megatron_argument_reaches_the_model_at_a_value_other_than_its_default(case):
     """The model a Megatron-LM checkpoint's args describe, each mapped argument given a value other than its default
     (a mapping that read the wrong name or ignored it would leave the default and fail)."""
-    from hybrid.conversion.megatron.lm import config_from_args
+    from hybrid.conversion.megatron.args import config_from_args
     changes, field, want = MAPPED[case]
     got = getattr(config_from_args(_megatron_args(**changes), where="ckpt"), field)
     default = getattr(config_from_args(_megatron_args(), where="ckpt"), field)
@@ -600,7 +601,7 @@ def test_every_model_changing_megatron_argument_not_computed_is_refused_by_name(
     e.g. a window on every layer where Megatron alternated windowed and full layers, YaRN read as plain RoPE):
     one message naming the argument and its value. Every refused name is one megatron-core's TransformerConfig or
     Megatron-LM's arguments.py defines; and missing args are one message too."""
-    from hybrid.conversion.megatron.lm import REFUSED_ARGS, config_from_args
+    from hybrid.conversion.megatron.args import REFUSED_ARGS, config_from_args
     from hybrid.errors import ConfigError
     assert set(REFUSED) == set(REFUSED_ARGS)
     with pytest.raises(ConfigError, match=re.escape(f"--{name.replace('_', '-')} {REFUSED[name]}")):
@@ -611,10 +612,21 @@ def test_every_model_changing_megatron_argument_not_computed_is_refused_by_name(
         config_from_args(args, where="ckpt")
 
 
+def test_group_query_attention_without_num_query_groups_is_one_message():
+    """Args saying group_query_attention with no num_query_groups (before: a TypeError from int(None)) are one
+    message naming both and the fix; with the groups they give the model's key/value heads."""
+    from hybrid.conversion.megatron.args import config_from_args
+    from hybrid.errors import ConfigError
+    assert config_from_args(_megatron_args(group_query_attention=True, num_query_groups=2),
+                            where="ckpt").num_query_groups == 2
+    with pytest.raises(ConfigError, match="group_query_attention but hold no num_query_groups"):
+        config_from_args(_megatron_args(group_query_attention=True, num_query_groups=None), where="ckpt")
+
+
 def test_no_position_embedding_without_rotary_embeddings_is_refused():
     """--no-position-embedding (add_position_embedding False) with rotary embeddings is Llama's; without them the
     model has no position information, which hybrid does not build (before: read as a learned position table)."""
-    from hybrid.conversion.megatron.lm import config_from_args
+    from hybrid.conversion.megatron.args import config_from_args
     from hybrid.errors import ConfigError
     assert config_from_args(_megatron_args(add_position_embedding=False, use_rotary_position_embeddings=True),
                             where="ckpt").position_embedding_type == "rope"
@@ -790,7 +802,7 @@ def test_a_yarn_rope_is_written_as_megatron_args_that_read_back_to_it(mla, yarn)
     --yarn-* arguments) read back, through the reader Megatron-LM checkpoints go through, to the same rope; MLA's
     YaRN, whose original context and betas no argument sets, is refused where they differ from megatron-core's."""
     from hybrid.checkpoint.client_state import ClientState
-    from hybrid.conversion.megatron.lm import config_from_args
+    from hybrid.conversion.megatron.args import config_from_args
     from hybrid.conversion.megatron.write import megatron_args
     from hybrid.errors import ConfigError
     from hybrid.model.config import ModelConfig

@@ -310,7 +310,7 @@ def _restore_score_biases(engine, universal_dir: str, num_layers: int) -> None:
 def _load_megatron(engine, run: RunConfig, groups, load_dir: str, kind: str) -> Start:
     """A Megatron-LM checkpoint (either format, any TP x PP x EP): unless --finetune, its iteration, consumed
     samples and the LR schedule's position (Megatron's scheduler counts samples). Its Adam state, where it
-    maps (hybrid.conversion.megatron.lm.MegatronOptimizer), is loaded with the weights by DeepSpeed's universal
+    maps (hybrid.conversion.megatron.optimizer.MegatronOptimizer), is loaded with the weights by DeepSpeed's universal
     loader from a universal checkpoint made beside --save (hybrid.conversion.megatron.universal), then
     removed; otherwise the weights are resharded for this rank as they are read (a layer at a time) and
     Adam starts fresh, the log says why."""

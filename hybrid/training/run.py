@@ -20,7 +20,7 @@ from hybrid.architecture import MOE_TRAINING_FLAGS
 from hybrid.config import (RunConfig, build_run_config, data_config, sft_tutorial_defaults, tokenizer_kwargs,
                            with_flags)
 from hybrid.conversion.hf import read_hf_config
-from hybrid.conversion.megatron.lm import ARCHITECTURE_FLAGS, contradictions
+from hybrid.conversion.megatron.args import ARCHITECTURE_FLAGS, contradictions
 from hybrid.conversion.source import MEGATRON_KINDS, checkpoint_kind, open_source
 from hybrid.data.batches import build_datasets
 from hybrid.data.chat.dataset import train_windows

@@ -8,7 +8,7 @@ transformer layers in order, the final norm, an untied output layer's `lm_head`)
 Megatron-DeepSpeed keeps Megatron-LM's pre-core names (`query_key_value`, `dense_h_to_4h`, ...) and its args
 spell some options differently (`normalization rmsnorm`, `num_key_value_heads`, `use_rotary_position_
 embeddings`, `layernorm_epsilon`); both are translated here, and the model is built from the translated
-args by Megatron-LM's rules (hybrid.conversion.megatron.lm.config_from_args). Its fused QKV changed layout
+args by Megatron-LM's rules (hybrid.conversion.megatron.args.config_from_args). Its fused QKV changed layout
 once: up to its FPDT change (December 2024) each TP rank holds megatron-core's grouped layout ([q heads of
 a KV group, k, v] per group), after it [all q | all k | all v] (`ds_sequence_parallel_fpdt` in the stored
 args marks that version), regrouped here. Weights, the iteration and the consumed samples come across;
@@ -28,7 +28,9 @@ from typing import Iterator, Optional
 import torch
 
 from hybrid.checkpoint.files import LATEST, load_file, read_tag
-from hybrid.conversion.megatron.lm import MegatronOptimizer, MegatronSource, config_from_args, stream_parts
+from hybrid.conversion.megatron.args import config_from_args
+from hybrid.conversion.megatron.lm import MegatronSource, stream_parts
+from hybrid.conversion.megatron.optimizer import MegatronOptimizer
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
 

@@ -3,7 +3,7 @@ own loader (`"checkpoint": {"load_universal": true}`) slices into its ZeRO-1/2/3
 DP (checkpoint_util.py --loader megatron --saver universal; launch/train.py --load MEGATRON_DIR, which
 makes one beside --save, loads it and removes it).
 
-Megatron keeps Adam's moments in megatron-core's model space (hybrid.conversion.megatron.lm.MegatronOptimizer),
+Megatron keeps Adam's moments in megatron-core's model space (hybrid.conversion.megatron.optimizer.MegatronOptimizer),
 so each parameter's full fp32 weight, exp_avg and exp_avg_sq come a layer at a time, under canonical
 names, into DeepSpeed's per-parameter files (`zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`); the model-
 states file carries the run's counters, its LR schedule's position (Megatron's scheduler counts samples,
@@ -24,7 +24,10 @@ from deepspeed.checkpoint import constants as c
 from hybrid.checkpoint.client_state import ClientState, SavedLayout, model_summary
 from hybrid.checkpoint.files import LATEST_UNIVERSAL, UNIVERSAL_SUFFIX, atomic_directory, model_file, tag_for
 from hybrid.conversion.ds_universal import UNIVERSAL_INFO, alias_model_files, normalize
-from hybrid.conversion.megatron.lm import MOMENTS, MegatronCheckpoint, buffer_names, megatron_run_args
+from hybrid.conversion.megatron.args import megatron_run_args
+from hybrid.conversion.megatron.lm import MegatronCheckpoint
+from hybrid.conversion.megatron.optimizer import MOMENTS
+from hybrid.model.naming import buffer_names
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
 

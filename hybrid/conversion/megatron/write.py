@@ -30,11 +30,12 @@ from hybrid.checkpoint.files import MEGATRON_LATEST, atomic_directory, tag_for
 from hybrid.checkpoint.tp_layout import tp_layout
 from hybrid.conversion.families.mla_rope import deepseek_rope_rows
 from hybrid.conversion.layout import shard_for_rank
-from hybrid.conversion.megatron.lm import (LEGACY_FILE, MLA_DOWN, MTP_LAYER, MTP_NAMES, buffer_names, is_buffer,
-                                           megatron_global_key, megatron_layer_key, megatron_rope_args)
+from hybrid.conversion.megatron.args import megatron_rope_args
+from hybrid.conversion.megatron.names import (LEGACY_FILE, MLA_DOWN, MTP_LAYER, MTP_NAMES, is_buffer,
+                                              megatron_global_key, megatron_layer_key)
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
-from hybrid.model.naming import EXPERTS
+from hybrid.model.naming import EXPERTS, buffer_names
 from hybrid.parallel.layers import shard
 
 LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
