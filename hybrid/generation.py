@@ -13,7 +13,6 @@ does not depend on the layout or the batch size. Output rows: prompt, completion
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Optional
 
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.data.prompts import read_prompts
-from hybrid.data.tokenizer import HFTokenizer
+from hybrid.data.tokenizer import HFTokenizer, end_ids
 from hybrid.errors import ConfigError
 from hybrid.evaluation import add_source_flags, layout_dims, loaded_model, open_checkpoint, rank_device, script_main
 from hybrid.flags import FlagParser
@@ -48,17 +47,6 @@ def build_parser():
     return p
 
 
-def eos_ids(tokenizer, model_dir: Optional[str]) -> tuple:
-    """The ids that end a completion: generation_config.json's eos_token_id (an id or a list) in the model's (or the
-    tokenizer's) directory, else the tokenizer's EOS; none: completions run to --max-new-tokens."""
-    if model_dir and os.path.isfile(os.path.join(model_dir, "generation_config.json")):
-        with open(os.path.join(model_dir, "generation_config.json")) as f:
-            eos = json.load(f).get("eos_token_id")
-        if eos is not None:
-            return tuple(eos) if isinstance(eos, list) else (int(eos),)
-    return () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
-
-
 def check_options(args) -> SamplingOptions:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: give at least 1.")
@@ -72,10 +60,11 @@ def check_options(args) -> SamplingOptions:
 
 
 def stop_rule(tokenizer, stops: list):
-    """stop(row, tokens): the completion's text holds one of the --stop strings."""
+    """stop(row, tokens): the completion's text, special tokens kept, holds one of the --stop strings (as
+    transformers' `stop_strings` match <|im_end|>, <|eot_id|> or <end_of_turn> too)."""
     if not stops:
         return None
-    return lambda row, tokens: any(s in tokenizer.decode(tokens, skip_special_tokens=True) for s in stops)
+    return lambda row, tokens: any(s in tokenizer.decode(tokens, skip_special_tokens=False) for s in stops)
 
 
 def run(args) -> dict:
@@ -87,7 +76,7 @@ def run(args) -> dict:
         raise ConfigError("generate.py needs the model's tokenizer: --tokenizer-model DIR (or --load-hf DIR).")
     tokenizer = HFTokenizer(path).to_transformers()
     prompts = read_prompts(args.prompts, tokenizer)
-    eos = eos_ids(tokenizer, path)
+    eos = end_ids(tokenizer, args.load_hf, args.tokenizer_model)  # the model's generation config, then the tokenizer's
     pad = eos[0] if eos else 0
     options = SamplingOptions(**{**options.__dict__, "eos": eos, "pad": pad})
     if config.position_embedding_type == "learned_absolute":

@@ -251,6 +251,43 @@ def test_bad_prompts_and_settings_are_one_message_exit_2(rows, flags, message, t
     assert code == 2 and message in err and "Traceback" not in err and not (tmp_path / "o.jsonl").exists()
 
 
+def test_generate_ends_at_every_eos_of_the_models_generation_config_with_another_tokenizer_dir(tmp_path, hf_models):
+    """generation_config.json's eos_token_id is read from the model's directory (--load-hf) when --tokenizer-model
+    names another one without it (before: from the tokenizer's, so the model's end tokens were missed); every id
+    listed ends a row: here every id, so each completion is one token."""
+    import shutil
+
+    from hybrid.generation import main
+    from tests.hf_families import save_embedded_tokenizer
+    model, tokenizer = tmp_path / "model", tmp_path / "tokenizer"
+    shutil.copytree(hf_models["llama3"][0], model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(8192))}))
+    save_embedded_tokenizer(tokenizer)
+    _write(tmp_path / "p.jsonl", [{"prompt": "The cat sat on"}, {"prompt": "Once upon a"}])
+    assert main(["--load-hf", str(model), "--tokenizer-model", str(tokenizer), "--prompts", str(tmp_path / "p.jsonl"),
+                 "--max-new-tokens", "6", "--output", str(tmp_path / "o.jsonl")]) == 0
+    assert [len(json.loads(line)["completion_ids"]) for line in open(tmp_path / "o.jsonl")] == [1, 1]
+
+
+def test_stop_strings_match_special_tokens_as_transformers_stop_strings():
+    """--stop "<|im_end|>" (a special token) ends a completion where transformers' stop_strings
+    (StopStringCriteria) does: the text is matched with special tokens kept (before: decoded without them, so a
+    special-token stop never matched and rows ran to --max-new-tokens)."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    from hybrid.generation import stop_rule
+    from tests.chat_templates import family_tokenizer
+    tok = family_tokenizer("qwen25")
+    text = tok("Hello there", add_special_tokens=False)["input_ids"]
+    for stop in ("<|im_end|>", "<|im_start|>", "there"):
+        rule, criteria = stop_rule(tok, [stop]), StopStringCriteria(tok, [stop])
+        for completion in (text, text + [tok.convert_tokens_to_ids(stop) if stop.startswith("<|") else text[-1]],
+                           [tok.convert_tokens_to_ids("<|im_end|>")], [tok.convert_tokens_to_ids("<|im_start|>")]):
+            want = bool(criteria(torch.tensor([completion]), None)[0])
+            assert rule(0, completion) == want, (stop, tok.decode(completion), want)
+        assert rule(0, text + [tok.convert_tokens_to_ids(stop) if stop.startswith("<|") else text[-1]])
+
+
 class FactoriesWithoutDevice(torch.overrides.TorchFunctionMode):
     """Records every tensor factory call made from hybrid's own code without a `device`: on a GPU such a tensor
     would be made on the CPU and meet the CUDA model or a NCCL collective (a CPU run cannot see that)."""

@@ -355,3 +355,21 @@ def test_prompt_files_in_jsonl_and_parquet_give_the_same_prompts_and_columns(tmp
     assert jsonl[0].ids == tok("Two plus two?")["input_ids"] and jsonl[0].columns == {"answer": "4"}
     assert parquet[0].ids == jsonl[1].ids and parquet[0].columns == {"answer": "4"}
     assert jsonl[1].where.endswith("line 2") and parquet[0].where.endswith("row 0")
+
+
+@pytest.mark.slow
+def test_grpo_ends_completions_at_every_eos_of_the_generation_config(policy, tmp_path):
+    """A model whose generation_config.json lists end tokens beyond the tokenizer's EOS (Gemma 3's <end_of_turn>,
+    GLM-4.5's <|user|>, GPT-OSS's <|call|>): the rollout stops at each, as TRL and launch/generate.py do. Here every
+    id ends a turn, so every completion is its first token (before: only the tokenizer's EOS stopped it, and the
+    rewards and loss were computed on text after the turn ended)."""
+    import shutil
+
+    from checks.launch_helpers import one_rank
+    path = tmp_path / "m"
+    shutil.copytree(policy[0], path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(8192))}))
+    records = one_rank(["--grpo", "--load-hf", path, "--grpo-group-size", 2, "--global-batch-size", 4,
+                        "--micro-batch-size", 2, "--seq-length", 64, "--max-new-tokens", 6, "--train-iters", 2,
+                        "--lr", 1e-4, "--log-interval", 1])
+    assert [r["completion_length"] for r in records] == [1.0, 1.0], records

@@ -660,6 +660,44 @@ def test_dry_run_counts_the_dpo_reference_model_unless_its_values_are_precompute
     assert not advice["fits"] and advice["change"] == "--dpo-reference-logps FILE", advice
 
 
+def test_the_reference_cache_key_changes_with_one_row_of_the_last_layer(tmp_path):
+    """The DPO reference file's key hashes every byte of the reference's weights: two models that differ in one
+    number of their last layer have other keys, also where that number lies between the places a sampled key read
+    (16 x 64 KiB spread over the file: it reused the cached values with exit 0), and a copy of the same files has
+    the same key."""
+    import shutil
+    import struct
+
+    from safetensors.torch import load_file, save_file
+
+    from hybrid.conversion.hf import weights_hash
+    from tests.hf_families import make_family
+    make_family("llama3", tmp_path / "a", tokenizer=False, hidden_size=64, intermediate_size=256)
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    path = tmp_path / "b" / "model.safetensors"
+    size, raw = os.path.getsize(path), path.read_bytes()
+    header_size = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + header_size])
+    sampled = [(size * k // 16, size * k // 16 + (1 << 16)) for k in range(16)]
+    layer = max(int(k.split(".")[2]) for k in header if k.startswith("model.layers."))
+
+    def unsampled(name):  # the first of the tensor's numbers outside every sampled range
+        begin, end = header[name]["data_offsets"]
+        for at in range(8 + header_size + begin, 8 + header_size + end, 4):
+            if not any(lo <= at + b < hi for lo, hi in sampled for b in range(4)):
+                return (at - 8 - header_size - begin) // 4
+    name, index = next((n, unsampled(n)) for n in sorted(header) if n.startswith(f"model.layers.{layer}.")
+                       and unsampled(n) is not None)
+    weights = load_file(path)
+    weights[name].view(-1)[index] += 1e-3
+    save_file(weights, path, metadata={"format": "pt"})
+    a, hashed = weights_hash(str(tmp_path / "a"))
+    assert hashed == size
+    assert weights_hash(str(tmp_path / "copy"))[0] == a
+    assert weights_hash(str(tmp_path / "b"))[0] != a
+
+
 @pytest.mark.slow
 def test_dpo_reference_logps_computed_once_at_dp2_then_read_gives_the_reference_models_losses(chat, pairs, tmp_path):
     """--dpo-reference-logps FILE: scored at DP 2 before training (each rank every other window), written, the

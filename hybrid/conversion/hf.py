@@ -114,28 +114,32 @@ class HFTensors(Mapping):
         return name in self.files
 
 
-FINGERPRINT_SAMPLES = 16  # 64 KiB reads spread over each weight file
+HASH_CHUNK = 8 << 20  # bytes read at a time while hashing weight files
 
 
-def hf_fingerprint(path: str, flag: str = "--load-hf") -> str:
-    """What a model directory's weights are, cheaply: config.json, and each weight file's name, size and bytes
-    read at FINGERPRINT_SAMPLES places spread over it (a safetensors header among them). Two models that differ
-    in training differ in nearly every weight, so in the samples; a copy of the same files has the same
-    fingerprint (no paths or times in it). For caches of values the weights determine (the DPO reference's
-    log-probabilities)."""
+def weights_hash(path: str, flag: str = "--load-hf") -> tuple[str, int]:
+    """(a SHA-256 of a model directory's config.json and every byte of its weight files, the bytes hashed): what
+    its weights are, for caches of values they determine (the DPO reference's log-probabilities). Every byte is
+    read, so two models that differ in one row of one matrix differ here (a sample of the files let a retrained
+    head or a few merged adapters through); a copy of the same files has the same hash (no paths or times)."""
     tensors = HFTensors(path, flag)
     h = hashlib.sha256()
     with open(os.path.join(path, "config.json"), "rb") as f:
         h.update(f.read())
+    total = 0
     for name in sorted(set(tensors.files.values())):
         full = os.path.join(path, name)
-        size = os.path.getsize(full)
-        h.update(f"{name}:{size}".encode())
+        h.update(f"{name}:{os.path.getsize(full)}".encode())
         with open(full, "rb") as f:
-            for k in range(FINGERPRINT_SAMPLES):
-                f.seek(size * k // FINGERPRINT_SAMPLES)
-                h.update(f.read(1 << 16))
-    return h.hexdigest()
+            while chunk := f.read(HASH_CHUNK):
+                h.update(chunk)
+                total += len(chunk)
+    return h.hexdigest(), total
+
+
+def hf_fingerprint(path: str, flag: str = "--load-hf") -> str:
+    """weights_hash's digest."""
+    return weights_hash(path, flag)[0]
 
 
 def read_hf_dir(path: str, progress: Callable = None, flag: str = "--load-dir") -> tuple[dict, ModelConfig, Adapter]:

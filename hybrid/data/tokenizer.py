@@ -9,6 +9,7 @@ file (--tokenizer-model), through the `sentencepiece` package, as Megatron-LM en
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
@@ -185,3 +186,26 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None, merge
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     raise ConfigError(f"--tokenizer-type {tokenizer_type!r} is not supported; use one of {', '.join(TOKENIZER_TYPES)}.")
+
+
+def end_ids(tokenizer, *directories: Optional[str]) -> tuple:
+    """The ids that end a completion, as transformers' `generate` and TRL's GRPOTrainer stop: every id of
+    generation_config.json's eos_token_id (an id or a list) in the first of `directories` that has the file (the
+    model's, then the tokenizer's), and the tokenizer's EOS; the first is the padding. None: completions run to the
+    token limit. Models whose turn ends in another token than the tokenizer's EOS list it there (Gemma 3's
+    <end_of_turn>, GLM-4.5's <|user|> and <|observation|>, GPT-OSS's <|call|>)."""
+    ids = []
+    for directory in directories:
+        path = os.path.join(directory, "generation_config.json") if directory else None
+        if path and os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    eos = json.load(f).get("eos_token_id")
+            except (OSError, ValueError, AttributeError) as error:
+                raise ConfigError(f"{path}: not a generation config transformers writes ({error}).") from None
+            ids = [int(i) for i in (eos if isinstance(eos, list) else [] if eos is None else [eos])]
+            break
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None and int(eos) not in ids:
+        ids.append(int(eos))
+    return tuple(ids)

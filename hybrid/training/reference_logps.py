@@ -10,7 +10,7 @@ them as they are.
 
 The file is keyed by everything the values depend on: the windows themselves (a hash of their tokens and loss
 masks, so of the data, the tokenizer, its template, --seq-length, --split and --seed), the reference model's
-weights (hybrid.conversion.hf.hf_fingerprint of --load-hf) and the precision it scored in. A file of other
+weights (hybrid.conversion.hf.weights_hash of --load-hf: every byte of its files) and the precision it scored in. A file of other
 windows, another reference model or another precision is one message naming which differs, never wrong values.
 Each DP rank scores every DP-th window (all ranks the same number of forwards, so expert-parallel all-to-alls
 match), the ranks' rows are summed over DP, and rank 0 writes the file (a temporary name, renamed when whole).
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybrid.conversion.hf import hf_fingerprint
+from hybrid.conversion.hf import weights_hash
 from hybrid.data.batches import Collator, to_device
 from hybrid.model.forward_only import forward_only
 from hybrid.model.objectives import DocumentScores
@@ -122,9 +122,17 @@ KEY_PARTS = {"key": "other windows (another data file, tokenizer or template, --
 
 
 def file_key(run, parts: list) -> dict:
-    """The key of this run's reference values: its windows, the --load-hf weights, the precision."""
-    return {"key": windows_key(parts), "model": hf_fingerprint(run.checkpoint.load_hf),
-            "precision": run.training.precision}
+    """The key of this run's reference values: its windows, the --load-hf weights (every byte hashed once, on rank
+    0, the cost logged; every rank gets the digest), the precision. Called by every rank."""
+    digest = [None]
+    if dist.get_rank() == 0:
+        began = time.perf_counter()
+        digest[0], size = weights_hash(run.checkpoint.load_hf)
+        seconds = time.perf_counter() - began
+        log(f"--dpo-reference-logps: hashed the reference's {size / 1e9:.3f} GB of weights for the file's key in "
+            f"{seconds:.2f} s ({size / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
+    dist.broadcast_object_list(digest, src=0)
+    return {"key": windows_key(parts), "model": digest[0], "precision": run.training.precision}
 
 
 def _read(path: str, key: dict, count: int) -> list[np.ndarray]:
@@ -156,8 +164,9 @@ def _score(run, groups, engine, parts, score, per_call: int, scorer: str) -> lis
     """Every part's table, written to --dpo-reference-logps (rank 0; a temporary name, renamed when whole)."""
     path, begun, device = run.training.dpo.reference_logps, time.perf_counter(), torch.device(engine.device)
     tables = [score_windows(score, p, groups, device, run.training.micro_batch_size, per_call) for p in parts]
+    key = file_key(run, parts)
     if dist.get_rank() == 0:
-        _write(path, file_key(run, parts), tables)
+        _write(path, key, tables)
     dist.barrier()
     log(f"--dpo-reference-logps {path}: scored {sum(map(len, tables))} windows with {scorer} (the --load-hf weights) "
         f"in {time.perf_counter() - begun:.1f}s, written")

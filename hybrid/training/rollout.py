@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.data import arithmetic, prompts
+from hybrid.data.tokenizer import end_ids
 from hybrid.errors import ConfigError
 from hybrid.model.generate import SamplingOptions, generate
 from hybrid.model.grpo import GRPOOptions, advantages, completion_rows, nanstd, token_logps
@@ -145,8 +146,8 @@ class Rollout:
         self.zero3 = run.zero_stage == 3
         self.conversational = not isinstance(self.prompts[0].prompt, str)
         self.rewards = Rewards(self.options.reward_functions, self.options.reward_weights)
-        eos = getattr(tokenizer, "eos_token_id", None)
-        self.eos = () if eos is None else (int(eos),)
+        # every end of turn the model's generation config lists, and the tokenizer's EOS (as TRL stops)
+        self.eos = end_ids(tokenizer, run.checkpoint.load_hf, run.args.get("tokenizer_model"))
         self.iteration = consumed // self.global_batch  # the optimizer steps taken (no batch ramp-up with --grpo)
         if self.iteration % self.options.iterations:
             log(f"--grpo: resuming at iteration {self.iteration}, inside a generation batch (--grpo-iterations "
