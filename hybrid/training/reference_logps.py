@@ -10,8 +10,9 @@ them as they are.
 
 The file is keyed by everything the values depend on: the windows themselves (a hash of their tokens and loss
 masks, so of the data, the tokenizer, its template, --seq-length, --split and --seed), the reference model's
-weights (hybrid.conversion.hf.weights_hash of --load-hf: every byte of its files) and the precision it scored in. A file of other
-windows, another reference model or another precision is one message naming which differs, never wrong values.
+weights (hybrid.conversion.hf.weights_hash of --load-hf: every byte of its files) and the precision it scored in.
+A file of other windows, another reference model or another precision is one message naming which differs, never
+wrong values.
 Each DP rank scores every DP-th window (all ranks the same number of forwards, so expert-parallel all-to-alls
 match), the ranks' rows are summed over DP, and rank 0 writes the file (a temporary name, renamed when whole).
 """
