@@ -21,14 +21,12 @@ from typing import Optional
 from hybrid import ds_config as dsc
 from hybrid.architecture import MLA_FLAGS, MOE_FLAGS, fp8_recipe, model_config
 from hybrid.capabilities import Setup, check
-from hybrid.checkpoint.client_state import ClientState, SavedLayout, read_client_state
-from hybrid.checkpoint.files import first_model_file, load_file, read_tag
-from hybrid.checkpoint.manifest import tag_to_resume
-from hybrid.conversion.megatron.source import megatron_kind
+from hybrid.checkpoint.client_state import SavedLayout
 from hybrid.data import default as default_data
 from hybrid.data.arithmetic import DEFAULT_REWARDS
 from hybrid.data.chat.options import ChatOptions
 from hybrid.data.plan import data_files
+from hybrid.distributed import log
 from hybrid.errors import ConfigError
 from hybrid.megatron_compat import check_compat
 from hybrid.model.config import ModelConfig
@@ -38,6 +36,7 @@ from hybrid.parallel.dims import ParallelDims
 from hybrid.memory import partition_layers
 from hybrid.pipeline_plan import PipelineSchedule, plan_stages, resolve_virtual_stages
 from hybrid.run_length import RunLength, resolve_run_length
+from hybrid.training.start import StartPlan, plan_start, with_bridge
 
 
 @dataclass
@@ -121,18 +120,6 @@ class CheckpointConfig:
     no_load_rng: bool = False  # --no-load-rng
     no_save_rng: bool = False  # --no-save-rng: checkpoints hold no RNG states
     universal_checkpoint: bool = False  # --universal-checkpoint: --load a universal checkpoint, any layout
-    # --load names a Megatron-LM checkpoint whose Adam state DeepSpeed loads (as a universal checkpoint
-    # made beside --save); else why not (said in the log, and Adam starts fresh)
-    load_megatron_optimizer: bool = False
-    megatron_optimizer_problem: Optional[str] = None
-    # --load holds DeepSpeed pipeline-engine layer files (written before the one runtime): their optimizer state
-    # loads through a universal checkpoint made beside --save (hybrid.training.resume); else why not
-    load_pipeline_engine: bool = False
-    pipeline_engine_problem: Optional[str] = None
-    # a plain resume (not --finetune, not --universal-checkpoint) of a hybrid checkpoint: the rows of the row blocks
-    # its ZeRO-3 run held an untied vocabulary table in (SavedLayout.vocab_block_rows; 0: whole, as every
-    # checkpoint before the blocks), which this run's ZeRO-3 model takes, so DeepSpeed's own load finds its names
-    resumed_vocab_block_rows: Optional[int] = None
     load_hf: Optional[str] = None  # --load-hf: the HF model directory the run starts from (when --load has none)
     async_save: bool = False  # --async-save: checkpoints written in the background from a host copy
     export_hf: Optional[str] = None  # --export-hf: HF directory written from the final checkpoint
@@ -180,6 +167,7 @@ class RunConfig:
     logging: LoggingConfig
     ds_config: dict  # what deepspeed.initialize gets
     args: dict  # the parsed flags, saved in checkpoints
+    start: StartPlan = field(default_factory=StartPlan)  # where it starts (hybrid.training.start), decided once
 
     @property
     def pipelined(self) -> bool:
@@ -193,11 +181,12 @@ class RunConfig:
     @property
     def model_form(self) -> ModelConfig:
         """The model as the engine builds it: `model`, with under ZeRO-3 its untied vocabulary tables in row blocks
-        (ModelConfig.zero3_vocab_block_rows; a plain resume: as its checkpoint held them). Checkpoints record `model`
-        and, in their layout, the blocks' rows."""
+        (ModelConfig.zero3_vocab_block_rows; a plain resume: as its checkpoint held them, 0: whole, as every
+        checkpoint before the blocks, so DeepSpeed's own load finds its names). Checkpoints record `model` and, in
+        their layout, the blocks' rows."""
         if self.zero_stage != 3:
             return self.model
-        rows = self.checkpoint.resumed_vocab_block_rows
+        rows = self.start.vocab_block_rows
         if rows is None:
             rows = self.model.zero3_vocab_block_rows(self.parallel.tensor_parallel)
         return dataclasses.replace(self.model, vocab_block_rows=rows)
@@ -407,16 +396,16 @@ _CHECKPOINT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hid
                     "load_hf", "expert_model_parallel_size", *MOE_FLAGS)
 
 
-def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
-    """--use-checkpoint-args: the saved run's architecture and parallel sizes replace the flags'."""
+def apply_checkpoint_args(args: argparse.Namespace, start: StartPlan) -> list[str]:
+    """--use-checkpoint-args: the saved run's architecture and parallel sizes (its client state, which the start
+    plan read) replace the flags'."""
     if not args.use_checkpoint_args:
         return []
     if not args.load:
         raise ConfigError("--use-checkpoint-args needs --load CHECKPOINT_DIR.")
-    tag = read_tag(args.load) if os.path.isdir(args.load) else None
-    if tag is None:
+    if start.saved is None:
         raise ConfigError(f"--use-checkpoint-args: no checkpoint in --load {args.load} (no 'latest' file).")
-    saved = read_client_state(args.load, tag).args
+    saved = start.saved.args
     changed = []
     for key in _CHECKPOINT_ARGS:
         if key in saved and getattr(args, key, None) != saved[key]:
@@ -438,9 +427,9 @@ def _check_experts(model: ModelConfig, dims: ParallelDims) -> None:
 
 # --- build_run_config's steps ----------------------------------------------------------------------
 
-def _prepare_flags(args) -> None:
+def _prepare_flags(args, start: StartPlan) -> None:
     """The saved run's architecture (--use-checkpoint-args), Megatron's other spellings, the demo's defaults."""
-    apply_checkpoint_args(args)
+    apply_checkpoint_args(args, start)
     apply_megatron_aliases(args)
     _sft_flags(args)
     _grpo_flags(args)
@@ -735,78 +724,27 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path
                 offload_optimizer=dsc.optimizer_offload(ds))
 
 
-def _megatron_optimizer(args, checkpoint: CheckpointConfig, setup: Setup, problem: str) -> None:
-    """--load of a Megatron-LM checkpoint: its Adam state is loaded when it maps (`problem` "none"; run.py found
-    out) and the table allows this run a universal load (how DeepSpeed takes it); else the reason is kept for the
-    log."""
-    if problem == "none" and (args.finetune or args.no_load_optim):
-        problem = "--finetune" if args.finetune else "--no-load-optim"
-    elif problem == "none" and not args.save:
-        problem = "there is no --save directory to write it in as DeepSpeed's universal checkpoint"
-    elif problem == "none":
-        try:
-            check(dataclasses.replace(setup, universal_checkpoint=True))
-        except ConfigError as error:
-            problem = f"DeepSpeed loads it as a universal checkpoint, which this run cannot: {error}"
-    checkpoint.load_megatron_optimizer = problem == "none"
-    checkpoint.megatron_optimizer_problem = None if problem == "none" else problem
-
-
-def _resumed_checkpoint(args, checkpoint: CheckpointConfig) -> Optional[ClientState]:
-    """The client state of the hybrid checkpoint a plain --load resumes (not --finetune, not a universal load, not
-    a Megatron checkpoint), at the tag resume takes (the newest complete one: hybrid.checkpoint.manifest
-    .tag_to_resume), its file memory-mapped; None where there is none or it is unreadable (resume names why)."""
-    load = args.load
-    if not (load and os.path.isdir(load)) or checkpoint.finetune or checkpoint.universal_checkpoint \
-            or megatron_kind(load) is not None:
-        return None
-    tag = read_tag(load)
-    if tag is None or not os.path.isdir(os.path.join(load, tag)):
-        return None
-    tag, _ = tag_to_resume(load, tag)
+def _universal_problem(setup: Setup) -> Optional[str]:
+    """None where the capability table lets this run load a universal checkpoint, else why not."""
     try:
-        return ClientState.from_meta(load_file(first_model_file(os.path.join(load, tag)), mmap=True)) if tag else None
-    except ConfigError:
-        return None
-
-
-def _resumed_table_form(saved: Optional[ClientState], checkpoint: CheckpointConfig) -> None:
-    """A plain resume of a ZeRO-3 checkpoint (DeepSpeed's own load of its partitions) rebuilds the vocabulary
-    tables as that run held them (CheckpointConfig.resumed_vocab_block_rows); every other load reads whole tables
-    into any form, and this run's form is its own."""
-    if saved is not None and saved.layout.storage == "zero3" and not saved.weights_only:
-        checkpoint.resumed_vocab_block_rows = saved.layout.vocab_block_rows
-
-
-def _pipeline_engine_checkpoint(args, checkpoint: CheckpointConfig, setup: Setup,
-                                saved: Optional[ClientState]) -> None:
-    """--load of a checkpoint DeepSpeed's pipeline engine wrote (its layer files; every 1f1b checkpoint before the
-    one runtime): with its optimizer state it loads as a universal checkpoint, where this run can load one."""
-    if saved is None or saved.layout.storage != "layer_files" or saved.weights_only:
-        return
-    if args.no_load_optim:
-        checkpoint.pipeline_engine_problem = "--no-load-optim"
-    elif not args.save:
-        checkpoint.pipeline_engine_problem = "there is no --save directory to write it in as a universal checkpoint"
-    else:
-        try:
-            check(dataclasses.replace(setup, universal_checkpoint=True))
-        except ConfigError as error:
-            checkpoint.pipeline_engine_problem = f"this run cannot load it as a universal checkpoint: {error}"
-    checkpoint.load_pipeline_engine = checkpoint.pipeline_engine_problem is None
+        check(dataclasses.replace(setup, universal_checkpoint=True))
+    except ConfigError as error:
+        return str(error)
+    return None
 
 
 def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_size: int,
                      base_model: Optional[ModelConfig] = None, eod_token: Optional[int] = None,
-                     megatron_optimizer_problem: Optional[str] = None) -> RunConfig:
+                     start: Optional[StartPlan] = None) -> RunConfig:
     """Validate the flags against each other, the DeepSpeed config and the world size.
     `base_model`: the architecture of --load-hf's model (hybrid.conversion.hf.read_hf_config) or of --load's
     Megatron checkpoint; `eod_token`: the tokenizer's end-of-document id (--reset-attention-mask /
-    --reset-position-ids); `megatron_optimizer_problem`: with a Megatron checkpoint, whether its Adam state maps
-    ("none") or why not (hybrid.training.run.megatron_base_model). The flags are normalized on a copy of `args`
+    --reset-position-ids); `start`: where the run starts (hybrid.training.start.plan_start; planned here when not
+    given), its bridge settled against this run's capabilities. The flags are normalized on a copy of `args`
     (recorded in the checkpoints as the run's), never in the caller's namespace."""
     args = argparse.Namespace(**vars(args))
-    _prepare_flags(args)
+    start = start or plan_start(args)
+    _prepare_flags(args, start)
     ds, ds_path = dsc.load_ds_config(args)
     stage = dsc.zero_stage(args, ds, ds_path, args.pipeline_model_parallel_size)
     dims = ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -816,6 +754,9 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     model = _model(args, dims, _vocab_size(args, tokenizer_vocab_size), base_model, eod_token)
     batches = dsc.batch_sizes(args, ds, ds_path, dims.data_parallel)
     precision = dsc.precision_of(args, ds, ds_path)
+    warning = dsc.default_bucket_warning(ds, stage, precision, ds_path)
+    if warning:
+        log(warning)
     clip = dsc.agree(ds, "gradient_clipping", "--clip-grad", args.clip_grad, ds_path, 1.0)
     optimizer = dsc.optimizer_config(args, ds, ds_path)
     length = resolve_run_length(args, batches[1], batches[0] * dims.data_parallel, args.seq_length)
@@ -833,14 +774,10 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
     pipeline = _pipeline(args, model, dims)
     setup = _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path)
     check(setup)
-    if megatron_optimizer_problem is not None:
-        _megatron_optimizer(args, checkpoint, setup, megatron_optimizer_problem)
-    saved = _resumed_checkpoint(args, checkpoint)
-    _pipeline_engine_checkpoint(args, checkpoint, setup, saved)
-    _resumed_table_form(saved, checkpoint)
+    start = with_bridge(start, args.save, lambda: _universal_problem(setup))
     run = RunConfig(model=model, parallel=dims, pipeline=pipeline, training=training,
                     optimizer=_optimizer(args, optimizer, clip, length), data=data, checkpoint=checkpoint,
-                    logging=_logging(args), ds_config={}, args=dict(vars(args)))
+                    logging=_logging(args), ds_config={}, args=dict(vars(args)), start=start)
     # --optimizer muon: the optimizer is hybrid's (handed to deepspeed.initialize), the config names none
     run.ds_config = dsc.final_ds_config(ds, args, run, stage, None if run.optimizer.muon else optimizer)
     return run

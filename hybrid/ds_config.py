@@ -50,8 +50,7 @@ def agree(ds: dict, key: str, flag: str, flag_value, ds_path: Optional[str], def
 
 def precision_of(args, ds: dict, ds_path) -> str:
     """fp32 | bf16 | fp16 from --fp16/--bf16 and the config's sections (which must agree)."""
-    ds_fp16 = bool(ds.get("fp16", {}).get("enabled", False))
-    ds_bf16 = bool(ds.get("bf16", {}).get("enabled", False)) or bool(ds.get("bfloat16", {}).get("enabled", False))
+    ds_fp16, ds_bf16 = _enabled(ds, "fp16"), _enabled(ds, "bf16") or _enabled(ds, "bfloat16")
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are exclusive; pick one.")
     if (args.fp16 and ds_bf16) or (args.bf16 and ds_fp16):
@@ -60,6 +59,12 @@ def precision_of(args, ds: dict, ds_path) -> str:
     precision = "fp16" if (args.fp16 or ds_fp16) else "bf16" if (args.bf16 or ds_bf16) else "fp32"
     check(Setup(precision=precision, accelerator=accelerator_kind()), only=("fp16-cpu",))
     return precision
+
+
+def _enabled(ds: dict, section: str) -> bool:
+    """A precision section's "enabled" (transformers' "auto": as the flags say, so not by itself)."""
+    value = (ds.get(section) or {}).get("enabled", False)
+    return value != "auto" and bool(value)
 
 
 def accelerator_kind() -> str:
@@ -78,7 +83,9 @@ def optimizer_config(args, ds: dict, ds_path) -> dict:
         if args.optimizer and args.optimizer.lower() not in section.get("type", "").lower():
             raise ConfigError(f"--optimizer {args.optimizer} disagrees with \"optimizer\": "
                               f"{section.get('type')} in {ds_path}.")
-        return dict(section, params=dict(params, lr=lr, weight_decay=wd))
+        auto = {key: value for key, value in (("betas", [args.adam_beta1, args.adam_beta2]), ("eps", args.adam_eps))
+                if params.get(key) == "auto"}  # transformers' "auto": the flags' values
+        return dict(section, params=dict(params, lr=lr, weight_decay=wd, **auto))
     lr = args.lr if args.lr is not None else 3e-4
     wd = args.weight_decay if args.weight_decay is not None else 0.01
     if (args.optimizer or "adam") == "sgd":
@@ -163,10 +170,12 @@ def final_ds_config(ds: dict, args, run, stage: int, optimizer: dict) -> dict:
     out.setdefault("wall_clock_breakdown", False)
     zero = dict(out.get("zero_optimization") or {})
     zero["stage"] = stage
-    out["zero_optimization"] = zero
-    c = run.checkpoint
-    if c.universal_checkpoint or c.load_megatron_optimizer or c.load_pipeline_engine:  # DeepSpeed's switch for
-        # loading universal checkpoints (a Megatron-LM or pipeline-engine checkpoint's optimizer is loaded as one)
+    out["zero_optimization"] = resolve_auto_buckets(zero, run.model.hidden_size)
+    for section in ("fp16", "bf16", "bfloat16"):  # "auto": the precision resolved below
+        if (out.get(section) or {}).get("enabled") == "auto":
+            out[section] = dict(out[section], enabled=False)
+    if run.checkpoint.universal_checkpoint or run.start.loader == "universal":  # DeepSpeed's switch for loading
+        # universal checkpoints (a Megatron-LM or pipeline-engine checkpoint's optimizer is loaded as one)
         out["checkpoint"] = dict(out.get("checkpoint") or {}, load_universal=True)
     if cpu_offloading(args, ds):  # deepspeed.checkpointing.configure reads it (hybrid.training.engine)
         out["activation_checkpointing"] = dict(out.get("activation_checkpointing") or {}, cpu_checkpointing=True)
@@ -201,3 +210,28 @@ def pipeline_accumulation(micro_batch: int, dp_cp: int) -> dict:
     their number itself)."""
     return {"gradient_accumulation_steps": 1, "train_batch_size": micro_batch * dp_cp,
             "managed_gradient_accumulation": False}
+
+
+# zero_optimization keys that transformers' DeepSpeed integration fills from the model's hidden size when "auto"
+# (HfTrainerDeepSpeedConfig.trainer_config_finalize), as functions of it
+AUTO_BUCKETS = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+                "stage3_param_persistence_threshold": lambda h: 10 * h}
+DEFAULT_REDUCE_BUCKET = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size (elements)
+
+
+def resolve_auto_buckets(zero: dict, hidden_size: int) -> dict:
+    """A zero_optimization section with transformers' "auto" values resolved as its integration resolves them."""
+    return {key: AUTO_BUCKETS[key](hidden_size) if value == "auto" and key in AUTO_BUCKETS else value
+            for key, value in zero.items()}
+
+
+def default_bucket_warning(ds: dict, stage: int, precision: str, ds_path: Optional[str]) -> Optional[str]:
+    """ZeRO-3 with no reduce_bucket_size in the config takes DeepSpeed's 5e8 elements, allocated whole at start: the
+    memory it costs and the fix, or None."""
+    if stage != 3 or "reduce_bucket_size" in (ds.get("zero_optimization") or {}):
+        return None
+    size = DEFAULT_REDUCE_BUCKET * (2 if precision in ("bf16", "fp16") else 4)
+    return (f"WARNING: {ds_path or 'the DeepSpeed config'} sets no zero_optimization.reduce_bucket_size, so ZeRO-3 "
+            f"takes DeepSpeed's default of {DEFAULT_REDUCE_BUCKET:.0e} elements, a {size / 1e9:.0f} GB {precision} "
+            f"bucket on every rank; set it (\"auto\" is the hidden size squared, as transformers resolves it; "
+            f"ds_configs/zero3.json sets 5e7)")

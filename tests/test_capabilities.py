@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from checks.docs import page_with
 from hybrid import capabilities, megatron_compat
 from hybrid.capabilities import RULES, Setup
 from hybrid.config import build_run_config
@@ -68,7 +69,23 @@ EXAMPLES = {
 }
 
 
+_HF_DIR: list = []
+
+
+def _hf_dir() -> str:
+    """A tiny HF Llama (the start plan reads --load-hf's architecture when the run's config is built)."""
+    if not _HF_DIR:
+        import tempfile
+
+        from tests.hf_families import make_family
+        path = tempfile.mkdtemp(prefix="hybrid-capabilities-hf-")
+        make_family("llama3", path, tokenizer=False, vocab_size=64)
+        _HF_DIR.append(path)
+    return _HF_DIR[0]
+
+
 def _argv(flags):
+    flags = [_hf_dir() if f == "hf-dir" else f for f in flags]
     base = list(BASE)
     if "--rampup-batch-size" in flags:  # a sample-based run length, as Megatron-LM needs for a ramp
         i = base.index("--train-iters")
@@ -188,7 +205,7 @@ def test_zero_stages_and_stage_placement_come_from_the_table():
 
 
 def _readme_block(marker: str) -> str:
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = page_with(marker)
     return readme.split(f"<!-- {marker} -->\n", 1)[1].split(f"\n<!-- /{marker} -->", 1)[0]
 
 

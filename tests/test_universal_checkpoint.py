@@ -156,7 +156,7 @@ def test_plain_load_at_another_layout_is_one_message_naming_the_difference_and_t
     with pytest.raises(ConfigError, match="ZeRO-3 at --tensor-model-parallel-size > 1 is not supported"):
         _run_config(universal + ["--tensor-model-parallel-size", 2, "--deepspeed", "ds_configs/zero3.json"], 2)
     with pytest.raises(ConfigError, match="no universal checkpoint there"):  # before the engine is touched
-        checkpoint.load(None, _run_config(universal + ["--deepspeed", "ds_configs/zero1.json"], 1), None)
+        checkpoint.start(None, _run_config(universal + ["--deepspeed", "ds_configs/zero1.json"], 1), None)
 
 
 @pytest.mark.slow
@@ -178,10 +178,16 @@ def test_zero3_checkpoints_convert_to_huggingface_with_the_one_rank_weights(data
         run("python", 1, ["--saver", "hf", "--load-dir", ckpt, "--save-dir", hf, "--no-progress-bar"],
             script="conversion/checkpoint_util.py")
         exported[name] = load_file(str(hf / "model.safetensors"))
+    # 4 Adam steps at either layout: the same weights, within 1% of the largest step Adam can take over them (the sum
+    # of the 4 learning rates; a misplaced row or block is off by the weights themselves, ~0.02). A fixed 1e-6 was
+    # below the rounding: for rows that barely appear, Adam divides a near-zero moment by the root of a near-zero
+    # second moment, so summation-order differences that vary with the CPU's kernels grow there (4.1e-6 seen)
+    steps = sum(r["lr"] for r in read_log(tmp_path / "one_rank.jsonl"))
+    assert 1e-2 * steps < 1e-4, steps  # (far below a misplaced weight)
     for layout in ("zero3_tp2", "zero3_dp2"):
         assert exported[layout].keys() == exported["one_rank"].keys()
-        for key, value in exported["one_rank"].items():  # 4 Adam steps at either layout: the same weights
-            torch.testing.assert_close(exported[layout][key], value, rtol=1e-4, atol=1e-6, msg=f"{layout} {key}")
+        for key, value in exported["one_rank"].items():
+            torch.testing.assert_close(exported[layout][key], value, rtol=0, atol=1e-2 * steps, msg=f"{layout} {key}")
 
 
 PIPELINE_ENGINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pipeline_engine")

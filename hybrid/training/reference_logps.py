@@ -33,8 +33,10 @@ from hybrid.data.batches import Collator, to_device
 from hybrid.model.forward_only import forward_only
 from hybrid.model.objectives import DocumentScores
 from hybrid.errors import ConfigError
+from hybrid.conversion.source import HF
 from hybrid.training import resume
 from hybrid.training.logging import log
+from hybrid.training.start import reference_plan
 
 _VERSION = 1
 
@@ -200,8 +202,8 @@ def prepare(run, groups, engine, datasets, build_reference, start) -> tuple[Opti
             torch.cuda.empty_cache()
         begun = start()
     else:  # the pipeline itself, holding the --load-hf weights
-        from_hf = resume.starts_from_hf(run)
-        begun = start() if from_hf else resume.load_hf(engine, run, groups)
+        from_hf = run.start.kind == HF  # (else --load's checkpoint goes over the --load-hf weights after scoring)
+        begun = start() if from_hf else resume.start(engine, run, groups, reference_plan(run.checkpoint.load_hf))
         score = scorer(engine.module, groups, device, options.separator)
         tables = _score(run, groups, engine, parts, score, run.training.grad_acc_steps, "the pipeline")
         if not from_hf:

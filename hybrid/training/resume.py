@@ -1,6 +1,8 @@
-"""Where a run starts: a checkpoint in --load (DeepSpeed's own load at the same layout, a universal
-checkpoint at any layout, or weights only from any layout), --load-hf's weights, or from scratch. Each load path
-says what it found (a `Start`), and one epilogue (`begin`) ends them all."""
+"""Where a run starts, executed: the start plan (hybrid.training.start, decided once before the config) names one of
+four loaders: DeepSpeed's own load at the same layout, a universal load at any layout (a Megatron-LM checkpoint's
+Adam state and DeepSpeed pipeline-engine layer files crossing through a universal checkpoint written beside
+--save), weights only from any source, or fresh. Each loader says what it found (a `Start`), and one epilogue
+(`begin`) ends them all."""
 
 from __future__ import annotations
 
@@ -14,15 +16,13 @@ import torch.distributed as dist
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
 from hybrid.capabilities import stage_placement
-from hybrid.checkpoint.client_state import ClientState, SavedLayout, read_client_state
-from hybrid.checkpoint.files import (LATEST, LATEST_UNIVERSAL, first_model_file, iteration_of, load_file, read_tag,
-                                     write_atomic)
-from hybrid.checkpoint.manifest import tag_to_resume, verify_manifest
+from hybrid.checkpoint.client_state import ClientState, SavedLayout
+from hybrid.checkpoint.files import LATEST_UNIVERSAL, first_model_file, iteration_of, load_file, read_tag, write_atomic
+from hybrid.checkpoint.manifest import verify_manifest
 from hybrid.config import RunConfig, checkpoint_summary
-from hybrid.conversion.hf import hf_parts
 from hybrid.conversion.layout import hybrid_parts, load_parts, table_block_rows
-from hybrid.conversion.source import MEGATRON_DEEPSPEED, MEGATRON_KINDS, checkpoint_kind, open_source
 from hybrid.conversion.megatron.universal import write_universal
+from hybrid.conversion.source import HF, HYBRID
 from hybrid.conversion.universal import convert
 from hybrid.data.plan import plan_changes
 from hybrid.errors import ConfigError
@@ -31,26 +31,24 @@ from hybrid.parallel.random import set_rng_states
 from hybrid.safe_loading import UnsafeCheckpointError
 from hybrid.training import deepspeed_fixes
 from hybrid.training.logging import log
+from hybrid.training.start import (FRESH, LAYER_FILES, MEGATRON_ADAM, SAME_LAYOUT, UNIVERSAL, WEIGHTS, StartPlan,
+                                   describe)
 
 MEGATRON_UNIVERSAL = ".megatron-universal"  # under --save: a Megatron checkpoint's Adam state while it loads
 PIPELINE_ENGINE_UNIVERSAL = ".pipeline-engine-universal"  # under --save: the same for a pipeline-engine checkpoint
-
-
-def latest_tag(load_dir: str) -> Optional[str]:
-    return read_tag(load_dir, LATEST)
+BRIDGES = {MEGATRON_ADAM: MEGATRON_UNIVERSAL, LAYER_FILES: PIPELINE_ENGINE_UNIVERSAL}  # a bridge's directory
 
 
 def already_finished(run: RunConfig) -> bool:
     """A restart (--load = --save) whose newest complete checkpoint is the run's last iteration has
     nothing to do: it says so, and the caller exits before building anything (no process group, no save)."""
-    c = run.checkpoint
-    if not c.load or c.finetune or c.universal_checkpoint or not os.path.isdir(c.load):
+    plan, c = run.start, run.checkpoint
+    if plan.kind != HYBRID or plan.tag is None or c.finetune or c.universal_checkpoint:
         return False
-    tag = read_tag(c.load)
-    iteration = iteration_of(tag)
-    if iteration is None or iteration < run.training.train_iters or verify_manifest(os.path.join(c.load, tag)):
+    iteration = iteration_of(plan.tag)
+    if iteration is None or iteration < run.training.train_iters or verify_manifest(os.path.join(c.load, plan.tag)):
         return False
-    log(f"nothing to train: the newest checkpoint in {c.load} ({tag}) is at iteration {iteration}, the end of "
+    log(f"nothing to train: the newest checkpoint in {c.load} ({plan.tag}) is at iteration {iteration}, the end of "
         f"the run (--train-iters {run.training.train_iters}); exiting")
     return True
 
@@ -89,69 +87,26 @@ def begin(engine, run: RunConfig, groups, start: Start) -> tuple[int, int]:
     return start.iteration, start.consumed
 
 
-def start(engine, run: RunConfig, groups) -> tuple[int, int]:
-    """Where the run starts: the checkpoint in --load when there is one (a restart), else --load-hf's
-    weights, else --load's messages, else from scratch. Returns (iteration, consumed samples)."""
-    if starts_from_hf(run):
-        return load_hf(engine, run, groups)
-    return load(engine, run, groups) if run.checkpoint.load else (0, 0)
+def start(engine, run: RunConfig, groups, plan: Optional[StartPlan] = None) -> tuple[int, int]:
+    """Where the run starts, as its plan (run.start, or `plan`) says: the plan's loader runs, then the one
+    epilogue. Returns (iteration, consumed samples)."""
+    plan = plan or run.start
+    if plan.refusal is not None:
+        raise ConfigError(plan.refusal)
+    if plan.loader == FRESH and plan.warning is None:
+        return 0, 0
+    return begin(engine, run, groups, LOADERS[plan.loader](engine, run, groups, plan))
 
 
-def starts_from_hf(run: RunConfig) -> bool:
-    """The run begins at --load-hf's weights: given, and no checkpoint in --load to restart from."""
-    c = run.checkpoint
-    return bool(c.load_hf) and not (c.load and os.path.isdir(c.load) and latest_tag(c.load))
+def _fresh(engine, run: RunConfig, groups, plan: StartPlan) -> Start:
+    return Start(plan.warning)
 
 
-def load_hf(engine, run: RunConfig, groups) -> tuple[int, int]:
-    """--load-hf: the HF model's weights, converted to canonical names and sharded for this rank (every
-    layout, every ZeRO stage), read a layer at a time and only for this rank's stage and experts; the
-    optimizer and LR schedule start fresh at iteration 0."""
-    wanted = names_to_load(engine.module, run.model.num_layers, buffers=False)  # this rank's (stage, experts)
-    # multi-token prediction layers the HF model does not store (--mtp-num-layers) start from their initialisation
-    fresh = load_parts(engine.module, hf_parts(run.checkpoint.load_hf, run.model, wanted), run.model, groups,
-                       may_start_fresh=("mtp.",))
-    return begin(engine, run, groups, Start(
-        f"loaded the {run.model.family} weights of {run.checkpoint.load_hf} (--load-hf); optimizer, schedule and "
-        f"iteration start fresh" + ("; the multi-token prediction layers (not in it) from their initialisation"
-                                    if fresh else ""), copied_weights=True))
-
-
-def load(engine, run: RunConfig, groups) -> tuple[int, int]:
-    """Load --load into the engine; returns (iteration, consumed samples) to continue from.
-
-    --finetune: weights only (from any TP/PP layout), fresh optimizer, schedule and counters.
-    --no-load-optim: no optimizer or schedule state. --no-load-rng: keep this run's seeds.
-    Checkpoints written by conversion hold weights only and load like --no-load-optim.
-    """
-    return begin(engine, run, groups, _load(engine, run, groups))
-
-
-def _load(engine, run: RunConfig, groups) -> Start:
-    """The load path --load takes, and what it found."""
-    c = run.checkpoint
-    load_dir = c.load
-    if not os.path.isdir(load_dir) and os.path.abspath(load_dir) != os.path.abspath(c.save or ""):
-        raise ConfigError(f"--load {load_dir}: no such directory.")
-    tag = latest_tag(load_dir) if os.path.isdir(load_dir) else None
-    kind = checkpoint_kind(load_dir)
-    if kind in MEGATRON_KINDS:  # Megatron-LM's (no hybrid `latest`) or Megatron-DeepSpeed's
-        return _load_megatron(engine, run, groups, load_dir, kind)
-    if c.universal_checkpoint and os.path.isdir(load_dir) and read_tag(load_dir, LATEST_UNIVERSAL) and tag is None:
-        return _load_universal(engine, run, load_dir, groups)  # one made from a Megatron-LM checkpoint
-    if tag is None:
-        if c.finetune:
-            raise ConfigError(f"--load {load_dir} --finetune: no checkpoint there (no '{LATEST}' file).")
-        return Start(f"WARNING: no checkpoint found in {load_dir} (no '{LATEST}' file); training from scratch.")
-    if c.universal_checkpoint:
-        return _load_universal(engine, run, load_dir, groups)
-    tag = complete_tag(load_dir, tag)
-    saved = read_client_state(load_dir, tag)
-    if c.finetune or saved.weights_only:
-        return _load_weights_only(engine, run, groups, load_dir, tag, saved)
-    if saved.layout.storage == "layer_files":  # DeepSpeed's pipeline engine wrote it
-        return _load_pipeline_engine(engine, run, groups, load_dir, tag, saved)
-    check_same_layout(saved, run, load_dir, tag)
+def _same_layout(engine, run: RunConfig, groups, plan: StartPlan) -> Start:
+    """DeepSpeed's own load of a hybrid checkpoint at this run's layout: engine, optimizer, schedule and RNG.
+    --no-load-optim: no optimizer or schedule state; --no-load-rng: keep this run's seeds."""
+    c, load_dir, tag = run.checkpoint, plan.directory, plan.tag
+    check_same_layout(plan.saved, run, load_dir, tag)
     try:
         path, client_state = deepspeed_fixes.load_checkpoint(
             engine, load_dir, tag, load_optimizer_states=not c.no_load_optim,
@@ -166,18 +121,80 @@ def _load(engine, run: RunConfig, groups) -> Start:
     return _resumed(client_state, lambda iteration: f"loaded checkpoint {load_dir}/{tag} at iteration {iteration}")
 
 
-def complete_tag(load_dir: str, tag: str) -> str:
-    """`tag` if its files are as its manifest lists them; else the newest older complete checkpoint (said
-    in the log), or an error naming the file when there is none."""
-    chosen, problem = tag_to_resume(load_dir, tag)
-    if problem is None:
-        return tag
-    if not chosen:
-        raise ConfigError(f"--load {load_dir}: checkpoint {tag} is incomplete: {problem}; no complete older "
-                          f"checkpoint is there to resume from.")
-    log(f"WARNING: checkpoint {tag} in {load_dir} is incomplete ({problem}); resuming from {chosen}, the newest "
-        f"complete checkpoint")
-    return chosen
+def _weights(engine, run: RunConfig, groups, plan: StartPlan) -> Start:
+    """Weights only, from any source and layout (--load-hf, --finetune, a converted checkpoint, a Megatron one
+    whose optimizer is not loaded), resharded for this rank as they are read (a layer at a time, this rank's
+    stage and experts only); a fresh optimizer. The counters and the LR schedule continue where the plan says."""
+    model = run.model
+    wanted = names_to_load(engine.module, model.num_layers, buffers=plan.kind not in (HF, HYBRID))
+    # multi-token prediction layers an HF model does not store (--mtp-num-layers) start from their initialisation
+    parts = plan.source.parts(model, wanted) if plan.source is not None else \
+        hybrid_parts(plan.directory, plan.tag, model, wanted)  # (the newest complete checkpoint's)
+    fresh = load_parts(engine.module, parts, model, groups,
+                       may_start_fresh=("mtp.",) if plan.kind == HF else ())
+    if plan.kind == HF:
+        return Start(f"loaded the {model.family} weights of {plan.directory} (--load-hf); optimizer, schedule and "
+                     f"iteration start fresh" + ("; the multi-token prediction layers (not in it) from their "
+                                                 "initialisation" if fresh else ""), copied_weights=True)
+    where = f"{plan.directory}/{plan.tag}" if plan.kind == HYBRID else describe(plan)
+    if not plan.counters:
+        return Start(f"loaded {'weights from' if plan.kind == HYBRID else 'the weights of the'} {where} for "
+                     f"fine-tuning; optimizer, schedule and iteration start fresh", copied_weights=True)
+    if plan.kind == HYBRID:
+        saved = plan.saved
+        why = ("a converted checkpoint: weights only" if plan.bridge is None and saved.weights_only else
+               f"written by DeepSpeed's pipeline engine; its optimizer state is not loaded: {plan.optimizer_problem}")
+        iteration, consumed = int(saved.iteration), int(saved.consumed_samples)
+        return Start(f"loaded weights of {where} ({why}; the optimizer starts fresh) at iteration {iteration}; the "
+                     f"LR schedule continues from there", iteration, consumed, saved, copied_weights=True,
+                     schedule_at_consumed=True)
+    iteration, consumed = plan.source.iteration, plan.source.consumed_samples
+    return Start(f"loaded the weights of the {where} at iteration {iteration} ({consumed} consumed samples); the LR "
+                 f"schedule continues from there; Adam starts fresh: {plan.optimizer_problem or 'not loaded'}",
+                 iteration, consumed, copied_weights=True, schedule_at_consumed=True)
+
+
+def _universal(engine, run: RunConfig, groups, plan: StartPlan) -> Start:
+    """DeepSpeed's universal load at any layout, with the optimizer; a Megatron-LM checkpoint with Adam state or
+    pipeline-engine layer files first cross the bridge: a universal checkpoint rank 0 writes under --save, every
+    rank loads, and rank 0 removes."""
+    if plan.bridge is None:
+        return _load_universal(engine, run, plan.directory, plan.tag)
+    directory = os.path.join(run.checkpoint.save, BRIDGES[plan.bridge])
+    if dist.get_rank() == 0:
+        _write_bridge(plan, run, directory)
+    dist.barrier()
+    try:
+        found = _load_universal(engine, run, directory, plan.tag)  # (a Megatron bridge: latest_universal's)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+    log(found.said)  # the universal load's own line (the weight decay of each parameter group)
+    if plan.bridge == MEGATRON_ADAM:
+        found.said = (f"loaded the {describe(plan)} at iteration {found.iteration} ({found.consumed} consumed "
+                      f"samples) with its Adam state (step {plan.source.optimizer().step}); the LR schedule continues "
+                      f"from there")
+        found.schedule_at_consumed = True
+    else:
+        found.said = (f"loaded {plan.directory}/{plan.tag}, written by DeepSpeed's pipeline engine, with its "
+                      f"optimizer state (through a universal checkpoint) at iteration {found.iteration}")
+    return found
+
+
+def _write_bridge(plan: StartPlan, run: RunConfig, directory: str) -> None:
+    """The universal checkpoint the bridge crosses through, written whole under `directory`."""
+    if plan.bridge == MEGATRON_ADAM:
+        write_universal(plan.source, run.model, directory, log=log, replace=True, clip_grad=run.optimizer.clip_grad)
+        return
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
+    convert(os.path.join(plan.directory, plan.tag), os.path.join(directory, plan.tag), plan.saved.model_config(),
+            log=log)
+    write_atomic(os.path.join(directory, LATEST_UNIVERSAL), plan.tag)
+
+
+LOADERS = {FRESH: _fresh, SAME_LAYOUT: _same_layout, WEIGHTS: _weights, UNIVERSAL: _universal}
 
 
 def _resumed(client_state: Optional[dict], said) -> Start:
@@ -254,14 +271,10 @@ def check_same_layout(state: ClientState, run: RunConfig, load_dir: str, tag: st
                           f"at this layout, {_fix_command(load_dir)}.")
 
 
-def _load_universal(engine, run: RunConfig, load_dir: str, groups) -> Start:
-    """--universal-checkpoint: DeepSpeed loads the per-parameter fp32 weights and Adam moments and
-    slices them for this rank's TP/PP/DP position (its `load_universal` mode)."""
-    tag = read_tag(load_dir, LATEST_UNIVERSAL)
-    if tag is None:
-        raise ConfigError(f"--load {load_dir} --universal-checkpoint: no universal checkpoint there (no "
-                          f"'{LATEST_UNIVERSAL}' file). Make one from its last checkpoint with: python "
-                          f"conversion/checkpoint_util.py --saver universal --load-dir {load_dir}")
+def _load_universal(engine, run: RunConfig, load_dir: str, tag: Optional[str]) -> Start:
+    """DeepSpeed loads the per-parameter fp32 weights and Adam moments of universal checkpoint `tag` (None: the
+    one latest_universal names) and slices them for this rank's TP/PP/DP position (its `load_universal` mode)."""
+    tag = tag or read_tag(load_dir, LATEST_UNIVERSAL)
     deepspeed_fixes.use_canonical_param_names(engine, run.model.num_layers)
     deepspeed_fixes.load_table_blocks_from_universal(engine, table_block_rows(engine.module))
     try:
@@ -305,91 +318,3 @@ def _restore_score_biases(engine, universal_dir: str, num_layers: int) -> None:
         for name, buffer in engine.module.named_buffers():
             if name.endswith("router.score_bias"):
                 buffer.copy_(saved[canonical_name(name, num_layers)])
-
-
-def _load_megatron(engine, run: RunConfig, groups, load_dir: str, kind: str) -> Start:
-    """A Megatron-LM checkpoint (either format, any TP x PP x EP): unless --finetune, its iteration, consumed
-    samples and the LR schedule's position (Megatron's scheduler counts samples). Its Adam state, where it
-    maps (hybrid.conversion.megatron.optimizer.MegatronOptimizer), is loaded with the weights by DeepSpeed's universal
-    loader from a universal checkpoint made beside --save (hybrid.conversion.megatron.universal), then
-    removed; otherwise the weights are resharded for this rank as they are read (a layer at a time) and
-    Adam starts fresh, the log says why."""
-    source = open_source(load_dir, kind=kind)
-    what = (f"Megatron-DeepSpeed checkpoint {source.directory}" if source.kind == MEGATRON_DEEPSPEED else
-            f"Megatron-LM checkpoint {source.directory} (--ckpt-format {source.format})")
-    c = run.checkpoint
-    if c.load_megatron_optimizer:
-        return _load_megatron_with_optimizer(engine, run, groups, source, what)
-    wanted = names_to_load(engine.module, run.model.num_layers)  # with the routers' score biases
-    load_parts(engine.module, source.parts(run.model, wanted), run.model, groups)
-    if c.finetune:
-        return Start(f"loaded the weights of the {what} for fine-tuning; optimizer, schedule and iteration start "
-                     f"fresh", copied_weights=True)
-    iteration, consumed = source.iteration, source.consumed_samples
-    return Start(f"loaded the weights of the {what} at iteration {iteration} ({consumed} consumed samples); the LR "
-                 f"schedule continues from there; Adam starts fresh: {c.megatron_optimizer_problem or 'not loaded'}",
-                 iteration, consumed, copied_weights=True, schedule_at_consumed=True)
-
-
-def _load_megatron_with_optimizer(engine, run: RunConfig, groups, source, what: str) -> Start:
-    """The universal checkpoint of `source` is written by rank 0 under --save (every rank reads it there),
-    loaded, and removed."""
-    directory = os.path.join(run.checkpoint.save, MEGATRON_UNIVERSAL)
-    if dist.get_rank() == 0:
-        write_universal(source, run.model, directory, log=log, replace=True, clip_grad=run.optimizer.clip_grad)
-    dist.barrier()
-    try:
-        found = _load_universal(engine, run, directory, groups)
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(directory, ignore_errors=True)
-    log(found.said)  # the universal load's own line (the weight decay of each parameter group)
-    found.said = (f"loaded the {what} at iteration {found.iteration} ({found.consumed} consumed samples) with its "
-                  f"Adam state (step {source.optimizer().step}); the LR schedule continues from there")
-    found.schedule_at_consumed = True
-    return found
-
-
-def _load_pipeline_engine(engine, run: RunConfig, groups, load_dir: str, tag: str, saved: ClientState) -> Start:
-    """A checkpoint of DeepSpeed's pipeline engine (layer files; every 1f1b checkpoint before the one runtime),
-    at any layout: with its optimizer state through a universal checkpoint (hybrid.conversion.universal, DeepSpeed's
-    ds_to_universal) written under --save, loaded and removed; else (the config says why) its weights, the LR
-    schedule continuing from its position."""
-    c = run.checkpoint
-    if not c.load_pipeline_engine:
-        return _load_weights_only(engine, run, groups, load_dir, tag, saved,
-                                  f"written by DeepSpeed's pipeline engine; its optimizer state is not loaded: "
-                                  f"{c.pipeline_engine_problem}")
-    directory = os.path.join(run.checkpoint.save, PIPELINE_ENGINE_UNIVERSAL)
-    if dist.get_rank() == 0:
-        shutil.rmtree(directory, ignore_errors=True)
-        os.makedirs(directory)
-        convert(os.path.join(load_dir, tag), os.path.join(directory, tag), saved.model_config(), log=log)
-        write_atomic(os.path.join(directory, LATEST_UNIVERSAL), tag)
-    dist.barrier()
-    try:
-        found = _load_universal(engine, run, directory, groups)
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(directory, ignore_errors=True)
-    log(found.said)  # the universal load's own line (the weight decay of each parameter group)
-    found.said = (f"loaded {load_dir}/{tag}, written by DeepSpeed's pipeline engine, with its optimizer state "
-                  f"(through a universal checkpoint) at iteration {found.iteration}")
-    return found
-
-
-def _load_weights_only(engine, run: RunConfig, groups, load_dir: str, tag: str,
-                       saved: ClientState, why: str = "a converted checkpoint: weights only") -> Start:
-    """--finetune, or a converted checkpoint: weights from any layout, a fresh optimizer; without --finetune the
-    LR schedule continues where the run was (its data plan reported; its RNG streams are this run's)."""
-    wanted = names_to_load(engine.module, run.model.num_layers, buffers=False)
-    load_parts(engine.module, hybrid_parts(load_dir, tag, run.model, wanted), run.model, groups)
-    if run.checkpoint.finetune:
-        return Start(f"loaded weights from {load_dir}/{tag} for fine-tuning; optimizer, schedule and iteration start "
-                     f"fresh", copied_weights=True)
-    iteration, consumed = int(saved.iteration), int(saved.consumed_samples)
-    return Start(f"loaded weights of {load_dir}/{tag} ({why}; the optimizer starts fresh) at iteration {iteration}; "
-                 f"the LR schedule continues from there", iteration, consumed, saved, copied_weights=True,
-                 schedule_at_consumed=True)

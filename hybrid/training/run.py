@@ -5,7 +5,6 @@ A user's mistake ends in one message and exit status 2; a dead or silent peer in
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -16,12 +15,8 @@ from typing import Optional
 import torch.distributed as dist
 from deepspeed.utils import logger as ds_logger
 
-from hybrid.architecture import MOE_TRAINING_FLAGS
 from hybrid.config import (RunConfig, build_run_config, data_config, sft_tutorial_defaults, tokenizer_kwargs,
                            with_flags)
-from hybrid.conversion.hf import read_hf_config
-from hybrid.conversion.megatron.args import ARCHITECTURE_FLAGS, contradictions
-from hybrid.conversion.source import MEGATRON_KINDS, checkpoint_kind, open_source
 from hybrid.data.batches import build_datasets
 from hybrid.data.chat.dataset import train_windows
 from hybrid.data.chat.template import ChatEncoder
@@ -40,6 +35,7 @@ from hybrid.training.engine import build_engine, build_reference
 from hybrid.training.logging import log
 from hybrid.training.loop import Trainer
 from hybrid.training.profiling import PeakResidentMemory
+from hybrid.training.start import plan_start
 
 
 def _timeout_of(argv) -> float:
@@ -58,23 +54,15 @@ def run_training(argv: Optional[list[str]] = None) -> int:
     """Parse flags, build everything, train. Returns the process exit code."""
     args = build_parser().parse_args(argv)
     install_safe_torch_load(args.allow_unsafe_checkpoint_load)  # before anything reads a file
-    base_model, optimizer_problem = None, None
-    kind = checkpoint_kind(args.load) if args.load and not args.load_hf else None
-    if kind in MEGATRON_KINDS:
-        base_model, optimizer_problem, moe_training = megatron_base_model(args, kind)
-        args = with_flags(args, **moe_training)
-    if args.load_hf:  # the architecture and tokenizer of a HuggingFace model
-        base_model = read_hf_config(args.load_hf, "--load-hf")
-        if args.tokenizer_type is None and not args.vocab_file:
-            args = with_flags(args, tokenizer_type="HFTokenizer", tokenizer_model=args.load_hf)
+    plan = plan_start(args)  # where the run starts: every checkpoint classified, opened and read here, once
+    args = with_flags(args, **dict(plan.flags))
     args = with_flags(args, **sft_tutorial_defaults(args))
     tokenizer = build_tokenizer(**tokenizer_kwargs(args))
     world_size = args.dry_run_world_size or int(os.environ.get("WORLD_SIZE", "1"))
     separator = _document_end(args, tokenizer)
     if args.train_epochs is not None:
         args = with_flags(args, train_samples=_epochs_as_samples(args, tokenizer))
-    run = build_run_config(args, world_size, tokenizer.vocab_size, base_model, separator,
-                           megatron_optimizer_problem=optimizer_problem)
+    run = build_run_config(args, world_size, tokenizer.vocab_size, plan.base_model, separator, start=plan)
     if args.dry_run:  # the memory estimate: nothing built, no process group
         if int(os.environ.get("RANK", "0")) == 0:
             print(report(run, args.gpu_memory_gb), flush=True)
@@ -120,32 +108,6 @@ def _epochs_as_samples(args, tokenizer) -> int:
     log(f"--train-epochs {args.train_epochs}: {windows} training windows an epoch -> --train-samples {samples} "
         f"(whole global batches of {batch})")
     return samples
-
-
-def megatron_base_model(args, kind: str) -> tuple:
-    """--load names a Megatron-LM checkpoint: (the model its stored args describe, as Megatron-LM's converter
-    builds it; whether its Adam state maps: "none" where it does, else why not; the experts' training flags the
-    run does not give, the checkpoint's). Architecture flags that contradict the checkpoint are one message
-    naming both values."""
-    source = open_source(args.load, kind=kind)
-    defaults = {name: build_parser().get_default(name) for name in ARCHITECTURE_FLAGS}
-    problems = contradictions(args, defaults, source.args)
-    if problems:
-        raise ConfigError(f"--load {args.load}: the Megatron-LM checkpoint's model differs from the flags: "
-                          f"{'; '.join(problems)}. Drop those flags (the model comes from the checkpoint) or load "
-                          f"another checkpoint.")
-    # dropout is the run's (Megatron-LM's --use-checkpoint-args takes the architecture, not the regularisation)
-    config = dataclasses.replace(source.config(), hidden_dropout=args.hidden_dropout,
-                                 attention_dropout=args.attention_dropout)
-    if config.mtp_num_layers and args.mtp_loss_scaling_factor != build_parser().get_default("mtp_loss_scaling_factor"):
-        # (a training weight)
-        config = dataclasses.replace(config, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
-    moe_training = {}  # how the experts train: the flags given, else the checkpoint's (its expert bias)
-    if config.num_experts:
-        moe_training = {name: getattr(config, name) for name in MOE_TRAINING_FLAGS
-                        if getattr(args, name) == build_parser().get_default(name)}
-    # whether its Adam state maps ("none": it does; the config decides whether this run loads it)
-    return config, source.optimizer().problem or "none", moe_training
 
 
 def _train(run: RunConfig, args, tokenizer) -> None:
