@@ -88,6 +88,27 @@ ALLOWED_IN = {os.path.join("hybrid", "parallel", "fp8.py"): {"._data", "._scale"
                                                               "import _zeropower_via_newtonschulz"}}
 
 
+# every fix of hybrid.training.deepspeed_fixes, by name: a new one (or one gone) fails here, and the architecture
+# page's counts with it, so touching DeepSpeed's internals stays a visible decision
+FIXES = ("release_engine", "runs_tensor_backward", "prepare_pipeline_engine", "loss_scale", "scaled_for_backward",
+         "start_backward", "begin_accumulation", "step_on_gradient_partitions",
+         "release_input_embedding_after_its_gradient", "ensure_reduction_buckets",
+         "keep_host_activations_when_offloading", "install_fp32_clipping", "skip_one_rank_gradient_allreduce",
+         "skip_non_finite_steps", "use_canonical_param_names", "load_table_blocks_from_universal",
+         "repair_zero3_universal_load", "keep_run_clipping", "load_checkpoint", "replay_cpu_adam_steps",
+         "use_async_checkpoint_engine", "register_moe_layers", "zero_partitions")
+
+
+def test_the_fixes_and_the_relied_on_internals_are_the_listed_ones_and_the_architecture_page_counts_them():
+    tree = ast.parse(open(deepspeed_fixes.__file__).read())
+    public = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
+    assert public == list(FIXES) == list(deepspeed_fixes.FIXES)  # each with its kind, versions and upstream link
+    kinds = {"workaround", "speed", "memory", "adapter", "accessor"}
+    assert all(kind in kinds and versions.endswith("0.19.8") for kind, versions, _ in deepspeed_fixes.FIXES.values())
+    page = open(os.path.join(ROOT, "docs", "architecture.md")).read()
+    assert f"**{len(FIXES)} fixes**" in page and f"**{len(deepspeed_fixes.RELIED_ON)} internals**" in page
+
+
 def test_no_private_attribute_of_deepspeed_or_torch_outside_the_fixes_module():
     offenders = []
     for folder, _, files in os.walk(os.path.join(ROOT, "hybrid")):

@@ -4,6 +4,7 @@ unless a comment on the line says why; and no line of the project's Python longe
 
 import ast
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,8 +21,8 @@ FLOORS = [
     ("hybrid.checkpoint",),
     # 4: conversion to and from other formats and layouts; the memory estimate
     ("hybrid.conversion", "hybrid.memory"),
-    # 5: a run's configuration
-    ("hybrid.architecture", "hybrid.ds_config", "hybrid.config", "hybrid.dry_run"),
+    # 5: a run's configuration, and where it starts (decided before the config is built; no DeepSpeed, no model)
+    ("hybrid.architecture", "hybrid.ds_config", "hybrid.config", "hybrid.dry_run", "hybrid.training.start"),
     # 6: what runs a model: evaluation and training (neither imports the other)
     ("hybrid.evaluation", "hybrid.generation", "hybrid.training"),
     # 7: entry points
@@ -197,3 +198,45 @@ def test_the_engine_and_the_loop_call_converters_and_name_no_feature():
                                    "StepProfiler", "end_iteration", "keep_fp32_histories") if name in text]
         assert named == [], (module, named)
         assert "converters" in text, module
+
+
+def _named_modules(doc: str) -> set:
+    """The module names a package docstring's "Modules:" section lists: lines indented two spaces that start with
+    one name or several separated by commas (a deeper-indented line continues the one above)."""
+    names, listing = set(), False
+    for line in doc.splitlines():
+        if line.rstrip().endswith("Modules:") or line.startswith("Modules ("):
+            listing = True
+            continue
+        match = re.match(r"^  ([a-z_0-9]+(?:, [a-z_0-9]+)*)(?:\s{2,}|$)", line) if listing else None
+        if match:
+            names.update(name.strip() for name in match.group(1).split(","))
+        elif listing and line.strip() and not line.startswith("   "):
+            listing = False
+    return names
+
+
+def _package_maps() -> dict:
+    """Each package of hybrid/ -> (the modules and subpackages it holds, those its docstring names)."""
+    out = {}
+    for folder, dirs, files in os.walk(os.path.join(ROOT, "hybrid")):
+        if "__init__.py" not in files:
+            continue
+        held = {name[:-3] for name in files if name.endswith(".py") and name != "__init__.py"}
+        held |= {d for d in dirs if os.path.isfile(os.path.join(folder, d, "__init__.py"))}
+        doc = ast.get_docstring(ast.parse(open(os.path.join(folder, "__init__.py")).read())) or ""
+        out[os.path.relpath(folder, ROOT)] = (held, _named_modules(doc))
+    return out
+
+
+def test_every_package_docstring_names_each_of_its_modules_and_no_other():
+    """A package's docstring is its map: a module it does not name, or a name with no module, fails."""
+    wrong = {package: {"unnamed": sorted(held - named), "gone": sorted(named - held)}
+             for package, (held, named) in _package_maps().items() if held != named}
+    assert wrong == {}
+
+
+def test_the_map_check_finds_an_unnamed_and_a_gone_module():
+    doc = "A package.\n\nModules:\n  alpha  the first\n  beta, gamma  two more\n      (continued)\n  delta\n\nAfter."
+    assert _named_modules(doc) == {"alpha", "beta", "gamma", "delta"}
+    assert _named_modules("No map here.\n  alpha  not a listing") == set()

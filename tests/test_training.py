@@ -236,8 +236,9 @@ def test_readme_main_command_trains_saves_exports_and_samples(tmp_path):
     import shlex
     import subprocess
     from hybrid.distributed import free_port
+    from checks.docs import page_with
     from checks.launch_helpers import BIN, ROOT, env
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = page_with("main-command")
     line = readme.split("<!-- main-command -->")[1].split("```bash")[1].split("```")[0].strip()
     command = shlex.split(line.split("&&")[-1])
     assert command[:2] == ["deepspeed", "launch/train.py"], command

@@ -10,11 +10,12 @@ import subprocess
 
 import pytest
 
+from checks.docs import page_with
 from checks.launch_helpers import BIN, ROOT, env
 
 
 def _blocks() -> list[str]:
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = page_with("tutorial")
     return [part.split("```bash", 1)[1].split("```", 1)[0] for part in readme.split("<!-- tutorial -->")[1:]]
 
 

@@ -29,6 +29,36 @@ from hybrid.training.muon import FlatPartition, Partitioned
 
 KNOWN_GOOD_DEEPSPEED = ("0.19.8",)  # checked by tests/test_deepspeed_fixes.py; pyproject allows the 0.19 series
 
+GITHUB = "https://github.com/deepspeedai/DeepSpeed"
+# each fix below: what kind it is (a workaround of DeepSpeed's behaviour, a speed or memory fix, or an adapter /
+# accessor of its internals), the DeepSpeed versions the behaviour was read in (its source history: the first
+# release that has it, through the one checked here), and the upstream issue or pull request where one matches
+FIXES = {
+    "release_engine": ("workaround", "0.16.4-0.19.8", f"{GITHUB}/issues/7204 (memory over re-created engines)"),
+    "runs_tensor_backward": ("accessor", "0.18.3-0.19.8", f"{GITHUB}/pull/7665 (the flag)"),
+    "prepare_pipeline_engine": ("workaround", "0.16.6-0.19.8", f"{GITHUB}/issues/1839 (TP vs model-parallel rank)"),
+    "loss_scale": ("accessor", "0.19.8", None),
+    "scaled_for_backward": ("adapter", "0.18.6-0.19.8", f"{GITHUB}/pull/7665 (engine.scale)"),
+    "start_backward": ("workaround", "0.18.5-0.19.8", f"{GITHUB}/pull/7780 (the reset in forward)"),
+    "begin_accumulation": ("workaround", "0.12.0-0.19.8", None),
+    "step_on_gradient_partitions": ("memory", "0.12.0-0.19.8", None),
+    "release_input_embedding_after_its_gradient": ("memory", "0.19.3-0.19.8", None),
+    "ensure_reduction_buckets": ("workaround", "0.18.3-0.19.8", None),
+    "keep_host_activations_when_offloading": ("workaround", "0.12.6-0.19.8", f"{GITHUB}/pull/4836 (the ordering)"),
+    "install_fp32_clipping": ("workaround", "0.12.0-0.19.8", f"{GITHUB}/issues/1839"),
+    "skip_one_rank_gradient_allreduce": ("speed", "0.14.1-0.19.8", None),
+    "skip_non_finite_steps": ("workaround", "0.19.8", None),
+    "use_canonical_param_names": ("adapter", "0.18.0-0.19.8", f"{GITHUB}/pull/7585 (ZeRO-3 param_names)"),
+    "load_table_blocks_from_universal": ("adapter", "0.18.0-0.19.8", None),
+    "repair_zero3_universal_load": ("workaround", "0.18.0-0.19.8", f"{GITHUB}/pull/7585 (introduced both lines)"),
+    "keep_run_clipping": ("workaround", "0.19.8", f"{GITHUB}/pull/4516 (the overwrite)"),
+    "load_checkpoint": ("workaround", "0.18.5-0.19.8", f"{GITHUB}/pull/7786 (the cause)"),
+    "replay_cpu_adam_steps": ("workaround", "0.12.0-0.19.8", f"{GITHUB}/issues/7819 (the same IncrementStep)"),
+    "use_async_checkpoint_engine": ("adapter", "0.17.1-0.19.8", f"{GITHUB}/issues/5721 (the request)"),
+    "register_moe_layers": ("adapter", "0.12.0-0.19.8", None),
+    "zero_partitions": ("accessor", "0.19.8", None),
+}
+
 # (module, attribute path, a text its source must contain) of every DeepSpeed internal used below
 RELIED_ON = [
     ("deepspeed.runtime.engine", "DeepSpeedEngine.destroy", "optimizer.destroy()"),

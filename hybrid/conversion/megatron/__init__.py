@@ -1,4 +1,6 @@
-"""Megatron's checkpoints. Modules:
+"""Megatron's checkpoints: Megatron-LM's read and written, Megatron-DeepSpeed's read, at any layout.
+
+Modules:
   lm                  Megatron-LM's checkpoints opened: iteration directory, format, stored args, parts
   names               Megatron's file and tensor names -> hybrid's canonical names and back
   args                Megatron-LM's stored args -> ModelConfig; the args a conversion records

@@ -25,4 +25,13 @@ conversation alone. The separator and the rest of a window take no loss.
 The package: `rows` (the rows people bring), `template` (the chat template and the loss mask), `cache` (tokenized
 files kept and launch/preprocess_data.py --sft's files), `packing`, `dataset` (the packed windows as datasets),
 `stream` (--sft-streaming), `options` (the --sft-* / --dpo-* options and the counts).
+
+Modules:
+  rows      a row's formats -> messages (or a refusal naming the file and line)
+  template  the model's chat template and the assistant's loss mask
+  options   the chat flags as one record
+  cache     tokenized conversations cached, keyed by all they depend on
+  packing   conversations packed into windows, each whole
+  dataset   the windows as a dataset
+  stream    --sft-streaming
 """

@@ -26,4 +26,10 @@ capacity), `token_dispatcher` (tokens sorted by expert and sent to their EP rank
 `experts` (the local experts' GEMMs), `moe_layer` (the block that joins them with shared experts).
 What each training step does for these layers (the score-bias update, the logged losses) belongs to
 the training package (its MoE step hooks).
+
+Modules:
+  router            the router: scores, top-k, balancing losses
+  token_dispatcher  the tokens' trip to their experts' ranks and back
+  experts           the experts' MLPs (a grouped GEMM or a loop)
+  moe_layer         the MoE block: router, dispatcher, experts, shared experts
 """
