@@ -33,7 +33,7 @@ from hybrid.data.indexed import IndexedDataset
 from hybrid.data.tokenizer import HFTokenizer
 from hybrid.distributed import end_distributed
 from hybrid.errors import ConfigError
-from hybrid.flags import FlagParser
+from hybrid.flags import FlagParser, add_fp8_flags
 from hybrid.memory import partition_layers
 from hybrid.model.build import build_model
 from hybrid.model.forward_only import forward_only
@@ -64,15 +64,7 @@ def add_source_flags(p) -> None:
                    help="with a Megatron-LM checkpoint or --load-hf: the PP to run at (default: the one it was saved "
                         "at; 1 for --load-hf)")
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None)
-    g = p.add_argument_group("FP8 GEMMs (as launch/train.py's)")
-    g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"])
-    g.add_argument("--fp8-recipe", default=None, choices=["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise"])
-    g.add_argument("--fp8-amax-history-len", type=int, default=1)
-    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"])
-    g.add_argument("--fp8-margin", type=int, default=0)
-    g.add_argument("--first-last-layers-bf16", action="store_true")
-    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
-    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
+    add_fp8_flags(p.add_argument_group("FP8 GEMMs (as launch/train.py's)"))
 
 
 def build_parser():

@@ -259,7 +259,13 @@ def _add_mixed_precision_args(p):
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="reduce gradients in bf16 (DeepSpeed's communication_data_type); needs --bf16")
-    # FP8 (Megatron-LM's flags) on torchao.float8's casts: hybrid.parallel.fp8
+    add_fp8_flags(g)
+    g.add_argument("--fp8-param-gather", action="store_true",
+                   help="refused: DeepSpeed's ZeRO gathers parameters in their own dtype (see README)")
+
+
+def add_fp8_flags(g) -> None:
+    """FP8 (Megatron-LM's flags) on torchao.float8's casts (hybrid.parallel.fp8): training's and evaluation's."""
     g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"],
                    help="FP8 GEMMs in the transformer layers' linear layers: e4m3 everywhere, or hybrid (gradients "
                         "e5m2); embeddings, output layer, norms and attention stay in the high precision")
@@ -276,8 +282,6 @@ def _add_mixed_precision_args(p):
                         "transformer layers out of FP8")
     g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
     g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
-    g.add_argument("--fp8-param-gather", action="store_true",
-                   help="refused: DeepSpeed's ZeRO gathers parameters in their own dtype (see README)")
 
 
 def _window_skip_freq(text: str):

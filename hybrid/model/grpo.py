@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from hybrid.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from hybrid.parallel.cross_entropy import IGNORE_INDEX
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -67,15 +68,6 @@ def nanstd(values: torch.Tensor, dim: int = 0) -> torch.Tensor:
     count = (~torch.isnan(values)).sum(dim=dim)
     correction = torch.where(count > 1, count / (count - 1), torch.full_like(variance, float("nan")))
     return (variance * correction).sqrt()
-
-
-def token_logps(logits: torch.Tensor, labels: torch.Tensor, groups, vocab_size: int, temperature: float):
-    """Loss logits [s, b, V/tp] and labels [b, s] -> each label's log-probability under softmax(logits /
-    temperature), [b, s] fp32 (0 where the label is IGNORE_INDEX)."""
-    if temperature != 1.0:  # in fp32, as the sampler divides (a bf16 division would round once more)
-        logits = logits.float() / temperature
-    per_token = vocab_parallel_cross_entropy(logits, labels.t(), groups.tp_group, vocab_size=vocab_size)
-    return torch.where(labels != IGNORE_INDEX, -per_token.t().float(), torch.zeros((), device=logits.device))
 
 
 def policy_loss(logps, old, reference, advantage, mask, options: GRPOOptions, scale: Optional[torch.Tensor],
@@ -173,6 +165,17 @@ class PolicyStats:
         return out
 
 
+class Value(IntEnum):
+    """The planes of the per-token values a GRPO row carries beside its ids and labels ([n, 4, s] fp32): its
+    advantage (the same at every position), the sampler's log-probability of each label, the reference model's (zeros
+    at beta 0), and 1 where the row is fresh from the sampler (the same at every position)."""
+
+    ADVANTAGE = 0
+    OLD = 1
+    REFERENCE = 2
+    FRESH = 3
+
+
 def completion_rows(prompts: list, completions: list, logprobs: list, advantage: torch.Tensor, seq_length: int,
                     pad: int):
     """Training rows of one completion each: ids = prompt + completion (right-padded with `pad`) [n, s], labels =
@@ -181,13 +184,13 @@ def completion_rows(prompts: list, completions: list, logprobs: list, advantage:
     n = len(prompts)
     ids = torch.full((n, seq_length), pad, dtype=torch.long)
     labels = torch.full((n, seq_length), IGNORE_INDEX, dtype=torch.long)
-    values = torch.zeros(n, 4, seq_length, dtype=torch.float32)
+    values = torch.zeros(n, len(Value), seq_length, dtype=torch.float32)
     for r, (prompt, completion, logps) in enumerate(zip(prompts, completions, logprobs)):
         full = list(prompt) + list(completion)
         ids[r, :len(full) - 1] = torch.tensor(full[:-1])
         first = len(prompt) - 1  # the position whose label is the completion's first token
         labels[r, first:first + len(completion)] = torch.tensor(completion)
-        values[r, 1, first:first + len(completion)] = torch.tensor(logps, dtype=torch.float32)
-    values[:, 0] = advantage.float()[:, None]
+        values[r, Value.OLD, first:first + len(completion)] = torch.tensor(logps, dtype=torch.float32)
+    values[:, Value.ADVANTAGE] = advantage.float()[:, None]
     return ids, labels, values
 

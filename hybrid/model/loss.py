@@ -1,5 +1,6 @@
-"""The language-model loss of one micro-batch, from TP-split logits, as every step takes it (the plain
-engine through GPTModel, DeepSpeed's pipeline through its adapter, the torch schedules)."""
+"""The language-model loss of one micro-batch, from TP-split logits, as every step takes it (every schedule of the
+one runtime), and the one per-token log-probability the other objectives read (DPO's document sums, GRPO's
+ratios), vocabulary-parallel and aware of the sequence split."""
 
 from __future__ import annotations
 
@@ -43,3 +44,18 @@ class LMLoss:
         valid = (labels != IGNORE_INDEX).sum()
         mine = labels.index_select(1, local_index(labels.size(1), self.groups, labels.device))
         return self(logits, mine, valid, token_scale)
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor, groups, vocab_size: int,
+                temperature: float = 1.0) -> torch.Tensor:
+    """TP-split logits [s_local, b, V/tp] and labels [b, s] -> each label's log-probability under softmax(logits /
+    temperature), [b, s_local] fp32, 0 where the label is IGNORE_INDEX. Labels of the whole sequences are cut to
+    this rank's part under a sequence split (context parallelism, Ulysses); this rank's own labels are taken as
+    they are."""
+    groups = as_groups(groups)
+    if groups.sequence_split > 1 and labels.size(1) != logits.size(0):
+        labels = labels.index_select(1, local_index(labels.size(1), groups, labels.device))
+    if temperature != 1.0:  # in fp32, as the sampler divides (a bf16 division would round once more)
+        logits = logits.float() / temperature
+    per_token = vocab_parallel_cross_entropy(logits, labels.t(), groups.tp_group, vocab_size=vocab_size)
+    return torch.where(labels != IGNORE_INDEX, -per_token.t().float(), torch.zeros((), device=logits.device))

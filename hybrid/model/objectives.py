@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from hybrid.model import grpo, preference
-from hybrid.model.loss import LMLoss
+from hybrid.model.loss import LMLoss, token_logps
 from hybrid.model.mtp import shifted
 from hybrid.model.preference import DPOOptions, PreferenceStats
 from hybrid.parallel.cross_entropy import IGNORE_INDEX
@@ -157,7 +157,7 @@ class PreferencePairs(WithStatistics):
         return pair_target(ids, labels, reference)
 
     def loss(self, logits, target, scale):
-        labels, ids, reference = target[:, 0], target[:, 1], target[:, 2].int().view(torch.float32)
+        labels, ids, reference = target[:, 0], target[:, 1], float_planes(target, 2)[:, 0]
         sums = preference.document_logps(logits, labels, ids, self.groups, self.vocab_size, self.options.separator)
         loss, stats = preference.dpo_loss(sums, (reference, None), self.options, scale)
         self.stats.add(stats)
@@ -177,7 +177,7 @@ class DocumentScores(Objective):
         self.groups, self.vocab_size, self.separator = groups, vocab_size, separator
 
     def target(self, ids, labels, extra=()):
-        return torch.stack([labels, ids], 1)
+        return pack_target([labels, ids])
 
     def loss(self, logits, target, scale):
         sums = preference.document_logps(logits, target[:, 0], target[:, 1], self.groups, self.vocab_size,
@@ -187,10 +187,10 @@ class DocumentScores(Objective):
 
 class GroupPolicy(WithStatistics):
     """--grpo: TRL's GRPO loss (hybrid.model.grpo) on rows of one completion each. `extra[0]` [b, 4, s] fp32 rides
-    with the row: its advantage, the sampler's log-probability of each label, the reference model's (or, at beta
-    0, zeros), and 1 where the row's values are fresh from the sampler (the mismatch is measured there). The
-    iteration's loss is a mean over the global batch's rows (grpo), tokens (dapo) or rows x the completion limit
-    (dr_grpo); bnpo's is each micro-batch's token mean, averaged (TRL's)."""
+    with the row, its planes named by hybrid.model.grpo.Value: its advantage, the sampler's log-probability of each
+    label, the reference model's (or, at beta 0, zeros), and 1 where the row's values are fresh from the sampler (the
+    mismatch is measured there). The iteration's loss is a mean over the global batch's rows (grpo), tokens (dapo) or
+    rows x the completion limit (dr_grpo); bnpo's is each micro-batch's token mean, averaged (TRL's)."""
 
     name = "grpo"
     per_item = True
@@ -202,15 +202,14 @@ class GroupPolicy(WithStatistics):
         self.per_item = options.loss_type != "bnpo"
 
     def target(self, ids, labels, extra=()):
-        values = extra[0].float().contiguous().view(torch.int32).long()  # [b, 4, s] as fp32 bits
-        return torch.cat([labels[:, None], values], 1)
+        return pack_target([labels], extra[0])  # the row's values [b, 4, s] (grpo.Value) ride as fp32 bits
 
     def loss(self, logits, target, scale):
-        labels = target[:, 0]
-        values = target[:, 1:].int().view(torch.float32)
-        advantage, old, reference, fresh = values[:, 0, 0], values[:, 1], values[:, 2], values[:, 3, 0] > 0
+        labels, values = target[:, 0], float_planes(target, 1)
+        advantage, old = values[:, grpo.Value.ADVANTAGE, 0], values[:, grpo.Value.OLD]
+        reference, fresh = values[:, grpo.Value.REFERENCE], values[:, grpo.Value.FRESH, 0] > 0
         o = self.options
-        logps = grpo.token_logps(logits, labels, self.groups, self.vocab_size, o.temperature)
+        logps = token_logps(logits, labels, self.groups, self.vocab_size, o.temperature)
         mask = labels != IGNORE_INDEX
         # on a batch's first pass the policy is the sampler's: its old log-probabilities are the trainer's own
         # (detached, ratio 1, as TRL takes them); later passes use the sampler's (--grpo-iterations)
@@ -227,10 +226,24 @@ class GroupPolicy(WithStatistics):
         return torch.full((), labels.size(0), device=labels.device, dtype=torch.long)
 
 
+def pack_target(planes: list, floats: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A micro-batch's fields as the one int64 tensor [b, k + f, s] torch's pipeline schedules split along dim 0 (their
+    target is a single tensor): the integer planes [b, s] as they are, then the fp32 planes `floats` [b, f, s] as
+    their bits (float_planes reads them back)."""
+    ints = torch.stack(planes, 1)
+    if floats is None:
+        return ints
+    return torch.cat([ints, floats.float().contiguous().view(torch.int32).long()], 1)
+
+
+def float_planes(target: torch.Tensor, first: int) -> torch.Tensor:
+    """The fp32 planes pack_target stored from plane `first` on, [b, f, s]."""
+    return target[:, first:].int().view(torch.float32)
+
+
 def pair_target(ids: torch.Tensor, labels: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """[b, 3, s] int64: labels, ids and the reference sums' fp32 bits (one tensor, split into micro-batches
-    along dim 0 like the ids)."""
-    return torch.stack([labels, ids, reference.float().contiguous().view(torch.int32).long()], 1)
+    """DPO's micro-batch: labels, ids and the reference's per-document sums [b, s] (fp32), packed."""
+    return pack_target([labels, ids], reference[:, None])
 
 
 def objective_for(run_training, model_config, groups, reference=None) -> Objective:

@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybrid.model.sequence import documents_of, local_index
-from hybrid.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from hybrid.model.loss import token_logps
+from hybrid.parallel.cross_entropy import IGNORE_INDEX
 
 LOSS_TYPES = ("sigmoid", "ipo")
 
@@ -68,9 +69,8 @@ def document_logps(logits, labels, ids, groups, vocab_size: int, separator: int)
     if groups.sequence_split > 1:
         index = local_index(labels.size(1), groups, labels.device)
         labels, documents = labels.index_select(1, index), documents.index_select(1, index)
-    per_token = vocab_parallel_cross_entropy(logits, labels.t(), groups.tp_group, vocab_size=vocab_size)  # [s_l, b]
+    logp = token_logps(logits, labels, groups, vocab_size)  # [b, s_l]
     valid = labels != IGNORE_INDEX
-    logp = torch.where(valid, -per_token.t().float(), torch.zeros((), device=logits.device))
     shape = (ids.size(0), ids.size(1))
     sums = torch.zeros(shape, device=logits.device, dtype=torch.float32).scatter_add(1, documents, logp)
     counts = torch.zeros(shape, device=logits.device, dtype=torch.float32).scatter_add(1, documents, valid.float())
