@@ -92,6 +92,34 @@ def test_a_resume_names_what_changes_its_data_plan_and_continues_where_megatron_
     assert logged == [(5, 48), (6, 64)]
 
 
+def test_a_resume_past_the_end_of_its_data_is_one_message_before_the_first_iteration():
+    """A checkpoint that consumed 80 samples (a Megatron one trained at another global batch), resumed at iteration
+    10 with --train-iters 12 --global-batch-size 4: the 8 samples after the 80th are past the 48 this run's data
+    holds; one message naming both counts and the fixes (before: a StopIteration traceback midway). With room
+    for them (88 samples) it passes; with a batch ramp-up each iteration's own size is counted."""
+    from hybrid.config import build_run_config
+    from hybrid.errors import ConfigError
+    from hybrid.flags import build_parser
+    from hybrid.training.loop import check_enough_samples
+    flags = [str(f) for f in TINY + ["--train-iters", 12, "--global-batch-size", 4, "--mock-data"]]
+    run = build_run_config(build_parser().parse_args(flags), 1, 8192)
+    with pytest.raises(ConfigError, match="has consumed 80 samples at iteration 10; reaching --train-iters 12 from "
+                                          "there needs 88 samples, and this run's training data holds 48"):
+        check_enough_samples(run, 10, 80, 48)
+    check_enough_samples(run, 10, 80, 88)
+    at = TINY.index("--train-iters")
+    ramp = [str(f) for f in TINY[:at] + TINY[at + 2:] + ["--global-batch-size", 4, "--mock-data", "--train-samples",
+                                                         48, "--rampup-batch-size", 2, 2, 8]]
+    ramped = build_run_config(build_parser().parse_args(ramp), 1, 8192)
+    needed = 0
+    for _ in range(ramped.training.train_iters):
+        needed += ramped.training.rampup.batch_size(needed, 4)
+    assert needed != ramped.training.train_iters * 4  # (the ramp's smaller batches counted)
+    check_enough_samples(ramped, 0, 0, needed)
+    with pytest.raises(ConfigError, match=f"needs {needed} samples"):
+        check_enough_samples(ramped, 0, 0, needed - 1)
+
+
 def test_the_data_plan_compares_each_setting_and_each_files_size(tmp_path):
     """plan_changes: the sequence length, the blend, the chat options and every data file's size (the same path
     holding other data) are differences; the batch size is reported apart; a checkpoint that did not record a

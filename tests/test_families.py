@@ -289,6 +289,14 @@ def test_mixed_attention_qwen2_window_on_every_layer_imports_as_a_window(tmp_pat
     assert read_hf_config(str(tmp_path)).sliding_window == 8
 
 
+def test_a_field_transformers_never_reads_is_ignored_gpt_oss_hidden_act(tmp_path):
+    """GPT-OSS's `hidden_act` (transformers' GptOss model never reads it: its experts' clamped GLU is fixed): another
+    value imports as the same model (before: refused as Llama's would be)."""
+    make_family("gpt_oss", tmp_path / "act", tokenizer=False, hidden_act="gelu")
+    make_family("gpt_oss", tmp_path / "silu", tokenizer=False)
+    assert read_hf_config(str(tmp_path / "act")) == read_hf_config(str(tmp_path / "silu"))
+
+
 # --- launched: evaluation at TP 2 + SP x PP 2, --load-hf training at TP 2 x PP 2, export --------------
 
 TRAIN = ["--seq-length", 32, "--micro-batch-size", 2, "--global-batch-size", 8, "--train-iters", 4, "--lr", 1e-3,

@@ -150,12 +150,16 @@ def test_a_failing_reward_function_is_one_message_naming_it_and_the_prompt(tmp_p
                      "def short(prompts, completions, **kw):\n    return [1.0]\n"
                      "def boom(prompts, completions, answer, **kw):\n"
                      "    return [1.0 / (a != 'x') for a in answer]\n"
-                     "def inf(prompts, completions, **kw):\n    return [float('inf')] * len(prompts)\n")
+                     "def inf(prompts, completions, **kw):\n    return [float('inf')] * len(prompts)\n"
+                     "import torch\ndef scalars(prompts, completions, **kw):\n"
+                     "    return [torch.tensor(0.5), torch.tensor(1.5, dtype=torch.float64)]\n")
     prompts = [Prompt("p0", [1], {"answer": "a"}, "data.jsonl line 1"),
                Prompt("p1", [2], {"answer": "x"}, "data.jsonl line 2")]
     total, table = Rewards([f"{rewards}:good", "hybrid.data.arithmetic:digits"], [1.0, 2.0])(prompts, ["12", "ab"],
                                                                                            [[1], [2]])
     assert total.tolist() == [1.0 + 2 * 0.25, 1.0] and table.shape == (2, 2)
+    # 0-d tensors, as TRL accepts them (it makes a tensor of the list); before: refused as not a number
+    assert Rewards([f"{rewards}:scalars"], [])(prompts, ["12", "ab"], [[1], [2]])[0].tolist() == [0.5, 1.5]
     for spec, message in [(f"{rewards}:short", "returned 1 values for 2 completions"),
                           (f"{rewards}:boom", "raised ZeroDivisionError: float division by zero (on data.jsonl line 2"),
                           (f"{rewards}:inf", "returned inf for data.jsonl line 1"),
@@ -314,8 +318,9 @@ def test_readme_grpo_command_learns_the_embedded_task_and_draws_the_reward(tmp_p
     here), reward.png is written and the export samples."""
     import os
     import shlex
+    from checks.docs import page_with
     from checks.launch_helpers import ROOT
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = page_with("grpo-command")
     command = shlex.split(readme.split("<!-- grpo-command -->")[1].split("```bash")[1].split("```")[0].strip())
     assert command[:2] == ["deepspeed", "launch/train.py"] and "--grpo" in command, command
     log, save = tmp_path / "log.jsonl", tmp_path / "grpo"
@@ -338,6 +343,28 @@ def test_grpo_iterations_reuse_a_generation_batch_against_the_samplers_log_proba
     records = read_log(log)
     assert [("reward_mean" in r, "logprob_mismatch" in r) for r in records] == [(True, True), (False, False)] * 2
     assert records[1]["clip_fraction"] > 0 and records[0]["clip_fraction"] == 0
+
+
+def test_a_prompt_the_chat_template_refuses_is_one_message_naming_its_line(tmp_path, capsys):
+    """Two user turns in a row under Mistral's template (which raises on roles out of order): one message naming
+    the file's line, for --grpo's prompts and launch/generate.py alike (before: a jinja2 traceback)."""
+    from hybrid.data.prompts import read_prompts
+    from hybrid.errors import ConfigError
+    from hybrid.generation import main
+    from tests.chat_templates import family_tokenizer
+    tok = family_tokenizer("mistral")
+    rows = [{"prompt": [{"role": "user", "content": "Hi."}]},
+            {"prompt": [{"role": "user", "content": "One."}, {"role": "user", "content": "Two."}]}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=f"{path} line 2: the chat template could not render the prompt"):
+        read_prompts(str(path), tok, "--data-path")
+    model = tmp_path / "model"
+    make_family("llama3", model, tokenizer=False, vocab_size=len(tok))
+    tok.save_pretrained(model)
+    assert main(["--load-hf", str(model), "--prompts", str(path), "--output", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "line 2: the chat template could not render" in err and "Traceback" not in err
 
 
 def test_prompt_files_in_jsonl_and_parquet_give_the_same_prompts_and_columns(tmp_path):

@@ -570,3 +570,50 @@ def test_dry_run_counts_mtp_layers_and_the_last_stages_embedding_copy():
 
 def dataclasses_replace(config, **fields):
     return dataclasses.replace(config, **fields)
+
+
+HF_AUTO_CONFIG = {  # as transformers' docs and accelerate users write them
+    "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto"}},
+    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": "auto",
+                          "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto"}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_deepspeed_config_of_auto_values_resolves_as_transformers_does_and_dry_runs(precision, tmp_path):
+    """"auto" values (transformers' Trainer and accelerate's convention): buckets from the hidden size as
+    transformers' integration fills them (h^2, 0.9 h^2, 10 h), batch sizes, clipping, the optimizer's
+    hyperparameters and the precision from the flags; --dry-run reports (before: ValueError: invalid literal for
+    int() with base 10: 'auto')."""
+    from hybrid.dry_run import report
+    path = tmp_path / "auto.json"
+    path.write_text(json.dumps(HF_AUTO_CONFIG))
+    flags = TINY + ["--deepspeed", str(path), "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "2e-3",
+                    "--clip-grad", "0.5", "--adam-beta2", "0.95"] + (["--bf16"] if precision == "bf16" else [])
+    run = build_run_config(build_parser().parse_args(flags), 2, 128)
+    ds, h = run.ds_config, 34
+    assert run.training.precision == precision
+    assert ds["zero_optimization"]["reduce_bucket_size"] == h * h
+    assert ds["zero_optimization"]["stage3_prefetch_bucket_size"] == int(0.9 * h * h)
+    assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 10 * h
+    assert (ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"], ds["gradient_accumulation_steps"],
+            ds["gradient_clipping"]) == (2, 8, 2, 0.5)
+    assert ds["optimizer"]["params"] == dict(ds["optimizer"]["params"], lr=2e-3, betas=[0.9, 0.95], eps=1e-8)
+    assert "auto" not in json.dumps(ds)
+    assert json.loads(report(run, None).splitlines()[-1])["dry_run"]["stages"]
+
+
+def test_zero3_left_on_deepspeeds_default_bucket_is_warned_with_its_cost(tmp_path, capsys):
+    """A bare {"zero_optimization": {"stage": 3}} takes DeepSpeed's 5e8-element reduce bucket (2 GB in fp32 on every
+    rank): one warning with the cost and the fix; a config that sets it, none."""
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    build_run_config(build_parser().parse_args(TINY + ["--deepspeed", str(bare), "--micro-batch-size", "2"]), 2, 128)
+    out = capsys.readouterr().out
+    assert "sets no zero_optimization.reduce_bucket_size" in out and "a 2 GB fp32 bucket" in out, out
+    build_run_config(build_parser().parse_args(TINY + ["--deepspeed", "ds_configs/zero3.json", "--micro-batch-size",
+                                                       "2"]), 2, 128)
+    assert "reduce_bucket_size" not in capsys.readouterr().out

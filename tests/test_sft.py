@@ -260,8 +260,9 @@ def test_weighted_paths_blend_and_split_gives_validation_windows(tmp_path):
 def test_readme_fine_tuning_blocks_run_as_written(tmp_path):
     import os
     import subprocess
+    from checks.docs import page_with
     from checks.launch_helpers import BIN, ROOT, env
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = page_with("sft-tutorial")
     blocks = [part.split("```bash", 1)[1].split("```", 1)[0] for part in readme.split("<!-- sft-tutorial -->")[1:]]
     assert len(blocks) == 2, "the README's fine-tuning section has two blocks: the embedded tutorial, your model"
     for name in ("launch", "conversion", "ds_configs", "hybrid"):

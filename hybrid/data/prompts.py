@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jinja2.exceptions import TemplateError
+
 from hybrid.data.chat.rows import BadRow, read_rows
 from hybrid.errors import ConfigError
 
@@ -59,7 +61,10 @@ def read_prompts(path: str, tokenizer, flag: str = "--prompts") -> list:
         if not isinstance(prompt, str) and not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"{where}: a conversational prompt needs a chat template, and the tokenizer has none "
                               f"(give text prompts, or a tokenizer with a chat template).")
-        ids = encode_prompt(tokenizer, prompt)
+        try:
+            ids = encode_prompt(tokenizer, prompt)
+        except TemplateError as e:  # the template's own refusal (raise_exception), e.g. roles out of order
+            raise ConfigError(f"{where}: the chat template could not render the prompt: {e}") from None
         if not ids:
             raise ConfigError(f"{where}: the prompt encodes to no tokens.")
         columns = {k: v for k, v in row.items() if k not in ("prompt", "messages")}

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from hybrid.config import RunConfig, config_summary
 from hybrid.data.batches import Collator, micro_batches
+from hybrid.errors import ConfigError
 from hybrid.model.objectives import objective_for
 from hybrid.training.converters import loop_converters
 from hybrid.training.engine import units_per_step
@@ -153,6 +154,8 @@ class Trainer:
                 f"run (--train-iters {t.train_iters}); no evaluation, no save")
             logger.close()
             return iteration
+        if not self.prompts:
+            check_enough_samples(run, iteration, consumed, len(self.train_ds))
         batches = self._rollout(consumed) if self.prompts else self._batches(self.train_ds, consumed)
         timer, last_saved, pending, interval = Timer(), None, [], [0.0]
         log(f"training from iteration {iteration} to {t.train_iters} ({describe_layout(run)})")
@@ -217,3 +220,23 @@ def describe_layout(run: RunConfig) -> str:
         schedule = f" {run.pipeline.schedule}" + (f", {virtual} virtual stages per rank" if virtual > 1 else "")
     return (f"TP={p.tensor_parallel}, PP={p.pipeline_parallel}{schedule}, DP={p.data_parallel}, "
             f"ZeRO-{run.zero_stage}, {run.training.precision}")
+
+
+def check_enough_samples(run: RunConfig, iteration: int, consumed: int, available: int) -> None:
+    """A resumed run whose training data ends before --train-iters (the checkpoint consumed more samples than this
+    run's plan has room for, e.g. saved with a larger --global-batch-size) stops with one message before its first
+    iteration, as Megatron-LM's sampler refuses it, not midway in an exhausted iterator (a StopIteration)."""
+    t = run.training
+    needed = consumed
+    if t.rampup:
+        for _ in range(iteration, t.train_iters):
+            needed += t.rampup.batch_size(needed, t.global_batch_size)
+    else:
+        needed += max(t.train_iters - iteration, 0) * t.global_batch_size
+    if needed > available:
+        where = f"--load {run.checkpoint.load}: the checkpoint" if run.checkpoint.load else "the run"
+        raise ConfigError(f"{where} has consumed {consumed} samples at iteration {iteration}; reaching --train-iters "
+                          f"{t.train_iters} from there needs {needed} samples, and this run's training data holds "
+                          f"{available} (--train-iters x --global-batch-size {t.global_batch_size}, or "
+                          f"--train-samples). Give a longer run (--train-iters or --train-samples), or add --finetune "
+                          f"to start the data from its first sample.")

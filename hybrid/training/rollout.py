@@ -32,7 +32,8 @@ from hybrid.data import arithmetic, prompts
 from hybrid.data.tokenizer import end_ids
 from hybrid.errors import ConfigError
 from hybrid.model.generate import SamplingOptions, generate
-from hybrid.model.grpo import GRPOOptions, advantages, completion_rows, nanstd, token_logps
+from hybrid.model.grpo import GRPOOptions, Value, advantages, completion_rows, nanstd
+from hybrid.model.loss import token_logps
 from hybrid.training.logging import log
 
 
@@ -105,6 +106,8 @@ class Rewards:
                               f"{prompts[0].where} on): return a list with one float per completion.")
         out = torch.empty(len(values), dtype=torch.float64)
         for k, value in enumerate(values):
+            if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # a 0-d tensor or numpy value (TRL's)
+                value = value.item()
             if value is None:
                 out[k] = math.nan
             elif isinstance(value, numbers.Real) and math.isfinite(value):
@@ -166,7 +169,7 @@ class Rollout:
                 self.rows = self._generate(generation)
             ids, labels, values = self.rows
             values = values.clone()
-            values[:, 3] = 1.0 if use == 0 else 0.0  # fresh: the sampler's policy is the trainer's
+            values[:, Value.FRESH] = 1.0 if use == 0 else 0.0  # fresh: the sampler's policy is the trainer's
             self.queue = [(ids[k:k + self.micro], labels[k:k + self.micro], values[k:k + self.micro])
                           for k in range(0, ids.size(0), self.micro)]
             self.iteration += 1
@@ -276,8 +279,8 @@ class Rollout:
             with torch.no_grad():
                 for k in range(0, n, self.micro):
                     logits = self.reference(ids[k:k + self.micro], stage=0)
-                    values[k:k + self.micro, 2] = token_logps(logits, labels[k:k + self.micro], self.groups,
-                                                              self.vocab_size, self.options.temperature)
+                    values[k:k + self.micro, Value.REFERENCE] = token_logps(
+                        logits, labels[k:k + self.micro], self.groups, self.vocab_size, self.options.temperature)
         return ids, labels, values
 
 

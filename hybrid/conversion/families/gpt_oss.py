@@ -22,6 +22,7 @@ class GptOssAdapter(LlamaAdapter):
     refused = ("`swiglu_alpha` other than 1.702, `attention_bias` false, as Llama's (MXFP4 weights: save them "
                "dequantized)")
     qkv_bias = True  # (Q/K/V's biases as --add-bias-linear's, with the output's)
+    hidden_act = None  # transformers' GPT-OSS never reads `hidden_act`: its experts' activation is the clamped GLU
     REFUSED_BIASES = ("mlp_bias",)
     LAYER_MAP = dict(LlamaAdapter.LAYER_MAP,
                      **{"model.layers.{}.self_attn.o_proj.bias": "layers.{}.attention.dense.bias",
@@ -73,7 +74,8 @@ class GptOssAdapter(LlamaAdapter):
         kinds = layer_types(c)
         return dict(intermediate_size=c.moe_ffn_hidden_size, num_local_experts=c.num_experts,
                     num_experts_per_tok=c.moe_router_topk, sliding_window=c.sliding_window or 128, layer_types=kinds,
-                    attention_bias=True, swiglu_limit=c.activation_func_clamp_value, swiglu_alpha=1.702)
+                    attention_bias=True, swiglu_limit=c.activation_func_clamp_value, swiglu_alpha=1.702,
+                    hidden_act="silu")  # (GptOssConfig's default, which its model never reads)
 
     def mlp_to_canonical(self, hf_state, i, out, wanted=None):
         """GPT-OSS's fused experts (gate_up_proj [E, h, 2f], its gate and up columns interleaved; down_proj

@@ -24,7 +24,7 @@ class LlamaAdapter(Adapter):
     options = "RoPE (default, llama3 and linear scaling), RMSNorm, SwiGLU, no biases, GQA, any head_dim, tied or untied"
     refused = ("`attention_bias`, `mlp_bias`, `rope_scaling` types other than llama3/linear/yarn, "
                "`partial_rotary_factor` < 1, quantized weights (`quantization_config`)")
-    hidden_act = "silu"
+    hidden_act = "silu"  # the MLP's activation transformers reads from `hidden_act` (None: a family that ignores it)
     qkv_bias = False  # the HF class always has Q/K/V biases (Qwen2)
     qk_norm = False  # per-head Q/K RMSNorm (Qwen3)
     windowed = False  # sliding_window is part of the config (Mistral, Qwen2/3)
@@ -55,7 +55,7 @@ class LlamaAdapter(Adapter):
                 refuse(name, field, True, "biases on the output projection and MLP of this family are not "
                        "implemented (Qwen2's Q/K/V-only bias is)")
         act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", cls.hidden_act)
-        if act != cls.hidden_act:
+        if act != cls.hidden_act and cls.hidden_act is not None:
             refuse(name, "hidden_act", act, f"this family's MLP is {cls.hidden_act}-gated")
         for field in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(hf, field, None):
