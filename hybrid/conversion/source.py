@@ -8,7 +8,7 @@ where the format allows), `state(config)` (all of them), the layout it was saved
 from __future__ import annotations
 
 import os
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional, Protocol
 
 from hybrid.checkpoint.client_state import ClientState
 from hybrid.checkpoint.files import read_tag
@@ -22,6 +22,28 @@ from hybrid.model.config import ModelConfig
 
 HF, HYBRID, MEGATRON_LM, MEGATRON_DEEPSPEED = "hf", "hybrid", MegatronCheckpoint.kind, MegatronDeepSpeedCheckpoint.kind
 MEGATRON_KINDS = (MEGATRON_LM, MEGATRON_DEEPSPEED)
+
+
+class CheckpointSource(Protocol):
+    """What every reader open_source returns gives (HFSource, HybridSource, Megatron-LM's and Megatron-DeepSpeed's
+    checkpoints): the model it holds, its tensors a part at a time or all at once, its counters, the layout it was
+    saved at, and what a conversion of it records."""
+
+    kind: str  # HF, HYBRID, MEGATRON_LM or MEGATRON_DEEPSPEED
+    iteration: int
+    consumed_samples: int
+    args: Any  # the run's recorded flags (a dict, Megatron's Namespace), or None
+
+    def config(self, true_vocab_size: Optional[int] = None) -> ModelConfig: ...
+
+    def parts(self, config: ModelConfig, wanted: set) -> Iterator[dict]: ...
+
+    def state(self, config: ModelConfig, progress=None) -> dict: ...
+
+    def client_state(self) -> ClientState: ...
+
+    @property
+    def layout(self) -> tuple[int, int]: ...
 
 
 def checkpoint_kind(path: str) -> Optional[str]:
@@ -104,7 +126,7 @@ class HybridSource:
         return self.saved.layout.tensor_parallel, self.saved.layout.pipeline_parallel
 
 
-def open_source(path: str, flag: str = "--load", kind: Optional[str] = None):
+def open_source(path: str, flag: str = "--load", kind: Optional[str] = None) -> CheckpointSource:
     """The reader of the checkpoint in `path` (`kind`: what the caller was told it is, e.g. --load-hf's HF;
     default: what checkpoint_kind finds). One message when there is none."""
     kind = kind or checkpoint_kind(path)

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Optional
 
 from hybrid.architecture import MOE_TRAINING_FLAGS
 from hybrid.checkpoint.client_state import ClientState
 from hybrid.checkpoint.files import LATEST, LATEST_UNIVERSAL, first_model_file, load_file, read_tag
 from hybrid.checkpoint.manifest import tag_to_resume
 from hybrid.conversion.megatron.args import ARCHITECTURE_FLAGS, contradictions
-from hybrid.conversion.source import HF, HYBRID, MEGATRON_DEEPSPEED, MEGATRON_KINDS, checkpoint_kind, open_source
+from hybrid.conversion.source import (HF, HYBRID, MEGATRON_DEEPSPEED, MEGATRON_KINDS, CheckpointSource, checkpoint_kind,
+                                     open_source)
 from hybrid.errors import ConfigError
 from hybrid.flags import build_parser
 from hybrid.model.config import ModelConfig
@@ -46,7 +47,7 @@ class StartPlan:
     directory: Optional[str] = None  # the checkpoint directory the loader reads (--load's, or --load-hf's)
     kind: Optional[str] = None  # what it holds (hybrid.conversion.source: HF, HYBRID, MEGATRON_LM, ...)
     tag: Optional[str] = None  # hybrid: the newest complete checkpoint; universal: latest_universal's
-    source: Any = None  # its reader (hybrid.conversion.source.open_source), for WEIGHTS and the bridge
+    source: Optional[CheckpointSource] = None  # its reader (open_source), for WEIGHTS and the bridge
     saved: Optional[ClientState] = None  # a hybrid checkpoint's client state (data plan, counters, layout)
     base_model: Optional[ModelConfig] = None  # the architecture the checkpoint brings (HF, Megatron)
     flags: tuple = ()  # ((flag, value), ...) the checkpoint decides: Megatron's experts' training, the tokenizer
