@@ -10,7 +10,7 @@ SAMPLE = {  # combination -> the outcome it must have (a rule's name for a refus
     "tp2_sp+pp2_interleaved": "equal",
     "ep2+cp2": "equal",
     "ulysses2+qwen3": "equal",
-    "moe+documents": "equal",
+    "moe+documents": "deterministic",  # (one rank with its own flags: determinism and the resume)
     "dp2+zero3": "equal",
     "pp2_zbv+recompute_selective": "equal",  # the input step runs the whole backward (recompute inside it)
     "cp2+window": "equal",  # the ring masks its blocks to the window (was refused)
@@ -29,7 +29,7 @@ SAMPLE = {  # combination -> the outcome it must have (a rule's name for a refus
     # found by the sweep: DeepSpeed's bf16 optimizer on its pipeline engine (no ZeRO) did not load its own
     # checkpoint; CPU Adam (offload) resumed one float ulp away (hybrid.training.deepspeed_fixes.load_checkpoint)
     "pp2+bf16": "equal",
-    "offload+bf16": "equal",
+    "offload+bf16": "deterministic",
     "cp2+ulysses2": "cp-ulysses",
     # FP8 (torchao's casts, every amax over the whole tensor): the layouts equal one rank's FP8 run; delayed
     # scaling's amax history (once per iteration, over every micro-batch and DP rank) resumes bitwise
@@ -65,7 +65,7 @@ SAMPLE = {  # combination -> the outcome it must have (a rule's name for a refus
     # found by the sweep: MLA under --torch-compile (TorchInductor's attention pattern check on values of their own
     # head size) and MLA with a window (refused for no reason)
     "compile+mla": "equal",
-    "mla+window": "equal",
+    "mla+window": "deterministic",
 }
 
 
