@@ -35,6 +35,7 @@ from hybrid.model.objectives import DocumentScores
 from hybrid.errors import ConfigError
 from hybrid.conversion.source import HF
 from hybrid.training import resume
+from hybrid.training.engine import build_reference
 from hybrid.training.logging import log
 from hybrid.training.start import reference_plan
 
@@ -176,11 +177,14 @@ def _score(run, groups, engine, parts, score, per_call: int, scorer: str) -> lis
     return tables
 
 
-def prepare(run, groups, engine, datasets, build_reference, start) -> tuple[Optional[torch.nn.Module], tuple]:
+def prepare(run, groups, engine, datasets) -> tuple[Optional[torch.nn.Module], tuple]:
     """--dpo: the reference model for the steps, or None when its log-probabilities ride with the windows
-    (--dpo-reference-logps: read from FILE, or computed here and written); and `start()`'s result (where the run
-    starts: hybrid.training.resume.start), called here because a pipeline scores with its own weights once they
-    are --load-hf's: after `start()` loaded them, or before `start()` loads a checkpoint over them."""
+    (--dpo-reference-logps: read from FILE, or computed here and written); and where the run starts (the start
+    plan's loader, hybrid.training.resume.start), run here because a pipeline scores with its own weights once they
+    are --load-hf's: after the start loaded them, or before the start loads a checkpoint over them."""
+
+    def start():
+        return resume.start(engine, run, groups)
     options = run.training.dpo
     pipeline = run.pipelined
     device = torch.device(engine.device)

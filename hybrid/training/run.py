@@ -5,7 +5,6 @@ A user's mistake ends in one message and exit status 2; a dead or silent peer in
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
@@ -124,13 +123,11 @@ def _train(run: RunConfig, args, tokenizer) -> None:
     else:
         datasets = build_datasets(run.data, run.training, tokenizer.vocab_size, tokenizer)
     engine, _ = build_engine(run, groups)
-    start = functools.partial(resume.start, engine, run, groups)
     if run.training.dpo:  # the reference model, or its values read or scored with the windows; then the start
-        reference, (iteration, consumed) = reference_logps.prepare(run, groups, engine, datasets, build_reference,
-                                                                   start)
+        reference, (iteration, consumed) = reference_logps.prepare(run, groups, engine, datasets)
     else:  # --grpo-beta > 0: the KL's frozen starting model
         reference = build_reference(run, groups, engine) if run.training.grpo and run.training.grpo.beta else None
-        iteration, consumed = start()
+        iteration, consumed = resume.start(engine, run, groups)
     try:
         Trainer(run, groups, engine, datasets, getattr(tokenizer, "eod", None), reference,
                 prompts).train(iteration, consumed)
