@@ -175,6 +175,7 @@ def _mean_loss(model, windows, micro_batch):
     return sum(losses) / len(losses)
 
 
+@pytest.mark.slow
 def test_evaluate_fp8_at_tp2_equals_torchao_on_the_transformers_model(tmp_path):
     """evaluate.py --load-hf at TP 2 with --fp8-format e4m3 and --fp8-recipe tensorwise / rowwise: the loss of
     the transformers model converted by torchao (its lm_head left out, as hybrid keeps the output layer in the

@@ -273,7 +273,8 @@ def _check_in_megatron_core(reference: str, family: str, written: str, fmt: str,
 
 
 @pytest.mark.parametrize("fmt,spelling", [pytest.param("torch", "transformer_engine", marks=SLOW),
-                                          pytest.param("torch", "local", marks=SLOW), ("torch_dist", None)])
+                                          pytest.param("torch", "local", marks=SLOW),
+                                          pytest.param("torch_dist", None, marks=SLOW)])  # (10 s: the full suite)
 def test_saver_megatron_loads_in_megatron_core(llama, fmt, spelling, tmp_path):
     """--saver megatron (legacy format at TP 2 in either key spelling; torch_dist written at TP 1, whose
     global tensors megatron-core's dist_checkpointing.load reads at its TP 2) from the torch_dist source:

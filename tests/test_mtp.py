@@ -124,6 +124,7 @@ def test_full_recompute_recomputes_each_depth_and_gives_the_same_loss_and_gradie
         torch.testing.assert_close(grads[name], plain_grads[name], rtol=0, atol=0)
 
 
+@pytest.mark.slow  # (9 s at TP 2 x EP 2)
 @pytest.mark.parametrize("world,layout", [(4, dict(tensor_parallel=2, expert_parallel=2)),
                                           (2, dict(pipeline_parallel=2))], ids=["tp2_sp_ep2", "pp2"])
 def test_a_deepseek_v3_style_run_with_mtp_trains_as_at_one_rank(world, layout, one_rank):

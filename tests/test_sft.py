@@ -303,6 +303,7 @@ def test_train_epochs_is_whole_batches_covering_every_window_that_many_times(cha
     assert f"--train-epochs 2: {windows} training windows an epoch" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_preprocess_sft_files_serve_the_windows_the_jsonl_gives(chat, tmp_path):
     """launch/preprocess_data.py --sft (2 workers, chunks of 7 rows, a bad row counted) writes Megatron .bin/.idx
     files that the training split, the packed windows and evaluate.py's windows read exactly as from the file;
