@@ -132,6 +132,23 @@ def fp8_fields(args) -> dict:
                 fp8_layers_end_high_precision=args.num_layers_at_end_in_bf16 if ends else 0)
 
 
+def lora_fields(args) -> dict:
+    """The LoRA flags as ModelConfig fields (PEFT's defaults where a flag is not given)."""
+    rank = getattr(args, "lora_rank", None)
+    if not rank:
+        for flag in ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_use_rslora"):
+            if getattr(args, flag, None) is not None:
+                raise ConfigError(f"--{flag.replace('_', '-')} sets an option of the adapters; add --lora-rank R "
+                                  f"(or --load-lora DIR).")
+        return {}
+    fields = {"lora_rank": rank, "lora_alpha": 8.0, "lora_dropout": 0.0, "lora_target_modules": (),
+              "lora_use_rslora": False}
+    fields.update({flag: value for flag in fields if (value := getattr(args, flag, None)) is not None})
+    if not 0.0 <= fields["lora_dropout"] < 1.0:
+        raise ConfigError(f"--lora-dropout must be in [0, 1), got {fields['lora_dropout']}.")
+    return fields
+
+
 def model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = None) -> ModelConfig:
     """The architecture (from the flags, or `base`: a --load-hf model's) with this run's settings."""
     granularity = args.recompute_granularity or ("full" if args.checkpoint_activations else None)
@@ -149,7 +166,7 @@ def model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = N
         recompute_granularity=granularity, recompute_method=args.recompute_method,
         recompute_num_layers=num_layers, sequence_parallel=args.sequence_parallel and tp > 1, seed=args.seed,
         async_tensor_model_parallel_allreduce=not args.no_async_tensor_model_parallel_allreduce,
-        **_mtp_fields(args),
+        **_mtp_fields(args), **lora_fields(args),
         **({name: getattr(args, name) for name in MOE_TRAINING_FLAGS} if architecture.num_experts else {}))
     config.validate(tp)
     if config.position_embedding_type == "learned_absolute" and args.seq_length > config.max_position_embeddings:

@@ -563,6 +563,24 @@ def _add_after_training_args(p):
                    help="on the embedded default corpus: do not save to runs/default, export or print a sample")
 
 
+def _add_lora_args(p):
+    g = p.add_argument_group("LoRA (low-rank adapters, PEFT's names; the base model frozen)")
+    g.add_argument("--lora-rank", type=int, default=None,
+                   help="train low-rank adapters of this rank beside --lora-target-modules, every other weight frozen "
+                        "(no gradients, no optimizer state); PEFT's r")
+    g.add_argument("--lora-alpha", type=float, default=None, help="the adapters' output x alpha / rank (default 8)")
+    g.add_argument("--lora-dropout", type=float, default=None, help="dropout on the adapters' input (default 0)")
+    g.add_argument("--lora-target-modules", nargs="+", default=None,
+                   help="the HF projections to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or "
+                        "all-linear (default: q_proj v_proj, PEFT's for Llama-style models); the fused QKV and "
+                        "gate/up carry one adapter per projection")
+    g.add_argument("--lora-use-rslora", action="store_const", const=True, default=None,
+                   help="rank-stabilised LoRA: alpha / sqrt(rank)")
+    g.add_argument("--load-lora", default=None,
+                   help="start the adapters from this PEFT adapter directory (adapter_config.json + "
+                        "adapter_model.safetensors); its config sets the LoRA flags (given ones must match)")
+
+
 def _add_dry_run_args(p):
     g = p.add_argument_group("memory estimate (nothing is built)")
     g.add_argument("--dry-run", action="store_true",
@@ -578,7 +596,7 @@ def _add_dry_run_args(p):
 _GROUPS = (_add_network_size_args, _add_regularization_args, _add_training_args, _add_initialization_args,
            _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args, _add_distributed_args,
            _add_validation_args, _add_data_args, _add_tokenizer_args, _add_logging_args, _add_deepspeed_args,
-           _add_after_training_args, _add_dry_run_args)
+           _add_after_training_args, _add_lora_args, _add_dry_run_args)
 
 
 def build_parser() -> argparse.ArgumentParser:

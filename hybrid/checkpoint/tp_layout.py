@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from deepspeed.checkpoint import constants as c
 
+from hybrid.model import lora
 from hybrid.model.config import ModelConfig
 from hybrid.model.gpt import GPTModel
 from hybrid.model.naming import pipeline_name, vocab_block
@@ -44,6 +45,7 @@ def _tp_layout(config_json: str) -> tuple:
                                    "qk_head_dim": 2, "qk_pos_emb_head_dim": 2, "v_head_dim": 2}
                                   if config.multi_latent_attention else {}),
                                **({"moe_ffn_hidden_size": 2} if config.num_experts else {}),
+                               **({"lora_rank": 1} if config.lora_rank else {}),
                                **({"moe_shared_expert_intermediate_size": 2}
                                   if config.moe_shared_expert_intermediate_size else {}))
     rules = []
@@ -88,6 +90,9 @@ def full_numels(config: ModelConfig) -> dict[str, int]:
 def _numel(name: str, rule, config: ModelConfig, rows: dict, inputs: dict, norms: dict) -> int:
     """Full elements of the parameter `name` (canonical; `rule` its TPRule)."""
     h = config.hidden_size
+    if lora.is_adapter(name):
+        rows, columns = lora.adapter_shapes(config)[name]
+        return rows * columns
     if rule.vocab_padded:
         return config.vocab_size * h
     if name == "embedding.position_embeddings.weight":

@@ -5,6 +5,7 @@ Modules:
   source           what a checkpoint directory holds (HF, hybrid, Megatron-LM, Megatron-DeepSpeed) and its reader
   families         one file per HuggingFace family behind one adapter protocol, and their registry
   hf               HuggingFace directories <-> canonical state dicts, read a tensor at a time
+  peft             PEFT's LoRA adapter directories <-> the model's adapters, and adapters merged
   layout           hybrid checkpoints as full state dicts and back to any layout; weights into a live model
   megatron         Megatron-LM's and Megatron-DeepSpeed's checkpoints, read and written
   ds_universal     DeepSpeed's universal checkpoint layout

@@ -8,12 +8,14 @@ shard by shard.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Optional
 
 from tqdm import tqdm
 
+from hybrid.conversion import peft
 from hybrid.conversion.hf import write_hf_dir
 from hybrid.conversion.layout import check_target_layout, resolve_tag, write_hybrid
 from hybrid.conversion.megatron.universal import write_universal
@@ -23,6 +25,7 @@ from hybrid.conversion.universal import to_universal
 from hybrid.data.tokenizer import GPT2BPETokenizer, HFTokenizer
 from hybrid.errors import ConfigError
 from hybrid.flags import FlagParser
+from hybrid.model.lora import NO_LORA
 from hybrid.safe_loading import install_safe_torch_load
 
 
@@ -36,8 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "megatron_deepspeed): a Megatron-LM checkpoint, --ckpt-format torch or torch_dist, or a "
                         "Megatron-DeepSpeed one, any TP/PP (a launch/train.py checkpoint is read as hybrid); hf "
                         "(aliases llama_mistral, llama2_hf, loader_llama2_hf): a transformers directory")
-    p.add_argument("--saver", default="hybrid", type=_format_alias, choices=["hybrid", "hf", "universal", "megatron"],
-                   help="hybrid: weights at --target-*-parallel-size; hf: a transformers directory; universal: "
+    p.add_argument("--saver", default="hybrid", type=_format_alias,
+                   choices=["hybrid", "hf", "universal", "megatron", "peft"],
+                   help="hybrid: weights at --target-*-parallel-size; hf: a transformers directory (a LoRA run's "
+                        "adapters merged into the weights, as PEFT's merge_and_unload); peft: a LoRA run's adapters as "
+                        "a PEFT adapter directory (PeftModel.from_pretrained loads it on the base model); universal: "
                         "DeepSpeed's universal checkpoint of --load-dir's last checkpoint, written beside it (with "
                         "optimizer state; launch/train.py --load DIR --universal-checkpoint resumes it at any layout), "
                         "or with --loader megatron of a Megatron-LM checkpoint's weights and Adam state, in "
@@ -135,6 +141,16 @@ def convert(args) -> str:
     client_state = source.client_state()
     if args.make_vocab_size_divisible_by:
         config.make_vocab_size_divisible_by = args.make_vocab_size_divisible_by
+    if saver == "peft":
+        if not config.lora_rank:
+            raise ConfigError(f"--saver peft: {args.load_dir} holds no LoRA adapters (a run without --lora-rank); "
+                              f"use --saver hf for its weights.")
+        base = client_state.args.get("load_hf") or "(the base model)"
+        peft.write_adapter(state, config, args.save_dir, base)
+        return f"wrote PEFT adapter (rank {config.lora_rank}) of base model {base} to {args.save_dir}"
+    if config.lora_rank and saver in ("hf", "megatron"):  # the adapters merged into the weights
+        state = peft.merged(state, config)
+        config = dataclasses.replace(config, **NO_LORA)
     if saver == "hf":
         tokenizer = _tokenizer(args, client_state.args)
         write_hf_dir(state, config, args.save_dir, tokenizer, args.max_shard_size, _progress(show, "writing"))

@@ -25,6 +25,7 @@ from hybrid.checkpoint.manifest import verify_manifest, write_manifest
 from hybrid.checkpoint.tp_layout import full_numels, join_vocab_blocks, tp_layout
 from hybrid.conversion.ds_universal import read_fp32_state
 from hybrid.errors import ConfigError
+from hybrid.model import lora
 from hybrid.model.config import ModelConfig
 from hybrid.model.naming import (EMBEDDING_WEIGHT, EXPERTS, buffer_names, canonical_buffers, canonical_name,
                                  canonical_parameters, names_to_load, pipeline_index, vocab_block)
@@ -230,13 +231,15 @@ def table_block_rows(model) -> dict:
     return {id(module.weight): module.local_rows for module in model.modules() if isinstance(module, TableBlock)}
 
 
-def load_parts(model, parts, config: ModelConfig, groups, may_start_fresh: tuple = ()) -> list:
+def load_parts(model, parts, config: ModelConfig, groups, may_start_fresh: tuple = (),
+               adapters_may_start_fresh: bool = False) -> list:
     """Copy full canonical tensors, given a part at a time (`parts`: dicts, such as one layer's, of any
     dtype), into this rank's parameters of `model`, each TP-sharded for this rank and cast to the
     parameter's dtype; tensors of other ranks' parameters are skipped. Only one part is held at a time and,
     under ZeRO-3, only that part's parameters are gathered (DeepSpeed's GatheredParameters: written, then
     re-partitioned). Every parameter of the rank must have been in some part but those whose names start with
-    `may_start_fresh`, which keep their initialisation (returned). Buffers a part names (the
+    `may_start_fresh`, which keep their initialisation (returned), and with `adapters_may_start_fresh` the LoRA
+    adapters (hybrid.model.lora) a checkpoint without them leaves at PEFT's initialisation. Buffers a part names (the
     routers' score biases, replicated) are copied too, and a last stage's copy of a tied table
     (hybrid.model.virtual_stages.RankModel.tied_table) gets the word embeddings where a part has them. A table
     in row blocks (ZeRO-3's form: hybrid.model.naming.vocab_block) takes each block's rows of the table."""
@@ -274,7 +277,8 @@ def load_parts(model, parts, config: ModelConfig, groups, may_start_fresh: tuple
         loaded.update(mine)
         del part, mine, tables
     missing = sorted(set(params) - loaded)
-    fresh = [name for name in missing if name.startswith(may_start_fresh)] if may_start_fresh else []
+    fresh = [name for name in missing if (may_start_fresh and name.startswith(may_start_fresh))
+             or (adapters_may_start_fresh and lora.is_adapter(name))]
     missing = [name for name in missing if name not in fresh]
     if missing:
         raise ConfigError(f"--load: the checkpoint lacks {missing[:5]} (a different model shape?).")

@@ -16,6 +16,7 @@ Modules:
   attention       causal self-attention
   mla             multi-head latent attention (DeepSeek-V3)
   mlp             the feed-forward block and the builder that picks it
+  lora            LoRA: which HF projection is which linear, the adapters attached, the base frozen
   moe             mixture of experts as megatron-core splits it
   transformer     one pre-norm transformer layer
   recompute       full activation recompute through deepspeed.checkpointing

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hybrid.errors import ConfigError
+from hybrid.model import lora
 
 MLP_TYPES = ("dense", "moe")  # the feed-forward blocks hybrid.model.mlp.build_mlp can build
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")  # --moe-router-score-function
@@ -144,10 +145,16 @@ class ModelConfig:
     fp8_margin: int = 0  # --fp8-margin (delayed scaling)
     fp8_layers_start_high_precision: int = 0  # --first-last-layers-bf16 --num-layers-at-start-in-bf16
     fp8_layers_end_high_precision: int = 0  # --first-last-layers-bf16 --num-layers-at-end-in-bf16
+    lora_rank: int = 0  # --lora-rank: low-rank adapters of this rank (hybrid.model.lora), the rest frozen; 0: none
+    lora_alpha: float = 8.0  # --lora-alpha (PEFT's default): the adapters' output x alpha / rank
+    lora_dropout: float = 0.0  # --lora-dropout: dropout on the adapters' input (PEFT's)
+    lora_target_modules: tuple = ()  # --lora-target-modules: the HF projections adapted (PEFT's); (): q_proj v_proj
+    lora_use_rslora: bool = False  # --lora-use-rslora: alpha / sqrt(rank) (rank-stabilised LoRA)
     family: Optional[str] = None  # the HF family (hybrid.conversion.families); None: chosen from the options
     hf_dtype: Optional[str] = None  # the imported HF model's dtype ("bfloat16", ...): export writes it; None: fp32
 
     def __post_init__(self):
+        self.lora_target_modules = tuple(self.lora_target_modules or ())  # (a list, read from a checkpoint's JSON)
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.ffn_hidden_size is None:
@@ -329,6 +336,10 @@ class ModelConfig:
                               f"{self.sliding_window}).")
         self._validate_rope_scaling()
         self._validate_layer_kinds()
+        if self.lora_rank < 0:
+            raise ConfigError(f"--lora-rank must be positive (0: no adapters), got {self.lora_rank}.")
+        if self.lora_rank:
+            lora.check(self, tp)
         if self.multi_latent_attention:
             self._validate_mla()
         if self.attention_sinks and self.multi_latent_attention:

@@ -22,6 +22,7 @@ import torch.nn as nn
 from hybrid.model.config import ModelConfig
 from hybrid.model.embedding import Embedding, embed_with, output_head, parallel_logits, word_init
 from hybrid.model.mtp import MTPLayer, shifted
+from hybrid.model import lora
 from hybrid.model.naming import mtp_prefix
 from hybrid.model.norms import build_norm
 from hybrid.model.recompute import checkpoint, full_recompute, run_layers
@@ -61,6 +62,8 @@ class RankModel(nn.Module):
         holds_last = any(p.last for p in self.plans)
         self.embedding = Embedding(config, groups) if holds_first else None
         self.layers = Layers({str(i): TransformerLayer(config, groups, i) for p in self.plans for i in p.layers})
+        if config.lora_rank:  # low-rank adapters beside the layers' linears (--lora-rank)
+            lora.attach({int(i): layer for i, layer in self.layers.items()}, config, groups)
         self.final_norm = build_norm(config, groups) if holds_last else None
         self.output_layer = output_head(config, groups) if holds_last and not config.tied_embeddings else None
         # multi-token prediction's layers (hybrid.model.mtp), on the last stage, named mtp.{depth}.*

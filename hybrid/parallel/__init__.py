@@ -6,6 +6,7 @@ Modules:
   collectives     small device-agnostic collectives over an explicit group
   mappings        autograd functions into and out of tensor/sequence-parallel regions
   layers          vocab-parallel embedding, column- and row-parallel linear
+  lora            low-rank adapters beside a TP linear, split as PEFT's Megatron path
   cross_entropy   cross-entropy over TP-split logits
   random          TP-aware random number generation
   ring_attention  context parallelism's attention ring

@@ -194,11 +194,16 @@ class ColumnParallelLinear(nn.Module):
                                              nn.init.zeros_, params_dtype, device)
         else:
             self.register_parameter("bias", None)
+        self.lora = None  # low-rank adapters beside the weight (hybrid.parallel.lora), attached by hybrid.model.lora
 
     def forward(self, x: torch.Tensor):
         bias = None if self.skip_bias_add else self.bias
         # [s(/tp), b, h] -> [s, b, out/tp]
-        if self.fp8 is not None:  # the input gathered (SP) or entered into the TP region, then FP8 GEMMs
+        if self.lora is not None and self.lora.enabled():  # the adapters read the same gathered input
+            x = (M.gather_from_sequence_parallel_region(x, self.tp_group) if self.sequence_parallel
+                 else M.copy_to_tp_region(x, self.tp_group))
+            y = F.linear(x, self.weight, bias) + self.lora(x)
+        elif self.fp8 is not None:  # the input gathered (SP) or entered into the TP region, then FP8 GEMMs
             x = (M.gather_from_sequence_parallel_region(x, self.tp_group) if self.sequence_parallel
                  else M.copy_to_tp_region(x, self.tp_group))
             y = fp8_linear(x, self.weight, bias, self.fp8)
@@ -275,12 +280,15 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
         else:
             self.register_parameter("bias", None)
+        self.lora = None  # low-rank adapters beside the weight (hybrid.parallel.lora), attached by hybrid.model.lora
 
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = M.scatter_to_tp_region(x, self.tp_group)
         # [s, b, in/tp] -> [s, b, out] (partial sum)
         partial = F.linear(x, self.weight) if self.fp8 is None else fp8_linear(x, self.weight, None, self.fp8)
+        if self.lora is not None and self.lora.enabled():  # this rank's partial sum of the adapters' output
+            partial = partial + self.lora(x)
         if self.sequence_parallel:
             y = M.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # -> [s/tp, b, out]
         else:

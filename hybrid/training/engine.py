@@ -16,6 +16,7 @@ from hybrid.conversion.hf import hf_parts
 from hybrid.conversion.layout import load_parts
 from hybrid.errors import ConfigError
 from hybrid.model import build as model_build
+from hybrid.model import lora
 from hybrid.model.attention import backend_notes
 from hybrid.model.mla import MultiLatentAttention
 from hybrid.model.naming import canonical_buffers, canonical_parameters
@@ -45,7 +46,10 @@ def build_model(run: RunConfig, groups) -> nn.Module:
 
 
 def freeze(model: nn.Module, run: RunConfig) -> list[str]:
-    """Apply --freeze-layers / --freeze-embeddings: no gradient, hence no optimizer state."""
+    """Apply --freeze-layers / --freeze-embeddings, and with --lora-rank freeze all but the adapters: no gradient,
+    hence no optimizer state."""
+    if run.model.lora_rank:
+        lora.freeze_base(model)
     frozen = []
     layers = {f"layers.{i}." for i in run.training.freeze_layers}
     for name, param in canonical_parameters(model, run.model.num_layers).items():

@@ -6,6 +6,8 @@ Adam state and DeepSpeed pipeline-engine layer files crossing through a universa
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 import shutil
 from dataclasses import dataclass
@@ -21,11 +23,13 @@ from hybrid.checkpoint.files import LATEST_UNIVERSAL, first_model_file, iteratio
 from hybrid.checkpoint.manifest import verify_manifest
 from hybrid.config import RunConfig, checkpoint_summary
 from hybrid.conversion.layout import hybrid_parts, load_parts, table_block_rows
+from hybrid.conversion import peft
 from hybrid.conversion.megatron.universal import write_universal
 from hybrid.conversion.source import HF, HYBRID
 from hybrid.conversion.universal import convert
 from hybrid.data.plan import plan_changes
 from hybrid.errors import ConfigError
+from hybrid.model import lora
 from hybrid.model.naming import canonical_name, names_to_load
 from hybrid.parallel.random import set_rng_states
 from hybrid.safe_loading import UnsafeCheckpointError
@@ -127,11 +131,18 @@ def _weights(engine, run: RunConfig, groups, plan: StartPlan) -> Start:
     stage and experts only); a fresh optimizer. The counters and the LR schedule continue where the plan says."""
     model = run.model
     wanted = names_to_load(engine.module, model.num_layers, buffers=plan.kind not in (HF, HYBRID))
+    base = dataclasses.replace(model, **lora.NO_LORA) if model.lora_rank and plan.kind == HF else model
     # multi-token prediction layers an HF model does not store (--mtp-num-layers) start from their initialisation
-    parts = plan.source.parts(model, wanted) if plan.source is not None else \
-        hybrid_parts(plan.directory, plan.tag, model, wanted)  # (the newest complete checkpoint's)
+    parts = plan.source.parts(base, {n for n in wanted if not lora.is_adapter(n)}) if plan.source is not None \
+        else hybrid_parts(plan.directory, plan.tag, model, wanted)  # (the newest complete checkpoint's)
+    if plan.adapter:  # --load-lora: the adapters, after the base weights
+        parts = itertools.chain(parts, [peft.read_adapter(plan.adapter, model)])
     fresh = load_parts(engine.module, parts, model, groups,
-                       may_start_fresh=("mtp.",) if plan.kind == HF else ())
+                       may_start_fresh=("mtp.",) if plan.kind == HF else (), adapters_may_start_fresh=True)
+    if model.lora_rank:
+        targets = " ".join(lora.resolve_targets(model.lora_target_modules))
+        log(f"LoRA: {'the adapters of ' + plan.adapter if plan.adapter else 'adapters as PEFT initialises them'} "
+            f"(rank {model.lora_rank}, alpha {model.lora_alpha:g}, on {targets}); the base frozen")
     if plan.kind == HF:
         return Start(f"loaded the {model.family} weights of {plan.directory} (--load-hf); optimizer, schedule and "
                      f"iteration start fresh" + ("; the multi-token prediction layers (not in it) from their "

@@ -27,10 +27,12 @@ from hybrid.checkpoint.client_state import ClientState
 from hybrid.checkpoint.files import LATEST, LATEST_UNIVERSAL, first_model_file, load_file, read_tag
 from hybrid.checkpoint.manifest import tag_to_resume
 from hybrid.conversion.megatron.args import ARCHITECTURE_FLAGS, contradictions
+from hybrid.conversion import peft
 from hybrid.conversion.source import (HF, HYBRID, MEGATRON_DEEPSPEED, MEGATRON_KINDS, CheckpointSource, checkpoint_kind,
                                      open_source)
 from hybrid.errors import ConfigError
 from hybrid.flags import build_parser
+from hybrid.model import lora
 from hybrid.model.config import ModelConfig
 from hybrid.distributed import log
 
@@ -57,11 +59,37 @@ class StartPlan:
     vocab_block_rows: Optional[int] = None  # a plain resume of ZeRO-3: the row blocks its vocabulary tables were in
     warning: Optional[str] = None  # FRESH although --load was given: why
     refusal: Optional[str] = None  # why this start cannot be (raised by the loader, before the engine is touched)
+    adapter: Optional[str] = None  # --load-lora: a PEFT adapter directory, read with the weights (WEIGHTS)
 
 
 def plan_start(args) -> StartPlan:
     """The start of the run the flags describe: --load's newest complete checkpoint (hybrid, universal, Megatron-LM,
-    Megatron-DeepSpeed, DeepSpeed pipeline-engine layer files), else --load-hf's weights, else fresh."""
+    Megatron-DeepSpeed, DeepSpeed pipeline-engine layer files), else --load-hf's weights, else fresh; with
+    --load-lora, a PEFT adapter beside the weights."""
+    plan = _weights_plan(args)
+    return _with_adapter(args, plan) if getattr(args, "load_lora", None) else plan
+
+
+def _with_adapter(args, plan: StartPlan) -> StartPlan:
+    """--load-lora: the adapter's config decides the LoRA flags (those given must agree); only a start from
+    weights reads it (a resumed LoRA run's checkpoint holds its adapters)."""
+    decided = peft.flags_of(peft.read_config(args.load_lora))
+    given = {"lora_target_modules": lambda v: lora.resolve_targets(v)}
+    conflicts = [f"--{flag.replace('_', '-')} {getattr(args, flag)} (the adapter's: {value})"
+                 for flag, value in decided.items() if getattr(args, flag, None) is not None
+                 and given.get(flag, lambda v: v)(getattr(args, flag)) != value]
+    if conflicts:
+        raise ConfigError(f"--load-lora {args.load_lora}: its adapter_config.json disagrees with {', '.join(conflicts)}"
+                          f"; drop those flags (the adapter's config sets them) or load another adapter.")
+    refusal = None if plan.loader == WEIGHTS else (
+        f"--load-lora {args.load_lora}: this run resumes from {plan.directory}, whose checkpoint holds the adapters "
+        f"it trained; drop --load-lora (or start from weights: --load-hf, --finetune).")
+    return dataclasses.replace(plan, adapter=args.load_lora, flags=tuple(plan.flags) + tuple(decided.items()),
+                               refusal=plan.refusal or refusal)
+
+
+def _weights_plan(args) -> StartPlan:
+    """plan_start without the adapter."""
     load = args.load
     if load and not os.path.isdir(load) and os.path.abspath(load) != os.path.abspath(args.save or ""):
         raise ConfigError(f"--load {load}: no such directory.")
