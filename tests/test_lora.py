@@ -229,3 +229,25 @@ def test_bad_lora_flags_and_adapters_are_one_message_each(llama, tmp_path):
         proc = run("python", 1, argv, check=False)
         assert proc.returncode != 0 and message in proc.stderr, (message, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_grpo_with_lora_generates_with_the_adapters_and_takes_its_kl_reference_from_the_base(llama, tmp_path):
+    """--grpo with --load-lora and the KL (beta 0.04): no second model (the log says so); the KL is positive from the
+    first iteration (the reference is the base, the policy the base with the adapter); the sampler's log-probabilities
+    (the adapters on, at the training layout) equal the trainer's; TP 2 + SP gives one rank's rewards and losses."""
+    from checks.launch_helpers import one_rank
+    grpo = ["--grpo", "--load-hf", llama["hf"], "--load-lora", llama["adapter"], "--grpo-beta", 0.04,
+            "--seq-length", 32, "--global-batch-size", 16, "--micro-batch-size", 8, "--lr", 1e-3, "--max-new-tokens",
+            8, "--grpo-group-size", 8, "--train-iters", 3, "--log-interval", 1, "--no-demo", "--seed", 3]
+    want = one_rank(grpo)
+    log = tmp_path / "tp2.jsonl"
+    proc = run("torchrun", 2, grpo + ["--tensor-model-parallel-size", 2, "--sequence-parallel", "--log-json", log])
+    assert "the reference is the model itself with its adapters off" in proc.stdout + proc.stderr
+    got = read_log(log)
+    assert len(got) == len(want) == 3 and want[0]["kl"] > 0, want
+    for x, y in zip(want, got):
+        assert x["reward_mean"] == pytest.approx(y["reward_mean"], abs=1e-9), (x, y)
+        assert abs(x["lm_loss"] - y["lm_loss"]) <= 1e-5 + 1e-4 * abs(x["lm_loss"]), (x, y)
+        assert abs(x["kl"] - y["kl"]) <= 1e-5 + 1e-4 * abs(x["kl"]), (x, y)
+        assert y["logprob_mismatch"] <= 1e-5 and x["logprob_mismatch"] <= 1e-5

@@ -869,3 +869,82 @@ def test_todays_chat_templates_mask_what_their_tagged_twins_mark_and_find_a_sepa
     rendered = set(plain.tok(plain._render(convs[2]), add_special_tokens=False)["input_ids"])
     assert plain.separator not in rendered and plain.tok.convert_ids_to_tokens(plain.separator) in \
         plain.tok.all_special_tokens + [t.content for t in plain.tok.added_tokens_decoder.values() if t.special]
+
+
+def test_dpo_with_lora_scores_its_reference_with_the_adapters_off_as_trl_with_peft_does(chat, pairs, tmp_path):
+    """LoRA (adapters with A and B non-zero) under --dpo: the reference is the policy's own base (hybrid.model.lora
+    .BaseModel: the adapters off, no second model); the loss and every adapter's gradient equal TRL's DPOTrainer on
+    the PeftModel with the base transformers model as its ref_model, on the same rows. (Without a ref_model TRL 1.16
+    would copy a pretrained adapter as the reference: the same values only for a fresh adapter, whose B is zero.)"""
+    import dataclasses
+
+    from peft import PeftModel
+
+    from hybrid.conversion import peft as P
+    from hybrid.conversion.layout import load_parts
+    from hybrid.data.batches import Collator
+    from hybrid.model import lora
+    from hybrid.model.objectives import PreferencePairs
+    from hybrid.model.preference import DPOOptions
+    from hybrid.parallel.groups import ParallelGroups
+    from tests.test_lora import TARGETS, peft_model
+    peft_model(chat["hf"], targets=TARGETS[:4] + ["down_proj"], seed=2).save_pretrained(tmp_path / "adapter")
+    encoder = ChatEncoder(chat["tok"], "t", ChatOptions(pairs=True))
+    tokens, mask, _ = evaluation_windows(pairs["data"], 2 * SEQ, encoder)
+    ids, labels = Collator()([{"text": torch.from_numpy(t.astype(np.int64)), "loss_mask": torch.from_numpy(m)}
+                              for t, m in zip(tokens, mask)])
+    options = DPOOptions(0.5, 0.0, "sigmoid", encoder.separator)
+    base = _ours(chat["hf"], encoder.separator, options)
+    config = dataclasses.replace(base.config, **P.flags_of(P.read_config(tmp_path / "adapter")))
+    policy = __import__("hybrid.model.build", fromlist=["build_model"]).build_model(config, ParallelGroups.single())
+    state = {**{n: p.detach() for n, p in base.named_parameters()}, **P.read_adapter(tmp_path / "adapter", config)}
+    load_parts(policy, [state], config, ParallelGroups.single())
+    lora.freeze_base(policy)
+    objective = PreferencePairs(ParallelGroups.single(), config.vocab_size, options, lora.BaseModel(policy))
+    loss = objective.loss(policy(ids, stage=0), objective.target(ids, labels), None)
+    loss.backward()
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(chat["hf"], dtype=torch.float32)
+    peft_policy = PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True)
+    want, trained = trl_dpo_peft(peft_policy, AutoModelForCausalLM.from_pretrained(chat["hf"], dtype=torch.float32),
+                                 chat["tok"], pairs["rows"], tmp_path)
+    want.backward()
+    assert abs(loss.item() - 0.6931471805599453) > 1e-3  # the policy is not its reference
+    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item()), (loss.item(), want.item())
+    theirs = dict(trained.named_parameters())
+    for name, param in policy.named_parameters():
+        if lora.is_adapter(name):
+            grad = theirs[P.peft_key(name).replace(".weight", ".default.weight")].grad
+            torch.testing.assert_close(param.grad, grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item())
+        else:
+            assert param.grad is None, name
+
+
+def trl_dpo_peft(policy, reference, tok, rows, tmp):
+    """TRL's DPOTrainer on a PeftModel against `reference`: the loss (with its graph) and the model it trains."""
+    import datasets
+    from trl import DPOTrainer
+    run = DPOTrainer(model=policy, ref_model=reference, args=trl_config(tmp, beta=0.5, loss_type=["sigmoid"],
+                                                                     per_device_train_batch_size=len(rows)),
+                     train_dataset=datasets.Dataset.from_list(rows), processing_class=tok)
+    batch = run.data_collator(list(run.train_dataset))
+    return run.compute_loss(run.model, batch), run.model
+
+
+@pytest.mark.slow
+def test_dpo_with_lora_holds_one_model_and_scores_the_reference_file_with_the_adapters_off(chat, pairs, tmp_path):
+    """--dpo --lora-rank (PEFT's fresh adapters: B zero, so the policy starts as its reference, loss ln 2): no second
+    model; the same run with --dpo-reference-logps at DP 2 under ZeRO-3 (the file scored by the model itself with its
+    adapters off) gives the one-rank losses."""
+    from checks.launch_helpers import read_log, run
+    from tests.test_training import assert_same_losses
+    base = DPO_RUN + ["--load-hf", chat["hf"], "--data-path", pairs["data"], "--lora-rank", 4,
+                      "--lora-target-modules", "all-linear", "--lora-alpha", 16]
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    proc = run("python", 1, base + ["--log-json", one])
+    assert "the reference is the model itself with its adapters off" in proc.stdout + proc.stderr
+    run("torchrun", 2, base + ["--deepspeed", "ds_configs/zero3.json", "--dpo-reference-logps",
+                               tmp_path / "reference.npz", "--log-json", two])
+    want, got = read_log(one), read_log(two)
+    assert abs(want[0]["lm_loss"] - 0.6931471805599453) < 1e-6 and want[-1]["lm_loss"] < want[0]["lm_loss"]
+    assert_same_losses([r["lm_loss"] for r in got], [r["lm_loss"] for r in want])

@@ -12,6 +12,7 @@ import contextlib
 import math
 import zlib
 
+import torch
 import torch.nn as nn
 
 from hybrid.errors import ConfigError
@@ -140,6 +141,24 @@ def adapters_off(model: nn.Module):
     finally:
         for piece in pieces:
             piece.enabled = True
+
+
+class BaseModel:
+    """The model with its adapters off, forward only and in eval mode: DPO's and GRPO's reference under LoRA, so no
+    second copy of the weights is held. Called as the frozen reference model is: `base(ids, stage=0)` -> logits."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    @torch.no_grad()
+    def __call__(self, *args, **kwargs):
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with adapters_off(self.model):
+                return self.model(*args, **kwargs)
+        finally:
+            self.model.train(was_training)
 
 
 def _seed(seed: int, name: str) -> int:

@@ -157,7 +157,12 @@ def build_engine(run: RunConfig, groups):
 def build_reference(run: RunConfig, groups, engine) -> nn.Module:
     """--dpo (and --grpo's KL): the frozen reference model, the --load-hf weights at this run's layout (PP = 1), in
     eval mode (no dropout) and the training precision, beside the engine (never partitioned: it has no optimizer); the
-    DPO objective scores each micro-batch with it (hybrid.model.objectives.PreferencePairs)."""
+    DPO objective scores each micro-batch with it (hybrid.model.objectives.PreferencePairs). With LoRA, the engine's
+    own model with its adapters off (hybrid.model.lora.BaseModel): no second model."""
+    if run.model.lora_rank:
+        log(f"--{'dpo' if run.training.dpo else 'grpo'} with LoRA: the reference is the model itself with its adapters "
+            f"off (the base weights, {run.checkpoint.load_hf or 'as loaded'}); no second model")
+        return lora.BaseModel(engine.module)
     config = dataclasses.replace(run.model, hidden_dropout=0.0, attention_dropout=0.0, recompute_granularity=None)
     reference = model_build.build_model(config, groups).eval()
     wanted = (set(canonical_parameters(reference, config.num_layers))

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from hybrid.conversion.hf import weights_hash
 from hybrid.data.batches import Collator, to_device
+from hybrid.model import lora
 from hybrid.model.forward_only import forward_only
 from hybrid.model.objectives import DocumentScores
 from hybrid.errors import ConfigError
@@ -195,21 +196,24 @@ def prepare(run, groups, engine, datasets) -> tuple[Optional[torch.nn.Module], t
         log(f"--dpo-reference-logps {path}: the reference log-probabilities of {sum(map(len, tables))} windows, "
             f"read; no reference model is built")
         begun = start()
-    elif not pipeline:  # a frozen copy of the --load-hf model (before start(), which restores RNG)
+    elif not path:  # a frozen copy of the --load-hf model (before start(), which restores RNG), or with LoRA the
+        # model itself with its adapters off
+        return build_reference(run, groups, engine), start()
+    elif not pipeline and not run.model.lora_rank:
         reference = build_reference(run, groups, engine)
-        if not path:
-            return reference, start()
         tables = _score(run, groups, engine, parts, scorer(reference, groups, device, options.separator), 1,
                         "the reference model")
         del reference  # freed: training holds one model
         if torch.device(engine.device).type == "cuda":
             torch.cuda.empty_cache()
         begun = start()
-    else:  # the pipeline itself, holding the --load-hf weights
+    else:  # the pipeline (or with LoRA the model with its adapters off) itself, holding the --load-hf weights
         from_hf = run.start.kind == HF  # (else --load's checkpoint goes over the --load-hf weights after scoring)
         begun = start() if from_hf else resume.start(engine, run, groups, reference_plan(run.checkpoint.load_hf))
         score = scorer(engine.module, groups, device, options.separator)
-        tables = _score(run, groups, engine, parts, score, run.training.grad_acc_steps, "the pipeline")
+        with lora.adapters_off(engine.module):
+            tables = _score(run, groups, engine, parts, score, run.training.grad_acc_steps if pipeline else 1,
+                            "the pipeline" if pipeline else "the model with its adapters off")
         if not from_hf:
             begun = start()  # the checkpoint over the --load-hf weights
     for part, table in zip(parts, tables):
