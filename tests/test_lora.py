@@ -113,16 +113,24 @@ def test_lora_at_tp2_sp_dp2_zero3_and_pp2_equals_peft_and_exports_as_peft_and_me
     """TP 2 + SP (A whole beside the column-parallel QKV and gate/up, B split with their rows; A split beside the
     row-parallel o and down, B whole), DP 2 under ZeRO-3 (the frozen base partitioned too) and PP 2: transformers +
     peft + AdamW's losses within 1e-5. The TP 2 checkpoint exports with --saver peft (PeftModel.from_pretrained on
-    the base gives the trained reference's logits, 1e-5) and --saver hf (the adapters merged: the same logits)."""
+    the base gives the trained reference's logits, 1e-5) and --saver hf (the adapters merged: the same logits); a
+    resume of it from iteration 2 continues bitwise."""
     from hybrid.conversion.checkpoint_util import main
-    layouts = {"tp2_sp": ["--tensor-model-parallel-size", 2, "--sequence-parallel", "--zero-stage", 1,
-                          "--save", tmp_path / "ckpt", "--save-interval", 5],
+    tp2 = ["--tensor-model-parallel-size", 2, "--sequence-parallel", "--zero-stage", 1]
+    layouts = {"tp2_sp": tp2 + ["--save", tmp_path / "ckpt", "--save-interval", 2],
                "dp2_zero3": ["--zero-stage", 3],
                "pp2": ["--pipeline-model-parallel-size", 2]}
     for name, extra in layouts.items():
         log = tmp_path / f"{name}.jsonl"
         run("torchrun", 2, flags(llama, *extra, "--log-json", log))
         assert close(losses_of(log), reference["losses"]), (name, losses_of(log), reference["losses"])
+    # a resume from iteration 2 continues bitwise (the adapters and their Adam state; the frozen base as saved)
+    (tmp_path / "ckpt" / "latest").write_text("iter_0000002")
+    resumed = tmp_path / "resumed.jsonl"
+    proc = run("torchrun", 2, flags(llama, *tp2, "--load", tmp_path / "ckpt", "--log-json", resumed))
+    assert "--load-lora" in proc.stdout and "not read; the run resumes" in proc.stdout, proc.stdout[-2000:]
+    assert losses_of(resumed) == losses_of(tmp_path / "tp2_sp.jsonl")[2:], proc.stdout[-2000:]
+    (tmp_path / "ckpt" / "latest").write_text("iter_0000005")
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     window = llama["window"][None]

@@ -72,7 +72,7 @@ def plan_start(args) -> StartPlan:
 
 def _with_adapter(args, plan: StartPlan) -> StartPlan:
     """--load-lora: the adapter's config decides the LoRA flags (those given must agree); only a start from
-    weights reads it (a resumed LoRA run's checkpoint holds its adapters)."""
+    weights reads it (a resumed LoRA run's checkpoint holds its adapters: the same command resumes)."""
     decided = peft.flags_of(peft.read_config(args.load_lora))
     given = {"lora_target_modules": lambda v: lora.resolve_targets(v)}
     conflicts = [f"--{flag.replace('_', '-')} {getattr(args, flag)} (the adapter's: {value})"
@@ -81,11 +81,12 @@ def _with_adapter(args, plan: StartPlan) -> StartPlan:
     if conflicts:
         raise ConfigError(f"--load-lora {args.load_lora}: its adapter_config.json disagrees with {', '.join(conflicts)}"
                           f"; drop those flags (the adapter's config sets them) or load another adapter.")
-    refusal = None if plan.loader == WEIGHTS else (
-        f"--load-lora {args.load_lora}: this run resumes from {plan.directory}, whose checkpoint holds the adapters "
-        f"it trained; drop --load-lora (or start from weights: --load-hf, --finetune).")
-    return dataclasses.replace(plan, adapter=args.load_lora, flags=tuple(plan.flags) + tuple(decided.items()),
-                               refusal=plan.refusal or refusal)
+    flags = tuple(plan.flags) + tuple(decided.items())
+    if plan.loader != WEIGHTS:  # (the command that started the run, run again: it resumes)
+        log(f"--load-lora {args.load_lora}: not read; the run resumes from {plan.directory}, whose checkpoint holds "
+            f"the adapters it trained")
+        return dataclasses.replace(plan, flags=flags)
+    return dataclasses.replace(plan, adapter=args.load_lora, flags=flags)
 
 
 def _weights_plan(args) -> StartPlan:
