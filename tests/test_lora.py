@@ -97,6 +97,7 @@ def losses_of(log) -> list:
     return [r["lm_loss"] for r in read_log(log)]
 
 
+@pytest.mark.slow
 def test_lora_from_a_peft_adapter_trains_as_transformers_with_peft_and_adamw(llama, reference, tmp_path):
     """One rank, --load-lora: five AdamW iterations give transformers + peft + torch.optim.AdamW's losses within
     1e-5; the log says what trains (the adapters: 4 layers x 7 projections x (A, B)) and the optimizer holds them

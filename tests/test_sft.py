@@ -871,6 +871,7 @@ def test_todays_chat_templates_mask_what_their_tagged_twins_mark_and_find_a_sepa
         plain.tok.all_special_tokens + [t.content for t in plain.tok.added_tokens_decoder.values() if t.special]
 
 
+@pytest.mark.slow
 def test_dpo_with_lora_scores_its_reference_with_the_adapters_off_as_trl_with_peft_does(chat, pairs, tmp_path):
     """LoRA (adapters with A and B non-zero) under --dpo: the reference is the policy's own base (hybrid.model.lora
     .BaseModel: the adapters off, no second model); the loss and every adapter's gradient equal TRL's DPOTrainer on
