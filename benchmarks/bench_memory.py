@@ -12,6 +12,12 @@ same flags. ZeRO's buckets and ZeRO-3's optimizer sub-group (`sub_group_size`: t
 gradient partitions is made one sub-group at a time) are --bucket elements; under ZeRO-3 the untied vocabulary
 tables are row blocks (hybrid.model.config.ModelConfig.zero3_vocab_block_rows). Writes
 benchmarks/results/memory_cpu.json (--out).
+
+    python benchmarks/bench_memory.py --lora-rank 16
+
+LoRA against full fine-tuning on the same model and layout (fp32, ZeRO-1 and ZeRO-3): adapters of rank 16 on every
+projection (`all-linear`), the base frozen; measured and estimated as above. Writes
+benchmarks/results/memory_lora_cpu.json.
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ sys.path.insert(0, ROOT)
 GiB = 1024 ** 3
 
 
-def _flags(a, zero: int, bucket: int, config_dir: str, bf16: bool) -> list:
+def _flags(a, zero: int, bucket: int, config_dir: str, bf16: bool, lora: int = 0) -> list:
     config = os.path.join(config_dir, f"zero{zero}.json")
+    adapters = ["--lora-rank", lora, "--lora-alpha", 2 * lora, "--lora-target-modules", "all-linear"] if lora else []
     with open(config, "w") as f:
         json.dump({"zero_optimization": {"stage": zero, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                                          "stage3_prefetch_bucket_size": bucket, "sub_group_size": bucket,
@@ -43,7 +50,7 @@ def _flags(a, zero: int, bucket: int, config_dir: str, bf16: bool) -> list:
         "--vocab-size", 50256, "--untie-embeddings-and-output-weights", "--lr", 1e-4, "--log-interval", 1,
         "--eval-iters", 0, "--no-progress-bar",
         "--num-workers", 0, "--pipeline-model-parallel-size", 2, "--deepspeed", config,
-        *(["--bf16"] if bf16 else [])]]
+        *(["--bf16"] if bf16 else []), *adapters]]
 
 
 def estimated(flags: list) -> list:
@@ -84,8 +91,14 @@ def main() -> None:
     p.add_argument("--bucket", type=int, default=5_000_000,
                    help="ZeRO's reduce / gather / prefetch buckets and ZeRO-3's optimizer sub-group (elements)")
     p.add_argument("--precision", choices=["both", "bf16", "fp32"], default="both")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "memory_cpu.json"))
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="compare LoRA of this rank (all-linear) with full fine-tuning instead (fp32, ZeRO-1 and -3)")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/memory_cpu.json (memory_lora_cpu.json)")
     a = p.parse_args()
+    a.out = a.out or os.path.join(ROOT, "benchmarks", "results",
+                                  "memory_lora_cpu.json" if a.lora_rank else "memory_cpu.json")
+    if a.lora_rank:
+        return _lora(a)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for precision in (["bf16", "fp32"] if a.precision == "both" else [a.precision]):
@@ -109,6 +122,27 @@ def main() -> None:
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.hidden_size // 64, vocab_size=50257,
         max_position_embeddings=a.seq_length, untie_embeddings_and_output_weights=True), 1).values())
     result = {"benchmark": "memory_pp2_dp2_cpu", "parameters": params, **rows, "config": vars(a)}
+    text = json.dumps(result, indent=2)
+    print(text)
+    with open(a.out, "w") as f:
+        f.write(text + "\n")
+
+
+def _lora(a) -> None:
+    """LoRA (--lora-rank, all-linear) against full fine-tuning: each rank's peak, measured and estimated."""
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for zero in (1, 3):
+            for name, rank in (("full", 0), ("lora", a.lora_rank)):
+                flags = _flags(a, zero, a.bucket, tmp, False, rank)
+                report = os.path.join(tmp, f"{name}_zero{zero}.jsonl")
+                got, want = measured(flags, report), estimated(flags)
+                rows[f"{name}_zero{zero}"] = {"measured_gib": max(got) / GiB, "estimated_gib": max(want) / GiB,
+                                              "estimate_over_measured": max(want) / max(got)}
+                print(json.dumps({f"{name}_zero{zero}": rows[f"{name}_zero{zero}"]}), file=sys.stderr, flush=True)
+            rows[f"lora_over_full_zero{zero}"] = (rows[f"lora_zero{zero}"]["measured_gib"]
+                                                  / rows[f"full_zero{zero}"]["measured_gib"])
+    result = {"benchmark": "memory_lora_pp2_dp2_cpu", **rows, "config": vars(a)}
     text = json.dumps(result, indent=2)
     print(text)
     with open(a.out, "w") as f:

@@ -93,6 +93,12 @@ FEATURES = {
     # torch.optim.Muon's update (hybrid.training.muon), compared with one rank's Muon run (fp32's tolerance: at
     # this model's learning rate the bf16 Newton-Schulz's roundings stay far below it, 2e-7 measured)
     "muon": Feature(("--optimizer", "muon"), kind="optimizer"),
+    # LoRA (hybrid.model.lora): PEFT's fresh adapters on the attention's projections (every family, MoE included),
+    # the base frozen; compared with one rank's LoRA run. lora_all: every projection (the MLP's too), in triples
+    "lora": Feature(("--lora-rank", 4, "--lora-alpha", 16, "--lora-target-modules", "q_proj", "k_proj", "v_proj",
+                     "o_proj"), kind="model", group="lora"),
+    "lora_all": Feature(("--lora-rank", 4, "--lora-alpha", 16, "--lora-target-modules", "all-linear"), kind="model",
+                        group="lora", paired=False),
     # one sample per micro-batch: as many micro-batches at DP 2 as DualPipeV's 2 x PP needs (the one-rank run's
     # mean over the same 8 samples is the same)
     "micro1": Feature(("--micro-batch-size", 1), group="batch", paired=False),
@@ -115,6 +121,11 @@ SHARDING = ("zero2", "zero3", "offload", "zero3_offload")  # paired with a pipel
 TRIPLES += [("dp2", "zero1", "muon"), ("dp2", "zero2", "muon"), ("dp2", "zero3", "muon"), ("tp2_sp", "zero3", "muon"),
             ("dp2", "pp2", "muon"), ("tp2_sp", "pp2", "muon"), ("dp2", "zero3", "bf16", "muon"),
             ("ep2", "zero1", "muon"), ("ep2", "tp2_sp", "muon")]
+# LoRA on every projection with the layouts that split its adapters: TP + SP (A whole beside the column-parallel
+# QKV and gate/up, B split), ZeRO-3's partitions, the pipeline's stages, the schedules with a split backward
+TRIPLES += [("tp2_sp", "llama", "lora_all"), ("dp2", "zero3", "lora_all"), ("dp2", "zero2", "llama", "lora_all"),
+            ("pp2", "llama", "lora_all"), ("pp2_zbv", "lora_all"), ("tp2_sp", "pp2", "lora_all"),
+            ("cp2", "llama", "lora_all"), ("dp2", "offload", "lora_all"), ("dp2", "zero3", "bf16", "lora_all")]
 MAX_RANKS = 8  # (the pairs need at most 4; one triple TP 2 x PP 2 x DP 2)
 LOSS_TOL = {"fp32": 1e-5, "bf16": 2e-2}
 # what a passing cell proved: equal to a run it is not (one rank, or one rank with its model options), only its own

@@ -136,13 +136,13 @@ def lora_fields(args) -> dict:
     """The LoRA flags as ModelConfig fields (PEFT's defaults where a flag is not given)."""
     rank = getattr(args, "lora_rank", None)
     if not rank:
-        for flag in ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_use_rslora"):
+        for flag in ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_use_rslora", "lora_modules_to_save"):
             if getattr(args, flag, None) is not None:
                 raise ConfigError(f"--{flag.replace('_', '-')} sets an option of the adapters; add --lora-rank R "
                                   f"(or --load-lora DIR).")
         return {}
     fields = {"lora_rank": rank, "lora_alpha": 8.0, "lora_dropout": 0.0, "lora_target_modules": (),
-              "lora_use_rslora": False}
+              "lora_use_rslora": False, "lora_modules_to_save": ()}
     fields.update({flag: value for flag in fields if (value := getattr(args, flag, None)) is not None})
     if not 0.0 <= fields["lora_dropout"] < 1.0:
         raise ConfigError(f"--lora-dropout must be in [0, 1), got {fields['lora_dropout']}.")

@@ -70,6 +70,7 @@ class Setup:
     offload_optimizer: bool = False  # the DeepSpeed config's zero_optimization.offload_optimizer
     mla: bool = False  # --multi-latent-attention
     mtp: bool = False  # --mtp-num-layers > 0 (from the flags or a --load-hf checkpoint's layers)
+    lora: bool = False  # --lora-rank > 0 (or --load-lora's)
 
     @property
     def torch_schedule(self) -> bool:
@@ -310,6 +311,30 @@ RULES = [
          lambda s: s.optimizer == "muon" and (s.mla or s.mtp),
          lambda s: "--optimizer muon with --multi-latent-attention / --mtp-num-layers: Muon does not step their "
                    "projections yet; use AdamW (the DeepSpeed config's optimizer)."),
+    Rule("lora-fp8", "--lora-rank with --fp8-format",
+         "the adapters sit beside the base GEMMs in the weights' dtype; beside FP8 GEMMs they are not built",
+         lambda s: s.lora and s.fp8 is not None,
+         lambda s: "--lora-rank with --fp8-format: LoRA beside FP8 GEMMs is not built; drop --fp8-format."),
+    Rule("lora-muon", "--lora-rank with --optimizer muon",
+         "Muon steps the layers' whole projection matrices, which LoRA freezes; the adapters' low-rank factors are "
+         "AdamW's (as PEFT trains them)",
+         lambda s: s.lora and s.optimizer == "muon",
+         lambda s: "--optimizer muon with --lora-rank: Muon's matrices are frozen under LoRA; use AdamW (the DeepSpeed "
+                   "config's optimizer)."),
+    Rule("lora-universal", "--universal-checkpoint with --lora-rank",
+         "DeepSpeed's universal conversion of a checkpoint with frozen parameters is not checked yet",
+         lambda s: s.lora and s.universal_checkpoint,
+         lambda s: "--universal-checkpoint with --lora-rank: a LoRA run moves to another layout through its adapter: "
+                   "start the new layout with --load-hf BASE --load-lora <checkpoint>/<tag>/adapter (its Adam state "
+                   "starts fresh), or resume at the same layout."),
+    Rule("lora-moe-zero", "--lora-rank on an MoE model with ZeRO-1/2, or with --bf16 without ZeRO",
+         "LoRA freezes the experts, and DeepSpeed 0.19's ZeRO-1/2 and bf16 optimizers assert that an MoE model's "
+         "optimizer has an expert parameter group (with the experts frozen there is none)",
+         lambda s: s.lora and s.experts and (s.zero_stage in (1, 2) or (s.zero_stage == 0 and s.precision != "fp32")),
+         lambda s: f"--lora-rank on an MoE model at ZeRO-{s.zero_stage} ({s.zero_source}) in {s.precision}: "
+                   f"DeepSpeed's "
+                   f"optimizer there needs trainable experts, which LoRA freezes; use ZeRO-0 in fp32 (any EP) or "
+                   f"ZeRO-3 (EP 1)."),
     Rule("grad-reduce-bf16-precision", "--grad-reduce-in-bf16 without --bf16",
          "gradients are reduced in the training precision's type (DeepSpeed's communication_data_type)",
          lambda s: s.grad_reduce_bf16 and s.precision != "bf16",

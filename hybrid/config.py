@@ -718,7 +718,7 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path
                 cpu_offloading=dsc.cpu_offloading(args, ds), dpo=bool(args.dpo),
                 dpo_precomputed=bool(args.dpo and args.dpo_reference_logps), grpo=bool(args.grpo),
                 grpo_kl=bool(args.grpo and args.grpo_beta > 0), mla=model.multi_latent_attention,
-                mtp=bool(model.mtp_num_layers),
+                mtp=bool(model.mtp_num_layers), lora=bool(model.lora_rank),
                 moe_capacity=bool(model.num_experts and model.moe_expert_capacity_factor is not None),
                 fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds), optimizer=args.optimizer or "adam",
                 offload_optimizer=dsc.optimizer_offload(ds))

@@ -41,7 +41,9 @@ def plan_from_run(run: RunConfig) -> MemoryPlan:
                       schedule=run.pipeline.schedule, virtual=run.pipeline.virtual_stages, cp=p.context_parallel,
                       ulysses=p.ulysses, ep=p.expert_parallel, torch_compile=t.torch_compile,
                       cpu_offloading=run.cpu_offloading,
-                      reference_model=bool(t.dpo and not t.dpo.reference_logps), muon=run.optimizer.muon is not None)
+                      # (with LoRA the reference is the model itself, its adapters off: no second model)
+                      reference_model=bool(t.dpo and not t.dpo.reference_logps and not run.model.lora_rank),
+                      muon=run.optimizer.muon is not None)
 
 
 def peak_gib(plan: MemoryPlan) -> float:

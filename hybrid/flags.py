@@ -576,6 +576,8 @@ def _add_lora_args(p):
                         "gate/up carry one adapter per projection")
     g.add_argument("--lora-use-rslora", action="store_const", const=True, default=None,
                    help="rank-stabilised LoRA: alpha / sqrt(rank)")
+    g.add_argument("--lora-modules-to-save", nargs="+", default=None, choices=["embed_tokens", "lm_head"],
+                   help="modules that train whole beside the adapters (PEFT's modules_to_save; an untied model's)")
     g.add_argument("--load-lora", default=None,
                    help="start the adapters from this PEFT adapter directory (adapter_config.json + "
                         "adapter_model.safetensors); its config sets the LoRA flags (given ones must match)")

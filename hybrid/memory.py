@@ -21,6 +21,7 @@ from deepspeed.runtime import utils as ds_utils
 from hybrid.checkpoint.tp_layout import full_numels, tp_layout
 from hybrid.errors import ConfigError
 from hybrid.model.attention import window_blocks
+from hybrid.model import lora
 from hybrid.model.config import ModelConfig
 from hybrid.model.naming import EXPERTS, is_fused, takes_muon, vocab_block_name
 from hybrid.parallel.layers import row_blocks
@@ -546,9 +547,29 @@ class MemoryPlan:
     muon: bool = False  # --optimizer muon (hybrid.training.muon: ZeRO-0's whole matrices, or ZeRO's partitions)
 
 
+def frozen_bytes(params: dict, zero: ZeroSettings) -> int:
+    """Bytes of parameters without gradients (LoRA's frozen base): in the working precision (fp32 without ZeRO in
+    fp32), whole on every rank under ZeRO-0/1/2, partitioned under ZeRO-3 as its other parameters (those below the
+    persistence threshold whole too; none on the device with parameter offload)."""
+    e = _BYTES[zero.precision]
+    sizes = [n for n, _ in params.values()]
+    if zero.stage < 3:
+        return e * sum(sizes)
+    if zero.offload_param:
+        return 0
+    return e * sum(math.ceil(n / zero.dp) + (n if n < zero.persistence_threshold else 0) for n in sizes)
+
+
 def _stage_model_states(params: dict, plan: MemoryPlan) -> dict:
     """ZeRO bytes of one rank's parameters: dense ones partitioned over DP; its 1/EP of the experts in
-    their own groups (DeepSpeed's MoE groups), partitioned over the expert-data-parallel group, DP / EP."""
+    their own groups (DeepSpeed's MoE groups), partitioned over the expert-data-parallel group, DP / EP. With LoRA
+    only the adapters train (hybrid.model.lora): the base's weights alone (frozen_bytes)."""
+    if plan.model.lora_rank:
+        trainable = {name: v for name, v in params.items() if lora.trains(name, plan.model)}
+        states = model_state_bytes([[n for n, d in trainable.values() if d == decayed] for decayed in (True, False)],
+                                   plan.zero)
+        states["params"] += frozen_bytes({n: v for n, v in params.items() if n not in trainable}, plan.zero)
+        return states
     dense = [[n for name, (n, d) in params.items() if d == decayed and not is_expert(name)]
              for decayed in (True, False)]
     if plan.muon:

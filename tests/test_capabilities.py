@@ -66,6 +66,10 @@ EXAMPLES = {
     "muon-mla-mtp": (["--position-embedding-type", "rope", "--mtp-num-layers", 1, "--optimizer", "muon"], 1),
     "mtp-split-backward": (PP2 + ["--position-embedding-type", "rope", "--mtp-num-layers", 1, "--pipeline-schedule",
                                   "zbv"], 2),
+    "lora-fp8": (["--lora-rank", 4, "--fp8-format", "hybrid"], 1),
+    "lora-muon": (["--lora-rank", 4, "--optimizer", "muon"], 1),
+    "lora-universal": (["--lora-rank", 4, "--universal-checkpoint", "--load", "/tmp", "--zero-stage", 1], 1),
+    "lora-moe-zero": (["--lora-rank", 4, "--num-experts", 4, "--disable-bias-linear", "--zero-stage", 1], 1),
 }
 
 

@@ -48,14 +48,16 @@ def _deepspeed_state_bytes(stage: int, ds_path: str, extra: tuple = ()) -> dict:
     engine.step()
     inner = getattr(opt, "optimizer", opt)
     states = _bytes(v for state in inner.state.values() for v in state.values() if torch.is_tensor(v))
+    frozen = [p for p in model.parameters() if not p.requires_grad]  # (LoRA's base: no flat group holds them)
     if stage == 0:
         params, master = _bytes(model.parameters()), 0
     elif stage in (1, 2):
-        params, master = _bytes(opt.bit16_groups_flat), _bytes(opt.single_partition_of_fp32_groups)
+        params, master = _bytes(opt.bit16_groups_flat) + _bytes(frozen), _bytes(opt.single_partition_of_fp32_groups)
     else:
         flat = opt.fp16_partitioned_groups_flat
         persistent = [p for p in model.parameters() if p.ds_persist]
-        params = _bytes(flat) + sum(p.ds_numel * p.element_size() for p in persistent)
+        params = (_bytes(flat) + sum(p.ds_numel * p.element_size() for p in persistent)
+                  + sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in frozen))
         master = _bytes(opt.fp32_partitioned_groups_flat)
         assert {t.data_ptr() for t in flat}.isdisjoint(t.data_ptr() for t in opt.fp32_partitioned_groups_flat)
     groups = [[p.numel() if stage < 3 else p.ds_numel for p in g["params"]] for g in param_groups_of(engine)]
@@ -89,6 +91,28 @@ def test_zero_state_bytes_equal_deepspeeds_buffers_at_dp2(stage, tmp_path):
     estimate = memory.model_state_bytes(groups, memory.ZeroSettings(stage=stage, dp=2, persistence_threshold=1000))
     for key in ("params", "grads", "optimizer"):
         assert estimate[key] == measured[key], (key, estimate, measured)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_lora_state_bytes_equal_deepspeeds_buffers_at_dp2(stage, tmp_path):
+    """--lora-rank: DeepSpeed's groups, partitions and moments hold the adapters only; the frozen base is its weights
+    alone (whole under ZeRO-0/1/2, partitioned under ZeRO-3): hybrid.memory's count of each, byte for byte."""
+    lora = ("--lora-rank", "2", "--lora-target-modules", "all-linear", "--swiglu", "--disable-bias-linear")
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": stage, "reduce_bucket_size": 50000,
+                                                      "stage3_param_persistence_threshold": 1000}}))
+    measured = run_on_ranks(_deepspeed_state_bytes, 2, stage, str(path), lora)[0]
+    run = build_run_config(build_parser().parse_args(TINY + list(lora)), 2, 100)
+    plan = memory.MemoryPlan(run.model, dp=2, zero=memory.ZeroSettings(stage=stage, dp=2, persistence_threshold=1000))
+    inventory = memory.parameter_inventory(run.model, 1)
+    adapters = [n for name, (n, _) in inventory.items() if ".lora." in name]
+    assert sorted(n for g in measured["groups"] for n in g) == sorted(adapters) and len(adapters) == 14
+    estimate = memory._stage_model_states(inventory, plan)
+    for key in ("params", "grads", "optimizer"):
+        assert estimate[key] == measured[key], (key, estimate, measured)
+    full = memory._stage_model_states(inventory, memory.MemoryPlan(dataclasses.replace(run.model, lora_rank=0),
+                                                                    dp=2, zero=plan.zero))
+    assert estimate["optimizer"] * 10 < full["optimizer"]
 
 
 @pytest.mark.parametrize("stage", [1, 3])

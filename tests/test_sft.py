@@ -900,7 +900,7 @@ def test_dpo_with_lora_scores_its_reference_with_the_adapters_off_as_trl_with_pe
     policy = __import__("hybrid.model.build", fromlist=["build_model"]).build_model(config, ParallelGroups.single())
     state = {**{n: p.detach() for n, p in base.named_parameters()}, **P.read_adapter(tmp_path / "adapter", config)}
     load_parts(policy, [state], config, ParallelGroups.single())
-    lora.freeze_base(policy)
+    lora.freeze_base(policy, config)
     objective = PreferencePairs(ParallelGroups.single(), config.vocab_size, options, lora.BaseModel(policy))
     loss = objective.loss(policy(ids, stage=0), objective.target(ids, labels), None)
     loss.backward()

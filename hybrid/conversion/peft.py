@@ -27,7 +27,11 @@ HF_MODULE = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj
              "down_proj": "mlp.down_proj"}  # a Llama-style layer's module of each projection
 # the flags an adapter's config decides (ModelConfig's fields) and the adapter_config.json key of each
 FIELDS = {"lora_rank": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-          "lora_target_modules": "target_modules", "lora_use_rslora": "use_rslora"}
+          "lora_target_modules": "target_modules", "lora_use_rslora": "use_rslora",
+          "lora_modules_to_save": "modules_to_save"}
+# PEFT's keys of the modules_to_save it writes (the `modules_to_save.<adapter>.` part dropped), by module
+SAVED_KEYS = {"embed_tokens": "base_model.model.model.embed_tokens.weight",
+              "lm_head": "base_model.model.lm_head.weight"}
 
 
 def read_config(directory: str) -> dict:
@@ -43,7 +47,6 @@ def read_config(directory: str) -> dict:
         raise ConfigError(f"--load-lora {path}: not readable as JSON ({error}).") from None
     unsupported = {"peft_type": (config.get("peft_type"), "LORA"), "bias": (config.get("bias", "none"), "none"),
                    "use_dora": (bool(config.get("use_dora")), False),
-                   "modules_to_save": (config.get("modules_to_save") or None, None),
                    "fan_in_fan_out": (bool(config.get("fan_in_fan_out")), False),
                    "rank_pattern": (config.get("rank_pattern") or None, None),
                    "alpha_pattern": (config.get("alpha_pattern") or None, None),
@@ -52,6 +55,10 @@ def read_config(directory: str) -> dict:
         if value != wanted:
             raise ConfigError(f"--load-lora {path}: {key} is {value!r}; hybrid reads plain LoRA adapters "
                               f"({key} {wanted!r}).")
+    saved = [m for m in config.get("modules_to_save") or () if m not in lora.SAVED_MODULES]
+    if saved:
+        raise ConfigError(f"--load-lora {path}: modules_to_save names {', '.join(saved)}; hybrid trains "
+                          f"{' and '.join(lora.SAVED_MODULES)} whole beside the adapters, no other module.")
     targets = config.get("target_modules")
     if isinstance(targets, str) and targets != lora.ALL_LINEAR:
         raise ConfigError(f"--load-lora {path}: target_modules is the pattern {targets!r}; hybrid reads a list of "
@@ -65,7 +72,8 @@ def flags_of(config: dict) -> dict:
     targets = (lora.ALL_LINEAR,) if targets == lora.ALL_LINEAR else tuple(sorted(targets))
     return {"lora_rank": int(config["r"]), "lora_alpha": float(config.get("lora_alpha", 8)),
             "lora_dropout": float(config.get("lora_dropout", 0.0)),
-            "lora_target_modules": lora.resolve_targets(targets), "lora_use_rslora": bool(config.get("use_rslora"))}
+            "lora_target_modules": lora.resolve_targets(targets), "lora_use_rslora": bool(config.get("use_rslora")),
+            "lora_modules_to_save": tuple(sorted(config.get("modules_to_save") or ()))}
 
 
 def read_adapter(directory: str, config: ModelConfig) -> dict:
@@ -78,7 +86,7 @@ def read_adapter(directory: str, config: ModelConfig) -> dict:
         raise ConfigError(f"--load-lora {path}: {why}.")
     stored = load_file(path)
     out = to_canonical(stored, config, directory)
-    wanted = lora.adapter_shapes(config)
+    wanted = _shapes(config)
     missing = sorted(set(wanted) - set(out))
     if missing:
         raise ConfigError(f"--load-lora {directory}: the adapter lacks {len(missing)} of the model's adapter "
@@ -89,9 +97,16 @@ def read_adapter(directory: str, config: ModelConfig) -> dict:
 def to_canonical(stored: dict, config: ModelConfig, where: str = "the adapter") -> dict:
     """PEFT's keys -> ours, shapes checked (a mismatch: an adapter trained on another base)."""
     by_module = {module: projection for projection, module in HF_MODULE.items()}
-    wanted = lora.adapter_shapes(config)
+    wanted = _shapes(config)
+    saved = {SAVED_KEYS[m]: f"{lora.SAVED_MODULES[m]}.weight" for m in config.lora_modules_to_save}
     out = {}
     for key, tensor in stored.items():
+        if key in saved:  # a module of modules_to_save, whole
+            if tuple(tensor.shape) != wanted[saved[key]]:
+                raise ConfigError(f"--load-lora {where}: {key} has shape {tuple(tensor.shape)} but this base model's "
+                                  f"takes {wanted[saved[key]]}: an adapter trained on another base model.")
+            out[saved[key]] = tensor
+            continue
         if not key.startswith(PREFIX):
             raise ConfigError(f"--load-lora {where}: tensor {key} is not a layer projection's adapter.")
         layer, rest = key[len(PREFIX):].split(".", 1)
@@ -119,9 +134,12 @@ def peft_key(name: str) -> str:
     return f"{PREFIX}{layer}.{HF_MODULE[projection]}.lora_{matrix}.weight"
 
 
-def to_peft(state: dict) -> dict:
-    """Our adapter tensors (whole) -> PEFT's keys."""
-    return {peft_key(name): tensor.contiguous() for name, tensor in state.items() if lora.is_adapter(name)}
+def to_peft(state: dict, config: ModelConfig) -> dict:
+    """Our adapter tensors (whole), and the modules of --lora-modules-to-save (their vocabulary rows) -> PEFT's keys."""
+    out = {peft_key(name): tensor.contiguous() for name, tensor in state.items() if lora.is_adapter(name)}
+    for module in config.lora_modules_to_save:
+        out[SAVED_KEYS[module]] = state[f"{lora.SAVED_MODULES[module]}.weight"][:config.vocab_size].contiguous()
+    return out
 
 
 def adapter_config(config: ModelConfig, base_model: str) -> dict:
@@ -130,13 +148,15 @@ def adapter_config(config: ModelConfig, base_model: str) -> dict:
             "r": config.lora_rank, "lora_alpha": config.lora_alpha, "lora_dropout": config.lora_dropout,
             "target_modules": sorted(lora.resolve_targets(config.lora_target_modules)),
             "use_rslora": config.lora_use_rslora, "use_dora": False, "bias": "none", "fan_in_fan_out": False,
-            "init_lora_weights": True, "modules_to_save": None, "inference_mode": True}
+            "init_lora_weights": True, "modules_to_save": list(config.lora_modules_to_save) or None,
+            "inference_mode": True}
 
 
-def write_adapter(state: dict, config: ModelConfig, directory: str, base_model: str) -> None:
-    """A PEFT adapter directory from a whole canonical state's adapters (atomic: written aside, then renamed)."""
-    with atomic_directory(directory, flag="--save-dir") as tmp:
-        save_file(to_peft(state), os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
+def write_adapter(state: dict, config: ModelConfig, directory: str, base_model: str, replace: bool = False) -> None:
+    """A PEFT adapter directory from a whole canonical state's adapters (atomic: written aside, then renamed;
+    `replace`: over a directory already there, as a checkpoint saved again replaces its files)."""
+    with atomic_directory(directory, replace=replace, flag="--save-dir") as tmp:
+        save_file(to_peft(state, config), os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(adapter_config(config, base_model), f, indent=2)
 
@@ -159,4 +179,13 @@ def merged(state: dict, config: ModelConfig) -> dict:
                 delta = torch.cat(deltas, dim=0)
             weight = out[f"layers.{i}.{role}.weight"]
             out[f"layers.{i}.{role}.weight"] = (weight.float() + delta).to(weight.dtype)
+    return out
+
+
+def _shapes(config: ModelConfig) -> dict:
+    """Canonical name -> whole shape of everything an adapter directory holds for this model: the adapter matrices
+    and the weights of --lora-modules-to-save."""
+    out = lora.adapter_shapes(config)
+    for module in config.lora_modules_to_save:
+        out[f"{lora.SAVED_MODULES[module]}.weight"] = (config.vocab_size, config.hidden_size)
     return out

@@ -150,11 +150,13 @@ class ModelConfig:
     lora_dropout: float = 0.0  # --lora-dropout: dropout on the adapters' input (PEFT's)
     lora_target_modules: tuple = ()  # --lora-target-modules: the HF projections adapted (PEFT's); (): q_proj v_proj
     lora_use_rslora: bool = False  # --lora-use-rslora: alpha / sqrt(rank) (rank-stabilised LoRA)
+    lora_modules_to_save: tuple = ()  # --lora-modules-to-save: embed_tokens / lm_head train whole (PEFT's)
     family: Optional[str] = None  # the HF family (hybrid.conversion.families); None: chosen from the options
     hf_dtype: Optional[str] = None  # the imported HF model's dtype ("bfloat16", ...): export writes it; None: fp32
 
     def __post_init__(self):
         self.lora_target_modules = tuple(self.lora_target_modules or ())  # (a list, read from a checkpoint's JSON)
+        self.lora_modules_to_save = tuple(self.lora_modules_to_save or ())
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.ffn_hidden_size is None:

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from hybrid.errors import ConfigError
+from hybrid.model.naming import canonical_parameters
 from hybrid.parallel.lora import COLUMN, GROUPED_QKV, ROW, SINGLE, STACKED, LoRA, LoRAPiece
 
 # HF projection -> (the linear of a transformer layer that holds it, its place in that linear's fused layout)
@@ -25,7 +26,10 @@ TARGETS = {"q_proj": ("attention.qkv", 0), "k_proj": ("attention.qkv", 1), "v_pr
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear of the layers (not the output head)
 DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default target_modules for Llama-style models
 MARKER = ".lora."  # in every adapter parameter's name
-NO_LORA = dict(lora_rank=0, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules=(), lora_use_rslora=False)  # a base
+# PEFT's modules_to_save (--lora-modules-to-save) -> the module whose weights then train whole
+SAVED_MODULES = {"embed_tokens": "embedding.word_embeddings", "lm_head": "output_layer"}
+NO_LORA = dict(lora_rank=0, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules=(), lora_use_rslora=False,
+               lora_modules_to_save=())  # the base model's fields
 
 
 def resolve_targets(names) -> tuple:
@@ -50,6 +54,12 @@ def is_adapter(name: str) -> bool:
     return MARKER in name
 
 
+def trains(name: str, config) -> bool:
+    """Whether a canonical parameter trains under LoRA: an adapter, or a weight of --lora-modules-to-save (under
+    ZeRO-3 a table's row blocks too)."""
+    return is_adapter(name) or any(name.startswith(SAVED_MODULES[m] + ".") for m in config.lora_modules_to_save)
+
+
 def linear_shapes(config, role: str) -> tuple:
     """(kind, in features, {projection: full out features} in the fused layout's order, layout) of a layer's linear."""
     h, d, groups = config.hidden_size, config.head_dim, config.num_query_groups
@@ -72,11 +82,16 @@ def check(config, tp: int = 1) -> None:
     if config.multi_latent_attention and any(TARGETS[t][0].startswith("attention.") for t in targets):
         raise ConfigError("--lora-target-modules: LoRA on multi-latent attention's projections is not implemented; "
                           "target the MLP only (gate_proj up_proj down_proj).")
-    if config.fp8_recipe:
-        raise ConfigError("--lora-rank with --fp8-format: the adapters beside FP8 GEMMs are not implemented; drop "
-                          "one of them.")
-    if "gate_proj" in targets and not config.gated_linear_unit:
+    if "gate_proj" in config.lora_target_modules and not config.gated_linear_unit:  # (all-linear: those it has)
         raise ConfigError("--lora-target-modules gate_proj: this model's MLP has no gate (not --swiglu/--geglu).")
+    unknown = [m for m in config.lora_modules_to_save if m not in SAVED_MODULES]
+    if unknown:
+        raise ConfigError(f"--lora-modules-to-save {' '.join(unknown)}: the modules that can train whole beside the "
+                          f"adapters are {' '.join(SAVED_MODULES)}.")
+    if config.lora_modules_to_save and config.tied_embeddings:
+        raise ConfigError("--lora-modules-to-save with tied embeddings: PEFT trains a copy of the module, which "
+                          "unties the table from the head; untie them (--untie-embeddings-and-output-weights) or "
+                          "train the adapters only.")
     moe = [i for i in range(config.num_layers) if config.mlp_type_of(i) == "moe"]
     if moe and any(TARGETS[t][0].startswith("mlp.") for t in targets):
         raise ConfigError(f"--lora-target-modules {' '.join(t for t in targets if TARGETS[t][0].startswith('mlp.'))}: "
@@ -123,10 +138,10 @@ def adapter_shapes(config) -> dict:
     return out
 
 
-def freeze_base(model: nn.Module) -> None:
-    """No gradient (so no optimizer state) for anything but the adapters."""
-    for name, param in model.named_parameters():
-        if MARKER not in f".{name}":
+def freeze_base(model: nn.Module, config) -> None:
+    """No gradient (so no optimizer state) for anything but the adapters and --lora-modules-to-save."""
+    for name, param in canonical_parameters(model, config.num_layers).items():
+        if not trains(name, config):
             param.requires_grad_(False)
 
 

@@ -49,7 +49,7 @@ def freeze(model: nn.Module, run: RunConfig) -> list[str]:
     """Apply --freeze-layers / --freeze-embeddings, and with --lora-rank freeze all but the adapters: no gradient,
     hence no optimizer state."""
     if run.model.lora_rank:
-        lora.freeze_base(model)
+        lora.freeze_base(model, run.model)
     frozen = []
     layers = {f"layers.{i}." for i in run.training.freeze_layers}
     for name, param in canonical_parameters(model, run.model.num_layers).items():

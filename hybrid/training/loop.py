@@ -46,7 +46,7 @@ class Trainer:
         self.converters = loop_converters(run, groups, engine.module, self.device)  # MoE, FP8, profiling
         self.peak_tflops = run.logging.peak_tflops or device_peak_tflops(
             self.device, run.training.precision, run.model.fp8_recipe is not None)
-        self.saver = CheckpointSaver(engine, run, groups.sequence, self.device)
+        self.saver = CheckpointSaver(engine, run, groups, self.device)
         self.health = HealthCheck(run, engine, self.step, self.saver)
         self.skipped = 0
         self.rewards: list = []  # --grpo: (iteration, mean, std) at each log line

@@ -14,17 +14,23 @@ import os
 import time
 from typing import Optional
 
+import deepspeed
 import torch
 import torch.distributed as dist
 
 from hybrid.checkpoint.client_state import ClientState
 from hybrid.checkpoint.files import LATEST, MEGATRON_LATEST, iteration_of, tag_for, write_atomic
 from hybrid.checkpoint.manifest import write_manifest
-from hybrid.checkpoint.tp_layout import universal_checkpoint_info
+from hybrid.checkpoint.tp_layout import join_vocab_blocks, tp_layout, universal_checkpoint_info
 from hybrid.config import RunConfig, checkpoint_summary
-from hybrid.model.naming import canonical_parameters
+from hybrid.conversion import peft
+from hybrid.model import lora
+from hybrid.model.naming import canonical_parameters, vocab_block
+from hybrid.parallel.layers import unshard
 from hybrid.parallel.random import get_rng_states
 from hybrid.training.logging import log
+
+ADAPTER_DIR = "adapter"  # a LoRA run's checkpoint: its adapters as a PEFT adapter directory
 
 
 def optimizer_param_names(engine, run: RunConfig) -> Optional[list]:
@@ -81,13 +87,52 @@ def finalize(engine, save_dir: str, tag: str) -> None:
     log(f"saved checkpoint {tag} to {save_dir}")
 
 
+def gather_adapters(model, config, groups) -> Optional[dict]:
+    """With LoRA: every adapter matrix, and the weights of --lora-modules-to-save, whole (canonical names) on rank 0,
+    None on the others; from each rank's shards (under ZeRO-3 its partitions gathered first), joined over TP (a
+    table's row blocks into the table), from every pipeline stage. Collective: every rank calls it. The adapters are
+    small (rank x width per projection), so they travel as objects."""
+    params = {n: p for n, p in canonical_parameters(model, config.num_layers).items() if lora.trains(n, config)}
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        local = {n: p.detach().float().cpu().clone() for n, p in params.items()}
+    sender = groups.dp_cp.rank == 0 and groups.ulysses.rank == 0  # one copy of each TP rank's shards per stage
+    shards = [None] * dist.get_world_size() if dist.is_initialized() else None
+    mine = (groups.tp.rank, local if sender else {})
+    if shards is None:
+        shards = [mine]
+    else:
+        dist.all_gather_object(shards, mine)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    by_name: dict = {}
+    for tp_rank, tensors in shards:
+        for name, tensor in tensors.items():
+            by_name.setdefault(name, {})[tp_rank] = tensor
+    rules = tp_layout(config)
+    whole = {name: torch.cat([parts[r] for r in sorted(parts)]) for name, parts in by_name.items() if vocab_block(name)}
+    join_vocab_blocks(whole, groups.tp.size)  # (each block: that block of every TP rank, in rank order)
+    for name, parts in by_name.items():
+        if not vocab_block(name):
+            rule = rules[name]
+            whole[name] = parts[0] if rule.dim is None else unshard([parts[r] for r in sorted(parts)], rule.dim)
+    return whole
+
+
+def write_adapter(engine, run: RunConfig, groups, save_dir: str, tag: str) -> None:
+    """A LoRA run's adapters as a PEFT adapter directory in the checkpoint (`<tag>/adapter`), from every rank."""
+    state = gather_adapters(engine.module, run.model, groups)
+    if state is not None:
+        base = run.checkpoint.load_hf or "(the base model)"
+        peft.write_adapter(state, run.model, os.path.join(save_dir, tag, ADAPTER_DIR), base, replace=True)
+
+
 class CheckpointSaver:
     """The run's saves into --save: each written through DeepSpeed and completed (manifest, `latest`) at
     once, or with --async-save in the background, completed at the next log line, the next save or the
     end of the run, whichever comes first. Keeps the training thread's time spent saving for the log."""
 
-    def __init__(self, engine, run: RunConfig, sequence, device):
-        self.engine, self.run, self.sequence, self.device = engine, run, sequence, device
+    def __init__(self, engine, run: RunConfig, groups, device):
+        self.engine, self.run, self.groups, self.device = engine, run, groups, device
         self.last_saved_tag: Optional[str] = None  # the newest checkpoint this run completed
         self.unfinished: Optional[str] = None  # --async-save: the tag whose files are being written
         self.stall_seconds = 0.0  # training-thread time spent saving since the last take_stall()
@@ -96,7 +141,9 @@ class CheckpointSaver:
         self.finish()
         start = time.perf_counter()
         self.unfinished = write_files(self.engine, self.run, self.run.checkpoint.save, iteration, consumed,
-                                      self.sequence)
+                                      self.groups.sequence)
+        if self.run.model.lora_rank:  # (PEFT's format beside DeepSpeed's files: adapters that peft loads as they are)
+            write_adapter(self.engine, self.run, self.groups, self.run.checkpoint.save, self.unfinished)
         self.stall_seconds += time.perf_counter() - start
         if not self.run.checkpoint.async_save:
             self.finish()
