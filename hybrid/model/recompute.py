@@ -37,6 +37,9 @@ def run_layers(layers, hidden, config, training: bool, layout=None):
     if not full_recompute(config, training):
         return LayerChunk(layers)(hidden, layout)
     n = max(1, config.recompute_num_layers)
+    if not hidden.requires_grad:  # a frozen embedding (LoRA): DeepSpeed's reentrant checkpoint would give no
+        # gradient to the parameters inside it (transformers' enable_input_require_grads, for the same reason)
+        hidden = hidden.detach().requires_grad_(True)
     if config.recompute_method == "uniform":
         for start in range(0, len(layers), n):
             hidden = checkpoint(LayerChunk(layers[start:start + n]), hidden, layout)

@@ -14,7 +14,9 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
 from hybrid.capabilities import SPLIT_BACKWARD, TORCH_SCHEDULES
+from hybrid.model import lora
 from hybrid.model.forward_only import hidden_shape
+from hybrid.model.naming import EMBEDDING_WEIGHT
 from hybrid.model.virtual_stages import RankModel
 from hybrid.training import deepspeed_fixes
 
@@ -155,24 +157,27 @@ class TiedTable:
     iteration (a tensor hook, before DeepSpeed's own hooks reduce it), so DeepSpeed reduces and steps the
     table's whole gradient once, at every ZeRO stage. In the loop placement the first stage's last backward
     comes after the last stage's (the gradient flows through every stage), so the receive waits on a send
-    that was already made."""
+    that was already made. A frozen table (LoRA's base) is copied once and exchanges no gradient."""
 
     def __init__(self, model: RankModel, groups, device):
         self.model, self.axis, self.device = model, groups.embedding, device
         self.first, self.last = model.holds_tied_parameter, model.holds_tied_copy
+        self.trains = lora.trains(EMBEDDING_WEIGHT, model.config) if model.config.lora_rank else True
         self.expected = self.seen = 0
         self.synced = False
         self.transfer = None
-        if self.first:
+        if self.first and self.trains:
             model.embedding.word_embeddings.weight.register_hook(_weak(self._with_copy_gradient))
         if self.last:
             dtype = next(p.dtype for p in model.parameters())
-            model.tied_table = model.tied_table.to(device, dtype).requires_grad_(True)
-            model.tied_table.register_post_accumulate_grad_hook(_weak(self._send_copy_gradient))
+            model.tied_table = model.tied_table.to(device, dtype).requires_grad_(self.trains)
+            if self.trains:
+                model.tied_table.register_post_accumulate_grad_hook(_weak(self._send_copy_gradient))
 
     @property
     def active(self) -> bool:
-        return self.first or self.last
+        """This rank holds the table or its copy, and the table trains (a gradient crosses each iteration)."""
+        return (self.first or self.last) and self.trains
 
     def begin(self, micro_batches: int) -> None:
         """Before an iteration's schedule: its micro-batch count; the first stage posts its receive."""
@@ -199,7 +204,7 @@ class TiedTable:
 
     def end(self) -> None:
         """After the schedule: the send is done, the copy's gradient dropped."""
-        if self.last:
+        if self.last and self.trains:
             if self.transfer is not None:
                 self.transfer.wait()
                 self.transfer = None
@@ -212,7 +217,9 @@ class TiedTable:
             self.sync()
 
     def sync(self) -> None:
-        """The copy := the parameter (after each optimizer step)."""
+        """The copy := the parameter (after each optimizer step; a frozen table's once)."""
+        if self.synced and not self.trains:
+            return
         self.synced = True
         if self.first:
             weight = self.model.embedding.word_embeddings.weight
