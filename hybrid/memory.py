@@ -210,7 +210,8 @@ def _zero_shares(params: dict, zero: ZeroSettings, ep: int) -> list:
     return [(share, dp) for share, dp in ((dense, zero.dp), (experts, _expert_zero(zero, ep).dp)) if share]
 
 
-def zero_buffer_bytes(params: dict, zero: ZeroSettings, pp: int, collective_copies: bool = False, ep: int = 1) -> int:
+def zero_buffer_bytes(params: dict, zero: ZeroSettings, pp: int, collective_copies: bool = False, ep: int = 1,
+                      frozen: Optional[dict] = None) -> int:
     """ZeRO's working memory on one rank during backward, beside the partitioned states (DeepSpeed 0.19 allocates
     its buckets whole), for this rank's parameters (1/EP of the experts): ZeRO-1's whole gradients, which wait in
     `.grad` until the step reduces them, and its reduce bucket; ZeRO-2's reduce bucket (two with overlap_comm;
@@ -219,7 +220,9 @@ def zero_buffer_bytes(params: dict, zero: ZeroSettings, pp: int, collective_copi
     parameter gathered (on the accelerator, offloaded parameters too) and its whole gradient, then that gradient
     and the reduce-scatter's output partition, plus at PP = 1 the parameters its trace prefetches (a pipeline's
     stages run without a trace: hybrid.training.deepspeed_fixes.prepare_pipeline_engine). `collective_copies`:
-    gloo's (CPU's) reduce-scatter copies its whole input first (NCCL does not), one more gradient."""
+    gloo's (CPU's) reduce-scatter copies its whole input first (NCCL does not), one more gradient. `frozen`:
+    parameters without gradients (LoRA's base), which ZeRO-3 gathers and prefetches too; `params` then the
+    trainable ones."""
     e = _BYTES[zero.precision]
     if zero.stage == 0:
         return 0
@@ -230,10 +233,11 @@ def zero_buffer_bytes(params: dict, zero: ZeroSettings, pp: int, collective_copi
         buckets = (2 if zero.overlap_comm else 1) if zero.contiguous_gradients else 0
         waiting = total if zero.stage == 1 else largest
         return (buckets * min(zero.reduce_bucket_size, total) + waiting) * e
-    prefetched = min(zero.prefetch_bucket_size, total) if pp == 1 else 0
+    frozen_sizes = [n for n, _ in (frozen or {}).values()]
+    prefetched = min(zero.prefetch_bucket_size, total + sum(frozen_sizes)) if pp == 1 else 0
     # the module is released before its gradient is reduced (the input embedding too:
     # hybrid.training.deepspeed_fixes.release_input_embedding_after_its_gradient)
-    working = 0
+    working = max(frozen_sizes, default=0)  # a frozen parameter gathered, no gradient
     for share, dp in shares:
         big = max(n for n, _ in share.values())
         reduced = math.ceil(big / dp) + (big if collective_copies else 0)
@@ -673,8 +677,12 @@ def estimate(plan: MemoryPlan) -> list[dict]:
         if info["replica"]:  # a tied table's copy: its weights and gradient in the working precision, whole
             states["params"] += info["replica"] * _BYTES[precision]
             states["grads"] += info["replica"] * _BYTES[precision]
-        buffers = zero_buffer_bytes(info["params"], plan.zero, plan.pp, plan.device_type == "cpu", plan.ep)
-        step = zero_step_bytes(info["params"], plan.zero, plan.ep)
+        trainable, frozen = info["params"], None
+        if config.lora_rank:  # ZeRO's gradient buckets and step hold the trainable parameters only
+            trainable = {n: v for n, v in info["params"].items() if lora.trains(n, config)}
+            frozen = {n: v for n, v in info["params"].items() if n not in trainable}
+        buffers = zero_buffer_bytes(trainable, plan.zero, plan.pp, plan.device_type == "cpu", plan.ep, frozen)
+        step = zero_step_bytes(trainable, plan.zero, plan.ep)
         if plan.muon:  # the sharded Muon's gathers, beside the fp32 gradient partitions DeepSpeed hands it
             step += muon_step_bytes(info["params"], plan.zero, plan.ep)
         each = [layer_activation_bytes(config, act, layer=i) for i in info["layers"]]
