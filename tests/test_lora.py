@@ -246,6 +246,8 @@ def test_bad_lora_flags_and_adapters_are_one_message_each(llama, tmp_path):
         "disagrees with --lora-rank 8 (the adapter's: 4)": base + ["--load-lora", llama["adapter"], "--lora-rank", 8],
         "a pickle: loading it could run code": base + ["--load-lora", pickled],
         "no adapter_config.json there": base + ["--load-lora", tmp_path],
+        "an adapter needs the base model it was trained on": [f for f in base if f not in ("--load-hf", llama["hf"])]
+        + ["--load-lora", llama["adapter"], "--tokenizer-type", "HFTokenizer", "--tokenizer-model", llama["hf"]],
     }
     for message, argv in cases.items():
         proc = run("python", 1, argv, check=False)
@@ -326,7 +328,7 @@ def test_lora_with_modules_to_save_trains_the_head_as_peft_and_writes_it_with_th
     want = peft_adamw_losses(dict(llama, adapter=adapter), 4 * 2 * 2 + 1, trained)
     flags = ["--load-hf", llama["hf"], "--load-lora", adapter, "--data-path", llama["data"], *RUN]
     one, tp2 = tmp_path / "one.jsonl", tmp_path / "tp2.jsonl"
-    run("python", 1, flags + ["--log-json", one])
+    run("python", 1, flags + ["--lora-modules-to-save", "lm_head", "--log-json", one])  # (flags that agree with it)
     run("torchrun", 2, flags + ["--tensor-model-parallel-size", 2, "--sequence-parallel", "--zero-stage", 3,
                                 "--save", tmp_path / "ckpt", "--save-interval", 5, "--log-json", tp2])
     for log in (one, tp2):
@@ -339,3 +341,8 @@ def test_lora_with_modules_to_save_trains_the_head_as_peft_and_writes_it_with_th
         # (the head itself trains here: TP 2's reductions leave 1.5e-5 on logits of about 1 after 5 steps)
         want_logits = trained.eval()(window).logits
         assert torch.allclose(got.logits, want_logits, atol=1e-4, rtol=0), (got.logits - want_logits).abs().max()
+    # a merged export of it: DeepSpeed's converter reads ZeRO-3's partitions at TP 2, which hold no frozen base
+    from hybrid.conversion.checkpoint_util import main
+    assert main(["--saver", "hf", "--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "hf"),
+                 "--no-progress-bar"]) != 0
+    assert not (tmp_path / "hf").exists()

@@ -934,18 +934,23 @@ def trl_dpo_peft(policy, reference, tok, rows, tmp):
 
 @pytest.mark.slow
 def test_dpo_with_lora_holds_one_model_and_scores_the_reference_file_with_the_adapters_off(chat, pairs, tmp_path):
-    """--dpo --lora-rank (PEFT's fresh adapters: B zero, so the policy starts as its reference, loss ln 2): no second
-    model; the same run with --dpo-reference-logps at DP 2 under ZeRO-3 (the file scored by the model itself with its
-    adapters off) gives the one-rank losses."""
+    """--dpo --load-lora (a PEFT adapter with A and B non-zero, so the policy is not its reference): no second model;
+    the same run with --dpo-reference-logps at DP 2 under ZeRO-3 (the file scored by the model itself with its
+    adapters off: scored with them on, the first loss would be ln 2) gives the one-rank losses; PEFT's fresh adapters
+    (--lora-rank: B zero) start at ln 2, the policy equal to its reference."""
     from checks.launch_helpers import read_log, run
+    from tests.test_lora import TARGETS, peft_model
     from tests.test_training import assert_same_losses
-    base = DPO_RUN + ["--load-hf", chat["hf"], "--data-path", pairs["data"], "--lora-rank", 4,
-                      "--lora-target-modules", "all-linear", "--lora-alpha", 16]
-    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    peft_model(chat["hf"], targets=TARGETS, seed=4).save_pretrained(tmp_path / "adapter")
+    base = DPO_RUN + ["--load-hf", chat["hf"], "--data-path", pairs["data"], "--load-lora", tmp_path / "adapter"]
+    one, two, fresh = tmp_path / "one.jsonl", tmp_path / "two.jsonl", tmp_path / "fresh.jsonl"
     proc = run("python", 1, base + ["--log-json", one])
     assert "the reference is the model itself with its adapters off" in proc.stdout + proc.stderr
     run("torchrun", 2, base + ["--deepspeed", "ds_configs/zero3.json", "--dpo-reference-logps",
                                tmp_path / "reference.npz", "--log-json", two])
     want, got = read_log(one), read_log(two)
-    assert abs(want[0]["lm_loss"] - 0.6931471805599453) < 1e-6 and want[-1]["lm_loss"] < want[0]["lm_loss"]
+    assert abs(want[0]["lm_loss"] - 0.6931471805599453) > 1e-3, want[0]
     assert_same_losses([r["lm_loss"] for r in got], [r["lm_loss"] for r in want])
+    run("python", 1, DPO_RUN + ["--load-hf", chat["hf"], "--data-path", pairs["data"], "--lora-rank", 4,
+                                "--lora-target-modules", "all-linear", "--train-iters", 1, "--log-json", fresh])
+    assert abs(read_log(fresh)[0]["lm_loss"] - 0.6931471805599453) < 1e-6

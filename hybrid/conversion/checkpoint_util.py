@@ -146,6 +146,7 @@ def convert(args) -> str:
             raise ConfigError(f"--saver peft: {args.load_dir} holds no LoRA adapters (a run without --lora-rank); "
                               f"use --saver hf for its weights.")
         base = client_state.args.get("load_hf") or "(the base model)"
+        peft.check_peft_named(config, "--saver peft")
         peft.write_adapter(state, config, args.save_dir, base)
         return f"wrote PEFT adapter (rank {config.lora_rank}) of base model {base} to {args.save_dir}"
     if config.lora_rank and saver in ("hf", "megatron"):  # the adapters merged into the weights

@@ -103,7 +103,13 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
     tp = saved.layout.tensor_parallel
     if saved.storage == "zero3":
         if tp > 1 or saved.layout.pipeline_parallel > 1:  # DeepSpeed's zero_to_fp32 handles one model-parallel
-            # rank only; its ds_to_universal merges TP and PP too
+            # rank only; its ds_to_universal merges TP and PP too, from the optimizer's partitions
+            if config.lora_rank:  # (which hold the adapters only: a LoRA run's frozen base is not among them)
+                raise ConfigError(f"{ckpt}: a LoRA run saved under ZeRO-3 at TP {tp} x PP "
+                                  f"{saved.layout.pipeline_parallel}; its frozen base is not in ZeRO's partitions, "
+                                  f"which DeepSpeed's converter reads. Its adapters are in {ckpt}/adapter (a PEFT "
+                                  f"directory): load the base with them (--load-hf BASE --load-lora DIR), or merge "
+                                  f"them with peft's merge_and_unload.")
             full = read_fp32_state(ckpt, config)
         else:
             full = join_vocab_blocks(get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag))

@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybrid.checkpoint.files import atomic_directory
+from hybrid.conversion.families import adapter_for_model
+from hybrid.conversion.families.llama import LlamaAdapter
 from hybrid.errors import ConfigError
 from hybrid.model import lora
 from hybrid.model.config import ModelConfig
@@ -124,6 +126,20 @@ def to_canonical(stored: dict, config: ModelConfig, where: str = "the adapter") 
                               f"{projection} takes {wanted[name]}: an adapter trained on another base model.")
         out[name] = tensor
     return out
+
+
+def peft_named(config: ModelConfig) -> bool:
+    """Whether the model's HF family names its projections as PEFT's keys here do (Llama's: self_attn.q_proj, ...,
+    mlp.gate_proj, ...; GPT-2's fused c_attn does not)."""
+    return isinstance(adapter_for_model(config), LlamaAdapter)
+
+
+def check_peft_named(config: ModelConfig, what: str) -> None:
+    """One message where an adapter directory cannot name this model's projections."""
+    if not peft_named(config):
+        raise ConfigError(f"{what}: the {config.family} family's HF modules are not named as Llama's "
+                          f"(self_attn.q_proj, mlp.gate_proj, ...), so a PEFT adapter directory of this model is not "
+                          f"written here; export the merged model with --saver hf.")
 
 
 def peft_key(name: str) -> str:

@@ -225,7 +225,8 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel: bool):
         full = C.all_gather_along_dim(x, 0, group) if sequence_parallel else x  # [s, b, in]
-        ctx.save_for_backward(full, weight)
+        # a frozen weight (LoRA's base) takes no gradient: its input is not kept, its GEMM not run
+        ctx.save_for_backward(full if weight.requires_grad else None, weight)
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
         return F.linear(full, weight, bias)
 
@@ -237,8 +238,9 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         wait = (C.reduce_scatter_dim0_async(grad_input, ctx.group) if ctx.sequence_parallel
                 else C.all_reduce_async(grad_input, ctx.group))
         grad_2d = grad.reshape(-1, grad.size(-1))
-        grad_weight = grad_2d.t().matmul(full.reshape(-1, full.size(-1)))  # while the collective runs
-        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        grad_weight = None if full is None else grad_2d.t().matmul(full.reshape(-1, full.size(-1)))  # while the
+        # collective runs
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return wait(), grad_weight, grad_bias, None, None
 
 

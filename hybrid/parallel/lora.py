@@ -45,12 +45,13 @@ class LoRAPiece(nn.Module):
         super().__init__()
         self.kind, self.scale, self.dropout, self.groups = kind, scale, dropout, groups
         tp, tp_rank = groups.tp_size, groups.tp_rank
-        full_a = torch.empty(rank, in_features, dtype=torch.float32)
+        # on the CPU whatever constructors ZeRO-3's Init redirects (the generator is a CPU one)
+        full_a = torch.empty(rank, in_features, dtype=torch.float32, device="cpu")
         kaiming_uniform_(full_a, torch.Generator().manual_seed(seed))
         if kind == COLUMN:  # A whole, B's rows split with the base weight's
-            a, b = full_a, torch.zeros(out_features // tp, rank)
+            a, b = full_a, torch.zeros(out_features // tp, rank, device="cpu")
         else:  # A's columns split with the base weight's, B whole
-            a, b = shard(full_a, 1, tp_rank, tp), torch.zeros(out_features, rank)
+            a, b = shard(full_a, 1, tp_rank, tp), torch.zeros(out_features, rank, device="cpu")
         self.A = nn.Parameter(a.to(dtype=dtype, device=device))
         self.B = nn.Parameter(b.to(dtype=dtype, device=device))
         if kind == COLUMN:

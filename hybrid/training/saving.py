@@ -96,14 +96,14 @@ def gather_adapters(model, config, groups) -> Optional[dict]:
     with deepspeed.zero.GatheredParameters(list(params.values())):
         local = {n: p.detach().float().cpu().clone() for n, p in params.items()}
     sender = groups.dp_cp.rank == 0 and groups.ulysses.rank == 0  # one copy of each TP rank's shards per stage
-    shards = [None] * dist.get_world_size() if dist.is_initialized() else None
     mine = (groups.tp.rank, local if sender else {})
-    if shards is None:
+    if not dist.is_initialized():
         shards = [mine]
-    else:
-        dist.all_gather_object(shards, mine)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None
+    else:  # to rank 0 only (all_gather_object would give every rank every payload, on the device under NCCL)
+        shards = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, shards, dst=0)
+        if dist.get_rank() != 0:
+            return None
     by_name: dict = {}
     for tp_rank, tensors in shards:
         for name, tensor in tensors.items():
@@ -119,7 +119,10 @@ def gather_adapters(model, config, groups) -> Optional[dict]:
 
 
 def write_adapter(engine, run: RunConfig, groups, save_dir: str, tag: str) -> None:
-    """A LoRA run's adapters as a PEFT adapter directory in the checkpoint (`<tag>/adapter`), from every rank."""
+    """A LoRA run's adapters as a PEFT adapter directory in the checkpoint (`<tag>/adapter`), from every rank; none
+    for a family whose HF modules PEFT's keys here cannot name (the checkpoint merges with --saver hf)."""
+    if not peft.peft_named(run.model):
+        return
     state = gather_adapters(engine.module, run.model, groups)
     if state is not None:
         base = run.checkpoint.load_hf or "(the base model)"

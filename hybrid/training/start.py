@@ -74,7 +74,8 @@ def _with_adapter(args, plan: StartPlan) -> StartPlan:
     """--load-lora: the adapter's config decides the LoRA flags (those given must agree); only a start from
     weights reads it (a resumed LoRA run's checkpoint holds its adapters: the same command resumes)."""
     decided = peft.flags_of(peft.read_config(args.load_lora))
-    given = {"lora_target_modules": lambda v: lora.resolve_targets(v)}
+    given = {"lora_target_modules": lambda v: lora.resolve_targets(v),
+             "lora_modules_to_save": lambda v: tuple(sorted(v))}
     conflicts = [f"--{flag.replace('_', '-')} {getattr(args, flag)} (the adapter's: {value})"
                  for flag, value in decided.items() if getattr(args, flag, None) is not None
                  and given.get(flag, lambda v: v)(getattr(args, flag)) != value]
@@ -82,6 +83,9 @@ def _with_adapter(args, plan: StartPlan) -> StartPlan:
         raise ConfigError(f"--load-lora {args.load_lora}: its adapter_config.json disagrees with {', '.join(conflicts)}"
                           f"; drop those flags (the adapter's config sets them) or load another adapter.")
     flags = tuple(plan.flags) + tuple(decided.items())
+    if plan.loader == FRESH:
+        raise ConfigError(f"--load-lora {args.load_lora}: an adapter needs the base model it was trained on; add "
+                          f"--load-hf BASE (or --load of a checkpoint of that base).")
     if plan.loader != WEIGHTS:  # (the command that started the run, run again: it resumes)
         log(f"--load-lora {args.load_lora}: not read; the run resumes from {plan.directory}, whose checkpoint holds "
             f"the adapters it trained")
