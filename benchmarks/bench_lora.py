@@ -27,23 +27,6 @@ sys.path.insert(0, ROOT)
 from benchmarks.bench_vs_transformers import HybridStep, TransformersStep, _device, _timed  # noqa: E402
 
 
-class HybridLoRAStep(HybridStep):
-    """hybrid's training step with --lora-rank (all-linear)."""
-
-    def __init__(self, c: dict, device: torch.device, rank: int):
-        import benchmarks.bench_vs_transformers as bench
-        flags = bench.hybrid_flags
-
-        def with_lora(*args, **kwargs):
-            return flags(*args, **kwargs) + ["--lora-rank", str(rank), "--lora-alpha", str(2 * rank),
-                                             "--lora-target-modules", "all-linear"]
-        bench.hybrid_flags = with_lora
-        try:
-            super().__init__(c, device, False)
-        finally:
-            bench.hybrid_flags = flags
-
-
 class PeftStep(TransformersStep):
     """transformers' model with peft's LoRA on every projection, torch AdamW over the adapters."""
 
@@ -78,7 +61,8 @@ def main() -> None:
              ffn=int(a.hidden * 2.6875) // 8 * 8)
     device = _device()
     builders = {"hybrid_full": lambda: HybridStep(c, device, False),
-                "hybrid_lora": lambda: HybridLoRAStep(c, device, a.rank),
+                "hybrid_lora": lambda: HybridStep(c, device, False, ("--lora-rank", a.rank, "--lora-alpha", 2 * a.rank,
+                                                                     "--lora-target-modules", "all-linear")),
                 "transformers_full": lambda: TransformersStep(c, device, False),
                 "transformers_peft": lambda: PeftStep(c, device, a.rank)}
     generator = torch.Generator().manual_seed(0)

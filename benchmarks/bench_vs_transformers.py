@@ -72,14 +72,15 @@ def hybrid_flags(c: dict, device: torch.device, compile_layers: bool) -> list[st
 class HybridStep:
     """hybrid's own training step (the Trainer's) on a one-rank DeepSpeed engine."""
 
-    def __init__(self, c: dict, device: torch.device, compile_layers: bool):
+    def __init__(self, c: dict, device: torch.device, compile_layers: bool, extra_flags: tuple = ()):
         from hybrid.config import build_run_config
         from hybrid.flags import build_parser
         from hybrid.parallel.random import model_parallel_seed
         from hybrid.parallel.groups import build_groups
         from hybrid.training.engine import build_engine
         from hybrid.training.loop import Trainer
-        run = build_run_config(build_parser().parse_args(hybrid_flags(c, device, compile_layers)), 1, c["vocab"])
+        flags = hybrid_flags(c, device, compile_layers) + [str(f) for f in extra_flags]
+        run = build_run_config(build_parser().parse_args(flags), 1, c["vocab"])
         topology = build_groups()
         model_parallel_seed(1234, 0)
         self.engine, _ = build_engine(run, topology)

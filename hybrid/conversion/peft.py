@@ -27,10 +27,6 @@ PREFIX = "base_model.model.model.layers."
 HF_MODULE = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
              "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
              "down_proj": "mlp.down_proj"}  # a Llama-style layer's module of each projection
-# the flags an adapter's config decides (ModelConfig's fields) and the adapter_config.json key of each
-FIELDS = {"lora_rank": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-          "lora_target_modules": "target_modules", "lora_use_rslora": "use_rslora",
-          "lora_modules_to_save": "modules_to_save"}
 # PEFT's keys of the modules_to_save it writes (the `modules_to_save.<adapter>.` part dropped), by module
 SAVED_KEYS = {"embed_tokens": "base_model.model.model.embed_tokens.weight",
               "lm_head": "base_model.model.lm_head.weight"}
