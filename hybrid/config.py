@@ -390,7 +390,8 @@ _CHECKPOINT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hid
                     "norm_epsilon", "swiglu", "group_query_attention", "num_query_groups", "disable_bias_linear",
                     "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
                     "apply_query_key_layer_scaling", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                    "kv_channels", "add_qkv_bias", "qk_layernorm", "window_size", "use_rope_scaling",
+                    "kv_channels", "add_qkv_bias", "qk_layernorm", "qk_norm_across_heads",
+                    "llama_4_scaling_beta", "llama_4_scaling_length", "window_size", "use_rope_scaling",
                     "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "apply_layernorm_1p", "geglu",
                     "scale_embeddings", "window_attn_skip_freq", "local_rotary_base", "softmax_scale", "sandwich_norms",
                     "load_hf", "expert_model_parallel_size", *MOE_FLAGS)

@@ -68,6 +68,13 @@ def _add_network_size_args(p):
     g.add_argument("--add-qkv-bias", action="store_true", help="a bias on Q, K and V only (Qwen2)")
     g.add_argument("--qk-layernorm", action="store_true", help="a --normalization norm over each head of Q and K "
                    "(Qwen3)")
+    g.add_argument("--qk-norm-across-heads", action="store_true",
+                   help="with --qk-layernorm: one RMSNorm over all of Q's heads and one over all of K's (MiniMax-M2)")
+    g.add_argument("--llama-4-scaling-beta", type=float, default=None, metavar="B",
+                   help="queries x (1 + B ln(1 + floor(position / --llama-4-scaling-length))): Mistral 4's "
+                        "long-context attention temperature (B 0.1)")
+    g.add_argument("--llama-4-scaling-length", type=int, default=None, metavar="L",
+                   help="with --llama-4-scaling-beta: its length (Mistral 4: 8192, its original context)")
     g.add_argument("--window-size", type=_window_size, default=None, metavar="LEFT,0",
                    help="sliding-window attention: each token attends itself and LEFT tokens before it "
                         "(Mistral's sliding_window = LEFT + 1); Megatron-LM's (left, right) with right 0")

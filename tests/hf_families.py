@@ -75,13 +75,30 @@ FAMILY_CONFIGS.update({
         sliding_window=8, swiglu_limit=0.2, tie_word_embeddings=False, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 150000.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})),
+    # DeepSeek-V3's MLA and YaRN with Llama 4's query temperature past 16 positions (beta 0.3); a softmax top-2 of
+    # 8 experts, renormalised and scaled x 2.5 (the router without a score bias), a shared expert, layer 0 dense
+    "mistral4": ("Mistral4Config", "Mistral4ForCausalLM", dict(
+        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1, n_group=1,
+        topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
+        tie_word_embeddings=False, rms_norm_eps=1e-6, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                         "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                         "mscale_all_dim": 0.7, "llama_4_scaling_beta": 0.3})),
+    # Q/K RMSNorms across all heads (q_norm over 4 x 16 features, k_norm over 2 x 16), rope on half of each head
+    # (`rotary_dim` 8, the released checkpoints' field); every layer a sigmoid top-2 of 4 experts chosen with the
+    # score bias, renormalised
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+        rotary_dim=8, tie_word_embeddings=False, rms_norm_eps=1e-6)),
 })
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "mistral4", "minimax_m2"]
 FAMILIES = DENSE + MOE
 RECORDED = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma": "gemma",
             "gemma3": "gemma3",
             "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe",
-            "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss"}
+            "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss", "mistral4": "mistral4",
+            "minimax_m2": "minimax_m2"}
 
 
 def save_embedded_tokenizer(path):

@@ -276,17 +276,20 @@ def _transformers_gradients(hf, tmp_path) -> tuple:
 
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory):
-    from tests.hf_families import FAMILIES, make_family
+    from tests.hf_families import FAMILIES, FAMILY_CONFIGS, make_family
     root = tmp_path_factory.mktemp("families")
-    # Gemma with 2 KV heads (its MQA's one head does not split over TP 2)
-    overrides = {"gemma": dict(num_key_value_heads=2)}
+    # Gemma with 2 KV heads (its MQA's one head does not split over TP 2); Mistral 4's query temperature (and YaRN)
+    # from position 8, within the 16 positions
+    mistral4_rope = dict(FAMILY_CONFIGS["mistral4"][2]["rope_parameters"], original_max_position_embeddings=8)
+    overrides = {"gemma": dict(num_key_value_heads=2), "mistral4": dict(rope_parameters=mistral4_rope)}
     return {family: (root / family, make_family(family, root / family, tokenizer=False, **overrides.get(family, {})))
             for family in FAMILIES}
 
 
 @pytest.mark.parametrize("family,layout", [
     (family, layout) for family in ["gpt2", "llama3", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "mixtral",
-                                    "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss"]
+                                    "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "mistral4",
+                                    "minimax_m2"]
      for layout in ("tp2_sp", "pp2")]
     + [("llama3", "cp2"), ("glm4_moe", "cp2"), ("deepseek_v3", "cp2"), ("gemma3", "cp2"), ("gpt_oss", "cp2")])
 def test_family_gradients_at_tp2_sp_and_pp2_equal_transformers_backward(family, layout, family_models, tmp_path):
@@ -294,7 +297,8 @@ def test_family_gradients_at_tp2_sp_and_pp2_equal_transformers_backward(family, 
     own backward on the same batch: the loss and every parameter's gradient (the TP shards joined); CP 2 (the
     ring, the engine reducing over DP x CP) for rope scaled by llama3, rope on part of the head (GLM-4.5), MLA's
     value heads smaller than its query/key heads (DeepSeek-V3), and sliding windows (Gemma 3; GPT-OSS with its sinks:
-    windows of 8 over 16 positions in chunks of 4)."""
+    windows of 8 over 16 positions in chunks of 4). Mistral 4's query temperature and MiniMax-M2's Q/K norms across
+    heads (their statistics summed over TP) included."""
     from tests.model_harness import assemble_grads, compare_grads
     from checks.rank_pool import run_on_ranks
     if family == "gpt2":

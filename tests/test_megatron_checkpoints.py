@@ -692,6 +692,12 @@ def test_a_gemma3_model_is_refused_as_a_megatron_checkpoint_before_anything_is_w
     assert not (tmp_path / "out").exists()
     args = megatron_args(ModelConfig(**common), 1, 1, ClientState(iteration=1, consumed_samples=8))
     assert args.window_attn_skip_freq == [1, 1, 0, 1] and args.window_size == (7, 0)
+    # MiniMax-M2's Q/K norms across heads and Mistral 4's query temperature: neither has a Megatron-LM argument
+    minimax = ModelConfig(**common, qk_layernorm=True, qk_norm_across_heads=True, llama_4_scaling_beta=0.1,
+                          llama_4_scaling_length=16)
+    with pytest.raises(ConfigError, match="--qk-norm-across-heads, --llama-4-scaling-beta.*--saver hf"):
+        write_megatron({}, minimax, 1, 1, str(tmp_path / "out"), ClientState(iteration=1, consumed_samples=8))
+    assert not (tmp_path / "out").exists()
 
 
 def _hybrid_model(directory: str):

@@ -572,13 +572,16 @@ def test_qwen_moe_evaluates_to_transformers_loss_with_its_experts_split_over_2_r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "gpt_oss", "mistral4", "minimax_m2"])
 def test_frontier_moe_families_evaluate_to_transformers_loss_at_ep2_cp2_and_tp2_sp_pp2(family, data,
                                                                                                    tmp_path):
     """GLM-4.5 (partial rope, score-biased group-limited sigmoid routing, a shared expert, a dense first layer),
-    DeepSeek-V3 (MLA, YaRN, the same MoE) and GPT-OSS (sinks, windows, biased experts, the clamped quick-GeGLU):
-    launch/evaluate.py at EP 2, at CP 2 (the ring; GPT-OSS's sinks on its merged output and its windowed layers'
-    blocks masked) and at TP 2 + SP x PP 2 gives transformers' loss on the same windows."""
+    DeepSeek-V3 (MLA, YaRN, the same MoE), GPT-OSS (sinks, windows, biased experts, the clamped quick-GeGLU),
+    Mistral 4 (MLA with Llama 4's query temperature past 16 of the 32 positions, a scaled softmax router) and
+    MiniMax-M2 (Q/K norms across heads, which TP splits: their statistics summed over TP): launch/evaluate.py at
+    EP 2, at CP 2 (the ring; GPT-OSS's sinks on its merged output and its windowed layers' blocks masked; each rank
+    scaling its queries by their own positions) and at TP 2 + SP x PP 2 gives transformers' loss on the same
+    windows."""
     from tests.hf_families import make_family
     hf = make_family(family, tmp_path / "hf", tokenizer=False)  # (its score biases random, as its norms)
     layouts = [("--expert-model-parallel-size", 2), ("--context-parallel-size", 2)]

@@ -65,7 +65,9 @@ def full_numels(config: ModelConfig) -> dict[str, int]:
             "mlp.fc1": config.ffn_hidden_size * (2 if config.gated_linear_unit else 1), "mlp.fc2": h}
     inputs = {"attention.qkv": h, "attention.dense": config.num_attention_heads * config.value_head_dim, "mlp.fc1": h,
               "mlp.fc2": config.ffn_hidden_size}
-    norms = {"q_norm": d, "k_norm": d}  # Q/K norms: one head
+    norms = {"q_norm": d, "k_norm": d}  # Q/K norms: one head (--qk-norm-across-heads: every head)
+    if config.qk_norm_across_heads:
+        norms = {"q_norm": config.num_attention_heads * d, "k_norm": config.num_query_groups * d}
     if config.multi_latent_attention:  # hybrid.model.mla
         heads, q_rank, kv_rank = config.num_attention_heads, config.q_lora_rank, config.kv_lora_rank
         rows.update({"attention.q": heads * d, "attention.q_down": q_rank, "attention.q_up": heads * d,

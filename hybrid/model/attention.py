@@ -14,9 +14,9 @@ from deepspeed.sequence.layer import DistributedAttention
 
 from hybrid.model.flash import flash_attn_func
 from hybrid.model.init import normal_init, output_layer_std
-from hybrid.model.norms import build_norm
+from hybrid.model.norms import HeadsRMSNorm, build_norm
 from hybrid.model.qkv import split_qkv
-from hybrid.model.rotary import RotaryEmbedding, apply_rotary
+from hybrid.model.rotary import RotaryEmbedding, apply_rotary, llama_4_query_scale
 from hybrid.model.sinks import sink_attention
 from hybrid.parallel.fp8 import gemm_for
 from hybrid.parallel.groups import as_groups
@@ -252,6 +252,9 @@ class SelfAttention(nn.Module):
         # replicated weights get partial gradients, summed over TP
         self.q_norm = build_norm(config, groups, config.head_dim, tp > 1) if config.qk_layernorm else None
         self.k_norm = build_norm(config, groups, config.head_dim, tp > 1) if config.qk_layernorm else None
+        if config.qk_norm_across_heads:  # MiniMax-M2: one norm over all of Q's heads, one over K's (split over TP)
+            self.q_norm = HeadsRMSNorm(config.num_attention_heads, config.head_dim, config.norm_epsilon, groups)
+            self.k_norm = HeadsRMSNorm(config.num_query_groups, config.head_dim, config.norm_epsilon, groups)
         self.core = CoreAttention(config, layer_number)
         self.dense = RowParallelLinear(
             config.num_attention_heads * config.head_dim, config.hidden_size, groups,
@@ -274,6 +277,9 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         decoding = getattr(layout, "cache", None) is not None  # hybrid.model.kv_cache: the cached keys too
+        scale = llama_4_query_scale(self.config, s, x.device, None if layout is None else layout.positions)
+        if scale is not None:
+            q = q * scale.to(q.dtype)
         if self.rotary is not None:
             if decoding:  # every layer of the step uses the same tables
                 cos, sin = layout.shared(self.rotary.key, lambda: self.rotary(s, x.device, layout.positions))

@@ -112,6 +112,11 @@ class ModelConfig:
     add_qkv_bias: bool = False  # --add-qkv-bias: a bias on Q, K and V only (Qwen2), with or without others
     qk_layernorm: bool = False  # --qk-layernorm: a norm (--normalization) over each head of Q and K (Qwen3); with
     # --multi-latent-attention the norms of its query and key-value latents, as megatron-core
+    qk_norm_across_heads: bool = False  # --qk-norm-across-heads: with --qk-layernorm, one RMSNorm over all of Q's
+    # heads together and one over all of K's (MiniMax-M2's, OLMo 2's), not one per head
+    llama_4_scaling_beta: Optional[float] = None  # --llama-4-scaling-beta B: each query x (1 + B ln(1 + floor(p / L)))
+    # at position p (Mistral 4's and Ministral 3's long-context temperature; transformers' get_llama_4_attn_scale)
+    llama_4_scaling_length: Optional[int] = None  # --llama-4-scaling-length L (their original context, 8192)
     sliding_window: Optional[int] = None  # --window-size L,0: each token attends itself and L = window - 1 before
     window_attn_skip_freq: object = None  # --window-attn-skip-freq: every N-th layer (1-based) attends fully, or a
     # 0/1 list per layer (1: windowed), as Megatron-LM; None: the window on every layer
@@ -325,6 +330,7 @@ class ModelConfig:
                               f"{self.rotary_percent} gives {self.rotary_dim}.")
         if self.kv_channels is not None and self.kv_channels < 1:
             raise ConfigError(f"--kv-channels must be positive, got {self.kv_channels}.")
+        self._validate_query_options()
         if self.swiglu + self.geglu + self.quick_geglu > 1:
             raise ConfigError("--swiglu, --geglu and --quick-geglu are three gated MLPs; give one.")
         if (self.glu_linear_offset or self.activation_func_clamp_value is not None) and not self.quick_geglu:
@@ -397,6 +403,19 @@ class ModelConfig:
                               "--moe-expert-capacity-factor.")
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise ConfigError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size.")
+
+    def _validate_query_options(self) -> None:
+        """--qk-norm-across-heads and --llama-4-scaling-beta / -length."""
+        if self.qk_norm_across_heads and not (self.qk_layernorm and self.normalization == "RMSNorm"
+                                              and not self.multi_latent_attention and not self.apply_layernorm_1p):
+            raise ConfigError("--qk-norm-across-heads needs --qk-layernorm with --normalization RMSNorm (without "
+                              "--apply-layernorm-1p or --multi-latent-attention): it makes Q's and K's RMSNorms span "
+                              "every head (MiniMax-M2's).")
+        if (self.llama_4_scaling_beta is None) != (self.llama_4_scaling_length is None) or \
+                (self.llama_4_scaling_length is not None and self.llama_4_scaling_length < 1):
+            raise ConfigError("--llama-4-scaling-beta and --llama-4-scaling-length come together, the length a "
+                              f"positive number of positions (got {self.llama_4_scaling_beta} and "
+                              f"{self.llama_4_scaling_length}).")
 
     def _validate_mla(self) -> None:
         dims = {"--kv-lora-rank": self.kv_lora_rank, "--qk-head-dim": self.qk_head_dim,

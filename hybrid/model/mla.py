@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from hybrid.model.attention import CoreAttention
 from hybrid.model.init import normal_init, output_layer_std
 from hybrid.model.norms import build_norm
-from hybrid.model.rotary import RotaryEmbedding, apply_rotary
+from hybrid.model.rotary import RotaryEmbedding, apply_rotary, llama_4_query_scale
 from hybrid.parallel.groups import as_groups
 from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from hybrid.parallel.mappings import copy_to_tp_region, gather_from_sequence_parallel_region, sync_replicated_grad
@@ -98,6 +98,9 @@ class MultiLatentAttention(nn.Module):
             else copy_to_tp_region(k_pos, tp_group)
         s, b = q.size(0), q.size(1)
         q = q.view(s, b, self.heads, self.nope + self.pos)
+        scale = llama_4_query_scale(self.config, s, x.device, None if layout is None else layout.positions)
+        if scale is not None:  # (Mistral 4's; rope is linear, so scaling before it is scaling after)
+            q = q * scale.to(q.dtype)
         decoding = getattr(layout, "cache", None) is not None
         if decoding:
             cos, sin = layout.shared(self.rotary.key, lambda: self.rotary(s, x.device, layout.positions))

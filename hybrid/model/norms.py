@@ -1,4 +1,5 @@
-"""LayerNorm and RMSNorm whose replicated weights stay exact under sequence parallelism."""
+"""LayerNorm and RMSNorm whose replicated weights stay exact under sequence parallelism, and the RMSNorm over every
+head of Q or K whose heads are split over TP (HeadsRMSNorm)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.parallel.groups import as_groups
-from hybrid.parallel.mappings import sync_replicated_grad
+from hybrid.parallel.layers import make_parallel_param
+from hybrid.parallel.mappings import all_reduce_both_ways, sync_replicated_grad
 
 
 class _Norm(nn.Module):
@@ -66,3 +68,23 @@ def build_norm(config, groups, size=None, partial_grads=None) -> nn.Module:
     cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
     partial = config.sequence_parallel if partial_grads is None else partial_grads
     return cls(size or config.hidden_size, config.norm_epsilon, groups, partial, one_plus=config.apply_layernorm_1p)
+
+
+class HeadsRMSNorm(nn.Module):
+    """RMSNorm over all heads' features of Q or K together (--qk-norm-across-heads: MiniMax-M2's q_norm / k_norm of
+    width heads x head_dim, as transformers computes it: the mean square in fp32 over every head, the weight applied
+    in the input dtype). Heads are split over TP with their weights; each rank's sum of squares over its heads is
+    summed over TP (all_reduce_both_ways: every rank's gradient reaches every rank's heads)."""
+
+    def __init__(self, heads: int, head_dim: int, eps: float, groups):
+        super().__init__()
+        groups = as_groups(groups)
+        self.eps, self.tp_group, self.width = eps, groups.tp_group, heads * head_dim
+        self.weight = make_parallel_param((heads * head_dim,), 0, 1, groups, nn.init.ones_, torch.float32, None)
+
+    def forward(self, x):
+        """x [s, b, heads/tp, d] -> the same shape."""
+        x32 = x.float()
+        square_sum = all_reduce_both_ways(x32.pow(2).sum(dim=(-2, -1), keepdim=True), self.tp_group)
+        normalized = (x32 * torch.rsqrt(square_sum / self.width + self.eps)).to(x.dtype)
+        return self.weight.view(x.shape[-2:]) * normalized

@@ -98,6 +98,17 @@ class RotaryEmbedding(nn.Module):
         return table if self.table_scale == 1.0 else table * self.table_scale
 
 
+def llama_4_query_scale(config, seq_len: int, device, positions=None) -> Optional[torch.Tensor]:
+    """The queries' factor 1 + beta ln(1 + floor(position / length)) (--llama-4-scaling-beta / -length: Mistral 4's,
+    transformers' get_llama_4_attn_scale) as [s, b or 1, 1, 1] for positions 0..s-1 or `positions` [s, b]; None
+    without it. Exactly 1 below the length."""
+    if config.llama_4_scaling_beta is None:
+        return None
+    p = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None] if positions is None else positions.float()
+    scale = 1 + config.llama_4_scaling_beta * torch.log(1 + torch.floor(p / config.llama_4_scaling_length))
+    return scale[:, :, None, None]
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

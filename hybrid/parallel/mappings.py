@@ -33,6 +33,17 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
+class _AllReduceBothWays(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return C.all_reduce(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_reduce(grad.contiguous().clone(), ctx.group), None
+
+
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -122,6 +133,14 @@ def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     if C.group_size(group) == 1:  # no copy of the activation at TP = 1
         return x
     return _ReduceFromRegion.apply(x, group)
+
+
+def all_reduce_both_ways(x: torch.Tensor, group) -> torch.Tensor:
+    """forward: all-reduce; backward: all-reduce. A sum of every rank's part that each rank then uses in its own
+    way (the Q/K norms across heads: each rank's statistic over its heads, the norm over all)."""
+    if C.group_size(group) == 1:
+        return x
+    return _AllReduceBothWays.apply(x, group)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:

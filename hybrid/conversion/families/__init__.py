@@ -13,6 +13,8 @@ Modules:
   llama        Llama, the decoder the other Llama-style families change by fields and components
   gpt2, mistral, qwen2, qwen3, gemma, gemma3, mixtral, qwen2_moe, qwen3_moe, glm4_moe, deepseek_v3, gpt_oss
                one family each
+  mistral4, minimax_m2
+               one family each (2026's)
 
 Adding a family: one file with its adapter, and one line in FAMILIES.
 """
@@ -27,7 +29,9 @@ from hybrid.conversion.families.glm4_moe import Glm4MoeAdapter
 from hybrid.conversion.families.gpt2 import GPT2Adapter
 from hybrid.conversion.families.gpt_oss import GptOssAdapter
 from hybrid.conversion.families.llama import LlamaAdapter
+from hybrid.conversion.families.minimax_m2 import MiniMaxM2Adapter
 from hybrid.conversion.families.mistral import MistralAdapter
+from hybrid.conversion.families.mistral4 import Mistral4Adapter
 from hybrid.conversion.families.mixtral import MixtralAdapter
 from hybrid.conversion.families.qwen2 import Qwen2Adapter
 from hybrid.conversion.families.qwen2_moe import Qwen2MoeAdapter
@@ -50,6 +54,8 @@ FAMILIES: dict[str, type[StateDictAdapter]] = {a.family: a for a in (
     Glm4MoeAdapter,
     DeepseekV3Adapter,
     GptOssAdapter,
+    Mistral4Adapter,
+    MiniMaxM2Adapter,
 )}
 BY_HF_CLASS = {a.hf_class: a for a in FAMILIES.values()}
 
@@ -65,13 +71,14 @@ def family_of(config: ModelConfig) -> str:
         return config.family
     if config.position_embedding_type == "learned_absolute":
         return "gpt2"
-    if config.multi_latent_attention:
-        return "deepseek_v3"
+    if config.multi_latent_attention:  # Mistral 4: its query temperature, or a softmax router
+        softmax_moe = config.num_experts and config.moe_router_score_function == "softmax"
+        return "mistral4" if config.llama_4_scaling_beta is not None or softmax_moe else "deepseek_v3"
     if config.attention_sinks or config.quick_geglu:
         return "gpt_oss"
     if config.num_experts:
         if config.moe_router_score_function == "sigmoid":
-            return "glm4_moe"
+            return "minimax_m2" if config.qk_norm_across_heads else "glm4_moe"
         return "qwen2_moe" if config.moe_shared_expert_intermediate_size else \
             "qwen3_moe" if config.qk_layernorm else "mixtral"
     if config.sandwich_norms:

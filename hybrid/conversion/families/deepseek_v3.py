@@ -43,7 +43,7 @@ class DeepseekV3Adapter(LlamaAdapter):
 
     @classmethod
     def config_from_hf(cls, hf):
-        name = "DeepseekV3"
+        name = cls.hf_class.replace("ForCausalLM", "")
         if getattr(hf, "rope_interleave", True) is False:
             refuse(name, "rope_interleave", False, "DeepSeek's rope features are read in their interleaved order")
         if (hf.num_key_value_heads or hf.num_attention_heads) != hf.num_attention_heads:

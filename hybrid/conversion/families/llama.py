@@ -27,6 +27,8 @@ class LlamaAdapter(Adapter):
     hidden_act = "silu"  # the MLP's activation transformers reads from `hidden_act` (None: a family that ignores it)
     qkv_bias = False  # the HF class always has Q/K/V biases (Qwen2)
     qk_norm = False  # per-head Q/K RMSNorm (Qwen3)
+    qk_norm_across = False  # the Q/K norms span every head (MiniMax-M2)
+    query_temperature = False  # Llama 4's query temperature (--llama-4-scaling-beta; Mistral 4)
     windowed = False  # sliding_window is part of the config (Mistral, Qwen2/3)
     gemma = False  # (1 + w) RMSNorm, GeGLU, embeddings x sqrt(hidden)
     gemma3 = False  # Gemma 3's options (options.gemma3_options) may be on
@@ -108,6 +110,9 @@ class LlamaAdapter(Adapter):
             ("--geglu" if self.gemma else "--swiglu"): c.geglu if self.gemma else c.swiglu,
             "--add-qkv-bias" + ("" if self.qkv_bias else " off"): c.add_qkv_bias == self.qkv_bias,
             "--qk-layernorm" + ("" if self.qk_norm else " off"): c.qk_layernorm == self.qk_norm,
+            "--qk-norm-across-heads" + ("" if self.qk_norm_across else " off"):
+                c.qk_norm_across_heads == self.qk_norm_across,
+            "no --llama-4-scaling-beta": self.query_temperature or c.llama_4_scaling_beta is None,
             "--apply-layernorm-1p and --scale-embeddings" + ("" if self.gemma else " off"):
                 c.apply_layernorm_1p == self.gemma and c.scale_embeddings == self.gemma,
             "no --window-size": self.windowed or c.sliding_window is None,

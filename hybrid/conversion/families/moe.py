@@ -24,6 +24,10 @@ class ExpertLayout:
     shared_block: str = "shared_expert"  # their HF module
     shared_gated: bool = True  # scaled by sigmoid(x w) (Qwen2-MoE's `shared_expert_gate`)
     sigmoid_routing: bool = False  # DeepSeek's router: sigmoid scores, a score bias, groups, a scaling factor
+    score_bias: str = "gate.e_score_correction_bias"  # the sigmoid router's score bias, in `block`
+    softmax_scaled: bool = False  # a softmax router whose weights are scaled (Mistral 4's routed_scaling_factor)
+    fused: bool = False  # the experts stacked: experts.gate_up_proj [E, 2 f, h] ([gate; up]), experts.down_proj
+    # [E, h, f] (transformers 5's DeepseekV3Experts layout, which Mistral 4's checkpoints keep)
 
     def wanted(self, c: ModelConfig, family_wanted: dict) -> dict:
         """What an export needs of the model's MoE options (flag -> whether it holds), the family's own added."""
@@ -35,7 +39,8 @@ class ExpertLayout:
                       not shared or c.moe_shared_expert_gate == self.shared_gated, **family_wanted}
         if not self.sigmoid_routing:
             wanted.update({"--moe-router-score-function softmax": c.moe_router_score_function == "softmax",
-                           "no --moe-router-topk-scaling-factor": not c.moe_router_topk_scaling_factor,
+                           "no --moe-router-topk-scaling-factor":
+                               self.softmax_scaled or not c.moe_router_topk_scaling_factor,
                            "no --moe-router-enable-expert-bias": not c.moe_router_enable_expert_bias,
                            "no --moe-router-num-groups": not c.moe_router_num_groups})
         return wanted
@@ -46,9 +51,11 @@ class ExpertLayout:
         out[ours + "router.weight"] = expect(hf + "gate.weight", get(hf_state, hf + "gate.weight"),
                                              (c.num_experts, c.hidden_size))
         if self.sigmoid_routing:
-            name = hf + "gate.e_score_correction_bias"
+            name = hf + self.score_bias
             out[ours + "router.score_bias"] = expect(name, get(hf_state, name), (c.num_experts,))
-        for e in range(c.num_experts):
+        if self.fused:
+            self._fused_to_canonical(c, hf_state, hf, ours, out, wanted)
+        for e in range(0 if self.fused else c.num_experts):
             expert = f"{ours}{EXPERTS[1:]}{e}."
             if wanted is None or f"{expert}fc1.weight" in wanted:  # an EP rank reads its own experts only
                 gated_to_canonical(hf_state, f"{hf}experts.{e}.", expert, out, self.expert_names)
@@ -57,13 +64,27 @@ class ExpertLayout:
             if self.shared_gated:
                 out[ours + "shared_gate"] = get(hf_state, hf + "shared_expert_gate.weight")
 
+    @staticmethod
+    def _fused_to_canonical(c: ModelConfig, hf_state, hf: str, ours: str, out: dict, wanted) -> None:
+        """The stacked experts' fc1 = gate_up_proj[e] ([gate; up] already) and fc2 = down_proj[e]."""
+        e, h, f = c.num_experts, c.hidden_size, c.moe_ffn_hidden_size
+        gate_up = expect(hf + "experts.gate_up_proj", get(hf_state, hf + "experts.gate_up_proj"), (e, 2 * f, h))
+        down = expect(hf + "experts.down_proj", get(hf_state, hf + "experts.down_proj"), (e, h, f))
+        for j in range(e):
+            expert = f"{ours}{EXPERTS[1:]}{j}."
+            if wanted is None or f"{expert}fc1.weight" in wanted:
+                out[expert + "fc1.weight"], out[expert + "fc2.weight"] = gate_up[j].clone(), down[j].clone()
+
     def to_hf(self, c: ModelConfig, state: dict, i: int, out: dict) -> None:
         hf, ours = f"model.layers.{i}.{self.block}.", f"layers.{i}.mlp."
         out[hf + "gate.weight"] = state[ours + "router.weight"]
         if self.sigmoid_routing:  # a router without a score bias routes as one of zeros
-            out[hf + "gate.e_score_correction_bias"] = state.get(ours + "router.score_bias",
-                                                                 torch.zeros(c.num_experts))
-        for e in range(c.num_experts):
+            out[hf + self.score_bias] = state.get(ours + "router.score_bias", torch.zeros(c.num_experts))
+        if self.fused:
+            experts = [f"{ours}{EXPERTS[1:]}{e}." for e in range(c.num_experts)]
+            out[hf + "experts.gate_up_proj"] = torch.stack([state[x + "fc1.weight"] for x in experts])
+            out[hf + "experts.down_proj"] = torch.stack([state[x + "fc2.weight"] for x in experts])
+        for e in range(0 if self.fused else c.num_experts):
             gated_to_hf(state, f"{ours}{EXPERTS[1:]}{e}.", f"{hf}experts.{e}.", out, self.expert_names)
         if self.shared:
             gated_to_hf(state, ours + "shared_mlp.", f"{hf}{self.shared_block}.", out)
