@@ -82,6 +82,19 @@ FEATURES = {
                     "--disable-bias-linear", "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", 16,
                     "--kv-lora-rank", 12, "--qk-head-dim", 8, "--qk-pos-emb-head-dim", 4, "--v-head-dim", 6),
                    kind="model", group="family"),
+    # DeepSeek-V3.2's sparse attention: MLA with its frozen indexer choosing each query's top 8 keys (of 32)
+    "dsa": Feature(("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                    "--disable-bias-linear", "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", 16,
+                    "--kv-lora-rank", 12, "--qk-head-dim", 8, "--qk-pos-emb-head-dim", 4, "--v-head-dim", 6,
+                    "--experimental-attention-variant", "dsa", "--dsa-indexer-topk", 8, "--dsa-indexer-n-heads", 4,
+                    "--dsa-indexer-head-dim", 8), kind="model", group="family"),
+    # MiniMax-M2's attention: Q/K RMSNorms across all heads (their statistics summed over TP), rope on half a head
+    "heads_norm": Feature(("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                           "--qk-layernorm", "--qk-norm-across-heads", "--kv-channels", 16, "--group-query-attention",
+                           "--num-query-groups", 2, "--rotary-percent", 0.5), kind="model", group="family"),
+    # Mistral 4's query temperature past 8 positions (each CP rank's positions its own), in triples
+    "query_temperature": Feature(("--position-embedding-type", "rope", "--llama-4-scaling-beta", 0.3,
+                                  "--llama-4-scaling-length", 8), kind="model", paired=False),
     "mtp": Feature(("--position-embedding-type", "rope", "--mtp-num-layers", 1, "--mtp-loss-scaling-factor", 0.3),
                    kind="model"),  # (rope: the depths see positions as rope does)
     "window": Feature(("--window-size", "4,0"), kind="model"),
@@ -126,6 +139,11 @@ TRIPLES += [("dp2", "zero1", "muon"), ("dp2", "zero2", "muon"), ("dp2", "zero3",
 TRIPLES += [("tp2_sp", "llama", "lora_all"), ("dp2", "zero3", "lora_all"), ("dp2", "zero2", "llama", "lora_all"),
             ("pp2", "llama", "lora_all"), ("pp2_zbv", "lora_all"), ("tp2_sp", "pp2", "lora_all"),
             ("cp2", "llama", "lora_all"), ("dp2", "offload", "lora_all"), ("dp2", "zero3", "bf16", "lora_all")]
+# 2026's mechanisms with the layouts that split them: DSA's indexer under TP + SP and pipelines with experts and
+# ZeRO-3; the norms across heads at TP 2 with a pipeline; the query temperature with the sequence split
+TRIPLES += [("tp2_sp", "pp2", "dsa"), ("ep2", "tp2_sp", "dsa"), ("dp2", "zero3", "dsa"), ("tp2_sp", "pp2", "heads_norm"),
+            ("cp2", "llama", "query_temperature"), ("tp2_sp", "llama", "query_temperature"),
+            ("pp2", "mla", "query_temperature"), ("cp2", "documents", "query_temperature")]
 MAX_RANKS = 8  # (the pairs need at most 4; one triple TP 2 x PP 2 x DP 2)
 LOSS_TOL = {"fp32": 1e-5, "bf16": 2e-2}
 # what a passing cell proved: equal to a run it is not (one rank, or one rank with its model options), only its own

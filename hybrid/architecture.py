@@ -98,8 +98,14 @@ def _mtp_fields(args) -> dict:
     return fields
 
 
+DSA_FLAGS = ("experimental_attention_variant", "dsa_indexer_topk", "dsa_indexer_n_heads", "dsa_indexer_head_dim")
+
+
 def _mla_fields(args) -> dict:
-    return {name: getattr(args, name) for name in MLA_FLAGS} if args.multi_latent_attention else {}
+    fields = {name: getattr(args, name) for name in MLA_FLAGS} if args.multi_latent_attention else {}
+    if args.experimental_attention_variant == "dsa":
+        fields.update({name: getattr(args, name) for name in DSA_FLAGS[1:]})
+    return fields
 
 
 MOE_FLAGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",

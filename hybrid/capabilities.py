@@ -69,6 +69,7 @@ class Setup:
     optimizer: str = "adam"  # --optimizer
     offload_optimizer: bool = False  # the DeepSpeed config's zero_optimization.offload_optimizer
     mla: bool = False  # --multi-latent-attention
+    dsa: bool = False  # --experimental-attention-variant dsa (DeepSeek sparse attention)
     mtp: bool = False  # --mtp-num-layers > 0 (from the flags or a --load-hf checkpoint's layers)
     lora: bool = False  # --lora-rank > 0 (or --load-lora's)
 
@@ -305,6 +306,14 @@ RULES = [
          lambda s: s.mla and s.fp8 is not None,
          lambda s: "--fp8-format with --multi-latent-attention: MLA's projections have no FP8 GEMMs here; drop "
                    "--fp8-format."),
+    Rule("dsa-sequence-split", "--experimental-attention-variant dsa with --context-parallel-size or "
+         "--ds-sequence-parallel-size",
+         "each query attends the top-k keys of the whole sequence, which the ring's and Ulysses' blocks of keys do not "
+         "see at once (the indexer's selection over other ranks' keys is not built)",
+         lambda s: s.dsa and (s.cp > 1 or s.ulysses > 1),
+         lambda s: f"DeepSeek sparse attention with --context-parallel-size {s.cp} / --ds-sequence-parallel-size "
+                   f"{s.ulysses}: each query's top-k keys span the whole sequence, which a sequence split does not "
+                   f"hold on one rank; use TP, PP, EP or DP."),
     Rule("muon-mla-mtp", "--optimizer muon with --multi-latent-attention or --mtp-num-layers",
          "Muon's matrices are named by the layer's fused QKV, output and MLP projections; MLA's and the MTP layers' "
          "projections are not among them yet",

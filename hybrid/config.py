@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from hybrid import ds_config as dsc
-from hybrid.architecture import MLA_FLAGS, MOE_FLAGS, fp8_recipe, model_config
+from hybrid.architecture import DSA_FLAGS, MLA_FLAGS, MOE_FLAGS, fp8_recipe, model_config
 from hybrid.capabilities import Setup, check
 from hybrid.checkpoint.client_state import SavedLayout
 from hybrid.data import default as default_data
@@ -384,8 +384,8 @@ _CHECKPOINT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hid
                     "position_embedding_type", "use_rotary_position_embeddings", "rotary_base", "rotary_percent",
                     "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
                     "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
-                    "yarn_correction_range_round_to_int", "enable_gpt_oss", *MLA_FLAGS, "softmax_type", "quick_geglu",
-                    "glu_linear_offset", "activation_func_clamp_value",
+                    "yarn_correction_range_round_to_int", "enable_gpt_oss", *MLA_FLAGS, *DSA_FLAGS, "softmax_type",
+                    "quick_geglu", "glu_linear_offset", "activation_func_clamp_value",
                     "normalization",
                     "norm_epsilon", "swiglu", "group_query_attention", "num_query_groups", "disable_bias_linear",
                     "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
@@ -719,6 +719,7 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path
                 cpu_offloading=dsc.cpu_offloading(args, ds), dpo=bool(args.dpo),
                 dpo_precomputed=bool(args.dpo and args.dpo_reference_logps), grpo=bool(args.grpo),
                 grpo_kl=bool(args.grpo and args.grpo_beta > 0), mla=model.multi_latent_attention,
+                dsa=model.dsa_indexer_topk is not None,
                 mtp=bool(model.mtp_num_layers), lora=bool(model.lora_rank),
                 moe_capacity=bool(model.num_experts and model.moe_expert_capacity_factor is not None),
                 fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds), optimizer=args.optimizer or "adam",

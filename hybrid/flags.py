@@ -113,6 +113,12 @@ def _add_network_size_args(p):
     g.add_argument("--multi-latent-attention", action="store_true",
                    help="DeepSeek-V2/V3's multi-head latent attention (--q-lora-rank, --kv-lora-rank, --qk-head-dim, "
                         "--qk-pos-emb-head-dim, --v-head-dim)")
+    g.add_argument("--experimental-attention-variant", default=None, choices=["dsa"],
+                   help="dsa: DeepSeek sparse attention beside --multi-latent-attention (DeepSeek-V3.2): each query "
+                        "attends the --dsa-indexer-topk keys a frozen lightning indexer scores highest")
+    g.add_argument("--dsa-indexer-topk", type=int, default=2048, help="DSA: the keys each query attends")
+    g.add_argument("--dsa-indexer-n-heads", type=int, default=64, help="DSA: the indexer's heads")
+    g.add_argument("--dsa-indexer-head-dim", type=int, default=128, help="DSA: the indexer's head size")
     g.add_argument("--q-lora-rank", type=int, default=None, help="MLA: the queries' latent rank (none: one projection)")
     g.add_argument("--kv-lora-rank", type=int, default=32, help="MLA: the keys' and values' latent rank")
     g.add_argument("--qk-head-dim", type=int, default=128, help="MLA: each query/key head's features without rope")

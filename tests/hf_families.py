@@ -91,14 +91,25 @@ FAMILY_CONFIGS.update({
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
         num_key_value_heads=2, head_dim=16, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
         rotary_dim=8, tie_word_embeddings=False, rms_norm_eps=1e-6)),
+    # DeepSeek-V3's (MLA, YaRN, its MoE) with DeepSeek sparse attention: an indexer of 8 heads of 16 choosing the top
+    # 8 keys of each query (of up to 40), so that most queries attend a subset
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+        n_routed_experts=8, num_experts_per_tok=4, moe_intermediate_size=24, n_shared_experts=1, n_group=4,
+        topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
+        tie_word_embeddings=False, rms_norm_eps=1e-6, index_topk=8, index_n_heads=8, index_head_dim=16,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                         "original_max_position_embeddings": 16,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7})),
 })
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "mistral4", "minimax_m2"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "mistral4", "minimax_m2",
+       "deepseek_v32"]
 FAMILIES = DENSE + MOE
 RECORDED = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma": "gemma",
             "gemma3": "gemma3",
             "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe",
             "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss", "mistral4": "mistral4",
-            "minimax_m2": "minimax_m2"}
+            "minimax_m2": "minimax_m2", "deepseek_v32": "deepseek_v32"}
 
 
 def save_embedded_tokenizer(path):

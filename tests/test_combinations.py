@@ -72,6 +72,10 @@ SAMPLE = {  # combination -> the outcome it must have (a rule's name for a refus
     "recompute_full+lora": "equal",
     "tp2_sp+pp2+lora_all": "equal",
     "ep2+zero1+lora": "lora-moe-zero",
+    "tp2_sp+pp2+dsa": "equal",
+    "cp2+dsa": "dsa-sequence-split",
+    "tp2_sp+pp2+heads_norm": "equal",
+    "cp2+llama+query_temperature": "equal",
 }
 
 

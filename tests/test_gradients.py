@@ -242,14 +242,16 @@ def _family_gradients(path: str, layout: str) -> dict:
     model = build_model(config, groups, pipeline).train()
     load_full_state(model, state, config, groups)
     params = canonical_parameters(model, config.num_layers)
+    # a frozen parameter (DSA's indexer, which transformers runs without gradient) has a gradient of zeros on both sides
+    assert all(p.requires_grad == (".indexer." not in n) for n, p in params.items())
     if layout == "tp2_sp":
         loss = model(ids, labels)
         loss.backward()
-        grads, loss = {n: p.grad for n, p in params.items()}, loss.item()
+        grads, loss = {n: p.grad if p.requires_grad else torch.zeros_like(p) for n, p in params.items()}, loss.item()
     else:
         register_moe_layers(model, groups)
         loss, recorded, _ = runtime_iteration(model, groups, pipeline, [(ids, labels)])
-        grads = {n: recorded[id(p)] for n, p in params.items()}
+        grads = {n: recorded[id(p)] if p.requires_grad else torch.zeros_like(p) for n, p in params.items()}
     return _result(groups, loss, None, params, grads)
 
 
@@ -266,7 +268,7 @@ def _transformers_gradients(hf, tmp_path) -> tuple:
     with torch.no_grad():
         originals = {n: p.detach().clone() for n, p in hf.named_parameters()}
         for p in hf.parameters():
-            p.copy_(p.grad)
+            p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))  # (DSA's indexer: run under no_grad)
         hf.save_pretrained(tmp_path / "grads")
         for n, p in hf.named_parameters():
             p.copy_(originals[n])
@@ -289,7 +291,7 @@ def family_models(tmp_path_factory):
 @pytest.mark.parametrize("family,layout", [
     (family, layout) for family in ["gpt2", "llama3", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "mixtral",
                                     "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "mistral4",
-                                    "minimax_m2"]
+                                    "minimax_m2", "deepseek_v32"]
      for layout in ("tp2_sp", "pp2")]
     + [("llama3", "cp2"), ("glm4_moe", "cp2"), ("deepseek_v3", "cp2"), ("gemma3", "cp2"), ("gpt_oss", "cp2")])
 def test_family_gradients_at_tp2_sp_and_pp2_equal_transformers_backward(family, layout, family_models, tmp_path):
@@ -298,7 +300,8 @@ def test_family_gradients_at_tp2_sp_and_pp2_equal_transformers_backward(family, 
     ring, the engine reducing over DP x CP) for rope scaled by llama3, rope on part of the head (GLM-4.5), MLA's
     value heads smaller than its query/key heads (DeepSeek-V3), and sliding windows (Gemma 3; GPT-OSS with its sinks:
     windows of 8 over 16 positions in chunks of 4). Mistral 4's query temperature and MiniMax-M2's Q/K norms across
-    heads (their statistics summed over TP) included."""
+    heads (their statistics summed over TP) included, and DeepSeek-V3.2's sparse attention (top 8 of 16 keys; its
+    indexer frozen, as transformers runs it without gradient)."""
     from tests.model_harness import assemble_grads, compare_grads
     from checks.rank_pool import run_on_ranks
     if family == "gpt2":

@@ -687,7 +687,7 @@ def test_a_gemma3_model_is_refused_as_a_megatron_checkpoint_before_anything_is_w
     common = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, position_embedding_type="rope",
                   normalization="RMSNorm", sliding_window=8, window_attn_skip_freq=[1, 1, 0, 1])
     gemma3 = ModelConfig(**common, sandwich_norms=True, local_rotary_base=10000.0, softmax_scale=0.2)
-    with pytest.raises(ConfigError, match="--sandwich-norms, --local-rotary-base, --softmax-scale.*--saver hf"):
+    with pytest.raises(ConfigError, match="--sandwich-norms, --local-rotary-base, --softmax-scale .*--saver hf"):
         write_megatron({}, gemma3, 1, 1, str(tmp_path / "out"), ClientState(iteration=1, consumed_samples=8))
     assert not (tmp_path / "out").exists()
     args = megatron_args(ModelConfig(**common), 1, 1, ClientState(iteration=1, consumed_samples=8))

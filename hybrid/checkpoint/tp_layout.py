@@ -105,6 +105,10 @@ def _numel(name: str, rule, config: ModelConfig, rows: dict, inputs: dict, norms
         return norms.get(name.split(".")[-2], h)
     if name.endswith(".attention.sinks"):  # one logit per head
         return config.num_attention_heads
+    if ".attention.indexer." in name:  # DSA's lightning indexer (hybrid.model.dsa), replicated over TP
+        heads, dim = config.dsa_indexer_n_heads, config.dsa_indexer_head_dim
+        return {"wq_b": heads * dim * config.q_lora_rank, "wk": dim * h, "k_norm_weight": dim, "k_norm_bias": dim,
+                "weights_proj": heads * h}[name.rsplit(".", 1)[1]]
     module = ".".join(name.split(".")[2:4])  # layers.{i}.attention.qkv.weight -> attention.qkv
     return rows[module] * (inputs[module] if name.endswith(".weight") else 1)
 

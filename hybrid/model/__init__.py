@@ -8,13 +8,14 @@ Modules:
   naming          canonical parameter names, and those of older checkpoints
   qkv             the fused QKV layout
   rotary          rotary position embedding (rotate-half)
-  norms           LayerNorm and RMSNorm exact under sequence parallelism
+  norms           LayerNorm and RMSNorm exact under sequence parallelism, and Q/K norms across heads
   embedding       the input embedding and the output head
   sequence        each token's document and position
   flash           flash-attn where installed and usable
   sinks           attention sinks (GPT-OSS)
   attention       causal self-attention
   mla             multi-head latent attention (DeepSeek-V3)
+  dsa             DeepSeek sparse attention: the lightning indexer and each query's top-k keys (DeepSeek-V3.2)
   mlp             the feed-forward block and the builder that picks it
   lora            LoRA: which HF projection is which linear, the adapters attached, the base frozen
   moe             mixture of experts as megatron-core splits it

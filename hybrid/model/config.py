@@ -133,6 +133,12 @@ class ModelConfig:
     qk_head_dim: int = 128  # --qk-head-dim: each head's query/key features without rope
     qk_pos_emb_head_dim: int = 64  # --qk-pos-emb-head-dim: those with rope (the key's one part shared by every head)
     v_head_dim: int = 128  # --v-head-dim: each head's value features
+    # --experimental-attention-variant dsa --dsa-indexer-topk K: DeepSeek sparse attention beside MLA
+    # (hybrid.model.dsa): each query attends the K keys its lightning indexer scores highest (DeepSeek-V3.2: 2048);
+    # None: dense MLA
+    dsa_indexer_topk: Optional[int] = None
+    dsa_indexer_n_heads: int = 64  # --dsa-indexer-n-heads: the indexer's query heads
+    dsa_indexer_head_dim: int = 128  # --dsa-indexer-head-dim: its query and key size (rope on the first features)
     apply_layernorm_1p: bool = False  # --apply-layernorm-1p: norms scale by (1 + weight), weights start at 0
     geglu: bool = False  # --geglu: gated tanh-GeLU MLP (Gemma) instead of SwiGLU / GeLU
     quick_geglu: bool = False  # --quick-geglu: gate x sigmoid(1.702 gate) x up (GPT-OSS), gated as --swiglu
@@ -331,6 +337,8 @@ class ModelConfig:
         if self.kv_channels is not None and self.kv_channels < 1:
             raise ConfigError(f"--kv-channels must be positive, got {self.kv_channels}.")
         self._validate_query_options()
+        if self.dsa_indexer_topk is not None:
+            self._validate_dsa()
         if self.swiglu + self.geglu + self.quick_geglu > 1:
             raise ConfigError("--swiglu, --geglu and --quick-geglu are three gated MLPs; give one.")
         if (self.glu_linear_offset or self.activation_func_clamp_value is not None) and not self.quick_geglu:
@@ -416,6 +424,17 @@ class ModelConfig:
             raise ConfigError("--llama-4-scaling-beta and --llama-4-scaling-length come together, the length a "
                               f"positive number of positions (got {self.llama_4_scaling_beta} and "
                               f"{self.llama_4_scaling_length}).")
+
+    def _validate_dsa(self) -> None:
+        if not (self.multi_latent_attention and self.q_lora_rank):
+            raise ConfigError("--experimental-attention-variant dsa needs --multi-latent-attention with --q-lora-rank: "
+                              "the indexer reads MLA's query latent.")
+        if min(self.dsa_indexer_topk, self.dsa_indexer_n_heads) < 1 or \
+                self.dsa_indexer_head_dim < self.qk_pos_emb_head_dim:
+            raise ConfigError(f"--dsa-indexer-topk {self.dsa_indexer_topk} and --dsa-indexer-n-heads "
+                              f"{self.dsa_indexer_n_heads} must be positive and --dsa-indexer-head-dim "
+                              f"{self.dsa_indexer_head_dim} at least --qk-pos-emb-head-dim {self.qk_pos_emb_head_dim} "
+                              f"(its rope features).")
 
     def _validate_mla(self) -> None:
         dims = {"--kv-lora-rank": self.kv_lora_rank, "--qk-head-dim": self.qk_head_dim,

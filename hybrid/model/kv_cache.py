@@ -35,6 +35,7 @@ class KVCache:
         self.valid = valid  # [b, slots] bool: which slots hold a real token (written as they fill)
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
+        self.index_keys: dict[int, torch.Tensor] = {}  # DSA: each layer's indexer keys [b, slots, D]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [s, b, kv heads, d] at slots start .. start+s; the layer's filled slots [b, heads, end, d]."""
@@ -47,8 +48,17 @@ class KVCache:
         self.values[layer][:, :, start:end] = v.permute(1, 2, 0, 3)
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
+    def write_index(self, layer: int, start: int, k: torch.Tensor) -> torch.Tensor:
+        """Store DSA's indexer keys k [s, b, D] at slots start .. start+s; the layer's filled slots [end, b, D]."""
+        s, b, d = k.shape
+        if layer not in self.index_keys:
+            self.index_keys[layer] = k.new_zeros(self.slots, b, d)
+        self.index_keys[layer][start:start + s] = k
+        return self.index_keys[layer][:start + s]
+
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+        return sum(t.numel() * t.element_size()
+                   for t in (*self.keys.values(), *self.values.values(), *self.index_keys.values()))
 
 
 @dataclass
@@ -76,16 +86,33 @@ class DecodeLayout(SequenceLayout):
             allowed = allowed & (key_slot > query_slot - window)
         return ((allowed & self.cache.valid[:, None, :end]) | (key_slot == query_slot))[:, None]
 
+    def index_keep(self, layer: int, indexer, q, k, w) -> torch.Tensor:
+        """DSA (hybrid.model.dsa): [b, s, end] bool, the filled slots each new position's indexer chooses among those
+        it attends, from its queries q [s, b, H, D], head weights w [s, b, H] and the new keys k [s, b, D] (cached)."""
+        keys = self.cache.write_index(layer, self.start, k)
+        allowed = self.shared(("mask", q.size(0), None), lambda: self.mask(q.size(0), None, q.device))[:, 0]
+        return indexer.select(q, keys, w, allowed)
+
+    def _kept(self, mask: torch.Tensor, keep) -> torch.Tensor:
+        """The step's mask [b, 1, s, end] narrowed to DSA's chosen slots `keep` [b, s, end] (a padding position,
+        which attends itself only and may have chosen nothing, keeps its own)."""
+        if keep is None:
+            return mask
+        narrowed = mask & keep[:, None]
+        return torch.where(narrowed.any(-1, keepdim=True), narrowed, mask)
+
     def attend(self, layer: int, q, k, v, scale: float, window: Optional[int], sinks=None) -> torch.Tensor:
         """q [s, b, nq, d], the new k, v [s, b, ng, d] -> context [s, b, nq*d] over every filled slot; `sinks`
         [nq]: each head's sink logit (hybrid.model.sinks)."""
         keys, values = self.cache.write(layer, self.start, k, v)
         return self.attend_slots(q, keys, values, scale, window, sinks)
 
-    def attend_slots(self, q, keys, values, scale: float, window: Optional[int], sinks=None) -> torch.Tensor:
-        """q [s, b, nq, d] against the filled slots' keys and values [b, ng, end, d] -> context [s, b, nq*d]."""
+    def attend_slots(self, q, keys, values, scale: float, window: Optional[int], sinks=None,
+                     keep=None) -> torch.Tensor:
+        """q [s, b, nq, d] against the filled slots' keys and values [b, ng, end, d] -> context [s, b, nq*d];
+        `keep`: DSA's chosen slots (index_keep)."""
         s, b, nq, d = q.shape
-        mask = self.shared(("mask", s, window), lambda: self.mask(s, window, q.device))
+        mask = self._kept(self.shared(("mask", s, window), lambda: self.mask(s, window, q.device)), keep)
         q = q.permute(1, 2, 0, 3)
         if sinks is not None:  # the few new positions' scores, a sink column in their softmax (transformers' eager)
             group = nq // keys.size(1)
@@ -101,7 +128,7 @@ class DecodeLayout(SequenceLayout):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def attend_latent(self, q_nope, q_pos, latents, rope_keys, up_key, up_value, scale: float,
-                      window: Optional[int]) -> torch.Tensor:
+                      window: Optional[int], keep=None) -> torch.Tensor:
         """MLA's decoding step over its cached latents: q_nope [s, b, h, n] and q_pos [s, b, h, p] (roped), the
         filled slots' normed latents [b, 1, end, c] and roped keys [b, 1, end, p]; up_key [h, n, c] and up_value
         [h, v, c] the up projection's blocks of each head -> context [s, b, h*v]. A head's score
@@ -110,7 +137,8 @@ class DecodeLayout(SequenceLayout):
         key per head; the mask, [b, h*s, end], is small for the step's few rows), no head's keys or values made."""
         s, b, h, _ = q_nope.shape
         end = latents.size(2)
-        mask = self.shared(("mask", s, window), lambda: self.mask(s, window, q_nope.device))  # [b, 1, s, end]
+        mask = self._kept(self.shared(("mask", s, window), lambda: self.mask(s, window, q_nope.device)),
+                          keep)  # [b, 1, s, end]
         q = torch.cat((torch.einsum("sbhn,hnc->bhsc", q_nope, up_key), q_pos.permute(1, 2, 0, 3)), dim=-1)
         out = F.scaled_dot_product_attention(q.reshape(b, 1, h * s, -1), torch.cat((latents, rope_keys), dim=-1),
                                              latents, attn_mask=mask.expand(b, h, s, end).reshape(b, 1, h * s, end),

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.model.attention import CoreAttention
+from hybrid.model.dsa import Indexer, sparse_attention
 from hybrid.model.init import normal_init, output_layer_std
 from hybrid.model.norms import build_norm
 from hybrid.model.rotary import RotaryEmbedding, apply_rotary, llama_4_query_scale
@@ -83,6 +84,8 @@ class MultiLatentAttention(nn.Module):
             bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=sp)
         self.rotary = RotaryEmbedding(config.rotary_dim, *config.layer_rope(layer_number))
         self.recompute_core = config.recompute_granularity == "selective"
+        # DeepSeek sparse attention (hybrid.model.dsa): the frozen lightning indexer choosing each query's keys
+        self.indexer = Indexer(config, name) if config.dsa_indexer_topk else None
 
     def forward(self, x, layout=None):
         """x [s(/tp), b, h] -> [s(/tp), b, h]; `layout` as SelfAttention's."""
@@ -90,7 +93,8 @@ class MultiLatentAttention(nn.Module):
         if self.config.q_lora_rank is None:
             q = self.q(x)
         else:
-            q = self.q_up(self.q_down_norm(self.q_down(x)))  # [s, b, heads/tp * (nope + pos)]
+            q_latent = self.q_down_norm(self.q_down(x))
+            q = self.q_up(q_latent)  # [s, b, heads/tp * (nope + pos)]
         latent, k_pos = self.kv_down(x).split([self.config.kv_lora_rank, self.pos], dim=-1)
         latent = self.kv_down_norm(latent)  # [s(/tp), b, kv_lora_rank]
         # the rope key serves every rank's heads: its gradient is the sum of theirs
@@ -109,11 +113,20 @@ class MultiLatentAttention(nn.Module):
         q_nope, q_pos = q.split([self.nope, self.pos], dim=-1)
         q_pos = apply_rotary(q_pos, cos, sin)
         k_pos = apply_rotary(k_pos.view(s, b, 1, self.pos), cos, sin)
+        index = None
+        if self.indexer is not None:
+            index = self.indexer.project(x.detach(), q_latent.detach(), cos, sin,
+                                         tp_group if self.config.sequence_parallel else None)
         if decoding:  # the cache holds latents and rope keys (hybrid.model.kv_cache); sequence parallelism is off
             latents, rope_keys = layout.cache.write(self.layer_number, layout.start, latent[:, :, None], k_pos)
-            return self.dense(self._decode(q_nope, q_pos, latents, rope_keys, layout))
+            keep = None if index is None else layout.index_keep(self.layer_number, self.indexer, *index)
+            return self.dense(self._decode(q_nope, q_pos, latents, rope_keys, layout, keep))
         k, v = self._keys_values(latent, k_pos)
         q = torch.cat((q_nope, q_pos), dim=-1)
+        if index is not None:  # DSA: each query's top-k keys (layout checks refuse CP and Ulysses with it)
+            dropout = self.core.dropout if self.training else 0.0
+            documents = None if layout is None else layout.documents
+            return self.dense(sparse_attention(q, k, v, self.indexer, index, self.core.scale, dropout, documents))
         split = (None, None, None) if layout is None else (layout.documents, layout.cp, layout.ulysses)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             context = deepspeed.checkpointing.checkpoint(self.core, q, k, v, *split)
@@ -129,15 +142,15 @@ class MultiLatentAttention(nn.Module):
         k_nope, v = kv.view(s, b, self.heads, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
         return torch.cat((k_nope, k_pos.expand(s, b, self.heads, self.pos)), dim=-1), v.contiguous()
 
-    def _decode(self, q_nope, q_pos, latents, rope_keys, layout):
+    def _decode(self, q_nope, q_pos, latents, rope_keys, layout, keep=None):
         """A decoding step's context [s, b, heads/tp * v] from the filled slots' latents [b, 1, end, c] and rope
         keys [b, 1, end, p]: one new token per row with the up projection absorbed (its weight read here:
         ZeRO-3 gathers it with this module, hybrid.training.engine), the prompt's step through the projection."""
         if q_nope.size(0) == 1:
             up = self.kv_up.weight.view(self.heads, self.nope + self.v_dim, -1)
             return layout.attend_latent(q_nope, q_pos, latents, rope_keys, up[:, :self.nope], up[:, self.nope:],
-                                        self.core.scale, self.core.window)
+                                        self.core.scale, self.core.window, keep)
         k, v = self._keys_values(latents[:, 0].transpose(0, 1), rope_keys.permute(2, 0, 1, 3))  # every filled slot
         keys, values = (t.permute(1, 2, 0, 3) for t in (k, v))  # [b, heads/tp, end, d]
         return layout.attend_slots(torch.cat((q_nope, q_pos), dim=-1), keys, values, self.core.scale,
-                                   self.core.window)
+                                   self.core.window, keep=keep)

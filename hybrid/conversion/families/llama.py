@@ -29,6 +29,7 @@ class LlamaAdapter(Adapter):
     qk_norm = False  # per-head Q/K RMSNorm (Qwen3)
     qk_norm_across = False  # the Q/K norms span every head (MiniMax-M2)
     query_temperature = False  # Llama 4's query temperature (--llama-4-scaling-beta; Mistral 4)
+    dsa = False  # DeepSeek sparse attention (--experimental-attention-variant dsa; DeepSeek-V3.2)
     windowed = False  # sliding_window is part of the config (Mistral, Qwen2/3)
     gemma = False  # (1 + w) RMSNorm, GeGLU, embeddings x sqrt(hidden)
     gemma3 = False  # Gemma 3's options (options.gemma3_options) may be on
@@ -113,6 +114,8 @@ class LlamaAdapter(Adapter):
             "--qk-norm-across-heads" + ("" if self.qk_norm_across else " off"):
                 c.qk_norm_across_heads == self.qk_norm_across,
             "no --llama-4-scaling-beta": self.query_temperature or c.llama_4_scaling_beta is None,
+            "--experimental-attention-variant dsa" + ("" if self.dsa else " off"):
+                (c.dsa_indexer_topk is not None) == self.dsa,
             "--apply-layernorm-1p and --scale-embeddings" + ("" if self.gemma else " off"):
                 c.apply_layernorm_1p == self.gemma and c.scale_embeddings == self.gemma,
             "no --window-size": self.windowed or c.sliding_window is None,

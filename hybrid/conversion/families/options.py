@@ -13,7 +13,8 @@ def extras(c: ModelConfig) -> list[str]:
     """The options only some Llama-family members have, as flags (for messages)."""
     named = {"--add-qkv-bias": c.add_qkv_bias, "--qk-layernorm": c.qk_layernorm,
              "--qk-norm-across-heads": c.qk_norm_across_heads,
-             "--llama-4-scaling-beta": c.llama_4_scaling_beta is not None, "--softmax-type learnable":
+             "--llama-4-scaling-beta": c.llama_4_scaling_beta is not None,
+             "--experimental-attention-variant dsa": c.dsa_indexer_topk is not None, "--softmax-type learnable":
              c.attention_sinks, "--quick-geglu": c.quick_geglu, "--multi-latent-attention": c.multi_latent_attention,
              "--mtp-num-layers": bool(c.mtp_num_layers), "--num-experts": bool(c.num_experts),
              "--window-size": c.sliding_window is not None, "--apply-layernorm-1p": c.apply_layernorm_1p,

@@ -120,12 +120,14 @@ def write_megatron(state: dict, config: ModelConfig, tp: int, pp: int, save_dir:
                                         "--local-rotary-base": config.local_rotary_base is not None,
                                         "--softmax-scale": config.softmax_scale is not None,
                                         "--qk-norm-across-heads": config.qk_norm_across_heads,
-                                        "--llama-4-scaling-beta": config.llama_4_scaling_beta is not None}.items()
-                  if on]
+                                        "--llama-4-scaling-beta": config.llama_4_scaling_beta is not None,
+                                        "--experimental-attention-variant dsa": config.dsa_indexer_topk is not None
+                                        }.items() if on]
     if unwritable:
-        raise ConfigError(f"a Megatron-LM checkpoint has no argument for {', '.join(unwritable)} (Gemma 3's, "
-                          f"MiniMax-M2's and Mistral 4's options): Megatron-LM would build another model. Export with "
-                          f"--saver hf instead.")
+        raise ConfigError(f"a Megatron-LM checkpoint is not written here for {', '.join(unwritable)} (Gemma 3's, "
+                          f"MiniMax-M2's and Mistral 4's options have no Megatron-LM argument; megatron-core's DSA "
+                          f"names are not mapped): Megatron-LM would build another model. Export with --saver hf "
+                          f"instead.")
     if ckpt_format != "torch_dist" and expert_tp(config, tp) == 1 and tp > 1 and ep > 1:
         raise ConfigError(f"experts with biases are written at expert-TP 1 (megatron-core builds them only there), and "
                           f"the legacy format at TP {tp} x EP {ep} interleaves expert ranks over TP, which hybrid does "
