@@ -126,8 +126,11 @@ def to_canonical(stored: dict, config: ModelConfig, where: str = "the adapter") 
 
 def peft_named(config: ModelConfig) -> bool:
     """Whether the model's HF family names its projections as PEFT's keys here do (Llama's: self_attn.q_proj, ...,
-    mlp.gate_proj, ...; GPT-2's fused c_attn does not)."""
-    return isinstance(adapter_for_model(config), LlamaAdapter)
+    mlp.gate_proj, ...; GPT-2's fused c_attn does not; nor does a model built from flags that no family expresses)."""
+    try:
+        return isinstance(adapter_for_model(config), LlamaAdapter)
+    except ConfigError:  # (no family exports it: check_peft_named says so where a directory is asked for)
+        return False
 
 
 def check_peft_named(config: ModelConfig, what: str) -> None:

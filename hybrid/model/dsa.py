@@ -89,6 +89,9 @@ def sparse_attention(q, k, v, indexer: Indexer, index, scale: float, dropout: fl
     (q, k, w) for the same s tokens -> context [s, b, heads/tp * dv]; queries in blocks of DSA_BLOCK."""
     s, b = q.size(0), q.size(1)
     iq, ik, iw = index
+    v_dim = v.size(-1)
+    if torch.compiler.is_compiling():  # TorchInductor's SDPA pattern needs one head size (as CoreAttention pads)
+        v = F.pad(v, (0, q.size(-1) - v_dim))
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
     outs = []
     for start in range(0, s, DSA_BLOCK):
@@ -98,5 +101,5 @@ def sparse_attention(q, k, v, indexer: Indexer, index, scale: float, dropout: fl
         keep = indexer.select(iq[start:end], ik, iw[start:end], allowed)
         outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k, v, attn_mask=keep[:, None],
                                                    dropout_p=dropout, scale=scale))
-    out = torch.cat(outs, dim=2)
+    out = torch.cat(outs, dim=2)[..., :v_dim]
     return out.permute(2, 0, 1, 3).reshape(s, b, -1)
