@@ -141,7 +141,8 @@ TRIPLES += [("tp2_sp", "llama", "lora_all"), ("dp2", "zero3", "lora_all"), ("dp2
             ("cp2", "llama", "lora_all"), ("dp2", "offload", "lora_all"), ("dp2", "zero3", "bf16", "lora_all")]
 # 2026's mechanisms with the layouts that split them: DSA's indexer under TP + SP and pipelines with experts and
 # ZeRO-3; the norms across heads at TP 2 with a pipeline; the query temperature with the sequence split
-TRIPLES += [("tp2_sp", "pp2", "dsa"), ("ep2", "tp2_sp", "dsa"), ("dp2", "zero3", "dsa"), ("tp2_sp", "pp2", "heads_norm"),
+TRIPLES += [("tp2_sp", "pp2", "dsa"), ("ep2", "tp2_sp", "dsa"), ("dp2", "zero3", "dsa"),
+            ("tp2_sp", "pp2", "heads_norm"),
             ("cp2", "llama", "query_temperature"), ("tp2_sp", "llama", "query_temperature"),
             ("pp2", "mla", "query_temperature"), ("cp2", "documents", "query_temperature")]
 MAX_RANKS = 8  # (the pairs need at most 4; one triple TP 2 x PP 2 x DP 2)

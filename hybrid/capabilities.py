@@ -314,6 +314,13 @@ RULES = [
          lambda s: f"DeepSeek sparse attention with --context-parallel-size {s.cp} / --ds-sequence-parallel-size "
                    f"{s.ulysses}: each query's top-k keys span the whole sequence, which a sequence split does not "
                    f"hold on one rank; use TP, PP, EP or DP."),
+    Rule("dsa-universal", "--universal-checkpoint with --experimental-attention-variant dsa",
+         "DSA's indexer is frozen, and DeepSpeed's universal conversion reads the optimizer's partitions, which do not "
+         "hold it",
+         lambda s: s.dsa and s.universal_checkpoint,
+         lambda s: "--universal-checkpoint with DeepSeek sparse attention: its frozen indexer is not in the "
+                   "optimizer's partitions that the universal conversion reads; resume at the same layout, or convert "
+                   "its weights with hybrid.conversion.checkpoint_util and start the new layout from them."),
     Rule("muon-mla-mtp", "--optimizer muon with --multi-latent-attention or --mtp-num-layers",
          "Muon's matrices are named by the layer's fused QKV, output and MLP projections; MLA's and the MTP layers' "
          "projections are not among them yet",

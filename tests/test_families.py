@@ -338,11 +338,12 @@ TRAIN = ["--seq-length", 32, "--micro-batch-size", 2, "--global-batch-size", 8, 
          "--no-progress-bar"]
 
 
-# launched for Llama 3, Gemma 3 and MiniMax-M2 (whose Q/K norms across heads sum their statistics over TP, forward
-# and backward) (the suite's time; qwen2, qwen3, mistral and gemma passed it too): their import, export and
-# resharding are proved in-process above, the MoE families' launched evaluations are in tests/test_moe.py
+# launched for Llama 3, Gemma 3, MiniMax-M2 (whose Q/K norms across heads sum their statistics over TP, forward
+# and backward) and DeepSeek-V3.2 (its frozen indexer under SP and a pipeline) (the suite's time; qwen2, qwen3,
+# mistral and gemma passed it too): their import, export and resharding are proved in-process above, the MoE
+# families' launched evaluations are in tests/test_moe.py
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama3", "gemma3", "minimax_m2"])
+@pytest.mark.parametrize("family", ["llama3", "gemma3", "minimax_m2", "deepseek_v32"])
 def test_load_hf_trains_at_tp2_pp2_sp_as_at_one_rank_evaluates_to_transformers_and_exports_its_family(
         family, hf_models, data, tmp_path):
     from safetensors.torch import load_file

@@ -110,6 +110,10 @@ def read_hybrid(load_dir: str, tag: Optional[str] = None, progress=None) -> tupl
                                   f"which DeepSpeed's converter reads. Its adapters are in {ckpt}/adapter (a PEFT "
                                   f"directory): load the base with them (--load-hf BASE --load-lora DIR), or merge "
                                   f"them with peft's merge_and_unload.")
+            if config.dsa_indexer_topk is not None:  # (DSA's frozen indexer is not among them either)
+                raise ConfigError(f"{ckpt}: a DeepSeek sparse attention run saved under ZeRO-3 at TP {tp} x PP "
+                                  f"{saved.layout.pipeline_parallel}; its frozen indexer is not in ZeRO's partitions, "
+                                  f"which DeepSpeed's converter reads. Save it at ZeRO-0/1/2, or at TP 1 x PP 1.")
             full = read_fp32_state(ckpt, config)
         else:
             full = join_vocab_blocks(get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=tag))

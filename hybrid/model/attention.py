@@ -277,15 +277,15 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         decoding = getattr(layout, "cache", None) is not None  # hybrid.model.kv_cache: the cached keys too
-        scale = llama_4_query_scale(self.config, s, x.device, None if layout is None else layout.positions)
-        if scale is not None:
-            q = q * scale.to(q.dtype)
         if self.rotary is not None:
             if decoding:  # every layer of the step uses the same tables
                 cos, sin = layout.shared(self.rotary.key, lambda: self.rotary(s, x.device, layout.positions))
             else:
                 cos, sin = self.rotary(s, x.device, None if layout is None else layout.positions)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        scale = llama_4_query_scale(self.config, s, x.device, None if layout is None else layout.positions)
+        if scale is not None:  # (after rope, as transformers applies it)
+            q = q * scale.to(q.dtype)
         if decoding:
             return self.dense(layout.attend(self.layer_number, q, k, v, self.core.scale, self.core.window,
                                             self.sinks))

@@ -429,6 +429,9 @@ class ModelConfig:
         if not (self.multi_latent_attention and self.q_lora_rank):
             raise ConfigError("--experimental-attention-variant dsa needs --multi-latent-attention with --q-lora-rank: "
                               "the indexer reads MLA's query latent.")
+        if self.sliding_window is not None:
+            raise ConfigError("--experimental-attention-variant dsa with --window-size: DSA chooses each query's keys "
+                              "itself; a window beside it is not implemented.")
         if min(self.dsa_indexer_topk, self.dsa_indexer_n_heads) < 1 or \
                 self.dsa_indexer_head_dim < self.qk_pos_emb_head_dim:
             raise ConfigError(f"--dsa-indexer-topk {self.dsa_indexer_topk} and --dsa-indexer-n-heads "

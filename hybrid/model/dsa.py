@@ -14,15 +14,19 @@ everything else exactly as transformers' backward does.
 
 Layouts: the indexer is replicated over TP (each rank masks its own heads with the same selection); under sequence
 parallelism its three small projections run on the rank's tokens and are all-gathered. Queries are taken in blocks
-(DSA_BLOCK rows): the scores are [block, H, keys] and the mask [block, keys] at a time, never [s, s] whole, and each
-row's selection is the one the whole row gives. Context parallelism (its keys on other ranks) is refused by name.
-Decoding caches each token's indexer key beside MLA's latents (hybrid.model.kv_cache)."""
+(DSA_BLOCK rows): the scores are [block, H, keys] and the mask [block, keys] at a time, never [s, s] whole (each
+block's attention is recomputed in backward, so no mask is kept for it), and each row's selection is the one the
+whole row gives. Context parallelism and Ulysses (its keys on other ranks) are refused by name (capabilities'
+dsa-sequence-split), and so is a sliding window with it. Decoding caches each token's indexer key beside MLA's
+latents (hybrid.model.kv_cache) and scores a prompt's queries in the same blocks. The attention is SDPA with a mask:
+the FLOPs of dense attention (DeepSeek's sparse kernels are not used)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from hybrid.model.init import normal_init
 from hybrid.model.rotary import apply_rotary
@@ -86,20 +90,24 @@ def allowed_keys_of(rows: torch.Tensor, keys: int, documents=None) -> torch.Tens
 
 def sparse_attention(q, k, v, indexer: Indexer, index, scale: float, dropout: float = 0.0, documents=None):
     """MLA's attention with DSA: q, k [s, b, heads/tp, d], v [s, b, heads/tp, dv], `index` = indexer.project's
-    (q, k, w) for the same s tokens -> context [s, b, heads/tp * dv]; queries in blocks of DSA_BLOCK."""
+    (q, k, w) for the same s tokens -> context [s, b, heads/tp * dv]; queries in blocks of DSA_BLOCK, each block
+    recomputed in backward (torch.utils.checkpoint, its RNG state kept for dropout) so that no block's mask
+    [rows, keys] outlives it: the layer keeps q, k, v and the indexer's outputs, memory linear in s."""
     s, b = q.size(0), q.size(1)
     iq, ik, iw = index
     v_dim = v.size(-1)
     if torch.compiler.is_compiling():  # TorchInductor's SDPA pattern needs one head size (as CoreAttention pads)
         v = F.pad(v, (0, q.size(-1) - v_dim))
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-    outs = []
-    for start in range(0, s, DSA_BLOCK):
-        end = min(start + DSA_BLOCK, s)
-        rows = torch.arange(start, end, device=q.device)
+
+    def block(q_rows, k, v, start: int):
+        end = start + q_rows.size(2)
+        rows = torch.arange(start, end, device=q_rows.device)
         allowed = allowed_keys_of(rows, s, documents).expand(b, -1, -1)
         keep = indexer.select(iq[start:end], ik, iw[start:end], allowed)
-        outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k, v, attn_mask=keep[:, None],
-                                                   dropout_p=dropout, scale=scale))
+        return F.scaled_dot_product_attention(q_rows, k, v, attn_mask=keep[:, None], dropout_p=dropout, scale=scale)
+    recompute = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    outs = [checkpoint(block, q[:, :, start:start + DSA_BLOCK], k, v, start, use_reentrant=False) if recompute
+            else block(q[:, :, start:start + DSA_BLOCK], k, v, start) for start in range(0, s, DSA_BLOCK)]
     out = torch.cat(outs, dim=2)[..., :v_dim]
     return out.permute(2, 0, 1, 3).reshape(s, b, -1)

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from hybrid.model.dsa import DSA_BLOCK
 from hybrid.model.sequence import SequenceLayout
 
 
@@ -91,7 +92,8 @@ class DecodeLayout(SequenceLayout):
         it attends, from its queries q [s, b, H, D], head weights w [s, b, H] and the new keys k [s, b, D] (cached)."""
         keys = self.cache.write_index(layer, self.start, k)
         allowed = self.shared(("mask", q.size(0), None), lambda: self.mask(q.size(0), None, q.device))[:, 0]
-        return indexer.select(q, keys, w, allowed)
+        return torch.cat([indexer.select(q[i:i + DSA_BLOCK], keys, w[i:i + DSA_BLOCK], allowed[:, i:i + DSA_BLOCK])
+                          for i in range(0, q.size(0), DSA_BLOCK)], dim=1)  # (a prompt's queries in blocks)
 
     def _kept(self, mask: torch.Tensor, keep) -> torch.Tensor:
         """The step's mask [b, 1, s, end] narrowed to DSA's chosen slots `keep` [b, s, end] (a padding position,

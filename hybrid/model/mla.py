@@ -20,6 +20,8 @@ interleaved (DeepSeek's, `rope_interleave`; megatron-core's MLA) are permuted on
 
 from __future__ import annotations
 
+import contextlib
+
 import deepspeed
 import torch
 import torch.nn as nn
@@ -33,6 +35,7 @@ from hybrid.model.rotary import RotaryEmbedding, apply_rotary, llama_4_query_sca
 from hybrid.parallel.groups import as_groups
 from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from hybrid.parallel.mappings import copy_to_tp_region, gather_from_sequence_parallel_region, sync_replicated_grad
+from hybrid.parallel.random import fork_tp_rng
 
 
 class ReplicatedLinear(nn.Module):
@@ -102,9 +105,6 @@ class MultiLatentAttention(nn.Module):
             else copy_to_tp_region(k_pos, tp_group)
         s, b = q.size(0), q.size(1)
         q = q.view(s, b, self.heads, self.nope + self.pos)
-        scale = llama_4_query_scale(self.config, s, x.device, None if layout is None else layout.positions)
-        if scale is not None:  # (Mistral 4's; rope is linear, so scaling before it is scaling after)
-            q = q * scale.to(q.dtype)
         decoding = getattr(layout, "cache", None) is not None
         if decoding:
             cos, sin = layout.shared(self.rotary.key, lambda: self.rotary(s, x.device, layout.positions))
@@ -112,6 +112,9 @@ class MultiLatentAttention(nn.Module):
             cos, sin = self.rotary(s, x.device, None if layout is None else layout.positions)
         q_nope, q_pos = q.split([self.nope, self.pos], dim=-1)
         q_pos = apply_rotary(q_pos, cos, sin)
+        scale = llama_4_query_scale(self.config, s, x.device, None if layout is None else layout.positions)
+        if scale is not None:  # Mistral 4's query temperature, after rope (as transformers applies it)
+            q_nope, q_pos = q_nope * scale.to(q.dtype), q_pos * scale.to(q.dtype)
         k_pos = apply_rotary(k_pos.view(s, b, 1, self.pos), cos, sin)
         index = None
         if self.indexer is not None:
@@ -126,7 +129,9 @@ class MultiLatentAttention(nn.Module):
         if index is not None:  # DSA: each query's top-k keys (layout checks refuse CP and Ulysses with it)
             dropout = self.core.dropout if self.training else 0.0
             documents = None if layout is None else layout.documents
-            return self.dense(sparse_attention(q, k, v, self.indexer, index, self.core.scale, dropout, documents))
+            with fork_tp_rng() if dropout else contextlib.nullcontext():  # (heads split over TP: their own masks)
+                context = sparse_attention(q, k, v, self.indexer, index, self.core.scale, dropout, documents)
+            return self.dense(context)
         split = (None, None, None) if layout is None else (layout.documents, layout.cp, layout.ulysses)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             context = deepspeed.checkpointing.checkpoint(self.core, q, k, v, *split)

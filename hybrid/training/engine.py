@@ -147,10 +147,12 @@ def build_engine(run: RunConfig, groups):
         # The tied output head (PP = 1, or a V placement's last stage) reads the embedding table outside the
         # embedding's own forward.
         deepspeed.zero.register_external_parameter(engine.module, engine.module.embedding.word_embeddings.weight)
-    if run.zero_stage == 3:  # MLA's decoding reads its up projection in its own forward (hybrid.model.kv_cache)
-        for module in engine.module.modules():
+    if run.zero_stage == 3:  # MLA's decoding reads its up projection in its own forward (hybrid.model.kv_cache),
+        for module in engine.module.modules():  # and DSA's indexer is called there by its methods (hybrid.model.dsa)
             if isinstance(module, MultiLatentAttention):
                 deepspeed.zero.register_external_parameter(module, module.kv_up.weight)
+                for param in (module.indexer.parameters() if module.indexer is not None else ()):
+                    deepspeed.zero.register_external_parameter(module, param)
     return engine, model
 
 
