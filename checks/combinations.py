@@ -88,6 +88,13 @@ FEATURES = {
                     "--kv-lora-rank", 12, "--qk-head-dim", 8, "--qk-pos-emb-head-dim", 4, "--v-head-dim", 6,
                     "--experimental-attention-variant", "dsa", "--dsa-indexer-topk", 8, "--dsa-indexer-n-heads", 4,
                     "--dsa-indexer-head-dim", 8), kind="model", group="family"),
+    # GLM-5's: DSA with index sharing (layers 2 and 4 attend the keys layers 1 and 3 chose), in triples
+    "dsa_shared": Feature(("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                           "--disable-bias-linear", "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", 16,
+                           "--kv-lora-rank", 12, "--qk-head-dim", 8, "--qk-pos-emb-head-dim", 4, "--v-head-dim", 6,
+                           "--experimental-attention-variant", "dsa", "--dsa-indexer-topk", 8,
+                           "--dsa-indexer-n-heads", 4, "--dsa-indexer-head-dim", 8, "--dsa-indexer-topk-freq", 2,
+                           "--dsa-indexer-skip-topk-offset", 1), kind="model", group="family", paired=False),
     # MiniMax-M2's attention: Q/K RMSNorms across all heads (their statistics summed over TP), rope on half a head
     "heads_norm": Feature(("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
                            "--qk-layernorm", "--qk-norm-across-heads", "--kv-channels", 16, "--group-query-attention",
@@ -144,7 +151,9 @@ TRIPLES += [("tp2_sp", "llama", "lora_all"), ("dp2", "zero3", "lora_all"), ("dp2
 TRIPLES += [("tp2_sp", "pp2", "dsa"), ("ep2", "tp2_sp", "dsa"), ("dp2", "zero3", "dsa"),
             ("tp2_sp", "pp2", "heads_norm"),
             ("cp2", "llama", "query_temperature"), ("tp2_sp", "llama", "query_temperature"),
-            ("pp2", "mla", "query_temperature"), ("cp2", "documents", "query_temperature")]
+            ("pp2", "mla", "query_temperature"), ("cp2", "documents", "query_temperature"),
+            ("tp2_sp", "pp2", "dsa_shared"), ("dp2", "zero3", "dsa_shared"), ("ep2", "pp2", "dsa_shared"),
+            ("dp2", "pp2_zbv", "dsa_shared")]
 MAX_RANKS = 8  # (the pairs need at most 4; one triple TP 2 x PP 2 x DP 2)
 LOSS_TOL = {"fp32": 1e-5, "bf16": 2e-2}
 # what a passing cell proved: equal to a run it is not (one rank, or one rank with its model options), only its own

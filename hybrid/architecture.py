@@ -98,13 +98,26 @@ def _mtp_fields(args) -> dict:
     return fields
 
 
-DSA_FLAGS = ("experimental_attention_variant", "dsa_indexer_topk", "dsa_indexer_n_heads", "dsa_indexer_head_dim")
+DSA_FLAGS = ("experimental_attention_variant", "dsa_indexer_topk", "dsa_indexer_n_heads", "dsa_indexer_head_dim",
+             "dsa_indexer_topk_freq", "dsa_indexer_skip_topk_offset", "mla_latent_norm_epsilon")
+
+
+def dsa_index_share(layers: int, freq: int, offset: int):
+    """GLM-5's index sharing as a 0/1 list per layer (1: reuses the choice of the layer before it that runs its
+    indexer): 1-based layer L runs its indexer when max(L - offset, 0) % freq == 0 (megatron-core's
+    is_dsa_skip_topk_layer, transformers' GlmMoeDsaConfig indexer_types); None when every layer runs its own."""
+    share = [int(max(layer - offset, 0) % freq != 0) for layer in range(1, layers + 1)]
+    return share if any(share) else None
 
 
 def _mla_fields(args) -> dict:
     fields = {name: getattr(args, name) for name in MLA_FLAGS} if args.multi_latent_attention else {}
+    if args.multi_latent_attention and args.mla_latent_norm_epsilon is not None:
+        fields["mla_latent_norm_epsilon"] = args.mla_latent_norm_epsilon
     if args.experimental_attention_variant == "dsa":
-        fields.update({name: getattr(args, name) for name in DSA_FLAGS[1:]})
+        fields.update({name: getattr(args, name) for name in DSA_FLAGS[1:4]})
+        fields["dsa_index_share"] = dsa_index_share(args.num_layers, max(args.dsa_indexer_topk_freq, 1),
+                                                    args.dsa_indexer_skip_topk_offset)
     return fields
 
 

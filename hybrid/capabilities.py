@@ -70,6 +70,8 @@ class Setup:
     offload_optimizer: bool = False  # the DeepSpeed config's zero_optimization.offload_optimizer
     mla: bool = False  # --multi-latent-attention
     dsa: bool = False  # --experimental-attention-variant dsa (DeepSeek sparse attention)
+    dsa_shared: bool = False  # with GLM-5's index sharing (layers reusing an earlier layer's choice)
+    dsa_sharing_split: Optional[bool] = None  # a sharing layer in another virtual stage than its source (None: unknown)
     mtp: bool = False  # --mtp-num-layers > 0 (from the flags or a --load-hf checkpoint's layers)
     lora: bool = False  # --lora-rank > 0 (or --load-lora's)
 
@@ -314,6 +316,21 @@ RULES = [
          lambda s: f"DeepSeek sparse attention with --context-parallel-size {s.cp} / --ds-sequence-parallel-size "
                    f"{s.ulysses}: each query's top-k keys span the whole sequence, which a sequence split does not "
                    f"hold on one rank; use TP, PP, EP or DP."),
+    Rule("dsa-share-recompute", "--recompute-granularity full with DSA's index sharing",
+         "a sharing layer reads the choice its source layer made in the same pass; a layer recomputed in backward "
+         "apart from its source (another micro-batch's forward between) would read another one",
+         lambda s: s.dsa_shared and s.recompute == "full",
+         lambda s: "--recompute-granularity full with DSA index sharing (GLM-5): a recomputed sharing layer could "
+                   "read another micro-batch's choice; use --recompute-granularity selective (DSA's attention is "
+                   "recomputed in blocks anyway) or none."),
+    Rule("dsa-share-stages", "DSA's index sharing with a stage split between a sharing layer and its source",
+         "a sharing layer reads the choice its source layer made in the same pass of the same virtual stage; passing "
+         "it between stages is not built",
+         lambda s: s.dsa_shared and s.dsa_sharing_split is True,
+         lambda s: "DSA index sharing (GLM-5) with this pipeline split: a layer that reuses an earlier layer's choice "
+                   "sits in another (virtual) stage than that layer; choose --pipeline-partition, "
+                   "--num-virtual-stages-per-pipeline-rank or --pipeline-schedule so that each sharing layer sits "
+                   "with the layer before it that runs an indexer."),
     Rule("dsa-universal", "--universal-checkpoint with --experimental-attention-variant dsa",
          "DSA's indexer is frozen, and DeepSpeed's universal conversion reads the optimizer's partitions, which do not "
          "hold it",

@@ -279,6 +279,17 @@ def _experts_on_every_stage(model: ModelConfig, dims: ParallelDims, pipeline: Pi
     return all(any(moe & set(p.layers) for p in plans if p.rank == rank) for rank in range(pp))
 
 
+def _dsa_sharing_split(model: ModelConfig, dims: ParallelDims, pipeline: PipelineSchedule) -> Optional[bool]:
+    """Whether the stage plan puts a layer sharing DSA's choice (GLM-5) in another virtual stage than its source; None
+    without a pipeline of such layers."""
+    if not model.dsa_index_share or dims.pipeline_parallel == 1:
+        return None
+    plans = plan_stages(model.num_layers, dims.pipeline_parallel, pipeline.virtual_stages, pipeline.schedule,
+                        pipeline.stage_layers)
+    return any(model.dsa_source(i) is not None and model.dsa_source(i) not in p.layers for p in plans
+               for i in p.layers)
+
+
 def _check_data_flags(args) -> None:
     split_paths = [args.train_data_path, args.valid_data_path, args.test_data_path]
     if args.data_path and args.mock_data:
@@ -719,7 +730,8 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path
                 cpu_offloading=dsc.cpu_offloading(args, ds), dpo=bool(args.dpo),
                 dpo_precomputed=bool(args.dpo and args.dpo_reference_logps), grpo=bool(args.grpo),
                 grpo_kl=bool(args.grpo and args.grpo_beta > 0), mla=model.multi_latent_attention,
-                dsa=model.dsa_indexer_topk is not None,
+                dsa=model.dsa_indexer_topk is not None, dsa_shared=bool(model.dsa_index_share),
+                dsa_sharing_split=_dsa_sharing_split(model, dims, pipeline),
                 mtp=bool(model.mtp_num_layers), lora=bool(model.lora_rank),
                 moe_capacity=bool(model.num_experts and model.moe_expert_capacity_factor is not None),
                 fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds), optimizer=args.optimizer or "adam",

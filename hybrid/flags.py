@@ -119,6 +119,15 @@ def _add_network_size_args(p):
     g.add_argument("--dsa-indexer-topk", type=int, default=2048, help="DSA: the keys each query attends")
     g.add_argument("--dsa-indexer-n-heads", type=int, default=64, help="DSA: the indexer's heads")
     g.add_argument("--dsa-indexer-head-dim", type=int, default=128, help="DSA: the indexer's head size")
+    g.add_argument("--dsa-indexer-topk-freq", type=int, default=1,
+                   help="DSA index sharing (GLM-5): past the offset every N-th layer runs its indexer and the layers "
+                        "between reuse its choice (megatron-core's; 1: every layer runs its own)")
+    g.add_argument("--dsa-indexer-skip-topk-offset", type=int, default=0,
+                   help="DSA index sharing: the first layers that always run their indexer (1-based layer L runs it "
+                        "when max(L - offset, 0) is a multiple of the frequency)")
+    g.add_argument("--mla-latent-norm-epsilon", type=float, default=None,
+                   help="MLA: its latent norms' epsilon where it is not --norm-epsilon (transformers' DeepSeek models: "
+                        "1e-6)")
     g.add_argument("--q-lora-rank", type=int, default=None, help="MLA: the queries' latent rank (none: one projection)")
     g.add_argument("--kv-lora-rank", type=int, default=32, help="MLA: the keys' and values' latent rank")
     g.add_argument("--qk-head-dim", type=int, default=128, help="MLA: each query/key head's features without rope")

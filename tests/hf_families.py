@@ -101,15 +101,25 @@ FAMILY_CONFIGS.update({
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                          "original_max_position_embeddings": 16,
                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7})),
+    # GLM-5: DeepSeek-V3.2's with index sharing (layers 1 and 3 attend the keys layers 0 and 2 chose), the indexer's
+    # rope interleaved, rms_norm_eps 1e-5 beside the latent norms' 1e-6; one group of experts
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
+        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1, n_group=1,
+        topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
+        tie_word_embeddings=False, rms_norm_eps=1e-5, index_topk=8, index_n_heads=8, index_head_dim=16,
+        indexer_types=["full", "shared", "full", "shared"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 })
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "mistral4", "minimax_m2",
-       "deepseek_v32"]
+       "deepseek_v32", "glm_moe_dsa"]
 FAMILIES = DENSE + MOE
 RECORDED = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma": "gemma",
             "gemma3": "gemma3",
             "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe",
             "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss", "mistral4": "mistral4",
-            "minimax_m2": "minimax_m2", "deepseek_v32": "deepseek_v32"}
+            "minimax_m2": "minimax_m2", "deepseek_v32": "deepseek_v32",
+            "glm_moe_dsa": "glm_moe_dsa"}
 
 
 def save_embedded_tokenizer(path):

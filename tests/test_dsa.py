@@ -85,3 +85,34 @@ def test_a_prompt_decoded_in_blocks_equals_transformers_generate(monkeypatch, tm
     out = generate(one_rank_model(tmp_path), None, batch, SamplingOptions(max_new_tokens=10))
     for prompt, tokens in zip(batch, out.tokens):
         assert tokens == hf_greedy(hf, prompt, 10)
+
+
+def test_a_pipeline_stage_without_a_sharing_layer_s_source_is_one_message():
+    """GLM-5's index sharing: a stage holding layer 1 (which reuses layer 0's choice) but not layer 0 is refused."""
+    from types import SimpleNamespace
+
+    from hybrid.errors import ConfigError
+    from hybrid.model.virtual_stages import _link_index_sharing
+    config = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, position_embedding_type="rope",
+                         multi_latent_attention=True, qk_layernorm=True, q_lora_rank=16, dsa_indexer_topk=4,
+                         dsa_indexer_head_dim=64, dsa_index_share=[0, 1, 0, 1])
+    assert [config.dsa_source(i) for i in range(4)] == [None, 0, None, 2]
+    layers = {str(i): SimpleNamespace(attention=SimpleNamespace()) for i in range(4)}
+    _link_index_sharing(SimpleNamespace(plans=[SimpleNamespace(layers=[0, 1]), SimpleNamespace(layers=[2, 3])],
+                                        layers=layers), config)
+    assert layers["3"].attention.index_source is layers["2"].attention
+    with pytest.raises(ConfigError, match="layer 1 reuses the keys layer 0's DSA indexer chose"):
+        _link_index_sharing(SimpleNamespace(plans=[SimpleNamespace(layers=[1, 2, 3])], layers=layers), config)
+
+
+def test_megatron_s_frequency_and_offset_give_transformers_indexer_types():
+    """--dsa-indexer-topk-freq / --dsa-indexer-skip-topk-offset as transformers' GlmMoeDsaConfig derives
+    indexer_types from index_topk_freq / index_skip_topk_offset."""
+    import transformers
+
+    from hybrid.architecture import dsa_index_share
+    for layers, freq, offset in [(8, 2, 1), (9, 3, 2), (6, 4, 3), (5, 1, 0)]:
+        hf = transformers.GlmMoeDsaConfig(num_hidden_layers=layers, index_topk_freq=freq,
+                                          index_skip_topk_offset=offset)
+        want = [int(kind == "shared") for kind in hf.indexer_types]
+        assert (dsa_index_share(layers, freq, offset) or [0] * layers) == want, (layers, freq, offset)

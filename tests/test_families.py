@@ -27,7 +27,7 @@ DISTINCTIVE = {"llama3": dict(rope_scaling=None), "qwen2": dict(add_qkv_bias=Fal
                "gpt_oss": dict(activation_func_clamp_value=None),
                "mistral4": dict(llama_4_scaling_beta=None, llama_4_scaling_length=None),
                "minimax_m2": dict(qk_layernorm=False, qk_norm_across_heads=False),
-               "deepseek_v32": dict(dsa_indexer_topk=None)}
+               "deepseek_v32": dict(dsa_indexer_topk=None), "glm_moe_dsa": dict(dsa_index_share=[0, 1, 1, 1])}
 # config.json fields that must survive import -> training -> export (what changes the model)
 KEPT_FIELDS = ("architectures", "layer_types", "query_pre_attn_scalar", "hidden_size", "intermediate_size",
                "num_hidden_layers", "num_attention_heads",
@@ -38,7 +38,7 @@ KEPT_FIELDS = ("architectures", "layer_types", "query_pre_attn_scalar", "hidden_
                "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
                "use_qk_norm", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                "rope_interleave", "num_local_experts", "swiglu_limit", "swiglu_alpha", "index_topk", "index_n_heads",
-               "index_head_dim", "mlp_layer_types", "layer_types")
+               "index_head_dim", "mlp_layer_types", "layer_types", "indexer_types")
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +199,15 @@ FAMILY_FLAGS = {
                      "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-dtype",
                      "fp32", "--moe-router-num-groups", 4, "--moe-router-group-topk", 2,
                      "--moe-router-topk-scaling-factor", 2.5, "--moe-shared-expert-intermediate-size", 24],
+    "glm_moe_dsa": ["--swiglu", "--untie-embeddings-and-output-weights", "--norm-epsilon", 1e-5,
+                    "--mla-latent-norm-epsilon", 1e-6, "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank",
+                    16, "--kv-lora-rank", 12, "--qk-head-dim", 8, "--qk-pos-emb-head-dim", 4, "--v-head-dim", 6,
+                    "--rope-type", "rope", "--experimental-attention-variant", "dsa", "--dsa-indexer-topk", 8,
+                    "--dsa-indexer-n-heads", 8, "--dsa-indexer-head-dim", 16, "--dsa-indexer-topk-freq", 2,
+                    "--dsa-indexer-skip-topk-offset", 1, "--num-experts", 8, "--moe-router-topk", 2,
+                    "--moe-ffn-hidden-size", 24, "--moe-layer-freq", "[0]+[1]*3", "--moe-router-score-function",
+                    "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-dtype", "fp32",
+                    "--moe-router-topk-scaling-factor", 2.5, "--moe-shared-expert-intermediate-size", 24],
     "minimax_m2": ["--swiglu", "--num-query-groups", 2, "--kv-channels", 16, "--qk-layernorm",
                    "--qk-norm-across-heads", "--rotary-percent", 0.5, "--rotary-base", 5000000,
                    "--untie-embeddings-and-output-weights", "--norm-epsilon", 1e-6, "--num-experts", 4,

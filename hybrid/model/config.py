@@ -139,6 +139,12 @@ class ModelConfig:
     dsa_indexer_topk: Optional[int] = None
     dsa_indexer_n_heads: int = 64  # --dsa-indexer-n-heads: the indexer's query heads
     dsa_indexer_head_dim: int = 128  # --dsa-indexer-head-dim: its query and key size (rope on the first features)
+    # GLM-5's index sharing: a 0/1 list per layer, 1 where the layer attends the keys the previous full layer's indexer
+    # chose and has no indexer of its own (--dsa-indexer-topk-freq / --dsa-indexer-skip-topk-offset); None: none
+    dsa_index_share: object = None
+    # --mla-latent-norm-epsilon: MLA's query and key-value latent norms' epsilon where it is not --norm-epsilon
+    # (transformers' DeepSeek-V3 family computes them with 1e-6 whatever rms_norm_eps says: GLM-5's 1e-5)
+    mla_latent_norm_epsilon: Optional[float] = None
     apply_layernorm_1p: bool = False  # --apply-layernorm-1p: norms scale by (1 + weight), weights start at 0
     geglu: bool = False  # --geglu: gated tanh-GeLU MLP (Gemma) instead of SwiGLU / GeLU
     quick_geglu: bool = False  # --quick-geglu: gate x sigmoid(1.702 gate) x up (GPT-OSS), gated as --swiglu
@@ -429,6 +435,10 @@ class ModelConfig:
         if not (self.multi_latent_attention and self.q_lora_rank):
             raise ConfigError("--experimental-attention-variant dsa needs --multi-latent-attention with --q-lora-rank: "
                               "the indexer reads MLA's query latent.")
+        share = self.dsa_index_share
+        if share is not None and (len(share) != self.num_layers or share[0] or set(share) - {0, 1}):
+            raise ConfigError(f"DSA's index sharing (--dsa-indexer-topk-freq / --dsa-indexer-skip-topk-offset) must "
+                              f"give one 0/1 per layer with the first layer running its indexer, got {share}.")
         if self.sliding_window is not None:
             raise ConfigError("--experimental-attention-variant dsa with --window-size: DSA chooses each query's keys "
                               "itself; a window beside it is not implemented.")
@@ -438,6 +448,13 @@ class ModelConfig:
                               f"{self.dsa_indexer_n_heads} must be positive and --dsa-indexer-head-dim "
                               f"{self.dsa_indexer_head_dim} at least --qk-pos-emb-head-dim {self.qk_pos_emb_head_dim} "
                               f"(its rope features).")
+
+    def dsa_source(self, layer: int) -> Optional[int]:
+        """The layer whose indexer's choice layer `layer` reuses (GLM-5's index sharing), or None: its own."""
+        share = self.dsa_index_share
+        if not share or layer >= len(share) or not share[layer]:  # (an MTP layer runs its own)
+            return None
+        return max(i for i in range(layer) if not share[i])
 
     def _validate_mla(self) -> None:
         dims = {"--kv-lora-rank": self.kv_lora_rank, "--qk-head-dim": self.qk_head_dim,

@@ -74,11 +74,11 @@ class MultiLatentAttention(nn.Module):
         else:
             self.q_down = ReplicatedLinear(h, config.q_lora_rank, groups,
                                            normal_init(config.seed, f"{name}.q_down.weight", std), sp)
-            self.q_down_norm = build_norm(config, groups, config.q_lora_rank)
+            self.q_down_norm = build_norm(config, groups, config.q_lora_rank, eps=config.mla_latent_norm_epsilon)
             self.q_up = column(config.q_lora_rank, heads * config.head_dim, "q_up")
         self.kv_down = ReplicatedLinear(h, config.kv_lora_rank + self.pos, groups,
                                         normal_init(config.seed, f"{name}.kv_down.weight", std), sp)
-        self.kv_down_norm = build_norm(config, groups, config.kv_lora_rank)
+        self.kv_down_norm = build_norm(config, groups, config.kv_lora_rank, eps=config.mla_latent_norm_epsilon)
         self.kv_up = column(config.kv_lora_rank, heads * (self.nope + self.v_dim), "kv_up")
         self.core = CoreAttention(config, layer_number)
         self.dense = RowParallelLinear(
@@ -87,8 +87,13 @@ class MultiLatentAttention(nn.Module):
             bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=sp)
         self.rotary = RotaryEmbedding(config.rotary_dim, *config.layer_rope(layer_number))
         self.recompute_core = config.recompute_granularity == "selective"
-        # DeepSeek sparse attention (hybrid.model.dsa): the frozen lightning indexer choosing each query's keys
-        self.indexer = Indexer(config, name) if config.dsa_indexer_topk else None
+        # DeepSeek sparse attention (hybrid.model.dsa): the frozen lightning indexer choosing each query's keys, or
+        # (GLM-5's index sharing) the choice of an earlier layer's, `index_source` (RankModel links it)
+        self.dsa = config.dsa_indexer_topk is not None
+        shared = self.dsa and config.dsa_source(layer_number) is not None
+        self.indexer = Indexer(config, name) if self.dsa and not shared else None
+        self.index_source = None  # (a plain attribute: the source layer is not a child of this one)
+        self.last_index = self.last_keep = None  # what a sharing layer reads of this one's last forward
 
     def forward(self, x, layout=None):
         """x [s(/tp), b, h] -> [s(/tp), b, h]; `layout` as SelfAttention's."""
@@ -116,13 +121,20 @@ class MultiLatentAttention(nn.Module):
         if scale is not None:  # Mistral 4's query temperature, after rope (as transformers applies it)
             q_nope, q_pos = q_nope * scale.to(q.dtype), q_pos * scale.to(q.dtype)
         k_pos = apply_rotary(k_pos.view(s, b, 1, self.pos), cos, sin)
-        index = None
+        index, indexer = None, self.indexer
         if self.indexer is not None:
             index = self.indexer.project(x.detach(), q_latent.detach(), cos, sin,
                                          tp_group if self.config.sequence_parallel else None)
+            self.last_index = index
+        elif self.dsa:  # GLM-5's index sharing: the source layer's choice, from its indexer's outputs of this pass
+            index, indexer = self.index_source.last_index, self.index_source.indexer
         if decoding:  # the cache holds latents and rope keys (hybrid.model.kv_cache); sequence parallelism is off
             latents, rope_keys = layout.cache.write(self.layer_number, layout.start, latent[:, :, None], k_pos)
-            keep = None if index is None else layout.index_keep(self.layer_number, self.indexer, *index)
+            keep = None
+            if self.indexer is not None:
+                keep = self.last_keep = layout.index_keep(self.layer_number, self.indexer, *index)
+            elif self.dsa:
+                keep = self.index_source.last_keep
             return self.dense(self._decode(q_nope, q_pos, latents, rope_keys, layout, keep))
         k, v = self._keys_values(latent, k_pos)
         q = torch.cat((q_nope, q_pos), dim=-1)
@@ -130,7 +142,7 @@ class MultiLatentAttention(nn.Module):
             dropout = self.core.dropout if self.training else 0.0
             documents = None if layout is None else layout.documents
             with fork_tp_rng() if dropout else contextlib.nullcontext():  # (heads split over TP: their own masks)
-                context = sparse_attention(q, k, v, self.indexer, index, self.core.scale, dropout, documents)
+                context = sparse_attention(q, k, v, indexer, index, self.core.scale, dropout, documents)
             return self.dense(context)
         split = (None, None, None) if layout is None else (layout.documents, layout.cp, layout.ulysses)
         if self.recompute_core and self.training and torch.is_grad_enabled():

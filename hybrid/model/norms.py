@@ -62,12 +62,14 @@ class RMSNorm(_Norm):
         return weight * normalized.to(x.dtype)
 
 
-def build_norm(config, groups, size=None, partial_grads=None) -> nn.Module:
+def build_norm(config, groups, size=None, partial_grads=None, eps=None) -> nn.Module:
     """The norm that `--normalization` names, over `size` features (default: the hidden size).
-    `partial_grads`: each TP rank sees part of the input (default: under sequence parallelism)."""
+    `partial_grads`: each TP rank sees part of the input (default: under sequence parallelism); `eps`: another
+    epsilon than --norm-epsilon (MLA's latent norms)."""
     cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
     partial = config.sequence_parallel if partial_grads is None else partial_grads
-    return cls(size or config.hidden_size, config.norm_epsilon, groups, partial, one_plus=config.apply_layernorm_1p)
+    return cls(size or config.hidden_size, config.norm_epsilon if eps is None else eps, groups, partial,
+               one_plus=config.apply_layernorm_1p)
 
 
 class HeadsRMSNorm(nn.Module):

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
 from hybrid.model.embedding import Embedding, embed_with, output_head, parallel_logits, word_init
 from hybrid.model.mtp import MTPLayer, shifted
@@ -76,6 +77,7 @@ class RankModel(nn.Module):
             self.tied_table = _tied_table(config, groups)
         # plain list: the stages are views, not a second registration of the same parameters
         self.stages = [VirtualStage(self, plan) for plan in self.plans]
+        _link_index_sharing(self, config)
 
     @property
     def holds_tied_copy(self) -> bool:
@@ -114,6 +116,23 @@ class RankModel(nn.Module):
         return parallel_logits(hidden, self.head_weight(), self.groups, self.config.sequence_parallel,
                                self.config.vocab_size if for_loss else None,
                                self.config.async_tensor_model_parallel_allreduce)
+
+
+def _link_index_sharing(model: RankModel, config: ModelConfig) -> None:
+    """GLM-5's DSA index sharing: each sharing layer's attention reads its source layer's choice in the same pass, so
+    the source runs in the same virtual stage (one message otherwise)."""
+    for plan in model.plans:
+        for i in plan.layers:
+            source = config.dsa_source(i)
+            if source is None:
+                continue
+            if source not in plan.layers:
+                raise ConfigError(f"layer {i} reuses the keys layer {source}'s DSA indexer chose (the model's index "
+                                  f"sharing), and the pipeline puts them in different stages ({list(plan.layers)} "
+                                  f"here); choose --pipeline-partition / --num-virtual-stages-per-pipeline-rank so "
+                                  f"that each sharing layer sits with the layer before it that runs an indexer.")
+            # (not a child module: its parameters are the source layer's)
+            object.__setattr__(model.layers[str(i)].attention, "index_source", model.layers[str(source)].attention)
 
 
 def _last_stage_reads_table(config: ModelConfig) -> bool:

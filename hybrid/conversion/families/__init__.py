@@ -13,7 +13,7 @@ Modules:
   llama        Llama, the decoder the other Llama-style families change by fields and components
   gpt2, mistral, qwen2, qwen3, gemma, gemma3, mixtral, qwen2_moe, qwen3_moe, glm4_moe, deepseek_v3, gpt_oss
                one family each
-  mistral4, minimax_m2, deepseek_v32
+  mistral4, minimax_m2, deepseek_v32, glm_moe_dsa
                one family each (2026's)
 
 Adding a family: one file with its adapter, and one line in FAMILIES.
@@ -26,6 +26,7 @@ from hybrid.conversion.families.deepseek_v3 import DeepseekV3Adapter
 from hybrid.conversion.families.deepseek_v32 import DeepseekV32Adapter
 from hybrid.conversion.families.gemma import GemmaAdapter
 from hybrid.conversion.families.gemma3 import Gemma3Adapter
+from hybrid.conversion.families.glm_moe_dsa import GlmMoeDsaAdapter
 from hybrid.conversion.families.glm4_moe import Glm4MoeAdapter
 from hybrid.conversion.families.gpt2 import GPT2Adapter
 from hybrid.conversion.families.gpt_oss import GptOssAdapter
@@ -58,6 +59,7 @@ FAMILIES: dict[str, type[StateDictAdapter]] = {a.family: a for a in (
     Mistral4Adapter,
     MiniMaxM2Adapter,
     DeepseekV32Adapter,
+    GlmMoeDsaAdapter,
 )}
 BY_HF_CLASS = {a.hf_class: a for a in FAMILIES.values()}
 
@@ -73,8 +75,8 @@ def family_of(config: ModelConfig) -> str:
         return config.family
     if config.position_embedding_type == "learned_absolute":
         return "gpt2"
-    if config.multi_latent_attention and config.dsa_indexer_topk is not None:
-        return "deepseek_v32"
+    if config.multi_latent_attention and config.dsa_indexer_topk is not None:  # GLM-5 shares its indexers' choice
+        return "glm_moe_dsa" if config.dsa_index_share else "deepseek_v32"
     if config.multi_latent_attention:  # Mistral 4: its query temperature, or a softmax router
         softmax_moe = config.num_experts and config.moe_router_score_function == "softmax"
         return "mistral4" if config.llama_4_scaling_beta is not None or softmax_moe else "deepseek_v3"

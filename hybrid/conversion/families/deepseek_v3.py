@@ -48,24 +48,24 @@ class DeepseekV3Adapter(LlamaAdapter):
             refuse(name, "rope_interleave", False, "DeepSeek's rope features are read in their interleaved order")
         if (hf.num_key_value_heads or hf.num_attention_heads) != hf.num_attention_heads:
             refuse(name, "num_key_value_heads", hf.num_key_value_heads, "MLA has a key and value per head")
-        if float(hf.rms_norm_eps) != HF_LATENT_NORM_EPS:
-            refuse(name, "rms_norm_eps", hf.rms_norm_eps,
-                   f"transformers' DeepseekV3 computes its latent norms with eps "
-                   f"{HF_LATENT_NORM_EPS} whatever rms_norm_eps says, hybrid's MLA (as megatron-core's) with the "
-                   f"model's one epsilon")
+        # transformers' DeepSeek models compute the latent norms with eps 1e-6 whatever rms_norm_eps says
+        latent_eps = None if float(hf.rms_norm_eps) == HF_LATENT_NORM_EPS else HF_LATENT_NORM_EPS
         return dataclasses.replace(
             super().config_from_hf(hf), multi_latent_attention=True, kv_channels=None, qk_layernorm=True,
-            num_query_groups=hf.num_attention_heads, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
-            qk_head_dim=hf.qk_nope_head_dim, qk_pos_emb_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim)
+            mla_latent_norm_epsilon=latent_eps, num_query_groups=hf.num_attention_heads, q_lora_rank=hf.q_lora_rank,
+            kv_lora_rank=hf.kv_lora_rank, qk_head_dim=hf.qk_nope_head_dim, qk_pos_emb_head_dim=hf.qk_rope_head_dim,
+            v_head_dim=hf.v_head_dim)
 
     def check_exportable(self):
         super().check_exportable()
         if not self.config.multi_latent_attention:
             raise ConfigError(f"exporting to {self.hf_class} needs --multi-latent-attention.")
-        if self.config.norm_epsilon != HF_LATENT_NORM_EPS:
-            raise ConfigError(f"exporting to {self.hf_class} needs --norm-epsilon {HF_LATENT_NORM_EPS} (the model's is "
-                              f"{self.config.norm_epsilon}): transformers computes the latent norms with eps "
-                              f"{HF_LATENT_NORM_EPS} whatever rms_norm_eps says, so the export would be another model.")
+        latent_eps = self.config.mla_latent_norm_epsilon or self.config.norm_epsilon
+        if latent_eps != HF_LATENT_NORM_EPS:
+            raise ConfigError(f"exporting to {self.hf_class} needs MLA's latent norms at eps {HF_LATENT_NORM_EPS} "
+                              f"(--mla-latent-norm-epsilon, or --norm-epsilon; the model's are {latent_eps}): "
+                              f"transformers computes them with {HF_LATENT_NORM_EPS} whatever rms_norm_eps says, so "
+                              f"the export would be another model.")
 
     def family_fields(self):
         c = self.config

@@ -8,7 +8,7 @@ import torch
 from hybrid.model.config import ModelConfig
 
 
-def _rope_order(pos: int, interleaved_to_halves: bool) -> torch.Tensor:
+def rope_order(pos: int, interleaved_to_halves: bool) -> torch.Tensor:
     """The rope features' order: DeepSeek's checkpoints hold each rotated pair side by side (x0, x1), (x2, x3),
     ... and rotate them de-interleaved, [x0, x2, ... | x1, x3, ...] (transformers' apply_rotary_pos_emb_interleave,
     megatron-core's MLA); the model here rotates halves, so the rows making those features are permuted."""
@@ -17,9 +17,9 @@ def _rope_order(pos: int, interleaved_to_halves: bool) -> torch.Tensor:
 
 
 def permute_rope_rows(t: torch.Tensor, block: int, pos: int, to_halves: bool) -> torch.Tensor:
-    """`t` [blocks x block, ...] with the rope features last in each block: those rows reordered (_rope_order)."""
+    """`t` [blocks x block, ...] with the rope features last in each block: those rows reordered (rope_order)."""
     blocks = t.reshape(-1, block, *t.shape[1:])
-    order = torch.cat([torch.arange(block - pos), block - pos + _rope_order(pos, to_halves)])
+    order = torch.cat([torch.arange(block - pos), block - pos + rope_order(pos, to_halves)])
     return blocks[:, order].reshape(t.shape).contiguous()
 
 

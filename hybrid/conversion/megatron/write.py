@@ -121,7 +121,8 @@ def write_megatron(state: dict, config: ModelConfig, tp: int, pp: int, save_dir:
                                         "--softmax-scale": config.softmax_scale is not None,
                                         "--qk-norm-across-heads": config.qk_norm_across_heads,
                                         "--llama-4-scaling-beta": config.llama_4_scaling_beta is not None,
-                                        "--experimental-attention-variant dsa": config.dsa_indexer_topk is not None
+                                        "--experimental-attention-variant dsa": config.dsa_indexer_topk is not None,
+                                        "--mla-latent-norm-epsilon": config.mla_latent_norm_epsilon is not None,
                                         }.items() if on]
     if unwritable:
         raise ConfigError(f"a Megatron-LM checkpoint is not written here for {', '.join(unwritable)} (Gemma 3's, "
