@@ -43,6 +43,7 @@ SAMPLE = {  # combination -> the outcome it must have (a rule's name for a refus
     # TP 2 x PP 2 under ZeRO-3 at DP 1 and at DP 2 (8 ranks: ZeRO-3 shards over DP there)
     **{"+".join(cell): "equal" for cell in combinations.TRIPLES if "dp2" in cell and cell[1] in combinations.PIPELINES
        and (cell[-1] != "offload" or cell[1] == "pp2")},  # (ZeRO-1 offload: 1F1B here, every schedule in the sweep)
+    "dp2+pp2_zbv+dsa_shared": "dsa-share-stages",  # (ZeroBubbleV's one layer per stage splits GLM-5's sharing)
     "tp2_sp+pp2+zero3": "equal",
     "tp2_sp+pp2+dp2+zero3": "equal",
     # untied (llama): ZeRO-3 holds each vocabulary table as row blocks (ModelConfig.zero3_vocab_block_rows), looked up

@@ -97,10 +97,11 @@ def test_a_pipeline_stage_without_a_sharing_layer_s_source_is_one_message():
                          multi_latent_attention=True, qk_layernorm=True, q_lora_rank=16, dsa_indexer_topk=4,
                          dsa_indexer_head_dim=64, dsa_index_share=[0, 1, 0, 1])
     assert [config.dsa_source(i) for i in range(4)] == [None, 0, None, 2]
-    layers = {str(i): SimpleNamespace(attention=SimpleNamespace()) for i in range(4)}
+    layers = {str(i): SimpleNamespace(attention=SimpleNamespace(index_readers=0)) for i in range(4)}
     _link_index_sharing(SimpleNamespace(plans=[SimpleNamespace(layers=[0, 1]), SimpleNamespace(layers=[2, 3])],
                                         layers=layers), config)
     assert layers["3"].attention.index_source is layers["2"].attention
+    assert layers["2"].attention.index_readers == 1 and layers["3"].attention.last_reader  # (it releases the choice)
     with pytest.raises(ConfigError, match="layer 1 reuses the keys layer 0's DSA indexer chose"):
         _link_index_sharing(SimpleNamespace(plans=[SimpleNamespace(layers=[1, 2, 3])], layers=layers), config)
 

@@ -93,7 +93,9 @@ class MultiLatentAttention(nn.Module):
         shared = self.dsa and config.dsa_source(layer_number) is not None
         self.indexer = Indexer(config, name) if self.dsa and not shared else None
         self.index_source = None  # (a plain attribute: the source layer is not a child of this one)
-        self.last_index = self.last_keep = None  # what a sharing layer reads of this one's last forward
+        self.index_readers = 0  # the layers of this stage that read this one's choice (RankModel links them)
+        self.last_reader = False  # this layer is its source's last reader in a pass: it releases what it read
+        self.last_index = self.last_keep = None  # what a sharing layer reads of this one's pass (while it is read)
 
     def forward(self, x, layout=None):
         """x [s(/tp), b, h] -> [s(/tp), b, h]; `layout` as SelfAttention's."""
@@ -125,16 +127,23 @@ class MultiLatentAttention(nn.Module):
         if self.indexer is not None:
             index = self.indexer.project(x.detach(), q_latent.detach(), cos, sin,
                                          tp_group if self.config.sequence_parallel else None)
-            self.last_index = index
+            if self.index_readers:
+                self.last_index = index
         elif self.dsa:  # GLM-5's index sharing: the source layer's choice, from its indexer's outputs of this pass
             index, indexer = self.index_source.last_index, self.index_source.indexer
+            if self.last_reader and not decoding:
+                self.index_source.last_index = None
         if decoding:  # the cache holds latents and rope keys (hybrid.model.kv_cache); sequence parallelism is off
             latents, rope_keys = layout.cache.write(self.layer_number, layout.start, latent[:, :, None], k_pos)
             keep = None
             if self.indexer is not None:
-                keep = self.last_keep = layout.index_keep(self.layer_number, self.indexer, *index)
+                keep = layout.index_keep(self.layer_number, self.indexer, *index)
+                if self.index_readers:
+                    self.last_keep = keep
             elif self.dsa:
                 keep = self.index_source.last_keep
+                if self.last_reader:
+                    self.index_source.last_index = self.index_source.last_keep = None
             return self.dense(self._decode(q_nope, q_pos, latents, rope_keys, layout, keep))
         k, v = self._keys_values(latent, k_pos)
         q = torch.cat((q_nope, q_pos), dim=-1)

@@ -132,7 +132,10 @@ def _link_index_sharing(model: RankModel, config: ModelConfig) -> None:
                                   f"here); choose --pipeline-partition / --num-virtual-stages-per-pipeline-rank so "
                                   f"that each sharing layer sits with the layer before it that runs an indexer.")
             # (not a child module: its parameters are the source layer's)
-            object.__setattr__(model.layers[str(i)].attention, "index_source", model.layers[str(source)].attention)
+            reader, source_attention = model.layers[str(i)].attention, model.layers[str(source)].attention
+            object.__setattr__(reader, "index_source", source_attention)
+            source_attention.index_readers += 1
+            reader.last_reader = config.dsa_source(i + 1) != source if i + 1 < config.num_layers else True
 
 
 def _last_stage_reads_table(config: ModelConfig) -> bool:

@@ -51,7 +51,7 @@ class DeepseekV32Adapter(DeepseekV3Adapter):
             fields.pop(field)
         return fields
 
-    def _indexer_tensors(self, i: int) -> dict:
+    def indexer_tensors(self, i: int) -> dict:
         """HF name -> (canonical name, shape) of layer i's indexer."""
         c = self.config
         heads, dim, h = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim, c.hidden_size
@@ -63,8 +63,8 @@ class DeepseekV32Adapter(DeepseekV3Adapter):
     def attention_to_canonical(self, hf_state, i, out):
         super().attention_to_canonical(hf_state, i, out)
         out.update({name: expect(hf_name, get(hf_state, hf_name), shape)
-                    for hf_name, (name, shape) in self._indexer_tensors(i).items()})
+                    for hf_name, (name, shape) in self.indexer_tensors(i).items()})
 
     def attention_to_hf(self, state, i, out):
         super().attention_to_hf(state, i, out)
-        out.update({hf_name: state[name] for hf_name, (name, _) in self._indexer_tensors(i).items()})
+        out.update({hf_name: state[name] for hf_name, (name, _) in self.indexer_tensors(i).items()})

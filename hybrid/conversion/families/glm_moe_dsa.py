@@ -36,8 +36,8 @@ class GlmMoeDsaAdapter(DeepseekV32Adapter):
         share = c.dsa_index_share or [0] * c.num_layers
         return dict(super().family_fields(), indexer_types=["shared" if s else "full" for s in share])
 
-    def _indexer_tensors(self, i: int) -> dict:
-        return {} if self.config.dsa_source(i) is not None else super()._indexer_tensors(i)
+    def indexer_tensors(self, i: int) -> dict:
+        return {} if self.config.dsa_source(i) is not None else super().indexer_tensors(i)
 
     def _indexer_rope(self, tensors: dict, to_halves: bool) -> dict:
         """The indexer's rope features (the first qk_pos_emb_head_dim of each head of wq_b and of wk, k_norm's
@@ -60,5 +60,5 @@ class GlmMoeDsaAdapter(DeepseekV32Adapter):
         out.update(self._indexer_rope(part, to_halves=True))
 
     def attention_to_hf(self, state, i, out):
-        ours = {name: state[name] for name, _ in self._indexer_tensors(i).values()}
+        ours = {name: state[name] for name, _ in self.indexer_tensors(i).values()}
         super().attention_to_hf(dict(state, **self._indexer_rope(ours, to_halves=False)), i, out)
