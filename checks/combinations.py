@@ -153,7 +153,7 @@ TRIPLES += [("tp2_sp", "pp2", "dsa"), ("ep2", "tp2_sp", "dsa"), ("dp2", "zero3",
             ("cp2", "llama", "query_temperature"), ("tp2_sp", "llama", "query_temperature"),
             ("pp2", "mla", "query_temperature"), ("cp2", "documents", "query_temperature"),
             ("tp2_sp", "pp2", "dsa_shared"), ("dp2", "zero3", "dsa_shared"), ("ep2", "pp2", "dsa_shared"),
-            ("dp2", "pp2_zbv", "dsa_shared")]
+            ("dp2", "pp2_zbv", "dsa_shared"), ("compile", "dsa_shared")]
 MAX_RANKS = 8  # (the pairs need at most 4; one triple TP 2 x PP 2 x DP 2)
 LOSS_TOL = {"fp32": 1e-5, "bf16": 2e-2}
 # what a passing cell proved: equal to a run it is not (one rank, or one rank with its model options), only its own

@@ -551,6 +551,11 @@ class MemoryPlan:
     muon: bool = False  # --optimizer muon (hybrid.training.muon: ZeRO-0's whole matrices, or ZeRO's partitions)
 
 
+def frozen_indexer(name: str) -> bool:
+    """A parameter of DSA's lightning indexer (hybrid.model.dsa), which is frozen."""
+    return ".attention.indexer." in name
+
+
 def frozen_bytes(params: dict, zero: ZeroSettings) -> int:
     """Bytes of parameters without gradients (LoRA's frozen base): in the working precision (fp32 without ZeRO in
     fp32), whole on every rank under ZeRO-0/1/2, partitioned under ZeRO-3 as its other parameters (those below the
@@ -573,6 +578,11 @@ def _stage_model_states(params: dict, plan: MemoryPlan) -> dict:
         states = model_state_bytes([[n for n, d in trainable.values() if d == decayed] for decayed in (True, False)],
                                    plan.zero)
         states["params"] += frozen_bytes({n: v for n, v in params.items() if n not in trainable}, plan.zero)
+        return states
+    indexers = {name: v for name, v in params.items() if frozen_indexer(name)}
+    if indexers:  # DSA's frozen indexer (hybrid.model.dsa): its weights alone
+        states = _stage_model_states({n: v for n, v in params.items() if n not in indexers}, plan)
+        states["params"] += frozen_bytes(indexers, plan.zero)
         return states
     dense = [[n for name, (n, d) in params.items() if d == decayed and not is_expert(name)]
              for decayed in (True, False)]
@@ -678,8 +688,9 @@ def estimate(plan: MemoryPlan) -> list[dict]:
             states["params"] += info["replica"] * _BYTES[precision]
             states["grads"] += info["replica"] * _BYTES[precision]
         trainable, frozen = info["params"], None
-        if config.lora_rank:  # ZeRO's gradient buckets and step hold the trainable parameters only
-            trainable = {n: v for n, v in info["params"].items() if lora.trains(n, config)}
+        if config.lora_rank or config.dsa_indexer_topk:  # ZeRO's buckets and step hold the trainable parameters only
+            trainable = {n: v for n, v in info["params"].items()
+                         if (lora.trains(n, config) if config.lora_rank else True) and not frozen_indexer(n)}
             frozen = {n: v for n, v in info["params"].items() if n not in trainable}
         buffers = zero_buffer_bytes(trainable, plan.zero, plan.pp, plan.device_type == "cpu", plan.ep, frozen)
         step = zero_step_bytes(trainable, plan.zero, plan.ep)

@@ -116,6 +116,27 @@ def test_lora_state_bytes_equal_deepspeeds_buffers_at_dp2(stage, tmp_path):
 
 
 @pytest.mark.parametrize("stage", [1, 3])
+def test_dsa_state_bytes_leave_out_the_frozen_indexer_as_deepspeed_does(stage, tmp_path):
+    """DeepSeek sparse attention: the optimizer holds everything but the frozen indexer, whose weights are counted
+    alone (whole under ZeRO-1, partitioned under ZeRO-3), byte for byte as DeepSpeed holds them."""
+    dsa = ("--multi-latent-attention", "--qk-layernorm", "--position-embedding-type", "rope", "--q-lora-rank", "16",
+           "--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "4", "--dsa-indexer-head-dim", "72",
+           "--swiglu", "--disable-bias-linear")
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": stage, "reduce_bucket_size": 50000,
+                                                      "stage3_param_persistence_threshold": 1000}}))
+    measured = run_on_ranks(_deepspeed_state_bytes, 2, stage, str(path), dsa)[0]
+    run = build_run_config(build_parser().parse_args(TINY + list(dsa)), 2, 100)
+    plan = memory.MemoryPlan(run.model, dp=2, zero=memory.ZeroSettings(stage=stage, dp=2, persistence_threshold=1000))
+    inventory = memory.parameter_inventory(run.model, 1)
+    trained = [n for name, (n, _) in inventory.items() if not memory.frozen_indexer(name)]
+    assert sorted(n for g in measured["groups"] for n in g) == sorted(trained) and len(trained) < len(inventory)
+    estimate = memory._stage_model_states(inventory, plan)
+    for key in ("params", "grads", "optimizer"):
+        assert estimate[key] == measured[key], (key, estimate, measured)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
 def test_muon_state_bytes_under_zero_equal_what_its_optimizer_holds(stage, tmp_path):
     """--optimizer muon under ZeRO: the fp32 partitions of AdamW's two groups and of the Muon matrices, AdamW's
     moments and steps, Muon's partitioned momentum buffer, as hybrid.memory counts them."""
