@@ -93,14 +93,20 @@ def test_zero_state_bytes_equal_deepspeeds_buffers_at_dp2(stage, tmp_path):
         assert estimate[key] == measured[key], (key, estimate, measured)
 
 
+def _small_buckets_config(tmp_path, stage: int):
+    """A DeepSpeed config at `stage` whose buckets and ZeRO-3 persistence fit the tiny model (so it partitions)."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": stage, "reduce_bucket_size": 50000,
+                                                      "stage3_param_persistence_threshold": 1000}}))
+    return path
+
+
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_lora_state_bytes_equal_deepspeeds_buffers_at_dp2(stage, tmp_path):
     """--lora-rank: DeepSpeed's groups, partitions and moments hold the adapters only; the frozen base is its weights
     alone (whole under ZeRO-0/1/2, partitioned under ZeRO-3): hybrid.memory's count of each, byte for byte."""
     lora = ("--lora-rank", "2", "--lora-target-modules", "all-linear", "--swiglu", "--disable-bias-linear")
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": stage, "reduce_bucket_size": 50000,
-                                                      "stage3_param_persistence_threshold": 1000}}))
+    path = _small_buckets_config(tmp_path, stage)
     measured = run_on_ranks(_deepspeed_state_bytes, 2, stage, str(path), lora)[0]
     run = build_run_config(build_parser().parse_args(TINY + list(lora)), 2, 100)
     plan = memory.MemoryPlan(run.model, dp=2, zero=memory.ZeroSettings(stage=stage, dp=2, persistence_threshold=1000))
@@ -122,9 +128,7 @@ def test_dsa_state_bytes_leave_out_the_frozen_indexer_as_deepspeed_does(stage, t
     dsa = ("--multi-latent-attention", "--qk-layernorm", "--position-embedding-type", "rope", "--q-lora-rank", "16",
            "--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "4", "--dsa-indexer-head-dim", "72",
            "--swiglu", "--disable-bias-linear")
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": stage, "reduce_bucket_size": 50000,
-                                                      "stage3_param_persistence_threshold": 1000}}))
+    path = _small_buckets_config(tmp_path, stage)
     measured = run_on_ranks(_deepspeed_state_bytes, 2, stage, str(path), dsa)[0]
     run = build_run_config(build_parser().parse_args(TINY + list(dsa)), 2, 100)
     plan = memory.MemoryPlan(run.model, dp=2, zero=memory.ZeroSettings(stage=stage, dp=2, persistence_threshold=1000))

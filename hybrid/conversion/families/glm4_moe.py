@@ -8,7 +8,7 @@ import dataclasses
 from hybrid.conversion.families.llama import LlamaAdapter
 from hybrid.conversion.families.moe import DEEPSEEK_EXPERTS, deepseek_moe_config, deepseek_moe_fields, \
     deepseek_moe_wanted
-from hybrid.conversion.families.options import rope_of
+from hybrid.conversion.families.options import partial_rotary_percent
 from hybrid.model.config import ModelConfig
 
 
@@ -40,15 +40,9 @@ class Glm4MoeAdapter(LlamaAdapter):
         self.qkv_bias, self.qk_norm = config.add_qkv_bias, config.qk_layernorm  # either way, as the config says
 
     @classmethod
-    def _rope(cls, hf):
-        return rope_of(hf, partial=True)
-
-    @classmethod
     def config_from_hf(cls, hf):
-        params = getattr(hf, "rope_parameters", None) or {}
-        percent = float(params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) or 1.0)
         return dataclasses.replace(super().config_from_hf(hf), add_qkv_bias=bool(hf.attention_bias),
-                        qk_layernorm=bool(hf.use_qk_norm), rotary_percent=percent)
+                                   qk_layernorm=bool(hf.use_qk_norm), rotary_percent=partial_rotary_percent(hf))
 
     def family_fields(self):
         c = self.config

@@ -95,7 +95,7 @@ class LlamaAdapter(Adapter):
 
     @classmethod
     def _rope(cls, hf) -> tuple:
-        return rope_of(hf)
+        return rope_of(hf, partial=cls.partial_rotary)
 
     @classmethod
     def _window(cls, hf, name: str):

@@ -10,7 +10,7 @@ import dataclasses
 from hybrid.conversion.families.adapter import refuse
 from hybrid.conversion.families.llama import LlamaAdapter
 from hybrid.conversion.families.moe import ExpertLayout
-from hybrid.conversion.families.options import rope_of
+from hybrid.conversion.families.options import partial_rotary_percent
 
 MINIMAX_EXPERTS = ExpertLayout(block="block_sparse_moe", expert_names=("w1", "w3", "w2"), sigmoid_routing=True,
                                score_bias="e_score_correction_bias")
@@ -29,14 +29,9 @@ class MiniMaxM2Adapter(LlamaAdapter):
     experts = MINIMAX_EXPERTS
 
     @classmethod
-    def _rope(cls, hf):
-        return rope_of(hf, partial=True)
-
-    @classmethod
     def config_from_hf(cls, hf):
-        params = getattr(hf, "rope_parameters", None) or {}
         return dataclasses.replace(super().config_from_hf(hf), qk_norm_across_heads=True,
-                                   rotary_percent=float(params.get("partial_rotary_factor", 1.0) or 1.0))
+                                   rotary_percent=partial_rotary_percent(hf))
 
     @classmethod
     def moe_config(cls, hf, config):

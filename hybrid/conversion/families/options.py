@@ -52,6 +52,13 @@ def rope_of(hf, params: dict | None = None, partial: bool = False) -> tuple[floa
     return float(theta), {"rope_type": kind, **{k: params[k] for k in keys if k in params}}
 
 
+def partial_rotary_percent(hf) -> float:
+    """The share of each head rope rotates (`partial_rotary_factor` in rope_parameters or on the config; 1 without):
+    --rotary-percent."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    return float(params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) or 1.0)
+
+
 def yarn_of(hf, params: dict) -> dict:
     """transformers' YaRN fields with its defaults written out (factor: the context's growth; betas 32 and 1;
     truncate True is left out), so that equal settings give equal configs (architecture.yarn_scaling's form)."""
