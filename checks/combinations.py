@@ -46,6 +46,10 @@ class Feature:
     paired: bool = True  # in the sweep's singles and pairs (False: only in the triples that name it)
 
 
+GEMMA4 = ("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--geglu", "--scale-embeddings",
+          "--qk-layernorm", "--sandwich-norms", "--window-size", "2,0", "--window-attn-skip-freq", 2,
+          "--local-rotary-base", 10000, "--rotary-proportional-percent", 0.25, "--softmax-scale", 1, "--kv-channels", 8,
+          "--global-kv-channels", 16, "--v-norm", "--final-logit-softcapping", 5, "--layer-scalars", "0.9,1.1,0.8,1.2")
 FEATURES = {
     "dp2": Feature((), 2, group="dp"),
     "tp2": Feature(("--tensor-model-parallel-size", 2), 2, group="tp"),
@@ -102,6 +106,15 @@ FEATURES = {
     # Mistral 4's query temperature past 8 positions (each CP rank's positions its own), in triples
     "query_temperature": Feature(("--position-embedding-type", "rope", "--llama-4-scaling-beta", 0.3,
                                   "--llama-4-scaling-length", 8), kind="model", paired=False),
+    # Gemma 4's (31B form): windowed layers (3) and full ones with heads of 16 (windowed: 8) and 4 KV heads (2) whose
+    # keys are the values, values normed, proportional rope on the full layers, unscaled scores, layer scalars,
+    # soft-capped logits
+    "gemma4": Feature(GEMMA4 + ("--group-query-attention", "--num-query-groups", 2, "--global-num-query-groups", 4,
+                                "--attention-k-eq-v"), kind="model", group="family"),
+    # its E2B/E4B form: per-layer inputs (4 features per layer), the last 2 layers attending with layers 0's and 1's
+    # keys and values, their MLPs twice as wide (pipelines and full recompute refused by the table), in triples
+    "gemma4_e": Feature(GEMMA4 + ("--per-layer-input-size", 4, "--num-kv-shared-layers", 2,
+                                  "--double-wide-shared-mlp"), kind="model", group="family", paired=False),
     "mtp": Feature(("--position-embedding-type", "rope", "--mtp-num-layers", 1, "--mtp-loss-scaling-factor", 0.3),
                    kind="model"),  # (rope: the depths see positions as rope does)
     "window": Feature(("--window-size", "4,0"), kind="model"),
@@ -154,6 +167,11 @@ TRIPLES += [("tp2_sp", "pp2", "dsa"), ("ep2", "tp2_sp", "dsa"), ("dp2", "zero3",
             ("pp2", "mla", "query_temperature"), ("cp2", "documents", "query_temperature"),
             ("tp2_sp", "pp2", "dsa_shared"), ("dp2", "zero3", "dsa_shared"), ("ep2", "pp2", "dsa_shared"),
             ("dp2", "pp2_zbv", "dsa_shared"), ("compile", "dsa_shared")]
+# Gemma 4's E2B/E4B form: its per-layer inputs and KV-sharing layers under TP + SP, the sequence split and ZeRO-3;
+# a pipeline and full recompute refused by the table
+TRIPLES += [("tp2_sp", "dp2", "gemma4_e"), ("cp2", "tp2_sp", "gemma4_e"), ("dp2", "zero3", "gemma4_e"),
+            ("ulysses2", "gemma4_e"), ("recompute_selective", "gemma4_e"), ("pp2", "gemma4_e"),
+            ("recompute_full", "gemma4_e"), ("dp2", "offload", "gemma4_e")]
 MAX_RANKS = 8  # (the pairs need at most 4; one triple TP 2 x PP 2 x DP 2)
 LOSS_TOL = {"fp32": 1e-5, "bf16": 2e-2}
 # what a passing cell proved: equal to a run it is not (one rank, or one rank with its model options), only its own

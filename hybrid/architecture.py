@@ -32,6 +32,12 @@ def _rope_scaling(args) -> Optional[dict]:
                             MLA_YARN_ORIGINAL_CONTEXT,
                             args.yarn_beta_fast, args.yarn_beta_slow, args.mscale, args.mscale_all_dim,
                             args.yarn_correction_range_round_to_int)
+    if args.rotary_proportional_percent is not None:
+        if args.use_rope_scaling or args.rotary_seq_len_interpolation_factor:
+            raise ConfigError("--rotary-proportional-percent and --use-rope-scaling / "
+                              "--rotary-seq-len-interpolation-factor are two rope scalings; give one.")
+        return {"rope_type": "proportional", "partial_rotary_factor": args.rotary_proportional_percent,
+                "factor": 1.0}
     if args.use_rope_scaling and args.rotary_seq_len_interpolation_factor:
         raise ConfigError("--use-rope-scaling (llama3) and --rotary-seq-len-interpolation-factor (linear) are two "
                           "rope scalings; give one.")
@@ -80,6 +86,11 @@ def architecture_from_flags(args, vocab_size: int) -> ModelConfig:
         apply_layernorm_1p=args.apply_layernorm_1p, geglu=args.geglu, scale_embeddings=args.scale_embeddings,
         window_attn_skip_freq=args.window_attn_skip_freq, local_rotary_base=args.local_rotary_base,
         softmax_scale=args.softmax_scale, sandwich_norms=args.sandwich_norms,
+        global_kv_channels=args.global_kv_channels, global_num_query_groups=args.global_num_query_groups,
+        attention_k_eq_v=args.attention_k_eq_v, v_norm=args.v_norm,
+        final_logit_softcapping=args.final_logit_softcapping, layer_scalars=args.layer_scalars,
+        per_layer_input_size=args.per_layer_input_size, kv_shared_layers=args.num_kv_shared_layers,
+        double_wide_shared_mlp=args.double_wide_shared_mlp,
         attention_sinks=args.softmax_type == "learnable", quick_geglu=args.quick_geglu,
         glu_linear_offset=args.glu_linear_offset, activation_func_clamp_value=args.activation_func_clamp_value,
         **_mla_fields(args), **_moe_fields(args))

@@ -72,6 +72,9 @@ class Setup:
     dsa: bool = False  # --experimental-attention-variant dsa (DeepSeek sparse attention)
     dsa_shared: bool = False  # with GLM-5's index sharing (layers reusing an earlier layer's choice)
     dsa_sharing_split: Optional[bool] = None  # a sharing layer in another virtual stage than its source (None: unknown)
+    per_layer_inputs: bool = False  # --per-layer-input-size > 0 (Gemma 4 E2B/E4B)
+    kv_shared: bool = False  # --num-kv-shared-layers > 0 (Gemma 4 E2B/E4B)
+    kv_sharing_split: Optional[bool] = None  # a KV-sharing layer in another virtual stage than its source (None: n/a)
     mtp: bool = False  # --mtp-num-layers > 0 (from the flags or a --load-hf checkpoint's layers)
     lora: bool = False  # --lora-rank > 0 (or --load-lora's)
 
@@ -331,6 +334,28 @@ RULES = [
                    "sits in another (virtual) stage than that layer; choose --pipeline-partition, "
                    "--num-virtual-stages-per-pipeline-rank or --pipeline-schedule so that each sharing layer sits "
                    "with the layer before it that runs an indexer."),
+    Rule("per-layer-inputs-pipeline", "--per-layer-input-size with --pipeline-model-parallel-size > 1",
+         "the per-layer inputs are computed on the first stage from the tokens and their embeddings and read by every "
+         "layer; sending them to the other stages beside the hidden states is not built",
+         lambda s: s.per_layer_inputs and s.pp > 1,
+         lambda s: f"--pipeline-model-parallel-size {s.pp} with per-layer inputs (Gemma 4 E2B/E4B, "
+                   f"--per-layer-input-size): they are computed on the first stage and read by every layer, and a "
+                   f"pipeline would send them between stages, which is not built; use --pipeline-model-parallel-size "
+                   f"1 with TP, CP or DP/ZeRO."),
+    Rule("kv-share-recompute", "--recompute-granularity full with --num-kv-shared-layers",
+         "a sharing layer attends with the keys and values its source layer computed in the same pass; recomputed in "
+         "backward apart from its source it would read none, and its gradient would not reach the source",
+         lambda s: s.kv_shared and s.recompute == "full",
+         lambda s: "--recompute-granularity full with KV-sharing layers (Gemma 4 E2B/E4B, --num-kv-shared-layers): a "
+                   "recomputed sharing layer would not read its source layer's keys and values of the same pass; use "
+                   "--recompute-granularity selective or none."),
+    Rule("kv-share-stages", "--num-kv-shared-layers with a stage split between a sharing layer and its source",
+         "a sharing layer attends with the keys and values its source layer computed in the same pass of the same "
+         "virtual stage; passing them between stages is not built",
+         lambda s: s.kv_shared and s.kv_sharing_split is True,
+         lambda s: "KV sharing (Gemma 4 E2B/E4B, --num-kv-shared-layers) with this pipeline split: a sharing layer "
+                   "sits in another (virtual) stage than the layer whose keys and values it reads; choose "
+                   "--pipeline-partition so that they share a stage, or --pipeline-model-parallel-size 1."),
     Rule("dsa-universal", "--universal-checkpoint with --experimental-attention-variant dsa",
          "DSA's indexer is frozen, and DeepSpeed's universal conversion reads the optimizer's partitions, which do not "
          "hold it",

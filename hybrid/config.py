@@ -279,15 +279,18 @@ def _experts_on_every_stage(model: ModelConfig, dims: ParallelDims, pipeline: Pi
     return all(any(moe & set(p.layers) for p in plans if p.rank == rank) for rank in range(pp))
 
 
-def _dsa_sharing_split(model: ModelConfig, dims: ParallelDims, pipeline: PipelineSchedule) -> Optional[bool]:
-    """Whether the stage plan puts a layer sharing DSA's choice (GLM-5) in another virtual stage than its source; None
+def _sharing_split(model: ModelConfig, dims: ParallelDims, pipeline: PipelineSchedule, source_of) -> Optional[bool]:
+    """Whether the stage plan puts a layer that reads what another computed in the same pass (GLM-5's DSA choice:
+    `model.dsa_source`; Gemma 4's keys and values: `model.kv_source`) in another virtual stage than its source; None
     without a pipeline of such layers."""
-    if not model.dsa_index_share or dims.pipeline_parallel == 1:
+    if dims.pipeline_parallel == 1 or all(source_of(i) is None for i in range(model.num_layers)):
         return None
-    plans = plan_stages(model.num_layers, dims.pipeline_parallel, pipeline.virtual_stages, pipeline.schedule,
-                        pipeline.stage_layers)
-    return any(model.dsa_source(i) is not None and model.dsa_source(i) not in p.layers for p in plans
-               for i in p.layers)
+    try:
+        plans = plan_stages(model.num_layers, dims.pipeline_parallel, pipeline.virtual_stages, pipeline.schedule,
+                            pipeline.stage_layers)
+    except ConfigError:  # (a split the plan refuses: its own message comes after the table's rules)
+        return None
+    return any(source_of(i) is not None and source_of(i) not in p.layers for p in plans for i in p.layers)
 
 
 def _check_data_flags(args) -> None:
@@ -405,7 +408,10 @@ _CHECKPOINT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hid
                     "llama_4_scaling_beta", "llama_4_scaling_length", "window_size", "use_rope_scaling",
                     "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "apply_layernorm_1p", "geglu",
                     "scale_embeddings", "window_attn_skip_freq", "local_rotary_base", "softmax_scale", "sandwich_norms",
-                    "load_hf", "expert_model_parallel_size", *MOE_FLAGS)
+                    "global_kv_channels", "global_num_query_groups", "attention_k_eq_v", "v_norm",
+                    "rotary_proportional_percent", "final_logit_softcapping", "layer_scalars", "per_layer_input_size",
+                    "num_kv_shared_layers", "double_wide_shared_mlp", "load_hf",
+                    "expert_model_parallel_size", *MOE_FLAGS)
 
 
 def apply_checkpoint_args(args: argparse.Namespace, start: StartPlan) -> list[str]:
@@ -706,6 +712,9 @@ def _pipeline(args, model: ModelConfig, dims: ParallelDims) -> PipelineSchedule:
     """The schedule, its virtual stages and, with one stage per rank, each stage's layers (--pipeline-partition,
     divided as DeepSpeed's PipelineModule divided them: hybrid.memory.partition_layers)."""
     schedule, virtual = resolve_virtual_stages(args, model.num_layers, dims.pipeline_parallel)
+    # (before the partition, which a per-layer table would skew: the table's own reason first)
+    check(Setup(pp=dims.pipeline_parallel, per_layer_inputs=bool(model.per_layer_input_size)),
+          only=("per-layer-inputs-pipeline",))
     layers = None
     if dims.pipeline_parallel > 1 and virtual == 1:
         layers = partition_layers(model, dims.tensor_parallel, dims.pipeline_parallel, args.pipeline_partition)
@@ -724,14 +733,16 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path
                 ulysses=dims.ulysses, attention_dropout=model.attention_dropout > 0,
                 experts=bool(model.num_experts),
                 ep=dims.expert_parallel, sequence_parallel=model.sequence_parallel, seq_length=args.seq_length,
-                heads_per_tp=model.num_attention_heads // tp, groups_per_tp=model.num_query_groups // tp,
+                heads_per_tp=model.num_attention_heads // tp, groups_per_tp=model.common_query_groups // tp,
                 experts_on_every_stage=_experts_on_every_stage(model, dims, pipeline),
                 fp8=fp8_recipe(args), fp8_param_gather=args.fp8_param_gather,
                 cpu_offloading=dsc.cpu_offloading(args, ds), dpo=bool(args.dpo),
                 dpo_precomputed=bool(args.dpo and args.dpo_reference_logps), grpo=bool(args.grpo),
                 grpo_kl=bool(args.grpo and args.grpo_beta > 0), mla=model.multi_latent_attention,
                 dsa=model.dsa_indexer_topk is not None, dsa_shared=bool(model.dsa_index_share),
-                dsa_sharing_split=_dsa_sharing_split(model, dims, pipeline),
+                dsa_sharing_split=_sharing_split(model, dims, pipeline, model.dsa_source),
+                per_layer_inputs=bool(model.per_layer_input_size), kv_shared=bool(model.kv_shared_layers),
+                kv_sharing_split=_sharing_split(model, dims, pipeline, model.kv_source),
                 mtp=bool(model.mtp_num_layers), lora=bool(model.lora_rank),
                 moe_capacity=bool(model.num_experts and model.moe_expert_capacity_factor is not None),
                 fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds), optimizer=args.optimizer or "adam",

@@ -63,7 +63,8 @@ def _setup(plan: MemoryPlan):
                  documents=model.splits_documents,
                  torch_compile=plan.torch_compile, experts=bool(model.num_experts), ep=plan.ep,
                  sequence_parallel=model.sequence_parallel, seq_length=plan.seq_length,
-                 heads_per_tp=model.num_attention_heads // plan.tp, groups_per_tp=model.num_query_groups // plan.tp,
+                 heads_per_tp=model.num_attention_heads // plan.tp, groups_per_tp=model.common_query_groups // plan.tp,
+                 per_layer_inputs=bool(model.per_layer_input_size), kv_shared=bool(model.kv_shared_layers),
                  # --dpo without precomputed values (with them nothing is refused)
                  dpo=plan.reference_model, optimizer="muon" if plan.muon else "adam")
 

@@ -88,6 +88,31 @@ def _add_network_size_args(p):
                    help="attention scores times this (default 1/sqrt(head dim); Gemma 3: query_pre_attn_scalar^-0.5)")
     g.add_argument("--sandwich-norms", action="store_true",
                    help="a norm on the attention's and on the MLP's output too, before each residual (Gemma 2/3)")
+    g.add_argument("--global-kv-channels", type=int, default=None,
+                   help="the full-attention layers' head size where not --kv-channels (Gemma 4's global_head_dim)")
+    g.add_argument("--global-num-query-groups", type=int, default=None,
+                   help="the full-attention layers' KV heads where not --num-query-groups (Gemma 4's "
+                        "num_global_key_value_heads)")
+    g.add_argument("--attention-k-eq-v", action="store_true",
+                   help="the full-attention layers' keys serve as their values: no value projection (Gemma 4)")
+    g.add_argument("--v-norm", action="store_true",
+                   help="each value head RMS-normed without a weight (Gemma 4)")
+    g.add_argument("--rotary-proportional-percent", type=float, default=None, metavar="P",
+                   help="proportional rope on the full-attention layers: the first P of each head's frequencies "
+                        "turn, the other feature pairs pass unrotated (Gemma 4: 0.25)")
+    g.add_argument("--final-logit-softcapping", type=float, default=None, metavar="C",
+                   help="logits -> C tanh(logits / C) (Gemma 2 and 4's final_logit_softcapping)")
+    g.add_argument("--layer-scalars", type=_floats, default=None, metavar="LIST",
+                   help="each layer's output times this constant, one per layer, comma-separated (Gemma 4's "
+                        "layer_scalar; --load-hf reads them from the checkpoint)")
+    g.add_argument("--per-layer-input-size", type=int, default=0, metavar="P",
+                   help="per-layer inputs (Gemma 4 E2B/E4B's hidden_size_per_layer_input): a table of P features per "
+                        "layer and token plus a projection of the embeddings, gated into each layer's output")
+    g.add_argument("--num-kv-shared-layers", type=int, default=0, metavar="N",
+                   help="the last N layers attend with the keys and values of the last earlier layer of their kind "
+                        "(windowed or full) and project queries only (Gemma 4 E2B/E4B)")
+    g.add_argument("--double-wide-shared-mlp", action="store_true",
+                   help="with --num-kv-shared-layers: those layers' MLPs twice --ffn-hidden-size wide (Gemma 4)")
     g.add_argument("--use-rope-scaling", action="store_true",
                    help="Llama 3.1+ rope scaling (low/high frequency factors 1/4, original length 8192)")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling (Llama 3.2: 32)")
@@ -304,6 +329,14 @@ def add_fp8_flags(g) -> None:
                         "transformer layers out of FP8")
     g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
     g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
+
+
+def _floats(text: str) -> tuple:
+    """A comma-separated list of numbers (--layer-scalars)."""
+    try:
+        return tuple(float(x) for x in text.strip("[]() ").split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
 
 
 def _window_skip_freq(text: str):

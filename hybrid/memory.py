@@ -313,6 +313,7 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
     input of each column-parallel linear, the QKV output, attention output, MLP activations,
     dropout masks); style "megatron": Korthikanti et al.'s accounting (every tensor a shard
     under SP, Q and K saved apart from the QKV input)."""
+    config = config.layer_config(layer)  # (Gemma 4: a full layer's own head size and KV heads, a wider MLP)
     s, b, h, t = act.seq_length // (act.cp * act.ulysses), act.micro_batch, config.hidden_size, act.tp
     e, m = _BYTES[act.precision], act.mask_bytes
     sp = act.sequence_parallel and t > 1
@@ -351,6 +352,8 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
         total += e * s * b * (3 * f if config.gated_linear_unit else 2 * f)
     if dropout:
         total += 2 * m * shard  # the two residual dropout masks
+    if config.per_layer_input_size and layer < config.num_layers:  # Gemma 4's per-layer gate (hybrid.model.per_layer):
+        total += e * (shard // h) * 3 * config.per_layer_input_size + norm  # gate out, GeLU out, product; its norm
     return total
 
 
@@ -765,6 +768,9 @@ def _embedding_and_head_bytes(config: ModelConfig, act: ActivationSettings, firs
     total = 0
     if first:
         total += e * shard + (act.mask_bytes * shard if config.hidden_dropout > 0 else 0)
+        if config.per_layer_input_size:  # Gemma 4's per-layer inputs, read by every layer, and their projection
+            width = config.per_layer_input_size * config.num_layers
+            total += e * (shard // h) * width + 2 * e * s * b * width
     if last:
         vocab = config.padded_vocab_size(t) // t
         depths = 1 + (config.mtp_num_layers or 0)  # multi-token prediction: each depth's hidden and logits, and

@@ -36,6 +36,30 @@ FAMILY_CONFIGS = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
         query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh")),
+    # Gemma 4 (its 31B's form): plain-weight norms, unscaled scores, normed values, window-6 layers 0, 2 and full
+    # layers 1, 3 with head 32 (sliding: 16) and 4 KV heads (sliding: 2) whose keys are the values, proportional rope (a
+    # quarter of the full layers' frequencies turn), soft-capped logits (small: the cap bites), untied; the
+    # `layer_scalar` buffers perturbed as every saved buffer is
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=4, attention_k_eq_v=True,
+        hidden_size_per_layer_input=0, num_kv_shared_layers=0, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2, final_logit_softcapping=2.0,
+        rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        pad_token_id=0, hidden_activation="gelu_pytorch_tanh")),
+    # Gemma 4's E2B/E4B form: per-layer inputs (8 features per layer and token), the last 2 layers attending with
+    # the keys and values of layers 0 (windowed) and 1 (full), their MLPs twice as wide; values projected, the full
+    # layers' head 32 (sliding: 16); tied
+    "gemma4_e": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, attention_k_eq_v=False, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB_SIZE, num_kv_shared_layers=2, use_double_wide_mlp=True,
+        tie_word_embeddings=True, rms_norm_eps=1e-6, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"] * 2, final_logit_softcapping=2.0,
+        rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        pad_token_id=0, hidden_activation="gelu_pytorch_tanh")),
 }
 DENSE = list(FAMILY_CONFIGS)
 # mixtures of experts: 4 experts, top-2, each family's own routing and layer choice
@@ -115,7 +139,7 @@ MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss"
        "deepseek_v32", "glm_moe_dsa"]
 FAMILIES = DENSE + MOE
 RECORDED = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma": "gemma",
-            "gemma3": "gemma3",
+            "gemma3": "gemma3", "gemma4": "gemma4", "gemma4_e": "gemma4",
             "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe",
             "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss", "mistral4": "mistral4",
             "minimax_m2": "minimax_m2", "deepseek_v32": "deepseek_v32",

@@ -27,7 +27,8 @@ DISTINCTIVE = {"llama3": dict(rope_scaling=None), "qwen2": dict(add_qkv_bias=Fal
                "gpt_oss": dict(activation_func_clamp_value=None),
                "mistral4": dict(llama_4_scaling_beta=None, llama_4_scaling_length=None),
                "minimax_m2": dict(qk_layernorm=False, qk_norm_across_heads=False),
-               "deepseek_v32": dict(dsa_indexer_topk=None), "glm_moe_dsa": dict(dsa_index_share=[0, 1, 1, 1])}
+               "deepseek_v32": dict(dsa_indexer_topk=None), "glm_moe_dsa": dict(dsa_index_share=[0, 1, 1, 1]),
+               "gemma4": dict(v_norm=False), "gemma4_e": dict(per_layer_input_size=0)}
 # config.json fields that must survive import -> training -> export (what changes the model)
 KEPT_FIELDS = ("architectures", "layer_types", "query_pre_attn_scalar", "hidden_size", "intermediate_size",
                "num_hidden_layers", "num_attention_heads",
@@ -38,7 +39,9 @@ KEPT_FIELDS = ("architectures", "layer_types", "query_pre_attn_scalar", "hidden_
                "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
                "use_qk_norm", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                "rope_interleave", "num_local_experts", "swiglu_limit", "swiglu_alpha", "index_topk", "index_n_heads",
-               "index_head_dim", "mlp_layer_types", "layer_types", "indexer_types")
+               "index_head_dim", "mlp_layer_types", "layer_types", "indexer_types", "per_layer_config",
+               "attention_k_eq_v", "final_logit_softcapping", "hidden_size_per_layer_input", "num_kv_shared_layers",
+               "enable_moe_block")
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +152,16 @@ FAMILY_FLAGS = {
                "--qk-layernorm", "--sandwich-norms", "--window-size", "7,0", "--window-attn-skip-freq", 3,
                "--rotary-base", 1000000, "--rotary-seq-len-interpolation-factor", 4, "--local-rotary-base", 10000,
                "--softmax-scale", 24 ** -0.5, "--norm-epsilon", 1e-6],
+    "gemma4": ["--geglu", "--num-query-groups", 2, "--kv-channels", 16, "--scale-embeddings", "--qk-layernorm",
+               "--sandwich-norms", "--window-size", "5,0", "--window-attn-skip-freq", 2, "--rotary-base", 1000000,
+               "--rotary-proportional-percent", 0.25, "--local-rotary-base", 10000, "--softmax-scale", 1,
+               "--global-kv-channels", 32, "--global-num-query-groups", 4, "--attention-k-eq-v", "--v-norm",
+               "--final-logit-softcapping", 2, "--untie-embeddings-and-output-weights", "--norm-epsilon", 1e-6],
+    "gemma4_e": ["--geglu", "--num-query-groups", 2, "--kv-channels", 16, "--scale-embeddings", "--qk-layernorm",
+                 "--sandwich-norms", "--window-size", "5,0", "--window-attn-skip-freq", 2, "--rotary-base", 1000000,
+                 "--rotary-proportional-percent", 0.25, "--local-rotary-base", 10000, "--softmax-scale", 1,
+                 "--global-kv-channels", 32, "--v-norm", "--final-logit-softcapping", 2, "--per-layer-input-size", 8,
+                 "--num-kv-shared-layers", 2, "--double-wide-shared-mlp", "--norm-epsilon", 1e-6],
     "mixtral": ["--swiglu", "--num-query-groups", 2, "--window-size", "7,0", "--untie-embeddings-and-output-weights",
                 "--rotary-base", 1000000,
                 "--norm-epsilon", 1e-5, "--num-experts", 4, "--moe-router-topk", 2, "--moe-ffn-hidden-size", 64],
@@ -234,7 +247,8 @@ def test_family_flags_build_the_imported_architecture_and_dry_run_counts_its_par
     make_family(family, tmp_path, tokenizer=False, **overrides)
     imported = read_hf_config(str(tmp_path))
     common = [f for f in COMMON_FLAGS if not (family == "gpt_oss" and f == "--disable-bias-linear")]  # (biased)
-    args = build_parser().parse_args([str(f) for f in common + FAMILY_FLAGS[family]])
+    scalars = ["--layer-scalars", ",".join(map(repr, imported.layer_scalars))] if imported.layer_scalars else []
+    args = build_parser().parse_args([str(f) for f in common + FAMILY_FLAGS[family] + scalars])
     from hybrid.megatron_compat import check_compat
     check_compat(args)
     flagged = architecture_from_flags(args, 8192)
@@ -319,6 +333,12 @@ def test_rope_scaling_frequencies_equal_transformers():
                                                    "llama_4_scaling_beta": 0.1}}, "rope_type='default'"),
     ("minimax_m2", "router_jitter_noise", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
     ("minimax_m2", "num_experts_per_tok", {"num_experts_per_tok": 1}, "num_experts_per_tok=1"),
+    ("gemma4_e", "vocab_size_per_layer_input", {"vocab_size_per_layer_input": 4096}, "vocab_size_per_layer_input=4096"),
+    ("gemma4", "enable_moe_block", {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                                    "moe_intermediate_size": 16}, "enable_moe_block=True"),
+    ("gemma4", "rope_type", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                 "sliding_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 1e4}}}, "rope_type='linear'"),
 ])
 def test_unsupported_config_field_is_one_message_naming_it(family, field, fields, message, tmp_path):
     make_family(family, tmp_path, tokenizer=False, **fields)
@@ -348,11 +368,12 @@ TRAIN = ["--seq-length", 32, "--micro-batch-size", 2, "--global-batch-size", 8, 
 
 
 # launched for Llama 3, Gemma 3, MiniMax-M2 (whose Q/K norms across heads sum their statistics over TP, forward
-# and backward) and DeepSeek-V3.2 (its frozen indexer under SP and a pipeline) (the suite's time; qwen2, qwen3,
+# and backward), DeepSeek-V3.2 (its frozen indexer under SP and a pipeline) and Gemma 4 (its full layers' own head
+# size and KV heads split over TP, layer scalars in the run's config) (the suite's time; qwen2, qwen3,
 # mistral and gemma passed it too): their import, export and resharding are proved in-process above, the MoE
 # families' launched evaluations are in tests/test_moe.py
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama3", "gemma3", "minimax_m2", "deepseek_v32"])
+@pytest.mark.parametrize("family", ["llama3", "gemma3", "minimax_m2", "deepseek_v32", "gemma4"])
 def test_load_hf_trains_at_tp2_pp2_sp_as_at_one_rank_evaluates_to_transformers_and_exports_its_family(
         family, hf_models, data, tmp_path):
     from safetensors.torch import load_file
@@ -393,11 +414,13 @@ def test_load_hf_trains_at_tp2_pp2_sp_as_at_one_rank_evaluates_to_transformers_a
 
 
 @pytest.mark.slow
-def test_gemma3_with_windowed_layers_evaluates_to_transformers_loss_at_cp2(hf_models, data, tmp_path):
-    """Gemma 3's windowed (8) and full layers, each kind its own rope, at CP 2 (the ring, its blocks masked to the
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_gemma_with_windowed_layers_evaluates_to_transformers_loss_at_cp2(family, hf_models, data, tmp_path):
+    """Gemma 3's windowed (8) and full layers, each kind its own rope, and Gemma 4's (window 6; its full layers with
+    their own head size and KV heads, keys as values, soft-capped logits) at CP 2 (the ring, its blocks masked to the
     window, chunks of 8 over 32 positions): launch/evaluate.py gives transformers' loss on the same windows."""
     from tests.test_moe import assert_evaluation_is_transformers_loss
-    path, hf = hf_models["gemma3"]
+    path, hf = hf_models[family]
     assert_evaluation_is_transformers_loss(path, hf, data, tmp_path, [("--context-parallel-size", 2)])
 
 

@@ -142,7 +142,8 @@ def _generate_on_rank(path: str, tp: int, pp: int, ep: int, sp: bool, batch: lis
 @pytest.mark.parametrize("family,tp,pp,ep,sp", [("llama3", 2, 1, 1, True), ("qwen3", 1, 2, 1, False),
                                                 ("mistral", 2, 1, 1, False), ("mixtral", 1, 1, 2, False),
                                                 ("qwen3_moe", 2, 1, 1, True), ("deepseek_v3", 2, 1, 1, True),
-                                                ("deepseek_v32", 2, 1, 1, True), ("glm_moe_dsa", 1, 2, 1, False)])
+                                                ("deepseek_v32", 2, 1, 1, True), ("glm_moe_dsa", 1, 2, 1, False),
+                                                ("gemma4", 2, 1, 1, True), ("gemma4_e", 2, 1, 1, True)])
 def test_greedy_at_tp2_sp_pp2_ep2_equals_transformers_and_sampling_equals_one_rank(family, tp, pp, ep, sp,
                                                                                    hf_models):
     from hybrid.model.generate import SamplingOptions, generate

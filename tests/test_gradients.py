@@ -291,9 +291,10 @@ def family_models(tmp_path_factory):
 @pytest.mark.parametrize("family,layout", [
     (family, layout) for family in ["gpt2", "llama3", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "mixtral",
                                     "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "mistral4",
-                                    "minimax_m2", "deepseek_v32", "glm_moe_dsa"]
+                                    "minimax_m2", "deepseek_v32", "glm_moe_dsa", "gemma4"]
      for layout in ("tp2_sp", "pp2")]
-    + [("llama3", "cp2"), ("glm4_moe", "cp2"), ("deepseek_v3", "cp2"), ("gemma3", "cp2"), ("gpt_oss", "cp2")])
+    + [("llama3", "cp2"), ("glm4_moe", "cp2"), ("deepseek_v3", "cp2"), ("gemma3", "cp2"), ("gpt_oss", "cp2"),
+       ("gemma4", "cp2"), ("gemma4_e", "tp2_sp"), ("gemma4_e", "cp2")])
 def test_family_gradients_at_tp2_sp_and_pp2_equal_transformers_backward(family, layout, family_models, tmp_path):
     """One backward of each imported family, TP 2 + SP or PP 2 (DeepSpeed's engine), against transformers'
     own backward on the same batch: the loss and every parameter's gradient (the TP shards joined); CP 2 (the
@@ -301,8 +302,10 @@ def test_family_gradients_at_tp2_sp_and_pp2_equal_transformers_backward(family, 
     value heads smaller than its query/key heads (DeepSeek-V3), and sliding windows (Gemma 3; GPT-OSS with its sinks:
     windows of 8 over 16 positions in chunks of 4). Mistral 4's query temperature and MiniMax-M2's Q/K norms across
     heads (their statistics summed over TP) included, and DeepSeek-V3.2's sparse attention (top 8 of 16 keys; its
-    indexer frozen, as transformers runs it without gradient), and GLM-5's index sharing (each stage of PP 2 holding a
-    sharing layer and its source)."""
+    indexer frozen, as transformers runs it without gradient), GLM-5's index sharing (each stage of PP 2 holding a
+    sharing layer and its source), and Gemma 4's full layers with their own head size and KV heads, keys as values,
+    proportional rope, layer scalars and soft-capped logits (also at CP 2: windows of 6 over 16 positions), and its
+    E2B/E4B form's per-layer inputs and KV-sharing layers (PP refused for them: capability rules)."""
     from tests.model_harness import assemble_grads, compare_grads
     from checks.rank_pool import run_on_ranks
     if family == "gpt2":

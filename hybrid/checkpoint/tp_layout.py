@@ -60,8 +60,30 @@ def full_numels(config: ModelConfig) -> dict[str, int]:
     """Canonical name -> elements of the whole (unsharded) parameter, vocabulary tables at `config.vocab_size`
     rows (no padding), for every parameter of tp_layout. What the checkpoint readers check a joined tensor
     against (a missing TP shard shows as a tensor of half the size) and what the memory estimate counts."""
+    shapes = {}
+    out = {}
+    for key, rule in tp_layout(config).items():
+        name = key
+        if name.startswith("mtp."):  # multi-token prediction: a layer of the last decoder layer's kind, norms, eh_proj
+            depth, part = name[len("mtp."):].split(".", 1)
+            if not part.startswith("layer."):
+                out[key] = 2 * config.hidden_size ** 2 if part.startswith("eh_proj.") else config.hidden_size
+                continue
+            name = f"layers.{config.num_layers + int(depth)}.{part[len('layer.'):]}"  # counted as that layer's
+        index = int(name.split(".")[1]) if name.startswith("layers.") else None
+        if index not in shapes:  # (Gemma 4: a full-attention layer's own head size and KV heads, a sharing layer's)
+            layer = config if index is None else config.layer_config(index)
+            shapes[index] = (layer, _shapes(layer, index is not None and config.kv_source(index) is not None))
+        out[key] = _numel(name, rule, shapes[index][0], *shapes[index][1])
+    return out
+
+
+def _shapes(config: ModelConfig, reader: bool = False) -> tuple:
+    """(rows, inputs, norms) of the layer parameters of a model with this config (`reader`: of a layer reading
+    another's keys and values, whose projection makes queries only)."""
     h, d = config.hidden_size, config.head_dim
-    rows = {"attention.qkv": (config.num_attention_heads + 2 * config.num_query_groups) * d, "attention.dense": h,
+    values = 0 if reader else 1 if config.attention_k_eq_v else 2
+    rows = {"attention.qkv": (config.num_attention_heads + values * config.num_query_groups) * d, "attention.dense": h,
             "mlp.fc1": config.ffn_hidden_size * (2 if config.gated_linear_unit else 1), "mlp.fc2": h}
     inputs = {"attention.qkv": h, "attention.dense": config.num_attention_heads * config.value_head_dim, "mlp.fc1": h,
               "mlp.fc2": config.ffn_hidden_size}
@@ -76,17 +98,7 @@ def full_numels(config: ModelConfig) -> dict[str, int]:
         inputs.update({"attention.q": h, "attention.q_down": h, "attention.q_up": q_rank, "attention.kv_down": h,
                        "attention.kv_up": kv_rank})
         norms.update(q_down_norm=q_rank, kv_down_norm=kv_rank)
-    out = {}
-    for key, rule in tp_layout(config).items():
-        name = key
-        if name.startswith("mtp."):  # multi-token prediction: a layer of the last decoder layer's kind, norms, eh_proj
-            depth, part = name[len("mtp."):].split(".", 1)
-            if not part.startswith("layer."):
-                out[key] = 2 * h * h if part.startswith("eh_proj.") else h
-                continue
-            name = f"layers.{config.num_layers + int(depth)}.{part[len('layer.'):]}"  # counted as that layer's
-        out[key] = _numel(name, rule, config, rows, inputs, norms)
-    return out
+    return rows, inputs, norms
 
 
 def _numel(name: str, rule, config: ModelConfig, rows: dict, inputs: dict, norms: dict) -> int:
@@ -95,6 +107,12 @@ def _numel(name: str, rule, config: ModelConfig, rows: dict, inputs: dict, norms
     if lora.is_adapter(name):
         rows, columns = lora.adapter_shapes(config)[name]
         return rows * columns
+    if ".per_layer." in name:  # Gemma 4's per-layer inputs (hybrid.model.per_layer)
+        size, width = config.per_layer_input_size, config.per_layer_input_size * config.num_layers
+        part = name.split(".per_layer.", 1)[1]
+        if name.startswith("embedding."):
+            return {"table.weight": config.vocab_size * width, "projection": width * h, "norm.weight": size}[part]
+        return {"gate": size * h, "up": h * size, "norm.weight": h, "norm.bias": h}[part]
     if rule.vocab_padded:
         return config.vocab_size * h
     if name == "embedding.position_embeddings.weight":

@@ -10,6 +10,7 @@ Modules:
   rotary          rotary position embedding (rotate-half)
   norms           LayerNorm and RMSNorm exact under sequence parallelism, and Q/K norms across heads
   embedding       the input embedding and the output head
+  per_layer       Gemma 4's per-layer inputs: the embedding side and each layer's gate
   sequence        each token's document and position
   flash           flash-attn where installed and usable
   sinks           attention sinks (GPT-OSS)

@@ -228,6 +228,13 @@ def windowed_attention(q, k, v, window: int, dropout: float, scale: float, block
     return blocked_attention(q, k, v, window, dropout, scale, block)
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / RMS(x) over the last dimension, in fp32, without a weight (--v-norm; transformers' Gemma4RMSNorm with
+    with_scale=False)."""
+    x32 = x.float()
+    return (x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + eps, -0.5)).type_as(x)
+
+
 class SelfAttention(nn.Module):
     """Fused QKV projection, optional RoPE, core attention, output projection: one TP all-reduce."""
 
@@ -235,13 +242,21 @@ class SelfAttention(nn.Module):
         super().__init__()
         groups = as_groups(groups)
         tp = groups.tp_size
+        config = config.layer_config(layer_number)  # (Gemma 4: the full layers' own head size and KV heads)
         self.config = config
         self.layer_number = layer_number
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.head_dim = config.head_dim
-        qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * config.head_dim
+        self.values = not config.attention_k_eq_v  # --attention-k-eq-v: the keys serve as values
+        # --num-kv-shared-layers (Gemma 4): a sharing layer attends with the keys and values its source layer computed
+        # in the same pass (linked by hybrid.model.virtual_stages), and projects queries only
+        self.reads_kv = config.kv_source(layer_number) is not None
+        self.kv_readers, self.last_reader, self.shared_kv = 0, False, None
+        keys = 0 if self.reads_kv else 2 if self.values else 1
+        qkv_size = (config.num_attention_heads + keys * config.num_query_groups) * config.head_dim
         d = config.head_dim  # a rank's QKV rows: per KV group its query heads (q), its key (k), its value (v)
-        projections = [(0, self.heads_per_group * d), (1, d), (2, d)] * (config.num_query_groups // tp)
+        projections = ([(0, self.heads_per_group * d)] + [(1, d)] * (keys > 0) + [(2, d)] * (keys > 1)) * \
+            (config.num_query_groups // tp)
         self.qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, groups,
             normal_init(config.seed, f"{name}.qkv.weight", config.init_method_std),
@@ -251,7 +266,8 @@ class SelfAttention(nn.Module):
         # per-head norms of Q and K (Qwen3): each TP rank normalises its own heads, so their
         # replicated weights get partial gradients, summed over TP
         self.q_norm = build_norm(config, groups, config.head_dim, tp > 1) if config.qk_layernorm else None
-        self.k_norm = build_norm(config, groups, config.head_dim, tp > 1) if config.qk_layernorm else None
+        self.k_norm = build_norm(config, groups, config.head_dim, tp > 1) \
+            if config.qk_layernorm and not self.reads_kv else None
         if config.qk_norm_across_heads:  # MiniMax-M2: one norm over all of Q's heads, one over K's (split over TP)
             self.q_norm = HeadsRMSNorm(config.num_attention_heads, config.head_dim, config.norm_epsilon, groups)
             self.k_norm = HeadsRMSNorm(config.num_query_groups, config.head_dim, config.norm_epsilon, groups)
@@ -273,22 +289,40 @@ class SelfAttention(nn.Module):
         """x [s(/tp), b, h]; `layout` (hybrid.model.sequence.SequenceLayout): documents and positions."""
         qkv = self.qkv(x)  # [s(/tp), b, h] -> [s, b, groups/tp * (heads_per_group + 2) * d]
         s = qkv.size(0)
-        q, k, v = split_qkv(qkv, self.heads_per_group, self.head_dim, dim=-1)  # [s, b, nq/tp, d], [s, b, ng/tp, d]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         decoding = getattr(layout, "cache", None) is not None  # hybrid.model.kv_cache: the cached keys too
+        if self.reads_kv:
+            q, k, v = qkv.view(*qkv.shape[:-1], -1, self.head_dim), None, None  # [s, b, nq/tp, d]
+        else:  # [s, b, nq/tp, d], [s, b, ng/tp, d]
+            q, k, v = split_qkv(qkv, self.heads_per_group, self.head_dim, -1, self.values)
+            if v is None:  # --attention-k-eq-v: the keys as projected (before their norm and rope) are the values
+                v = k
+            if self.config.v_norm:
+                v = rms_normalize(v, self.config.norm_epsilon)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = None if k is None else self.k_norm(k)
         if self.rotary is not None:
             if decoding:  # every layer of the step uses the same tables
                 cos, sin = layout.shared(self.rotary.key, lambda: self.rotary(s, x.device, layout.positions))
             else:
                 cos, sin = self.rotary(s, x.device, None if layout is None else layout.positions)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = apply_rotary(q, cos, sin)
+            k = None if k is None else apply_rotary(k, cos, sin)
         scale = llama_4_query_scale(self.config, s, x.device, None if layout is None else layout.positions)
         if scale is not None:  # (after rope, as transformers applies it)
             q = q * scale.to(q.dtype)
         if decoding:
+            if self.reads_kv:  # the source layer's cached keys and values, this step's included
+                return self.dense(layout.attend_cached(self.kv_source.layer_number, q, self.core.scale,
+                                                       self.core.window, self.sinks))
             return self.dense(layout.attend(self.layer_number, q, k, v, self.core.scale, self.core.window,
                                             self.sinks))
+        if self.reads_kv:
+            k, v = self.kv_source.shared_kv
+            if self.last_reader:  # (no later layer reads them: not kept past this pass)
+                self.kv_source.shared_kv = None
+        elif self.kv_readers:
+            self.shared_kv = (k, v)
         split = (None, None, None) if layout is None else (layout.documents, layout.cp, layout.ulysses)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             # Selective recompute (Korthikanti et al. 2022): keep q, k, v; recompute the

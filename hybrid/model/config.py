@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -13,7 +14,7 @@ MLP_TYPES = ("dense", "moe")  # the feed-forward blocks hybrid.model.mlp.build_m
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")  # --moe-router-score-function
 MOE_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")  # --moe-router-load-balancing-type
 MOE_DROP_POLICIES = ("probs", "position")  # --moe-token-drop-policy
-ROPE_SCALING_TYPES = ("llama3", "linear", "yarn")  # hybrid.model.rotary.scaled_inv_freq
+ROPE_SCALING_TYPES = ("llama3", "linear", "yarn", "proportional")  # hybrid.model.rotary.scaled_inv_freq
 # Llama 3.1's values, which Megatron-LM's --use-rope-scaling hard-codes besides the factor
 LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -125,6 +126,23 @@ class ModelConfig:
     attention_sinks: bool = False  # --softmax-type learnable: a learned sink logit per head (GPT-OSS)
     sandwich_norms: bool = False  # --sandwich-norms: the attention's and the MLP's outputs normed too (Gemma 2/3)
     rope_scaling: Optional[dict] = None  # {"rope_type": "llama3"|"linear"|"yarn", "factor": ..., ...} as transformers
+    # Gemma 4: the full-attention layers' (those --window-attn-skip-freq names) own head size and KV heads, its
+    # global_head_dim and num_global_key_value_heads (--global-kv-channels, --global-num-query-groups)
+    global_kv_channels: Optional[int] = None
+    global_num_query_groups: Optional[int] = None
+    attention_k_eq_v: bool = False  # --attention-k-eq-v: the full-attention layers' keys serve as values (no V)
+    v_norm: bool = False  # --v-norm: each value head RMS-normed, without a weight (Gemma 4)
+    final_logit_softcapping: Optional[float] = None  # --final-logit-softcapping C: logits -> C tanh(logits / C)
+    # each layer's output times a constant (Gemma 4's `layer_scalar` buffers; never trained, as in transformers):
+    # --layer-scalars, one per layer; None: 1
+    layer_scalars: Optional[tuple] = None
+    # --per-layer-input-size P: Gemma 4's per-layer embeddings (E2B/E4B): a table of P features per layer and token,
+    # plus a projection of the embeddings, gated into each layer's output (hybrid.model.per_layer); 0: none
+    per_layer_input_size: int = 0
+    # --num-kv-shared-layers N: the last N layers read the keys and values the last earlier layer of their kind
+    # (windowed or full) computed, and have no key or value projection of their own (Gemma 4 E2B/E4B); 0: none
+    kv_shared_layers: int = 0
+    double_wide_shared_mlp: bool = False  # --double-wide-shared-mlp: those layers' MLPs twice --ffn-hidden-size wide
     mtp_num_layers: Optional[int] = None  # --mtp-num-layers: DeepSeek-V3's multi-token prediction depths (training)
     mtp_loss_scaling_factor: float = 0.1  # --mtp-loss-scaling-factor: their losses' weight (their mean's)
     multi_latent_attention: bool = False  # --multi-latent-attention: DeepSeek-V2/V3's MLA (the fields below)
@@ -174,6 +192,8 @@ class ModelConfig:
     def __post_init__(self):
         self.lora_target_modules = tuple(self.lora_target_modules or ())  # (a list, read from a checkpoint's JSON)
         self.lora_modules_to_save = tuple(self.lora_modules_to_save or ())
+        if self.layer_scalars is not None:
+            self.layer_scalars = tuple(float(x) for x in self.layer_scalars)
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.ffn_hidden_size is None:
@@ -219,6 +239,34 @@ class ModelConfig:
             return self.local_rotary_base, None
         return self.rotary_base, self.rope_scaling
 
+    def layer_config(self, layer: int) -> "ModelConfig":
+        """The config layer `layer`'s attention and MLP are built from: this one, or for a full-attention layer of a
+        model with --global-kv-channels / --global-num-query-groups one with those as --kv-channels /
+        --num-query-groups, its `attention_k_eq_v` whether this layer's keys serve as values (the full layers'
+        only), its --ffn-hidden-size doubled on a KV-sharing layer with --double-wide-shared-mlp (Gemma 4)."""
+        full = self.layer_window(layer) is None
+        changes = {}
+        if full and (self.global_kv_channels or self.global_num_query_groups):
+            changes = dict(kv_channels=self.global_kv_channels or self.kv_channels,
+                           num_query_groups=self.global_num_query_groups or self.num_query_groups)
+        if self.attention_k_eq_v and not full:
+            changes["attention_k_eq_v"] = False
+        if self.double_wide_shared_mlp and self.kv_source(layer) is not None:
+            changes["ffn_hidden_size"] = 2 * self.ffn_hidden_size
+        if not changes:
+            return self
+        return dataclasses.replace(self, global_kv_channels=None, global_num_query_groups=None,
+                                   double_wide_shared_mlp=False, **changes)
+
+    def kv_source(self, layer: int) -> Optional[int]:
+        """The layer whose keys and values layer `layer` attends with (--num-kv-shared-layers: the last layer before
+        the sharing ones of its kind, windowed or full), or None: its own."""
+        first_shared = self.num_layers - self.kv_shared_layers
+        if not self.kv_shared_layers or not first_shared <= layer < self.num_layers:
+            return None
+        kind = self.layer_window(layer) is None
+        return max(i for i in range(first_shared) if (self.layer_window(i) is None) == kind)
+
     def fp8_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s linear layers run FP8 GEMMs (--fp8-format, outside the bf16 ends)."""
         return self.fp8_recipe is not None and self.fp8_layers_start_high_precision <= layer < \
@@ -234,6 +282,11 @@ class ModelConfig:
         if self.multi_latent_attention:
             return self.qk_head_dim + self.qk_pos_emb_head_dim
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def common_query_groups(self) -> int:
+        """The greatest KV group count every layer's divides into (--global-num-query-groups: of both kinds')."""
+        return math.gcd(self.num_query_groups, self.global_num_query_groups or self.num_query_groups)
 
     @property
     def value_head_dim(self) -> int:
@@ -385,6 +438,9 @@ class ModelConfig:
             if self.ffn_hidden_size % tp != 0:
                 raise ConfigError(f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
                                   f"--tensor-model-parallel-size {tp}.")
+            if self.global_num_query_groups and self.global_num_query_groups % tp != 0:
+                raise ConfigError(f"--global-num-query-groups {self.global_num_query_groups} is not divisible by "
+                                  f"--tensor-model-parallel-size {tp}; use a TP size that divides it.")
             shared = self.moe_shared_expert_intermediate_size
             if self.num_experts and shared and shared % tp != 0:
                 raise ConfigError(f"--moe-shared-expert-intermediate-size {shared} is not divisible by "
@@ -520,6 +576,47 @@ class ModelConfig:
                               f"needs --position-embedding-type rope, --window-size and a positive base.")
         if self.softmax_scale is not None and not self.softmax_scale > 0:
             raise ConfigError(f"--softmax-scale must be positive, got {self.softmax_scale}.")
+        self._validate_gemma4_options()
+
+    def _validate_gemma4_options(self) -> None:
+        """--global-kv-channels / --global-num-query-groups, --attention-k-eq-v, --v-norm, --final-logit-softcapping,
+        --layer-scalars (Gemma 4)."""
+        if (self.global_kv_channels or self.global_num_query_groups) and self.sliding_window is None:
+            raise ConfigError("--global-kv-channels / --global-num-query-groups shape the full-attention layers beside "
+                              "windowed ones: they need --window-size (and --window-attn-skip-freq).")
+        if self.global_kv_channels is not None and not self.global_kv_channels > 0:
+            raise ConfigError(f"--global-kv-channels must be positive, got {self.global_kv_channels}.")
+        groups = self.global_num_query_groups
+        if groups is not None and not (groups > 0 and self.num_attention_heads % groups == 0):
+            raise ConfigError(f"--num-attention-heads {self.num_attention_heads} must be divisible by "
+                              f"--global-num-query-groups {groups}.")
+        if (self.attention_k_eq_v or self.v_norm or self.global_kv_channels) and self.multi_latent_attention:
+            raise ConfigError("--attention-k-eq-v, --v-norm and --global-kv-channels are options of the usual "
+                              "attention, not of --multi-latent-attention.")
+        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
+            raise ConfigError(f"--final-logit-softcapping must be positive, got {self.final_logit_softcapping}.")
+        if self.layer_scalars is not None and len(self.layer_scalars) != self.num_layers:
+            raise ConfigError(f"--layer-scalars needs one value per layer ({self.num_layers}), got "
+                              f"{len(self.layer_scalars)}.")
+        if self.per_layer_input_size < 0:
+            raise ConfigError(f"--per-layer-input-size must be >= 0, got {self.per_layer_input_size}.")
+        shared = self.kv_shared_layers
+        if shared:
+            if not 0 < shared < self.num_layers:
+                raise ConfigError(f"--num-kv-shared-layers {shared}: the sharing layers read an earlier layer's keys "
+                                  f"and values, so it must be between 1 and --num-layers - 1 ({self.num_layers - 1}).")
+            kinds = {self.layer_window(i) is None for i in range(self.num_layers - shared)}
+            missing = [i for i in range(self.num_layers - shared, self.num_layers)
+                       if (self.layer_window(i) is None) not in kinds]
+            if missing:
+                raise ConfigError(f"--num-kv-shared-layers {shared}: layer {missing[0]} is of a kind (windowed or "
+                                  f"full) no earlier layer has, so no layer computes the keys and values it reads.")
+            if self.multi_latent_attention:
+                raise ConfigError("--num-kv-shared-layers is an option of the usual attention, not of "
+                                  "--multi-latent-attention.")
+        if self.double_wide_shared_mlp and not shared:
+            raise ConfigError("--double-wide-shared-mlp widens the KV-sharing layers' MLPs: it needs "
+                              "--num-kv-shared-layers.")
 
     def _validate_rope_scaling(self) -> None:
         scaling = self.rope_scaling
@@ -534,6 +631,9 @@ class ModelConfig:
                               "--position-embedding-type rope.")
         if not float(scaling.get("factor", 0)) > 0:
             raise ConfigError(f"--rope-scaling-factor must be positive, got {scaling.get('factor')}.")
+        if kind == "proportional" and not 0 < float(scaling.get("partial_rotary_factor", 1.0)) <= 1:
+            raise ConfigError(f"--rotary-proportional-percent must be in (0, 1], got "
+                              f"{scaling.get('partial_rotary_factor')}.")
         if kind == "yarn" and not scaling.get("original_max_position_embeddings"):
             raise ConfigError("yarn rope scaling needs original_max_position_embeddings "
                               "(--yarn-original-max-position-embeddings).")

@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.model.init import normal_init, vocab_rows_init
+from hybrid.model.per_layer import PerLayerInputs
 from hybrid.parallel import mappings as M
 from hybrid.parallel.groups import as_groups
 from hybrid.parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, column_parallel_matmul,
@@ -37,6 +38,18 @@ class Embedding(nn.Module):
                                                     _weight=full)
         else:
             self.position_embeddings = None
+        # --per-layer-input-size (Gemma 4): the per-layer inputs' table and projection (hybrid.model.per_layer)
+        self.per_layer = PerLayerInputs(config, groups) if config.per_layer_input_size else None
+
+    def with_per_layer(self, input_ids, layout=None):
+        """(hidden [s(/tp), b, h], per-layer inputs [s(/tp), b, layers, P]) of input_ids [b, s] (this rank's tokens;
+        rope models)."""
+        ids = input_ids.t()
+        embedded = _scaled(self.word_embeddings(ids), self.config)  # [s, b, h], all-reduced over TP
+        per_layer = self.per_layer(ids, embedded)
+        if self.config.sequence_parallel:
+            per_layer = M.scatter_to_sequence_parallel_region(per_layer, self.tp_group)
+        return _embedding_out(embedded, self.config, self.tp_group, self.training), per_layer
 
     def forward(self, input_ids, layout=None):
         """input_ids [b, s] (this rank's tokens) -> hidden [s(/tp), b, h]. `layout`

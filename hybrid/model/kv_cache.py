@@ -109,6 +109,13 @@ class DecodeLayout(SequenceLayout):
         keys, values = self.cache.write(layer, self.start, k, v)
         return self.attend_slots(q, keys, values, scale, window, sinks)
 
+    def attend_cached(self, layer: int, q, scale: float, window: Optional[int], sinks=None) -> torch.Tensor:
+        """q [s, b, nq, d] against layer `layer`'s filled slots, this step's written by that layer before (a layer
+        reading another's keys and values: --num-kv-shared-layers) -> context [s, b, nq*d]."""
+        end = self.start + q.size(0)
+        return self.attend_slots(q, self.cache.keys[layer][:, :, :end], self.cache.values[layer][:, :, :end], scale,
+                                 window, sinks)
+
     def attend_slots(self, q, keys, values, scale: float, window: Optional[int], sinks=None,
                      keep=None) -> torch.Tensor:
         """q [s, b, nq, d] against the filled slots' keys and values [b, ng, end, d] -> context [s, b, nq*d];

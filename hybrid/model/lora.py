@@ -82,6 +82,11 @@ def check(config, tp: int = 1) -> None:
     if config.multi_latent_attention and any(TARGETS[t][0].startswith("attention.") for t in targets):
         raise ConfigError("--lora-target-modules: LoRA on multi-latent attention's projections is not implemented; "
                           "target the MLP only (gate_proj up_proj down_proj).")
+    per_layer = config.global_kv_channels or config.global_num_query_groups or config.attention_k_eq_v
+    if per_layer and any(TARGETS[t][0].startswith("attention.") for t in targets):
+        raise ConfigError("--lora-target-modules: LoRA on the attention of a model whose full-attention layers have "
+                          "their own shapes (--global-kv-channels, --global-num-query-groups, --attention-k-eq-v; "
+                          "Gemma 4) is not implemented; target the MLP only (gate_proj up_proj down_proj).")
     if "gate_proj" in config.lora_target_modules and not config.gated_linear_unit:  # (all-linear: those it has)
         raise ConfigError("--lora-target-modules gate_proj: this model's MLP has no gate (not --swiglu/--geglu).")
     unknown = [m for m in config.lora_modules_to_save if m not in SAVED_MODULES]

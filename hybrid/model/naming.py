@@ -8,7 +8,8 @@ Canonical names (GPTModel's, used by checkpoints, conversion and the optimizer's
   layers.{i}.mlp.{fc1,fc2}.{weight,bias}, final_norm.{weight,bias}, output_layer.weight (untied only);
   an MoE layer's layers.{i}.mlp.router.weight, layers.{i}.mlp.deepspeed_moe.experts.deepspeed_experts.{e}.{fc1,fc2}
   .weight (e global, as DeepSpeed names experts in its expert files), layers.{i}.mlp.shared_mlp.{fc1,fc2}.weight,
-  layers.{i}.mlp.shared_gate.
+  layers.{i}.mlp.shared_gate; Gemma 4's per-layer inputs (--per-layer-input-size): embedding.per_layer.{table.weight,
+  projection,norm.weight}, layers.{i}.per_layer.{gate,up,norm.weight}.
 
 Other names, in checkpoints written before (read by hybrid.conversion):
 - DeepSpeed's PipelineModule (its 1F1B engine, and Megatron-DeepSpeed) names a layer by its index in the full

@@ -23,27 +23,29 @@ class LayerChunk:
     def __init__(self, layers):
         self.layers = layers
 
-    def __call__(self, hidden, layout=None):
+    def __call__(self, hidden, layout=None, *per_layer):
         for layer in self.layers:
-            hidden = layer(hidden, layout)
+            hidden = layer(hidden, layout, *per_layer)
         return hidden
 
 
-def run_layers(layers, hidden, config, training: bool, layout=None):
+def run_layers(layers, hidden, config, training: bool, layout=None, per_layer=None):
     """Apply `layers`, with full activation recompute as `--recompute-*` asks (Megatron-LM):
     uniform: chunks of `recompute_num_layers` layers are recomputed as units;
     block: the first `recompute_num_layers` layers are recomputed, the rest are not.
-    `layout`: the micro-batch's documents and positions (hybrid.model.sequence), passed to every layer."""
+    `layout`: the micro-batch's documents and positions (hybrid.model.sequence), passed to every layer;
+    `per_layer`: Gemma 4's per-layer inputs (hybrid.model.per_layer), an input of each recomputed unit too."""
+    extra = () if per_layer is None else (per_layer,)
     if not full_recompute(config, training):
-        return LayerChunk(layers)(hidden, layout)
+        return LayerChunk(layers)(hidden, layout, *extra)
     n = max(1, config.recompute_num_layers)
     if not hidden.requires_grad:  # a frozen embedding (LoRA): DeepSpeed's reentrant checkpoint would give no
         # gradient to the parameters inside it (transformers' enable_input_require_grads, for the same reason)
         hidden = hidden.detach().requires_grad_(True)
     if config.recompute_method == "uniform":
         for start in range(0, len(layers), n):
-            hidden = checkpoint(LayerChunk(layers[start:start + n]), hidden, layout)
+            hidden = checkpoint(LayerChunk(layers[start:start + n]), hidden, layout, *extra)
         return hidden
     for index, layer in enumerate(layers):
-        hidden = checkpoint(layer, hidden, layout) if index < n else layer(hidden, layout)
+        hidden = checkpoint(layer, hidden, layout, *extra) if index < n else layer(hidden, layout, *extra)
     return hidden

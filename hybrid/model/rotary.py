@@ -49,10 +49,15 @@ def scaled_inv_freq(inv_freq: torch.Tensor, scaling: Optional[dict], base: float
     llama3 (Llama 3.1+): wavelengths above original_max_position_embeddings / low_freq_factor are
     divided by `factor`, those below .../ high_freq_factor kept, the band between interpolated smoothly.
     yarn: see _yarn_inv_freq (Megatron's --position-embedding-type yarn / --rope-type yarn).
+    proportional (Gemma 4's full-attention layers, --rotary-proportional-percent P): the first int(P x head_dim / 2)
+    frequencies kept, the others 0 (those feature pairs pass unrotated), every one divided by `factor`.
     """
     if not scaling:
         return inv_freq
     factor = float(scaling["factor"])
+    if scaling["rope_type"] == "proportional":  # (transformers' _compute_proportional_rope_parameters)
+        turned = int(float(scaling.get("partial_rotary_factor", 1.0)) * (2 * inv_freq.numel()) // 2)
+        return torch.cat([inv_freq[:turned], torch.zeros(inv_freq.numel() - turned)]) / factor
     if scaling["rope_type"] == "yarn":
         return _yarn_inv_freq(2 * inv_freq.numel(), base, scaling)
     if scaling["rope_type"] == "linear":

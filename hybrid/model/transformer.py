@@ -9,6 +9,7 @@ from hybrid.model.attention import SelfAttention
 from hybrid.model.mla import MultiLatentAttention
 from hybrid.model.mlp import build_mlp
 from hybrid.model.norms import build_norm
+from hybrid.model.per_layer import PerLayerGate
 from hybrid.parallel.groups import as_groups
 from hybrid.parallel.random import fork_tp_rng
 
@@ -40,14 +41,21 @@ class TransformerLayer(nn.Module):
         attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
         self.attention = attention(config, groups, layer_number, f"{name}.attention")
         self.post_attention_norm = build_norm(config, groups)
-        self.mlp = build_mlp(config, groups, layer_number)
+        self.mlp = build_mlp(config.layer_config(layer_number), groups, layer_number)
         # --sandwich-norms (Gemma 2/3): the attention's and the MLP's outputs normed before their residuals
         self.attention_output_norm = build_norm(config, groups) if config.sandwich_norms else None
         self.mlp_output_norm = build_norm(config, groups) if config.sandwich_norms else None
+        # --layer-scalars (Gemma 4's layer_scalar): the layer's output times a constant
+        scalars = config.layer_scalars
+        self.output_scale = scalars[layer_number] if scalars and layer_number < len(scalars) else None
+        # --per-layer-input-size (Gemma 4): this layer's gate on its per-layer inputs (hybrid.model.per_layer)
+        self.per_layer = PerLayerGate(config, groups, layer_number) \
+            if config.per_layer_input_size and layer_number < config.num_layers else None
 
-    def forward(self, hidden, layout=None):
+    def forward(self, hidden, layout=None, per_layer=None):
         """`layout`: the micro-batch's documents and positions, and this rank's part of the sequence
-        (hybrid.model.sequence), or None for whole sequences of one document each."""
+        (hybrid.model.sequence), or None for whole sequences of one document each; `per_layer`: the per-layer
+        inputs [s(/tp), b, layers, P] (--per-layer-input-size)."""
         c = self.config
         out = self.attention(self.input_norm(hidden), layout)
         if self.attention_output_norm is not None:
@@ -56,4 +64,7 @@ class TransformerLayer(nn.Module):
         out = self.mlp(self.post_attention_norm(hidden))
         if self.mlp_output_norm is not None:
             out = self.mlp_output_norm(out)
-        return dropout_add(out, hidden, c.hidden_dropout, self.training, c.sequence_parallel)
+        hidden = dropout_add(out, hidden, c.hidden_dropout, self.training, c.sequence_parallel)
+        if self.per_layer is not None:
+            hidden = self.per_layer(hidden, per_layer)
+        return hidden if self.output_scale is None else hidden * self.output_scale

@@ -78,6 +78,7 @@ class RankModel(nn.Module):
         # plain list: the stages are views, not a second registration of the same parameters
         self.stages = [VirtualStage(self, plan) for plan in self.plans]
         _link_index_sharing(self, config)
+        _link_kv_sharing(self, config)
 
     @property
     def holds_tied_copy(self) -> bool:
@@ -112,10 +113,13 @@ class RankModel(nn.Module):
         """final-normed hidden -> logits split over the vocabulary over TP, [s, b, V/tp]; `for_loss` leaves out
         the vocabulary's padding rows at TP = 1 (see parallel_logits)."""
         if self.output_layer is not None:
-            return self.output_layer.loss_logits(hidden) if for_loss else self.output_layer(hidden)
-        return parallel_logits(hidden, self.head_weight(), self.groups, self.config.sequence_parallel,
-                               self.config.vocab_size if for_loss else None,
-                               self.config.async_tensor_model_parallel_allreduce)
+            logits = self.output_layer.loss_logits(hidden) if for_loss else self.output_layer(hidden)
+        else:
+            logits = parallel_logits(hidden, self.head_weight(), self.groups, self.config.sequence_parallel,
+                                     self.config.vocab_size if for_loss else None,
+                                     self.config.async_tensor_model_parallel_allreduce)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap  # (transformers' order of operations)
 
 
 def _link_index_sharing(model: RankModel, config: ModelConfig) -> None:
@@ -136,6 +140,27 @@ def _link_index_sharing(model: RankModel, config: ModelConfig) -> None:
             object.__setattr__(reader, "index_source", source_attention)
             source_attention.index_readers += 1
             reader.last_reader = config.dsa_source(i + 1) != source if i + 1 < config.num_layers else True
+
+
+def _link_kv_sharing(model: RankModel, config: ModelConfig) -> None:
+    """Gemma 4's KV sharing (--num-kv-shared-layers): each sharing layer's attention reads the keys and values its
+    source layer computed in the same pass, so the source runs in the same virtual stage (one message otherwise); the
+    last reader of a source releases them."""
+    for plan in model.plans:
+        for i in plan.layers:
+            source = config.kv_source(i)
+            if source is None:
+                continue
+            if source not in plan.layers:
+                raise ConfigError(f"layer {i} attends with the keys and values layer {source} computes (the model's "
+                                  f"--num-kv-shared-layers {config.kv_shared_layers}), and the pipeline puts them in "
+                                  f"different stages ({list(plan.layers)} here); a pipeline would send them between "
+                                  f"stages, which is not built: use --pipeline-model-parallel-size 1.")
+            # (not a child module: its parameters are the source layer's)
+            reader, source_attention = model.layers[str(i)].attention, model.layers[str(source)].attention
+            object.__setattr__(reader, "kv_source", source_attention)
+            source_attention.kv_readers += 1
+            reader.last_reader = all(config.kv_source(j) != source for j in range(i + 1, config.num_layers))
 
 
 def _last_stage_reads_table(config: ModelConfig) -> bool:
@@ -174,9 +199,13 @@ class VirtualStage(nn.Module):
         """A decoding step over the new positions only: ids [b, s] (first stage) or hidden [s, b, h] in; hidden
         out, or at the last stage the newest position's logits [1, b, V/tp] (hybrid.model.generate)."""
         owner = self._owner
-        hidden = owner.embedding(inputs, layout) if self.first else inputs
+        per_layer = None
+        if self.first and owner.config.per_layer_input_size:
+            hidden, per_layer = owner.embedding.with_per_layer(inputs, layout)
+        else:
+            hidden = owner.embedding(inputs, layout) if self.first else inputs
         for layer in self.layers:
-            hidden = layer(hidden, layout)
+            hidden = layer(hidden, layout, per_layer)
         if self.last:
             return owner.logits(owner.final_norm(hidden[-1:]), for_loss=False)
         return hidden
@@ -184,12 +213,17 @@ class VirtualStage(nn.Module):
     def forward(self, hidden, batch_ids=None, for_loss: bool = True):
         owner = self._owner
         ids = hidden if self.first else batch_ids  # whole-sequence ids, where this stage has them
+        per_layer = None  # Gemma 4's per-layer inputs (hybrid.model.per_layer)
         if self.first:
             layout = sequence_layout(hidden, owner.config, owner.groups)
-            hidden = owner.embedding(hidden if layout is None else layout.local(hidden), layout)
+            local = hidden if layout is None else layout.local(hidden)
+            if owner.config.per_layer_input_size:
+                hidden, per_layer = owner.embedding.with_per_layer(local, layout)
+            else:
+                hidden = owner.embedding(local, layout)
         else:
             layout = stage_layout_of(hidden, batch_ids, owner.config, owner.groups)
-        hidden = run_layers(list(self.layers), hidden, owner.config, owner.training, layout)
+        hidden = run_layers(list(self.layers), hidden, owner.config, owner.training, layout, per_layer)
         if self.last:
             hidden = owner.final_norm(hidden)
             logits = owner.logits(hidden, for_loss)

@@ -49,9 +49,14 @@ def muon_rows(name: str, param: torch.Tensor, config) -> list:
         return [None]
     rows = torch.arange(param.shape[0], device=param.device)
     if name.endswith("attention.qkv.weight"):
-        head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+        parts = name.split(".")
+        if parts[0] == "layers":  # (Gemma 4's full-attention layers: their own head size, KV heads, no values)
+            if config.kv_source(int(parts[1])) is not None:  # a layer reading another's keys: its queries only
+                return [None]
+            config = config.layer_config(int(parts[1]))
         groups = config.num_query_groups or config.num_attention_heads
-        return list(split_qkv_flat(rows, config.num_attention_heads // groups, head_dim))
+        return [t for t in split_qkv_flat(rows, config.num_attention_heads // groups, config.head_dim,
+                                          not config.attention_k_eq_v) if t is not None]
     return list(rows.chunk(2))  # a gated MLP's fc1: gate, then up
 
 

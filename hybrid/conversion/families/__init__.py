@@ -13,7 +13,7 @@ Modules:
   llama        Llama, the decoder the other Llama-style families change by fields and components
   gpt2, mistral, qwen2, qwen3, gemma, gemma3, mixtral, qwen2_moe, qwen3_moe, glm4_moe, deepseek_v3, gpt_oss
                one family each
-  mistral4, minimax_m2, deepseek_v32, glm_moe_dsa
+  mistral4, minimax_m2, deepseek_v32, glm_moe_dsa, gemma4
                one family each (2026's)
 
 Adding a family: one file with its adapter, and one line in FAMILIES.
@@ -26,6 +26,7 @@ from hybrid.conversion.families.deepseek_v3 import DeepseekV3Adapter
 from hybrid.conversion.families.deepseek_v32 import DeepseekV32Adapter
 from hybrid.conversion.families.gemma import GemmaAdapter
 from hybrid.conversion.families.gemma3 import Gemma3Adapter
+from hybrid.conversion.families.gemma4 import Gemma4Adapter
 from hybrid.conversion.families.glm_moe_dsa import GlmMoeDsaAdapter
 from hybrid.conversion.families.glm4_moe import Glm4MoeAdapter
 from hybrid.conversion.families.gpt2 import GPT2Adapter
@@ -60,6 +61,7 @@ FAMILIES: dict[str, type[StateDictAdapter]] = {a.family: a for a in (
     MiniMaxM2Adapter,
     DeepseekV32Adapter,
     GlmMoeDsaAdapter,
+    Gemma4Adapter,
 )}
 BY_HF_CLASS = {a.hf_class: a for a in FAMILIES.values()}
 
@@ -87,6 +89,8 @@ def family_of(config: ModelConfig) -> str:
             return "minimax_m2" if config.qk_norm_across_heads else "glm4_moe"
         return "qwen2_moe" if config.moe_shared_expert_intermediate_size else \
             "qwen3_moe" if config.qk_layernorm else "mixtral"
+    if config.sandwich_norms and (config.v_norm or not config.apply_layernorm_1p):
+        return "gemma4"
     if config.sandwich_norms:
         return "gemma3"
     if config.geglu or config.scale_embeddings or (config.apply_layernorm_1p and config.normalization == "RMSNorm"):

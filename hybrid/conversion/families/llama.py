@@ -12,7 +12,7 @@ from hybrid.conversion.families import mtp
 from hybrid.conversion.families.adapter import Adapter, dtype_of, expect, get, gated_to_canonical, gated_to_hf, \
     refuse, require
 from hybrid.conversion.families.moe import ExpertLayout
-from hybrid.conversion.families.options import gemma3_options, rope_of, rope_parameters, window_of
+from hybrid.conversion.families.options import gemma3_options, gemma4_options, rope_of, rope_parameters, window_of
 from hybrid.model.config import ModelConfig
 from hybrid.model.qkv import fuse_qkv, split_qkv_flat
 
@@ -33,6 +33,7 @@ class LlamaAdapter(Adapter):
     windowed = False  # sliding_window is part of the config (Mistral, Qwen2/3)
     gemma = False  # (1 + w) RMSNorm, GeGLU, embeddings x sqrt(hidden)
     gemma3 = False  # Gemma 3's options (options.gemma3_options) may be on
+    gemma4 = False  # Gemma 4's options (options.gemma4_options) may be on, final logit soft-capping read
     partial_rotary = False  # rope may rotate part of each head (`partial_rotary_factor` = --rotary-percent)
     mla = False  # multi-latent attention (DeepSeek-V3)
     stores_mtp = False  # multi-token prediction layers in the checkpoint (families.mtp)
@@ -60,7 +61,7 @@ class LlamaAdapter(Adapter):
         act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", cls.hidden_act)
         if act != cls.hidden_act and cls.hidden_act is not None:
             refuse(name, "hidden_act", act, f"this family's MLP is {cls.hidden_act}-gated")
-        for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        for field in ("attn_logit_softcapping",) + (() if cls.gemma4 else ("final_logit_softcapping",)):
             if getattr(hf, field, None):
                 refuse(name, field, getattr(hf, field), "logit soft-capping is not implemented")
         theta, scaling = cls._rope(hf)
@@ -74,7 +75,7 @@ class LlamaAdapter(Adapter):
             norm_epsilon=hf.rms_norm_eps, swiglu=not cls.gemma, geglu=cls.gemma, add_bias_linear=False,
             add_qkv_bias=cls.qkv_bias, qk_layernorm=cls.qk_norm, sliding_window=window,
             kv_channels=None if head_dim * hf.num_attention_heads == hf.hidden_size else head_dim,
-            apply_layernorm_1p=cls.gemma, scale_embeddings=cls.gemma,
+            apply_layernorm_1p=cls.gemma and not cls.gemma4, scale_embeddings=cls.gemma,
             untie_embeddings_and_output_weights=not getattr(hf, "tie_word_embeddings", False),
             hidden_dropout=0.0, attention_dropout=float(getattr(hf, "attention_dropout", 0.0)),
             init_method_std=hf.initializer_range, family=cls.family, hf_dtype=dtype_of(hf))
@@ -104,6 +105,7 @@ class LlamaAdapter(Adapter):
     def check_exportable(self):
         c = self.config
         others = [flag for flag, on in gemma3_options(c).items() if on and not self.gemma3]
+        others += [flag for flag, on in gemma4_options(c).items() if on and not self.gemma4]
         require(self.hf_class, {
             "rope": c.position_embedding_type == "rope", "RMSNorm": c.normalization == "RMSNorm",
             f"none of {', '.join(others)}": not others,
@@ -116,8 +118,9 @@ class LlamaAdapter(Adapter):
             "no --llama-4-scaling-beta": self.query_temperature or c.llama_4_scaling_beta is None,
             "--experimental-attention-variant dsa" + ("" if self.dsa else " off"):
                 (c.dsa_indexer_topk is not None) == self.dsa,
-            "--apply-layernorm-1p and --scale-embeddings" + ("" if self.gemma else " off"):
-                c.apply_layernorm_1p == self.gemma and c.scale_embeddings == self.gemma,
+            "--apply-layernorm-1p" + ("" if self.gemma and not self.gemma4 else " off"):
+                c.apply_layernorm_1p == (self.gemma and not self.gemma4),
+            "--scale-embeddings" + ("" if self.gemma else " off"): c.scale_embeddings == self.gemma,
             "no --window-size": self.windowed or c.sliding_window is None,
             "no --rotary-percent": self.partial_rotary or c.rotary_percent == 1.0,
             "--sandwich-norms" + ("" if self.gemma3 else " off"): c.sandwich_norms == self.gemma3,

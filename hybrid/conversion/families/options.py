@@ -18,7 +18,7 @@ def extras(c: ModelConfig) -> list[str]:
              c.attention_sinks, "--quick-geglu": c.quick_geglu, "--multi-latent-attention": c.multi_latent_attention,
              "--mtp-num-layers": bool(c.mtp_num_layers), "--num-experts": bool(c.num_experts),
              "--window-size": c.sliding_window is not None, "--apply-layernorm-1p": c.apply_layernorm_1p,
-             "--geglu": c.geglu, "--scale-embeddings": c.scale_embeddings, **gemma3_options(c)}
+             "--geglu": c.geglu, "--scale-embeddings": c.scale_embeddings, **gemma3_options(c), **gemma4_options(c)}
     return [flag for flag, on in named.items() if on]
 
 
@@ -26,6 +26,17 @@ def gemma3_options(c: ModelConfig) -> dict:
     """Gemma 3's options, as flags: only its adapter exports them."""
     return {"--sandwich-norms": c.sandwich_norms, "--window-attn-skip-freq": c.window_attn_skip_freq is not None,
             "--local-rotary-base": c.local_rotary_base is not None, "--softmax-scale": c.softmax_scale is not None}
+
+
+def gemma4_options(c: ModelConfig) -> dict:
+    """Gemma 4's own options, as flags: only its adapter exports them."""
+    return {"--global-kv-channels": c.global_kv_channels is not None,
+            "--global-num-query-groups": c.global_num_query_groups is not None,
+            "--attention-k-eq-v": c.attention_k_eq_v, "--v-norm": c.v_norm,
+            "--rotary-proportional-percent": (c.rope_scaling or {}).get("rope_type") == "proportional",
+            "--final-logit-softcapping": c.final_logit_softcapping is not None,
+            "--layer-scalars": c.layer_scalars is not None, "--per-layer-input-size": bool(c.per_layer_input_size),
+            "--num-kv-shared-layers": bool(c.kv_shared_layers), "--double-wide-shared-mlp": c.double_wide_shared_mlp}
 
 
 def rope_of(hf, params: dict | None = None, partial: bool = False) -> tuple[float, dict | None]:

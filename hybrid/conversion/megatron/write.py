@@ -29,6 +29,7 @@ from hybrid.checkpoint.client_state import ClientState
 from hybrid.checkpoint.files import MEGATRON_LATEST, atomic_directory, tag_for
 from hybrid.checkpoint.tp_layout import tp_layout
 from hybrid.conversion.families.mla_rope import deepseek_rope_rows
+from hybrid.conversion.families.options import gemma4_options
 from hybrid.conversion.layout import shard_for_rank
 from hybrid.conversion.megatron.args import megatron_rope_args
 from hybrid.conversion.megatron.names import (LEGACY_FILE, MLA_DOWN, MTP_LAYER, MTP_NAMES, is_buffer,
@@ -123,11 +124,11 @@ def write_megatron(state: dict, config: ModelConfig, tp: int, pp: int, save_dir:
                                         "--llama-4-scaling-beta": config.llama_4_scaling_beta is not None,
                                         "--experimental-attention-variant dsa": config.dsa_indexer_topk is not None,
                                         "--mla-latent-norm-epsilon": config.mla_latent_norm_epsilon is not None,
-                                        }.items() if on]
+                                        **gemma4_options(config)}.items() if on]
     if unwritable:
-        raise ConfigError(f"a Megatron-LM checkpoint is not written here for {', '.join(unwritable)} (Gemma 3's, "
-                          f"MiniMax-M2's and Mistral 4's options have no Megatron-LM argument; megatron-core's DSA "
-                          f"names are not mapped): Megatron-LM would build another model. Export with --saver hf "
+        raise ConfigError(f"a Megatron-LM checkpoint is not written here for {', '.join(unwritable)} (Gemma 3's and "
+                          f"4's, MiniMax-M2's and Mistral 4's options have no Megatron-LM argument; megatron-core's "
+                          f"DSA names are not mapped): Megatron-LM would build another model. Export with --saver hf "
                           f"instead.")
     if ckpt_format != "torch_dist" and expert_tp(config, tp) == 1 and tp > 1 and ep > 1:
         raise ConfigError(f"experts with biases are written at expert-TP 1 (megatron-core builds them only there), and "
