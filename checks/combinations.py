@@ -49,7 +49,8 @@ class Feature:
 GEMMA4 = ("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--geglu", "--scale-embeddings",
           "--qk-layernorm", "--sandwich-norms", "--window-size", "2,0", "--window-attn-skip-freq", 2,
           "--local-rotary-base", 10000, "--rotary-proportional-percent", 0.25, "--softmax-scale", 1, "--kv-channels", 8,
-          "--global-kv-channels", 16, "--v-norm", "--final-logit-softcapping", 5, "--layer-scalars", "0.9,1.1,0.8,1.2")
+          "--global-kv-channels", 16, "--v-norm", "--rmsnorm-fp32-scale", "--final-logit-softcapping", 5,
+          "--layer-scalars", "0.9,1.1,0.8,1.2")
 FEATURES = {
     "dp2": Feature((), 2, group="dp"),
     "tp2": Feature(("--tensor-model-parallel-size", 2), 2, group="tp"),
@@ -115,6 +116,10 @@ FEATURES = {
     # keys and values, their MLPs twice as wide (pipelines and full recompute refused by the table), in triples
     "gemma4_e": Feature(GEMMA4 + ("--per-layer-input-size", 4, "--num-kv-shared-layers", 2,
                                   "--double-wide-shared-mlp"), kind="model", group="family", paired=False),
+    # its 26B-A4B form: that attention with Gemma 4's MoE block beside every dense MLP, in triples
+    "gemma4_moe": Feature(GEMMA4 + ("--group-query-attention", "--num-query-groups", 2, "--global-num-query-groups", 4,
+                                    "--attention-k-eq-v", *MOE, "--moe-shared-expert-intermediate-size", 32,
+                                    "--moe-gemma4-block"), kind="model", group="family", paired=False),
     "mtp": Feature(("--position-embedding-type", "rope", "--mtp-num-layers", 1, "--mtp-loss-scaling-factor", 0.3),
                    kind="model"),  # (rope: the depths see positions as rope does)
     "window": Feature(("--window-size", "4,0"), kind="model"),
@@ -172,6 +177,9 @@ TRIPLES += [("tp2_sp", "pp2", "dsa"), ("ep2", "tp2_sp", "dsa"), ("dp2", "zero3",
 TRIPLES += [("tp2_sp", "dp2", "gemma4_e"), ("cp2", "tp2_sp", "gemma4_e"), ("dp2", "zero3", "gemma4_e"),
             ("ulysses2", "gemma4_e"), ("recompute_selective", "gemma4_e"), ("pp2", "gemma4_e"),
             ("recompute_full", "gemma4_e"), ("dp2", "offload", "gemma4_e")]
+# and its MoE block (26B-A4B) with the layouts that split it: EP with TP + SP and with a pipeline, ZeRO-3, CP
+TRIPLES += [("ep2", "tp2_sp", "gemma4_moe"), ("ep2", "pp2", "gemma4_moe"), ("dp2", "zero3", "gemma4_moe"),
+            ("cp2", "gemma4_moe"), ("tp2_sp", "pp2", "gemma4_moe")]
 MAX_RANKS = 8  # (the pairs need at most 4; one triple TP 2 x PP 2 x DP 2)
 LOSS_TOL = {"fp32": 1e-5, "bf16": 2e-2}
 # what a passing cell proved: equal to a run it is not (one rank, or one rank with its model options), only its own

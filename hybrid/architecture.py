@@ -87,10 +87,10 @@ def architecture_from_flags(args, vocab_size: int) -> ModelConfig:
         window_attn_skip_freq=args.window_attn_skip_freq, local_rotary_base=args.local_rotary_base,
         softmax_scale=args.softmax_scale, sandwich_norms=args.sandwich_norms,
         global_kv_channels=args.global_kv_channels, global_num_query_groups=args.global_num_query_groups,
-        attention_k_eq_v=args.attention_k_eq_v, v_norm=args.v_norm,
+        attention_k_eq_v=args.attention_k_eq_v, v_norm=args.v_norm, rmsnorm_fp32_scale=args.rmsnorm_fp32_scale,
         final_logit_softcapping=args.final_logit_softcapping, layer_scalars=args.layer_scalars,
         per_layer_input_size=args.per_layer_input_size, kv_shared_layers=args.num_kv_shared_layers,
-        double_wide_shared_mlp=args.double_wide_shared_mlp,
+        double_wide_shared_mlp=args.double_wide_shared_mlp, moe_gemma4_block=args.moe_gemma4_block,
         attention_sinks=args.softmax_type == "learnable", quick_geglu=args.quick_geglu,
         glu_linear_offset=args.glu_linear_offset, activation_func_clamp_value=args.activation_func_clamp_value,
         **_mla_fields(args), **_moe_fields(args))

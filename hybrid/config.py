@@ -408,9 +408,9 @@ _CHECKPOINT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hid
                     "llama_4_scaling_beta", "llama_4_scaling_length", "window_size", "use_rope_scaling",
                     "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "apply_layernorm_1p", "geglu",
                     "scale_embeddings", "window_attn_skip_freq", "local_rotary_base", "softmax_scale", "sandwich_norms",
-                    "global_kv_channels", "global_num_query_groups", "attention_k_eq_v", "v_norm",
+                    "global_kv_channels", "global_num_query_groups", "attention_k_eq_v", "v_norm", "rmsnorm_fp32_scale",
                     "rotary_proportional_percent", "final_logit_softcapping", "layer_scalars", "per_layer_input_size",
-                    "num_kv_shared_layers", "double_wide_shared_mlp", "load_hf",
+                    "num_kv_shared_layers", "double_wide_shared_mlp", "moe_gemma4_block", "load_hf",
                     "expert_model_parallel_size", *MOE_FLAGS)
 
 

@@ -95,6 +95,9 @@ def _add_network_size_args(p):
                         "num_global_key_value_heads)")
     g.add_argument("--attention-k-eq-v", action="store_true",
                    help="the full-attention layers' keys serve as their values: no value projection (Gemma 4)")
+    g.add_argument("--rmsnorm-fp32-scale", action="store_true",
+                   help="RMSNorm multiplies by its weight in fp32 and casts after (Gemma 4's numerics; Llama's casts "
+                        "first): the same model, other roundings in bf16")
     g.add_argument("--v-norm", action="store_true",
                    help="each value head RMS-normed without a weight (Gemma 4)")
     g.add_argument("--rotary-proportional-percent", type=float, default=None, metavar="P",
@@ -105,6 +108,11 @@ def _add_network_size_args(p):
     g.add_argument("--layer-scalars", type=_floats, default=None, metavar="LIST",
                    help="each layer's output times this constant, one per layer, comma-separated (Gemma 4's "
                         "layer_scalar; --load-hf reads them from the checkpoint)")
+    g.add_argument("--moe-gemma4-block", action="store_true",
+                   help="Gemma 4's MoE block (26B-A4B): the shared experts (its dense MLP) and the routed experts each "
+                        "normed after, the routed ones reading their own norm of the residual; the router reading the "
+                        "residual RMS-normalised times a learned per-feature scale, its weights times a learned "
+                        "per-expert scale")
     g.add_argument("--per-layer-input-size", type=int, default=0, metavar="P",
                    help="per-layer inputs (Gemma 4 E2B/E4B's hidden_size_per_layer_input): a table of P features per "
                         "layer and token plus a projection of the embeddings, gated into each layer's output")

@@ -134,12 +134,16 @@ FAMILY_CONFIGS.update({
         tie_word_embeddings=False, rms_norm_eps=1e-5, index_topk=8, index_n_heads=8, index_head_dim=16,
         indexer_types=["full", "shared", "full", "shared"],
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # Gemma 4's 26B-A4B form: the 31B form's attention with an MoE block beside every dense MLP (4 experts of width
+    # 16, top 2; the router's input and expert scales and the block's norms perturbed as every weight is)
+    "gemma4_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        FAMILY_CONFIGS["gemma4"][2], enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)),
 })
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "mistral4", "minimax_m2",
-       "deepseek_v32", "glm_moe_dsa"]
+       "deepseek_v32", "glm_moe_dsa", "gemma4_moe"]
 FAMILIES = DENSE + MOE
 RECORDED = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma": "gemma",
-            "gemma3": "gemma3", "gemma4": "gemma4", "gemma4_e": "gemma4",
+            "gemma3": "gemma3", "gemma4": "gemma4", "gemma4_e": "gemma4", "gemma4_moe": "gemma4",
             "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe",
             "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss", "mistral4": "mistral4",
             "minimax_m2": "minimax_m2", "deepseek_v32": "deepseek_v32",

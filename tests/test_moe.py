@@ -573,7 +573,7 @@ def test_qwen_moe_evaluates_to_transformers_loss_with_its_experts_split_over_2_r
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "gpt_oss", "mistral4", "minimax_m2", "deepseek_v32",
-                                    "glm_moe_dsa"])
+                                    "glm_moe_dsa", "gemma4_moe"])
 def test_frontier_moe_families_evaluate_to_transformers_loss_at_ep2_cp2_and_tp2_sp_pp2(family, data,
                                                                                                    tmp_path):
     """GLM-4.5 (partial rope, score-biased group-limited sigmoid routing, a shared expert, a dense first layer),
@@ -583,7 +583,8 @@ def test_frontier_moe_families_evaluate_to_transformers_loss_at_ep2_cp2_and_tp2_
     EP 2, at CP 2 (the ring; GPT-OSS's sinks on its merged output and its windowed layers' blocks masked; each rank
     scaling its queries by their own positions) and at TP 2 + SP x PP 2 gives transformers' loss on the same
     windows. DeepSeek-V3.2 (its sparse attention choosing 8 of the 32 keys) and GLM-5 (its layers sharing their
-    indexers' choice) at EP 2 and TP 2 + SP x PP 2; CP is refused with them (tests/test_capabilities.py)."""
+    indexers' choice) at EP 2 and TP 2 + SP x PP 2; CP is refused with them (tests/test_capabilities.py). Gemma 4's
+    26B-A4B form (its MoE block beside each dense MLP, the router's own input norm and scales) at all three."""
     from tests.hf_families import make_family
     hf = make_family(family, tmp_path / "hf", tokenizer=False)  # (its score biases random, as its norms)
     layouts = [("--expert-model-parallel-size", 2)] + \

@@ -138,8 +138,10 @@ def _moe_numel(name: str, config: ModelConfig) -> int:
     part = name.split(".mlp.", 1)[1]
     if part == "router.weight":
         return config.num_experts * h
-    if part == "router.bias":
+    if part in ("router.bias", "router.output_scale"):  # (the expert scale: Gemma 4's router)
         return config.num_experts
+    if part == "router.input_scale" or part.endswith("_norm.weight"):  # (Gemma 4's block: its norms, router scale)
+        return h
     if part == "shared_gate":
         return h
     width = config.moe_shared_expert_intermediate_size if part.startswith("shared_mlp.") else config.moe_ffn_hidden_size

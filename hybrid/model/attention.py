@@ -4,7 +4,6 @@ and RoPE, core attention backends (causal or sliding-window), output (row-parall
 
 from __future__ import annotations
 
-import math
 
 import deepspeed
 import torch
@@ -14,7 +13,7 @@ from deepspeed.sequence.layer import DistributedAttention
 
 from hybrid.model.flash import flash_attn_func
 from hybrid.model.init import normal_init, output_layer_std
-from hybrid.model.norms import HeadsRMSNorm, build_norm
+from hybrid.model.norms import HeadsRMSNorm, build_norm, rms_normalize
 from hybrid.model.qkv import split_qkv
 from hybrid.model.rotary import RotaryEmbedding, apply_rotary, llama_4_query_scale
 from hybrid.model.sinks import sink_attention
@@ -228,13 +227,6 @@ def windowed_attention(q, k, v, window: int, dropout: float, scale: float, block
     return blocked_attention(q, k, v, window, dropout, scale, block)
 
 
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / RMS(x) over the last dimension, in fp32, without a weight (--v-norm; transformers' Gemma4RMSNorm with
-    with_scale=False)."""
-    x32 = x.float()
-    return (x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + eps, -0.5)).type_as(x)
-
-
 class SelfAttention(nn.Module):
     """Fused QKV projection, optional RoPE, core attention, output projection: one TP all-reduce."""
 
@@ -287,7 +279,7 @@ class SelfAttention(nn.Module):
 
     def forward(self, x, layout=None):
         """x [s(/tp), b, h]; `layout` (hybrid.model.sequence.SequenceLayout): documents and positions."""
-        qkv = self.qkv(x)  # [s(/tp), b, h] -> [s, b, groups/tp * (heads_per_group + 2) * d]
+        qkv = self.qkv(x)  # [s(/tp), b, h] -> [s, b, groups/tp * (heads_per_group + 2, 1 or 0) * d]
         s = qkv.size(0)
         decoding = getattr(layout, "cache", None) is not None  # hybrid.model.kv_cache: the cached keys too
         if self.reads_kv:

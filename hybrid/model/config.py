@@ -66,6 +66,7 @@ class ModelConfig:
     rotary_base: float = 10000.0  # --rotary-base
     rotary_percent: float = 1.0  # --rotary-percent: rope on the first int(head_dim x this) features of each head
     normalization: str = "LayerNorm"  # --normalization LayerNorm|RMSNorm
+    rmsnorm_fp32_scale: bool = False  # --rmsnorm-fp32-scale: RMSNorm scales in fp32, then casts (Gemma 4's numerics)
     norm_epsilon: float = 1e-5  # --norm-epsilon
     swiglu: bool = False  # --swiglu (gated SiLU MLP instead of GeLU)
     add_bias_linear: bool = True  # --disable-bias-linear sets False
@@ -105,6 +106,10 @@ class ModelConfig:
     moe_router_bias_update_rate: float = 1e-3  # --moe-router-bias-update-rate: the bias step per iteration
     moe_shared_expert_intermediate_size: Optional[int] = None  # --moe-shared-expert-intermediate-size
     moe_shared_expert_gate: bool = False  # --moe-shared-expert-gate: sigmoid(x w) x shared output (Qwen2-MoE)
+    # --moe-gemma4-block: Gemma 4's MoE block (26B-A4B): the shared experts (its dense MLP) normed after, the routed
+    # experts reading their own norm of the residual and normed after; the router reading the residual RMS-normalised
+    # times a learned per-feature scale and 1/sqrt(h), its renormalised top-k weights times a learned per-expert scale
+    moe_gemma4_block: bool = False
     moe_expert_capacity_factor: Optional[float] = None  # --moe-expert-capacity-factor; None = dropless
     moe_token_drop_policy: str = "probs"  # --moe-token-drop-policy probs|position: which tokens over capacity go
     moe_pad_expert_input_to_capacity: bool = False  # --moe-pad-expert-input-to-capacity: fixed rows per expert
@@ -125,7 +130,7 @@ class ModelConfig:
     softmax_scale: Optional[float] = None  # --softmax-scale: scores x this (Gemma 3: query_pre_attn_scalar^-0.5)
     attention_sinks: bool = False  # --softmax-type learnable: a learned sink logit per head (GPT-OSS)
     sandwich_norms: bool = False  # --sandwich-norms: the attention's and the MLP's outputs normed too (Gemma 2/3)
-    rope_scaling: Optional[dict] = None  # {"rope_type": "llama3"|"linear"|"yarn", "factor": ..., ...} as transformers
+    rope_scaling: Optional[dict] = None  # {"rope_type": "llama3"|"linear"|"yarn"|"proportional", "factor": ...} (HF's)
     # Gemma 4: the full-attention layers' (those --window-attn-skip-freq names) own head size and KV heads, its
     # global_head_dim and num_global_key_value_heads (--global-kv-channels, --global-num-query-groups)
     global_kv_channels: Optional[int] = None
@@ -285,7 +290,7 @@ class ModelConfig:
 
     @property
     def common_query_groups(self) -> int:
-        """The greatest KV group count every layer's divides into (--global-num-query-groups: of both kinds')."""
+        """The greatest count dividing every layer's KV groups (--global-num-query-groups: both kinds')."""
         return math.gcd(self.num_query_groups, self.global_num_query_groups or self.num_query_groups)
 
     @property
@@ -473,6 +478,16 @@ class ModelConfig:
                               "--moe-expert-capacity-factor.")
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise ConfigError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size.")
+        if self.moe_gemma4_block:
+            needs = {"--moe-shared-expert-intermediate-size (its dense MLP)": self.moe_shared_expert_intermediate_size,
+                     "no --moe-shared-expert-gate": not self.moe_shared_expert_gate,
+                     "--moe-router-score-function softmax": self.moe_router_score_function == "softmax",
+                     "no --moe-router-pre-softmax (its top-k weights renormalised)": not self.moe_router_pre_softmax,
+                     "no --moe-router-enable-expert-bias": not self.moe_router_enable_expert_bias,
+                     "--normalization RMSNorm": self.normalization == "RMSNorm"}
+            missing = [flag for flag, holds in needs.items() if not holds]
+            if missing:
+                raise ConfigError(f"--moe-gemma4-block needs {', '.join(missing)}.")
 
     def _validate_query_options(self) -> None:
         """--qk-norm-across-heads and --llama-4-scaling-beta / -length."""
@@ -600,6 +615,9 @@ class ModelConfig:
                               f"{len(self.layer_scalars)}.")
         if self.per_layer_input_size < 0:
             raise ConfigError(f"--per-layer-input-size must be >= 0, got {self.per_layer_input_size}.")
+        if self.per_layer_input_size and self.position_embedding_type != "rope":
+            raise ConfigError("--per-layer-input-size (Gemma 4's per-layer inputs) is built for rope models: it needs "
+                              "--position-embedding-type rope.")
         shared = self.kv_shared_layers
         if shared:
             if not 0 < shared < self.num_layers:

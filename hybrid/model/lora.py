@@ -82,8 +82,11 @@ def check(config, tp: int = 1) -> None:
     if config.multi_latent_attention and any(TARGETS[t][0].startswith("attention.") for t in targets):
         raise ConfigError("--lora-target-modules: LoRA on multi-latent attention's projections is not implemented; "
                           "target the MLP only (gate_proj up_proj down_proj).")
-    per_layer = config.global_kv_channels or config.global_num_query_groups or config.attention_k_eq_v
-    if per_layer and any(TARGETS[t][0].startswith("attention.") for t in targets):
+    if config.kv_shared_layers:  # (its sharing layers project queries only, their MLPs may be twice as wide)
+        raise ConfigError("--lora-rank with --num-kv-shared-layers (Gemma 4 E2B/E4B): adapters on layers of two "
+                          "shapes are not implemented; fine-tune the model whole (without --lora-rank).")
+    shaped_by_layer = config.global_kv_channels or config.global_num_query_groups or config.attention_k_eq_v
+    if shaped_by_layer and any(TARGETS[t][0].startswith("attention.") for t in targets):
         raise ConfigError("--lora-target-modules: LoRA on the attention of a model whose full-attention layers have "
                           "their own shapes (--global-kv-channels, --global-num-query-groups, --attention-k-eq-v; "
                           "Gemma 4) is not implemented; target the MLP only (gate_proj up_proj down_proj).")

@@ -48,28 +48,40 @@ class LayerNorm(_Norm):
 
 class RMSNorm(_Norm):
     """RMSNorm as transformers computes it: normalise in fp32; Llama then scales in the input dtype,
-    Gemma (one_plus) scales by (1 + weight) in fp32 and casts after."""
+    Gemma (one_plus) scales by (1 + weight) in fp32 and casts after, Gemma 4 (`fp32_scale`) by the weight in fp32."""
 
     def __init__(self, hidden_size, eps=1e-5, groups=None, sequence_parallel=False, dtype=torch.float32,
-                 one_plus=False):
+                 one_plus=False, fp32_scale=False):
         super().__init__(hidden_size, eps, groups, sequence_parallel, False, dtype, one_plus)
+        self.fp32_scale = fp32_scale
 
     def forward(self, x):
         weight, _ = self._params()
         normalized = F.rms_norm(x.float(), (x.size(-1),), eps=self.eps)  # torch's fused kernel on fp32
         if self.one_plus:
             return (normalized * (1.0 + weight.float())).to(x.dtype)
+        if self.fp32_scale:
+            return (normalized * weight.float()).to(x.dtype)
         return weight * normalized.to(x.dtype)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / RMS(x) over the last dimension, in fp32, without a weight (--v-norm, Gemma 4's router; transformers'
+    Gemma4RMSNorm with with_scale=False)."""
+    x32 = x.float()
+    return (x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + eps, -0.5)).type_as(x)
 
 
 def build_norm(config, groups, size=None, partial_grads=None, eps=None) -> nn.Module:
     """The norm that `--normalization` names, over `size` features (default: the hidden size).
     `partial_grads`: each TP rank sees part of the input (default: under sequence parallelism); `eps`: another
     epsilon than --norm-epsilon (MLA's latent norms)."""
-    cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
     partial = config.sequence_parallel if partial_grads is None else partial_grads
-    return cls(size or config.hidden_size, config.norm_epsilon if eps is None else eps, groups, partial,
-               one_plus=config.apply_layernorm_1p)
+    eps = config.norm_epsilon if eps is None else eps
+    if config.normalization == "RMSNorm":
+        return RMSNorm(size or config.hidden_size, eps, groups, partial, one_plus=config.apply_layernorm_1p,
+                       fp32_scale=config.rmsnorm_fp32_scale)
+    return LayerNorm(size or config.hidden_size, eps, groups, partial, one_plus=config.apply_layernorm_1p)
 
 
 class HeadsRMSNorm(nn.Module):

@@ -49,7 +49,7 @@ class PerLayerInputs(nn.Module):
             config.padded_vocab_size(groups.tp_size), width, groups,
             vocab_rows_init(normal_init(config.seed, TABLE, config.init_method_std), config.vocab_size))
         self.projection = _replicated(config, PROJECTION, (width, self.hidden))
-        self.norm = RMSNorm(self.size, config.norm_epsilon, groups)
+        self.norm = RMSNorm(self.size, config.norm_epsilon, groups, fp32_scale=config.rmsnorm_fp32_scale)
 
     def forward(self, ids: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         tokens = self.table(ids)  # [s, b, layers x P], summed over TP

@@ -57,7 +57,7 @@ def scaled_inv_freq(inv_freq: torch.Tensor, scaling: Optional[dict], base: float
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "proportional":  # (transformers' _compute_proportional_rope_parameters)
         turned = int(float(scaling.get("partial_rotary_factor", 1.0)) * (2 * inv_freq.numel()) // 2)
-        return torch.cat([inv_freq[:turned], torch.zeros(inv_freq.numel() - turned)]) / factor
+        return torch.cat([inv_freq[:turned], inv_freq.new_zeros(inv_freq.numel() - turned)]) / factor
     if scaling["rope_type"] == "yarn":
         return _yarn_inv_freq(2 * inv_freq.numel(), base, scaling)
     if scaling["rope_type"] == "linear":

@@ -61,7 +61,9 @@ class TransformerLayer(nn.Module):
         if self.attention_output_norm is not None:
             out = self.attention_output_norm(out)
         hidden = dropout_add(out, hidden, c.hidden_dropout, self.training, c.sequence_parallel)
-        out = self.mlp(self.post_attention_norm(hidden))
+        normed = self.post_attention_norm(hidden)
+        # (Gemma 4's MoE block reads the residual too: hybrid.model.moe.moe_layer)
+        out = self.mlp(normed, hidden) if getattr(self.mlp, "takes_residual", False) else self.mlp(normed)
         if self.mlp_output_norm is not None:
             out = self.mlp_output_norm(out)
         hidden = dropout_add(out, hidden, c.hidden_dropout, self.training, c.sequence_parallel)

@@ -82,6 +82,8 @@ def family_of(config: ModelConfig) -> str:
     if config.multi_latent_attention:  # Mistral 4: its query temperature, or a softmax router
         softmax_moe = config.num_experts and config.moe_router_score_function == "softmax"
         return "mistral4" if config.llama_4_scaling_beta is not None or softmax_moe else "deepseek_v3"
+    if config.moe_gemma4_block or (config.sandwich_norms and (config.v_norm or not config.apply_layernorm_1p)):
+        return "gemma4"
     if config.attention_sinks or config.quick_geglu:
         return "gpt_oss"
     if config.num_experts:
@@ -89,8 +91,6 @@ def family_of(config: ModelConfig) -> str:
             return "minimax_m2" if config.qk_norm_across_heads else "glm4_moe"
         return "qwen2_moe" if config.moe_shared_expert_intermediate_size else \
             "qwen3_moe" if config.qk_layernorm else "mixtral"
-    if config.sandwich_norms and (config.v_norm or not config.apply_layernorm_1p):
-        return "gemma4"
     if config.sandwich_norms:
         return "gemma3"
     if config.geglu or config.scale_embeddings or (config.apply_layernorm_1p and config.normalization == "RMSNorm"):

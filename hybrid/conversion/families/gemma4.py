@@ -10,15 +10,21 @@ import dataclasses
 
 import torch
 
-from hybrid.conversion.families.adapter import expect, get, refuse, require
+from hybrid.conversion.families.adapter import expect, gated_to_canonical, gated_to_hf, get, refuse, require
 from hybrid.conversion.families.gemma3 import Gemma3Adapter
+from hybrid.conversion.families.moe import ExpertLayout
 from hybrid.conversion.families.options import FULL, SLIDING, layer_types, rope_of, sliding_layers, window_pattern
 from hybrid.model.config import ModelConfig
+from hybrid.model.naming import EXPERTS
 from hybrid.model.qkv import fuse_qkv, split_qkv_flat
 
-_NOT_BUILT = {  # Gemma 4's options not built yet (the 26B-A4B form), each refused by name
-    "enable_moe_block": "Gemma 4's MoE block beside the MLP (26B-A4B) is not implemented",
-}
+_MOE_MAP = {  # an MoE layer's (enable_moe_block: the 26B-A4B) router scales and norms, beside its dense MLP
+    "model.layers.{}.router.proj.weight": "layers.{}.mlp.router.weight",
+    "model.layers.{}.router.scale": "layers.{}.mlp.router.input_scale",
+    "model.layers.{}.router.per_expert_scale": "layers.{}.mlp.router.output_scale",
+    "model.layers.{}.post_feedforward_layernorm_1.weight": "layers.{}.mlp.shared_output_norm.weight",
+    "model.layers.{}.pre_feedforward_layernorm_2.weight": "layers.{}.mlp.routed_input_norm.weight",
+    "model.layers.{}.post_feedforward_layernorm_2.weight": "layers.{}.mlp.routed_output_norm.weight"}
 _PER_LAYER_GLOBALS = {"model.embed_tokens_per_layer.weight": "embedding.per_layer.table.weight",
                       "model.per_layer_model_projection.weight": "embedding.per_layer.projection",
                       "model.per_layer_projection_norm.weight": "embedding.per_layer.norm.weight"}
@@ -45,14 +51,16 @@ class Gemma4Adapter(Gemma3Adapter):
                "--global-num-query-groups) and keys as values (--attention-k-eq-v), proportional rope on them "
                "(--rotary-proportional-percent), `layer_scalar` (--layer-scalars), final logit soft-capping "
                "(--final-logit-softcapping), per-layer inputs (--per-layer-input-size), the last layers attending "
-               "with an earlier layer's keys and values (--num-kv-shared-layers, --double-wide-shared-mlp); text only")
-    refused = ("the MoE block (26B-A4B), bidirectional attention, rope scaling on the sliding layers, a per-layer "
-               "table of another vocabulary size, as Llama's")
+               "with an earlier layer's keys and values (--num-kv-shared-layers, --double-wide-shared-mlp), the "
+               "26B-A4B's MoE block beside each dense MLP (--moe-gemma4-block); text only")
+    refused = ("bidirectional attention, rope scaling on the sliding layers, a per-layer table of another vocabulary "
+               "size, an MoE block beside double-wide MLPs, as Llama's")
     gemma4 = True
 
     @classmethod
     def _rope(cls, hf) -> tuple:
         """The full-attention layers' rope: default, or proportional (its first share of frequencies turning)."""
+        hf = getattr(hf, "_hf", hf)  # (the config itself, not _LayerView: refusals name its class)
         params = dict(hf.rope_parameters[FULL])
         if params.get("rope_type") != "proportional":
             return rope_of(hf, params)
@@ -63,28 +71,37 @@ class Gemma4Adapter(Gemma3Adapter):
     @classmethod
     def config_from_hf(cls, hf) -> ModelConfig:
         name = "Gemma4"
-        for field, why in _NOT_BUILT.items():
-            if getattr(hf, field, None):
-                refuse(name, field, getattr(hf, field), why)
-        if getattr(hf, "use_bidirectional_attention", None):
+        if getattr(hf, "use_bidirectional_attention", None) == "all":  # ("vision": text tokens attend causally)
             refuse(name, "use_bidirectional_attention", hf.use_bidirectional_attention, "attention here is causal")
         sliding = sliding_layers(hf, name)
         # (Gemma 3's own reads query_pre_attn_scalar; the full layers' head size and KV heads are read below)
         config = super(Gemma3Adapter, cls).config_from_hf(_LayerView(hf, sliding.index(1) if any(sliding) else 0))
         full = [i for i, kind in enumerate(hf.layer_types) if kind == FULL]
-        shapes = {(hf.per_layer_config[i].head_dim, hf.per_layer_config[i].num_key_value_heads) for i in full}
-        if len(shapes) > 1:
-            refuse(name, "per_layer_config", sorted(shapes), "the full-attention layers share one head size and KV "
-                   "head count")
-        head_dim, kv_heads = shapes.pop()
+        for kind, layers in ((FULL, full), (SLIDING, [i for i, on in enumerate(sliding) if on])):
+            shapes = {(hf.per_layer_config[i].head_dim, hf.per_layer_config[i].num_key_value_heads) for i in layers}
+            if len(shapes) > 1:
+                refuse(name, "per_layer_config", sorted(shapes), f"the {kind} layers share one head size and KV head "
+                       f"count")
+        head_dim, kv_heads = hf.per_layer_config[full[0]].head_dim, hf.per_layer_config[full[0]].num_key_value_heads
+        if any(sliding) and kv_heads != config.num_query_groups and not hf.attention_k_eq_v:
+            refuse(name, "per_layer_config", f"{kv_heads} KV heads on the full layers", "transformers gives the full "
+                   "layers their own KV heads (num_global_key_value_heads) only with attention_k_eq_v; export could "
+                   "not write this")
         per_layer = hf.hidden_size_per_layer_input or 0
         if per_layer and hf.vocab_size_per_layer_input != hf.vocab_size:
             refuse(name, "vocab_size_per_layer_input", hf.vocab_size_per_layer_input,
                    f"the per-layer inputs' table has the vocabulary's rows here ({hf.vocab_size})")
         shared = hf.num_kv_shared_layers or 0
-        fields = dict(sandwich_norms=True, softmax_scale=1.0, v_norm=True, attention_k_eq_v=bool(hf.attention_k_eq_v),
-                      final_logit_softcapping=hf.final_logit_softcapping, per_layer_input_size=per_layer,
-                      kv_shared_layers=shared, double_wide_shared_mlp=bool(shared and hf.use_double_wide_mlp))
+        fields = dict(sandwich_norms=True, softmax_scale=1.0, v_norm=True, rmsnorm_fp32_scale=True,
+                      attention_k_eq_v=bool(hf.attention_k_eq_v), final_logit_softcapping=hf.final_logit_softcapping,
+                      per_layer_input_size=per_layer, kv_shared_layers=shared,
+                      double_wide_shared_mlp=bool(shared and hf.use_double_wide_mlp))
+        if hf.enable_moe_block:  # every layer: its dense MLP (our shared experts) beside the routed experts
+            if fields["double_wide_shared_mlp"]:
+                refuse(name, "use_double_wide_mlp", True, "with enable_moe_block the dense MLPs keep one width here")
+            fields.update(num_experts=hf.num_experts, moe_router_topk=hf.top_k_experts,
+                          moe_ffn_hidden_size=hf.moe_intermediate_size, moe_layer_freq=1,
+                          moe_shared_expert_intermediate_size=hf.intermediate_size, moe_gemma4_block=True)
         if any(sliding):
             local = dict(hf.rope_parameters[SLIDING])
             if local.get("rope_type", "default") != "default":
@@ -119,7 +136,17 @@ class Gemma4Adapter(Gemma3Adapter):
                                 "--attention-k-eq-v with --global-num-query-groups":
                                     c.attention_k_eq_v or c.global_num_query_groups is None,
                                 "rope unscaled or proportional on the full layers":
-                                    scaling.get("rope_type", "proportional") == "proportional"})
+                                    scaling.get("rope_type", "proportional") == "proportional",
+                                # (transformers makes the last layer a full one)
+                                "the last layer attending fully (--window-attn-skip-freq)":
+                                    c.layer_window(c.num_layers - 1) is None})
+        if c.num_experts:  # Gemma 4's MoE block on every layer, its dense MLP as wide as --ffn-hidden-size
+            require(self.hf_class, {"--moe-gemma4-block": c.moe_gemma4_block,
+                                    "every layer MoE (--moe-layer-freq 1)": len(c.moe_layers) == c.num_layers,
+                                    "--moe-shared-expert-intermediate-size = --ffn-hidden-size":
+                                        c.moe_shared_expert_intermediate_size == c.ffn_hidden_size,
+                                    "no --moe-router-topk-scaling-factor": not c.moe_router_topk_scaling_factor,
+                                    "no --moe-router-num-groups": not c.moe_router_num_groups})
 
     def family_fields(self):
         c = self.config
@@ -130,23 +157,44 @@ class Gemma4Adapter(Gemma3Adapter):
         share = float(scaling.get("partial_rotary_factor", 1.0))
         ropes = {FULL: {"rope_type": "proportional", "partial_rotary_factor": share, "rope_theta": c.rotary_base,
                         **({"factor": scaling["factor"]} if float(scaling.get("factor", 1.0)) != 1.0 else {})}}
-        if sliding is not None:
-            ropes[SLIDING] = {"rope_type": "default", "rope_theta": c.layer_rope(sliding)[0]}
+        if sliding is not None:  # (--local-rotary-base, else the full layers' rope on every layer)
+            base, scaled = c.layer_rope(sliding)
+            ropes[SLIDING] = dict(ropes[FULL], rope_theta=base) if scaled else {"rope_type": "default",
+                                                                                "rope_theta": base}
         else:
             ropes[SLIDING] = dict(ropes[FULL])
         fields = dict(hidden_activation=self.hidden_act, layer_types=kinds, sliding_window=c.sliding_window or 4096,
                       rope_parameters=ropes, attention_k_eq_v=c.attention_k_eq_v,
                       final_logit_softcapping=c.final_logit_softcapping,
                       hidden_size_per_layer_input=c.per_layer_input_size, vocab_size_per_layer_input=c.vocab_size,
-                      num_kv_shared_layers=c.kv_shared_layers, enable_moe_block=False,
+                      num_kv_shared_layers=c.kv_shared_layers, enable_moe_block=bool(c.num_experts),
                       use_double_wide_mlp=c.double_wide_shared_mlp)
+        if c.num_experts:
+            fields.update(num_experts=c.num_experts, top_k_experts=c.moe_router_topk,
+                          moe_intermediate_size=c.moe_ffn_hidden_size)
         if full is not None:
             layer = c.layer_config(full)
             fields.update(global_head_dim=layer.head_dim, num_global_key_value_heads=layer.num_query_groups)
         return fields
 
     def _layer_map(self) -> dict:
-        return dict(super()._layer_map(), **(_PER_LAYER_MAP if self.config.per_layer_input_size else {}))
+        return dict(super()._layer_map(), **(_PER_LAYER_MAP if self.config.per_layer_input_size else {}),
+                    **(_MOE_MAP if self.config.moe_gemma4_block else {}))
+
+    def mlp_to_canonical(self, hf_state, i: int, out: dict, wanted=None) -> None:
+        if not self.config.moe_gemma4_block:
+            return super().mlp_to_canonical(hf_state, i, out, wanted)
+        c = self.config  # the dense MLP as the shared experts; the stacked experts (an EP rank's own, when wanted)
+        gated_to_canonical(hf_state, f"model.layers.{i}.mlp.", f"layers.{i}.mlp.shared_mlp.", out)
+        ExpertLayout._fused_to_canonical(c, hf_state, f"model.layers.{i}.", f"layers.{i}.mlp.", out, wanted)
+
+    def mlp_to_hf(self, state: dict, i: int, out: dict) -> None:
+        if not self.config.moe_gemma4_block:
+            return super().mlp_to_hf(state, i, out)
+        gated_to_hf(state, f"layers.{i}.mlp.shared_mlp.", f"model.layers.{i}.mlp.", out)
+        experts = [f"layers.{i}.mlp.{EXPERTS[1:]}{e}." for e in range(self.config.num_experts)]
+        out[f"model.layers.{i}.experts.gate_up_proj"] = torch.stack([state[x + "fc1.weight"] for x in experts])
+        out[f"model.layers.{i}.experts.down_proj"] = torch.stack([state[x + "fc2.weight"] for x in experts])
 
     def layer_to_canonical(self, hf_state, i, wanted=None):
         out = {}

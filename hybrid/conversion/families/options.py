@@ -36,7 +36,8 @@ def gemma4_options(c: ModelConfig) -> dict:
             "--rotary-proportional-percent": (c.rope_scaling or {}).get("rope_type") == "proportional",
             "--final-logit-softcapping": c.final_logit_softcapping is not None,
             "--layer-scalars": c.layer_scalars is not None, "--per-layer-input-size": bool(c.per_layer_input_size),
-            "--num-kv-shared-layers": bool(c.kv_shared_layers), "--double-wide-shared-mlp": c.double_wide_shared_mlp}
+            "--num-kv-shared-layers": bool(c.kv_shared_layers), "--double-wide-shared-mlp": c.double_wide_shared_mlp,
+            "--moe-gemma4-block": c.moe_gemma4_block}
 
 
 def rope_of(hf, params: dict | None = None, partial: bool = False) -> tuple[float, dict | None]:

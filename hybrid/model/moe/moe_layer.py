@@ -11,6 +11,7 @@ from hybrid.model.init import normal_init
 from hybrid.model.moe.experts import Experts, ExpertsHolder
 from hybrid.model.moe.router import Router, capacity_keep, expert_capacity
 from hybrid.model.moe.token_dispatcher import TokenDispatcher
+from hybrid.model.norms import build_norm
 from hybrid.parallel import collectives as C
 from hybrid.parallel.groups import as_groups
 from hybrid.parallel.mappings import sync_replicated_grad
@@ -39,6 +40,13 @@ class MoELayer(nn.Module):
         if config.moe_shared_expert_intermediate_size:
             self.shared_mlp = dense_mlp(config, groups, f"{name}.shared_mlp",
                                         config.moe_shared_expert_intermediate_size)
+        # --moe-gemma4-block: the shared experts' output normed; the routed experts' input (the residual) and output
+        self.takes_residual = config.moe_gemma4_block  # (the layer passes its residual beside the normed input)
+        self.shared_output_norm = self.routed_input_norm = self.routed_output_norm = None
+        if config.moe_gemma4_block:
+            self.shared_output_norm = build_norm(config, groups)
+            self.routed_input_norm = build_norm(config, groups)
+            self.routed_output_norm = build_norm(config, groups)
         self.shared_gate = None
         if config.moe_shared_expert_gate:
             self.shared_gate = nn.Parameter(torch.empty(1, config.hidden_size))
@@ -53,14 +61,20 @@ class MoELayer(nn.Module):
         """Whether the experts run as grouped GEMMs (--moe-grouped-gemm, on a device whose kernel ran)."""
         return self.deepspeed_moe.experts.grouped
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor = None) -> torch.Tensor:
+        """x: the layer's normed input; `residual` (--moe-gemma4-block): the layer's input itself, which the router
+        reads and the routed experts read through their own norm."""
         if self.groups.tp_size > 1 and not self.config.sequence_parallel and torch.is_grad_enabled():
             # training splits the tokens over TP (each rank routes its shard); without gradients (decoding, where a
             # step's one position cannot be split) every TP rank routes all tokens through its replicated experts
             raise RuntimeError("an MoE layer at TP > 1 needs sequence parallelism (each TP rank routes its shard)")
         s, b, h = x.shape
         flat = x.reshape(s * b, h)
-        probs, indices, _ = self.router(flat, s)
+        if self.takes_residual:  # (transformers' Gemma4TextDecoderLayer)
+            probs, indices, _ = self.router(residual.reshape(s * b, h), s)
+            flat = self.routed_input_norm(residual).reshape(s * b, h)
+        else:
+            probs, indices, _ = self.router(flat, s)
         keep, padded_to = None, None
         c = self.config
         if c.moe_expert_capacity_factor is not None:
@@ -70,8 +84,12 @@ class MoELayer(nn.Module):
                 padded_to = expert_capacity(*indices.shape, self.num_experts, c.moe_expert_capacity_factor)
         self.router.count(indices, keep)
         out = self.dispatcher(flat, probs.to(x.dtype), indices, keep, self._experts, padded_to).view(s, b, h)
+        if self.routed_output_norm is not None:
+            out = self.routed_output_norm(out)
         if self.shared_mlp is not None:
             shared = self.shared_mlp(x)
+            if self.shared_output_norm is not None:
+                shared = self.shared_output_norm(shared)
             if self.shared_gate is not None:
                 gate = sync_replicated_grad(self.shared_gate, self.groups.tp_group) if c.sequence_parallel \
                     else self.shared_gate

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.model.init import normal_init
+from hybrid.model.norms import rms_normalize
 from hybrid.parallel import collectives as C
 from hybrid.parallel.groups import as_groups
 from hybrid.parallel.mappings import sync_replicated_grad
@@ -148,6 +149,12 @@ class Router(nn.Module):
             self.register_buffer("score_bias", torch.zeros(config.num_experts))
         else:
             self.score_bias = None
+        # Gemma 4's router (--moe-gemma4-block): its input RMS-normalised without a weight, times a learned per-feature
+        # scale and 1/sqrt(h); its renormalised top-k weights times a learned per-expert scale
+        self.input_scale = self.output_scale = None
+        if config.moe_gemma4_block:
+            self.input_scale = nn.Parameter(torch.ones(config.hidden_size))
+            self.output_scale = nn.Parameter(torch.ones(config.num_experts))
         # kept (token, expert) pairs since the last bias update (not saved: an update empties it)
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
         self.aux_loss_scale = 1.0  # the LM loss's backward factor, set before each step (training's MoE hooks)
@@ -171,11 +178,17 @@ class Router(nn.Module):
         sync = self.config.sequence_parallel
         weight = sync_replicated_grad(self.weight, self.groups.tp_group) if sync else self.weight
         bias = sync_replicated_grad(self.bias, self.groups.tp_group) if sync and self.bias is not None else self.bias
+        if self.input_scale is not None:  # (transformers' Gemma4TextRouter)
+            scale = sync_replicated_grad(self.input_scale, self.groups.tp_group) if sync else self.input_scale
+            x = rms_normalize(x, self.config.norm_epsilon) * scale * self.config.hidden_size ** -0.5
         if self.config.moe_router_dtype == "fp32":  # the GEMM in fp32 (megatron-core's --moe-router-dtype fp32)
             logits = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
         else:  # in the input's dtype, scored in fp32 (as transformers' Mixtral / Qwen / GPT-OSS)
             logits = F.linear(x, weight, bias).float()
         probs, indices = route(logits, self.config, self.score_bias)
+        if self.output_scale is not None:
+            scale = sync_replicated_grad(self.output_scale, self.groups.tp_group) if sync else self.output_scale
+            probs = probs * scale[indices]
         if self.training and torch.is_grad_enabled():  # once per micro-batch, in the recomputed pass under recompute
             probs = self._attach_losses(probs, indices, logits, seq_length)
         return probs, indices, logits
