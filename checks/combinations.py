@@ -46,6 +46,10 @@ class Feature:
     paired: bool = True  # in the sweep's singles and pairs (False: only in the triples that name it)
 
 
+DSA = ("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+       "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", 16, "--kv-lora-rank", 12, "--qk-head-dim", 8,
+       "--qk-pos-emb-head-dim", 4, "--v-head-dim", 6, "--experimental-attention-variant", "dsa",
+       "--dsa-indexer-topk", 8, "--dsa-indexer-n-heads", 4, "--dsa-indexer-head-dim", 8)
 GEMMA4 = ("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--geglu", "--scale-embeddings",
           "--qk-layernorm", "--sandwich-norms", "--window-size", "2,0", "--window-attn-skip-freq", 2,
           "--local-rotary-base", 10000, "--rotary-proportional-percent", 0.25, "--softmax-scale", 1, "--kv-channels", 8,
@@ -88,11 +92,12 @@ FEATURES = {
                     "--kv-lora-rank", 12, "--qk-head-dim", 8, "--qk-pos-emb-head-dim", 4, "--v-head-dim", 6),
                    kind="model", group="family"),
     # DeepSeek-V3.2's sparse attention: MLA with its frozen indexer choosing each query's top 8 keys (of 32)
-    "dsa": Feature(("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-                    "--disable-bias-linear", "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", 16,
-                    "--kv-lora-rank", 12, "--qk-head-dim", 8, "--qk-pos-emb-head-dim", 4, "--v-head-dim", 6,
-                    "--experimental-attention-variant", "dsa", "--dsa-indexer-topk", 8, "--dsa-indexer-n-heads", 4,
-                    "--dsa-indexer-head-dim", 8), kind="model", group="family"),
+    "dsa": Feature(DSA, kind="model", group="family"),
+    # DSA's indexer trained by its KL loss to the main attention (megatron-core's), over every causal key and, sparse,
+    # over the chosen ones only, in triples
+    "dsa_loss": Feature(DSA + ("--dsa-indexer-loss-coeff", 0.5), kind="model", group="family", paired=False),
+    "dsa_sparse_loss": Feature(DSA + ("--dsa-indexer-loss-coeff", 0.5, "--dsa-indexer-use-sparse-loss"),
+                               kind="model", group="family", paired=False),
     # GLM-5's: DSA with index sharing (layers 2 and 4 attend the keys layers 1 and 3 chose), in triples
     "dsa_shared": Feature(("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
                            "--disable-bias-linear", "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", 16,
@@ -172,6 +177,10 @@ TRIPLES += [("tp2_sp", "pp2", "dsa"), ("ep2", "tp2_sp", "dsa"), ("dp2", "zero3",
             ("pp2", "mla", "query_temperature"), ("cp2", "documents", "query_temperature"),
             ("tp2_sp", "pp2", "dsa_shared"), ("dp2", "zero3", "dsa_shared"), ("ep2", "pp2", "dsa_shared"),
             ("dp2", "pp2_zbv", "dsa_shared"), ("compile", "dsa_shared")]
+# DSA's indexer trained by its KL loss: TP + SP (its projections gathered, their gradients summed over TP; the
+# attention's heads summed over TP for the target), a pipeline, ZeRO-3 (its weights gathered with their attention), EP
+TRIPLES += [("tp2_sp", "dsa_loss"), ("pp2", "dsa_loss"), ("dp2", "zero3", "dsa_loss"), ("ep2", "tp2_sp", "dsa_loss"),
+            ("tp2_sp", "pp2", "dsa_sparse_loss"), ("dp2", "zero2", "dsa_sparse_loss"), ("dp2", "dsa_loss")]
 # Gemma 4's E2B/E4B form: its per-layer inputs and KV-sharing layers under TP + SP, the sequence split and ZeRO-3;
 # a pipeline and full recompute refused by the table
 TRIPLES += [("tp2_sp", "dp2", "gemma4_e"), ("cp2", "tp2_sp", "gemma4_e"), ("dp2", "zero3", "gemma4_e"),

@@ -111,6 +111,7 @@ def _mtp_fields(args) -> dict:
 
 DSA_FLAGS = ("experimental_attention_variant", "dsa_indexer_topk", "dsa_indexer_n_heads", "dsa_indexer_head_dim",
              "dsa_indexer_topk_freq", "dsa_indexer_skip_topk_offset", "mla_latent_norm_epsilon")
+DSA_TRAINING_FLAGS = ("dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss")  # how the indexer trains (any load)
 
 
 def dsa_index_share(layers: int, freq: int, offset: int):
@@ -199,7 +200,9 @@ def model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = N
         recompute_num_layers=num_layers, sequence_parallel=args.sequence_parallel and tp > 1, seed=args.seed,
         async_tensor_model_parallel_allreduce=not args.no_async_tensor_model_parallel_allreduce,
         **_mtp_fields(args), **lora_fields(args),
-        **({name: getattr(args, name) for name in MOE_TRAINING_FLAGS} if architecture.num_experts else {}))
+        **({name: getattr(args, name) for name in MOE_TRAINING_FLAGS} if architecture.num_experts else {}),
+        **({name: getattr(args, name) for name in DSA_TRAINING_FLAGS}
+           if architecture.dsa_indexer_topk is not None else {}))
     config.validate(tp)
     if config.position_embedding_type == "learned_absolute" and args.seq_length > config.max_position_embeddings:
         raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "

@@ -358,11 +358,12 @@ RULES = [
                    "--pipeline-partition so that they share a stage, or --pipeline-model-parallel-size 1."),
     Rule("dsa-universal", "--universal-checkpoint with --experimental-attention-variant dsa",
          "DSA's indexer is frozen, and DeepSpeed's universal conversion reads the optimizer's partitions, which do not "
-         "hold it",
+         "hold it (trained by its KL loss it is there, but that conversion is not checked yet)",
          lambda s: s.dsa and s.universal_checkpoint,
          lambda s: "--universal-checkpoint with DeepSeek sparse attention: its frozen indexer is not in the "
-                   "optimizer's partitions that the universal conversion reads; resume at the same layout, or convert "
-                   "its weights with hybrid.conversion.checkpoint_util and start the new layout from them."),
+                   "optimizer's partitions that the universal conversion reads (and with --dsa-indexer-loss-coeff that "
+                   "conversion is not checked); resume at the same layout, or convert its weights with "
+                   "hybrid.conversion.checkpoint_util and start the new layout from them."),
     Rule("muon-mla-mtp", "--optimizer muon with --multi-latent-attention or --mtp-num-layers",
          "Muon's matrices are named by the layer's fused QKV, output and MLP projections; MLA's and the MTP layers' "
          "projections are not among them yet",

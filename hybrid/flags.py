@@ -158,6 +158,13 @@ def _add_network_size_args(p):
     g.add_argument("--dsa-indexer-skip-topk-offset", type=int, default=0,
                    help="DSA index sharing: the first layers that always run their indexer (1-based layer L runs it "
                         "when max(L - offset, 0) is a multiple of the frequency)")
+    g.add_argument("--dsa-indexer-loss-coeff", type=float, default=0.0,
+                   help="DSA: train the indexer by its KL divergence to the main attention, times this "
+                        "(megatron-core's; its inputs detached, so the LM loss does not reach it); 0: the indexer "
+                        "frozen, as transformers runs it")
+    g.add_argument("--dsa-indexer-use-sparse-loss", action="store_true",
+                   help="DSA: that KL over each query's chosen top-k keys only (DeepSeek's sparse stage; default: over "
+                        "every causal key, its dense warm-up)")
     g.add_argument("--mla-latent-norm-epsilon", type=float, default=None,
                    help="MLA: its latent norms' epsilon where it is not --norm-epsilon (transformers' DeepSeek models: "
                         "1e-6)")

@@ -554,9 +554,9 @@ class MemoryPlan:
     muon: bool = False  # --optimizer muon (hybrid.training.muon: ZeRO-0's whole matrices, or ZeRO's partitions)
 
 
-def frozen_indexer(name: str) -> bool:
-    """A parameter of DSA's lightning indexer (hybrid.model.dsa), which is frozen."""
-    return ".attention.indexer." in name
+def frozen_indexer(name: str, config: ModelConfig) -> bool:
+    """A parameter of DSA's lightning indexer (hybrid.model.dsa) where it is frozen (no --dsa-indexer-loss-coeff)."""
+    return ".attention.indexer." in name and not config.dsa_indexer_loss_coeff
 
 
 def frozen_bytes(params: dict, zero: ZeroSettings) -> int:
@@ -582,7 +582,7 @@ def _stage_model_states(params: dict, plan: MemoryPlan) -> dict:
                                    plan.zero)
         states["params"] += frozen_bytes({n: v for n, v in params.items() if n not in trainable}, plan.zero)
         return states
-    indexers = {name: v for name, v in params.items() if frozen_indexer(name)}
+    indexers = {name: v for name, v in params.items() if frozen_indexer(name, plan.model)}
     if indexers:  # DSA's frozen indexer (hybrid.model.dsa): its weights alone
         states = _stage_model_states({n: v for n, v in params.items() if n not in indexers}, plan)
         states["params"] += frozen_bytes(indexers, plan.zero)
@@ -693,7 +693,7 @@ def estimate(plan: MemoryPlan) -> list[dict]:
         trainable, frozen = info["params"], None
         if config.lora_rank or config.dsa_indexer_topk:  # ZeRO's buckets and step hold the trainable parameters only
             trainable = {n: v for n, v in info["params"].items()
-                         if (lora.trains(n, config) if config.lora_rank else True) and not frozen_indexer(n)}
+                         if (lora.trains(n, config) if config.lora_rank else True) and not frozen_indexer(n, config)}
             frozen = {n: v for n, v in info["params"].items() if n not in trainable}
         buffers = zero_buffer_bytes(trainable, plan.zero, plan.pp, plan.device_type == "cpu", plan.ep, frozen)
         step = zero_step_bytes(trainable, plan.zero, plan.ep)

@@ -77,6 +77,12 @@ SAMPLE = {  # combination -> the outcome it must have (a rule's name for a refus
     "cp2+dsa": "dsa-sequence-split",
     "tp2_sp+pp2+heads_norm": "equal",
     "cp2+llama+query_temperature": "equal",
+    # Gemma 4: its E2B/E4B form's per-layer inputs and KV sharing under TP + SP (a pipeline refused), its MoE block
+    # at EP 2 x TP 2 + SP; DSA's indexer trained by its KL loss at TP 2 + SP (its projections' gradients summed)
+    "tp2_sp+dp2+gemma4_e": "equal",
+    "pp2+gemma4_e": "per-layer-inputs-pipeline",
+    "ep2+tp2_sp+gemma4_moe": "equal",
+    "tp2_sp+dsa_loss": "equal",
 }
 
 

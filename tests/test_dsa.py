@@ -36,7 +36,7 @@ def test_blocks_give_the_whole_sequence_s_values_and_gradients(documents, monkey
     results = []
     for block in (1024, 5):  # one block; blocks of 5 rows (the last one short)
         monkeypatch.setattr(dsa, "DSA_BLOCK", block)
-        out = dsa.sparse_attention(q, k, v, indexer, index, 0.3, documents=docs)
+        out = dsa.sparse_attention(q, k, v, indexer, index, 0.3, documents=docs)[0]
         grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), (q, k, v))
         results.append((out, grads))
     (whole, whole_grads), (blocked, blocked_grads) = results
@@ -45,7 +45,7 @@ def test_blocks_give_the_whole_sequence_s_values_and_gradients(documents, monkey
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     # the selection matters: attending every allowed key instead gives other values
     monkeypatch.setattr(indexer, "topk", s)
-    assert (dsa.sparse_attention(q, k, v, indexer, index, 0.3, documents=docs) - whole).abs().max() > 1e-3
+    assert (dsa.sparse_attention(q, k, v, indexer, index, 0.3, documents=docs)[0] - whole).abs().max() > 1e-3
 
 
 def test_a_layer_keeps_memory_linear_in_the_sequence(monkeypatch):
@@ -117,3 +117,84 @@ def test_megatron_s_frequency_and_offset_give_transformers_indexer_types():
                                           index_skip_topk_offset=offset)
         want = [int(kind == "shared") for kind in hf.indexer_types]
         assert (dsa_index_share(layers, freq, offset) or [0] * layers) == want, (layers, freq, offset)
+
+
+def _megatron_indexer_loss(index, topk, q, k, scale, coeff, sparse):
+    """megatron-core's own compute_dsa_indexer_loss at TP 1 (its process-group argument is read for the TP size)."""
+    from types import SimpleNamespace
+    from megatron.core.transformer.experimental_attention_variant.dsa import compute_dsa_indexer_loss
+    one = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1))
+    return compute_dsa_indexer_loss(index, topk, q, k, scale, coeff, sparse, one)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense_loss", "sparse_loss"])
+def test_indexer_kl_in_blocks_equals_megatron_cores_loss_and_gradient(sparse):
+    """indexer_kl row block by row block, summed and averaged over the queries, is megatron-core's
+    compute_dsa_indexer_loss (the dense warm-up's and, with --dsa-indexer-use-sparse-loss, the sparse stage's) on the
+    same scores and attention, in value and in its gradient to the index scores."""
+    torch.manual_seed(3)
+    b, s, heads, d, topk, scale, coeff = 2, 23, 3, 8, 6, 0.3, 0.25
+    causal = torch.full((s, s), float("-inf")).triu(1)
+    raw = torch.randn(b, s, s, requires_grad=True)
+    q, k = torch.randn(s, b, heads, d), torch.randn(s, b, heads, d)
+    masked = raw + causal  # (what megatron-core's indexer returns: the causal mask on its scores)
+    chosen = masked.detach().topk(topk, dim=-1).indices
+    want = _megatron_indexer_loss(masked.clone(), chosen, q, k, scale, coeff, sparse)
+    want_grad, = torch.autograd.grad(want, raw)
+    config = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, multi_latent_attention=True,
+                         position_embedding_type="rope", qk_layernorm=True, q_lora_rank=16, kv_lora_rank=12,
+                         qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, dsa_indexer_topk=topk)
+    indexer = dsa.Indexer(config, "layers.0.attention")
+    total = 0
+    for start in range(0, s, 5):  # blocks of 5 query rows, the last short
+        rows = torch.arange(start, min(start + 5, s))
+        allowed = dsa.allowed_keys_of(rows, s).expand(b, -1, -1)
+        keep = indexer.choose(raw[:, rows], allowed)
+        total = total + dsa.indexer_kl(raw[:, rows], keep, allowed, q[rows].permute(1, 2, 0, 3),
+                                       k.permute(1, 2, 0, 3), scale, sparse).sum()
+    got = total * coeff / (b * s)
+    got_grad, = torch.autograd.grad(got, raw)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-8)
+
+
+def test_the_indexer_trains_by_megatron_cores_loss_alone_and_the_lm_gradients_stay_transformers(monkeypatch, tmp_path):
+    """--dsa-indexer-loss-coeff: a DeepSeek-V3.2's layer attaches megatron-core's compute_dsa_indexer_loss of its own
+    attention's queries and keys and its indexer's scores (the value, and the indexer's gradient, equal); every other
+    parameter's gradient is that of the frozen indexer (transformers' backward, tests/test_gradients.py); query blocks
+    of 16 over 39 positions."""
+    from hybrid.model import mla
+    from tests.hf_families import make_family
+    from tests.test_families import our_model, tokens
+    monkeypatch.setattr(dsa, "DSA_BLOCK", 16)
+    make_family("deepseek_v32", tmp_path, tokenizer=False)
+    ids = tokens()[:, :-1]
+    frozen, _ = our_model(tmp_path)
+    frozen.train()
+    frozen(ids).float().pow(2).mean().backward()
+    model, config = our_model(tmp_path, dsa_indexer_loss_coeff=0.5)
+    model.train()
+    seen, original = [], dsa.sparse_attention
+
+    def record(q, k, v, indexer, index, scale, dropout=0.0, documents=None, kl_group=False):
+        out = original(q, k, v, indexer, index, scale, dropout, documents, kl_group)
+        scores = indexer.scores(*index)  # [b, s, s], its graph back to the indexer's weights (megatron-core's input)
+        s = scores.size(1)
+        masked = scores + torch.full((s, s), float("-inf")).triu(1)
+        want = _megatron_indexer_loss(masked, masked.detach().topk(config.dsa_indexer_topk, dim=-1).indices,
+                                      q.detach(), k.detach(), scale, 0.5, False)
+        params = list(indexer.parameters())
+        seen.append((indexer, out[1], want, torch.autograd.grad(want, params, retain_graph=True)))
+        return out
+    monkeypatch.setattr(mla, "sparse_attention", record)
+    model(ids).float().pow(2).mean().backward()
+    assert len(seen) == config.num_layers
+    for indexer, loss, want, want_grads in seen:
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-7)
+        for got, expected in zip(indexer.parameters(), want_grads):
+            assert expected.abs().max() > 0
+            torch.testing.assert_close(got.grad, expected, rtol=1e-4, atol=1e-7)
+    trained = dict(model.named_parameters())
+    for name, param in frozen.named_parameters():
+        if ".indexer." not in name:
+            torch.testing.assert_close(trained[name].grad, param.grad, rtol=0, atol=0)

@@ -4,7 +4,6 @@ and RoPE, core attention backends (causal or sliding-window), output (row-parall
 
 from __future__ import annotations
 
-
 import deepspeed
 import torch
 import torch.nn as nn

@@ -162,6 +162,10 @@ class ModelConfig:
     dsa_indexer_topk: Optional[int] = None
     dsa_indexer_n_heads: int = 64  # --dsa-indexer-n-heads: the indexer's query heads
     dsa_indexer_head_dim: int = 128  # --dsa-indexer-head-dim: its query and key size (rope on the first features)
+    # --dsa-indexer-loss-coeff C > 0: the indexer trains by its KL loss to the main attention, times C (megatron-core's;
+    # hybrid.model.dsa); 0: frozen, as transformers runs it
+    dsa_indexer_loss_coeff: float = 0.0
+    dsa_indexer_use_sparse_loss: bool = False  # --dsa-indexer-use-sparse-loss: that KL over the chosen top-k keys only
     # GLM-5's index sharing: a 0/1 list per layer, 1 where the layer attends the keys the previous full layer's indexer
     # chose and has no indexer of its own (--dsa-indexer-topk-freq / --dsa-indexer-skip-topk-offset); None: none
     dsa_index_share: object = None
@@ -503,6 +507,8 @@ class ModelConfig:
                               f"{self.llama_4_scaling_length}).")
 
     def _validate_dsa(self) -> None:
+        if not self.dsa_indexer_loss_coeff >= 0:
+            raise ConfigError(f"--dsa-indexer-loss-coeff must be >= 0, got {self.dsa_indexer_loss_coeff}.")
         if not (self.multi_latent_attention and self.q_lora_rank):
             raise ConfigError("--experimental-attention-variant dsa needs --multi-latent-attention with --q-lora-rank: "
                               "the indexer reads MLA's query latent.")

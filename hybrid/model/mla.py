@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from hybrid.model.attention import CoreAttention
 from hybrid.model.dsa import Indexer, sparse_attention
+from hybrid.model.moe.router import AuxLossBackward
 from hybrid.model.init import normal_init, output_layer_std
 from hybrid.model.norms import build_norm
 from hybrid.model.rotary import RotaryEmbedding, apply_rotary, llama_4_query_scale
@@ -150,8 +151,14 @@ class MultiLatentAttention(nn.Module):
         if index is not None:  # DSA: each query's top-k keys (layout checks refuse CP and Ulysses with it)
             dropout = self.core.dropout if self.training else 0.0
             documents = None if layout is None else layout.documents
+            # --dsa-indexer-loss-coeff: this layer's own indexer trains by its KL loss (hybrid.model.dsa)
+            kl = self.indexer is not None and self.indexer.trains and self.training and torch.is_grad_enabled()
+            kl_group = (self.groups.tp_group if self.groups.tp_size > 1 else None) if kl else False
             with fork_tp_rng() if dropout else contextlib.nullcontext():  # (heads split over TP: their own masks)
-                context = sparse_attention(q, k, v, indexer, index, self.core.scale, dropout, documents)
+                context, loss = sparse_attention(q, k, v, indexer, index, self.core.scale, dropout, documents, kl_group)
+            if loss is not None:  # (its gradient reaches the indexer alone: the LM loss's factor, as MoE's losses)
+                self.indexer.logged["dsa_indexer_loss"] = loss.detach() + self.indexer.logged.get("dsa_indexer_loss", 0)
+                context = AuxLossBackward.apply(context, loss, self.indexer.aux_loss_scale)
             return self.dense(context)
         split = (None, None, None) if layout is None else (layout.documents, layout.cp, layout.ulysses)
         if self.recompute_core and self.training and torch.is_grad_enabled():

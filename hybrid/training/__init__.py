@@ -15,7 +15,7 @@ Modules:
   muon             --optimizer muon
   lr_schedules     Megatron-LM's learning-rate schedule
   converters       MoE, FP8 and profiling as one list of converters
-  moe_hooks        what each iteration does for the MoE layers
+  moe_hooks        what each iteration does for the MoE layers (and DSA indexers trained by their loss)
   health           the NaN and loss-scale stops
   saving           checkpoints written during a run
   async_save       --async-save

@@ -44,15 +44,15 @@ class Converter:
 
 
 class MoEConverter(Converter):
-    """The routers' auxiliary losses scaled as the LM loss is, the score biases updated after each step, the
-    losses and balance logged (hybrid.training.moe_hooks)."""
+    """The routers' auxiliary losses (and DSA's indexer loss) scaled as the LM loss is, the score biases updated after
+    each step, the losses and balance logged (hybrid.training.moe_hooks)."""
 
     def __init__(self, run: RunConfig, groups, module: nn.Module, device: torch.device):
         self.hooks = MoEStepHooks.of(module, run.parallel.sequence_split)
 
     @classmethod
     def enabled(cls, run: RunConfig) -> bool:
-        return bool(run.model.num_experts)
+        return bool(run.model.num_experts or run.model.dsa_indexer_loss_coeff)
 
     @classmethod
     def after_engine(cls, run: RunConfig, module: nn.Module) -> None:

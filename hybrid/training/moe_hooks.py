@@ -1,7 +1,7 @@
-"""What each training iteration does for a model's MoE layers (hybrid.model.moe): before it, the
-auxiliary losses' backward factor; after the optimizer step, the score-bias update (DeepSeek-V3's
-auxiliary-loss-free balancing, counts summed over every rank routing tokens of the step); at a log
-line, the auxiliary losses and the expert balance since the last; and the fp32 buffers after an
+"""What each training iteration does for a model's MoE layers (hybrid.model.moe) and DSA indexers that train by
+their KL loss (hybrid.model.dsa): before it, the auxiliary losses' backward factor; after the optimizer step, the
+score-bias update (DeepSeek-V3's auxiliary-loss-free balancing, counts summed over every rank routing tokens of the
+step); at a log line, the auxiliary losses and the expert balance since the last; and the fp32 buffers after an
 engine's cast."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from hybrid.model.dsa import Indexer
 from hybrid.model.moe.router import Router
 from hybrid.parallel import collectives as C
 
@@ -29,11 +30,17 @@ def keep_fp32_buffers(model: nn.Module) -> None:
         router.tokens_per_expert = router.tokens_per_expert.float()
 
 
+def aux_loss_modules(model: nn.Module) -> list:
+    """The modules that attach an auxiliary loss to an output (hybrid.model.moe.router.AuxLossBackward): MoE's
+    routers, and DSA's indexers that train by their KL loss (hybrid.model.dsa)."""
+    return [m for m in model.modules() if isinstance(m, Router) or (isinstance(m, Indexer) and m.trains)]
+
+
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     """The factor each micro-batch's LM loss gets in backward, for the auxiliary losses
     (hybrid.model.moe.router.AuxLossBackward)."""
-    for router in routers(model):
-        router.aux_loss_scale = scale
+    for module in aux_loss_modules(model):
+        module.aux_loss_scale = scale
 
 
 def update_score_bias(model: nn.Module) -> None:
@@ -59,7 +66,7 @@ def take_logged(model: nn.Module) -> dict:
     """The auxiliary losses summed over layers and the tokens-per-expert imbalance (max / mean count,
     worst layer) since the last call, as device tensors; empties the sums."""
     out, worst = {}, None
-    for router in routers(model):
+    for router in aux_loss_modules(model):
         for name, value in router.logged.items():
             if name == "tokens_per_expert":
                 ratio = value.max() / value.mean().clamp_min(1e-9)
@@ -83,7 +90,7 @@ class MoEStepHooks:
 
     @classmethod
     def of(cls, model: nn.Module, sequence_split: int) -> Optional["MoEStepHooks"]:
-        return cls(model, sequence_split) if routers(model) else None
+        return cls(model, sequence_split) if aux_loss_modules(model) else None
 
     def before(self, micro_batches: int) -> None:
         set_aux_loss_scale(self.model, self.sequence_split / micro_batches)

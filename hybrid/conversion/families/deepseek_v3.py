@@ -38,7 +38,7 @@ class DeepseekV3Adapter(LlamaAdapter):
     def moe_wanted(self):
         return deepseek_moe_wanted(self.config)
 
-    def _layer_map(self) -> dict:
+    def layer_map(self) -> dict:
         return dict(self.LAYER_MAP)  # (the latent norms are mapped with the projections)
 
     @classmethod

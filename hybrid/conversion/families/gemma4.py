@@ -177,8 +177,8 @@ class Gemma4Adapter(Gemma3Adapter):
             fields.update(global_head_dim=layer.head_dim, num_global_key_value_heads=layer.num_query_groups)
         return fields
 
-    def _layer_map(self) -> dict:
-        return dict(super()._layer_map(), **(_PER_LAYER_MAP if self.config.per_layer_input_size else {}),
+    def layer_map(self) -> dict:
+        return dict(super().layer_map(), **(_PER_LAYER_MAP if self.config.per_layer_input_size else {}),
                     **(_MOE_MAP if self.config.moe_gemma4_block else {}))
 
     def mlp_to_canonical(self, hf_state, i: int, out: dict, wanted=None) -> None:
@@ -186,7 +186,7 @@ class Gemma4Adapter(Gemma3Adapter):
             return super().mlp_to_canonical(hf_state, i, out, wanted)
         c = self.config  # the dense MLP as the shared experts; the stacked experts (an EP rank's own, when wanted)
         gated_to_canonical(hf_state, f"model.layers.{i}.mlp.", f"layers.{i}.mlp.shared_mlp.", out)
-        ExpertLayout._fused_to_canonical(c, hf_state, f"model.layers.{i}.", f"layers.{i}.mlp.", out, wanted)
+        ExpertLayout.fused_to_canonical(c, hf_state, f"model.layers.{i}.", f"layers.{i}.mlp.", out, wanted)
 
     def mlp_to_hf(self, state: dict, i: int, out: dict) -> None:
         if not self.config.moe_gemma4_block:
@@ -200,7 +200,7 @@ class Gemma4Adapter(Gemma3Adapter):
         out = {}
         self.attention_to_canonical(hf_state, i, out)
         self.mlp_to_canonical(hf_state, i, out, wanted)
-        for hf_tmpl, our_tmpl in self._layer_map().items():
+        for hf_tmpl, our_tmpl in self.layer_map().items():
             if not (self.config.kv_source(i) is not None and ".k_norm." in hf_tmpl):  # (a reader has no keys)
                 out[our_tmpl.format(i)] = get(hf_state, hf_tmpl.format(i))
         return out
@@ -208,7 +208,7 @@ class Gemma4Adapter(Gemma3Adapter):
     def layer_to_hf(self, state: dict, i: int, out: dict) -> None:
         self.attention_to_hf(state, i, out)
         self.mlp_to_hf(state, i, out)
-        for hf_tmpl, our_tmpl in self._layer_map().items():
+        for hf_tmpl, our_tmpl in self.layer_map().items():
             if our_tmpl.format(i) in state:
                 out[hf_tmpl.format(i)] = state[our_tmpl.format(i)]
 

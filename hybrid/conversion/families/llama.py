@@ -165,7 +165,7 @@ class LlamaAdapter(Adapter):
         out = {}
         self.attention_to_canonical(hf_state, i, out)
         self.mlp_to_canonical(hf_state, i, out, wanted)
-        for hf_tmpl, our_tmpl in self._layer_map().items():
+        for hf_tmpl, our_tmpl in self.layer_map().items():
             out[our_tmpl.format(i)] = get(hf_state, hf_tmpl.format(i))
         return out
 
@@ -190,7 +190,7 @@ class LlamaAdapter(Adapter):
             for x, t in zip("qkv", (q, k, v)):
                 out[f"model.layers.{i}.self_attn.{x}_proj.{kind}"] = t
 
-    def _layer_map(self) -> dict:
+    def layer_map(self) -> dict:
         return dict(self.LAYER_MAP, **(self.QK_NORM_MAP if self.qk_norm else {}))
 
     def mlp_to_canonical(self, hf_state, i: int, out: dict, wanted=None) -> None:
@@ -222,5 +222,5 @@ class LlamaAdapter(Adapter):
         """Transformer layer `i`'s HF tensors (model.layers.{i}.*) from canonical `state`."""
         self.attention_to_hf(state, i, out)
         self.mlp_to_hf(state, i, out)
-        for hf_tmpl, our_tmpl in self._layer_map().items():
+        for hf_tmpl, our_tmpl in self.layer_map().items():
             out[hf_tmpl.format(i)] = state[our_tmpl.format(i)]

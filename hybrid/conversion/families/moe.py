@@ -54,7 +54,7 @@ class ExpertLayout:
             name = hf + self.score_bias
             out[ours + "router.score_bias"] = expect(name, get(hf_state, name), (c.num_experts,))
         if self.fused:
-            self._fused_to_canonical(c, hf_state, hf, ours, out, wanted)
+            self.fused_to_canonical(c, hf_state, hf, ours, out, wanted)
         for e in range(0 if self.fused else c.num_experts):
             expert = f"{ours}{EXPERTS[1:]}{e}."
             if wanted is None or f"{expert}fc1.weight" in wanted:  # an EP rank reads its own experts only
@@ -65,7 +65,7 @@ class ExpertLayout:
                 out[ours + "shared_gate"] = get(hf_state, hf + "shared_expert_gate.weight")
 
     @staticmethod
-    def _fused_to_canonical(c: ModelConfig, hf_state, hf: str, ours: str, out: dict, wanted) -> None:
+    def fused_to_canonical(c: ModelConfig, hf_state, hf: str, ours: str, out: dict, wanted) -> None:
         """The stacked experts' fc1 = gate_up_proj[e] ([gate; up] already) and fc2 = down_proj[e]."""
         e, h, f = c.num_experts, c.hidden_size, c.moe_ffn_hidden_size
         gate_up = expect(hf + "experts.gate_up_proj", get(hf_state, hf + "experts.gate_up_proj"), (e, 2 * f, h))
