@@ -191,6 +191,10 @@ def model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = N
                           f"embedding only {base.vocab_size}; use the model's own tokenizer (drop the tokenizer "
                           f"flags).")
     architecture = base or architecture_from_flags(args, vocab_size)
+    if (args.dsa_indexer_loss_coeff or args.dsa_indexer_use_sparse_loss) and architecture.dsa_indexer_topk is None:
+        raise ConfigError("--dsa-indexer-loss-coeff / --dsa-indexer-use-sparse-loss train DeepSeek sparse attention's "
+                          "indexer: the model has none (--experimental-attention-variant dsa, or a DeepSeek-V3.2 / "
+                          "GLM-5 --load-hf).")
     if architecture.family is None:  # recorded in the checkpoints, so export writes this family
         architecture = dataclasses.replace(architecture, family=infer_family(architecture))
     config = dataclasses.replace(

@@ -148,7 +148,8 @@ def _add_network_size_args(p):
                         "--qk-pos-emb-head-dim, --v-head-dim)")
     g.add_argument("--experimental-attention-variant", default=None, choices=["dsa"],
                    help="dsa: DeepSeek sparse attention beside --multi-latent-attention (DeepSeek-V3.2): each query "
-                        "attends the --dsa-indexer-topk keys a frozen lightning indexer scores highest")
+                        "attends the --dsa-indexer-topk keys a lightning indexer scores highest (frozen, or trained by "
+                        "--dsa-indexer-loss-coeff)")
     g.add_argument("--dsa-indexer-topk", type=int, default=2048, help="DSA: the keys each query attends")
     g.add_argument("--dsa-indexer-n-heads", type=int, default=64, help="DSA: the indexer's heads")
     g.add_argument("--dsa-indexer-head-dim", type=int, default=128, help="DSA: the indexer's head size")

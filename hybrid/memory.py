@@ -23,7 +23,7 @@ from hybrid.errors import ConfigError
 from hybrid.model.attention import window_blocks
 from hybrid.model import lora
 from hybrid.model.config import ModelConfig
-from hybrid.model.naming import EXPERTS, is_fused, takes_muon, vocab_block_name
+from hybrid.model.naming import EXPERTS, is_fused, takes_muon, vocab_block_name, weight_decayed
 from hybrid.parallel.layers import row_blocks
 from hybrid.parallel.ring_attention import tile_rows
 from hybrid.pipeline_plan import list_partition_bounds, plan_stages, resolve_partition
@@ -39,7 +39,7 @@ def parameter_inventory(config: ModelConfig, tp: int) -> dict[str, tuple[int, bo
 
     Full sizes follow from the config (hybrid.checkpoint.tp_layout.full_numels, which the checkpoint readers
     check shapes with too); how each is split over TP comes from the one TP layout; biases and norm weights
-    take no weight decay (hybrid.training.engine's rule)."""
+    take no weight decay (hybrid.model.naming.weight_decayed, the optimizer's rule)."""
     h = config.hidden_size
     out = {}
     for name, numel in full_numels(config).items():
@@ -47,7 +47,7 @@ def parameter_inventory(config: ModelConfig, tp: int) -> dict[str, tuple[int, bo
         if rule.vocab_padded:  # vocabulary rows padded for this TP degree, then split
             out[name] = (config.padded_vocab_size(tp) // tp * h, True)
             continue
-        decayed = not (name.endswith(".bias") or "norm." in name or name.endswith(".attention.sinks"))
+        decayed = weight_decayed(name)
         out[name] = (numel // tp if rule.dim is not None else numel, decayed)
     return out
 

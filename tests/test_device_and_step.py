@@ -382,6 +382,6 @@ def test_the_loop_calls_its_converters_around_each_iteration_in_order_and_says_w
     skip[0] = 1  # DeepSpeed skipped this step (fp16 overflow, a non-finite gradient norm)
     trainer._iteration(None, 6)
     assert calls[-2:] == [("second", "after", 6, False), ("first", "after", 6, False)] and trainer.skipped == 1
-    plain = SimpleNamespace(model=SimpleNamespace(num_experts=None, fp8_recipe=None),
+    plain = SimpleNamespace(model=SimpleNamespace(num_experts=None, fp8_recipe=None, dsa_indexer_loss_coeff=0.0),
                             logging=SimpleNamespace(profile=None))
     assert loop_converters(plain, None, torch.nn.Linear(1, 1), torch.device("cpu")) == []

@@ -198,3 +198,17 @@ def test_the_indexer_trains_by_megatron_cores_loss_alone_and_the_lm_gradients_st
     for name, param in frozen.named_parameters():
         if ".indexer." not in name:
             torch.testing.assert_close(trained[name].grad, param.grad, rtol=0, atol=0)
+
+
+def test_the_indexer_loss_flags_without_an_indexer_or_with_lora_are_one_message():
+    from hybrid.config import build_run_config
+    from hybrid.errors import ConfigError
+    from hybrid.flags import build_parser
+    from tests.test_capabilities import _argv
+    with pytest.raises(ConfigError, match="the model has none"):
+        build_run_config(build_parser().parse_args(_argv(["--dsa-indexer-loss-coeff", 0.1])), 1, 64, eod_token=63)
+    with pytest.raises(ConfigError, match="LoRA freezes the base, DSA's indexer included"):
+        ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, multi_latent_attention=True,
+                    position_embedding_type="rope", qk_layernorm=True, q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8,
+                    qk_pos_emb_head_dim=4, v_head_dim=6, dsa_indexer_topk=4, dsa_indexer_loss_coeff=0.1, lora_rank=2,
+                    lora_target_modules=("gate_proj", "up_proj", "down_proj"), swiglu=True)

@@ -43,8 +43,8 @@ INDEXER_NORM_EPS = 1e-6  # the indexer's key LayerNorm (transformers' and DeepSe
 
 
 class Indexer(nn.Module):
-    """The lightning indexer of one layer (frozen; see the module docstring): wq_b [H D, q_lora_rank], wk [D, h],
-    k_norm (LayerNorm of D, weight and bias), weights_proj [H, h]."""
+    """The lightning indexer of one layer (frozen, or trained by its KL loss alone; see the module docstring):
+    wq_b [H D, q_lora_rank], wk [D, h], k_norm (LayerNorm of D, weight and bias), weights_proj [H, h]."""
 
     def __init__(self, config, name: str):
         super().__init__()
@@ -52,7 +52,7 @@ class Indexer(nn.Module):
         self.topk, std, h = config.dsa_indexer_topk, config.init_method_std, config.hidden_size
         # --dsa-indexer-loss-coeff: trained by its KL loss alone (see the module docstring); else frozen
         self.loss_coeff, self.sparse_loss = config.dsa_indexer_loss_coeff, config.dsa_indexer_use_sparse_loss
-        self.trains, self.sequence_parallel = self.loss_coeff > 0, config.sequence_parallel
+        self.trains = self.loss_coeff > 0
         self.aux_loss_scale = 1.0  # the LM loss's backward factor, set before each step (training's MoE hooks)
         self.logged: dict = {}  # the detached KL losses since the last log line
         trains = self.trains

@@ -82,6 +82,9 @@ def check(config, tp: int = 1) -> None:
     if config.multi_latent_attention and any(TARGETS[t][0].startswith("attention.") for t in targets):
         raise ConfigError("--lora-target-modules: LoRA on multi-latent attention's projections is not implemented; "
                           "target the MLP only (gate_proj up_proj down_proj).")
+    if config.dsa_indexer_loss_coeff:
+        raise ConfigError("--lora-rank with --dsa-indexer-loss-coeff: LoRA freezes the base, DSA's indexer included, "
+                          "which that loss trains; train the indexer without LoRA, or LoRA without the loss.")
     if config.kv_shared_layers:  # (its sharing layers project queries only, their MLPs may be twice as wide)
         raise ConfigError("--lora-rank with --num-kv-shared-layers (Gemma 4 E2B/E4B): adapters on layers of two "
                           "shapes are not implemented; fine-tune the model whole (without --lora-rank).")

@@ -88,7 +88,7 @@ class MultiLatentAttention(nn.Module):
             bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=sp)
         self.rotary = RotaryEmbedding(config.rotary_dim, *config.layer_rope(layer_number))
         self.recompute_core = config.recompute_granularity == "selective"
-        # DeepSeek sparse attention (hybrid.model.dsa): the frozen lightning indexer choosing each query's keys, or
+        # DeepSeek sparse attention (hybrid.model.dsa): the lightning indexer choosing each query's keys, or
         # (GLM-5's index sharing) the choice of an earlier layer's, `index_source` (RankModel links it)
         self.dsa = config.dsa_indexer_topk is not None
         shared = self.dsa and config.dsa_source(layer_number) is not None

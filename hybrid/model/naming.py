@@ -38,6 +38,17 @@ _VOCAB_BLOCK = re.compile(r"^(embedding\.word_embeddings|output_layer)\.blocks\.
 EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
 
 
+# the parameters that take no weight decay (Megatron-LM's rule: biases and norms; the other 1-D ones too: the sinks,
+# DSA's indexer key norm, Gemma 4's router scales)
+_NO_DECAY = re.compile(r"(^|\.)bias$|norm\.weight$|norm\.bias$|\.attention\.sinks$|\.k_norm_(weight|bias)$"
+                       r"|\.router\.(input|output)_scale$")
+
+
+def weight_decayed(name: str) -> bool:
+    """Whether the optimizer applies weight decay to the canonical parameter `name`."""
+    return not _NO_DECAY.search(name)
+
+
 def pipeline_index(name: str, num_layers: int) -> tuple[int, str]:
     """(LayerSpec index, name inside that layer) of a canonical parameter name."""
     if name.startswith("embedding."):

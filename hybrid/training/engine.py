@@ -19,7 +19,7 @@ from hybrid.model import build as model_build
 from hybrid.model import lora
 from hybrid.model.attention import backend_notes
 from hybrid.model.mla import MultiLatentAttention
-from hybrid.model.naming import canonical_buffers, canonical_parameters
+from hybrid.model.naming import canonical_buffers, canonical_parameters, weight_decayed
 from hybrid.training import converters
 from hybrid.training.deepspeed_fixes import (install_fp32_clipping, keep_host_activations_when_offloading,
                                              prepare_pipeline_engine, register_moe_layers, skip_non_finite_steps,
@@ -30,7 +30,6 @@ from hybrid.training.logging import log
 from hybrid.training.lr_schedules import MegatronLRScheduler
 from hybrid.training.muon import MuonWithAdamW, ShardedMuonWithAdamW
 
-_NO_DECAY = re.compile(r"(^|\.)bias$|norm\.weight$|norm\.bias$|\.attention\.sinks$")  # (sinks: 1-D, as Megatron)
 
 
 def build_model(run: RunConfig, groups) -> nn.Module:
@@ -66,7 +65,7 @@ def param_groups(model: nn.Module, run: RunConfig) -> list[dict]:
     for name, param in canonical_parameters(model, run.model.num_layers).items():
         if not param.requires_grad:
             continue
-        (no_decay if _NO_DECAY.search(name) else decay).append(param)
+        (decay if weight_decayed(name) else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": run.optimizer.weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
