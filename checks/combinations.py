@@ -181,8 +181,8 @@ TRIPLES += [("tp2_sp", "pp2", "dsa"), ("ep2", "tp2_sp", "dsa"), ("dp2", "zero3",
 # attention's heads summed over TP for the target), a pipeline, ZeRO-3 (its weights gathered with their attention), EP
 TRIPLES += [("tp2_sp", "dsa_loss"), ("pp2", "dsa_loss"), ("dp2", "zero3", "dsa_loss"), ("ep2", "tp2_sp", "dsa_loss"),
             ("tp2_sp", "pp2", "dsa_sparse_loss"), ("dp2", "zero2", "dsa_sparse_loss"), ("dp2", "dsa_loss"),
-            ("tp2", "dsa_loss"), ("recompute_full", "dsa_loss"), ("compile", "dsa_loss"), ("tp2_sp", "zero3", "dsa_loss"),
-            ("pp2_zbv", "dsa_loss")]
+            ("tp2", "dsa_loss"), ("recompute_full", "dsa_loss"), ("compile", "dsa_loss"),
+            ("tp2_sp", "zero3", "dsa_loss"), ("pp2_zbv", "dsa_loss")]
 # Gemma 4's E2B/E4B form: its per-layer inputs and KV-sharing layers under TP + SP, the sequence split and ZeRO-3;
 # a pipeline and full recompute refused by the table
 TRIPLES += [("tp2_sp", "dp2", "gemma4_e"), ("cp2", "tp2_sp", "gemma4_e"), ("dp2", "zero3", "gemma4_e"),
