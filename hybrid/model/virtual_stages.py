@@ -122,45 +122,42 @@ class RankModel(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap  # (transformers' order of operations)
 
 
-def _link_index_sharing(model: RankModel, config: ModelConfig) -> None:
-    """GLM-5's DSA index sharing: each sharing layer's attention reads its source layer's choice in the same pass, so
-    the source runs in the same virtual stage (one message otherwise)."""
+def _link_readers(model: RankModel, num_layers: int, source_of, link: str, count: str, refusal) -> None:
+    """Link each layer whose attention reads what an earlier layer's computed in the same pass (`source_of(i)`: that
+    layer, or None) to the source's attention as `link` (not a child module: its parameters are the source's), count
+    its readers in the source's `count`, and mark the last reader of each source (it releases what it read). The
+    source must run in the same virtual stage (one message otherwise, `refusal(reader, source, stage layers)`)."""
     for plan in model.plans:
         for i in plan.layers:
-            source = config.dsa_source(i)
+            source = source_of(i)
             if source is None:
                 continue
             if source not in plan.layers:
-                raise ConfigError(f"layer {i} reuses the keys layer {source}'s DSA indexer chose (the model's index "
-                                  f"sharing), and the pipeline puts them in different stages ({list(plan.layers)} "
-                                  f"here); choose --pipeline-partition / --num-virtual-stages-per-pipeline-rank so "
-                                  f"that each sharing layer sits with the layer before it that runs an indexer.")
-            # (not a child module: its parameters are the source layer's)
+                raise ConfigError(refusal(i, source, list(plan.layers)))
             reader, source_attention = model.layers[str(i)].attention, model.layers[str(source)].attention
-            object.__setattr__(reader, "index_source", source_attention)
-            source_attention.index_readers += 1
-            reader.last_reader = config.dsa_source(i + 1) != source if i + 1 < config.num_layers else True
+            object.__setattr__(reader, link, source_attention)
+            setattr(source_attention, count, getattr(source_attention, count) + 1)
+            reader.last_reader = all(source_of(j) != source for j in range(i + 1, num_layers))
+
+
+def _link_index_sharing(model: RankModel, config: ModelConfig) -> None:
+    """GLM-5's DSA index sharing: each sharing layer's attention reads its source layer's choice in the same pass."""
+    _link_readers(model, config.num_layers, config.dsa_source, "index_source", "index_readers",
+                  lambda i, source, layers: (
+        f"layer {i} reuses the keys layer {source}'s DSA indexer chose (the model's index sharing), and the pipeline "
+        f"puts them in different stages ({layers} here); choose --pipeline-partition / "
+        f"--num-virtual-stages-per-pipeline-rank so that each sharing layer sits with the layer before it that runs an "
+        f"indexer."))
 
 
 def _link_kv_sharing(model: RankModel, config: ModelConfig) -> None:
     """Gemma 4's KV sharing (--num-kv-shared-layers): each sharing layer's attention reads the keys and values its
-    source layer computed in the same pass, so the source runs in the same virtual stage (one message otherwise); the
-    last reader of a source releases them."""
-    for plan in model.plans:
-        for i in plan.layers:
-            source = config.kv_source(i)
-            if source is None:
-                continue
-            if source not in plan.layers:
-                raise ConfigError(f"layer {i} attends with the keys and values layer {source} computes (the model's "
-                                  f"--num-kv-shared-layers {config.kv_shared_layers}), and the pipeline puts them in "
-                                  f"different stages ({list(plan.layers)} here); a pipeline would send them between "
-                                  f"stages, which is not built: use --pipeline-model-parallel-size 1.")
-            # (not a child module: its parameters are the source layer's)
-            reader, source_attention = model.layers[str(i)].attention, model.layers[str(source)].attention
-            object.__setattr__(reader, "kv_source", source_attention)
-            source_attention.kv_readers += 1
-            reader.last_reader = all(config.kv_source(j) != source for j in range(i + 1, config.num_layers))
+    source layer computed in the same pass."""
+    _link_readers(model, config.num_layers, config.kv_source, "kv_source", "kv_readers",
+                  lambda i, source, layers: (
+        f"layer {i} attends with the keys and values layer {source} computes (the model's --num-kv-shared-layers "
+        f"{config.kv_shared_layers}), and the pipeline puts them in different stages ({layers} here); a pipeline would "
+        f"send them between stages, which is not built: use --pipeline-model-parallel-size 1."))
 
 
 def _last_stage_reads_table(config: ModelConfig) -> bool:
