@@ -141,7 +141,7 @@ MOE_FLAGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router
 MOE_TRAINING_FLAGS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                       "moe_router_bias_update_rate", "moe_expert_capacity_factor",
                       "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
-                      "moe_grouped_gemm")  # how it trains (flags, also with --load-hf)
+                      "moe_grouped_gemm", "moe_routing_replay")  # how it trains (flags, also with --load-hf)
 
 
 def _moe_fields(args) -> dict:
@@ -195,6 +195,9 @@ def model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = N
         raise ConfigError("--dsa-indexer-loss-coeff / --dsa-indexer-use-sparse-loss train DeepSeek sparse attention's "
                           "indexer: the model has none (--experimental-attention-variant dsa, or a DeepSeek-V3.2 / "
                           "GLM-5 --load-hf).")
+    if args.moe_routing_replay and not architecture.num_experts:
+        raise ConfigError("--moe-routing-replay replays the experts the generator chose: the model has no MoE layers "
+                          "(--num-experts); drop the flag.")
     if architecture.family is None:  # recorded in the checkpoints, so export writes this family
         architecture = dataclasses.replace(architecture, family=infer_family(architecture))
     config = dataclasses.replace(

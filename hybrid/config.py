@@ -487,6 +487,7 @@ def _grpo_flags(args) -> None:
     """--grpo's flags checked against each other (the batch against the layout: grpo_options)."""
     if not args.grpo:
         given = [f"--{k.replace('_', '-')}" for k, v in GRPO_DEFAULTS.items() if getattr(args, k) != v]
+        given += ["--moe-routing-replay"] if args.moe_routing_replay else []
         if given:
             raise ConfigError(f"{' / '.join(given)} set GRPO: add --grpo.")
         return

@@ -427,6 +427,11 @@ def _add_moe_args(p):
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
                    help="with --moe-expert-capacity-factor: every expert gets exactly its capacity of rows (the "
                         "kept ones, then zero-weight padding), so the dispatch needs no host sync at any EP")
+    g.add_argument("--moe-routing-replay", action="store_true",
+                   help="--grpo: the training forward routes each token to the experts the generator chose for it "
+                        "(weighed by the live router, which keeps learning: megatron-core's RouterReplay, verl's R3, "
+                        "slime's rollout routing replay); without it the share that differs is logged only "
+                        "(routing_mismatch)")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="one grouped GEMM for all local experts (torch._grouped_mm) where the device has it")
     g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["alltoall", "allgather", "flex"],

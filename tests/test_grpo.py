@@ -276,6 +276,38 @@ def test_grpo_layouts_equal_one_rank(model, layout, tmp_path):
         assert y["logprob_mismatch"] <= 1e-5
 
 
+REPLAY = TASK[:TASK.index("--global-batch-size")] + [
+    "--global-batch-size", 16, "--micro-batch-size", 8, "--lr", 5e-2, "--max-new-tokens", 8, "--grpo-group-size", 8,
+    "--log-interval", 1, "--no-demo", "--seed", 3, "--train-iters", 4, "--grpo-iterations", 2] + MOE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--expert-model-parallel-size", 2],
+                                    ["--tensor-model-parallel-size", 2, "--sequence-parallel"],
+                                    ["--pipeline-model-parallel-size", 2]])
+def test_moe_routing_replay_trains_on_the_generators_experts_at_every_layout(layout, tmp_path):
+    """--moe-routing-replay (megatron-core's RouterReplay, verl's R3): the experts each token was routed to while
+    generating are recorded and the training forward routes it to them, weighed by the live router. With
+    --grpo-iterations 2 at a large learning rate the second pass over a batch routes most decisions elsewhere
+    without replay (routing_mismatch logged, > 0.2) and none with it, which changes that step's loss; at EP 2, TP 2 +
+    SP and PP 2 (each stage its own layers' record) the replayed run equals one rank's, with the generator's
+    log-probabilities equal to the trainer's (fp32, 1e-5: the record sits at the right positions, or the first
+    pass's logits would move)."""
+    from checks.launch_helpers import one_rank
+    free, want = one_rank(REPLAY), one_rank(REPLAY + ["--moe-routing-replay"])
+    assert [r["routing_mismatch"] == 0 for r in free] == [True, False, True, False], free
+    assert free[1]["routing_mismatch"] > 0.2 and abs(free[1]["lm_loss"] - want[1]["lm_loss"]) > 1e-4
+    log = tmp_path / "log.jsonl"
+    run("torchrun", 2, REPLAY + ["--moe-routing-replay", "--log-json", log] + layout)
+    got = read_log(log)
+    assert len(got) == len(want) == 4
+    for x, y in zip(want, got):
+        assert x["routing_mismatch"] == y["routing_mismatch"] == 0, (x, y)
+        assert abs(x["lm_loss"] - y["lm_loss"]) <= 1e-5 + 1e-4 * abs(x["lm_loss"]), (x, y)
+        assert x["reward_mean"] == pytest.approx(y["reward_mean"], abs=1e-9) if "reward_mean" in x else True
+        assert y.get("logprob_mismatch", 0.0) <= 1e-5 and x.get("logprob_mismatch", 0.0) <= 1e-5
+
+
 @pytest.mark.slow
 def test_grpo_from_load_hf_with_chat_prompts_a_reward_file_and_the_kl(tmp_path):
     """A HuggingFace model with a chat template: conversational prompts (their answer column passed to the reward),

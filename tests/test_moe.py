@@ -633,6 +633,50 @@ def test_group_limited_routing_equals_megatron_core_and_where_both_define_it_tra
         torch.testing.assert_close(probs.gather(1, order), hf_weights.gather(1, hf_order), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("function,pre_softmax,groups", [("softmax", False, None), ("softmax", True, None),
+                                                          ("sigmoid", False, None), ("sigmoid", False, 4)])
+def test_replayed_routing_weighs_the_recorded_experts_as_megatron_cores_router_replay(function, pre_softmax, groups):
+    """--moe-routing-replay's router: the recorded experts [T, k] are the choice, weighed from the live logits as
+    megatron-core's RouterReplay (REPLAY_FORWARD) weighs them in its own topk_routing_with_score_function (softmax
+    after or before the top-k, sigmoid with the score bias, group-limited, the scaling factor); a row recorded as -1
+    keeps the live choice bitwise, and the rows whose live choice was another set are the ones counted."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+    from hybrid.model.moe.router import replayed
+    torch.manual_seed(7)
+    experts, k, tokens = 16, 4, 48
+    sigmoid = function == "sigmoid"
+    config = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, add_bias_linear=False,
+                         num_experts=experts, moe_router_topk=k, moe_router_score_function=function,
+                         moe_router_pre_softmax=pre_softmax, moe_router_num_groups=groups,
+                         moe_router_group_topk=2 if groups else None, moe_router_enable_expert_bias=sigmoid,
+                         moe_router_topk_scaling_factor=2.5)
+    logits, bias = torch.randn(tokens, experts), 0.2 * torch.randn(experts) if sigmoid else None
+    live = route(logits, config, bias)
+    recorded = torch.rand(tokens, experts).argsort(dim=-1)[:, :k]
+    recorded[:4] = live[1][:4]  # tokens the generator routed as the trainer does
+    replay = recorded.to(torch.int16)
+    replay[-5:] = -1  # tokens the generator recorded nothing for (padding)
+    probs, indices, was_recorded, differ = replayed(logits, live, replay, config)
+    replay_data = RouterReplay()
+    try:
+        replay_data.set_target_indices(recorded)
+        replay_data.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        want_probs, want_map = topk_routing_with_score_function(
+            logits, k, use_pre_softmax=pre_softmax, num_groups=groups, group_topk=2 if groups else None,
+            scaling_factor=2.5, score_function=function, expert_bias=bias, router_replay=replay_data)
+    finally:
+        RouterReplay.clear_global_router_replay_instances()
+    dense = torch.zeros(tokens, experts).scatter(1, indices, probs)
+    assert torch.equal(indices[:-5], recorded[:-5]) and torch.equal(dense[:-5] != 0, want_map[:-5])
+    torch.testing.assert_close(dense[:-5], want_probs[:-5], rtol=1e-6, atol=1e-7)
+    assert torch.equal(indices[-5:], live[1][-5:]) and torch.equal(probs[-5:], live[0][-5:])
+    assert torch.equal(probs[:4], live[0][:4])  # the same choice weighs bitwise as route's own
+    assert was_recorded.tolist() == [True] * (tokens - 5) + [False] * 5
+    same = (live[1].sort(-1).values == recorded.sort(-1).values).all(-1)
+    assert differ.tolist() == (~same & was_recorded).tolist() and differ[4:-5].all()
+
+
 def test_router_dtype_fp32_gives_transformers_deepseek_router_logits_in_bf16_and_the_import_sets_it():
     """--moe-router-dtype fp32 (megatron-core's; what --load-hf of DeepSeek-V3 and GLM-4.5 sets): under bf16 the
     router's GEMM runs on fp32 casts, as transformers' DeepseekV3TopkRouter computes its logits, bit for bit; without

@@ -49,6 +49,9 @@ class Generated:
     tokens: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    # record_routes: the experts each position's token was routed to in each of this rank's MoE layers, [b, width +
+    # max_new_tokens, layers, k] (int16) over the generation's slots (prompts left-padded to `width`), -1 where none
+    routes: Optional[torch.Tensor] = None
 
 
 @contextlib.contextmanager
@@ -140,11 +143,13 @@ class _Pipeline:
 
 
 def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optional[Sequence[int]] = None,
-             device=None, stop: Optional[Callable[[int, list], bool]] = None, sync=None) -> Generated:
+             device=None, stop: Optional[Callable[[int, list], bool]] = None, sync=None,
+             record_routes: bool = False) -> Generated:
     """Complete every prompt (token id lists) with `model` (a RankModel at this rank's layout). `keys`: each
     row's global index for its sampling generator (default 0 ..); `stop(row, tokens)`: a host-side check after
     each step (stop strings) that ends a row early; `sync`: an Axis whose ranks must run every step together
-    (expert parallelism: their experts meet in each step), so decoding ends when all of theirs have ended."""
+    (expert parallelism: their experts meet in each step), so decoding ends when all of theirs have ended;
+    `record_routes`: keep the MoE layers' routing of every token (Generated.routes; --grpo's routing replay)."""
     groups = model.groups if groups is None else groups
     device = device or next(model.parameters()).device
     b, width = len(prompts), max(len(p) for p in prompts)
@@ -167,9 +172,13 @@ def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optio
     out_logps = torch.zeros(b, options.max_new_tokens, dtype=torch.float32, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     lengths = torch.full((b,), options.max_new_tokens, dtype=torch.long, device=device)
+    routes = None
+    if record_routes and getattr(model, "moe_slots", 0):
+        routes = torch.full((b, slots, model.moe_slots, model.config.moe_router_topk), -1,
+                            dtype=torch.int16 if model.config.num_experts < 2 ** 15 else torch.int32, device=device)
     start_time, steps, prefill_s = time.perf_counter(), 0, 0.0
     with decoding(model):
-        layout, start, new = DecodeLayout(positions=positions.t(), cache=cache, start=0), 0, ids
+        layout, start, new = DecodeLayout(positions=positions.t(), cache=cache, start=0, routes=routes), 0, ids
         for step in range(options.max_new_tokens):
             logits = pipe.logits(new, layout, model.config.hidden_size)
             chosen = torch.zeros(2, b, dtype=torch.float64, device=device)
@@ -190,14 +199,14 @@ def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optio
             if _all_done(finished, sync):  # one host read per step, as transformers' own loop
                 break
             start += new.size(1)
-            layout = DecodeLayout(positions=(next_position + step)[None, :], cache=cache, start=start)
+            layout = DecodeLayout(positions=(next_position + step)[None, :], cache=cache, start=start, routes=routes)
             new = tokens[:, None]
     counts = lengths.clamp(max=steps).tolist()
     tokens, logps = out_tokens.tolist(), out_logps.tolist()
     elapsed = time.perf_counter() - start_time
     return Generated([tokens[r][:counts[r]] for r in range(b)], [logps[r][:counts[r]] for r in range(b)],
                      {"rows": b, "steps": steps, "prefill_s": prefill_s, "decode_s": elapsed - prefill_s,
-                      "new_tokens": int(sum(counts)), "cache_bytes": cache.bytes()})
+                      "new_tokens": int(sum(counts)), "cache_bytes": cache.bytes()}, routes)
 
 
 def _all_done(finished: torch.Tensor, sync) -> bool:

@@ -71,6 +71,17 @@ class DecodeLayout(SequenceLayout):
     start: int = 0
     memo: dict = field(default_factory=dict)  # what every layer of the step shares: masks, rotary tables
 
+    def routes_of(self, slot: int, groups, sequence_parallel: bool):
+        return None  # (decoding records the routing, SequenceLayout.routes; it replays none)
+
+    def record_routes(self, slot: int, indices: torch.Tensor) -> None:
+        """MoE layer `slot`'s experts [s x b, k] (sequence-major) for the step's new positions, into the routing
+        record [b, slots, layers, k] where the generation keeps one (--grpo: hybrid.model.generate)."""
+        if self.routes is not None:
+            b = self.routes.size(0)
+            self.routes[:, self.start:self.start + indices.size(0) // b, slot] = \
+                indices.view(-1, b, indices.size(-1)).transpose(0, 1).to(self.routes.dtype)
+
     def shared(self, key, make):
         """`make()` once per step for `key` (the layers of a step share their masks and rotary tables)."""
         if key not in self.memo:

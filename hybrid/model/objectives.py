@@ -36,6 +36,10 @@ class Objective:
     def loss(self, logits: torch.Tensor, target: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
+    def model_inputs(self, extra: tuple = ()) -> dict:
+        """What the micro-batch gives the model's forward beside its ids (keyword arguments of RankModel.forward)."""
+        return {}
+
     def count(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The items of one micro-batch the iteration's loss is a mean over (on its device)."""
         return (labels != IGNORE_INDEX).sum()
@@ -203,6 +207,11 @@ class GroupPolicy(WithStatistics):
 
     def target(self, ids, labels, extra=()):
         return pack_target([labels], extra[0])  # the row's values [b, 4, s] (grpo.Value) ride as fp32 bits
+
+    def model_inputs(self, extra=()) -> dict:
+        """`extra[1]`, where the rollout recorded the MoE layers' routing: [b, s, layers, k] for the model's
+        forward (hybrid.model.sequence.SequenceLayout.routes)."""
+        return {"routes": extra[1]} if len(extra) > 1 else {}
 
     def loss(self, logits, target, scale):
         labels, values = target[:, 0], float_planes(target, 1)

@@ -12,6 +12,7 @@ grows with the sequence, not with its square.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,10 +30,26 @@ class SequenceLayout:
     cp: Optional[object] = None  # the context-parallel Axis (size > 1), None without context parallelism
     ulysses: Optional[object] = None  # the Ulysses Axis (size > 1), None without it
     index: Optional[torch.Tensor] = None  # [s_local] positions of the full sequence this rank holds
+    # --grpo's recorded routing [b, s, slots, k]: the experts the generator chose for each token in each of this
+    # rank's MoE layers (MoELayer.replay_slot), -1 where it chose none (hybrid.model.moe.router.replayed)
+    routes: Optional[torch.Tensor] = None
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         """This CP rank's part of a [b, s] tensor (ids, labels)."""
         return tensor if self.index is None else tensor.index_select(1, self.index)
+
+    def routes_of(self, slot: int, groups, sequence_parallel: bool) -> Optional[torch.Tensor]:
+        """The recorded experts of MoE layer `slot` for the tokens this rank routes, [s_local(/tp) x b, k] in the
+        router's sequence-major order (under SP this TP rank's part of the sequence), or None."""
+        if self.routes is None:
+            return None
+        routes = self.local(self.routes[:, :, slot])  # [b, s_local, k]
+        if sequence_parallel and groups.tp_size > 1:
+            routes = routes.chunk(groups.tp_size, dim=1)[groups.tp_rank]
+        return routes.transpose(0, 1).reshape(-1, routes.size(-1))
+
+    def record_routes(self, slot: int, indices: torch.Tensor) -> None:
+        """Decoding only (hybrid.model.kv_cache.DecodeLayout)."""
 
 
 def documents_of(ids: torch.Tensor, eod_token: int) -> torch.Tensor:
@@ -69,6 +86,13 @@ def stage_layout(local_len: int, groups, device) -> Optional[SequenceLayout]:
     index = local_index(local_len * groups.sequence_split, groups, device)
     return SequenceLayout(positions=index[:, None], cp=groups.cp if groups.cp.size > 1 else None,
                           ulysses=groups.ulysses if groups.ulysses.size > 1 else None, index=index)
+
+
+def with_routes(layout: Optional[SequenceLayout], routes: Optional[torch.Tensor]) -> Optional[SequenceLayout]:
+    """`layout` carrying --grpo's recorded routing (SequenceLayout.routes); unchanged without it."""
+    if routes is None:
+        return layout
+    return dataclasses.replace(layout or SequenceLayout(), routes=routes)
 
 
 def sequence_layout(ids: torch.Tensor, config, groups=None) -> Optional[SequenceLayout]:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from hybrid.model.attention import SelfAttention
 from hybrid.model.mla import MultiLatentAttention
 from hybrid.model.mlp import build_mlp
+from hybrid.model.moe.moe_layer import MoELayer
 from hybrid.model.norms import build_norm
 from hybrid.model.per_layer import PerLayerGate
 from hybrid.parallel.groups import as_groups
@@ -63,7 +64,10 @@ class TransformerLayer(nn.Module):
         hidden = dropout_add(out, hidden, c.hidden_dropout, self.training, c.sequence_parallel)
         normed = self.post_attention_norm(hidden)
         # (Gemma 4's MoE block reads the residual too: hybrid.model.moe.moe_layer)
-        out = self.mlp(normed, hidden) if getattr(self.mlp, "takes_residual", False) else self.mlp(normed)
+        if isinstance(self.mlp, MoELayer):  # (the layout: --grpo's recorded routing, hybrid.model.sequence)
+            out = self.mlp(normed, hidden if self.mlp.takes_residual else None, layout)
+        else:
+            out = self.mlp(normed)
         if self.mlp_output_norm is not None:
             out = self.mlp_output_norm(out)
         hidden = dropout_add(out, hidden, c.hidden_dropout, self.training, c.sequence_parallel)

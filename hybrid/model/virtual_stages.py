@@ -27,7 +27,8 @@ from hybrid.model import lora
 from hybrid.model.naming import mtp_prefix
 from hybrid.model.norms import build_norm
 from hybrid.model.recompute import checkpoint, full_recompute, run_layers
-from hybrid.model.sequence import sequence_layout, stage_layout_of
+from hybrid.model.moe.moe_layer import MoELayer
+from hybrid.model.sequence import sequence_layout, stage_layout_of, with_routes
 from hybrid.model.transformer import TransformerLayer
 from hybrid.parallel.groups import as_groups
 from hybrid.pipeline_plan import StagePlan
@@ -79,6 +80,12 @@ class RankModel(nn.Module):
         self.stages = [VirtualStage(self, plan) for plan in self.plans]
         _link_index_sharing(self, config)
         _link_kv_sharing(self, config)
+        # each MoE layer's slot in --grpo's routing record of this rank's layers (SequenceLayout.routes)
+        moe = [layer.mlp for _, layer in sorted(self.layers.items(), key=lambda item: int(item[0]))
+               if isinstance(layer.mlp, MoELayer)]
+        for slot, mlp in enumerate(moe):
+            mlp.replay_slot = slot
+        self.moe_slots = len(moe)
 
     @property
     def holds_tied_copy(self) -> bool:
@@ -96,12 +103,13 @@ class RankModel(nn.Module):
             return self.embedding(ids, layout)
         return embed_with(self.tied_table, ids, self.config, self.groups, self.training)
 
-    def forward(self, hidden, stage: int = 0, batch_ids=None, decode=None):
+    def forward(self, hidden, stage: int = 0, batch_ids=None, decode=None, routes=None):
         """`decode` (hybrid.model.kv_cache.DecodeLayout): a decoding step of stage `stage` (VirtualStage.decode),
-        through this module's call so that ZeRO-3's hooks fetch what the step reads, as in training."""
+        through this module's call so that ZeRO-3's hooks fetch what the step reads, as in training. `routes`
+        [b, s, moe_slots, k]: --grpo's recorded routing of the micro-batch (hybrid.model.sequence.SequenceLayout)."""
         if decode is not None:
             return self.stages[stage].decode(hidden, decode)
-        return self.stages[stage](hidden, batch_ids)
+        return self.stages[stage](hidden, batch_ids, routes=routes)
 
     def head_weight(self):
         """The table the output head multiplies by: the untied head's, the tied parameter, or its copy."""
@@ -207,7 +215,7 @@ class VirtualStage(nn.Module):
             return owner.logits(owner.final_norm(hidden[-1:]), for_loss=False)
         return hidden
 
-    def forward(self, hidden, batch_ids=None, for_loss: bool = True):
+    def forward(self, hidden, batch_ids=None, for_loss: bool = True, routes=None):
         owner = self._owner
         ids = hidden if self.first else batch_ids  # whole-sequence ids, where this stage has them
         per_layer = None  # Gemma 4's per-layer inputs (hybrid.model.per_layer)
@@ -220,6 +228,7 @@ class VirtualStage(nn.Module):
                 hidden = owner.embedding(local, layout)
         else:
             layout = stage_layout_of(hidden, batch_ids, owner.config, owner.groups)
+        layout = with_routes(layout, routes)
         hidden = run_layers(list(self.layers), hidden, owner.config, owner.training, layout, per_layer)
         if self.last:
             hidden = owner.final_norm(hidden)

@@ -1,8 +1,8 @@
 """What each training iteration does for a model's MoE layers (hybrid.model.moe) and DSA indexers that train by
 their KL loss (hybrid.model.dsa): before it, the auxiliary losses' backward factor; after the optimizer step, the
 score-bias update (DeepSeek-V3's auxiliary-loss-free balancing, counts summed over every rank routing tokens of the
-step); at a log line, the auxiliary losses and the expert balance since the last; and the fp32 buffers after an
-engine's cast."""
+step); at a log line, the auxiliary losses, the expert balance and (--grpo) the routing mismatch since the last;
+and the fp32 buffers after an engine's cast."""
 
 from __future__ import annotations
 
@@ -68,7 +68,9 @@ def take_logged(model: nn.Module) -> dict:
     out, worst = {}, None
     for router in aux_loss_modules(model):
         for name, value in router.logged.items():
-            if name == "tokens_per_expert":
+            if name in ROUTING_COUNTS:
+                out[name] = value if name not in out else out[name] + value
+            elif name == "tokens_per_expert":
                 ratio = value.max() / value.mean().clamp_min(1e-9)
                 worst = ratio if worst is None else torch.maximum(worst, ratio)
             else:
@@ -76,7 +78,16 @@ def take_logged(model: nn.Module) -> dict:
         router.logged = {}
     if worst is not None:
         out["expert_imbalance"] = worst
+    if ROUTING_COUNTS[1] in out:  # --grpo: the share of recorded routing decisions the training forward changed
+        differ, recorded = (out.pop(name) for name in ROUTING_COUNTS)
+        out["routing_mismatch"] = differ.float() / recorded.float().clamp_min(1.0)
     return out
+
+
+# the routers' counts of --grpo's recorded routing (hybrid.model.moe.router.Router.forward): tokens whose experts
+# differ from the generator's in the training forward, and tokens recorded, summed over layers
+ROUTING_COUNTS = ("routing_differ", "routing_recorded")
+RATIOS = ("expert_imbalance", "routing_mismatch")  # logged as they are, not per micro-batch
 
 
 class MoEStepHooks:
@@ -104,4 +115,4 @@ class MoEStepHooks:
         layer's max / mean tokens per expert, of this rank's micro-batches since the last call."""
         values = take_logged(self.model)
         count, self.micro_batches = max(1, self.micro_batches), 0
-        return {name: float(v) / (1 if name == "expert_imbalance" else count) for name, v in values.items()}
+        return {name: float(v) / (1 if name in RATIOS else count) for name, v in values.items()}

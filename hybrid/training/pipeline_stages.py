@@ -102,6 +102,9 @@ class PipelineSchedules:
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
         if runtime.model.config.stages_take_ids:  # packed documents, multi-token prediction's tokens ahead
             kwargs["batch_ids"] = ids
+        inputs = [objective.model_inputs(extra) for _, _, *extra in micro]
+        if inputs[0]:  # --grpo's recorded routing: every stage reads its own MoE layers' part
+            kwargs.update({name: torch.cat([i[name] for i in inputs]) for name in inputs[0]})
         # the last stage's logits are not kept for the caller (the loss consumed them in place; keeping each
         # micro-batch's until the next iteration would hold micro-batches x sequence x vocabulary)
         self.schedule.step(*args, return_outputs=False, **kwargs)
@@ -129,8 +132,8 @@ class StageEntry(nn.Module):
         self.index = index
         self.stage = stage
 
-    def forward(self, hidden, batch_ids=None):
-        return self.call(hidden, stage=self.index, batch_ids=batch_ids)
+    def forward(self, hidden, batch_ids=None, routes=None):
+        return self.call(hidden, stage=self.index, batch_ids=batch_ids, routes=routes)
 
 
 class DeepSpeedStage(PipelineStage):

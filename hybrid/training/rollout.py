@@ -167,10 +167,11 @@ class Rollout:
             generation, use = divmod(self.iteration, self.options.iterations)
             if use == 0 or self.rows is None:
                 self.rows = self._generate(generation)
-            ids, labels, values = self.rows
+            ids, labels, values, routes = self.rows
             values = values.clone()
             values[:, Value.FRESH] = 1.0 if use == 0 else 0.0  # fresh: the sampler's policy is the trainer's
             self.queue = [(ids[k:k + self.micro], labels[k:k + self.micro], values[k:k + self.micro])
+                          + (() if routes is None else (routes[k:k + self.micro],))
                           for k in range(0, ids.size(0), self.micro)]
             self.iteration += 1
         return self.queue.pop(0)
@@ -205,7 +206,8 @@ class Rollout:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         out = generate(self.model, self.groups, [p.ids for p in prompts], options,
-                       keys=range(first_key, first_key + len(prompts)), device=self.device, sync=self.sync)
+                       keys=range(first_key, first_key + len(prompts)), device=self.device, sync=self.sync,
+                       record_routes=True)
         seconds = time.perf_counter() - start
         peak_bytes = torch.cuda.max_memory_allocated(self.device) if peak else 0
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
@@ -218,7 +220,7 @@ class Rollout:
                                              float(lengths.sum()), seconds, float(out.stats["new_tokens"]),
                                              float(len(finite)), float(out.stats["cache_bytes"]), float(peak_bytes)],
                                             dtype=torch.float64, device=self.device))
-        return self._rows(prompts, out.tokens, out.logprobs, adv)
+        return self._rows(prompts, out.tokens, out.logprobs, adv) + (self._routes(prompts, out),)
 
     @property
     def sync(self):
@@ -267,6 +269,20 @@ class Rollout:
             dist.all_gather_into_tensor(gathered, local, group=self.groups.dp.group)
             total = gathered.cpu()
         return nanstd(total)
+
+    def _routes(self, prompts: list, out):
+        """The generation's routing (Generated.routes, over its left-padded slots) at the training rows' positions,
+        [n, s, layers, k]: each prompt token's and each completion token the generator fed back (its last is never
+        fed); -1 elsewhere (padding: routed live). None for a model without MoE layers on this rank."""
+        if out.routes is None:
+            return None
+        n, width = len(prompts), out.routes.size(1) - self.options.max_new_tokens
+        routes = out.routes.new_full((n, self.seq_length) + tuple(out.routes.shape[2:]), -1)
+        for r, (prompt, completion) in enumerate(zip(prompts, out.tokens)):
+            fed = len(prompt.ids) + len(completion) - 1
+            pad = width - len(prompt.ids)
+            routes[r, :fed] = out.routes[r, pad:pad + fed]
+        return routes
 
     def _rows(self, prompts: list, tokens: list, logprobs: list, adv: torch.Tensor):
         """Training rows: ids = prompt + completion (right-padded), labels = the completion's tokens at their

@@ -70,7 +70,8 @@ class Runtime:
             return self.pipeline.train(micro, scale)
         total = None
         for ids, labels, *extra in micro:  # DeepSpeed's gradient accumulation: it steps on the last
-            loss = self.objective.loss(self.engine(ids, stage=0), self.objective.target(ids, labels, extra), scale)
+            logits = self.engine(ids, stage=0, **self.objective.model_inputs(extra))
+            loss = self.objective.loss(logits, self.objective.target(ids, labels, extra), scale)
             self.engine.backward(loss)
             self.engine.step()
             total = loss.detach() if total is None else total + loss.detach()

@@ -47,6 +47,7 @@ class MoELayer(nn.Module):
             self.shared_output_norm = build_norm(config, groups)
             self.routed_input_norm = build_norm(config, groups)
             self.routed_output_norm = build_norm(config, groups)
+        self.replay_slot = None  # this layer's index among its rank's MoE layers (SequenceLayout.routes)
         self.shared_gate = None
         if config.moe_shared_expert_gate:
             self.shared_gate = nn.Parameter(torch.empty(1, config.hidden_size))
@@ -61,20 +62,25 @@ class MoELayer(nn.Module):
         """Whether the experts run as grouped GEMMs (--moe-grouped-gemm, on a device whose kernel ran)."""
         return self.deepspeed_moe.experts.grouped
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor = None, layout=None) -> torch.Tensor:
         """x: the layer's normed input; `residual` (--moe-gemma4-block): the layer's input itself, which the router
-        reads and the routed experts read through their own norm."""
+        reads and the routed experts read through their own norm; `layout` (hybrid.model.sequence): where it
+        carries --grpo's recorded routing, the router replays or compares it; decoding records it."""
         if self.groups.tp_size > 1 and not self.config.sequence_parallel and torch.is_grad_enabled():
             # training splits the tokens over TP (each rank routes its shard); without gradients (decoding, where a
             # step's one position cannot be split) every TP rank routes all tokens through its replicated experts
             raise RuntimeError("an MoE layer at TP > 1 needs sequence parallelism (each TP rank routes its shard)")
         s, b, h = x.shape
         flat = x.reshape(s * b, h)
+        slot = self.replay_slot if layout is not None else None
+        replay = None if slot is None else layout.routes_of(slot, self.groups, self.config.sequence_parallel)
         if self.takes_residual:  # (transformers' Gemma4TextDecoderLayer)
-            probs, indices, _ = self.router(residual.reshape(s * b, h), s)
+            probs, indices, _ = self.router(residual.reshape(s * b, h), s, replay)
             flat = self.routed_input_norm(residual).reshape(s * b, h)
         else:
-            probs, indices, _ = self.router(flat, s)
+            probs, indices, _ = self.router(flat, s, replay)
+        if slot is not None:
+            layout.record_routes(slot, indices)
         keep, padded_to = None, None
         c = self.config
         if c.moe_expert_capacity_factor is not None:

@@ -59,6 +59,34 @@ def route(logits: torch.Tensor, config, score_bias: Optional[torch.Tensor] = Non
     return probs, indices
 
 
+def weights_of(logits: torch.Tensor, indices: torch.Tensor, config, score_bias: Optional[torch.Tensor] = None):
+    """logits [T, E] (fp32), chosen experts [T, k] -> their weights [T, k], as `route` weighs its own choice (for
+    that choice, bitwise its probs): routing replay (--moe-routing-replay) takes the experts from the generator and
+    the weights from the live scores, so the router keeps learning (megatron-core's RouterReplay, verl's R3)."""
+    if config.moe_router_score_function == "softmax":
+        if config.moe_router_pre_softmax:
+            probs = torch.softmax(logits, dim=-1).gather(1, indices)
+        else:
+            probs = torch.softmax(logits.gather(1, indices), dim=-1)
+    else:
+        probs = torch.sigmoid(logits).gather(1, indices)
+        if config.moe_router_topk > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    if config.moe_router_topk_scaling_factor:
+        probs = probs * config.moe_router_topk_scaling_factor
+    return probs
+
+
+def replayed(logits: torch.Tensor, live: tuple, replay: torch.Tensor, config):
+    """(probs, indices) of the live routing `live`, with each token's experts replaced by `replay` [T, k]'s where
+    that row holds a recorded choice (>= 0; -1: none recorded, the live choice stays) and weighed from the live
+    logits (weights_of); and [T] bool, the recorded tokens whose live choice was another set of experts."""
+    recorded = replay[:, 0] >= 0
+    indices = torch.where(recorded[:, None], replay.to(live[1].dtype), live[1])
+    differ = recorded & (live[1].sort(dim=-1).values != indices.sort(dim=-1).values).any(dim=-1)
+    return weights_of(logits, indices, config), indices, recorded, differ
+
+
 def top_experts(scores: torch.Tensor, config):
     """scores [T, E] -> (top-k scores, their experts) [T, k]; with --moe-router-num-groups G and
     --moe-router-group-topk g, from the g groups (of E / G consecutive experts) whose top k // g scores sum
@@ -173,8 +201,11 @@ class Router(nn.Module):
         C.all_reduce(tensor, self.groups.ulysses.group)
         return tensor
 
-    def forward(self, x: torch.Tensor, seq_length: int):
-        """x [T, h] (T = s x b, sequence-major) -> (probs [T, k] fp32, indices [T, k], logits [T, E])."""
+    def forward(self, x: torch.Tensor, seq_length: int, replay: Optional[torch.Tensor] = None):
+        """x [T, h] (T = s x b, sequence-major) -> (probs [T, k] fp32, indices [T, k], logits [T, E]). `replay`
+        [T, k]: the experts the generator chose for these tokens (-1 where it recorded none): with
+        --moe-routing-replay they are the choice (weighed from the live scores), without it they are compared
+        with the live choice only; the share that differs is logged (routing_mismatch)."""
         sync = self.config.sequence_parallel
         weight = sync_replicated_grad(self.weight, self.groups.tp_group) if sync else self.weight
         bias = sync_replicated_grad(self.bias, self.groups.tp_group) if sync and self.bias is not None else self.bias
@@ -186,6 +217,14 @@ class Router(nn.Module):
         else:  # in the input's dtype, scored in fp32 (as transformers' Mixtral / Qwen / GPT-OSS)
             logits = F.linear(x, weight, bias).float()
         probs, indices = route(logits, self.config, self.score_bias)
+        if replay is not None:
+            weights, chosen, recorded, differ = replayed(logits, (probs, indices), replay, self.config)
+            if self.config.moe_routing_replay:
+                probs, indices = weights, chosen
+                differ = torch.zeros_like(differ)  # the choice used is the generator's
+            if self.training:
+                self._log("routing_differ", differ.sum())
+                self._log("routing_recorded", recorded.sum())
         if self.output_scale is not None:
             scale = sync_replicated_grad(self.output_scale, self.groups.tp_group) if sync else self.output_scale
             probs = probs * scale[indices]
