@@ -480,7 +480,12 @@ def _sft_flags(args) -> None:
 
 GRPO_DEFAULTS = {"reward_function": None, "reward_weights": None, "grpo_group_size": 8, "grpo_epsilon": 0.2,
                  "grpo_epsilon_high": None, "grpo_beta": 0.0, "grpo_loss_type": "dapo", "grpo_scale_rewards": "group",
-                 "grpo_iterations": 1, "max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+                 "grpo_iterations": 1, "max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                 "grpo_importance_sampling_level": "token", "grpo_delta": None, "grpo_sapo_temperature_pos": 1.0,
+                 "grpo_sapo_temperature_neg": 1.05, "grpo_vespo_k_pos": 2.0, "grpo_vespo_lambda_pos": 3.0,
+                 "grpo_vespo_k_neg": 3.0, "grpo_vespo_lambda_neg": 2.0, "grpo_rollout_correction": None,
+                 "grpo_rollout_correction_clip_min": None, "grpo_rollout_correction_clip_max": 3.0,
+                 "grpo_off_policy_mask_threshold": None, "grpo_mask_truncated_completions": False}
 
 
 def _grpo_flags(args) -> None:
@@ -511,6 +516,7 @@ def _grpo_flags(args) -> None:
                           f"0.")
     if args.grpo_epsilon_high is not None and args.grpo_epsilon_high <= 0:
         raise ConfigError(f"--grpo-epsilon-high {args.grpo_epsilon_high}: give a positive clip.")
+    _grpo_objective_flags(args)
     if args.grpo_beta > 0 and not args.load_hf:
         raise ConfigError("--grpo-beta > 0 needs --load-hf DIR: the KL is to that starting model, kept frozen.")
     functions = args.reward_function
@@ -535,6 +541,38 @@ def _grpo_flags(args) -> None:
                           f"and its completion share one training window.")
 
 
+def _grpo_objective_flags(args) -> None:
+    """TRL's rules between the objective's flags: its errors refused, its warnings logged."""
+    loss, level, correction = args.grpo_loss_type, args.grpo_importance_sampling_level, args.grpo_rollout_correction
+    if args.grpo_delta is not None and args.grpo_delta <= 1:
+        raise ConfigError(f"--grpo-delta {args.grpo_delta}: the ratio's upper bound must exceed 1 (TRL's delta).")
+    if correction is None and (args.grpo_rollout_correction_clip_min is not None or
+                               args.grpo_rollout_correction_clip_max != 3.0):
+        raise ConfigError("--grpo-rollout-correction-clip-min / -max bound --grpo-rollout-correction: give a mode "
+                          "(token_truncate, token_mask, sequence_truncate, sequence_mask).")
+    low, high = args.grpo_rollout_correction_clip_min, args.grpo_rollout_correction_clip_max
+    if correction and correction.endswith("truncate") and high is None:
+        raise ConfigError(f"--grpo-rollout-correction {correction} truncates at --grpo-rollout-correction-clip-max: "
+                          f"give one.")
+    if low is not None and high is not None and not 0 <= low < high:
+        raise ConfigError(f"--grpo-rollout-correction-clip-min {low} / -max {high}: give 0 <= min < max.")
+    if loss == "vespo" and correction and correction.startswith("sequence"):
+        raise ConfigError(f"--grpo-loss-type vespo with --grpo-rollout-correction {correction}: VESPO folds the "
+                          f"correction into its sequence weight per token; give token_truncate or token_mask (TRL's "
+                          f"rule).")
+    if args.grpo_off_policy_mask_threshold is not None and args.grpo_off_policy_mask_threshold < 0:
+        raise ConfigError(f"--grpo-off-policy-mask-threshold {args.grpo_off_policy_mask_threshold}: a KL bound, >= 0.")
+    if loss == "luspo" and level != "sequence":
+        log("--grpo-loss-type luspo: the paper's setup takes --grpo-importance-sampling-level sequence (TRL warns "
+            "the same)")
+    if loss == "vespo" and level != "token":
+        log("--grpo-loss-type vespo computes sequence weights itself: --grpo-importance-sampling-level token is its "
+            "setup (TRL warns the same)")
+    if level == "sequence" and loss in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        log(f"--grpo-importance-sampling-level sequence with --grpo-loss-type {loss}: its token sums weigh each "
+            f"sequence by its length; GSPO's setup is --grpo-loss-type grpo (TRL warns the same)")
+
+
 def grpo_options(args, global_batch: int, dp: int) -> GRPOOptions:
     """--grpo's options; the global batch (completions) in whole prompt groups on every data-parallel rank."""
     g = args.grpo_group_size
@@ -544,7 +582,12 @@ def grpo_options(args, global_batch: int, dp: int) -> GRPOOptions:
                           f"{g * dp}.")
     return GRPOOptions(g, args.grpo_epsilon, args.grpo_epsilon_high, args.grpo_beta, args.grpo_loss_type,
                        args.grpo_scale_rewards, args.grpo_iterations, args.max_new_tokens, args.temperature,
-                       args.top_p, args.top_k, tuple(args.reward_function), tuple(args.reward_weights or ()))
+                       args.top_p, args.top_k, tuple(args.reward_function), tuple(args.reward_weights or ()),
+                       args.grpo_importance_sampling_level, args.grpo_delta, args.grpo_sapo_temperature_pos,
+                       args.grpo_sapo_temperature_neg, args.grpo_vespo_k_pos, args.grpo_vespo_lambda_pos,
+                       args.grpo_vespo_k_neg, args.grpo_vespo_lambda_neg, args.grpo_rollout_correction,
+                       args.grpo_rollout_correction_clip_min, args.grpo_rollout_correction_clip_max,
+                       args.grpo_off_policy_mask_threshold, args.grpo_mask_truncated_completions)
 
 
 def _streaming_flags(args) -> None:

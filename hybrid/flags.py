@@ -558,9 +558,40 @@ def _add_data_args(p):
                    help="--grpo: the upper clip (DAPO's clip-higher; default --grpo-epsilon)")
     g.add_argument("--grpo-beta", type=float, default=0.0,
                    help="--grpo: the KL weight to the starting policy (--load-hf's, frozen); 0: none, as TRL")
-    g.add_argument("--grpo-loss-type", default="dapo", choices=["grpo", "dapo", "dr_grpo", "bnpo"],
-                   help="--grpo: TRL's loss_type: per-sequence means (grpo), a token mean over the batch (dapo, "
-                        "bnpo), or sums over rows x --max-new-tokens (dr_grpo)")
+    g.add_argument("--grpo-loss-type", default="dapo",
+                   choices=["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"],
+                   help="--grpo: TRL's loss_type: the clipped surrogate as per-sequence means (grpo), a token mean "
+                        "over the batch (dapo; bnpo: per micro-batch), sums over rows x --max-new-tokens (dr_grpo) or "
+                        "per-sequence sums (luspo); CISPO's clipped, detached ratio times the log-probability (a "
+                        "token mean); SAPO's soft gate (per-sequence means); VESPO's gamma-weighted sequence ratio "
+                        "(a token mean)")
+    g.add_argument("--grpo-importance-sampling-level", default="token", choices=["token", "sequence"],
+                   help="--grpo: one ratio per token, or per sequence (GSPO: its tokens' mean log-ratio)")
+    g.add_argument("--grpo-delta", type=float, default=None,
+                   help="--grpo: the ratio's upper bound in the clipped losses (TRL's delta: two-sided clipping)")
+    g.add_argument("--grpo-sapo-temperature-pos", type=float, default=1.0,
+                   help="--grpo-loss-type sapo: the gate's temperature for positive advantages")
+    g.add_argument("--grpo-sapo-temperature-neg", type=float, default=1.05,
+                   help="--grpo-loss-type sapo: the gate's temperature for negative advantages")
+    for sign, k, lam in (("pos", 2.0, 3.0), ("neg", 3.0, 2.0)):
+        g.add_argument(f"--grpo-vespo-k-{sign}", type=float, default=k,
+                       help=f"--grpo-loss-type vespo: the gamma weight's k for {sign}itive advantages")
+        g.add_argument(f"--grpo-vespo-lambda-{sign}", type=float, default=lam,
+                       help=f"--grpo-loss-type vespo: the gamma weight's lambda for {sign}itive advantages")
+    g.add_argument("--grpo-rollout-correction", default=None,
+                   choices=["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"],
+                   help="--grpo: weigh each token's loss by exp(trainer - sampler log-probability) per token or per "
+                        "sequence, truncated to or masked outside [min, max] (TRL's vLLM importance sampling "
+                        "correction, verl's TIS / MIS); default off")
+    g.add_argument("--grpo-rollout-correction-clip-min", type=float, default=None,
+                   help="--grpo-rollout-correction: the ratio's lower bound (default none)")
+    g.add_argument("--grpo-rollout-correction-clip-max", type=float, default=3.0,
+                   help="--grpo-rollout-correction: the ratio's upper bound (default 3.0, TRL's)")
+    g.add_argument("--grpo-off-policy-mask-threshold", type=float, default=None,
+                   help="--grpo: drop a negative-advantage sequence whose mean KL(sampler || trainer) exceeds this "
+                        "(DeepSeek-V3.2's off-policy sequence masking)")
+    g.add_argument("--grpo-mask-truncated-completions", action="store_true",
+                   help="--grpo: completions that reach --max-new-tokens without an end token train on nothing")
     g.add_argument("--grpo-scale-rewards", default="group", choices=["group", "batch", "none"],
                    help="--grpo: divide advantages by the group's (or batch's) reward std; none: Dr. GRPO")
     g.add_argument("--grpo-iterations", type=int, default=1,

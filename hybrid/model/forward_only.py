@@ -19,14 +19,15 @@ def hidden_shape(config, groups, micro_batch: int, seq_length: int) -> tuple:
 
 
 @torch.no_grad()
-def forward_only(model: RankModel, groups, device, ids: list, on_output, call=None) -> list:
+def forward_only(model: RankModel, groups, device, ids: list, on_output, call=None, inputs=None) -> list:
     """Every micro-batch of `ids` ([b, s] each) through this rank's virtual stages in stage order; `on_output(mb,
     logits)` on the last stage's outputs, their values returned in order (empty on the other ranks). Written
     here because torch 2.13's `schedule.eval()` runs the backward actions of its V-shaped schedules ("can't
     steal_bwd_input if this stage doesn't have backward"); each rank runs its stages in stage order and sends
     asynchronously, so no rank waits on a later one. At PP = 1: the one stage, micro-batch by micro-batch.
     `call`: what runs a stage, `call(hidden, stage=, batch_ids=)` (the DeepSpeed engine around `model`; default
-    the model itself)."""
+    the model itself); `inputs`: each micro-batch's other keyword arguments of the model's forward
+    (Objective.model_inputs), or None."""
     group, sends, local, outputs = groups.pp.group, [], {}, []
     call = call or model
     config = model.config
@@ -44,7 +45,7 @@ def forward_only(model: RankModel, groups, device, ids: list, on_output, call=No
                 hidden = torch.empty(hidden_shape(config, groups, ids[mb].size(0), ids[mb].size(1)), dtype=dtype,
                                      device=device)
                 dist.irecv(hidden, group=group, group_src=rank_of[index - 1]).wait()
-            out = call(hidden, stage=position, batch_ids=batch_ids)
+            out = call(hidden, stage=position, batch_ids=batch_ids, **(inputs[mb] if inputs else {}))
             if stage.last:
                 outputs.append(on_output(mb, out))
             elif rank_of[index + 1] == groups.pp.rank:

@@ -19,7 +19,9 @@ import torch.distributed as dist
 
 from hybrid.parallel.cross_entropy import IGNORE_INDEX
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+TOKEN_MEAN_LOSSES = ("dapo", "cispo", "vespo")  # a token mean over the whole generation batch (num_items_in_batch)
+CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SCALE_REWARDS = ("group", "batch", "none")
 
 
@@ -40,6 +42,21 @@ class GRPOOptions:
     top_k: int = 0
     reward_functions: tuple = ()  # "FILE.py:NAME" each
     reward_weights: tuple = ()  # one per function (default 1 each)
+    importance_sampling_level: str = "token"  # importance_sampling_level: token | sequence (GSPO)
+    delta: Optional[float] = None  # delta: the ratio's upper bound in the clipped losses (two-sided clipping)
+    sapo_temperature_pos: float = 1.0  # sapo_temperature_pos
+    sapo_temperature_neg: float = 1.05  # sapo_temperature_neg
+    vespo_k_pos: float = 2.0  # vespo_k_pos
+    vespo_lambda_pos: float = 3.0  # vespo_lambda_pos
+    vespo_k_neg: float = 3.0  # vespo_k_neg
+    vespo_lambda_neg: float = 2.0  # vespo_lambda_neg
+    # the sampler-trainer importance correction (vllm_importance_sampling_correction with vllm_importance_sampling_mode;
+    # None: off): the trainer's log-probabilities at generation against the sampler's, as TRL corrects vLLM's
+    rollout_correction: Optional[str] = None
+    correction_clip_min: Optional[float] = None  # vllm_importance_sampling_clip_min
+    correction_clip_max: Optional[float] = 3.0  # vllm_importance_sampling_clip_max
+    off_policy_mask_threshold: Optional[float] = None  # off_policy_mask_threshold (DeepSeek-V3.2's sequence mask)
+    mask_truncated_completions: bool = False  # mask_truncated_completions
 
     @property
     def clip_high(self) -> float:
@@ -72,44 +89,120 @@ def nanstd(values: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
 def policy_loss(logps, old, reference, advantage, mask, options: GRPOOptions, scale: Optional[torch.Tensor],
                 fresh: Optional[torch.Tensor] = None, sampled: Optional[torch.Tensor] = None):
-    """The micro-batch's loss (TRL's _compute_loss, importance sampling per token) and its statistics.
+    """The micro-batch's loss (TRL's _compute_loss) and its statistics.
 
-    logps, old, reference [b, s] (reference None when beta is 0), advantage [b], mask [b, s] bool. `scale`: the
-    runtime's factor for a mean over the global batch's items (hybrid.model.objectives.GroupPolicy.count); None
-    takes the micro-batch's own mean. `fresh` [b] bool: the rows the sampler made with the trainer's current
-    weights, where the mismatch between the trainer's log-probabilities and `sampled` (the sampler's; default
-    `old`) is measured (default all rows)."""
+    logps, old, reference [b, s] (reference None when beta is 0), advantage [b], mask [b, s] bool. `old`: the
+    trainer's log-probabilities when the batch was generated (TRL's old_per_token_logps); `sampled`: the sampler's
+    (TRL's sampling_per_token_logps: the rollout correction, the off-policy mask and the mismatch read them; default
+    `old`). `scale`: the runtime's factor for a mean over the global batch's items
+    (hybrid.model.objectives.GroupPolicy.count); None takes the micro-batch's own mean. `fresh` [b] bool: the rows the
+    sampler made with the trainer's current weights, where the mismatch is measured (default all rows)."""
+    o = options
+    sampled = old if sampled is None else sampled
     mask_f = mask.float()
-    ratio = torch.exp(logps - old)
-    clipped = torch.clamp(ratio, 1 - options.epsilon, 1 + options.clip_high)
     a = advantage[:, None]
-    per_token = -torch.min(ratio * a, clipped * a)
+    log_ratio = logps - old
+    if o.importance_sampling_level == "sequence":  # GSPO: one ratio per sequence, its tokens' mean log-ratio
+        log_weight = ((log_ratio * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1.0))[:, None]
+    else:
+        log_weight = log_ratio
+    ratio = torch.exp(log_weight)
+    correction = rollout_correction(old, sampled, mask_f, o)
+    if o.loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=o.clip_high).detach() * a * logps
+        clipped = (ratio > o.clip_high) & (a > 0)
+    elif o.loss_type == "sapo":
+        temperature = torch.where(a > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
+        per_token = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * a
+        clipped = torch.zeros_like(ratio, dtype=torch.bool)
+    elif o.loss_type == "vespo":
+        per_token = -gamma_weights(a, log_ratio, mask_f, correction, o) * a * logps
+        clipped = torch.zeros_like(ratio, dtype=torch.bool)
+    else:  # grpo, dapo, dr_grpo, bnpo, luspo: the clipped surrogate
+        bounded = torch.clamp(ratio, 1 - o.epsilon, 1 + o.clip_high)
+        unbounded = ratio if o.delta is None else torch.clamp(ratio, max=o.delta)
+        per_token = -torch.min(unbounded * a, bounded * a)
+        clipped = ((ratio < 1 - o.epsilon) & (a < 0)) | ((ratio > 1 + o.clip_high) & (a > 0))
+    if o.off_policy_mask_threshold is not None:
+        per_token = per_token * off_policy_mask(a, logps, sampled, mask_f, o.off_policy_mask_threshold)
+    if correction is not None and o.loss_type != "vespo":  # (VESPO's weights hold it already)
+        per_token = per_token * correction
     kl = None
-    if options.beta != 0.0:
+    if o.beta != 0.0:
         # k3's estimate, times the importance ratio (TRL's use_bias_correction_kl, its default: the unbiased
         # reverse-KL gradient of DeepSeek-V3.2)
         kl = (torch.exp(reference - logps) - (reference - logps) - 1) * ratio
-        per_token = per_token + options.beta * kl
+        per_token = per_token + o.beta * kl
     summed = per_token * mask_f
-    if options.loss_type == "grpo":
+    if o.loss_type in ("grpo", "sapo"):
         items = summed.sum(-1) / mask_f.sum(-1).clamp(min=1.0)
-    elif options.loss_type == "dr_grpo":
-        items = summed.sum(-1) / options.max_new_tokens
-    else:  # dapo, bnpo: a mean over tokens
+    elif o.loss_type == "dr_grpo":
+        items = summed.sum(-1) / o.max_new_tokens
+    else:  # luspo: each sequence's sum; dapo, bnpo, cispo, vespo: a mean over tokens
         items = summed.sum(-1)
     if scale is not None:
         loss = items.sum() * scale
+    elif o.loss_type in TOKEN_MEAN_LOSSES or o.loss_type == "bnpo":
+        loss = items.sum() / mask_f.sum().clamp(min=1.0)
     else:
-        loss = items.sum() / (mask_f.sum().clamp(min=1.0) if options.loss_type in ("dapo", "bnpo") else len(items))
+        loss = items.sum() / len(items)
     with torch.no_grad():
-        low = (ratio < 1 - options.epsilon) & (a < 0)
-        high = (ratio > 1 + options.clip_high) & (a > 0)
         measured = mask if fresh is None else mask & fresh[:, None]
-        stats = torch.stack([mask_f.sum(), ((low | high).float() * mask_f).sum(),
-                             (kl * mask_f).sum() if kl is not None else torch.zeros((), device=logps.device),
-                             measured.float().sum(),
-                             ((logps - (old if sampled is None else sampled)).abs() * measured).amax()])
+        zero = torch.zeros((), device=logps.device)
+        is_sum = is_count = zero
+        is_low = is_high = torch.full((), -math.inf, device=logps.device)  # (maxima: -inf is none)
+        if correction is not None:  # the correction's ratios: every token's (token modes) or every sequence's
+            seen = mask if correction.size(1) > 1 else torch.ones_like(correction, dtype=torch.bool)
+            values = correction.expand_as(seen)[seen]
+            is_sum, is_count = values.sum(), seen.float().sum()
+            if values.numel():
+                is_low, is_high = -values.min(), values.max()
+        stats = torch.stack([mask_f.sum(), (clipped.float() * mask_f).sum(),
+                             (kl * mask_f).sum() if kl is not None else zero, measured.float().sum(),
+                             is_sum, is_count,
+                             ((logps - sampled).abs() * measured).amax(), is_low, is_high])
     return loss, stats
+
+
+def rollout_correction(old, sampled, mask_f, o: GRPOOptions) -> Optional[torch.Tensor]:
+    """--grpo-rollout-correction: exp(trainer - sampler) log-probabilities per token [b, s] (token_*) or summed
+    per sequence [b, 1] (sequence_*), truncated to or masked outside [clip_min, clip_max] (TRL's vLLM importance
+    sampling correction, verl's TIS / MIS); None when off."""
+    if o.rollout_correction is None:
+        return None
+    diff = ((old - sampled) * mask_f).nan_to_num(0.0)
+    if o.rollout_correction.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff).detach()
+    if o.rollout_correction.endswith("truncate"):
+        return torch.clamp(ratio, min=o.correction_clip_min, max=o.correction_clip_max)
+    low = -math.inf if o.correction_clip_min is None else o.correction_clip_min
+    high = math.inf if o.correction_clip_max is None else o.correction_clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def off_policy_mask(a, logps, sampled, mask_f, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's get_off_policy_mask) [b, 1]: a sequence is kept when its
+    advantage is not negative or its mean KL(sampler || trainer) over its tokens is at most `threshold`."""
+    kl = (sampled - logps.detach()).nan_to_num(0.0)
+    mean = (kl * mask_f).sum(-1, keepdim=True) / mask_f.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((a >= 0) | (mean <= threshold)).to(mask_f.dtype)
+
+
+@torch.no_grad()
+def gamma_weights(a, log_ratio, mask_f, correction, o: GRPOOptions) -> torch.Tensor:
+    """VESPO's weight per sequence [b, 1] (TRL's get_gamma_weights): phi(w) = e^lambda w^k e^(-lambda w) of the
+    sequence's importance ratio w (the product of its tokens' ratios, times the rollout correction's), k and lambda
+    by the advantage's sign; a gradient-free factor."""
+    floor = math.log(1e-8)
+    log_w = (torch.clamp(log_ratio, -20.0, 20.0) * mask_f).sum(-1, keepdim=True)
+    if correction is not None:
+        log_w = log_w + torch.clamp(torch.log(correction), floor, 20.0).sum(-1, keepdim=True)
+    log_w = torch.clamp(log_w, floor, 20.0)
+    positive = a >= 0
+    k = torch.where(positive, o.vespo_k_pos, o.vespo_k_neg)
+    lam = torch.where(positive, o.vespo_lambda_pos, o.vespo_lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 @dataclass
@@ -135,24 +228,29 @@ class PolicyStats:
         if not self.pending and not self.rollouts and (pp is None or pp.size == 1):
             return {}
         device = self.pending[0].device if self.pending else device
-        stacked = torch.stack(self.pending) if self.pending else torch.zeros(1, 5, device=device)
+        # policy_loss's statistics: 6 sums, then 3 maxima (the mismatch, the correction's -min and max)
+        stacked = torch.stack(self.pending) if self.pending else \
+            torch.tensor([[0.0] * 7 + [-math.inf] * 2], device=device)
         rollouts = torch.stack(self.rollouts) if self.rollouts else torch.zeros(1, 9, device=device,
                                                                                 dtype=torch.float64)
         rolled, generations = rollouts[:, :8].sum(0), len(self.rollouts)
         self.pending, self.rollouts = [], []
-        sums = torch.cat([stacked[:, :4].sum(0).double(), rolled])
-        worst = torch.stack([stacked[:, 4].amax().double(), rollouts[:, 8].amax()])
+        sums = torch.cat([stacked[:, :6].sum(0).double(), rolled])
+        worst = torch.cat([stacked[:, 6:].amax(0).double(), rollouts[:, 8].amax().reshape(1)])
         if pp is not None and pp.size > 1:  # the loss's statistics live on the last stage
-            dist.all_reduce(sums[:4], group=pp.group)
+            dist.all_reduce(sums[:6], group=pp.group)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pp.group)
         if dp is not None and dp.size > 1:
             dist.all_reduce(sums, group=dp.group)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=dp.group)
-        tokens, clipped, kl, fresh, rows, reward, square, length, seconds, new, scored, cache = sums.tolist()
+        tokens, clipped, kl, fresh, is_sum, is_count, rows, reward, square, length, seconds, new, scored, cache = \
+            sums.tolist()
         out = {"clip_fraction": clipped / max(tokens, 1.0), "kl": kl / max(tokens, 1.0)}
-        mismatch, peak = worst.tolist()
+        mismatch, is_low, is_high, peak = worst.tolist()
         if fresh:  # measured on the first pass over a generation batch only (--grpo-iterations)
             out["logprob_mismatch"] = mismatch
+        if is_count:  # --grpo-rollout-correction's ratios
+            out.update(is_ratio_mean=is_sum / is_count, is_ratio_min=-is_low, is_ratio_max=is_high)
         if peak:
             out["generate_peak_gib"] = peak / 2 ** 30
         if rows:
@@ -166,21 +264,25 @@ class PolicyStats:
 
 
 class Value(IntEnum):
-    """The planes of the per-token values a GRPO row carries beside its ids and labels ([n, 4, s] fp32): its
+    """The planes of the per-token values a GRPO row carries beside its ids and labels ([n, 5, s] fp32): its
     advantage (the same at every position), the sampler's log-probability of each label, the reference model's (zeros
-    at beta 0), and 1 where the row is fresh from the sampler (the same at every position)."""
+    at beta 0), 1 where the row is fresh from the sampler (the same at every position), and the trainer's own
+    log-probability of each label when the batch was generated (TRL's old_per_token_logps; with --grpo-iterations > 1
+    only, zeros otherwise: a first pass takes its own, detached)."""
 
     ADVANTAGE = 0
     OLD = 1
     REFERENCE = 2
     FRESH = 3
+    TRAINER = 4
 
 
 def completion_rows(prompts: list, completions: list, logprobs: list, advantage: torch.Tensor, seq_length: int,
                     pad: int):
     """Training rows of one completion each: ids = prompt + completion (right-padded with `pad`) [n, s], labels =
-    the completion's tokens at the positions that predict them, IGNORE_INDEX elsewhere [n, s], values [n, 4, s]
-    fp32 = the advantage, the sampler's log-probability of each label, the reference's (zeros), fresh (zeros)."""
+    the completion's tokens at the positions that predict them, IGNORE_INDEX elsewhere [n, s], values [n, 5, s]
+    fp32 = the advantage, the sampler's log-probability of each label, then zeros (the reference's, fresh, the
+    trainer's: Value)."""
     n = len(prompts)
     ids = torch.full((n, seq_length), pad, dtype=torch.long)
     labels = torch.full((n, seq_length), IGNORE_INDEX, dtype=torch.long)

@@ -190,11 +190,13 @@ class DocumentScores(Objective):
 
 
 class GroupPolicy(WithStatistics):
-    """--grpo: TRL's GRPO loss (hybrid.model.grpo) on rows of one completion each. `extra[0]` [b, 4, s] fp32 rides
+    """--grpo: TRL's GRPO loss (hybrid.model.grpo) on rows of one completion each. `extra[0]` [b, 5, s] fp32 rides
     with the row, its planes named by hybrid.model.grpo.Value: its advantage, the sampler's log-probability of each
     label, the reference model's (or, at beta 0, zeros), and 1 where the row's values are fresh from the sampler (the
     mismatch is measured there). The iteration's loss is a mean over the global batch's rows (grpo), tokens (dapo) or
-    rows x the completion limit (dr_grpo); bnpo's is each micro-batch's token mean, averaged (TRL's)."""
+    rows x the completion limit (dr_grpo); bnpo's is each micro-batch's token mean, averaged (TRL's). The ratio's
+    old log-probabilities are the trainer's when the batch was generated: on its first pass its own, detached (TRL's
+    when steps align), on later passes (--grpo-iterations) those the rollout computed then."""
 
     name = "grpo"
     per_item = True
@@ -206,7 +208,7 @@ class GroupPolicy(WithStatistics):
         self.per_item = options.loss_type != "bnpo"
 
     def target(self, ids, labels, extra=()):
-        return pack_target([labels], extra[0])  # the row's values [b, 4, s] (grpo.Value) ride as fp32 bits
+        return pack_target([labels], extra[0])  # the row's values [b, 5, s] (grpo.Value) ride as fp32 bits
 
     def model_inputs(self, extra=()) -> dict:
         """`extra[1]`, where the rollout recorded the MoE layers' routing: [b, s, layers, k] for the model's
@@ -220,17 +222,18 @@ class GroupPolicy(WithStatistics):
         o = self.options
         logps = token_logps(logits, labels, self.groups, self.vocab_size, o.temperature)
         mask = labels != IGNORE_INDEX
-        # on a batch's first pass the policy is the sampler's: its old log-probabilities are the trainer's own
-        # (detached, ratio 1, as TRL takes them); later passes use the sampler's (--grpo-iterations)
-        old_or_own = torch.where(fresh[:, None], logps.detach(), old)
-        loss, stats = grpo.policy_loss(logps, old_or_own, reference if o.beta else None, advantage, mask, o,
+        # the trainer's log-probabilities when the batch was generated: on its first pass its own (detached, ratio 1,
+        # as TRL takes them), on later passes the rollout's (--grpo-iterations); `old` is the sampler's
+        trainer = values[:, grpo.Value.TRAINER] if o.iterations > 1 else old
+        trainer = torch.where(fresh[:, None], logps.detach(), trainer)
+        loss, stats = grpo.policy_loss(logps, trainer, reference if o.beta else None, advantage, mask, o,
                                        scale if self.per_item else None, fresh, sampled=old)
         self.stats.add(stats)
         return loss
 
     def count(self, ids, labels):
         mask = labels != IGNORE_INDEX
-        if self.options.loss_type == "dapo":
+        if self.options.loss_type in grpo.TOKEN_MEAN_LOSSES:
             return mask.sum()
         return torch.full((), labels.size(0), device=labels.device, dtype=torch.long)
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from hybrid.config import RunConfig
 from hybrid.parallel import fp8
-from hybrid.training.moe_hooks import MoEStepHooks, keep_fp32_buffers
+from hybrid.training.moe_hooks import MoEStepHooks, keep_fp32_buffers, routing_shares
 from hybrid.training.profiling import StepProfiler
 
 
@@ -49,6 +49,8 @@ class MoEConverter(Converter):
 
     def __init__(self, run: RunConfig, groups, module: nn.Module, device: torch.device):
         self.hooks = MoEStepHooks.of(module, run.parallel.sequence_split)
+        # --grpo on an MoE model: every rank joins the routing shares' all-reduce, also one without MoE layers
+        self.routing = device if run.training.grpo is not None and run.model.num_experts else None
 
     @classmethod
     def enabled(cls, run: RunConfig) -> bool:
@@ -67,7 +69,9 @@ class MoEConverter(Converter):
             self.hooks.after()
 
     def metrics(self) -> dict:
-        return self.hooks.metrics() if self.hooks else {}
+        if self.hooks:
+            return self.hooks.metrics(self.routing)
+        return routing_shares({}, self.routing) if self.routing is not None else {}
 
 
 class Fp8Converter(Converter):

@@ -38,7 +38,9 @@ _EXTRA_PARTS = {"load_balancing_loss": ("load balancing loss", ".6E"), "z_loss":
                 "reward_mean": ("reward", ".4f"), "reward_std": ("reward std", ".4f"),
                 "completion_length": ("completion length", ".1f"), "clip_fraction": ("clip fraction", ".4f"),
                 "kl": ("kl", ".3E"), "logprob_mismatch": ("logprob mismatch", ".2E"),
-                "routing_mismatch": ("routing mismatch", ".4f"),
+                "routing_mismatch": ("routing mismatch", ".4f"), "routing_replayed": ("routing replayed", ".4f"),
+                "is_ratio_mean": ("IS ratio mean", ".4f"),
+                "is_ratio_min": ("IS ratio min", ".4f"), "is_ratio_max": ("IS ratio max", ".4f"),
                 "generate_tokens_per_s": ("generated tokens/s", ".1f"), "generate_s": ("generation s", ".2f"),
                 "kv_cache_mib": ("KV cache MiB", ".1f"), "generate_peak_gib": ("generation peak GiB", ".2f")}
 

@@ -78,16 +78,29 @@ def take_logged(model: nn.Module) -> dict:
         router.logged = {}
     if worst is not None:
         out["expert_imbalance"] = worst
-    if ROUTING_COUNTS[1] in out:  # --grpo: the share of recorded routing decisions the training forward changed
-        differ, recorded = (out.pop(name) for name in ROUTING_COUNTS)
-        out["routing_mismatch"] = differ.float() / recorded.float().clamp_min(1.0)
     return out
 
 
-# the routers' counts of --grpo's recorded routing (hybrid.model.moe.router.Router.forward): tokens whose experts
-# differ from the generator's in the training forward, and tokens recorded, summed over layers
-ROUTING_COUNTS = ("routing_differ", "routing_recorded")
-RATIOS = ("expert_imbalance", "routing_mismatch")  # logged as they are, not per micro-batch
+# the routers' counts of --grpo's recorded routing (hybrid.model.moe.router.Router.forward), summed over layers:
+# tokens whose experts in the training forward differ from the generator's, tokens whose experts replay changed
+# (--moe-routing-replay), tokens recorded
+ROUTING_COUNTS = ("routing_differ", "routing_replayed", "routing_recorded")
+RATIOS = ("expert_imbalance",)  # logged as they are, not per micro-batch
+
+
+def routing_shares(values: dict, device) -> dict:
+    """--grpo's routing counts of every rank since the last log line (each rank routes its own rows, its part of the
+    sequence and its stages' layers: one all-reduce over the job, which every rank's log line calls) -> the shares
+    `routing_mismatch` (decisions the trainer used that differ from the generator's) and `routing_replayed` (those
+    replay changed); nothing where no token was recorded (not --grpo)."""
+    counts = torch.stack([values.pop(name, torch.zeros((), device=device)).to(device, torch.float64)
+                          for name in ROUTING_COUNTS])
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(counts)
+    differ, replayed, recorded = counts.tolist()
+    if not recorded:
+        return {}
+    return {"routing_mismatch": differ / recorded, "routing_replayed": replayed / recorded}
 
 
 class MoEStepHooks:
@@ -110,9 +123,11 @@ class MoEStepHooks:
     def after(self) -> None:
         update_score_bias(self.model)
 
-    def metrics(self) -> dict:
+    def metrics(self, device=None) -> dict:
         """Per micro-batch means of the auxiliary losses (summed over this rank's layers) and the worst
-        layer's max / mean tokens per expert, of this rank's micro-batches since the last call."""
+        layer's max / mean tokens per expert, of this rank's micro-batches since the last call; with `device`
+        (--grpo: every rank calls it), the routing shares of the whole job (routing_shares)."""
         values = take_logged(self.model)
         count, self.micro_batches = max(1, self.micro_batches), 0
-        return {name: float(v) / (1 if name in RATIOS else count) for name, v in values.items()}
+        shares = routing_shares(values, device) if device is not None else {}
+        return dict({name: float(v) / (1 if name in RATIOS else count) for name, v in values.items()}, **shares)

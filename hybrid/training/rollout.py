@@ -33,7 +33,9 @@ from hybrid.data.tokenizer import end_ids
 from hybrid.errors import ConfigError
 from hybrid.model.generate import SamplingOptions, generate
 from hybrid.model.grpo import GRPOOptions, Value, advantages, completion_rows, nanstd
+from hybrid.model.forward_only import forward_only
 from hybrid.model.loss import token_logps
+from hybrid.parallel.cross_entropy import IGNORE_INDEX
 from hybrid.training.logging import log
 
 
@@ -220,7 +222,25 @@ class Rollout:
                                              float(lengths.sum()), seconds, float(out.stats["new_tokens"]),
                                              float(len(finite)), float(out.stats["cache_bytes"]), float(peak_bytes)],
                                             dtype=torch.float64, device=self.device))
-        return self._rows(prompts, out.tokens, out.logprobs, adv) + (self._routes(prompts, out),)
+        ids, labels, values = self._rows(prompts, out.tokens, out.logprobs, adv)
+        routes = self._routes(prompts, out)
+        if self.options.iterations > 1:
+            self._trainer_logps(ids, labels, values, routes)
+        return ids, labels, values, routes
+
+    def _trainer_logps(self, ids, labels, values, routes) -> None:
+        """--grpo-iterations > 1: the trainer's log-probabilities of the batch's labels with the weights that
+        generated it (TRL's old_per_token_logps), for the later passes' ratios and rollout correction: one forward
+        without gradients through this rank's stages, kept on the last stage (Value.TRAINER)."""
+        micro = self.micro
+        starts = list(range(0, ids.size(0), micro))
+        inputs = [{} if routes is None else {"routes": routes[k:k + micro]} for k in starts]
+        outputs = forward_only(self.model, self.groups, self.device, [ids[k:k + micro] for k in starts],
+                               lambda mb, logits: token_logps(logits, labels[starts[mb]:starts[mb] + micro],
+                                                              self.groups, self.vocab_size, self.options.temperature),
+                               call=self.engine, inputs=inputs)
+        for k, logps in zip(starts, outputs):
+            values[k:k + micro, Value.TRAINER] = logps
 
     @property
     def sync(self):
@@ -286,10 +306,16 @@ class Rollout:
 
     def _rows(self, prompts: list, tokens: list, logprobs: list, adv: torch.Tensor):
         """Training rows: ids = prompt + completion (right-padded), labels = the completion's tokens at their
-        positions, values [n, 4, s] = advantage, the sampler's log-probabilities, the reference's (zeros), fresh."""
+        positions, values [n, 5, s] (hybrid.model.grpo.Value): the advantage, the sampler's log-probabilities, the
+        reference's (zeros without --grpo-beta)."""
         n = len(prompts)
         ids, labels, values = completion_rows([p.ids for p in prompts], tokens, logprobs, adv, self.seq_length,
                                               self.eos[0] if self.eos else 0)
+        if self.options.mask_truncated_completions:  # rows that ran to --max-new-tokens train on nothing (TRL's)
+            pad = getattr(self.tokenizer, "pad_token_id", None)
+            ends = set(self.eos) | ({pad} if pad is not None else set())
+            truncated = torch.tensor([not t or t[-1] not in ends for t in tokens])
+            labels[truncated] = IGNORE_INDEX
         ids, labels, values = ids.to(self.device), labels.to(self.device), values.to(self.device)
         if self.reference is not None:  # the KL's reference log-probabilities, tempered as the policy's
             with torch.no_grad():

@@ -96,8 +96,9 @@ class Runtime:
             self.tied.sync_once()
         targets = [objective.target(ids, labels, extra) for ids, labels, *extra in micro]
         ids = [ids for ids, *_ in micro]
+        inputs = [objective.model_inputs(extra) for _, _, *extra in micro]
         return forward_only(self.model, self.groups, self.device, ids,
-                            lambda mb, out: objective.loss(out, targets[mb], scale), call=self.engine)
+                            lambda mb, out: objective.loss(out, targets[mb], scale), call=self.engine, inputs=inputs)
 
     def reduce(self, stacked: torch.Tensor) -> torch.Tensor:
         """Per-iteration losses from the loss rank to its whole pipeline, then the DP mean."""

@@ -59,7 +59,7 @@ def route(logits: torch.Tensor, config, score_bias: Optional[torch.Tensor] = Non
     return probs, indices
 
 
-def weights_of(logits: torch.Tensor, indices: torch.Tensor, config, score_bias: Optional[torch.Tensor] = None):
+def weights_of(logits: torch.Tensor, indices: torch.Tensor, config):
     """logits [T, E] (fp32), chosen experts [T, k] -> their weights [T, k], as `route` weighs its own choice (for
     that choice, bitwise its probs): routing replay (--moe-routing-replay) takes the experts from the generator and
     the weights from the live scores, so the router keeps learning (megatron-core's RouterReplay, verl's R3)."""
@@ -77,14 +77,15 @@ def weights_of(logits: torch.Tensor, indices: torch.Tensor, config, score_bias: 
     return probs
 
 
-def replayed(logits: torch.Tensor, live: tuple, replay: torch.Tensor, config):
+def replayed(logits: torch.Tensor, live: tuple, replay: torch.Tensor, config, weigh: bool = True):
     """(probs, indices) of the live routing `live`, with each token's experts replaced by `replay` [T, k]'s where
     that row holds a recorded choice (>= 0; -1: none recorded, the live choice stays) and weighed from the live
-    logits (weights_of); and [T] bool, the recorded tokens whose live choice was another set of experts."""
+    logits (weights_of; probs None without `weigh`); and [T] bool each, the recorded tokens and those whose live
+    choice was another set of experts."""
     recorded = replay[:, 0] >= 0
     indices = torch.where(recorded[:, None], replay.to(live[1].dtype), live[1])
     differ = recorded & (live[1].sort(dim=-1).values != indices.sort(dim=-1).values).any(dim=-1)
-    return weights_of(logits, indices, config), indices, recorded, differ
+    return weights_of(logits, indices, config) if weigh else None, indices, recorded, differ
 
 
 def top_experts(scores: torch.Tensor, config):
@@ -218,13 +219,15 @@ class Router(nn.Module):
             logits = F.linear(x, weight, bias).float()
         probs, indices = route(logits, self.config, self.score_bias)
         if replay is not None:
-            weights, chosen, recorded, differ = replayed(logits, (probs, indices), replay, self.config)
-            if self.config.moe_routing_replay:
-                probs, indices = weights, chosen
-                differ = torch.zeros_like(differ)  # the choice used is the generator's
-            if self.training:
-                self._log("routing_differ", differ.sum())
+            on = self.config.moe_routing_replay
+            weights, chosen, recorded, differ = replayed(logits, (probs, indices), replay, self.config, weigh=on)
+            if self.training and torch.is_grad_enabled():  # (not a forward for old log-probabilities)
+                # the decisions used that differ from the generator's (none with replay), and those replay changed
+                self._log("routing_differ", torch.zeros_like(differ).sum() if on else differ.sum())
+                self._log("routing_replayed", differ.sum() if on else torch.zeros_like(differ).sum())
                 self._log("routing_recorded", recorded.sum())
+            if on:
+                probs, indices = weights, chosen
         if self.output_scale is not None:
             scale = sync_replicated_grad(self.output_scale, self.groups.tp_group) if sync else self.output_scale
             probs = probs * scale[indices]
