@@ -517,6 +517,10 @@ def _grpo_flags(args) -> None:
     if args.grpo_epsilon_high is not None and args.grpo_epsilon_high <= 0:
         raise ConfigError(f"--grpo-epsilon-high {args.grpo_epsilon_high}: give a positive clip.")
     _grpo_objective_flags(args)
+    if args.moe_routing_replay == "R2" and args.grpo_iterations < 2:
+        raise ConfigError("--moe-routing-replay R2 replays the first pass's routing in the later passes over a batch: "
+                          "with --grpo-iterations 1 there are none; give --grpo-iterations 2 or more, or R3 (the "
+                          "generator's routing).")
     if args.grpo_beta > 0 and not args.load_hf:
         raise ConfigError("--grpo-beta > 0 needs --load-hf DIR: the KL is to that starting model, kept frozen.")
     functions = args.reward_function

@@ -427,11 +427,12 @@ def _add_moe_args(p):
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
                    help="with --moe-expert-capacity-factor: every expert gets exactly its capacity of rows (the "
                         "kept ones, then zero-weight padding), so the dispatch needs no host sync at any EP")
-    g.add_argument("--moe-routing-replay", action="store_true",
-                   help="--grpo: the training forward routes each token to the experts the generator chose for it "
-                        "(weighed by the live router, which keeps learning: megatron-core's RouterReplay, verl's R3, "
-                        "slime's rollout routing replay); without it the share that differs is logged only "
-                        "(routing_mismatch)")
+    g.add_argument("--moe-routing-replay", nargs="?", const="R3", default=None, choices=["R3", "R2"],
+                   help="--grpo: the training forward routes each token to recorded experts, weighed by the live "
+                        "router (which keeps learning; megatron-core's RouterReplay): R3 (the default) the experts "
+                        "the generator chose (verl's R3, slime's rollout routing replay), R2 those the trainer chose "
+                        "with the weights that generated the batch (verl's R2: later --grpo-iterations passes route "
+                        "as the first); without it the share that differs is logged only (routing_mismatch)")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="one grouped GEMM for all local experts (torch._grouped_mm) where the device has it")
     g.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["alltoall", "allgather", "flex"],

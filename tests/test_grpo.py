@@ -383,7 +383,8 @@ def test_bad_grpo_flags_are_one_message(tmp_path, capsys):
                            (["--grpo", "--grpo-delta", "0.9"], "must exceed 1"),
                            (["--grpo-mask-truncated-completions"], "set GRPO: add --grpo"),
                            (["--moe-routing-replay"], "--moe-routing-replay set GRPO: add --grpo"),
-                           (["--grpo", "--moe-routing-replay"], "the model has no MoE layers")]:
+                           (["--grpo", "--moe-routing-replay"], "the model has no MoE layers"),
+                           (["--grpo", "--moe-routing-replay", "R2"], "with --grpo-iterations 1 there are none")]:
         assert main(flags + ["--no-demo", "--save", str(tmp_path / "s")]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (flags, err)
@@ -449,24 +450,32 @@ REPLAY = TASK[:TASK.index("--global-batch-size")] + [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["--expert-model-parallel-size", 2],
-                                    ["--tensor-model-parallel-size", 2, "--sequence-parallel"],
-                                    ["--pipeline-model-parallel-size", 2]])
-def test_moe_routing_replay_trains_on_the_generators_experts_at_every_layout(layout, tmp_path):
+@pytest.mark.parametrize("mode,layout", [("R3", ["--expert-model-parallel-size", 2]),
+                                         ("R3", ["--tensor-model-parallel-size", 2, "--sequence-parallel"]),
+                                         ("R3", ["--pipeline-model-parallel-size", 2]),
+                                         ("R2", ["--tensor-model-parallel-size", 2, "--sequence-parallel"]),
+                                         ("R2", ["--pipeline-model-parallel-size", 2])])
+def test_moe_routing_replay_trains_on_recorded_experts_at_every_layout(mode, layout, tmp_path):
     """--moe-routing-replay (megatron-core's RouterReplay, verl's R3): the experts each token was routed to while
     generating are recorded and the training forward routes it to them, weighed by the live router. With
     --grpo-iterations 2 at a large learning rate the second pass over a batch routes most decisions elsewhere
     without replay (routing_mismatch logged, > 0.2) and none with it, which changes that step's loss; at EP 2, TP 2 +
     SP and PP 2 (each stage its own layers' record) the replayed run equals one rank's, with the generator's
     log-probabilities equal to the trainer's (fp32, 1e-5: the record sits at the right positions, or the first
-    pass's logits would move)."""
+    pass's logits would move). R2 (verl's): the record is the trainer's own routing in its forward for the old
+    log-probabilities (the weights that generated the batch), so the first pass replays nothing different (each
+    rank writes and reads back its own tokens, its part of the sequence under SP, its stages' layers) and the second
+    routes as the first."""
     from checks.launch_helpers import one_rank
-    free, want = one_rank(REPLAY), one_rank(REPLAY + ["--moe-routing-replay"])
+    free, r3 = one_rank(REPLAY), one_rank(REPLAY + ["--moe-routing-replay"])
+    want = one_rank(REPLAY + ["--moe-routing-replay", mode])
     assert [r["routing_mismatch"] == 0 for r in free] == [True, False, True, False], free
     assert free[1]["routing_mismatch"] > 0.2 and abs(free[1]["lm_loss"] - want[1]["lm_loss"]) > 1e-4
     assert want[1]["routing_replayed"] > 0.2 and want[0]["routing_replayed"] == 0 == free[1]["routing_replayed"]
+    if mode == "R2":  # (in fp32 on one CPU the generator routes as the trainer does: both records are the same)
+        assert want[0]["lm_loss"] == free[0]["lm_loss"] and [r["lm_loss"] for r in want] == [r["lm_loss"] for r in r3]
     log = tmp_path / "log.jsonl"
-    run("torchrun", 2, REPLAY + ["--moe-routing-replay", "--log-json", log] + layout)
+    run("torchrun", 2, REPLAY + ["--moe-routing-replay", mode, "--log-json", log] + layout)
     got = read_log(log)
     assert len(got) == len(want) == 4
     for x, y in zip(want, got):  # (the routing shares: every rank's rows, layers and part of the sequence)

@@ -114,7 +114,8 @@ class ModelConfig:
     moe_token_drop_policy: str = "probs"  # --moe-token-drop-policy probs|position: which tokens over capacity go
     moe_pad_expert_input_to_capacity: bool = False  # --moe-pad-expert-input-to-capacity: fixed rows per expert
     moe_grouped_gemm: bool = False  # --moe-grouped-gemm: torch._grouped_mm where it runs, else a loop
-    moe_routing_replay: bool = False  # --moe-routing-replay (--grpo): the generator's experts replayed in training
+    # --moe-routing-replay R3|R2 (--grpo): the generator's experts (R3) or the trainer's at generation (R2) replayed
+    moe_routing_replay: Optional[str] = None
     kv_channels: Optional[int] = None  # --kv-channels: the head dimension; None = hidden / heads
     add_qkv_bias: bool = False  # --add-qkv-bias: a bias on Q, K and V only (Qwen2), with or without others
     qk_layernorm: bool = False  # --qk-layernorm: a norm (--normalization) over each head of Q and K (Qwen3); with

@@ -29,9 +29,10 @@ class GPTModel(RankModel):
         super().__init__(config, groups, whole_model_plan(config.num_layers), 0)
         self.loss_fn = LMLoss(groups, config.vocab_size)
 
-    def forward(self, input_ids, labels=None, token_scale=None, stage=None, batch_ids=None, decode=None, routes=None):
+    def forward(self, input_ids, labels=None, token_scale=None, stage=None, batch_ids=None, decode=None, routes=None,
+                record_routes=False):
         if stage is not None:
-            return super().forward(input_ids, stage, batch_ids, decode, routes)
+            return super().forward(input_ids, stage, batch_ids, decode, routes, record_routes)
         if labels is None:
             return self.stages[0](input_ids, for_loss=False).transpose(0, 1)
         return self.loss_fn.of_whole_sequences(self.stages[0](input_ids), labels, token_scale)

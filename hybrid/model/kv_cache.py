@@ -74,7 +74,7 @@ class DecodeLayout(SequenceLayout):
     def routes_of(self, slot: int, groups, sequence_parallel: bool):
         return None  # (decoding records the routing, SequenceLayout.routes; it replays none)
 
-    def record_routes(self, slot: int, indices: torch.Tensor) -> None:
+    def record_routes(self, slot: int, indices: torch.Tensor, groups=None, sequence_parallel: bool = False) -> None:
         """MoE layer `slot`'s experts [s x b, k] (sequence-major) for the step's new positions, into the routing
         record [b, slots, layers, k] where the generation keeps one (--grpo: hybrid.model.generate)."""
         if self.routes is not None:

@@ -33,6 +33,7 @@ class SequenceLayout:
     # --grpo's recorded routing [b, s, slots, k]: the experts the generator chose for each token in each of this
     # rank's MoE layers (MoELayer.replay_slot), -1 where it chose none (hybrid.model.moe.router.replayed)
     routes: Optional[torch.Tensor] = None
+    recording: bool = False  # the forward writes its own routing into `routes` (--moe-routing-replay R2), replays none
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         """This CP rank's part of a [b, s] tensor (ids, labels)."""
@@ -41,15 +42,24 @@ class SequenceLayout:
     def routes_of(self, slot: int, groups, sequence_parallel: bool) -> Optional[torch.Tensor]:
         """The recorded experts of MoE layer `slot` for the tokens this rank routes, [s_local(/tp) x b, k] in the
         router's sequence-major order (under SP this TP rank's part of the sequence), or None."""
-        if self.routes is None:
+        if self.routes is None or self.recording:
             return None
         routes = self.local(self.routes[:, :, slot])  # [b, s_local, k]
         if sequence_parallel and groups.tp_size > 1:
             routes = routes.chunk(groups.tp_size, dim=1)[groups.tp_rank]
         return routes.transpose(0, 1).reshape(-1, routes.size(-1))
 
-    def record_routes(self, slot: int, indices: torch.Tensor) -> None:
-        """Decoding only (hybrid.model.kv_cache.DecodeLayout)."""
+    def record_routes(self, slot: int, indices: torch.Tensor, groups=None, sequence_parallel: bool = False) -> None:
+        """With `recording`: MoE layer `slot`'s experts [T, k] of the tokens this rank routes, written at their
+        positions of `routes` (the inverse of routes_of: this rank reads back only what it wrote)."""
+        if not self.recording:
+            return
+        b, s = self.routes.size(0), self.routes.size(1)
+        positions = self.index if self.index is not None else torch.arange(s, device=self.routes.device)
+        if sequence_parallel and groups.tp_size > 1:
+            positions = positions.chunk(groups.tp_size)[groups.tp_rank]
+        chosen = indices.view(-1, b, indices.size(-1)).transpose(0, 1).to(self.routes.dtype)  # [b, s_part, k]
+        self.routes[:, positions, slot] = chosen
 
 
 def documents_of(ids: torch.Tensor, eod_token: int) -> torch.Tensor:
@@ -88,11 +98,13 @@ def stage_layout(local_len: int, groups, device) -> Optional[SequenceLayout]:
                           ulysses=groups.ulysses if groups.ulysses.size > 1 else None, index=index)
 
 
-def with_routes(layout: Optional[SequenceLayout], routes: Optional[torch.Tensor]) -> Optional[SequenceLayout]:
-    """`layout` carrying --grpo's recorded routing (SequenceLayout.routes); unchanged without it."""
+def with_routes(layout: Optional[SequenceLayout], routes: Optional[torch.Tensor],
+                record: bool = False) -> Optional[SequenceLayout]:
+    """`layout` carrying --grpo's routing record (SequenceLayout.routes), to replay or (`record`) to write; unchanged
+    without it."""
     if routes is None:
         return layout
-    return dataclasses.replace(layout or SequenceLayout(), routes=routes)
+    return dataclasses.replace(layout or SequenceLayout(), routes=routes, recording=record)
 
 
 def sequence_layout(ids: torch.Tensor, config, groups=None) -> Optional[SequenceLayout]:

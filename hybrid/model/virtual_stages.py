@@ -103,13 +103,14 @@ class RankModel(nn.Module):
             return self.embedding(ids, layout)
         return embed_with(self.tied_table, ids, self.config, self.groups, self.training)
 
-    def forward(self, hidden, stage: int = 0, batch_ids=None, decode=None, routes=None):
+    def forward(self, hidden, stage: int = 0, batch_ids=None, decode=None, routes=None, record_routes=False):
         """`decode` (hybrid.model.kv_cache.DecodeLayout): a decoding step of stage `stage` (VirtualStage.decode),
         through this module's call so that ZeRO-3's hooks fetch what the step reads, as in training. `routes`
-        [b, s, moe_slots, k]: --grpo's recorded routing of the micro-batch (hybrid.model.sequence.SequenceLayout)."""
+        [b, s, moe_slots, k]: --grpo's recorded routing of the micro-batch (hybrid.model.sequence.SequenceLayout), to
+        replay, or with `record_routes` to write this forward's own."""
         if decode is not None:
             return self.stages[stage].decode(hidden, decode)
-        return self.stages[stage](hidden, batch_ids, routes=routes)
+        return self.stages[stage](hidden, batch_ids, routes=routes, record_routes=record_routes)
 
     def head_weight(self):
         """The table the output head multiplies by: the untied head's, the tied parameter, or its copy."""
@@ -215,7 +216,7 @@ class VirtualStage(nn.Module):
             return owner.logits(owner.final_norm(hidden[-1:]), for_loss=False)
         return hidden
 
-    def forward(self, hidden, batch_ids=None, for_loss: bool = True, routes=None):
+    def forward(self, hidden, batch_ids=None, for_loss: bool = True, routes=None, record_routes=False):
         owner = self._owner
         ids = hidden if self.first else batch_ids  # whole-sequence ids, where this stage has them
         per_layer = None  # Gemma 4's per-layer inputs (hybrid.model.per_layer)
@@ -228,7 +229,7 @@ class VirtualStage(nn.Module):
                 hidden = owner.embedding(local, layout)
         else:
             layout = stage_layout_of(hidden, batch_ids, owner.config, owner.groups)
-        layout = with_routes(layout, routes)
+        layout = with_routes(layout, routes, record_routes)
         hidden = run_layers(list(self.layers), hidden, owner.config, owner.training, layout, per_layer)
         if self.last:
             hidden = owner.final_norm(hidden)

@@ -225,16 +225,20 @@ class Rollout:
         ids, labels, values = self._rows(prompts, out.tokens, out.logprobs, adv)
         routes = self._routes(prompts, out)
         if self.options.iterations > 1:
+            if routes is not None and self.model.config.moe_routing_replay == "R2":  # the trainer's routing, recorded
+                routes = routes.new_full(routes.shape, -1)
             self._trainer_logps(ids, labels, values, routes)
         return ids, labels, values, routes
 
     def _trainer_logps(self, ids, labels, values, routes) -> None:
         """--grpo-iterations > 1: the trainer's log-probabilities of the batch's labels with the weights that
         generated it (TRL's old_per_token_logps), for the later passes' ratios and rollout correction: one forward
-        without gradients through this rank's stages, kept on the last stage (Value.TRAINER)."""
+        without gradients through this rank's stages, kept on the last stage (Value.TRAINER). With
+        --moe-routing-replay R2 the forward records its routing into `routes` (the passes replay it)."""
         micro = self.micro
         starts = list(range(0, ids.size(0), micro))
-        inputs = [{} if routes is None else {"routes": routes[k:k + micro]} for k in starts]
+        record = self.model.config.moe_routing_replay == "R2"
+        inputs = [{} if routes is None else {"routes": routes[k:k + micro], "record_routes": record} for k in starts]
         outputs = forward_only(self.model, self.groups, self.device, [ids[k:k + micro] for k in starts],
                                lambda mb, logits: token_logps(logits, labels[starts[mb]:starts[mb] + micro],
                                                               self.groups, self.vocab_size, self.options.temperature),

@@ -80,7 +80,7 @@ class MoELayer(nn.Module):
         else:
             probs, indices, _ = self.router(flat, s, replay)
         if slot is not None:
-            layout.record_routes(slot, indices)
+            layout.record_routes(slot, indices, self.groups, self.config.sequence_parallel)
         keep, padded_to = None, None
         c = self.config
         if c.moe_expert_capacity_factor is not None:
