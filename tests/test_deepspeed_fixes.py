@@ -96,7 +96,7 @@ FIXES = ("release_engine", "runs_tensor_backward", "prepare_pipeline_engine", "l
          "keep_host_activations_when_offloading", "install_fp32_clipping", "skip_one_rank_gradient_allreduce",
          "skip_non_finite_steps", "use_canonical_param_names", "load_table_blocks_from_universal",
          "repair_zero3_universal_load", "keep_run_clipping", "load_checkpoint", "replay_cpu_adam_steps",
-         "use_async_checkpoint_engine", "register_moe_layers", "zero_partitions")
+         "use_async_checkpoint_engine", "register_moe_layers", "zero_partitions", "zero3_gathered_while_generating")
 
 
 def test_the_fixes_and_the_relied_on_internals_are_the_listed_ones_and_the_architecture_page_counts_them():

@@ -65,8 +65,9 @@ def decoding(model):
     config.sequence_parallel = False
     model.eval()
     # inference mode where nothing made here outlives it (tokens leave as host lists); ZeRO-3's hooks gather and
-    # re-partition parameters inside the block, which must stay ordinary tensors for training: no_grad there
-    partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
+    # re-partition parameters inside the block, which must stay ordinary tensors for training: no_grad there (not
+    # where they were gathered before it, hybrid.training.deepspeed_fixes.zero3_gathered_while_generating)
+    partitioned = any(hasattr(p, "ds_id") and p.ds_status.name != "AVAILABLE" for p in model.parameters())
     try:
         with torch.no_grad() if partitioned else torch.inference_mode():
             yield

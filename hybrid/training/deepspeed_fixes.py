@@ -6,6 +6,7 @@ hybrid.torch_fixes'; the safe torch.load is hybrid.safe_loading's.)"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import deepspeed
@@ -57,10 +58,14 @@ FIXES = {
     "use_async_checkpoint_engine": ("adapter", "0.17.1-0.19.8", f"{GITHUB}/issues/5721 (the request)"),
     "register_moe_layers": ("adapter", "0.12.0-0.19.8", None),
     "zero_partitions": ("accessor", "0.19.8", None),
+    "zero3_gathered_while_generating": ("speed", "0.16.4-0.19.8", f"{GITHUB}/issues/5498 (TRL's way, asked upstream)"),
 }
 
 # (module, attribute path, a text its source must contain) of every DeepSpeed internal used below
 RELIED_ON = [
+    ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload._remove_module_hooks",
+     "self.fwd_pre_hook.remove()"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.__init__", "self.parameter_offload = "),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.destroy", "optimizer.destroy()"),
     ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload._register_deepspeed_module",
      "def _register_deepspeed_module(self, module, count=[0]):"),
@@ -724,3 +729,52 @@ def zero_partitions(zero_optimizer) -> list:
         partitions.append(FlatPartition(flat, group, dist.get_world_size(group), dist.get_rank(group), params,
                                         device))
     return partitions
+
+
+@contextlib.contextmanager
+def zero3_gathered_while_generating(engine, log=None):
+    """A generation (hybrid.model.generate, --grpo's rollouts) with this rank's ZeRO-3 parameters gathered once and
+    kept, not fetched by ZeRO-3's module hooks layer by layer at every decoding step (a step is a forward of every
+    layer: DeepSpeed 0.19.8 all-gathers and releases each layer's parameters every step, 0.26x ZeRO-1's decode speed
+    in benchmarks/bench_generate.py). DeepSpeed has no API to keep a ZeRO-3 module gathered across forwards
+    (`GatheredParameters` gathers, but the hooks release each layer again after its forward; its hybrid engine
+    does it for its own inference kernels only; TRL's unwrap_model_for_generation, its ds3_gather_for_generation,
+    does as here, and DeepSpeed issue 5498 asks for it), so for the block: the module hooks removed
+    (`DeepSpeedZeRoOffload._remove_module_hooks`, as deepspeed.compile removes them), every parameter gathered by
+    `GatheredParameters` (partitioned again on exit), then the hooks set up again as DeepSpeed sets them, with the
+    same module numbers (`ds_id` from the engine's first) and its top module on `FWD_MODULE_STACK` once (see
+    release_engine). The whole stage is then resident: where the accelerator's free memory cannot hold it (CUDA's
+    mem_get_info, with a quarter to spare) the block runs with the hooks as before, said through `log`. Yields
+    whether the parameters are gathered (the ranks need not then decode in step); a no-op below ZeRO-3."""
+    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+    params = [p for p in engine.module.parameters() if hasattr(p, "ds_id")]
+    if offload is None or not params:
+        yield False
+        return
+    need = sum(p.ds_numel * p.element_size() for p in params)
+    device = torch.device(get_accelerator().current_device_name())
+    if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < 1.25 * need:
+        if log is not None:
+            log(f"ZeRO-3: the stage's {need / 2 ** 30:.1f} GiB of parameters do not fit beside what is allocated: "
+                f"generation fetches them layer by layer at every step (slower)")
+        yield False
+        return
+    from deepspeed.runtime.zero import parameter_offload
+    first = engine.module.ds_id
+    resets = offload.fwd_pre_hook.id in engine.module._forward_pre_hooks  # (not at PP > 1: prepare_pipeline_engine)
+    offload._remove_module_hooks()
+    try:
+        with deepspeed.zero.GatheredParameters(params):
+            yield True
+    finally:
+        offload.forward_hooks.clear()
+        offload.backward_hooks.clear()
+        counter = parameter_offload.DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0]
+        kept, counter[0] = counter[0], first
+        offload.setup_zero_stage3_hooks()
+        counter[0] = kept
+        if not resets:
+            offload.fwd_pre_hook.remove()
+        stack = parameter_offload.FWD_MODULE_STACK
+        if stack and stack[-1] is engine.module and sum(m is engine.module for m in stack) > 1:
+            stack.pop()

@@ -36,6 +36,7 @@ from hybrid.model.grpo import GRPOOptions, Value, advantages, completion_rows, n
 from hybrid.model.forward_only import forward_only
 from hybrid.model.loss import token_logps
 from hybrid.parallel.cross_entropy import IGNORE_INDEX
+from hybrid.training import deepspeed_fixes
 from hybrid.training.logging import log
 
 
@@ -207,9 +208,10 @@ class Rollout:
         if peak:  # the generation's own peak (the run's peak after it is then the training's since this point)
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
-        out = generate(self.model, self.groups, [p.ids for p in prompts], options,
-                       keys=range(first_key, first_key + len(prompts)), device=self.device, sync=self.sync,
-                       record_routes=True)
+        with deepspeed_fixes.zero3_gathered_while_generating(self.engine, log) as gathered:
+            out = generate(self.model, self.groups, [p.ids for p in prompts], options,
+                           keys=range(first_key, first_key + len(prompts)), device=self.device,
+                           sync=self.sync(gathered), record_routes=True)
         seconds = time.perf_counter() - start
         peak_bytes = torch.cuda.max_memory_allocated(self.device) if peak else 0
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
@@ -246,12 +248,11 @@ class Rollout:
         for k, logps in zip(starts, outputs):
             values[k:k + micro, Value.TRAINER] = logps
 
-    @property
-    def sync(self):
-        """The ranks whose decoding steps must run together: at ZeRO-3 every data-parallel rank (each step's hooks
-        all-gather parameters over them), with expert parallelism the expert group (its all-to-alls), else none
-        (a rank whose rows all ended stops)."""
-        if self.zero3:
+    def sync(self, gathered: bool):
+        """The ranks whose decoding steps must run together: at ZeRO-3 with its parameters not gathered for the
+        generation every data-parallel rank (each step's hooks all-gather parameters over them), with expert
+        parallelism the expert group (its all-to-alls), else none (a rank whose rows all ended stops)."""
+        if self.zero3 and not gathered:
             return self.groups.dp_cp
         return self.groups.ep if self.groups.ep.size > 1 else None
 
