@@ -504,6 +504,8 @@ def _grpo_flags(args) -> None:
                           "--reset-position-ids do not apply; drop them.")
     # the trainer's log-probabilities are the sampler's only without dropout (TRL's disable_dropout, its default)
     args.hidden_dropout = args.attention_dropout = 0.0
+    if getattr(args, "lora_dropout", None):
+        args.lora_dropout = 0.0
     if args.grpo_group_size < 2:
         raise ConfigError(f"--grpo-group-size {args.grpo_group_size}: advantages compare completions of one prompt; "
                           f"give at least 2.")
@@ -566,6 +568,9 @@ def _grpo_objective_flags(args) -> None:
                           f"rule).")
     if args.grpo_off_policy_mask_threshold is not None and args.grpo_off_policy_mask_threshold < 0:
         raise ConfigError(f"--grpo-off-policy-mask-threshold {args.grpo_off_policy_mask_threshold}: a KL bound, >= 0.")
+    if loss == "cispo" and args.grpo_epsilon_high is None:
+        log(f"--grpo-loss-type cispo clips its ratio at --grpo-epsilon-high, here --grpo-epsilon {args.grpo_epsilon} "
+            f"(TRL's documentation suggests --grpo-epsilon-high 5.0 for CISPO)")
     if loss == "luspo" and level != "sequence":
         log("--grpo-loss-type luspo: the paper's setup takes --grpo-importance-sampling-level sequence (TRL warns "
             "the same)")

@@ -426,9 +426,10 @@ MLA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swi
     (MOE, ["--expert-model-parallel-size", 2]),
 ])
 def test_grpo_layouts_equal_one_rank(model, layout, tmp_path):
-    """PP 2 (decoding through the stages), DP 2 with ZeRO-3 (each step's parameters gathered by ZeRO-3's hooks, an
-    MLA model's up projections with the attention that decodes from the latents, the untied tables' row blocks one
-    by one; each rank its own prompt groups, the advantages scaled by the whole batch's std) and EP 2 (an MoE model,
+    """PP 2 (decoding through the stages), DP 2 with ZeRO-3 (the stage's parameters gathered once per generation
+    batch with ZeRO-3's hooks off, and the hooks back for training: an MLA model's up projections with the attention
+    that decodes from the latents, the untied tables' row blocks; each rank its own prompt groups, the advantages
+    scaled by the whole batch's std) and EP 2 (an MoE model,
     experts split over the data-parallel ranks): the completions' rewards, the losses and the mismatch as at one
     rank, over 6 iterations."""
     from checks.launch_helpers import one_rank
@@ -543,17 +544,23 @@ def test_readme_grpo_command_learns_the_embedded_task_and_draws_the_reward(tmp_p
 
 
 @pytest.mark.slow
-def test_grpo_iterations_reuse_a_generation_batch_against_the_samplers_log_probabilities(tmp_path):
+@pytest.mark.parametrize("layout", [[], pytest.param(["--pipeline-model-parallel-size", 2], marks=pytest.mark.slow)])
+def test_grpo_iterations_reuse_a_generation_batch_against_the_samplers_log_probabilities(layout, tmp_path):
     """--grpo-iterations 2: a batch is generated every second iteration (its rewards logged then), the second step
-    on it is off-policy (the ratio moved: some tokens clipped), and the mismatch is measured on first passes only."""
+    on it is off-policy (the ratio moved: some tokens clipped), and the mismatch is measured on first passes only.
+    The second pass's old log-probabilities are the trainer's from generation time (computed by the rollout, on the
+    last stage at PP 2): with the rollout correction on, its ratios to the sampler's are 1 within 1e-5 on both
+    passes (a missing or misplaced plane would give exp(sampler) or another token's)."""
     log = tmp_path / "log.jsonl"
-    run("python", 1, TASK[:TASK.index("--global-batch-size")] + [
+    run("python" if not layout else "torchrun", 1 if not layout else 2, TASK[:TASK.index("--global-batch-size")] + [
         "--global-batch-size", 16, "--micro-batch-size", 8, "--lr", 2e-2, "--max-new-tokens", 8, "--grpo-group-size",
         8, "--log-interval", 1, "--no-demo", "--seed", 3, "--train-iters", 4, "--grpo-iterations", 2,
-        "--grpo-loss-type", "grpo", "--log-json", log])
+        "--grpo-loss-type", "grpo", "--grpo-rollout-correction", "token_truncate", "--log-json", log] + layout)
     records = read_log(log)
     assert [("reward_mean" in r, "logprob_mismatch" in r) for r in records] == [(True, True), (False, False)] * 2
     assert records[1]["clip_fraction"] > 0 and records[0]["clip_fraction"] == 0
+    for r in records:
+        assert 1 - 1e-5 <= r["is_ratio_min"] <= r["is_ratio_max"] <= 1 + 1e-5, r
 
 
 def test_truncated_completions_can_train_on_nothing(tmp_path):

@@ -197,7 +197,7 @@ def gamma_weights(a, log_ratio, mask_f, correction, o: GRPOOptions) -> torch.Ten
     floor = math.log(1e-8)
     log_w = (torch.clamp(log_ratio, -20.0, 20.0) * mask_f).sum(-1, keepdim=True)
     if correction is not None:
-        log_w = log_w + torch.clamp(torch.log(correction), floor, 20.0).sum(-1, keepdim=True)
+        log_w = log_w + (torch.clamp(torch.log(correction), floor, 20.0) * mask_f).sum(-1, keepdim=True)
     log_w = torch.clamp(log_w, floor, 20.0)
     positive = a >= 0
     k = torch.where(positive, o.vespo_k_pos, o.vespo_k_neg)

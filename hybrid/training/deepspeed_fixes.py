@@ -65,6 +65,8 @@ FIXES = {
 RELIED_ON = [
     ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload._remove_module_hooks",
      "self.fwd_pre_hook.remove()"),
+    ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.release_and_reset_all",
+     "param.ds_active_sub_modules.clear()"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.__init__", "self.parameter_offload = "),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.destroy", "optimizer.destroy()"),
     ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload._register_deepspeed_module",
@@ -744,7 +746,8 @@ def zero3_gathered_while_generating(engine, log=None):
     `GatheredParameters` (partitioned again on exit), then the hooks set up again as DeepSpeed sets them, with the
     same module numbers (`ds_id` from the engine's first) and its top module on `FWD_MODULE_STACK` once (see
     release_engine). The whole stage is then resident: where the accelerator's free memory cannot hold it (CUDA's
-    mem_get_info, with a quarter to spare) the block runs with the hooks as before, said through `log`. Yields
+    mem_get_info, with a quarter to spare, on every rank: one decision for all) the block runs with the hooks as
+    before, said through `log`. Yields
     whether the parameters are gathered (the ranks need not then decode in step); a no-op below ZeRO-3."""
     offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
     params = [p for p in engine.module.parameters() if hasattr(p, "ds_id")]
@@ -753,15 +756,21 @@ def zero3_gathered_while_generating(engine, log=None):
         return
     need = sum(p.ds_numel * p.element_size() for p in params)
     device = torch.device(get_accelerator().current_device_name())
-    if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < 1.25 * need:
+    fits = device.type != "cuda" or torch.cuda.mem_get_info(device)[0] >= 1.25 * need
+    if dist.is_initialized() and dist.get_world_size() > 1:  # one decision for every rank (their collectives meet)
+        agreed = torch.tensor([1 if fits else 0], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        fits = bool(agreed.item())
+    if not fits:
         if log is not None:
             log(f"ZeRO-3: the stage's {need / 2 ** 30:.1f} GiB of parameters do not fit beside what is allocated: "
                 f"generation fetches them layer by layer at every step (slower)")
         yield False
         return
-    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero import parameter_offload  # (as in release_engine: only ZeRO-3 reaches here)
     first = engine.module.ds_id
     resets = offload.fwd_pre_hook.id in engine.module._forward_pre_hooks  # (not at PP > 1: prepare_pipeline_engine)
+    offload.get_param_coordinator().release_and_reset_all(engine.module)  # nothing held or in flight (TRL's too)
     offload._remove_module_hooks()
     try:
         with deepspeed.zero.GatheredParameters(params):
