@@ -208,6 +208,7 @@ def test_split_sentences_writes_one_sequence_per_sentence_grouped_by_document(tm
         assert ours[i].tolist() == want == theirs[i].tolist()
 
 
+@pytest.mark.slow
 def test_split_data_paths_cache_path_and_eod_mask_loss_reach_training(tmp_path):
     from checks.launch_helpers import copy_default_corpus, read_log, run
     data = copy_default_corpus(str(tmp_path))

@@ -563,6 +563,7 @@ def test_grpo_iterations_reuse_a_generation_batch_against_the_samplers_log_proba
         assert 1 - 1e-5 <= r["is_ratio_min"] <= r["is_ratio_max"] <= 1 + 1e-5, r
 
 
+@pytest.mark.slow
 def test_truncated_completions_can_train_on_nothing(tmp_path):
     """--grpo-mask-truncated-completions (TRL's mask_truncated_completions): a model from scratch never ends a
     completion within 8 tokens, so every row is masked: the loss and the gradient are 0, where without the flag

@@ -97,6 +97,7 @@ def _export_matches(source: str, reference: str, save_dir: str, atol: float = 1e
     assert torch.allclose(loss.view_as(ref["loss"]), ref["loss"], atol=atol, rtol=0)  # megatron-core's own loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
 def test_hf_export_has_megatron_core_logits(llama, fmt, tmp_path):
     """torch_dist written by megatron-core's dist_checkpointing at TP 2, and the legacy TP 2 files with
@@ -309,6 +310,7 @@ def test_moe_saver_megatron_loads_in_megatron_core(qwen2_moe, fmt, tmp_path):
     assert all(diff == 0.0 for rank in check["diffs"] for diff in rank.values())
 
 
+@pytest.mark.slow
 def test_bad_checkpoints_are_one_message(llama, tmp_path):
     import shutil
     broken = str(tmp_path / "broken")

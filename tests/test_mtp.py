@@ -60,6 +60,7 @@ def one_rank():
     return assemble_grads(run_on_ranks(_iteration, 1, {}, {})), run_on_ranks(_iteration, 1, {}, {})[0]["loss"]
 
 
+@pytest.mark.slow
 def test_the_depths_train_without_entering_the_logged_loss_and_each_is_its_shifted_cross_entropy(one_rank):
     import torch.nn.functional as F
     from hybrid.model.gpt import GPTModel

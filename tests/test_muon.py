@@ -90,6 +90,7 @@ def transformers_with_muon(path, window, iterations: int, lr: float, weight_deca
     return losses
 
 
+@pytest.mark.slow
 def test_muon_trains_an_imported_llama_as_transformers_with_torch_muon_and_adamw(llama, reference, tmp_path):
     """Five iterations at one rank equal transformers + torch.optim.Muon + AdamW within 1e-4 (fused QKV and gate/up
     split into their HF matrices for the update), and clearly differ from the AdamW run of the same flags."""

@@ -755,6 +755,7 @@ def _documents(windows, separator):
     return out
 
 
+@pytest.mark.slow
 def test_streamed_windows_hold_every_conversation_once_an_epoch_the_same_way_from_any_start(chat, tmp_path):
     """--sft-streaming: the background process's windows are a function of the file and the seed: an epoch
     holds every conversation once; a stream started at window k (a resumed run) sends what a stream from 0

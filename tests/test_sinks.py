@@ -178,6 +178,7 @@ def _iteration(layout: dict) -> dict:
     return _result(groups, loss, None, params, {n: recorded[id(p)] for n, p in params.items()})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [dict(context_parallel=2), dict(ulysses=2), dict(tensor_parallel=2)],
                          ids=["cp2", "ulysses2", "tp2_sp"])
 def test_a_model_with_sinks_and_packed_documents_trains_at_cp2_ulysses2_and_tp2_as_at_one_rank(layout):
