@@ -563,6 +563,32 @@ def test_grpo_iterations_reuse_a_generation_batch_against_the_samplers_log_proba
         assert 1 - 1e-5 <= r["is_ratio_min"] <= r["is_ratio_max"] <= 1 + 1e-5, r
 
 
+def test_masked_truncated_completions_count_as_trl_counts_them():
+    """--grpo-mask-truncated-completions on a batch of ended and truncated completions: the truncated rows (last token
+    neither an end token nor the pad, TRL's rule) keep no label, the ended ones all theirs; a token mean (dapo) then
+    counts the ended rows' tokens only, a sequence mean (grpo) every row (TRL's num_items_in_batch and its .mean())."""
+    from types import SimpleNamespace
+    from hybrid.model.grpo import GRPOOptions
+    from hybrid.model.objectives import GroupPolicy
+    from hybrid.parallel.cross_entropy import IGNORE_INDEX
+    from hybrid.parallel.groups import ParallelGroups
+    from hybrid.training.rollout import Rollout
+    eos, pad = 7, 9
+    rollout = object.__new__(Rollout)
+    rollout.options = GRPOOptions(2, max_new_tokens=3, mask_truncated_completions=True)
+    rollout.eos, rollout.tokenizer, rollout.seq_length = (eos,), SimpleNamespace(pad_token_id=pad), 8
+    rollout.device, rollout.reference = torch.device("cpu"), None
+    prompts = [SimpleNamespace(ids=[1, 2]), SimpleNamespace(ids=[3])] * 2
+    tokens = [[4, eos], [4, 5, 6], [5, 5, pad], [6]]  # ended, truncated, ended at the pad, stopped early (truncated)
+    _, labels, _ = rollout._rows(prompts, tokens, [[-1.0] * len(t) for t in tokens], torch.ones(4))
+    kept = (labels != IGNORE_INDEX).sum(1).tolist()
+    assert kept == [2, 0, 3, 0]
+    groups = ParallelGroups.single()
+    for loss_type, count in (("dapo", 5), ("grpo", 4), ("cispo", 5), ("luspo", 4)):
+        objective = GroupPolicy(groups, 16, GRPOOptions(2, loss_type=loss_type))
+        assert int(objective.count(None, labels)) == count, loss_type
+
+
 @pytest.mark.slow
 def test_truncated_completions_can_train_on_nothing(tmp_path):
     """--grpo-mask-truncated-completions (TRL's mask_truncated_completions): a model from scratch never ends a
