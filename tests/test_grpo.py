@@ -61,6 +61,38 @@ def _trl_inputs(rows, completions, advantages):
             "num_items_in_batch": completion_mask.sum().float()}
 
 
+def _objective_against_trl(path, hf, rows, completions, advantages, options, fresh, sampled, planes: dict):
+    """The GRPO objective as the runtime runs it (target, loss, the runtime's item scale) on TRL's batch: rows of
+    `rows` + `completions` with the sampler's log-probabilities `sampled` [n, NEW] and the other planes (Value ->
+    [n, NEW]) at the completions' positions; its loss backpropagated into a one-rank copy of `path`, whose
+    gradients must equal `hf`'s (TRL's backward, already run). Returns (loss, objective)."""
+    from hybrid.model.grpo import Value, completion_rows
+    from hybrid.model.objectives import GroupPolicy
+    from hybrid.parallel.groups import ParallelGroups
+    from hybrid.training.reduction import ItemScale
+    from tests.test_generation import one_rank_model
+    seq = max(len(p) for p in rows) + NEW
+    ids, labels, values = completion_rows(rows, completions, [sampled[r, :len(c)].tolist()
+                                                              for r, c in enumerate(completions)], advantages, seq, 0)
+    for r, c in enumerate(completions):
+        first = len(rows[r]) - 1
+        for plane, tensor in planes.items():
+            values[r, plane, first:first + len(c)] = tensor[r, :len(c)]
+    values[:, Value.FRESH] = 1.0 if fresh else 0.0
+    model = one_rank_model(path).train()
+    groups = ParallelGroups.single()
+    objective = GroupPolicy(groups, model.config.vocab_size, options)
+    scale = ItemScale(objective, groups, torch.device("cpu"))([(ids, labels)])
+    loss = objective.loss(model(ids, stage=0), objective.target(ids, labels, (values,)), scale)
+    loss.backward()
+    for ours, theirs in [(model.embedding.word_embeddings.weight.grad[:8192], hf.model.embed_tokens.weight.grad),
+                         (model.final_norm.weight.grad, hf.model.norm.weight.grad),
+                         (model.layers[1].input_norm.weight.grad, hf.model.layers[1].input_layernorm.weight.grad),
+                         (model.layers[0].mlp.fc2.weight.grad, hf.model.layers[0].mlp.down_proj.weight.grad)]:
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5 * theirs.abs().max().item())
+    return loss, objective
+
+
 @pytest.mark.parametrize("loss_type,beta,fresh", [("dapo", 0.0, False), ("grpo", 0.0, False), ("dapo", 0.04, False),
                                                   ("grpo", 0.04, False), ("dr_grpo", 0.0, False), ("dapo", 0.04, True),
                                                   pytest.param("bnpo", 0.0, False, marks=pytest.mark.slow)])
@@ -71,11 +103,7 @@ def test_loss_and_gradients_equal_trls_compute_loss(loss_type, beta, fresh, poli
     a copy of the model. `fresh`: a batch's first pass, where TRL takes the old log-probabilities as the current
     ones detached (no old_per_token_logps given) and so does the objective, whatever the sampler's were."""
     import copy
-    from hybrid.model.grpo import GRPOOptions, completion_rows
-    from hybrid.model.objectives import GroupPolicy
-    from hybrid.parallel.groups import ParallelGroups
-    from hybrid.training.reduction import ItemScale
-    from tests.test_generation import one_rank_model
+    from hybrid.model.grpo import GRPOOptions, Value
     path, hf = policy
     hf = copy.deepcopy(hf).train()
     rows, completions = _completions()
@@ -93,25 +121,10 @@ def test_loss_and_gradients_equal_trls_compute_loss(loss_type, beta, fresh, poli
     want.backward()
 
     options = GRPOOptions(G, 0.2, 0.28, beta, loss_type, max_new_tokens=NEW, temperature=0.8)
-    old = [inputs["old_per_token_logps"][r, :len(c)].tolist() for r, c in enumerate(completions)]
-    seq = max(len(p) for p in rows) + NEW
-    ids, labels, values = completion_rows(rows, completions, old, advantages, seq, 0)
-    for r, c in enumerate(completions):
-        first = len(rows[r]) - 1
-        values[r, 2, first:first + len(c)] = inputs["ref_per_token_logps"][r, :len(c)]
-    values[:, 3] = 1.0 if fresh else 0.0
-    model = one_rank_model(path).train()
-    groups = ParallelGroups.single()
-    objective = GroupPolicy(groups, model.config.vocab_size, options)
-    scale = ItemScale(objective, groups, torch.device("cpu"))([(ids, labels)])
-    loss = objective.loss(model(ids, stage=0), objective.target(ids, labels, (values,)), scale)
-    loss.backward()
+    loss, objective = _objective_against_trl(
+        path, hf, rows, completions, advantages, options, fresh, inputs["old_per_token_logps"],
+        {Value.REFERENCE: inputs["ref_per_token_logps"]})
     assert abs(loss.item() - want.item()) <= 1e-5 * max(abs(want.item()), 1e-3), (loss.item(), want.item())
-    for ours, theirs in [(model.embedding.word_embeddings.weight.grad[:8192], hf.model.embed_tokens.weight.grad),
-                         (model.final_norm.weight.grad, hf.model.norm.weight.grad),
-                         (model.layers[1].input_norm.weight.grad, hf.model.layers[1].input_layernorm.weight.grad),
-                         (model.layers[0].mlp.fc2.weight.grad, hf.model.layers[0].mlp.down_proj.weight.grad)]:
-        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5 * theirs.abs().max().item())
     stats = objective.metrics()
     trl_clip = trainer._metrics["train"]["clip_ratio/region_mean"][-1]
     assert abs(stats["clip_fraction"] - trl_clip) < 1e-6 and (trl_clip == 0 if fresh else 0 < trl_clip < 1)
@@ -168,11 +181,7 @@ def test_every_trl_objective_and_correction_equals_trls_compute_loss(fields, fre
     statistics (the correction's ratios) are checked against the same values."""
     import copy
     import math
-    from hybrid.model.grpo import GRPOOptions, Value, completion_rows
-    from hybrid.model.objectives import GroupPolicy
-    from hybrid.parallel.groups import ParallelGroups
-    from hybrid.training.reduction import ItemScale
-    from tests.test_generation import one_rank_model
+    from hybrid.model.grpo import GRPOOptions, Value
     path, hf = policy
     hf = copy.deepcopy(hf).train()
     trainer = trl_trainer
@@ -218,29 +227,13 @@ def test_every_trl_objective_and_correction_equals_trls_compute_loss(fields, fre
     want = trainer._compute_loss(hf, inputs)
     want.backward()
 
-    seq = max(len(p) for p in rows) + NEW
-    ids, labels, values = completion_rows(rows, completions, [sampled[r, :len(c)].tolist()
-                                                              for r, c in enumerate(completions)], advantages, seq, 0)
-    for r, c in enumerate(completions):
-        first = len(rows[r]) - 1
-        values[r, Value.REFERENCE, first:first + len(c)] = inputs["ref_per_token_logps"][r, :len(c)]
-        values[r, Value.TRAINER, first:first + len(c)] = trainer_old[r, :len(c)]
-    values[:, Value.FRESH] = 1.0 if fresh else 0.0
-    model = one_rank_model(path).train()
-    groups = ParallelGroups.single()
-    objective = GroupPolicy(groups, model.config.vocab_size, o)
-    scale = ItemScale(objective, groups, torch.device("cpu"))([(ids, labels)])
-    loss = objective.loss(model(ids, stage=0), objective.target(ids, labels, (values,)), scale)
-    loss.backward()
+    loss, objective = _objective_against_trl(
+        path, hf, rows, completions, advantages, o, fresh, sampled,
+        {Value.REFERENCE: inputs["ref_per_token_logps"], Value.TRAINER: trainer_old})
     # the loss is a sum of terms of both signs: its tolerance is relative to their size (CISPO's and VESPO's terms
     # are advantage x log-probability, about 9 x 2 here, summing to 1e-3: fp32's 1e-7 per log-probability shows)
     terms = float(advantages.abs().max()) * (float(current.abs().max()) if o.loss_type in ("cispo", "vespo") else 2.0)
     assert abs(loss.item() - want.item()) <= 1e-6 * terms, (loss.item(), want.item())
-    for ours, theirs in [(model.embedding.word_embeddings.weight.grad[:8192], hf.model.embed_tokens.weight.grad),
-                         (model.final_norm.weight.grad, hf.model.norm.weight.grad),
-                         (model.layers[1].input_norm.weight.grad, hf.model.layers[1].input_layernorm.weight.grad),
-                         (model.layers[0].mlp.fc2.weight.grad, hf.model.layers[0].mlp.down_proj.weight.grad)]:
-        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5 * theirs.abs().max().item())
     stats = objective.metrics()
     if o.rollout_correction:
         assert stats["is_ratio_mean"] == pytest.approx(float(trl_ratios.mean()), rel=1e-5)

@@ -21,7 +21,6 @@ from hybrid.parallel.cross_entropy import IGNORE_INDEX
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 TOKEN_MEAN_LOSSES = ("dapo", "cispo", "vespo")  # a token mean over the whole generation batch (num_items_in_batch)
-CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SCALE_REWARDS = ("group", "batch", "none")
 
 

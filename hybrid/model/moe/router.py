@@ -223,8 +223,9 @@ class Router(nn.Module):
             weights, chosen, recorded, differ = replayed(logits, (probs, indices), replay, self.config, weigh=on)
             if self.training and torch.is_grad_enabled():  # (not a forward for old log-probabilities)
                 # the decisions used that differ from the generator's (none with replay), and those replay changed
-                self._log("routing_differ", torch.zeros_like(differ).sum() if on else differ.sum())
-                self._log("routing_replayed", differ.sum() if on else torch.zeros_like(differ).sum())
+                changed = differ.sum()
+                self._log("routing_differ", changed * 0 if on else changed)
+                self._log("routing_replayed", changed if on else changed * 0)
                 self._log("routing_recorded", recorded.sum())
             if on:
                 probs, indices = weights, chosen
