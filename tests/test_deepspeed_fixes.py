@@ -2,6 +2,7 @@
 still exists and still does what the fix assumes; and no other module of hybrid touches a private
 attribute of DeepSpeed or torch."""
 
+import contextlib
 import ast
 import importlib
 import inspect
@@ -331,3 +332,61 @@ def test_zero3_releases_the_input_embedding_before_reducing_its_gradient():
             assert len(mine["gathered_at_reduce"]) == (18 if blocked else 6) and all(deepspeeds["gathered_at_reduce"])
             assert not any(mine["gathered_at_reduce"])
             assert all(torch.equal(a, b) for a, b in zip(mine["weights"], deepspeeds["weights"]))
+
+
+def _zero3_generation_block(gather: bool):
+    """A DP 2 ZeRO-3 engine: 2 steps, 4 forwards without gradients (inside zero3_gathered_while_generating with
+    `gather`, else as ZeRO-3's hooks run them), 2 more steps; each forward's parameter statuses after it, the
+    statuses after the block, the forwards' outputs and the final weights."""
+    import deepspeed
+    import torch
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from hybrid.parallel.groups import build_groups
+    from hybrid.training.deepspeed_fixes import release_engine, zero3_gathered_while_generating
+    groups = build_groups()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 9,
+              # (nothing kept gathered between modules, as in a model larger than a device)
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      config=config, mpu=groups.mpu)
+    generator = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+
+    def steps(n):
+        for _ in range(n):
+            x = torch.randn(2, 16, generator=generator)
+            engine.backward((engine(x) - x).square().mean())
+            engine.step()
+    steps(2)
+    available, outputs = [], []
+    block = zero3_gathered_while_generating(engine) if gather else contextlib.nullcontext(False)
+    with block as gathered, torch.no_grad():
+        for _ in range(4):
+            outputs.append(engine.module(torch.ones(1, 16)))
+            available.append([p.ds_status == ZeroParamStatus.AVAILABLE for p in engine.module.parameters()])
+    after = [p.ds_status == ZeroParamStatus.AVAILABLE for p in engine.module.parameters()]
+    steps(2)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        weights = [p.detach().clone() for p in engine.module.parameters()]
+    release_engine(engine)
+    return dict(gathered=gathered, available=available, after=after, outputs=outputs, weights=weights)
+
+
+def test_zero3_generation_keeps_the_stage_gathered_and_training_goes_on_as_without_it():
+    """zero3_gathered_while_generating: inside the block every parameter stays gathered from forward to forward
+    (ZeRO-3's hooks alone, with nothing kept live, release them after each module: a decoding step would gather
+    every layer again); after it every parameter is partitioned again, and the forwards' outputs and two later
+    training steps are bitwise those of a run whose forwards went through the hooks."""
+    import torch
+
+    from checks.rank_pool import run_on_ranks
+    ours, hooks = (run_on_ranks(_zero3_generation_block, 2, gather) for gather in (True, False))
+    for mine, theirs in zip(ours, hooks):
+        assert mine["gathered"] and all(all(step) for step in mine["available"])
+        assert not any(any(step) for step in theirs["available"])
+        assert not any(mine["after"]) and not any(theirs["after"])
+        assert all(torch.equal(a, b) for a, b in zip(mine["outputs"], theirs["outputs"]))
+        assert all(torch.equal(a, b) for a, b in zip(mine["weights"], theirs["weights"]))
