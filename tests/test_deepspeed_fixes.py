@@ -375,6 +375,7 @@ def _zero3_generation_block(gather: bool):
     return dict(gathered=gathered, available=available, after=after, outputs=outputs, weights=weights)
 
 
+@pytest.mark.slow
 def test_zero3_generation_keeps_the_stage_gathered_and_training_goes_on_as_without_it():
     """zero3_gathered_while_generating: inside the block every parameter stays gathered from forward to forward
     (ZeRO-3's hooks alone, with nothing kept live, release them after each module: a decoding step would gather
