@@ -93,7 +93,25 @@ def architecture_from_flags(args, vocab_size: int) -> ModelConfig:
         double_wide_shared_mlp=args.double_wide_shared_mlp, moe_gemma4_block=args.moe_gemma4_block,
         attention_sinks=args.softmax_type == "learnable", quick_geglu=args.quick_geglu,
         glu_linear_offset=args.glu_linear_offset, activation_func_clamp_value=args.activation_func_clamp_value,
-        **_mla_fields(args), **_moe_fields(args))
+        attention_output_gate=args.attention_output_gate, **_mla_fields(args), **_linear_attention_fields(args),
+        **_moe_fields(args))
+
+
+LINEAR_ATTENTION_FLAGS = ("linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
+                          "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")
+
+
+def _linear_attention_fields(args) -> dict:
+    """Gated DeltaNet's shape: --experimental-attention-variant gated_delta_net with --linear-attention-freq."""
+    if args.experimental_attention_variant != "gated_delta_net":
+        if args.linear_attention_freq is not None:
+            raise ConfigError("--linear-attention-freq places Gated DeltaNet layers: add "
+                              "--experimental-attention-variant gated_delta_net.")
+        return {}
+    if args.linear_attention_freq is None:
+        raise ConfigError("--experimental-attention-variant gated_delta_net needs --linear-attention-freq (N: every "
+                          "N-th layer attends fully; or a 0/1 list per layer), as megatron-core.")
+    return {name: getattr(args, name) for name in LINEAR_ATTENTION_FLAGS}
 
 
 MLA_FLAGS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
@@ -208,6 +226,7 @@ def model_config(args, vocab_size: int, tp: int, base: Optional[ModelConfig] = N
         async_tensor_model_parallel_allreduce=not args.no_async_tensor_model_parallel_allreduce,
         **_mtp_fields(args), **lora_fields(args),
         **({name: getattr(args, name) for name in MOE_TRAINING_FLAGS} if architecture.num_experts else {}),
+        linear_attention_chunk_size=args.linear_attention_chunk_size,
         **({name: getattr(args, name) for name in DSA_TRAINING_FLAGS}
            if architecture.dsa_indexer_topk is not None else {}))
     config.validate(tp)

@@ -77,6 +77,8 @@ class Setup:
     kv_sharing_split: Optional[bool] = None  # a KV-sharing layer in another virtual stage than its source (None: n/a)
     mtp: bool = False  # --mtp-num-layers > 0 (from the flags or a --load-hf checkpoint's layers)
     lora: bool = False  # --lora-rank > 0 (or --load-lora's)
+    gated_delta_net: bool = False  # Gated DeltaNet layers (--linear-attention-freq; Qwen3.5, Qwen3-Next)
+    output_gate: bool = False  # --attention-output-gate
 
     @property
     def torch_schedule(self) -> bool:
@@ -394,6 +396,28 @@ RULES = [
                    f"DeepSpeed's "
                    f"optimizer there needs trainable experts, which LoRA freezes; use ZeRO-0 in fp32 (any EP) or "
                    f"ZeRO-3 (EP 1)."),
+    Rule("gdn-sequence-split", "Gated DeltaNet layers with --context-parallel-size or --ds-sequence-parallel-size",
+         "a Gated DeltaNet layer carries its state from token to token; passing it between the ranks' parts of the "
+         "sequence (or the heads' all-to-all) is not built yet",
+         lambda s: s.gated_delta_net and (s.cp > 1 or s.ulysses > 1),
+         lambda s: f"Gated DeltaNet layers (Qwen3.5, Qwen3-Next) with --context-parallel-size {s.cp} / "
+                   f"--ds-sequence-parallel-size {s.ulysses}: their state passing between sequence parts is not "
+                   f"built yet; use TP (with --sequence-parallel), PP, EP or DP."),
+    Rule("gdn-generation", "Gated DeltaNet layers with --grpo",
+         "generation needs each Gated DeltaNet layer's recurrent state and conv tail in the decoding cache, which is "
+         "not built yet",
+         lambda s: s.gated_delta_net and s.grpo,
+         lambda s: "--grpo with Gated DeltaNet layers (Qwen3.5, Qwen3-Next): their decoding cache (recurrent state "
+                   "and conv tail) is not built yet, so they cannot generate rollouts; train them with the LM loss, "
+                   "SFT or DPO."),
+    Rule("gdn-fp8-muon-lora", "Gated DeltaNet layers or --attention-output-gate with --fp8-format, --optimizer muon "
+                              "or --lora-rank",
+         "the Gated DeltaNet projections and the attention's output gate have no FP8 GEMMs, no Muon matrix "
+         "grouping and no adapter mapping yet",
+         lambda s: (s.gated_delta_net or s.output_gate) and (s.fp8 is not None or s.optimizer == "muon" or s.lora),
+         lambda s: "Gated DeltaNet layers / --attention-output-gate (Qwen3.5, Qwen3-Next) with --fp8-format, "
+                   "--optimizer muon or --lora-rank: their projections are not wired into those yet; train them in "
+                   "bf16 or fp32 with AdamW, all weights."),
     Rule("grad-reduce-bf16-precision", "--grad-reduce-in-bf16 without --bf16",
          "gradients are reduced in the training precision's type (DeepSpeed's communication_data_type)",
          lambda s: s.grad_reduce_bf16 and s.precision != "bf16",

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from hybrid import ds_config as dsc
-from hybrid.architecture import DSA_FLAGS, MLA_FLAGS, MOE_FLAGS, fp8_recipe, model_config
+from hybrid.architecture import DSA_FLAGS, LINEAR_ATTENTION_FLAGS, MLA_FLAGS, MOE_FLAGS, fp8_recipe, model_config
 from hybrid.capabilities import Setup, check
 from hybrid.checkpoint.client_state import SavedLayout
 from hybrid.data import default as default_data
@@ -411,6 +411,7 @@ _CHECKPOINT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hid
                     "global_kv_channels", "global_num_query_groups", "attention_k_eq_v", "v_norm", "rmsnorm_fp32_scale",
                     "rotary_proportional_percent", "final_logit_softcapping", "layer_scalars", "per_layer_input_size",
                     "num_kv_shared_layers", "double_wide_shared_mlp", "moe_gemma4_block", "load_hf",
+                    "attention_output_gate", *LINEAR_ATTENTION_FLAGS,
                     "expert_model_parallel_size", *MOE_FLAGS)
 
 
@@ -797,6 +798,7 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path
                 per_layer_inputs=bool(model.per_layer_input_size), kv_shared=bool(model.kv_shared_layers),
                 kv_sharing_split=_sharing_split(model, dims, pipeline, model.kv_source),
                 mtp=bool(model.mtp_num_layers), lora=bool(model.lora_rank),
+                gated_delta_net=model.linear_attention_freq is not None, output_gate=model.attention_output_gate,
                 moe_capacity=bool(model.num_experts and model.moe_expert_capacity_factor is not None),
                 fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds), optimizer=args.optimizer or "adam",
                 offload_optimizer=dsc.optimizer_offload(ds))

@@ -146,10 +146,26 @@ def _add_network_size_args(p):
     g.add_argument("--multi-latent-attention", action="store_true",
                    help="DeepSeek-V2/V3's multi-head latent attention (--q-lora-rank, --kv-lora-rank, --qk-head-dim, "
                         "--qk-pos-emb-head-dim, --v-head-dim)")
-    g.add_argument("--experimental-attention-variant", default=None, choices=["dsa"],
+    g.add_argument("--experimental-attention-variant", default=None, choices=["dsa", "gated_delta_net"],
                    help="dsa: DeepSeek sparse attention beside --multi-latent-attention (DeepSeek-V3.2): each query "
                         "attends the --dsa-indexer-topk keys a lightning indexer scores highest (frozen, or trained by "
-                        "--dsa-indexer-loss-coeff)")
+                        "--dsa-indexer-loss-coeff); gated_delta_net: Gated DeltaNet linear attention on the layers "
+                        "--linear-attention-freq names (Qwen3-Next, Qwen3.5)")
+    g.add_argument("--linear-attention-freq", type=_linear_attention_freq, default=None,
+                   help="gated_delta_net: N (every N-th layer, 1-based, attends fully; the others are linear) or a "
+                        "0/1 list per layer (1: linear), as megatron-core")
+    g.add_argument("--linear-conv-kernel-dim", type=int, default=4, help="gated_delta_net: the causal conv's taps")
+    g.add_argument("--linear-key-head-dim", type=int, default=128, help="gated_delta_net: query / key head size")
+    g.add_argument("--linear-value-head-dim", type=int, default=128, help="gated_delta_net: value head size")
+    g.add_argument("--linear-num-key-heads", type=int, default=16, help="gated_delta_net: query / key heads")
+    g.add_argument("--linear-num-value-heads", type=int, default=32,
+                   help="gated_delta_net: value heads (a multiple of the key heads)")
+    g.add_argument("--linear-attention-chunk-size", type=int, default=64,
+                   help="gated_delta_net: tokens per chunk of the chunked training form (the mathematics does not "
+                        "depend on it; the speed and memory do)")
+    g.add_argument("--attention-output-gate", action="store_true",
+                   help="each attention head's output times sigmoid of a projection of the layer's input (Qwen3.5, "
+                        "Qwen3-Next; megatron-core's)")
     g.add_argument("--dsa-indexer-topk", type=int, default=2048, help="DSA: the keys each query attends")
     g.add_argument("--dsa-indexer-n-heads", type=int, default=64, help="DSA: the indexer's heads")
     g.add_argument("--dsa-indexer-head-dim", type=int, default=128, help="DSA: the indexer's head size")
@@ -361,6 +377,14 @@ def _window_skip_freq(text: str):
         return _moe_layer_freq(text)
     except argparse.ArgumentTypeError as error:
         raise argparse.ArgumentTypeError(str(error).replace("--moe-layer-freq", "--window-attn-skip-freq")) from None
+
+
+def _linear_attention_freq(text: str):
+    """megatron-core's --linear-attention-freq: N or a per-layer 0/1 list, spelled as --moe-layer-freq's."""
+    try:
+        return _moe_layer_freq(text)
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(str(error).replace("--moe-layer-freq", "--linear-attention-freq")) from None
 
 
 def _moe_layer_freq(text: str):

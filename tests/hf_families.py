@@ -139,15 +139,33 @@ FAMILY_CONFIGS.update({
     "gemma4_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
         FAMILY_CONFIGS["gemma4"][2], enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)),
 })
+# Gated DeltaNet families (Qwen3.5, Qwen3-Next): layers 0-2 linear, 3 full with its output gate, as their
+# full_attention_interval 4; 2 key heads of 8 features, each serving 2 value heads of 6 (v != k: a swapped dimension
+# fails), a conv of 4 taps, rope on a quarter of each 8-feature head; tests/test_gated_delta_net.py
+_GDN = dict(num_key_value_heads=2, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=6, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_conv_kernel_dim=4, tie_word_embeddings=False, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+_GDN_MOE = dict(_GDN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                shared_expert_intermediate_size=24)
+FAMILY_CONFIGS.update({
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _GDN),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _GDN_MOE),
+    # Qwen3-Next: the grouped projections; layer 1's MLP dense (mlp_only_layers), top-k not renormalised
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(_GDN_MOE, mlp_only_layers=[1], norm_topk_prob=False)),
+})
+LINEAR_ATTENTION = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]  # (they do not decode yet: not in GENERATING)
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "mistral4", "minimax_m2",
        "deepseek_v32", "glm_moe_dsa", "gemma4_moe"]
-FAMILIES = DENSE + MOE
+FAMILIES = DENSE + MOE + LINEAR_ATTENTION
+GENERATING = [family for family in FAMILIES if family not in LINEAR_ATTENTION]  # the families that decode
 RECORDED = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma": "gemma",
             "gemma3": "gemma3", "gemma4": "gemma4", "gemma4_e": "gemma4", "gemma4_moe": "gemma4",
             "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe",
             "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss", "mistral4": "mistral4",
             "minimax_m2": "minimax_m2", "deepseek_v32": "deepseek_v32",
-            "glm_moe_dsa": "glm_moe_dsa"}
+            "glm_moe_dsa": "glm_moe_dsa", "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
+            "qwen3_next": "qwen3_next"}
 
 
 def save_embedded_tokenizer(path):

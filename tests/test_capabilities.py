@@ -17,6 +17,8 @@ BASE = ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4, "--s
         "--micro-batch-size", 1, "--global-batch-size", 4, "--train-iters", 2, "--mock-data",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", 64]
 PP2 = ["--pipeline-model-parallel-size", 2]
+GDN = ["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", 2, "--linear-num-key-heads", 2,
+       "--linear-num-value-heads", 4, "--linear-key-head-dim", 8, "--linear-value-head-dim", 8]
 
 # one command line per rule that the rule (and no earlier one) refuses: (flags, world size)
 EXAMPLES = {
@@ -87,6 +89,9 @@ EXAMPLES = {
     "lora-muon": (["--lora-rank", 4, "--optimizer", "muon"], 1),
     "lora-universal": (["--lora-rank", 4, "--universal-checkpoint", "--load", "/tmp", "--zero-stage", 1], 1),
     "lora-moe-zero": (["--lora-rank", 4, "--num-experts", 4, "--disable-bias-linear", "--zero-stage", 1], 1),
+    "gdn-sequence-split": (GDN + ["--context-parallel-size", 2], 2),
+    "gdn-generation": (GDN + ["--grpo", "--global-batch-size", 8], 1),
+    "gdn-fp8-muon-lora": (["--position-embedding-type", "rope", "--attention-output-gate", "--optimizer", "muon"], 1),
 }
 
 

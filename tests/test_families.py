@@ -29,7 +29,8 @@ DISTINCTIVE = {"llama3": dict(rope_scaling=None), "qwen2": dict(add_qkv_bias=Fal
                "minimax_m2": dict(qk_layernorm=False, qk_norm_across_heads=False),
                "deepseek_v32": dict(dsa_indexer_topk=None), "glm_moe_dsa": dict(dsa_index_share=[0, 1, 1, 1]),
                "gemma4": dict(v_norm=False), "gemma4_e": dict(per_layer_input_size=0),
-               "gemma4_moe": dict(moe_gemma4_block=False)}
+               "gemma4_moe": dict(moe_gemma4_block=False), "qwen3_5": dict(attention_output_gate=False),
+               "qwen3_5_moe": dict(apply_layernorm_1p=False), "qwen3_next": dict(moe_router_pre_softmax=False)}
 # config.json fields that must survive import -> training -> export (what changes the model)
 KEPT_FIELDS = ("architectures", "layer_types", "query_pre_attn_scalar", "hidden_size", "intermediate_size",
                "num_hidden_layers", "num_attention_heads",
@@ -139,6 +140,13 @@ COMMON_FLAGS = ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads",
                 "--seq-length", 32, "--max-position-embeddings", 64, "--position-embedding-type", "rope",
                 "--normalization", "RMSNorm", "--disable-bias-linear", "--hidden-dropout", 0,
                 "--attention-dropout", 0]
+GDN_FLAGS = ["--swiglu", "--num-query-groups", 2, "--qk-layernorm", "--kv-channels", 8, "--apply-layernorm-1p",
+             "--rotary-percent", 0.25, "--attention-output-gate", "--experimental-attention-variant", "gated_delta_net",
+             "--linear-attention-freq", "([1]*3+[0])", "--linear-key-head-dim", 8, "--linear-value-head-dim", 6,
+             "--linear-num-key-heads", 2, "--linear-num-value-heads", 4, "--untie-embeddings-and-output-weights",
+             "--norm-epsilon", 1e-6]  # Qwen3.5's
+GDN_MOE_FLAGS = ["--num-experts", 4, "--moe-router-topk", 2, "--moe-ffn-hidden-size", 16,
+                 "--moe-shared-expert-intermediate-size", 24, "--moe-shared-expert-gate"]
 FAMILY_FLAGS = {
     "llama3": ["--swiglu", "--group-query-attention", "--num-query-groups", 2, "--rotary-base", 500000,
                "--use-rope-scaling", "--rope-scaling-factor", 32, "--norm-epsilon", 1e-5],
@@ -236,6 +244,9 @@ FAMILY_FLAGS = {
                    "--untie-embeddings-and-output-weights", "--norm-epsilon", 1e-6, "--num-experts", 4,
                    "--moe-ffn-hidden-size", 24, "--ffn-hidden-size", 24, "--moe-router-score-function", "sigmoid",
                    "--moe-router-enable-expert-bias"],
+    "qwen3_5": GDN_FLAGS,
+    "qwen3_5_moe": GDN_FLAGS + GDN_MOE_FLAGS,
+    "qwen3_next": GDN_FLAGS + GDN_MOE_FLAGS + ["--moe-layer-freq", "[1,0,1,1]", "--moe-router-pre-softmax"],
 }
 # fields an import takes from the HF config that flags leave at their defaults (not the architecture)
 NOT_ARCHITECTURE = ("family", "init_method_std", "seed", "vocab_size", "max_position_embeddings", "hf_dtype")

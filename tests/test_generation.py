@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tests.hf_families import FAMILIES, make_family
+from tests.hf_families import GENERATING, make_family
 from checks.launch_helpers import run
 from checks.rank_pool import run_on_ranks
 
@@ -42,7 +42,7 @@ def hf_logprobs(hf, prompt: list, completion: list, temperature: float = 1.0) ->
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen")
-    return {family: (root / family, make_family(family, root / family, tokenizer=False)) for family in FAMILIES}
+    return {family: (root / family, make_family(family, root / family, tokenizer=False)) for family in GENERATING}
 
 
 def one_rank_model(path):
@@ -54,7 +54,7 @@ def one_rank_model(path):
     return loaded_model(config, groups, lambda wanted: hf_parts(str(path), config, wanted), torch.device("cpu"))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", GENERATING)
 def test_greedy_equals_transformers_and_the_logprobs_equal_its_forward(family, hf_models):
     from hybrid.model.generate import SamplingOptions, generate
     path, hf = hf_models[family]

@@ -291,7 +291,8 @@ def family_models(tmp_path_factory):
 @pytest.mark.parametrize("family,layout", [
     (family, layout) for family in ["gpt2", "llama3", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "mixtral",
                                     "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "mistral4",
-                                    "minimax_m2", "deepseek_v32", "glm_moe_dsa", "gemma4", "gemma4_moe"]
+                                    "minimax_m2", "deepseek_v32", "glm_moe_dsa", "gemma4", "gemma4_moe", "qwen3_5",
+                                    "qwen3_5_moe", "qwen3_next"]
      for layout in ("tp2_sp", "pp2")]
     + [("llama3", "cp2"), ("glm4_moe", "cp2"), ("deepseek_v3", "cp2"), ("gemma3", "cp2"), ("gpt_oss", "cp2"),
        ("gemma4", "cp2"), ("gemma4_e", "tp2_sp"), ("gemma4_e", "cp2")])
@@ -306,7 +307,8 @@ def test_family_gradients_at_tp2_sp_and_pp2_equal_transformers_backward(family, 
     sharing layer and its source), and Gemma 4's full layers with their own head size and KV heads, keys as values,
     proportional rope, layer scalars and soft-capped logits (also at CP 2: windows of 6 over 16 positions), and its
     E2B/E4B form's per-layer inputs and KV-sharing layers (PP refused for them: capability rules) and its 26B-A4B form's
-    MoE block."""
+    MoE block; Qwen3.5, Qwen3.5-MoE and Qwen3-Next's Gated DeltaNet layers (their key heads with their value heads
+    split over TP, the gated norm's weight summed over TP) and gated full attention."""
     from tests.model_harness import assemble_grads, compare_grads
     from checks.rank_pool import run_on_ranks
     if family == "gpt2":

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from deepspeed.checkpoint import constants as c
 
-from hybrid.model import lora
+from hybrid.model import gated_delta_net, lora
 from hybrid.model.config import ModelConfig
 from hybrid.model.gpt import GPTModel
 from hybrid.model.naming import pipeline_name, vocab_block
@@ -87,6 +87,8 @@ def _shapes(config: ModelConfig, reader: bool = False) -> tuple:
             "mlp.fc1": config.ffn_hidden_size * (2 if config.gated_linear_unit else 1), "mlp.fc2": h}
     inputs = {"attention.qkv": h, "attention.dense": config.num_attention_heads * config.value_head_dim, "mlp.fc1": h,
               "mlp.fc2": config.ffn_hidden_size}
+    if config.attention_output_gate:  # --attention-output-gate: a gate per head and feature
+        rows["attention.gate"], inputs["attention.gate"] = config.num_attention_heads * d, h
     norms = {"q_norm": d, "k_norm": d}  # Q/K norms: one head (--qk-norm-across-heads: every head)
     if config.qk_norm_across_heads:
         norms = {"q_norm": config.num_attention_heads * d, "k_norm": config.num_query_groups * d}
@@ -119,6 +121,8 @@ def _numel(name: str, rule, config: ModelConfig, rows: dict, inputs: dict, norms
         return config.max_position_embeddings * h
     if ".mlp." in name and config.mlp_type_of(int(name.split(".")[1])) == "moe":
         return _moe_numel(name, config)
+    if name.startswith("layers.") and ".attention." in name and config.linear_attention(int(name.split(".")[1])):
+        return gated_delta_net.parameter_numels(config)[name.split(".attention.", 1)[1]]
     if name.endswith("norm.weight") or name.endswith("norm.bias"):
         return norms.get(name.split(".")[-2], h)
     if name.endswith(".attention.sinks"):  # one logit per head

@@ -17,6 +17,7 @@ Modules:
   attention       causal self-attention
   mla             multi-head latent attention (DeepSeek-V3)
   dsa             DeepSeek sparse attention: the lightning indexer and each query's top-k keys (DeepSeek-V3.2)
+  gated_delta_net  Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next) and its PyTorch reference
   mlp             the feed-forward block and the builder that picks it
   lora            LoRA: which HF projection is which linear, the adapters attached, the base frozen
   moe             mixture of experts as megatron-core splits it

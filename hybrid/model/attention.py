@@ -271,6 +271,13 @@ class SelfAttention(nn.Module):
             fp8=gemm_for(config, groups, name, "row"))
         self.rotary = (RotaryEmbedding(config.rotary_dim, *config.layer_rope(layer_number))
                        if config.position_embedding_type == "rope" else None)
+        # --attention-output-gate (Qwen3.5, Qwen3-Next): each head's output x sigmoid(x W_gate), the gate a projection
+        # of its own beside the fused QKV (transformers stores it inside q_proj, interleaved per head)
+        self.gate = ColumnParallelLinear(
+            config.hidden_size, config.num_attention_heads * config.head_dim, groups,
+            normal_init(config.seed, f"{name}.gate.weight", config.init_method_std), bias=False,
+            sequence_parallel=config.sequence_parallel, overlap=config.async_tensor_model_parallel_allreduce,
+            fp8=gemm_for(config, groups, name, "column")) if config.attention_output_gate else None
         self.recompute_core = config.recompute_granularity == "selective"
         # --softmax-type learnable (GPT-OSS): each head's sink logit, split over TP with the heads
         self.sinks = make_parallel_param((config.num_attention_heads,), 0, 1, groups, nn.init.zeros_,
@@ -278,6 +285,7 @@ class SelfAttention(nn.Module):
 
     def forward(self, x, layout=None):
         """x [s(/tp), b, h]; `layout` (hybrid.model.sequence.SequenceLayout): documents and positions."""
+        gate = None if self.gate is None else torch.sigmoid(self.gate(x))  # [s, b, nq/tp * d]
         qkv = self.qkv(x)  # [s(/tp), b, h] -> [s, b, groups/tp * (heads_per_group + 2, 1 or 0) * d]
         s = qkv.size(0)
         decoding = getattr(layout, "cache", None) is not None  # hybrid.model.kv_cache: the cached keys too
@@ -304,10 +312,10 @@ class SelfAttention(nn.Module):
             q = q * scale.to(q.dtype)
         if decoding:
             if self.reads_kv:  # the source layer's cached keys and values, this step's included
-                return self.dense(layout.attend_cached(self.kv_source.layer_number, q, self.core.scale,
-                                                       self.core.window, self.sinks))
-            return self.dense(layout.attend(self.layer_number, q, k, v, self.core.scale, self.core.window,
-                                            self.sinks))
+                return self.output(layout.attend_cached(self.kv_source.layer_number, q, self.core.scale,
+                                                        self.core.window, self.sinks), gate)
+            return self.output(layout.attend(self.layer_number, q, k, v, self.core.scale, self.core.window,
+                                             self.sinks), gate)
         if self.reads_kv:
             k, v = self.kv_source.shared_kv
             if self.last_reader:  # (no later layer reads them: not kept past this pass)
@@ -321,4 +329,9 @@ class SelfAttention(nn.Module):
             context = deepspeed.checkpointing.checkpoint(self.core, q, k, v, *split, self.sinks)
         else:
             context = self.core(q, k, v, *split, self.sinks)
-        return self.dense(context)  # [s, b, nq/tp * d] -> [s(/tp), b, h]
+        return self.output(context, gate)
+
+    def output(self, context, gate=None):
+        """The output projection of the heads' context [s, b, nq/tp * d] (gated: --attention-output-gate)
+        -> [s(/tp), b, h]."""
+        return self.dense(context if gate is None else context * gate)

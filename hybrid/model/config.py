@@ -171,6 +171,18 @@ class ModelConfig:
     # GLM-5's index sharing: a 0/1 list per layer, 1 where the layer attends the keys the previous full layer's indexer
     # chose and has no indexer of its own (--dsa-indexer-topk-freq / --dsa-indexer-skip-topk-offset); None: none
     dsa_index_share: object = None
+    # --experimental-attention-variant gated_delta_net --linear-attention-freq N|list: Gated DeltaNet linear attention
+    # (hybrid.model.gated_delta_net) on the layers the pattern names and full attention on the others (Qwen3-Next,
+    # Qwen3.5); megatron-core's: N, every N-th layer (1-based) attends fully; or a 0/1 list per layer (1: linear).
+    # None: no linear attention
+    linear_attention_freq: object = None
+    linear_conv_kernel_dim: int = 4  # --linear-conv-kernel-dim: the causal depthwise conv's taps on q, k and v
+    linear_key_head_dim: int = 128  # --linear-key-head-dim: each query / key head's features
+    linear_value_head_dim: int = 128  # --linear-value-head-dim: each value (and output gate) head's features
+    linear_num_key_heads: int = 16  # --linear-num-key-heads
+    linear_num_value_heads: int = 32  # --linear-num-value-heads: a multiple of the key heads (each serves a group)
+    linear_attention_chunk_size: int = 64  # --linear-attention-chunk-size: tokens per chunk of the training form
+    attention_output_gate: bool = False  # --attention-output-gate: each head's output x sigmoid(x W_gate) (Qwen3.5)
     # --mla-latent-norm-epsilon: MLA's query and key-value latent norms' epsilon where it is not --norm-epsilon
     # (transformers' DeepSeek-V3 family computes them with 1e-6 whatever rms_norm_eps says: GLM-5's 1e-5)
     mla_latent_norm_epsilon: Optional[float] = None
@@ -243,6 +255,15 @@ class ModelConfig:
         layer = self.pattern_layer(layer)
         windowed = freq[layer] if isinstance(freq, (list, tuple)) else (layer + 1) % int(freq) != 0
         return self.sliding_window if windowed else None
+
+    def linear_attention(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) mixes tokens by Gated DeltaNet rather than attention
+        (--linear-attention-freq)."""
+        freq = self.linear_attention_freq
+        if freq is None:
+            return False
+        layer = self.pattern_layer(layer)
+        return bool(freq[layer]) if isinstance(freq, (list, tuple)) else (layer + 1) % int(freq) != 0
 
     def layer_rope(self, layer: int) -> tuple:
         """Layer `layer`'s rope base and scaling: a windowed layer takes --local-rotary-base unscaled where given."""
@@ -409,6 +430,8 @@ class ModelConfig:
         self._validate_query_options()
         if self.dsa_indexer_topk is not None:
             self._validate_dsa()
+        if self.linear_attention_freq is not None or self.attention_output_gate:
+            self._validate_linear_attention(tp)
         if self.swiglu + self.geglu + self.quick_geglu > 1:
             raise ConfigError("--swiglu, --geglu and --quick-geglu are three gated MLPs; give one.")
         if (self.glu_linear_offset or self.activation_func_clamp_value is not None) and not self.quick_geglu:
@@ -643,6 +666,30 @@ class ModelConfig:
         if self.double_wide_shared_mlp and not shared:
             raise ConfigError("--double-wide-shared-mlp widens the KV-sharing layers' MLPs: it needs "
                               "--num-kv-shared-layers.")
+
+    def _validate_linear_attention(self, tp: int) -> None:
+        """--linear-attention-freq and the Gated DeltaNet shapes, --attention-output-gate."""
+        if self.multi_latent_attention:
+            raise ConfigError("--attention-output-gate and Gated DeltaNet layers (--linear-attention-freq) sit beside "
+                              "multi-head / grouped-query attention, not --multi-latent-attention.")
+        if self.linear_attention_freq is None:
+            return
+        self._check_layer_pattern("--linear-attention-freq", self.linear_attention_freq, "; 1: Gated DeltaNet")
+        for flag in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                     "linear_num_value_heads", "linear_attention_chunk_size"):
+            if not getattr(self, flag) >= 1:
+                raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(self, flag)}.")
+        keys, values = self.linear_num_key_heads, self.linear_num_value_heads
+        if values % keys:
+            raise ConfigError(f"--linear-num-value-heads {values} must be a multiple of --linear-num-key-heads {keys} "
+                              f"(each key head serves a group of value heads).")
+        if keys % tp:
+            raise ConfigError(f"--linear-num-key-heads {keys} is not divisible by --tensor-model-parallel-size {tp}: "
+                              f"TP splits the Gated DeltaNet key heads with their value heads; use a TP size that "
+                              f"divides it.")
+        if self.mtp_num_layers or self.kv_shared_layers or self.per_layer_input_size:
+            raise ConfigError("Gated DeltaNet layers (--linear-attention-freq) with --mtp-num-layers, "
+                              "--num-kv-shared-layers or --per-layer-input-size are not implemented; drop those.")
 
     def _validate_rope_scaling(self) -> None:
         scaling = self.rope_scaling

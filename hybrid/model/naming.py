@@ -5,6 +5,8 @@ Canonical names (GPTModel's, used by checkpoints, conversion and the optimizer's
   embedding.word_embeddings.weight, embedding.position_embeddings.weight,
   layers.{i}.{input_norm,post_attention_norm}.{weight,bias}, layers.{i}.attention.{qkv,dense}.{weight,bias},
   layers.{i}.{attention_output_norm,mlp_output_norm}.weight (--sandwich-norms), layers.{i}.attention.{q,k}_norm.weight,
+  layers.{i}.attention.gate.weight (--attention-output-gate); a Gated DeltaNet layer's (hybrid.model.gated_delta_net)
+  layers.{i}.attention.{in_proj.weight,conv_weight,A_log,dt_bias,norm.weight,out_proj.weight};
   layers.{i}.mlp.{fc1,fc2}.{weight,bias}, final_norm.{weight,bias}, output_layer.weight (untied only);
   an MoE layer's layers.{i}.mlp.router.weight, layers.{i}.mlp.deepspeed_moe.experts.deepspeed_experts.{e}.{fc1,fc2}
   .weight (e global, as DeepSpeed names experts in its expert files), layers.{i}.mlp.shared_mlp.{fc1,fc2}.weight,
@@ -39,9 +41,9 @@ EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
 
 
 # the parameters that take no weight decay (Megatron-LM's rule: biases and norms; the other 1-D ones too: the sinks,
-# DSA's indexer key norm, Gemma 4's router scales)
+# DSA's indexer key norm, Gemma 4's router scales, Gated DeltaNet's decay parameters as megatron-core's 1-D rule)
 _NO_DECAY = re.compile(r"(^|\.)bias$|norm\.weight$|norm\.bias$|\.attention\.sinks$|\.k_norm_(weight|bias)$"
-                       r"|\.router\.(input|output)_scale$")
+                       r"|\.router\.(input|output)_scale$|\.attention\.(A_log|dt_bias)$")
 
 
 def weight_decayed(name: str) -> bool:

@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.model.attention import SelfAttention
+from hybrid.model.gated_delta_net import GatedDeltaNet
 from hybrid.model.mla import MultiLatentAttention
 from hybrid.model.mlp import build_mlp
 from hybrid.model.moe.moe_layer import MoELayer
@@ -39,7 +40,8 @@ class TransformerLayer(nn.Module):
         self.config = config
         self.groups = as_groups(groups)
         self.input_norm = build_norm(config, groups)
-        attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
+        attention = GatedDeltaNet if config.linear_attention(layer_number) else \
+            MultiLatentAttention if config.multi_latent_attention else SelfAttention
         self.attention = attention(config, groups, layer_number, f"{name}.attention")
         self.post_attention_norm = build_norm(config, groups)
         self.mlp = build_mlp(config.layer_config(layer_number), groups, layer_number)

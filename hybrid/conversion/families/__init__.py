@@ -13,7 +13,9 @@ Modules:
   llama        Llama, the decoder the other Llama-style families change by fields and components
   gpt2, mistral, qwen2, qwen3, gemma, gemma3, mixtral, qwen2_moe, qwen3_moe, glm4_moe, deepseek_v3, gpt_oss
                one family each
-  mistral4, minimax_m2, deepseek_v32, glm_moe_dsa, gemma4
+  linear_attention
+               Gated DeltaNet layers and gated full attention (Qwen3-Next, Qwen3.5)
+  mistral4, minimax_m2, deepseek_v32, glm_moe_dsa, gemma4, qwen3_next, qwen3_5, qwen3_5_moe
                one family each (2026's)
 
 Adding a family: one file with its adapter, and one line in FAMILIES.
@@ -39,7 +41,10 @@ from hybrid.conversion.families.mixtral import MixtralAdapter
 from hybrid.conversion.families.qwen2 import Qwen2Adapter
 from hybrid.conversion.families.qwen2_moe import Qwen2MoeAdapter
 from hybrid.conversion.families.qwen3 import Qwen3Adapter
+from hybrid.conversion.families.qwen3_5 import Qwen3_5Adapter
+from hybrid.conversion.families.qwen3_5_moe import Qwen3_5MoeAdapter
 from hybrid.conversion.families.qwen3_moe import Qwen3MoeAdapter
+from hybrid.conversion.families.qwen3_next import Qwen3NextAdapter
 from hybrid.errors import ConfigError
 from hybrid.model.config import ModelConfig
 
@@ -62,6 +67,9 @@ FAMILIES: dict[str, type[StateDictAdapter]] = {a.family: a for a in (
     DeepseekV32Adapter,
     GlmMoeDsaAdapter,
     Gemma4Adapter,
+    Qwen3NextAdapter,
+    Qwen3_5Adapter,
+    Qwen3_5MoeAdapter,
 )}
 BY_HF_CLASS = {a.hf_class: a for a in FAMILIES.values()}
 
@@ -77,6 +85,11 @@ def family_of(config: ModelConfig) -> str:
         return config.family
     if config.position_embedding_type == "learned_absolute":
         return "gpt2"
+    if config.linear_attention_freq is not None:  # Qwen3.5-MoE: experts on every layer, their top-k renormalised
+        if not config.num_experts:
+            return "qwen3_5"
+        every = len(config.moe_layers) == config.num_layers and not config.moe_router_pre_softmax
+        return "qwen3_5_moe" if every else "qwen3_next"
     if config.multi_latent_attention and config.dsa_indexer_topk is not None:  # GLM-5 shares its indexers' choice
         return "glm_moe_dsa" if config.dsa_index_share else "deepseek_v32"
     if config.multi_latent_attention:  # Mistral 4: its query temperature, or a softmax router

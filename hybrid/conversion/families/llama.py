@@ -36,6 +36,8 @@ class LlamaAdapter(Adapter):
     gemma4 = False  # Gemma 4's options (options.gemma4_options) may be on, final logit soft-capping read
     partial_rotary = False  # rope may rotate part of each head (`partial_rotary_factor` = --rotary-percent)
     mla = False  # multi-latent attention (DeepSeek-V3)
+    zero_centred_norms = False  # every RMSNorm scales by (1 + weight) (--apply-layernorm-1p; Qwen3-Next, Qwen3.5)
+    gated_delta_net = False  # Gated DeltaNet layers and gated full attention (families.linear_attention)
     stores_mtp = False  # multi-token prediction layers in the checkpoint (families.mtp)
     experts: ClassVar[ExpertLayout | None] = None  # how its MoE layers are stored; None: a dense family
     REFUSED_BIASES = ("attention_bias", "mlp_bias")  # HF bias options this family's model does not have
@@ -70,12 +72,13 @@ class LlamaAdapter(Adapter):
         config = ModelConfig(
             num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
             num_query_groups=hf.num_key_value_heads or hf.num_attention_heads, vocab_size=hf.vocab_size,
-            max_position_embeddings=hf.max_position_embeddings, ffn_hidden_size=hf.intermediate_size,
+            max_position_embeddings=hf.max_position_embeddings,
+            ffn_hidden_size=getattr(hf, "intermediate_size", None) or hf.moe_intermediate_size,  # (MoE only: unused)
             position_embedding_type="rope", rotary_base=theta, rope_scaling=scaling, normalization="RMSNorm",
             norm_epsilon=hf.rms_norm_eps, swiglu=not cls.gemma, geglu=cls.gemma, add_bias_linear=False,
             add_qkv_bias=cls.qkv_bias, qk_layernorm=cls.qk_norm, sliding_window=window,
             kv_channels=None if head_dim * hf.num_attention_heads == hf.hidden_size else head_dim,
-            apply_layernorm_1p=cls.gemma and not cls.gemma4, scale_embeddings=cls.gemma,
+            apply_layernorm_1p=(cls.gemma and not cls.gemma4) or cls.zero_centred_norms, scale_embeddings=cls.gemma,
             untie_embeddings_and_output_weights=not getattr(hf, "tie_word_embeddings", False),
             hidden_dropout=0.0, attention_dropout=float(getattr(hf, "attention_dropout", 0.0)),
             init_method_std=hf.initializer_range, family=cls.family, hf_dtype=dtype_of(hf))
@@ -118,8 +121,11 @@ class LlamaAdapter(Adapter):
             "no --llama-4-scaling-beta": self.query_temperature or c.llama_4_scaling_beta is None,
             "--experimental-attention-variant dsa" + ("" if self.dsa else " off"):
                 (c.dsa_indexer_topk is not None) == self.dsa,
-            "--apply-layernorm-1p" + ("" if self.gemma and not self.gemma4 else " off"):
-                c.apply_layernorm_1p == (self.gemma and not self.gemma4),
+            "--apply-layernorm-1p" + ("" if self.one_plus_norms else " off"):
+                c.apply_layernorm_1p == self.one_plus_norms,
+            "--experimental-attention-variant gated_delta_net and --attention-output-gate" +
+            ("" if self.gated_delta_net else " off"):
+                (c.linear_attention_freq is not None) == c.attention_output_gate == self.gated_delta_net,
             "--scale-embeddings" + ("" if self.gemma else " off"): c.scale_embeddings == self.gemma,
             "no --window-size": self.windowed or c.sliding_window is None,
             "no --rotary-percent": self.partial_rotary or c.rotary_percent == 1.0,
@@ -129,6 +135,11 @@ class LlamaAdapter(Adapter):
             "no --mtp-num-layers (DeepSeek-V3's and GLM-4.5's layers)": self.stores_mtp or not c.mtp_num_layers})
         if self.experts:
             require(self.hf_class, self.experts.wanted(c, self.moe_wanted()))
+
+    @property
+    def one_plus_norms(self) -> bool:
+        """Whether the family's RMSNorms scale by (1 + weight) (--apply-layernorm-1p)."""
+        return (self.gemma and not self.gemma4) or self.zero_centred_norms
 
     def family_fields(self) -> dict:
         """The family's own fields of its HF config (and its spelling of shared ones)."""

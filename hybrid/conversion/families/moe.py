@@ -160,7 +160,8 @@ def qwen_moe_config(hf, config: ModelConfig, shared: bool) -> ModelConfig:
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(hf.num_hidden_layers)]
     fields = dict(num_experts=experts, moe_router_topk=hf.num_experts_per_tok,
                   moe_ffn_hidden_size=hf.moe_intermediate_size,
-                  moe_layer_freq=1 if all(pattern) else pattern, moe_router_pre_softmax=not hf.norm_topk_prob)
+                  moe_layer_freq=1 if all(pattern) else pattern,
+                  moe_router_pre_softmax=not getattr(hf, "norm_topk_prob", True))  # (Qwen3.5-MoE: always on)
     if shared:
         fields.update(moe_shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
                       moe_shared_expert_gate=True)

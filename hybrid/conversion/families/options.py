@@ -18,7 +18,9 @@ def extras(c: ModelConfig) -> list[str]:
              c.attention_sinks, "--quick-geglu": c.quick_geglu, "--multi-latent-attention": c.multi_latent_attention,
              "--mtp-num-layers": bool(c.mtp_num_layers), "--num-experts": bool(c.num_experts),
              "--window-size": c.sliding_window is not None, "--apply-layernorm-1p": c.apply_layernorm_1p,
-             "--geglu": c.geglu, "--scale-embeddings": c.scale_embeddings, **gemma3_options(c), **gemma4_options(c)}
+             "--geglu": c.geglu, "--scale-embeddings": c.scale_embeddings, **gemma3_options(c), **gemma4_options(c),
+             "--experimental-attention-variant gated_delta_net": c.linear_attention_freq is not None,
+             "--attention-output-gate": c.attention_output_gate}
     return [flag for flag, on in named.items() if on]
 
 

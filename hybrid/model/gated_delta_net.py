@@ -1,0 +1,209 @@
+"""Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5; Yang et al. 2025), the layer and its PyTorch reference.
+
+Per value head, a state S [dk, dv] replaces the growing key/value cache: at each token it decays by exp(g_t), is
+corrected toward the token's value along its key (the delta rule, step size beta_t), and is read by the query:
+
+    S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,    o_t = S_t^T q_t
+
+`chunk_gated_delta_rule` computes it a chunk of tokens at a time (the WY form of the chunked delta rule: one
+triangular solve per chunk, then one state step per chunk), `recurrent_gated_delta_rule` a token at a time (the
+decoding form, and the test of the chunked one). Both are PyTorch in fp32: the CPU path, and the reference a GPU
+kernel would be held to.
+
+Packed documents: the state and the conv window restart at each document. Within a chunk the pairs of tokens of
+different documents are masked, and a token reads or passes on the state only if it continues the document the
+state came from. This is exact (masks multiply; nothing relies on a large negative decay).
+
+Tensor parallelism splits the key heads, each with its value heads (megatron-core's split). The input projection's
+rows are grouped per key head, [q | k | v | z | b | a], so a contiguous split keeps whole groups, as the fused QKV
+does (hybrid.model.qkv). The conv channels are grouped the same way, [q | k | v] per key head. A_log and dt_bias
+follow the value heads. The gated norm's weight is replicated, and its gradient is summed over TP.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybrid.errors import ConfigError
+from hybrid.model.init import normal_init, output_layer_std
+from hybrid.model.norms import RMSNorm
+from hybrid.parallel.groups import as_groups
+from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear, make_parallel_param
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dimension (fla's and transformers' l2norm)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, chunk_size: int = 64, documents=None, initial_state=None):
+    """The gated delta rule by chunks. q, k [b, h, s, dk] (normalised and scaled), v [b, h, s, dv], g (log decay,
+    <= 0) and beta [b, h, s], all fp32; `documents` [b, s]: the document of each token (the state restarts at each
+    new one), None: one document; `initial_state` [b, h, dk, dv]. -> (o [b, h, s, dv], final state [b, h, dk, dv])."""
+    b, h, s, dk = k.shape
+    dv = v.size(-1)
+    pad = (-s) % chunk_size
+    if pad:  # zero keys, values and decays past the end change no earlier output
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+        if documents is not None:
+            documents = F.pad(documents, (0, pad), value=-1)
+    n, c = (s + pad) // chunk_size, chunk_size
+    q, k, v = (t.reshape(b, h, n, c, -1) for t in (q, k, v))
+    g, beta = g.reshape(b, h, n, c), beta.reshape(b, h, n, c)
+    decay = g.cumsum(-1)  # [b, h, n, c]: log of the decay from the chunk's start to each token
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    allowed = causal
+    continues = None  # [b, 1, n, c]: the token belongs to the document the incoming state carries
+    if documents is not None:
+        docs = documents.reshape(b, 1, n, c)
+        allowed = causal & (docs.unsqueeze(-1) == docs.unsqueeze(-2))  # [b, 1, n, c, c]
+        before = torch.cat([docs[..., :1, :1], docs[..., :-1, -1:]], dim=2)  # the token before each chunk
+        continues = (docs == before).to(q.dtype)
+        continues[..., 0, :] = 0.0  # (the first chunk has no incoming state but `initial_state`)
+    pair_decay = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(~allowed, float("-inf")).exp()
+    k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
+    # the chunk's delta-rule updates as one lower-triangular system (I + L) u = v beta, (I + L) w = k beta e^decay
+    system = (k_beta @ k.transpose(-1, -2)) * pair_decay
+    read_decay = decay.exp() if continues is None else decay.exp() * continues
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * read_decay.unsqueeze(-1), upper=False, unitriangular=True)
+    inner = (q @ k.transpose(-1, -2)) * pair_decay  # [b, h, n, c, c], the diagonal included
+    q_read = q * read_decay.unsqueeze(-1)
+    last = decay[..., -1:]  # [b, h, n, 1]
+    write = (last - decay).exp()
+    carry = last.exp()
+    if documents is not None:  # only the chunk's last document passes its state on
+        last_doc = (docs == docs[..., -1:]).to(q.dtype)
+        write = write * last_doc
+        carry = carry * continues[..., -1:]
+    k_write = k * write.unsqueeze(-1)
+    state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(q.dtype)
+    out = []
+    for i in range(n):
+        fresh = u[:, :, i] - w[:, :, i] @ state  # the values less what the incoming state already predicts
+        out.append(q_read[:, :, i] @ state + inner[:, :, i] @ fresh)
+        state = state * carry[:, :, i].unsqueeze(-1) + k_write[:, :, i].transpose(-1, -2) @ fresh
+    o = torch.stack(out, dim=2).reshape(b, h, n * c, dv)[:, :, :s]
+    return o, state
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None):
+    """The same rule a token at a time (decoding; and the reference the chunked form is tested against).
+    Arguments as chunk_gated_delta_rule's, one document."""
+    b, h, s, dk = k.shape
+    state = q.new_zeros(b, h, dk, v.size(-1)) if initial_state is None else initial_state.to(q.dtype)
+    out = []
+    for t in range(s):
+        state = state * g[:, :, t].exp()[..., None, None]
+        predicted = (state * k[:, :, t].unsqueeze(-1)).sum(-2)  # [b, h, dv]
+        delta = (v[:, :, t] - predicted) * beta[:, :, t].unsqueeze(-1)
+        state = state + k[:, :, t].unsqueeze(-1) * delta.unsqueeze(-2)
+        out.append((state * q[:, :, t].unsqueeze(-1)).sum(-2))
+    return torch.stack(out, dim=2), state
+
+
+def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, documents=None) -> torch.Tensor:
+    """x [s, b, C] through a causal depthwise conv (weight [C, K]: tap K-1 reads the token itself), then SiLU;
+    `documents` [b, s]: a tap reads no token of an earlier document (the window restarts at each one)."""
+    s, kernel = x.size(0), weight.size(1)
+    if documents is None:  # one call of torch's kernel, [b, C, s]
+        y = F.conv1d(x.permute(1, 2, 0), weight.unsqueeze(1), padding=kernel - 1, groups=weight.size(0))[..., :s]
+        return F.silu(y).permute(2, 0, 1)
+    y = x * weight[:, -1]
+    docs = documents.t()  # [s, b]
+    for back in range(1, min(kernel, s)):  # tap K-1-back reads the token `back` places earlier
+        same = (docs[back:] == docs[:-back]).unsqueeze(-1).to(x.dtype)  # [s - back, b, 1]
+        shifted = F.pad(x[:-back] * same, (0, 0, 0, 0, back, 0))
+        y = y + shifted * weight[:, kernel - 1 - back]
+    return F.silu(y)
+
+
+def parameter_numels(config) -> dict:
+    """Full elements of each parameter of a Gated DeltaNet layer, by its name inside the layer's `attention.`
+    (what the checkpoint readers and the memory estimate count)."""
+    nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv, h = config.linear_key_head_dim, config.linear_value_head_dim, config.hidden_size
+    per_key_head = 2 * dk + 2 * (nv // nk) * dv + 2 * (nv // nk)  # q, k, v, z, b, a
+    conv = (2 * nk * dk + nv * dv) * config.linear_conv_kernel_dim
+    return {"in_proj.weight": nk * per_key_head * h, "conv_weight": conv, "A_log": nv, "dt_bias": nv,
+            "norm.weight": dv, "out_proj.weight": nv * dv * h}
+
+
+def _seeded_init(seed: int, name: str, fill):
+    """An init that calls `fill(tensor, generator)` with a generator seeded by the run's seed and the name."""
+    param_seed = (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+    def init(tensor):
+        with torch.no_grad():
+            fill(tensor, torch.Generator().manual_seed(param_seed))
+    return init
+
+
+class GatedDeltaNet(nn.Module):
+    """A Gated DeltaNet token mixer on [s(/tp), b, h] -> [s(/tp), b, h] (Qwen3.5's `linear_attn`): a column-parallel
+    input projection, the causal conv on q/k/v, the gated delta rule per value head, an RMSNorm gated by SiLU(z),
+    and a row-parallel output projection (one TP reduction, as attention)."""
+
+    def __init__(self, config, groups, layer_number: int, name: str):
+        super().__init__()
+        groups = as_groups(groups)
+        tp = groups.tp_size
+        self.config, self.layer_number = config, layer_number
+        nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+        self.dk, self.dv, self.ratio = config.linear_key_head_dim, config.linear_value_head_dim, nv // nk
+        self.key_heads, self.value_heads = nk // tp, nv // tp  # this rank's
+        r = self.ratio
+        self.group_sizes = [self.dk, self.dk, r * self.dv, r * self.dv, r, r]  # q, k, v, z, b, a per key head
+        self.in_proj = ColumnParallelLinear(
+            config.hidden_size, nk * sum(self.group_sizes), groups,
+            normal_init(config.seed, f"{name}.in_proj.weight", config.init_method_std), bias=False,
+            sequence_parallel=config.sequence_parallel, overlap=config.async_tensor_model_parallel_allreduce)
+        channels, kernel = nk * (2 * self.dk + r * self.dv), config.linear_conv_kernel_dim
+        bound = 1.0 / math.sqrt(kernel)  # torch's Conv1d default for a depthwise kernel
+        self.conv_weight = make_parallel_param(
+            (channels, kernel), 0, 1, groups,
+            _seeded_init(config.seed, f"{name}.conv_weight", lambda t, gen: t.uniform_(-bound, bound, generator=gen)),
+            torch.float32, None)
+        self.A_log = make_parallel_param(  # megatron-core's: A uniform in [1, 16]
+            (nv,), 0, 1, groups,
+            _seeded_init(config.seed, f"{name}.A_log", lambda t, gen: t.copy_(t.uniform_(1, 16, generator=gen).log())),
+            torch.float32, None)
+        self.dt_bias = make_parallel_param((nv,), 0, 1, groups, nn.init.ones_, torch.float32, None)
+        self.norm = RMSNorm(self.dv, config.norm_epsilon, groups, sequence_parallel=tp > 1)  # (heads split: summed)
+        self.out_proj = RowParallelLinear(
+            nv * self.dv, config.hidden_size, groups,
+            normal_init(config.seed, f"{name}.out_proj.weight",
+                        output_layer_std(config.init_method_std, config.num_layers)),
+            bias=False, input_is_parallel=True, sequence_parallel=config.sequence_parallel)
+
+    def forward(self, x, layout=None):
+        """x [s(/tp), b, h]; `layout` (hybrid.model.sequence.SequenceLayout): the documents of packed rows."""
+        if layout is not None and (layout.cp is not None or layout.ulysses is not None
+                                   or getattr(layout, "cache", None) is not None):
+            raise ConfigError("Gated DeltaNet layers run on whole sequences: context parallelism and decoding are not "
+                              "implemented for them.")
+        documents = None if layout is None else layout.documents
+        proj = self.in_proj(x)  # [s, b, nk/tp * (2 dk + 2 r dv + 2 r)]
+        s, b = proj.shape[:2]
+        q, k, v, z, beta, a = proj.view(s, b, self.key_heads, -1).split(self.group_sizes, dim=-1)
+        mixed = torch.cat([q, k, v], dim=-1).reshape(s, b, -1)  # the conv's channels, grouped per key head
+        mixed = causal_depthwise_conv(mixed, self.conv_weight.to(mixed.dtype), documents)
+        q, k, v = mixed.view(s, b, self.key_heads, -1).split(self.group_sizes[:3], dim=-1)
+        # -> [b, heads, s, d] in fp32; each key head serves its `ratio` consecutive value heads
+        q, k = (t.float().repeat_interleave(self.ratio, dim=2).permute(1, 2, 0, 3) for t in (q, k))
+        v = v.reshape(s, b, self.value_heads, self.dv).float().permute(1, 2, 0, 3)
+        q, k = l2_normalize(q) * self.dk ** -0.5, l2_normalize(k)
+        beta = beta.reshape(s, b, self.value_heads).float().sigmoid().permute(1, 2, 0)  # [b, nv/tp, s]
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(s, b, self.value_heads).float() + self.dt_bias.float())
+        out, _ = chunk_gated_delta_rule(q, k, v, g.permute(1, 2, 0), beta, self.config.linear_attention_chunk_size,
+                                        documents)
+        out = out.permute(2, 0, 1, 3).to(x.dtype)  # [s, b, nv/tp, dv]
+        gate = F.silu(z.reshape(s, b, self.value_heads, self.dv).float())
+        out = (self.norm(out) * gate).to(x.dtype)  # transformers' RMSNormGated: the norm, then the gate in fp32
+        return self.out_proj(out.reshape(s, b, -1))  # [s, b, nv/tp * dv] -> [s(/tp), b, h]
