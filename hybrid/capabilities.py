@@ -403,13 +403,6 @@ RULES = [
          lambda s: f"Gated DeltaNet layers (Qwen3.5, Qwen3-Next) with --context-parallel-size {s.cp} / "
                    f"--ds-sequence-parallel-size {s.ulysses}: their state passing between sequence parts is not "
                    f"built yet; use TP (with --sequence-parallel), PP, EP or DP."),
-    Rule("gdn-generation", "Gated DeltaNet layers with --grpo",
-         "generation needs each Gated DeltaNet layer's recurrent state and conv tail in the decoding cache, which is "
-         "not built yet",
-         lambda s: s.gated_delta_net and s.grpo,
-         lambda s: "--grpo with Gated DeltaNet layers (Qwen3.5, Qwen3-Next): their decoding cache (recurrent state "
-                   "and conv tail) is not built yet, so they cannot generate rollouts; train them with the LM loss, "
-                   "SFT or DPO."),
     Rule("gdn-fp8-muon-lora", "Gated DeltaNet layers or --attention-output-gate with --fp8-format, --optimizer muon "
                               "or --lora-rank",
          "the Gated DeltaNet projections and the attention's output gate have no FP8 GEMMs, no Muon matrix "

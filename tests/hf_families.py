@@ -154,11 +154,10 @@ FAMILY_CONFIGS.update({
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
                    dict(_GDN_MOE, mlp_only_layers=[1], norm_topk_prob=False)),
 })
-LINEAR_ATTENTION = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]  # (they do not decode yet: not in GENERATING)
+LINEAR_ATTENTION = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "mistral4", "minimax_m2",
        "deepseek_v32", "glm_moe_dsa", "gemma4_moe"]
 FAMILIES = DENSE + MOE + LINEAR_ATTENTION
-GENERATING = [family for family in FAMILIES if family not in LINEAR_ATTENTION]  # the families that decode
 RECORDED = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma": "gemma",
             "gemma3": "gemma3", "gemma4": "gemma4", "gemma4_e": "gemma4", "gemma4_moe": "gemma4",
             "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe",

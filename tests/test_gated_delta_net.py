@@ -65,8 +65,9 @@ def test_packed_documents_restart_the_state_as_each_document_run_alone():
         for doc in documents[row].unique():
             at = (documents[row] == doc).nonzero().flatten()
             part = slice(at[0].item(), at[-1].item() + 1)
-            want, _ = torch_recurrent_gated_delta_rule(*(t[row:row + 1, part] for t in (q, k, v)), g=g[row:row + 1, part],
-                                                       beta=beta[row:row + 1, part], use_qk_l2norm_in_kernel=True)
+            alone = [t[row:row + 1, part] for t in (q, k, v, g, beta)]
+            want, _ = torch_recurrent_gated_delta_rule(*alone[:3], g=alone[3], beta=alone[4],
+                                                       use_qk_l2norm_in_kernel=True)
             torch.testing.assert_close(ours[row:row + 1, part], want, rtol=1e-5, atol=1e-6)  # (theirs runs in fp32)
     unpacked, _ = _ours(q, k, v, g, beta, 8)
     assert (unpacked - ours).abs().max() > 1e-2  # (the reset matters)
@@ -158,7 +159,8 @@ def test_key_heads_tp_does_not_split_is_one_message():
     from hybrid.model.config import ModelConfig
     config = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, position_embedding_type="rope",
                          linear_attention_freq=2, linear_num_key_heads=2, linear_num_value_heads=4)
-    with pytest.raises(ConfigError, match="--linear-num-key-heads 2 is not divisible by --tensor-model-parallel-size 4"):
+    with pytest.raises(ConfigError, match="--linear-num-key-heads 2 is not divisible by "
+                                          "--tensor-model-parallel-size 4"):
         config.validate(4)
 
 

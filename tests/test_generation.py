@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tests.hf_families import GENERATING, make_family
+from tests.hf_families import FAMILIES, make_family
 from checks.launch_helpers import run
 from checks.rank_pool import run_on_ranks
 
@@ -42,7 +42,7 @@ def hf_logprobs(hf, prompt: list, completion: list, temperature: float = 1.0) ->
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen")
-    return {family: (root / family, make_family(family, root / family, tokenizer=False)) for family in GENERATING}
+    return {family: (root / family, make_family(family, root / family, tokenizer=False)) for family in FAMILIES}
 
 
 def one_rank_model(path):
@@ -54,7 +54,7 @@ def one_rank_model(path):
     return loaded_model(config, groups, lambda wanted: hf_parts(str(path), config, wanted), torch.device("cpu"))
 
 
-@pytest.mark.parametrize("family", GENERATING)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_equals_transformers_and_the_logprobs_equal_its_forward(family, hf_models):
     from hybrid.model.generate import SamplingOptions, generate
     path, hf = hf_models[family]
@@ -143,7 +143,9 @@ def _generate_on_rank(path: str, tp: int, pp: int, ep: int, sp: bool, batch: lis
                                                 ("mistral", 2, 1, 1, False), ("mixtral", 1, 1, 2, False),
                                                 ("qwen3_moe", 2, 1, 1, True), ("deepseek_v3", 2, 1, 1, True),
                                                 ("deepseek_v32", 2, 1, 1, True), ("glm_moe_dsa", 1, 2, 1, False),
-                                                ("gemma4", 2, 1, 1, True), ("gemma4_e", 2, 1, 1, True)])
+                                                ("gemma4", 2, 1, 1, True), ("gemma4_e", 2, 1, 1, True),
+                                                ("qwen3_5", 2, 1, 1, True), ("qwen3_next", 1, 2, 1, False),
+                                                ("qwen3_5_moe", 1, 1, 2, False)])
 def test_greedy_at_tp2_sp_pp2_ep2_equals_transformers_and_sampling_equals_one_rank(family, tp, pp, ep, sp,
                                                                                    hf_models):
     from hybrid.model.generate import SamplingOptions, generate

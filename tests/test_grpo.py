@@ -409,6 +409,11 @@ MOE = ["--num-experts", 4, "--moe-router-topk", 2, "--disable-bias-linear"]
 MLA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
        "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", 16, "--kv-lora-rank", 12, "--qk-head-dim", 16,
        "--qk-pos-emb-head-dim", 8, "--v-head-dim", 12]
+# layer 0 Gated DeltaNet, layer 1 gated full attention (Qwen3.5's)
+GDN = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+       "--qk-layernorm", "--attention-output-gate", "--experimental-attention-variant", "gated_delta_net",
+       "--linear-attention-freq", 2, "--linear-num-key-heads", 2, "--linear-num-value-heads", 4,
+       "--linear-key-head-dim", 16, "--linear-value-head-dim", 16, "--linear-attention-chunk-size", 16]
 
 
 @pytest.mark.slow
@@ -417,14 +422,16 @@ MLA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swi
     (["--grpo-scale-rewards", "batch", "--untie-embeddings-and-output-weights"] + MLA,
      ["--zero-stage", 3]),
     (MOE, ["--expert-model-parallel-size", 2]),
+    (GDN, ["--tensor-model-parallel-size", 2, "--sequence-parallel"]),
 ])
 def test_grpo_layouts_equal_one_rank(model, layout, tmp_path):
     """PP 2 (decoding through the stages), DP 2 with ZeRO-3 (the stage's parameters gathered once per generation
     batch with ZeRO-3's hooks off, and the hooks back for training: an MLA model's up projections with the attention
     that decodes from the latents, the untied tables' row blocks; each rank its own prompt groups, the advantages
     scaled by the whole batch's std) and EP 2 (an MoE model,
-    experts split over the data-parallel ranks): the completions' rewards, the losses and the mismatch as at one
-    rank, over 6 iterations."""
+    experts split over the data-parallel ranks) and TP 2 + SP for a Gated DeltaNet model (prompts prefilled by
+    chunks, completions decoded a token at a time from the cached state and conv tail, trained by chunks): the
+    completions' rewards, the losses and the mismatch as at one rank, over 6 iterations."""
     from checks.launch_helpers import one_rank
     flags = TASK + ["--train-iters", 6] + model
     want = one_rank(flags)

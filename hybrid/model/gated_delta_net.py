@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -183,17 +184,25 @@ class GatedDeltaNet(nn.Module):
             bias=False, input_is_parallel=True, sequence_parallel=config.sequence_parallel)
 
     def forward(self, x, layout=None):
-        """x [s(/tp), b, h]; `layout` (hybrid.model.sequence.SequenceLayout): the documents of packed rows."""
-        if layout is not None and (layout.cp is not None or layout.ulysses is not None
-                                   or getattr(layout, "cache", None) is not None):
-            raise ConfigError("Gated DeltaNet layers run on whole sequences: context parallelism and decoding are not "
-                              "implemented for them.")
-        documents = None if layout is None else layout.documents
+        """x [s(/tp), b, h]; `layout` (hybrid.model.sequence.SequenceLayout): the documents of packed rows, or a
+        decoding step's (hybrid.model.kv_cache.DecodeLayout: this layer's state and conv tail in its cache)."""
+        if layout is not None and (layout.cp is not None or layout.ulysses is not None):
+            raise ConfigError("Gated DeltaNet layers run on whole sequences: context parallelism is not implemented "
+                              "for them.")
+        cache = getattr(layout, "cache", None)
+        documents = None if layout is None or cache is not None else layout.documents
         proj = self.in_proj(x)  # [s, b, nk/tp * (2 dk + 2 r dv + 2 r)]
         s, b = proj.shape[:2]
+        if cache is not None:  # a left-padded prompt's padding slots: inputs of zero (transformers' padding mask),
+            valid = cache.valid[:, layout.start:layout.start + s].t().unsqueeze(-1)  # so they leave the state at 0
+            proj = proj * valid.to(proj.dtype)
         q, k, v, z, beta, a = proj.view(s, b, self.key_heads, -1).split(self.group_sizes, dim=-1)
         mixed = torch.cat([q, k, v], dim=-1).reshape(s, b, -1)  # the conv's channels, grouped per key head
-        mixed = causal_depthwise_conv(mixed, self.conv_weight.to(mixed.dtype), documents)
+        weight = self.conv_weight.to(mixed.dtype)
+        if cache is None:
+            mixed = causal_depthwise_conv(mixed, weight, documents)
+        else:  # the conv reads the tokens before the step from the cached tail
+            mixed = self._conv_step(cache, mixed, weight)
         q, k, v = mixed.view(s, b, self.key_heads, -1).split(self.group_sizes[:3], dim=-1)
         # -> [b, heads, s, d] in fp32; each key head serves its `ratio` consecutive value heads
         q, k = (t.float().repeat_interleave(self.ratio, dim=2).permute(1, 2, 0, 3) for t in (q, k))
@@ -201,9 +210,28 @@ class GatedDeltaNet(nn.Module):
         q, k = l2_normalize(q) * self.dk ** -0.5, l2_normalize(k)
         beta = beta.reshape(s, b, self.value_heads).float().sigmoid().permute(1, 2, 0)  # [b, nv/tp, s]
         g = -self.A_log.float().exp() * F.softplus(a.reshape(s, b, self.value_heads).float() + self.dt_bias.float())
-        out, _ = chunk_gated_delta_rule(q, k, v, g.permute(1, 2, 0), beta, self.config.linear_attention_chunk_size,
-                                        documents)
+        g = g.permute(1, 2, 0)  # [b, nv/tp, s]
+        if cache is None:
+            out, _ = chunk_gated_delta_rule(q, k, v, g, beta, self.config.linear_attention_chunk_size, documents)
+        else:  # the prompt by chunks, then a token at a time, from the state the cache holds
+            state = cache.linear_states.get(self.layer_number)
+            rule = recurrent_gated_delta_rule if state is not None and s == 1 else \
+                partial(chunk_gated_delta_rule, chunk_size=self.config.linear_attention_chunk_size)
+            out, cache.linear_states[self.layer_number] = rule(q, k, v, g, beta, initial_state=state)
         out = out.permute(2, 0, 1, 3).to(x.dtype)  # [s, b, nv/tp, dv]
         gate = F.silu(z.reshape(s, b, self.value_heads, self.dv).float())
         out = (self.norm(out) * gate).to(x.dtype)  # transformers' RMSNormGated: the norm, then the gate in fp32
         return self.out_proj(out.reshape(s, b, -1))  # [s, b, nv/tp * dv] -> [s(/tp), b, h]
+
+    def _conv_step(self, cache, mixed, weight):
+        """The conv over a decoding step's new inputs mixed [s, b, C], its first taps reading the last K - 1 inputs
+        before the step (zeros before the prompt), which the cache then holds for the next step."""
+        taps = weight.size(1) - 1
+        if taps == 0:
+            return causal_depthwise_conv(mixed, weight)
+        tail = cache.conv_tails.get(self.layer_number)
+        if tail is None:
+            tail = mixed.new_zeros(taps, *mixed.shape[1:])
+        joined = torch.cat([tail, mixed])
+        cache.conv_tails[self.layer_number] = joined[-taps:]
+        return causal_depthwise_conv(joined, weight)[taps:]

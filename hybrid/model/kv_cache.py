@@ -13,6 +13,8 @@ sizes) for its keys and values: 576 against 40,960 for DeepSeek-V3). A step of o
 them as DeepSeek-V2 describes (the up projection absorbed into the queries and the output, `attend_latent`); the
 prompt's step (compute-bound, many queries) makes the keys and values of its slots from their latents and attends
 them as any attention, without keeping them.
+
+Gated DeltaNet layers cache a fixed-size state and their conv's last inputs instead (hybrid.model.gated_delta_net).
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ class KVCache:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}  # DSA: each layer's indexer keys [b, slots, D]
+        # Gated DeltaNet layers (hybrid.model.gated_delta_net) keep no keys: their recurrent state [b, v heads/tp,
+        # dk, dv] and their conv's last K - 1 inputs [K - 1, b, channels/tp], the same size at every step
+        self.linear_states: dict[int, torch.Tensor] = {}
+        self.conv_tails: dict[int, torch.Tensor] = {}
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [s, b, kv heads, d] at slots start .. start+s; the layer's filled slots [b, heads, end, d]."""
@@ -59,7 +65,8 @@ class KVCache:
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size()
-                   for t in (*self.keys.values(), *self.values.values(), *self.index_keys.values()))
+                   for t in (*self.keys.values(), *self.values.values(), *self.index_keys.values(),
+                             *self.linear_states.values(), *self.conv_tails.values()))
 
 
 @dataclass
