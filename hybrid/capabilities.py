@@ -79,6 +79,7 @@ class Setup:
     lora: bool = False  # --lora-rank > 0 (or --load-lora's)
     gated_delta_net: bool = False  # Gated DeltaNet layers (--linear-attention-freq; Qwen3.5, Qwen3-Next)
     output_gate: bool = False  # --attention-output-gate
+    linear_key_heads_per_tp: int = 0  # Gated DeltaNet key heads on one TP rank (0: not known)
 
     @property
     def torch_schedule(self) -> bool:
@@ -396,13 +397,16 @@ RULES = [
                    f"DeepSpeed's "
                    f"optimizer there needs trainable experts, which LoRA freezes; use ZeRO-0 in fp32 (any EP) or "
                    f"ZeRO-3 (EP 1)."),
-    Rule("gdn-sequence-split", "Gated DeltaNet layers with --context-parallel-size or --ds-sequence-parallel-size",
-         "a Gated DeltaNet layer carries its state from token to token; passing it between the ranks' parts of the "
-         "sequence (or the heads' all-to-all) is not built yet",
-         lambda s: s.gated_delta_net and (s.cp > 1 or s.ulysses > 1),
+    Rule("gdn-sequence-split", "Gated DeltaNet layers with a --context-parallel-size / --ds-sequence-parallel-size N "
+                               "that does not divide their key heads per TP rank",
+         "under a sequence split each rank mixes the whole sequence for 1/N of the key heads (megatron-core's "
+         "all-to-all), so N must divide them",
+         lambda s: s.gated_delta_net and s.linear_key_heads_per_tp > 0 and
+         s.linear_key_heads_per_tp % (s.cp * s.ulysses) != 0,
          lambda s: f"Gated DeltaNet layers (Qwen3.5, Qwen3-Next) with --context-parallel-size {s.cp} / "
-                   f"--ds-sequence-parallel-size {s.ulysses}: their state passing between sequence parts is not "
-                   f"built yet; use TP (with --sequence-parallel), PP, EP or DP."),
+                   f"--ds-sequence-parallel-size {s.ulysses}: each rank mixes the whole sequence for "
+                   f"1/{s.cp * s.ulysses} of the {s.linear_key_heads_per_tp} key heads a TP rank holds (--linear-num-key-heads / "
+                   f"--tensor-model-parallel-size), which must divide; use a sequence split that divides them."),
     Rule("gdn-fp8-muon-lora", "Gated DeltaNet layers or --attention-output-gate with --fp8-format, --optimizer muon "
                               "or --lora-rank",
          "the Gated DeltaNet projections and the attention's output gate have no FP8 GEMMs, no Muon matrix "

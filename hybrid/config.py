@@ -799,6 +799,7 @@ def _setup(args, dims, pipeline, stage, model, training, checkpoint, ds, ds_path
                 kv_sharing_split=_sharing_split(model, dims, pipeline, model.kv_source),
                 mtp=bool(model.mtp_num_layers), lora=bool(model.lora_rank),
                 gated_delta_net=model.linear_attention_freq is not None, output_gate=model.attention_output_gate,
+                linear_key_heads_per_tp=model.linear_num_key_heads // tp,
                 moe_capacity=bool(model.num_experts and model.moe_expert_capacity_factor is not None),
                 fp32_grad_accumulation=dsc.fp32_grad_accumulation(ds), optimizer=args.optimizer or "adam",
                 offload_optimizer=dsc.optimizer_offload(ds))

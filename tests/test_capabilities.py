@@ -89,7 +89,7 @@ EXAMPLES = {
     "lora-muon": (["--lora-rank", 4, "--optimizer", "muon"], 1),
     "lora-universal": (["--lora-rank", 4, "--universal-checkpoint", "--load", "/tmp", "--zero-stage", 1], 1),
     "lora-moe-zero": (["--lora-rank", 4, "--num-experts", 4, "--disable-bias-linear", "--zero-stage", 1], 1),
-    "gdn-sequence-split": (GDN + ["--context-parallel-size", 2], 2),
+    "gdn-sequence-split": (GDN + ["--context-parallel-size", 2, "--linear-num-key-heads", 1], 2),
     "gdn-fp8-muon-lora": (["--position-embedding-type", "rope", "--attention-output-gate", "--optimizer", "muon"], 1),
 }
 

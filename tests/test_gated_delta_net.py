@@ -98,6 +98,74 @@ def test_a_packed_row_gives_each_documents_transformers_logits(family, tmp_path)
     assert (leaked[:, lengths[0]:] - ours[:, lengths[0]:]).abs().max() > 1e-3
 
 
+EOD = 0
+LENGTHS = (9, 12, 11)  # each document ends with the EOD token; a row of 32 tokens
+
+
+def _packed_batch():
+    """Two rows of three documents each (the second row's in reverse order): ids [2, 32] and labels (Megatron's:
+    the next token, the EOD's label the next document's first token), and each document."""
+    gen = torch.Generator().manual_seed(8)
+    docs = [torch.cat([torch.randint(1, 8192, (n - 1,), generator=gen), torch.tensor([EOD])]) for n in LENGTHS]
+    tail = torch.randint(1, 8192, (2, 1), generator=gen)
+    rows = torch.stack([torch.cat(docs), torch.cat(docs[::-1])])
+    return rows, torch.cat([rows[:, 1:], tail], dim=1), docs
+
+
+def _packed_cp2(path: str) -> dict:
+    """On each rank of CP 2: the loss and gradient shards of one backward of the packed rows (the runtime over
+    DP x CP, documents restarting every layer's state, conv window, attention and positions)."""
+    import dataclasses
+    from hybrid.conversion.hf import read_hf_dir
+    from hybrid.conversion.layout import load_full_state
+    from hybrid.model.build import build_model
+    from hybrid.model.naming import canonical_parameters
+    from hybrid.parallel.groups import build_groups
+    from hybrid.pipeline_plan import PipelineSchedule
+    from hybrid.training.deepspeed_fixes import register_moe_layers
+    from tests.model_harness import _result, runtime_iteration
+    state, config, _ = read_hf_dir(path)
+    config = dataclasses.replace(config, reset_attention_mask=True, reset_position_ids=True, eod_token=EOD,
+                                 linear_attention_chunk_size=4)
+    groups = build_groups(experts=bool(config.num_experts), context_parallel=2)
+    pipeline = PipelineSchedule(partition="uniform")
+    model = build_model(config, groups, pipeline).train()
+    load_full_state(model, state, config, groups)
+    register_moe_layers(model, groups)
+    params = canonical_parameters(model, config.num_layers)
+    ids, labels, _ = _packed_batch()
+    loss, recorded, _ = runtime_iteration(model, groups, pipeline, [(ids, labels)])
+    return _result(groups, loss, None, params, {n: recorded[id(p)] for n, p in params.items()})
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_packed_documents_at_cp2_give_transformers_loss_and_gradients_per_document(family, tmp_path):
+    """CP 2 (each rank two chunks of 8 of the 32 positions; the Gated DeltaNet layers mix whole sequences for half
+    the key heads after an all-to-all, the full layers attend on the ring), three packed documents per row: the loss
+    and every gradient equal transformers' with each document run alone (their losses summed over the batch's
+    tokens)."""
+    import torch.nn.functional as F
+    from checks.rank_pool import run_on_ranks
+    from tests.model_harness import assemble_grads, compare_grads
+    from tests.test_gradients import _saved_gradients
+    hf = make_family(family, tmp_path / family, tokenizer=False)
+    ids, labels, _ = _packed_batch()
+    hf.zero_grad()
+    pieces = []
+    for row, lengths in zip(ids, (LENGTHS, LENGTHS[::-1])):
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        pieces.append(torch.cat([hf(row[None, a:b]).logits[0] for a, b in zip([0] + ends[:-1], ends)]))
+    logits = torch.stack(pieces)
+    want_loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+    want_loss.backward()
+    want = _saved_gradients(hf, tmp_path)
+    results = run_on_ranks(_packed_cp2, 2, str(tmp_path / family))
+    for r in results:
+        assert abs(r["loss"] - want_loss.item()) <= 1e-5 * want_loss.item(), (r["loss"], want_loss.item())
+    scale = max(g.abs().max().item() for g in want.values())
+    compare_grads(assemble_grads(results), want, 8192, 2e-5 * scale)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
 def test_moe_families_evaluate_to_transformers_loss_at_ep2_and_tp2_pp2(family, data, tmp_path):

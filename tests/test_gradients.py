@@ -208,7 +208,8 @@ def test_moe_model_gradient_is_that_of_the_loss_with_the_auxiliary_losses_added(
 
 # --- every family's training gradients against transformers' own backward ----------------------------
 
-FAMILY_LAYOUTS = {"tp2_sp": dict(tensor_parallel=2), "pp2": dict(pipeline_parallel=2), "cp2": dict(context_parallel=2)}
+FAMILY_LAYOUTS = {"tp2_sp": dict(tensor_parallel=2), "pp2": dict(pipeline_parallel=2), "cp2": dict(context_parallel=2),
+                  "ulysses2": dict(ulysses=2)}
 
 
 def _hf_batch(seq=16, batch=2):
@@ -258,13 +259,19 @@ def _family_gradients(path: str, layout: str) -> dict:
 def _transformers_gradients(hf, tmp_path) -> tuple:
     """transformers' loss and gradients on the same batch, under canonical names: the gradients are
     saved in place of the weights by transformers' own save_pretrained and read back by the importer."""
-    from hybrid.conversion.hf import read_hf_dir
-    from hybrid.model.naming import buffer_names
     ids, labels = _hf_batch()
     hf.zero_grad()
     logits = hf(ids).logits
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1))
     loss.backward()
+    return loss.item(), _saved_gradients(hf, tmp_path)
+
+
+def _saved_gradients(hf, tmp_path) -> dict:
+    """The gradients of transformers' model `hf` (after a backward) under canonical names: saved in place of the
+    weights by transformers' own save_pretrained and read back by the importer."""
+    from hybrid.conversion.hf import read_hf_dir
+    from hybrid.model.naming import buffer_names
     with torch.no_grad():
         originals = {n: p.detach().clone() for n, p in hf.named_parameters()}
         for p in hf.parameters():
@@ -273,7 +280,7 @@ def _transformers_gradients(hf, tmp_path) -> tuple:
         for n, p in hf.named_parameters():
             p.copy_(originals[n])
     grads, config, _ = read_hf_dir(str(tmp_path / "grads"))
-    return loss.item(), {n: g for n, g in grads.items() if n not in buffer_names(config)}  # (the score biases)
+    return {n: g for n, g in grads.items() if n not in buffer_names(config)}  # (the score biases)
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +302,8 @@ def family_models(tmp_path_factory):
                                     "qwen3_5_moe", "qwen3_next"]
      for layout in ("tp2_sp", "pp2")]
     + [("llama3", "cp2"), ("glm4_moe", "cp2"), ("deepseek_v3", "cp2"), ("gemma3", "cp2"), ("gpt_oss", "cp2"),
-       ("gemma4", "cp2"), ("gemma4_e", "tp2_sp"), ("gemma4_e", "cp2")])
+       ("gemma4", "cp2"), ("gemma4_e", "tp2_sp"), ("gemma4_e", "cp2"), ("qwen3_5", "cp2"), ("qwen3_next", "cp2"),
+       ("qwen3_5", "ulysses2")])
 def test_family_gradients_at_tp2_sp_and_pp2_equal_transformers_backward(family, layout, family_models, tmp_path):
     """One backward of each imported family, TP 2 + SP or PP 2 (DeepSpeed's engine), against transformers'
     own backward on the same batch: the loss and every parameter's gradient (the TP shards joined); CP 2 (the
@@ -308,7 +316,8 @@ def test_family_gradients_at_tp2_sp_and_pp2_equal_transformers_backward(family, 
     proportional rope, layer scalars and soft-capped logits (also at CP 2: windows of 6 over 16 positions), and its
     E2B/E4B form's per-layer inputs and KV-sharing layers (PP refused for them: capability rules) and its 26B-A4B form's
     MoE block; Qwen3.5, Qwen3.5-MoE and Qwen3-Next's Gated DeltaNet layers (their key heads with their value heads
-    split over TP, the gated norm's weight summed over TP) and gated full attention."""
+    split over TP, the gated norm's weight summed over TP; at CP 2 and Ulysses 2 each rank mixing the whole sequence
+    for half of the heads after an all-to-all) and gated full attention."""
     from tests.model_harness import assemble_grads, compare_grads
     from checks.rank_pool import run_on_ranks
     if family == "gpt2":

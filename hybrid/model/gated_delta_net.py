@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from hybrid.errors import ConfigError
 from hybrid.model.init import normal_init, output_layer_std
 from hybrid.model.norms import RMSNorm
+from hybrid.parallel import mappings as M
+from hybrid.parallel import ring_attention
 from hybrid.parallel.groups import as_groups
 from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear, make_parallel_param
 
@@ -136,6 +138,37 @@ def parameter_numels(config) -> dict:
             "norm.weight": dv, "out_proj.weight": nv * dv * h}
 
 
+class SequenceSplit:
+    """A sequence split over N ranks (CP's two chunks per rank, or Ulysses' one part) turned into a split of heads
+    around the token mixing, as megatron-core runs Gated DeltaNet under CP: an all-to-all gives each rank every token
+    of 1/N of its key heads (with their value heads), the mixing runs on whole sequences, and the reverse all-to-all
+    returns each rank its own tokens of every head. Exact at any N that divides the key heads per TP rank."""
+
+    def __init__(self, axis, chunked: bool, local_len: int, device=None):
+        self.axis, n = axis, axis.size
+        total = local_len * n
+        # every rank's positions of the full sequence, in rank order: a received row -> its position
+        self.order = torch.cat([ring_attention.local_index(total, n, r, device) if chunked
+                                else torch.arange(r * local_len, (r + 1) * local_len, device=device)
+                                for r in range(n)])
+        self.inverse = torch.argsort(self.order)
+        self.splits = [local_len] * n
+
+    def around(self, mix, proj):
+        """mix(whole-sequence proj of this rank's 1/N of the heads) between the two all-to-alls; proj [s/N, b,
+        heads, P] -> [s/N, b, value heads x dv]."""
+        s, b, heads, width = proj.shape
+        n = self.axis.size
+        if heads % n:  # (the capability table refuses it first: gdn-sequence-split)
+            raise ConfigError(f"Gated DeltaNet under a sequence split of {n}: the {heads} key heads of a TP rank do "
+                              f"not split over it.")
+        rows = proj.view(s, b, n, heads // n, width).permute(2, 0, 1, 3, 4).reshape(n * s, b, heads // n, width)
+        whole = M.all_to_all_rows(rows, self.splits, self.splits, self.axis.group).index_select(0, self.inverse)
+        mixed = mix(whole)  # [S, b, my value heads x dv]
+        back = M.all_to_all_rows(mixed.index_select(0, self.order), self.splits, self.splits, self.axis.group)
+        return back.view(n, s, b, -1).permute(1, 2, 0, 3).reshape(s, b, -1)
+
+
 def _seeded_init(seed: int, name: str, fill):
     """An init that calls `fill(tensor, generator)` with a generator seeded by the run's seed and the name."""
     param_seed = (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
@@ -184,32 +217,46 @@ class GatedDeltaNet(nn.Module):
             bias=False, input_is_parallel=True, sequence_parallel=config.sequence_parallel)
 
     def forward(self, x, layout=None):
-        """x [s(/tp), b, h]; `layout` (hybrid.model.sequence.SequenceLayout): the documents of packed rows, or a
-        decoding step's (hybrid.model.kv_cache.DecodeLayout: this layer's state and conv tail in its cache)."""
-        if layout is not None and (layout.cp is not None or layout.ulysses is not None):
-            raise ConfigError("Gated DeltaNet layers run on whole sequences: context parallelism is not implemented "
-                              "for them.")
+        """x [s(/tp), b, h]; `layout` (hybrid.model.sequence.SequenceLayout): the documents of packed rows, this
+        rank's part of the sequence (CP, Ulysses), or a decoding step's (hybrid.model.kv_cache.DecodeLayout: this
+        layer's state and conv tail in its cache)."""
         cache = getattr(layout, "cache", None)
         documents = None if layout is None or cache is not None else layout.documents
         proj = self.in_proj(x)  # [s, b, nk/tp * (2 dk + 2 r dv + 2 r)]
-        s, b = proj.shape[:2]
+        proj = proj.view(*proj.shape[:2], self.key_heads, -1)
+        split = None if layout is None else layout.cp or layout.ulysses
+        if split is not None:  # megatron-core's CP for these layers: the whole sequence, for 1/N of the heads
+            return self.out_proj(SequenceSplit(split, layout.cp is not None, proj.size(0), proj.device).around(
+                partial(self.mix, documents=documents, part=split.rank), proj))
+        return self.out_proj(self.mix(proj, documents, cache, layout))
+
+    def mix(self, proj, documents=None, cache=None, layout=None, part: int = 0):
+        """The token mixing of whole sequences: proj [s, b, key heads, 2 dk + 2 r dv + 2 r] -> [s, b, their value
+        heads x dv] (the gated norm's output, before the output projection). The key heads are this TP rank's, or
+        under a sequence split its `part`-th 1/N of them."""
+        s, b, key_heads = proj.shape[:3]
+        value_heads = key_heads * self.ratio
+        keys = slice(part * key_heads, (part + 1) * key_heads)
+        heads = slice(part * value_heads, (part + 1) * value_heads)
         if cache is not None:  # a left-padded prompt's padding slots: inputs of zero (transformers' padding mask),
             valid = cache.valid[:, layout.start:layout.start + s].t().unsqueeze(-1)  # so they leave the state at 0
             proj = proj * valid.to(proj.dtype)
-        q, k, v, z, beta, a = proj.view(s, b, self.key_heads, -1).split(self.group_sizes, dim=-1)
+        q, k, v, z, beta, a = proj.split(self.group_sizes, dim=-1)
         mixed = torch.cat([q, k, v], dim=-1).reshape(s, b, -1)  # the conv's channels, grouped per key head
-        weight = self.conv_weight.to(mixed.dtype)
+        weight = self.conv_weight.view(self.key_heads, -1, self.conv_weight.size(1))[keys].flatten(0, 1)
+        weight = weight.to(mixed.dtype)
         if cache is None:
             mixed = causal_depthwise_conv(mixed, weight, documents)
         else:  # the conv reads the tokens before the step from the cached tail
             mixed = self._conv_step(cache, mixed, weight)
-        q, k, v = mixed.view(s, b, self.key_heads, -1).split(self.group_sizes[:3], dim=-1)
+        q, k, v = mixed.view(s, b, key_heads, -1).split(self.group_sizes[:3], dim=-1)
         # -> [b, heads, s, d] in fp32; each key head serves its `ratio` consecutive value heads
         q, k = (t.float().repeat_interleave(self.ratio, dim=2).permute(1, 2, 0, 3) for t in (q, k))
-        v = v.reshape(s, b, self.value_heads, self.dv).float().permute(1, 2, 0, 3)
+        v = v.reshape(s, b, value_heads, self.dv).float().permute(1, 2, 0, 3)
         q, k = l2_normalize(q) * self.dk ** -0.5, l2_normalize(k)
-        beta = beta.reshape(s, b, self.value_heads).float().sigmoid().permute(1, 2, 0)  # [b, nv/tp, s]
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(s, b, self.value_heads).float() + self.dt_bias.float())
+        beta = beta.reshape(s, b, value_heads).float().sigmoid().permute(1, 2, 0)  # [b, nv/tp, s]
+        g = -self.A_log[heads].float().exp() * F.softplus(a.reshape(s, b, value_heads).float()
+                                                          + self.dt_bias[heads].float())
         g = g.permute(1, 2, 0)  # [b, nv/tp, s]
         if cache is None:
             out, _ = chunk_gated_delta_rule(q, k, v, g, beta, self.config.linear_attention_chunk_size, documents)
@@ -218,10 +265,10 @@ class GatedDeltaNet(nn.Module):
             rule = recurrent_gated_delta_rule if state is not None and s == 1 else \
                 partial(chunk_gated_delta_rule, chunk_size=self.config.linear_attention_chunk_size)
             out, cache.linear_states[self.layer_number] = rule(q, k, v, g, beta, initial_state=state)
-        out = out.permute(2, 0, 1, 3).to(x.dtype)  # [s, b, nv/tp, dv]
-        gate = F.silu(z.reshape(s, b, self.value_heads, self.dv).float())
-        out = (self.norm(out) * gate).to(x.dtype)  # transformers' RMSNormGated: the norm, then the gate in fp32
-        return self.out_proj(out.reshape(s, b, -1))  # [s, b, nv/tp * dv] -> [s(/tp), b, h]
+        out = out.permute(2, 0, 1, 3).to(proj.dtype)  # [s, b, nv/tp, dv]
+        gate = F.silu(z.reshape(s, b, value_heads, self.dv).float())
+        out = (self.norm(out) * gate).to(proj.dtype)  # transformers' RMSNormGated: the norm, then the gate in fp32
+        return out.reshape(s, b, -1)  # [s, b, nv/tp * dv]
 
     def _conv_step(self, cache, mixed, weight):
         """The conv over a decoding step's new inputs mixed [s, b, C], its first taps reading the last K - 1 inputs
