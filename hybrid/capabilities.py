@@ -405,8 +405,9 @@ RULES = [
          s.linear_key_heads_per_tp % (s.cp * s.ulysses) != 0,
          lambda s: f"Gated DeltaNet layers (Qwen3.5, Qwen3-Next) with --context-parallel-size {s.cp} / "
                    f"--ds-sequence-parallel-size {s.ulysses}: each rank mixes the whole sequence for "
-                   f"1/{s.cp * s.ulysses} of the {s.linear_key_heads_per_tp} key heads a TP rank holds (--linear-num-key-heads / "
-                   f"--tensor-model-parallel-size), which must divide; use a sequence split that divides them."),
+                   f"1/{s.cp * s.ulysses} of the {s.linear_key_heads_per_tp} key heads a TP rank holds "
+                   f"(--linear-num-key-heads / --tensor-model-parallel-size), which must divide; use a sequence split "
+                   f"that divides them."),
     Rule("gdn-fp8-muon-lora", "Gated DeltaNet layers or --attention-output-gate with --fp8-format, --optimizer muon "
                               "or --lora-rank",
          "the Gated DeltaNet projections and the attention's output gate have no FP8 GEMMs, no Muon matrix "
