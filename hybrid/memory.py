@@ -334,12 +334,16 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
         norm = 4 * shard + 4 * (shard // h) + e * shard
     total = (4 if config.sandwich_norms else 2) * norm  # the input and post-attention norms (and the output norms)
     moe = config.mlp_type_of(layer) == "moe"
+    linear = config.linear_attention(layer)
     if config.multi_latent_attention:  # the MLP's input; the attention's tensors (hybrid.model.mla)
         total += (0 if moe else 1) * e * sbh + _mla_bytes(config, s, b, t, sp, e, heads)
+    elif linear:  # the input projection's and the MLP's inputs; Gated DeltaNet's tensors
+        total += (1 if moe else 2) * e * sbh + gated_delta_net_bytes(config, s * act.cp * act.ulysses, b, t, e,
+                                                                     act.cp * act.ulysses)
     else:
         total += (1 if moe else 2) * e * sbh  # each column-parallel linear's (all-gathered) input: the norms' outputs
         total += _qkv_bytes(config, act, s, b, e, heads, groups, d)
-    if act.recompute != "selective":
+    if act.recompute != "selective" and not linear:
         window = config.layer_window(layer)
         total += _core_attention_bytes(s, b, heads, d, e, m, act.attention_kernel, attn_dropout,
                                        _attended_keys(s, window))
@@ -355,6 +359,28 @@ def layer_activation_bytes(config: ModelConfig, act: ActivationSettings, style: 
     if config.per_layer_input_size and layer < config.num_layers:  # Gemma 4's per-layer gate (hybrid.model.per_layer):
         total += e * (shard // h) * 3 * config.per_layer_input_size + norm  # gate out, GeLU out, product; its norm
     return total
+
+
+def gated_delta_net_bytes(config: ModelConfig, s: int, b: int, t: int, e: int, split: int = 1) -> int:
+    """What a Gated DeltaNet layer (hybrid.model.gated_delta_net) keeps for backward on one TP rank, for a whole
+    sequence of `s` tokens (under a sequence split of `split` ranks: 1/split of the heads each): its projection's
+    and conv's outputs, the normalised q and k, each chunk's decays, triangular system and scores (fp32, chunk x
+    chunk), the states between chunks, the output, its gated norm, and the output projection's input. Within 10% of
+    the saved tensors (tests/test_memory.py)."""
+    keys, heads = config.linear_num_key_heads // t // split, config.linear_num_value_heads // t // split
+    dk, dv, chunk = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_attention_chunk_size
+    chunks = -(-s // chunk)
+    padded = chunks * chunk  # (the sequence padded to whole chunks)
+    conv = keys * (2 * dk + heads // keys * dv)
+    total = e * b * conv * (2 * s + config.linear_conv_kernel_dim - 1)  # the conv's padded input and its output
+    # per token and value head: q and k normalised and their norms, beta, a and the decay, the output, its norm
+    # and gate (fp32)
+    total += 4 * s * b * heads * (2 * dk + 6 + 4 * dv)
+    # per padded token and value head: the chunks' pair decays, triangular system and scores (chunk x chunk), the
+    # padded q, k, v, k beta, v beta and the solved u and w, the scan's fresh values and output (fp32)
+    total += 4 * b * heads * padded * (5 * chunk + 6 * dk + 4 * dv + 3)
+    total += 4 * b * heads * chunks * dk * dv  # the state entering each chunk
+    return total + e * s * b * heads * dv  # the output projection's input
 
 
 def _mla_bytes(config: ModelConfig, s: int, b: int, t: int, sp: bool, e: int, heads: int) -> int:
@@ -386,6 +412,8 @@ def _qkv_bytes(config: ModelConfig, act, s: int, b: int, e: int, heads: int, gro
     elif heads != groups:  # GQA: the query heads are copied out of the per-group layout
         total += e * s * b * heads * d
     total += e * s * b * heads * d  # attention output = the dense layer's input
+    if config.attention_output_gate:  # the gate's sigmoid and the gated output (hybrid.model.attention)
+        total += 2 * e * s * b * heads * d
     if act.cp > 1 and act.recompute != "selective":  # the ring keeps its merged output (and q, k, v views)
         total += e * s * b * heads * d
     if act.ulysses > 1 and act.recompute != "selective":

@@ -666,3 +666,20 @@ def test_zero3_left_on_deepspeeds_default_bucket_is_warned_with_its_cost(tmp_pat
     build_run_config(build_parser().parse_args(TINY + ["--deepspeed", "ds_configs/zero3.json", "--micro-batch-size",
                                                        "2"]), 2, 128)
     assert "reduce_bucket_size" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("seq,chunk,heads", [(300, 64, (2, 4, 16, 16)), (128, 16, (2, 2, 32, 16)),
+                                             (100, 8, (1, 4, 8, 8))])
+def test_gated_delta_net_layer_activation_bytes_within_10pct_of_saved_tensors(seq, chunk, heads):
+    """A Gated DeltaNet layer's saved tensors (hybrid.model.gated_delta_net: its projection, the conv, the chunks'
+    decays, triangular systems and scores, the states between chunks, the gated norm), at sequences that do and do
+    not fill whole chunks, with one and with several value heads per key head, and the gated full attention's."""
+    keys, values, dk, dv = heads
+    config = dataclasses.replace(_model_config("qwen3", 0.0, None), attention_output_gate=True,
+                                 linear_num_key_heads=keys, linear_num_value_heads=values, linear_key_head_dim=dk,
+                                 linear_value_head_dim=dv, linear_attention_chunk_size=chunk)
+    for pattern in ([1] * config.num_layers, None):  # every layer linear; every layer full attention with its gate
+        config = dataclasses.replace(config, linear_attention_freq=pattern)
+        measured = _measured_layer_bytes(config, None, seq=seq, batch=2)
+        estimated = _estimated_layer_bytes(config, 1, seq=seq, batch=2)
+        assert abs(estimated - measured) <= 0.10 * measured, (pattern, estimated, measured)

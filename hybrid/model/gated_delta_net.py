@@ -50,6 +50,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, chunk_size: int = 64, documents=Non
     new one), None: one document; `initial_state` [b, h, dk, dv]. -> (o [b, h, s, dv], final state [b, h, dk, dv])."""
     b, h, s, dk = k.shape
     dv = v.size(-1)
+    q, k, v = (t.contiguous() for t in (q, k, v))  # (chunked views of them, not copies in every product's backward)
     pad = (-s) % chunk_size
     if pad:  # zero keys, values and decays past the end change no earlier output
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -266,7 +267,8 @@ class GatedDeltaNet(nn.Module):
                 partial(chunk_gated_delta_rule, chunk_size=self.config.linear_attention_chunk_size)
             out, cache.linear_states[self.layer_number] = rule(q, k, v, g, beta, initial_state=state)
         out = out.permute(2, 0, 1, 3).to(proj.dtype)  # [s, b, nv/tp, dv]
-        gate = F.silu(z.reshape(s, b, value_heads, self.dv).float())
+        # (contiguous: with one value head per key head z is a view, and SiLU would keep the whole projection)
+        gate = F.silu(z.reshape(s, b, value_heads, self.dv).float().contiguous())
         out = (self.norm(out) * gate).to(proj.dtype)  # transformers' RMSNormGated: the norm, then the gate in fp32
         return out.reshape(s, b, -1)  # [s, b, nv/tp * dv]
 

@@ -124,12 +124,15 @@ def write_megatron(state: dict, config: ModelConfig, tp: int, pp: int, save_dir:
                                         "--llama-4-scaling-beta": config.llama_4_scaling_beta is not None,
                                         "--experimental-attention-variant dsa": config.dsa_indexer_topk is not None,
                                         "--mla-latent-norm-epsilon": config.mla_latent_norm_epsilon is not None,
+                                        "--experimental-attention-variant gated_delta_net":
+                                            config.linear_attention_freq is not None,
+                                        "--attention-output-gate": config.attention_output_gate,
                                         **gemma4_options(config)}.items() if on]
     if unwritable:
         raise ConfigError(f"a Megatron-LM checkpoint is not written here for {', '.join(unwritable)} (Gemma 3's and "
                           f"4's, MiniMax-M2's and Mistral 4's options have no Megatron-LM argument; megatron-core's "
-                          f"DSA names are not mapped): Megatron-LM would build another model. Export with --saver hf "
-                          f"instead.")
+                          f"DSA and Gated DeltaNet names are not mapped): Megatron-LM would build another model. "
+                          f"Export with --saver hf instead.")
     if ckpt_format != "torch_dist" and expert_tp(config, tp) == 1 and tp > 1 and ep > 1:
         raise ConfigError(f"experts with biases are written at expert-TP 1 (megatron-core builds them only there), and "
                           f"the legacy format at TP {tp} x EP {ep} interleaves expert ranks over TP, which hybrid does "
