@@ -125,6 +125,13 @@ FEATURES = {
     "gemma4_moe": Feature(GEMMA4 + ("--group-query-attention", "--num-query-groups", 2, "--global-num-query-groups", 4,
                                     "--attention-k-eq-v", *MOE, "--moe-shared-expert-intermediate-size", 32,
                                     "--moe-gemma4-block"), kind="model", group="family", paired=False),
+    # Qwen3.5's: layers 0 and 2 Gated DeltaNet (2 key heads, each with 2 value heads; chunks of 4 over the 16
+    # positions), 1 and 3 gated full attention with rope on half a head, zero-centred norms
+    "gdn": Feature(("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--qk-layernorm",
+                    "--apply-layernorm-1p", "--rotary-percent", 0.5, "--attention-output-gate",
+                    "--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", 2,
+                    "--linear-num-key-heads", 2, "--linear-num-value-heads", 4, "--linear-key-head-dim", 8,
+                    "--linear-value-head-dim", 8, "--linear-attention-chunk-size", 4), kind="model", group="family"),
     "mtp": Feature(("--position-embedding-type", "rope", "--mtp-num-layers", 1, "--mtp-loss-scaling-factor", 0.3),
                    kind="model"),  # (rope: the depths see positions as rope does)
     "window": Feature(("--window-size", "4,0"), kind="model"),
@@ -191,6 +198,10 @@ TRIPLES += [("tp2_sp", "dp2", "gemma4_e"), ("cp2", "tp2_sp", "gemma4_e"), ("dp2"
 # and its MoE block (26B-A4B) with the layouts that split it: EP with TP + SP and with a pipeline, ZeRO-3, CP
 TRIPLES += [("ep2", "tp2_sp", "gemma4_moe"), ("ep2", "pp2", "gemma4_moe"), ("dp2", "zero3", "gemma4_moe"),
             ("cp2", "gemma4_moe"), ("tp2_sp", "pp2", "gemma4_moe")]
+# Gated DeltaNet with the layouts that split it: TP + SP with a pipeline, the heads' all-to-all under CP and Ulysses
+# with packed documents, its experts (Qwen3.5-MoE) over EP with TP + SP, ZeRO-3
+TRIPLES += [("tp2_sp", "pp2", "gdn"), ("cp2", "documents", "gdn"), ("ulysses2", "documents", "gdn"),
+            ("ep2", "tp2_sp", "gdn"), ("dp2", "zero3", "gdn"), ("cp2", "tp2", "gdn"), ("pp2_zbv", "documents", "gdn")]
 MAX_RANKS = 8  # (the pairs need at most 4; one triple TP 2 x PP 2 x DP 2)
 LOSS_TOL = {"fp32": 1e-5, "bf16": 2e-2}
 # what a passing cell proved: equal to a run it is not (one rank, or one rank with its model options), only its own

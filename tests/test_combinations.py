@@ -56,6 +56,11 @@ SAMPLE = {  # combination -> the outcome it must have (a rule's name for a refus
     "dp2+pp2+muon": "equal",
     "ep2+zero1+muon": "equal",
     "bf16+muon": "muon-precision",
+    # Gated DeltaNet (Qwen3.5's layers): packed documents under CP (the heads' all-to-all), its experts over EP with
+    # TP + SP; FP8 / Muon / LoRA refused by the table
+    "cp2+documents+gdn": "equal",
+    "ep2+tp2_sp+gdn": "equal",
+    "gdn+lora": "gdn-fp8-muon-lora",
     # DeepSeek-V3's MLA (values of their own head size) over the layouts, and its multi-token prediction over PP
     "mla+tp2_sp": "equal",
     "mla+cp2": "equal",
