@@ -10,7 +10,7 @@
 # checks/gpu_paths.py (each CUDA-only path against its reference: NCCL, flash-attn vs SDPA, bf16/fp16
 # against fp32, the fp16 loss-scale stop, the ring's fused CUDA kernel vs full attention, grouped GEMM vs
 # the loop, async save vs sync, pinned batches, compile vs eager, FP8 GEMM vs torchao, --cpu-offloading vs
-# none, MoE host syncs; TP overlap, Ulysses and MoE all-to-all on NCCL with 2+ GPUs),
+# none, MoE host syncs, Gated DeltaNet's flash-linear-attention kernel vs its PyTorch form; TP overlap, Ulysses and MoE all-to-all on NCCL with 2+ GPUs),
 # benchmarks/bench_vs_transformers.py --preset gpu (Llama-3-8B-shaped layers: tokens/s and MFU against
 # transformers eager and compiled), then bf16 ZeRO-1 on the embedded corpus (saved), fp16 with dynamic loss
 # scaling, flash-attn when installed, --torch-compile, ZeRO-3, full and selective recompute, FP8 (delayed
@@ -37,8 +37,13 @@ try:
     fa = flash_attn.__version__
 except Exception as e:
     fa = f"not usable: {type(e).__name__}"
+try:
+    import fla
+    linear = getattr(fla, "__version__", "installed")
+except Exception as e:
+    linear = f"not usable: {type(e).__name__}"
 print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-                  "transformers": transformers.__version__, "flash_attn": fa}))
+                  "transformers": transformers.__version__, "flash_attn": fa, "flash_linear_attention": linear}))
 EOF
 cat "$OUT/environment.json"
 

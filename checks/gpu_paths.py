@@ -11,7 +11,8 @@ ring's CUDA flash-attention blocks, merged, against full-sequence attention, GQA
 (torch._grouped_mm against the per-expert loop), async_save (--async-save's files equal synchronous ones),
 pinned_batches (the loader's pinned, non-blocking copies), compile_vs_eager (--torch-compile's layers),
 fp8_gemm (against torchao's Float8Linear on torch._scaled_mm), activation_offload (--cpu-offloading equals
-the run without it), moe_host_syncs (host synchronisations per MoE layer); with 2+ GPUs: tp_overlap_nccl,
+the run without it), moe_host_syncs (host synchronisations per MoE layer), gated_delta_net_fla (flash-linear-
+attention's kernel against the PyTorch chunked form); with 2+ GPUs: tp_overlap_nccl,
 ulysses_all_to_all_nccl, moe_all_to_all_nccl (launched layouts against one GPU). Tokens/s and MFU against
 transformers are benchmarks/bench_vs_transformers.py's (gpu_check.sh runs it).
 """
@@ -284,8 +285,45 @@ def moe_host_syncs():
             "tokens_per_s": {k: v["tokens_per_s"] for k, v in result.items() if isinstance(v, dict)}}
 
 
+def gated_delta_net_fla():
+    """A Gated DeltaNet layer (Qwen3.5's shapes scaled down, bf16) through flash-linear-attention's chunked kernel
+    against its own PyTorch chunked form (the CPU path and reference): output and input gradient, and each one's
+    forward + backward time."""
+    from hybrid.model import gated_delta_net as gdn
+    from hybrid.model.config import ModelConfig
+    from hybrid.parallel.groups import ParallelGroups
+    if gdn.FLA_CHUNK is None:
+        return {"ok": None, "skipped": "flash-linear-attention (fla) is not installed"}
+    config = ModelConfig(num_layers=1, hidden_size=1024, num_attention_heads=8, position_embedding_type="rope",
+                         normalization="RMSNorm", linear_attention_freq=[1], linear_num_key_heads=8,
+                         linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128)
+    layer = gdn.GatedDeltaNet(config, ParallelGroups.single(), 0, "layers.0.attention").to(DEVICE, torch.bfloat16)
+    x = torch.randn(4096, 2, 1024, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    results, kernel = {}, gdn.FLA_CHUNK
+    for name in ("fla", "pytorch"):
+        gdn.FLA_CHUNK = kernel if name == "fla" else None
+        try:
+            x.grad = None
+            out = layer(x)
+            out.float().square().mean().backward()
+            torch.cuda.synchronize()
+            start = time.time()
+            for _ in range(3):
+                layer(x).float().square().mean().backward()
+            torch.cuda.synchronize()
+            results[name] = (out.detach(), x.grad.detach().clone(), (time.time() - start) / 3)
+        finally:
+            gdn.FLA_CHUNK = kernel
+    out_diff = _close(results["fla"][0], results["pytorch"][0], 0)
+    grad_diff = _close(results["fla"][1], results["pytorch"][1], 0)
+    return {"ok": out_diff < 2e-2 and grad_diff < 5e-2, "output_difference": out_diff, "grad_difference": grad_diff,
+            "fla_s": results["fla"][2], "pytorch_s": results["pytorch"][2],
+            "speedup": results["pytorch"][2] / results["fla"][2]}
+
+
 SINGLE_GPU = [nccl, flash_attn_vs_sdpa, precision, fp16_loss_scale_stop, ring_flash_vs_full, grouped_gemm_bf16,
-              async_save, pinned_batches, compile_vs_eager, fp8_gemm, activation_offload, moe_host_syncs]
+              async_save, pinned_batches, compile_vs_eager, fp8_gemm, activation_offload, moe_host_syncs,
+              gated_delta_net_fla]
 # launched layouts on 2 GPUs (NCCL puts one rank per GPU), each against one GPU's losses
 MULTI_GPU = {"tp_overlap_nccl": ["--tensor-model-parallel-size", 2, "--sequence-parallel"],
              "ulysses_all_to_all_nccl": ["--ds-sequence-parallel-size", 2],

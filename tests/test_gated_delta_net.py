@@ -259,3 +259,46 @@ def test_a_gated_delta_net_model_is_refused_as_a_megatron_checkpoint_before_anyt
                                           r"\(.*--saver hf"):
         write_megatron({}, config, 1, 1, str(tmp_path / "out"), ClientState(iteration=1, consumed_samples=8))
     assert not (tmp_path / "out").exists()
+
+
+def test_the_fla_call_passes_what_fla_expects_and_gives_the_pytorch_forms_logits_and_gradients(tmp_path, monkeypatch):
+    """The CUDA path through flash-linear-attention's chunk_gated_delta_rule, its call checked on the CPU: a stand-in
+    with fla's signature and conventions ([B, T, H, K] queries and keys on the key heads, values, decays and betas on
+    the value heads, L2 norms and the 1/sqrt(dk) scale in the kernel, betas after their sigmoid) computed by
+    transformers' fallback (whose API is fla's) gives the PyTorch form's logits and gradients; packed rows and
+    decoding never take it (checks/gpu_paths.py runs the real kernel against the PyTorch form on a GPU)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    from hybrid.model import gated_delta_net as gdn
+    from tests.test_families import our_model
+    calls = []
+
+    def fla_stand_in(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                     use_qk_l2norm_in_kernel=False, **kwargs):
+        assert scale is None and initial_state is None and not kwargs and use_qk_l2norm_in_kernel
+        assert q.shape == k.shape and q.shape[:2] == v.shape[:2] == g.shape[:2] == beta.shape[:2]
+        assert v.size(2) == g.size(2) == beta.size(2) and v.size(2) % q.size(2) == 0 and g.dtype == torch.float32
+        assert 0 <= beta.min() and beta.max() <= 1  # (after the sigmoid)
+        calls.append(tuple(v.shape))
+        return torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
+                                            output_final_state=output_final_state)
+
+    make_family("qwen3_5", tmp_path / "hf", tokenizer=False)
+    ids = torch.randint(1, 8192, (2, 21), generator=torch.Generator().manual_seed(4))
+    model, _ = our_model(tmp_path / "hf")
+
+    def logits_and_grads():
+        model.zero_grad()
+        logits = model(ids)
+        logits.float().square().mean().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    want, want_grads = logits_and_grads()
+    assert "not installed" in gdn.backend_note(model.config, "cuda")  # (the run's log line on a GPU without fla)
+    assert gdn.backend_note(model.config, "cpu") is None
+    monkeypatch.setattr(gdn, "FLA_CHUNK", fla_stand_in)
+    monkeypatch.setattr(gdn, "fla_applies", lambda tensor, documents, cache: documents is None and cache is None)
+    got, got_grads = logits_and_grads()
+    assert calls == [(2, 21, 4, 6)] * 3  # layers 0-2, every value head: [B, T, HV, V]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert gdn.backend_note(model.config, "cuda").endswith("flash-linear-attention's chunked kernel")

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECTED = {"nccl", "flash_attn_vs_sdpa", "precision", "fp16_loss_scale_stop", "ring_flash_vs_full",
             "grouped_gemm_bf16", "async_save", "pinned_batches", "compile_vs_eager", "fp8_gemm",
             "activation_offload", "moe_host_syncs", "tp_overlap_nccl", "ulysses_all_to_all_nccl",
-            "moe_all_to_all_nccl"}
+            "moe_all_to_all_nccl", "gated_delta_net_fla"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run of this script is the GPU check itself")

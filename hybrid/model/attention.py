@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from deepspeed.sequence.layer import DistributedAttention
 
+from hybrid.model import gated_delta_net
 from hybrid.model.flash import flash_attn_func
 from hybrid.model.init import normal_init, output_layer_std
 from hybrid.model.norms import HeadsRMSNorm, build_norm, rms_normalize
@@ -170,7 +171,7 @@ def _pad_values(v: torch.Tensor, d: int) -> tuple:
 
 def backend_notes(config, context_parallel: int, device_type: str = "cpu", dtype=torch.float32) -> list[str]:
     """Which attention kernels run where a choice is made for the run: one line each, for the run's log."""
-    notes = []
+    notes = [note for note in [gated_delta_net.backend_note(config, device_type)] if note]
     if context_parallel > 1:
         # (a CUDA run on this machine reads its GPU; a plan made elsewhere assumes one with flash-attention)
         capability = torch.cuda.get_device_capability() if device_type == "cuda" and torch.cuda.is_available() \

@@ -39,6 +39,34 @@ from hybrid.parallel.groups import as_groups
 from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear, make_parallel_param
 
 
+# flash-linear-attention's chunked kernel (`fla`, Triton: CUDA only) where it is installed, else None: an optional GPU
+# extra, as flash-attn is (hybrid.model.flash), never needed on the CPU
+try:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as FLA_CHUNK
+except Exception:  # (not installed, or its Triton stack unusable here)
+    FLA_CHUNK = None
+
+
+def backend_note(config, device_type: str):
+    """The run log's line on which kernel the Gated DeltaNet layers run where it is a choice (CUDA), or None."""
+    if config.linear_attention_freq is None or device_type != "cuda":
+        return None
+    if FLA_CHUNK is None:
+        return ("Gated DeltaNet layers: flash-linear-attention is not installed, so they run their PyTorch chunked "
+                "form on the GPU (the reference, one kernel per operation; checks/gpu_paths.py gated_delta_net_fla "
+                "measures what fla's kernels save): pip install flash-linear-attention")
+    if config.reset_attention_mask:
+        return ("Gated DeltaNet layers with --reset-attention-mask: packed rows run the PyTorch chunked form (fla's "
+                "variable-length form would build its chunk index on the host every step); whole rows run fla's")
+    return "Gated DeltaNet layers: flash-linear-attention's chunked kernel"
+
+
+def fla_applies(tensor: torch.Tensor, documents, cache) -> bool:
+    """Whether a pass runs fla's kernel: installed, on CUDA, whole sequences of one document each (packed documents
+    would need fla's variable-length form, whose chunk index is built on the host every step), no decoding step."""
+    return FLA_CHUNK is not None and tensor.is_cuda and documents is None and cache is None
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum x^2 + eps) over the last dimension (fla's and transformers' l2norm)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -251,13 +279,18 @@ class GatedDeltaNet(nn.Module):
         else:  # the conv reads the tokens before the step from the cached tail
             mixed = self._conv_step(cache, mixed, weight)
         q, k, v = mixed.view(s, b, key_heads, -1).split(self.group_sizes[:3], dim=-1)
+        g = -self.A_log[heads].float().exp() * F.softplus(a.reshape(s, b, value_heads).float()
+                                                          + self.dt_bias[heads].float())  # [s, b, nv/tp]
+        if fla_applies(proj, documents, cache):  # [b, s, heads, d]; the key heads shared by their value heads, the
+            out, _ = FLA_CHUNK(*(t.transpose(0, 1) for t in (q, k, v.reshape(s, b, value_heads, self.dv), g,
+                                                             beta.reshape(s, b, value_heads).float().sigmoid())),
+                               use_qk_l2norm_in_kernel=True)  # L2 norms and the 1/sqrt(dk) scale in the kernel
+            return self._gated_norm(out.transpose(0, 1).to(proj.dtype), z, value_heads)
         # -> [b, heads, s, d] in fp32; each key head serves its `ratio` consecutive value heads
         q, k = (t.float().repeat_interleave(self.ratio, dim=2).permute(1, 2, 0, 3) for t in (q, k))
         v = v.reshape(s, b, value_heads, self.dv).float().permute(1, 2, 0, 3)
         q, k = l2_normalize(q) * self.dk ** -0.5, l2_normalize(k)
         beta = beta.reshape(s, b, value_heads).float().sigmoid().permute(1, 2, 0)  # [b, nv/tp, s]
-        g = -self.A_log[heads].float().exp() * F.softplus(a.reshape(s, b, value_heads).float()
-                                                          + self.dt_bias[heads].float())
         g = g.permute(1, 2, 0)  # [b, nv/tp, s]
         if cache is None:
             out, _ = chunk_gated_delta_rule(q, k, v, g, beta, self.config.linear_attention_chunk_size, documents)
@@ -266,11 +299,15 @@ class GatedDeltaNet(nn.Module):
             rule = recurrent_gated_delta_rule if state is not None and s == 1 else \
                 partial(chunk_gated_delta_rule, chunk_size=self.config.linear_attention_chunk_size)
             out, cache.linear_states[self.layer_number] = rule(q, k, v, g, beta, initial_state=state)
-        out = out.permute(2, 0, 1, 3).to(proj.dtype)  # [s, b, nv/tp, dv]
+        return self._gated_norm(out.permute(2, 0, 1, 3).to(proj.dtype), z, value_heads)
+
+    def _gated_norm(self, out, z, value_heads: int):
+        """transformers' RMSNormGated: out [s, b, heads, dv] normed (this layer's weight), then times SiLU(z) in fp32
+        -> [s, b, heads * dv]."""
+        s, b = out.shape[:2]
         # (contiguous: with one value head per key head z is a view, and SiLU would keep the whole projection)
         gate = F.silu(z.reshape(s, b, value_heads, self.dv).float().contiguous())
-        out = (self.norm(out) * gate).to(proj.dtype)  # transformers' RMSNormGated: the norm, then the gate in fp32
-        return out.reshape(s, b, -1)  # [s, b, nv/tp * dv]
+        return (self.norm(out) * gate).to(out.dtype).reshape(s, b, -1)
 
     def _conv_step(self, cache, mixed, weight):
         """The conv over a decoding step's new inputs mixed [s, b, C], its first taps reading the last K - 1 inputs
