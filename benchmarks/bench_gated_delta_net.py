@@ -92,7 +92,8 @@ def _layers(a):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
     hf_config = transformers.Qwen3_5TextConfig(
         hidden_size=a.hidden, num_hidden_layers=1, linear_num_key_heads=a.key_heads,
-        linear_num_value_heads=a.value_heads, linear_key_head_dim=a.head_dim, linear_value_head_dim=a.head_dim, layer_types=["linear_attention"])
+        linear_num_value_heads=a.value_heads, linear_key_head_dim=a.head_dim, linear_value_head_dim=a.head_dim,
+        layer_types=["linear_attention"])
     theirs = Qwen3_5GatedDeltaNet(hf_config, 0).train()
     config = ModelConfig(num_layers=1, hidden_size=a.hidden, num_attention_heads=4, position_embedding_type="rope",
                          normalization="RMSNorm", norm_epsilon=hf_config.rms_norm_eps, linear_attention_freq=[1],
