@@ -268,7 +268,7 @@ class GatedDeltaNet(nn.Module):
         keys = slice(part * key_heads, (part + 1) * key_heads)
         heads = slice(part * value_heads, (part + 1) * value_heads)
         if cache is not None:  # a left-padded prompt's padding slots: inputs of zero (transformers' padding mask),
-            valid = cache.valid[:, layout.start:layout.start + s].t().unsqueeze(-1)  # so they leave the state at 0
+            valid = cache.valid[:, layout.start:layout.start + s].t()[..., None, None]  # so the state stays at 0
             proj = proj * valid.to(proj.dtype)
         q, k, v, z, beta, a = proj.split(self.group_sizes, dim=-1)
         mixed = torch.cat([q, k, v], dim=-1).reshape(s, b, -1)  # the conv's channels, grouped per key head
