@@ -166,15 +166,18 @@ def test_packed_documents_at_cp2_give_transformers_loss_and_gradients_per_docume
     compare_grads(assemble_grads(results), want, 8192, 2e-5 * scale)
 
 
+EP2, CP2 = ("--expert-model-parallel-size", 2), ("--context-parallel-size", 2)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
-def test_moe_families_evaluate_to_transformers_loss_at_ep2_and_tp2_pp2(family, data, tmp_path):
-    """launch/evaluate.py on the converted checkpoint, experts over 2 ranks (EP 2) and at TP 2 + SP x PP 2:
-    transformers' loss on the same windows within 1e-5 (Qwen3-Next's layer 1 dense, its top-k not
-    renormalised)."""
+@pytest.mark.parametrize("family,layouts", [("qwen3_5", [CP2]), ("qwen3_5_moe", [EP2]), ("qwen3_next", [EP2, CP2])])
+def test_families_evaluate_to_transformers_loss_at_ep2_cp2_and_tp2_pp2(family, layouts, data, tmp_path):
+    """launch/evaluate.py on the converted checkpoint, experts over 2 ranks (EP 2), the sequence over 2 (CP 2: the
+    heads' all-to-all, the full layers' ring) and at TP 2 + SP x PP 2: transformers' loss on the same windows within
+    1e-5 (Qwen3-Next's layer 1 dense, its top-k not renormalised)."""
     from tests.test_moe import assert_evaluation_is_transformers_loss
     hf = make_family(family, tmp_path / "hf")
-    assert_evaluation_is_transformers_loss(tmp_path / "hf", hf, data, tmp_path, tp2_pp2=True)
+    assert_evaluation_is_transformers_loss(tmp_path / "hf", hf, data, tmp_path, layouts, tp2_pp2=True)
 
 
 FLAGS = ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4, "--num-query-groups", 2, "--kv-channels",
