@@ -38,7 +38,7 @@ def _ours(q, k, v, g, beta, chunk, documents=None):
     return out.transpose(1, 2), state
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 16, 64])
+@pytest.mark.parametrize("chunk", [3, 5, 16, 64])
 def test_chunked_rule_equals_transformers_chunked_and_recurrent_fallbacks_at_any_chunk_size(chunk):
     from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
                                                               torch_recurrent_gated_delta_rule)
@@ -138,6 +138,7 @@ def _packed_cp2(path: str) -> dict:
     return _result(groups, loss, None, params, {n: recorded[id(p)] for n, p in params.items()})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_packed_documents_at_cp2_give_transformers_loss_and_gradients_per_document(family, tmp_path):
     """CP 2 (each rank two chunks of 8 of the 32 positions; the Gated DeltaNet layers mix whole sequences for half
@@ -279,7 +280,7 @@ def test_the_fla_call_passes_what_fla_expects_and_gives_the_pytorch_forms_logits
                      use_qk_l2norm_in_kernel=False, **kwargs):
         assert scale is None and initial_state is None and not kwargs and use_qk_l2norm_in_kernel
         assert q.shape == k.shape and q.shape[:2] == v.shape[:2] == g.shape[:2] == beta.shape[:2]
-        assert v.size(2) == g.size(2) == beta.size(2) and v.size(2) % q.size(2) == 0 and g.dtype == torch.float32
+        assert v.size(2) == g.size(2) == beta.size(2) == q.size(2) and g.dtype == torch.float32  # (q, k repeated)
         assert 0 <= beta.min() and beta.max() <= 1  # (after the sigmoid)
         calls.append(tuple(v.shape))
         return torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
@@ -299,6 +300,7 @@ def test_the_fla_call_passes_what_fla_expects_and_gives_the_pytorch_forms_logits
     assert gdn.backend_note(model.config, "cpu") is None
     monkeypatch.setattr(gdn, "FLA_CHUNK", fla_stand_in)
     monkeypatch.setattr(gdn, "fla_applies", lambda tensor, documents, cache: documents is None and cache is None)
+    # (in fp32 here: on CUDA the kernel runs in bf16 / fp16 only, and checks/gpu_paths.py compares it there)
     got, got_grads = logits_and_grads()
     assert calls == [(2, 21, 4, 6)] * 3  # layers 0-2, every value head: [B, T, HV, V]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -62,9 +62,11 @@ def backend_note(config, device_type: str):
 
 
 def fla_applies(tensor: torch.Tensor, documents, cache) -> bool:
-    """Whether a pass runs fla's kernel: installed, on CUDA, whole sequences of one document each (packed documents
-    would need fla's variable-length form, whose chunk index is built on the host every step), no decoding step."""
-    return FLA_CHUNK is not None and tensor.is_cuda and documents is None and cache is None
+    """Whether a pass runs fla's kernel: installed, on CUDA, in bf16 / fp16 (its kernels' types), whole sequences of
+    one document each (packed documents would need fla's variable-length form, whose chunk index is built on the
+    host every step), no decoding step."""
+    return FLA_CHUNK is not None and tensor.is_cuda and tensor.dtype in (torch.bfloat16, torch.float16) and \
+        documents is None and cache is None
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -83,8 +85,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, chunk_size: int = 64, documents=Non
     if pad:  # zero keys, values and decays past the end change no earlier output
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
         g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
-        if documents is not None:
-            documents = F.pad(documents, (0, pad), value=-1)
+        if documents is not None:  # (the padding in the last document: it changes no state, so the final one stands)
+            documents = torch.cat([documents, documents[:, -1:].expand(-1, pad)], dim=1)
     n, c = (s + pad) // chunk_size, chunk_size
     q, k, v = (t.reshape(b, h, n, c, -1) for t in (q, k, v))
     g, beta = g.reshape(b, h, n, c), beta.reshape(b, h, n, c)
@@ -147,13 +149,14 @@ def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, documents=None)
     if documents is None:  # one call of torch's kernel, [b, C, s]
         y = F.conv1d(x.permute(1, 2, 0), weight.unsqueeze(1), padding=kernel - 1, groups=weight.size(0))[..., :s]
         return F.silu(y).permute(2, 0, 1)
-    y = x * weight[:, -1]
+    x32, weight32 = x.float(), weight.float()  # (the taps summed in fp32, as the conv kernel accumulates)
+    y = x32 * weight32[:, -1]
     docs = documents.t()  # [s, b]
     for back in range(1, min(kernel, s)):  # tap K-1-back reads the token `back` places earlier
-        same = (docs[back:] == docs[:-back]).unsqueeze(-1).to(x.dtype)  # [s - back, b, 1]
-        shifted = F.pad(x[:-back] * same, (0, 0, 0, 0, back, 0))
-        y = y + shifted * weight[:, kernel - 1 - back]
-    return F.silu(y)
+        same = (docs[back:] == docs[:-back]).unsqueeze(-1).to(x32.dtype)  # [s - back, b, 1]
+        shifted = F.pad(x32[:-back] * same, (0, 0, 0, 0, back, 0))
+        y = y + shifted * weight32[:, kernel - 1 - back]
+    return F.silu(y.to(x.dtype))
 
 
 def parameter_numels(config) -> dict:
@@ -281,17 +284,19 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mixed.view(s, b, key_heads, -1).split(self.group_sizes[:3], dim=-1)
         g = -self.A_log[heads].float().exp() * F.softplus(a.reshape(s, b, value_heads).float()
                                                           + self.dt_bias[heads].float())  # [s, b, nv/tp]
-        if fla_applies(proj, documents, cache):  # [b, s, heads, d]; the key heads shared by their value heads, the
-            out, _ = FLA_CHUNK(*(t.transpose(0, 1) for t in (q, k, v.reshape(s, b, value_heads, self.dv), g,
-                                                             beta.reshape(s, b, value_heads).float().sigmoid())),
-                               use_qk_l2norm_in_kernel=True)  # L2 norms and the 1/sqrt(dk) scale in the kernel
+        beta = beta.reshape(s, b, value_heads).sigmoid().float()  # (in the model's dtype first, as transformers)
+        if fla_applies(proj, documents, cache):  # [b, s, heads, d], the L2 norms and the 1/sqrt(dk) scale in the
+            # kernel; q and k repeated for their value heads here (as megatron-core does: fla releases before grouped
+            # value heads read betas and decays at the key heads' stride)
+            q, k = (t.repeat_interleave(self.ratio, dim=2) for t in (q, k))
+            out, _ = FLA_CHUNK(*(t.transpose(0, 1) for t in (q, k, v.reshape(s, b, value_heads, self.dv), g, beta)),
+                               use_qk_l2norm_in_kernel=True)
             return self._gated_norm(out.transpose(0, 1).to(proj.dtype), z, value_heads)
         # -> [b, heads, s, d] in fp32; each key head serves its `ratio` consecutive value heads
         q, k = (t.float().repeat_interleave(self.ratio, dim=2).permute(1, 2, 0, 3) for t in (q, k))
         v = v.reshape(s, b, value_heads, self.dv).float().permute(1, 2, 0, 3)
         q, k = l2_normalize(q) * self.dk ** -0.5, l2_normalize(k)
-        beta = beta.reshape(s, b, value_heads).float().sigmoid().permute(1, 2, 0)  # [b, nv/tp, s]
-        g = g.permute(1, 2, 0)  # [b, nv/tp, s]
+        beta, g = beta.permute(1, 2, 0), g.permute(1, 2, 0)  # [b, nv/tp, s]
         if cache is None:
             out, _ = chunk_gated_delta_rule(q, k, v, g, beta, self.config.linear_attention_chunk_size, documents)
         else:  # the prompt by chunks, then a token at a time, from the state the cache holds
