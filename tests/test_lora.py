@@ -224,6 +224,7 @@ def test_merged_adapters_are_peft_merge_and_unload(llama):
         assert torch.allclose(tensor, want[key], atol=1e-6, rtol=0), key
 
 
+@pytest.mark.slow  # (6 s of the quick tier: nine bad inputs, each a run's start)
 def test_bad_lora_flags_and_adapters_are_one_message_each(llama, tmp_path):
     """A target the model does not have, a rank above a projection's dimensions, LoRA options without a rank, an
     adapter for another base (shapes), an adapter whose config disagrees with the flags, a pickled adapter: one

@@ -63,6 +63,7 @@ def _windows_dataset(ref: dict, prefix: str) -> None:
     builder.finalize()
 
 
+@pytest.mark.slow  # (4.5 s of the quick tier)
 def test_evaluate_and_resume_a_megatron_deepspeed_run(tmp_path):
     """evaluate.py --load at TP 1 (the TP 2 x PP 2 files resharded as read) gives Megatron-DeepSpeed's loss; a
     run script's flags with --load continue at iteration 3 with its consumed samples, Adam fresh (said)."""
