@@ -23,7 +23,6 @@ follow the value heads. The gated norm's weight is replicated, and its gradient 
 from __future__ import annotations
 
 import math
-import zlib
 from functools import partial
 
 import torch
@@ -31,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.errors import ConfigError
-from hybrid.model.init import normal_init, output_layer_std
+from hybrid.model.init import normal_init, output_layer_std, seeded_init
 from hybrid.model.norms import RMSNorm
 from hybrid.parallel import mappings as M
 from hybrid.parallel import ring_attention
@@ -201,16 +200,6 @@ class SequenceSplit:
         return back.view(n, s, b, -1).permute(1, 2, 0, 3).reshape(s, b, -1)
 
 
-def _seeded_init(seed: int, name: str, fill):
-    """An init that calls `fill(tensor, generator)` with a generator seeded by the run's seed and the name."""
-    param_seed = (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-
-    def init(tensor):
-        with torch.no_grad():
-            fill(tensor, torch.Generator().manual_seed(param_seed))
-    return init
-
-
 class GatedDeltaNet(nn.Module):
     """A Gated DeltaNet token mixer on [s(/tp), b, h] -> [s(/tp), b, h] (Qwen3.5's `linear_attn`): a column-parallel
     input projection, the causal conv on q/k/v, the gated delta rule per value head, an RMSNorm gated by SiLU(z),
@@ -234,11 +223,11 @@ class GatedDeltaNet(nn.Module):
         bound = 1.0 / math.sqrt(kernel)  # torch's Conv1d default for a depthwise kernel
         self.conv_weight = make_parallel_param(
             (channels, kernel), 0, 1, groups,
-            _seeded_init(config.seed, f"{name}.conv_weight", lambda t, gen: t.uniform_(-bound, bound, generator=gen)),
+            seeded_init(config.seed, f"{name}.conv_weight", lambda t, gen: t.uniform_(-bound, bound, generator=gen)),
             torch.float32, None)
         self.A_log = make_parallel_param(  # megatron-core's: A uniform in [1, 16]
             (nv,), 0, 1, groups,
-            _seeded_init(config.seed, f"{name}.A_log", lambda t, gen: t.copy_(t.uniform_(1, 16, generator=gen).log())),
+            seeded_init(config.seed, f"{name}.A_log", lambda t, gen: t.copy_(t.uniform_(1, 16, generator=gen).log())),
             torch.float32, None)
         self.dt_bias = make_parallel_param((nv,), 0, 1, groups, nn.init.ones_, torch.float32, None)
         self.norm = RMSNorm(self.dv, config.norm_epsilon, groups, sequence_parallel=tp > 1)  # (heads split: summed)

@@ -15,16 +15,20 @@ import torch
 from hybrid.parallel.layers import InitMethod
 
 
-def normal_init(seed: int, name: str, std: float) -> InitMethod:
-    """N(0, std) for the parameter called `name`."""
+def seeded_init(seed: int, name: str, fill) -> InitMethod:
+    """An init calling `fill(tensor, generator)` with a generator seeded by the run's seed and the parameter's name."""
     param_seed = (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
     def init(tensor: torch.Tensor) -> None:
-        generator = torch.Generator().manual_seed(param_seed)
         with torch.no_grad():
-            tensor.normal_(0.0, std, generator=generator)
+            fill(tensor, torch.Generator().manual_seed(param_seed))
 
     return init
+
+
+def normal_init(seed: int, name: str, std: float) -> InitMethod:
+    """N(0, std) for the parameter called `name`."""
+    return seeded_init(seed, name, lambda tensor, generator: tensor.normal_(0.0, std, generator=generator))
 
 
 def output_layer_std(std: float, num_layers: int) -> float:
