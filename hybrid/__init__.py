@@ -22,6 +22,7 @@ Modules (by floor, the ground first; tests/test_structure.py keeps the floors):
   dry_run          --dry-run's report
   evaluation       launch/evaluate.py
   generation       launch/generate.py
+  serving          launch/serve.py: an OpenAI-compatible endpoint on the engine's decoder
   training         the training run on a DeepSpeed engine
   cli              console entry points
 """

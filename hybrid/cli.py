@@ -26,3 +26,8 @@ def evaluate_main() -> None:
 def generate_main() -> None:
     from hybrid.generation import main  # each command imports only its own modules
     sys.exit(main())
+
+
+def serve_main() -> None:
+    from hybrid.serving import main  # each command imports only its own modules
+    sys.exit(main())

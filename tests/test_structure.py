@@ -24,7 +24,7 @@ FLOORS = [
     # 5: a run's configuration, and where it starts (decided before the config is built; no DeepSpeed, no model)
     ("hybrid.architecture", "hybrid.ds_config", "hybrid.config", "hybrid.dry_run", "hybrid.training.start"),
     # 6: what runs a model: evaluation and training (neither imports the other)
-    ("hybrid.evaluation", "hybrid.generation", "hybrid.training"),
+    ("hybrid.evaluation", "hybrid.generation", "hybrid.serving", "hybrid.training"),
     # 7: entry points
     ("hybrid.cli",),
 ]

@@ -39,6 +39,7 @@ class SamplingOptions:
     seed: int = 0
     eos: tuple = ()  # token ids that end a row (kept as its last token); none: rows run to max_new_tokens
     pad: int = 0  # the id left padding carries (never attended)
+    top_logprobs: int = 0  # also keep each step's n most likely tokens and their log-probabilities (Generated.top)
 
 
 @dataclass
@@ -52,6 +53,9 @@ class Generated:
     # record_routes: the experts each position's token was routed to in each of this rank's MoE layers, [b, width +
     # max_new_tokens, layers, k] (int16) over the generation's slots (prompts left-padded to `width`), -1 where none
     routes: Optional[torch.Tensor] = None
+    # top_logprobs n > 0: per row, per completion token, the n most likely [(id, log-probability)] of the distribution
+    # its log-probability is taken from (OpenAI's top_logprobs; launch/serve.py)
+    top: Optional[list] = None
 
 
 @contextlib.contextmanager
@@ -145,12 +149,13 @@ class _Pipeline:
 
 def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optional[Sequence[int]] = None,
              device=None, stop: Optional[Callable[[int, list], bool]] = None, sync=None,
-             record_routes: bool = False) -> Generated:
+             record_routes: bool = False, on_step: Optional[Callable[[list], None]] = None) -> Generated:
     """Complete every prompt (token id lists) with `model` (a RankModel at this rank's layout). `keys`: each
     row's global index for its sampling generator (default 0 ..); `stop(row, tokens)`: a host-side check after
     each step (stop strings) that ends a row early; `sync`: an Axis whose ranks must run every step together
     (expert parallelism: their experts meet in each step), so decoding ends when all of theirs have ended;
-    `record_routes`: keep the MoE layers' routing of every token (Generated.routes; --grpo's routing replay)."""
+    `record_routes`: keep the MoE layers' routing of every token (Generated.routes; --grpo's routing replay);
+    `on_step(tokens)`: each step's chosen ids (a host list, one per row; a streaming server's deltas)."""
     groups = model.groups if groups is None else groups
     device = device or next(model.parameters()).device
     b, width = len(prompts), max(len(p) for p in prompts)
@@ -171,6 +176,8 @@ def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optio
     eos = torch.as_tensor(list(options.eos) or [-1], device=device)
     out_tokens = torch.zeros(b, options.max_new_tokens, dtype=torch.long, device=device)
     out_logps = torch.zeros(b, options.max_new_tokens, dtype=torch.float32, device=device)
+    n_top = options.top_logprobs
+    out_top = torch.zeros(b, options.max_new_tokens, 2, n_top, dtype=torch.float64, device=device) if n_top else None
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     lengths = torch.full((b,), options.max_new_tokens, dtype=torch.long, device=device)
     routes = None
@@ -182,13 +189,22 @@ def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optio
         layout, start, new = DecodeLayout(positions=positions.t(), cache=cache, start=0, routes=routes), 0, ids
         for step in range(options.max_new_tokens):
             logits = pipe.logits(new, layout, model.config.hidden_size)
-            chosen = torch.zeros(2, b, dtype=torch.float64, device=device)
+            chosen = torch.zeros(2 + 2 * n_top, b, dtype=torch.float64, device=device)
             if logits is not None:
                 tokens, logps = choose(logits, options, gens)
-                chosen = torch.stack([tokens.double(), logps.double()])
+                parts = [tokens.double()[None], logps.double()[None]]
+                if n_top:  # the same distribution the chosen token's log-probability is read from
+                    top = torch.log_softmax(logits / options.temperature if options.temperature > 0 else logits,
+                                            dim=-1).topk(min(n_top, logits.size(-1)), dim=-1)
+                    parts += [_widen(top.indices.double().t(), n_top), _widen(top.values.double().t(), n_top)]
+                chosen = torch.cat(parts)
             chosen = pipe.share(chosen)
             tokens, logps = chosen[0].long(), chosen[1].float()
             out_tokens[:, step], out_logps[:, step] = tokens, logps
+            if n_top:
+                out_top[:, step] = chosen[2:].reshape(2, n_top, b).permute(2, 0, 1)
+            if on_step is not None:
+                on_step(tokens.tolist())
             ends = (~finished) & torch.isin(tokens, eos)
             lengths = torch.where(ends, step + 1, lengths)
             finished |= ends
@@ -205,9 +221,18 @@ def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optio
     counts = lengths.clamp(max=steps).tolist()
     tokens, logps = out_tokens.tolist(), out_logps.tolist()
     elapsed = time.perf_counter() - start_time
+    top = None
+    if n_top:
+        host = out_top.tolist()
+        top = [[list(zip(map(int, host[r][t][0]), host[r][t][1])) for t in range(counts[r])] for r in range(b)]
     return Generated([tokens[r][:counts[r]] for r in range(b)], [logps[r][:counts[r]] for r in range(b)],
                      {"rows": b, "steps": steps, "prefill_s": prefill_s, "decode_s": elapsed - prefill_s,
-                      "new_tokens": int(sum(counts)), "cache_bytes": cache.bytes()}, routes)
+                      "new_tokens": int(sum(counts)), "cache_bytes": cache.bytes()}, routes, top)
+
+
+def _widen(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """[k, b] -> [n, b]: a vocabulary smaller than n repeats its last row (never read past the vocabulary)."""
+    return rows if rows.size(0) == n else torch.cat([rows, rows[-1:].expand(n - rows.size(0), -1)])
 
 
 def _all_done(finished: torch.Tensor, sync) -> bool:
