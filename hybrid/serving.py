@@ -27,6 +27,7 @@ returned stops before it, as OpenAI's), or at max_tokens ("length"). SIGINT / SI
 from __future__ import annotations
 
 import json
+import math
 import queue
 import signal
 import threading
@@ -43,14 +44,22 @@ from jinja2.exceptions import TemplateError
 
 from hybrid.data.prompts import encode_prompt
 from hybrid.data.tokenizer import HFTokenizer, end_ids
+from hybrid.distributed import log
 from hybrid.errors import ConfigError
 from hybrid.evaluation import add_source_flags, layout_dims, loaded_model, open_checkpoint, rank_device, script_main
 from hybrid.flags import FlagParser
 from hybrid.model.generate import SamplingOptions, generate
 from hybrid.parallel.groups import build_groups
 
-HEARTBEAT_S = 60.0
+HEARTBEAT_S = 60.0  # well inside the collectives' timeout (10 minutes, hybrid.distributed.init_distributed)
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (completions' logprobs: 5)
+GREEDY_BELOW = 1e-5  # a smaller temperature decodes greedily (vLLM's rule: logits / T would overflow)
+# OpenAI's fields that change the answer and that this server does not apply: refused by name, not ignored
+UNSUPPORTED = {  # field: (why, the values that change nothing)
+    "tools": ("no tool-call parser", ([],)), "tool_choice": ("no tool-call parser", ("none", "auto")),
+    "functions": ("no tool-call parser", ([],)), "response_format": ("no constrained decoding", ({"type": "text"},)),
+    "logit_bias": ("no logit bias", ({},)), "presence_penalty": ("no penalties", (0,)),
+    "frequency_penalty": ("no penalties", (0,)), "suffix": ("no infilling", ("",)), "best_of": ("no best-of", (1,))}
 
 
 def build_parser():
@@ -73,14 +82,15 @@ def build_parser():
 class RequestError(Exception):
     """A request the server refuses: HTTP status, OpenAI's error message and the field it names."""
 
-    def __init__(self, message: str, param: Optional[str] = None, status: int = HTTPStatus.BAD_REQUEST):
+    def __init__(self, message: str, param: Optional[str] = None, status: int = HTTPStatus.BAD_REQUEST,
+                 code: Optional[str] = None):
         super().__init__(message)
-        self.param, self.status = param, status
+        self.param, self.status, self.code = param, status, code
 
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": str(self), "type": kind, "param": self.param,
-                          "code": "model_not_found" if self.status == HTTPStatus.NOT_FOUND else None}}
+                          "code": self.code}}
 
 
 @dataclass
@@ -98,12 +108,15 @@ class Job:
     logprobs: bool
     stream: bool
     prompt_tokens: list
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
     result: Optional[list] = None  # per row: (ids, logprobs, top, finish_reason, text)
     error: Optional[str] = None
     done: threading.Event = field(default_factory=threading.Event)
     chunks: "queue.Queue" = field(default_factory=queue.Queue)
+    sent: dict = field(default_factory=dict)  # streaming: per choice, (text sent, tokens so far)
+    streaming: bool = True  # turned off if a streamed step fails (the answer still comes whole at the end)
 
     def batch_key(self) -> tuple:
         o = self.options
@@ -116,14 +129,13 @@ class Server:
     def __init__(self, args, model, groups, tokenizer, options: SamplingOptions, name: str, device):
         self.args, self.model, self.groups, self.tokenizer = args, model, groups, tokenizer
         self.options, self.name, self.device = options, name, device
-        self.jobs: "queue.Queue" = queue.Queue()
+        self.jobs: "queue.SimpleQueue" = queue.SimpleQueue()  # put() is safe inside a signal handler
         self.pending: list = []
         self.rows_served, self.lock = 0, threading.Lock()
         # held, the decoder takes no more than the one job it may be waiting for: requests sent meanwhile wait and
         # then decode together (an operator's pause; the tests' way to make a batch of separate requests)
         self.taking = threading.Lock()
         self.http: Optional[ThreadingHTTPServer] = None
-        self.specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
         self.stats = {"requests": 0, "rows": 0, "batches": 0, "new_tokens": 0, "largest_batch": 0}
 
     # ---- rank 0: HTTP ----------------------------------------------------------------------------------------
@@ -155,7 +167,10 @@ class Server:
 
             def do_POST(self):
                 try:
-                    length = int(self.headers.get("Content-Length") or 0)
+                    try:
+                        length = int(self.headers.get("Content-Length") or 0)
+                    except ValueError:
+                        raise RequestError("Content-Length is not a number.")
                     try:
                         body = json.loads(self.rfile.read(length) or b"{}")
                     except ValueError as e:
@@ -165,7 +180,12 @@ class Server:
                     route = self.path.rstrip("/")
                     if route not in ("/v1/completions", "/v1/chat/completions"):
                         raise RequestError(f"no route POST {self.path}", status=404)
-                    job = server.parse(body, chat=route.endswith("chat/completions"))
+                    try:
+                        job = server.parse(body, chat=route.endswith("chat/completions"))
+                    except RequestError:
+                        raise
+                    except Exception as e:  # a form parse() did not foresee: the client's error, never the server's end
+                        raise RequestError(f"the request could not be read: {type(e).__name__}: {e}")
                 except RequestError as e:
                     self._send(e.status, e.body())
                     return
@@ -193,6 +213,9 @@ class Server:
                             break
                         self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                         self.wfile.flush()
+                    if job.error:  # as vLLM: an error event, then the end
+                        error = RequestError(job.error, status=500).body()
+                        self.wfile.write(b"data: " + json.dumps(error).encode() + b"\n\n")
                     self.wfile.write(b"data: [DONE]\n\n")
                     self.wfile.flush()
                 except (BrokenPipeError, ConnectionResetError):  # the client left; its rows finish unread
@@ -209,9 +232,12 @@ class Server:
         model = body.get("model")
         if model is not None and model != self.name:
             raise RequestError(f"The model `{model}` does not exist: this server serves `{self.name}`.", "model",
-                               HTTPStatus.NOT_FOUND)
+                               HTTPStatus.NOT_FOUND, "model_not_found")
         if body.get("echo"):
             raise RequestError("echo is not supported: the prompt is not returned with the completion.", "echo")
+        for key, (why, neutral) in UNSUPPORTED.items():  # refused by name: the client would believe they applied
+            if body.get(key) is not None and body.get(key) not in neutral:
+                raise RequestError(f"{key} is not supported by this server ({why}).", key)
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(
@@ -220,7 +246,7 @@ class Server:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise RequestError("the model's tokenizer has no chat template: use /v1/completions.", "messages")
             try:
-                prompts = [encode_prompt(self.tokenizer, messages)]
+                prompts = [encode_prompt(self.tokenizer, [_plain(m) for m in messages])]
             except TemplateError as e:
                 raise RequestError(f"the chat template could not render the messages: {e}", "messages")
         else:
@@ -236,6 +262,7 @@ class Server:
         limit = _int(body, "max_completion_tokens", None, low=1) if chat else None
         limit = limit or _int(body, "max_tokens", default, low=1)
         temperature = _number(body, "temperature", 1.0, low=0.0)
+        temperature = 0.0 if temperature < GREEDY_BELOW else temperature  # vLLM's rule: 1/T would overflow
         top_p = _number(body, "top_p", 1.0, low=0.0)
         if not 0.0 < top_p <= 1.0:
             raise RequestError(f"top_p {top_p}: give a value in (0, 1].", "top_p")
@@ -249,6 +276,8 @@ class Server:
             alternatives = _int(body, "top_logprobs", 0, low=0) if logprobs else 0
             if not logprobs and body.get("top_logprobs"):
                 raise RequestError("top_logprobs needs logprobs: true.", "top_logprobs")
+            if alternatives > MAX_TOP_LOGPROBS:
+                raise RequestError(f"top_logprobs {alternatives}: give at most {MAX_TOP_LOGPROBS}.", "top_logprobs")
         else:
             alternatives = _int(body, "logprobs", None, low=0) if body.get("logprobs") is not None else None
             logprobs, alternatives = alternatives is not None, alternatives or 0
@@ -261,28 +290,28 @@ class Server:
         if len(rows) > self.args.max_batch_size:
             raise RequestError(f"{len(rows)} completions in one request (prompts x n): this server decodes at most "
                                f"{self.args.max_batch_size} together (--max-batch-size).", "n")
-        longest = max(len(ids) for ids in rows) + limit
-        if self.model.config.position_embedding_type == "learned_absolute" and \
-                longest > self.model.config.max_position_embeddings:
-            raise RequestError(f"the prompt plus max_tokens is {longest} tokens, past the model's "
-                               f"{self.model.config.max_position_embeddings} positions.", "max_tokens")
+        longest, room = max(len(ids) for ids in rows) + limit, self.model.config.max_position_embeddings
+        if longest > room:  # the cache holds prompt + max_tokens slots per row: bounded by the model's context
+            raise RequestError(f"This model's maximum context length is {room} tokens; the prompt plus max_tokens "
+                               f"is {longest}: give a smaller max_tokens or a shorter prompt.", "max_tokens")
         if seed is None:
             with self.lock:
                 keys = list(range(self.rows_served, self.rows_served + len(rows)))
                 self.rows_served += len(rows)
         else:
             keys = list(range(len(rows)))
+        alternatives = min(alternatives, vocab)
         options = replace(self.options, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
                           seed=self.args.seed if seed is None else seed, top_logprobs=alternatives,
                           max_new_tokens=limit)
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return Job(chat, rows, options, [limit] * len(rows), stops, keys, alternatives, logprobs,
-                   bool(body.get("stream")), [len(ids) for ids in prompts])
+                   bool(body.get("stream")), [len(ids) for ids in prompts], usage)
 
     def answer(self, job: Job) -> dict:
         """The finished job in OpenAI's response form."""
-        choices, completion_tokens = [], 0
+        choices = []
         for index, (ids, logps, top, reason, text) in enumerate(job.result):
-            completion_tokens += len(ids)
             choice = {"index": index, "finish_reason": reason,
                       "logprobs": self._logprobs(job, ids, logps, top) if job.logprobs else None}
             if job.chat:
@@ -290,28 +319,36 @@ class Server:
             else:
                 choice["text"] = text
             choices.append(choice)
-        prompt_tokens = sum(job.prompt_tokens) * (len(job.rows) // len(job.prompt_tokens))
         return {"id": ("chatcmpl-" if job.chat else "cmpl-") + job.id,
                 "object": "chat.completion" if job.chat else "text_completion", "created": job.created,
-                "model": self.name, "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens},
-                "system_fingerprint": None}
+                "model": self.name, "choices": choices, "usage": _usage(job), "system_fingerprint": None}
 
     def _logprobs(self, job: Job, ids, logps, top) -> dict:
-        piece = self._piece
+        """OpenAI's logprobs object. Each token's text is what it adds to the decoded text (special tokens kept), so
+        the tokens add up to the text (a SentencePiece token's leading space included); an alternative's text is
+        its own decode."""
+        pieces, before = [], ""
+        for k in range(len(ids)):
+            now = self.tokenizer.decode(ids[:k + 1], skip_special_tokens=False)
+            pieces.append(now[len(before):] if now.startswith(before) else self._piece(ids[k]))
+            before = now
+        alternatives = [list(top[k]) if top else [] for k in range(len(ids))]
         if job.chat:
             return {"content": [
-                {"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode()),
-                 "top_logprobs": [{"token": piece(i), "logprob": v, "bytes": list(piece(i).encode())}
-                                  for i, v in (top[k] if top else [])]}
-                for k, (t, lp) in enumerate(zip(ids, logps))]}
+                {"token": pieces[k], "logprob": lp, "bytes": list(pieces[k].encode()),
+                 "top_logprobs": [{"token": self._piece(i), "logprob": v, "bytes": list(self._piece(i).encode())}
+                                  for i, v in alternatives[k]]}
+                for k, lp in enumerate(logps)]}
         offsets, at = [], 0
-        for t in ids:
+        for piece in pieces:
             offsets.append(at)
-            at += len(piece(t))
-        return {"tokens": [piece(t) for t in ids], "token_logprobs": logps, "text_offset": offsets,
-                "top_logprobs": [{piece(i): v for i, v in top[k]} for k in range(len(ids))] if top else None}
+            at += len(piece)
+        tops = []
+        for k, (t, lp) in enumerate(zip(ids, logps)):  # OpenAI's: the n most likely, and the chosen token
+            entry = {self._piece(i): v for i, v in alternatives[k]}
+            entry.setdefault(pieces[k], lp)
+            tops.append(entry)
+        return {"tokens": pieces, "token_logprobs": logps, "text_offset": offsets, "top_logprobs": tops}
 
     def _piece(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
@@ -336,6 +373,8 @@ class Server:
                 except queue.Empty:
                     break
         if self.pending[0] is None:  # told to stop: the requests still waiting are answered with an error
+            while not self.jobs.empty():
+                self.pending.append(self.jobs.get_nowait())
             for job in self.pending[1:]:
                 if job is not None:
                     job.error = "the server is shutting down"
@@ -390,16 +429,12 @@ class Server:
         hits: dict = {}
 
         def stop(r, tokens):  # the same on every rank of the decode: each reads the same tokens
-            if len(tokens) >= limits[r]:
+            if stops[r] and _holds_stop(self.tokenizer, tokens, stops[r]):  # before the limit: a stop in the
+                hits[r] = True                                               # last token is still a stop
                 return True
-            if stops[r]:
-                text = self.tokenizer.decode(tokens, skip_special_tokens=False)
-                if any(s in text for s in stops[r]):
-                    hits[r] = True
-                    return True
-            return False
+            return len(tokens) >= limits[r]
 
-        streams = _Streams(self, jobs, spec, local) if jobs and dist_rank() == 0 and spec["stream"] else None
+        streams = _Streams(self, jobs, local) if jobs and dist_rank() == 0 and spec["stream"] else None
         out = generate(self.model, groups, [rows[k] for k in local], options, keys=[spec["keys"][k] for k in local],
                        device=self.device, stop=stop, sync=groups.ep if groups.ep.size > 1 else None,
                        on_step=streams.step if streams else None)
@@ -415,8 +450,6 @@ class Server:
                 return None
             local_rows = [row for part in gathered for row in part]
         ordered = sorted(local_rows, key=lambda row: row[0])
-        if streams:
-            streams.out = ordered
         self.stats["new_tokens"] += sum(len(row[1]) for row in ordered)
         return [row[1:] for row in ordered]
 
@@ -445,20 +478,27 @@ class Server:
         return ids, logps, top, "length", self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def cut(self, ids: list, stops: list) -> str:
-        """The text before the first stop string (matched with special tokens kept), the special tokens dropped."""
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        """The text before the first stop string (matched with special tokens kept), special tokens dropped as
+        everywhere else: the whole tokens before it decoded as any text, then the part of the next token that
+        precedes it (plain text: a special token is matched whole)."""
+        decode = self.tokenizer.decode
+        text = decode(ids, skip_special_tokens=False)
         at = min((text.find(s) for s in stops if s in text), default=len(text))
-        text = text[:at]
-        for special in self.specials:
-            text = text.replace(special, "")
-        return text
+        whole = 0  # the most whole tokens whose text is a prefix of the text before the stop (a token ending
+        for m in range(1, len(ids) + 1):  # inside a character decodes to U+FFFD, which is no prefix)
+            if text[:at].startswith(decode(ids[:m], skip_special_tokens=False)):
+                whole = m
+        kept = decode(ids[:whole], skip_special_tokens=False)
+        return decode(ids[:whole], skip_special_tokens=True) + text[len(kept):at]
 
 
 class _Streams:
-    """Rank 0's streamed deltas: after each decode step, the new text of every streaming row decoded here."""
+    """Rank 0's streamed deltas: after each decode step, the new text of every streaming row decoded here (rows on
+    other data-parallel ranks arrive whole with the finish). Text that could begin a stop string, and a character
+    whose bytes have not all come, are held back until they are settled."""
 
-    def __init__(self, server: Server, jobs: list, spec: dict, local: list):
-        self.server, self.out = server, None
+    def __init__(self, server: Server, jobs: list, local: list):
+        self.server = server
         self.rows = []  # (job, choice index, local row) per local row that streams
         owner, at = {}, 0
         for job in jobs:
@@ -469,54 +509,88 @@ class _Streams:
             job, j = owner[k]
             if job.stream:
                 self.rows.append((job, j, r))
-                job.sent = getattr(job, "sent", {})
-                job.sent[j] = ("", [])  # (text sent, tokens so far)
+                job.sent[j] = ("", [])
         self.eos, self.ended = set(server.options.eos), set()
         for job in jobs:
-            if job.stream and not getattr(job, "opened", False):
-                job.opened = True
-                if job.chat:
-                    for j in range(len(job.rows)):
-                        job.chunks.put(_chunk(server, job, j, {"role": "assistant", "content": ""}))
+            if job.stream and job.chat:
+                for j in range(len(job.rows)):
+                    job.chunks.put(_chunk(server, job, j, {"role": "assistant", "content": ""}))
 
     def step(self, tokens: list) -> None:
         for job, j, r in self.rows:
-            if (job.id, j) in self.ended:
+            if (job.id, j) in self.ended or not job.streaming:
                 continue
-            sent, ids = job.sent[j]
-            ids = ids + [tokens[r]]
-            if tokens[r] in self.eos or len(ids) >= job.limits[j]:
-                self.ended.add((job.id, j))
-                job.sent[j] = (sent, ids)
-                continue  # its last text goes with finish_reason
-            text = self.server.tokenizer.decode(ids, skip_special_tokens=True)
-            hold = max((len(s) for s in job.stops), default=1) - 1  # a stop string may be starting
-            ready = text[:len(text) - hold] if hold else text
-            if ready.endswith("\ufffd"):  # half of a character's bytes
-                ready = ready[:-1]
-            if job.stops and any(s in self.server.tokenizer.decode(ids, skip_special_tokens=False)
-                                 for s in job.stops):
-                self.ended.add((job.id, j))
-                job.sent[j] = (sent, ids)
-                continue
-            if len(ready) > len(sent) and ready.startswith(sent):
-                job.chunks.put(_delta(self.server, job, j, ready[len(sent):]))
-                sent = ready
-            job.sent[j] = (sent, ids)
+            try:
+                self._advance(job, j, tokens[r])
+            except Exception:  # never let a client's stream stop the ranks: its answer comes whole at the end
+                job.streaming = False
+
+    def _advance(self, job: Job, j: int, token: int) -> None:
+        tokenizer = self.server.tokenizer
+        sent, ids = job.sent[j]
+        ids = ids + [token]
+        job.sent[j] = (sent, ids)
+        if token in self.eos or (job.stops and _holds_stop(tokenizer, ids, job.stops)) or len(ids) >= job.limits[j]:
+            self.ended.add((job.id, j))  # its last text goes with finish_reason
+            return
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        hold = max((len(s) for s in job.stops), default=1) - 1  # a stop string may be starting
+        ready = text[:max(len(text) - hold, 0)].rstrip("\ufffd")  # U+FFFD: a character's bytes still coming
+        if len(ready) > len(sent) and ready.startswith(sent):
+            job.chunks.put(_delta(self.server, job, j, ready[len(sent):]))
+            job.sent[j] = (ready, ids)
 
     @staticmethod
     def finish(server: Server, job: Job) -> None:
-        sent = getattr(job, "sent", {})
         for j, (ids, logps, top, reason, text) in enumerate(job.result):
-            already = sent.get(j, ("", []))[0]
-            rest = text[len(already):] if text.startswith(already) else text
+            already = job.sent.get(j, ("", []))[0]
+            if text.startswith(already):
+                rest = text[len(already):]
+            else:  # a tokenizer whose text changed behind what was sent: send nothing twice
+                rest = ""
+                log(f"serve: request {job.id} choice {j}: the streamed text is not a prefix of the answer")
             if rest:
                 job.chunks.put(_delta(server, job, j, rest))
             last = _chunk(server, job, j, {} if job.chat else None, text="", reason=reason)
-            if job.logprobs:
+            if job.logprobs:  # every token's log-probabilities with the finish (not with each delta)
                 last["choices"][0]["logprobs"] = server._logprobs(job, ids, logps, top)
             job.chunks.put(last)
+        if job.include_usage:
+            usage = _chunk(server, job, 0, {})
+            usage["choices"], usage["usage"] = [], _usage(job)
+            job.chunks.put(usage)
         job.chunks.put(None)
+
+
+def _usage(job: Job) -> dict:
+    """OpenAI's usage: each prompt counted once (n choices share it), every completion token."""
+    prompt = sum(job.prompt_tokens)
+    completion = sum(len(row[0]) for row in job.result)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _holds_stop(tokenizer, ids: list, stops: list) -> bool:
+    """The completion's text (special tokens kept) holds a stop string: only its last tokens are decoded (a stop
+    string of L characters lies within the last 4 L + 4 tokens, a character being at most 4 byte tokens)."""
+    tail = ids[-(4 * max(len(s) for s in stops) + 4):]
+    text = tokenizer.decode(tail, skip_special_tokens=False)
+    return any(s in text for s in stops)
+
+
+def _plain(message: dict) -> dict:
+    """OpenAI's content forms as chat templates take them: a list of text parts joined, None as empty text."""
+    content = message.get("content")
+    if content is None:
+        return {**message, "content": ""}
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise RequestError("messages: only text content parts ({\"type\": \"text\", \"text\": ...}) are "
+                               "supported.", "messages")
+        return {**message, "content": "".join(p["text"] for p in content)}
+    if not isinstance(content, str):
+        raise RequestError("messages: content must be a string or a list of text parts.", "messages")
+    return message
 
 
 def _chunk(server, job, j, delta, text=None, reason=None) -> dict:
@@ -576,8 +650,8 @@ def _number(body: dict, key: str, default: float, low: float) -> float:
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
-        raise RequestError(f"{key} {value!r}: give a number >= {low}.", key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
+        raise RequestError(f"{key} {value!r}: give a finite number >= {low}.", key)
     return float(value)
 
 

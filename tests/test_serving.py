@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -51,11 +52,23 @@ def _client(url: str, server) -> dict:
     out["stream"] = [ch.model_dump() for ch in c.completions.create(model="model", prompt=TEXTS[0], max_tokens=NEW,
                                                                      temperature=0, stream=True)]
     first = greedy.choices[0].text
-    out["stop"] = first[2:5]
-    out["stopped"] = c.completions.create(model="model", prompt=TEXTS[0], max_tokens=NEW, temperature=0,
-                                          stop=[out["stop"], "never there"]).model_dump()
+    out["stop"] = stop = first[2:5]
+    cut = dict(model="model", prompt=TEXTS[0], max_tokens=NEW, temperature=0, stop=[stop, "never there"])
+    out["stopped"] = c.completions.create(**cut).model_dump()
+    out["stopped_stream"] = [ch.model_dump() for ch in c.completions.create(**cut, stream=True)]
+    # a stop string completed by the last token max_tokens allows is still a stop
+    ids = server.tokenizer(TEXTS[0])["input_ids"]
+    tokens = c.completions.create(model="model", prompt=ids, max_tokens=NEW, temperature=0, logprobs=0)
+    pieces = tokens.choices[0].logprobs.tokens
+    out["stop_at"] = at = next(m for m in range(1, len(pieces) + 1) if stop in "".join(pieces[:m]))
+    out["stop_last"] = c.completions.create(**{**cut, "max_tokens": at}).model_dump()
     out["short"] = c.completions.create(model="model", prompt=TEXTS[1], max_tokens=3, temperature=0).model_dump()
     out["sampled"] = c.completions.create(model="model", prompt=TEXTS[2], max_tokens=NEW, **SAMPLED).model_dump()
+    # OpenAI's content parts; a temperature below 1e-5 decodes greedily (vLLM's rule); usage on a streamed request
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello."}]}]
+    out["parts"] = c.chat.completions.create(**{**chat, "messages": parts, "temperature": 1e-7}).model_dump()
+    out["usage_stream"] = [ch.model_dump() for ch in c.chat.completions.create(
+        **chat, stream=True, stream_options={"include_usage": True})]
     # separate requests sent while the decoder takes none: they decode as one batch
     answers = [None] * len(TEXTS)
 
@@ -80,7 +93,10 @@ def _client(url: str, server) -> dict:
                                                                                      top_p=0)),
                           ("n", dict(model="model", prompt="x", n=9)), ("echo", dict(model="model", prompt="x",
                                                                                      echo=True)),
-                          ("prompt", dict(model="model", prompt=[10 ** 9]))]:
+                          ("prompt", dict(model="model", prompt=[10 ** 9])),
+                          ("temperature", dict(model="model", prompt="x", temperature=-1)),
+                          ("max_tokens", dict(model="model", prompt="x", extra_body={"max_tokens": 10 ** 6})),
+                          ("tools", dict(model="model", prompt="x", extra_body={"tools": [{"type": "function"}]}))]:
         try:
             c.completions.create(max_tokens=2, **request)
             errors[name] = None
@@ -153,8 +169,9 @@ def test_openai_client_gets_transformers_greedy_text_and_logprobs_streamed_stopp
         assert (torch.tensor(logprobs["token_logprobs"]) - _logprobs(hf, ids, want)).abs().max() <= 1e-5
         for token, lp, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
             assert len(top) == 2 and max(top.values()) == pytest.approx(lp, abs=1e-6) and token in top
-    assert got["completions"]["usage"]["completion_tokens"] == sum(
-        len(c["logprobs"]["tokens"]) for c in got["completions"]["choices"])
+    prompt_ids = [len(tok(t)["input_ids"]) for t in TEXTS[:2]]
+    assert got["completions"]["usage"]["prompt_tokens"] == sum(prompt_ids)
+    assert got["sampled"]["usage"]["prompt_tokens"] == len(tok(TEXTS[2])["input_ids"])  # n = 2: counted once
 
     # chat: the template's generation prompt, the assistant's text, per-token log-probabilities with alternatives
     ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
@@ -170,7 +187,12 @@ def test_openai_client_gets_transformers_greedy_text_and_logprobs_streamed_stopp
     chunks = got["chat_stream"]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks) == chat["message"]["content"]
-    assert chunks[-1]["choices"][0]["finish_reason"] == chat["finish_reason"] and len(chunks) >= 3
+    assert chunks[-1]["choices"][0]["finish_reason"] == chat["finish_reason"]
+    assert sum(bool(c["choices"][0]["delta"]["content"]) for c in chunks[:-1]) >= 2  # deltas as decoded
+    usage = got["usage_stream"]
+    assert usage[-1]["choices"] == [] and usage[-1]["usage"]["completion_tokens"] == got["chat"]["usage"][
+        "completion_tokens"] and usage[-1]["usage"]["prompt_tokens"] == len(ids)
+    assert got["parts"]["choices"][0]["message"]["content"] == chat["message"]["content"]
     streamed = got["stream"]
     assert "".join(c["choices"][0]["text"] for c in streamed) == got["completions"]["choices"][0]["text"]
     assert len(streamed) > 2  # more than the whole text and the finish chunk: deltas came as decoded
@@ -179,6 +201,10 @@ def test_openai_client_gets_transformers_greedy_text_and_logprobs_streamed_stopp
     stopped = got["stopped"]["choices"][0]
     full = got["completions"]["choices"][0]["text"]
     assert stopped["finish_reason"] == "stop" and stopped["text"] == full[:full.find(got["stop"])]
+    assert "".join(c["choices"][0]["text"] for c in got["stopped_stream"]) == stopped["text"]
+    assert got["stopped_stream"][-1]["choices"][0]["finish_reason"] == "stop"
+    last = got["stop_last"]["choices"][0]
+    assert (last["finish_reason"], last["text"]) == ("stop", stopped["text"]), got["stop_at"]
     short = got["short"]["choices"][0]
     assert short["finish_reason"] == "length" and got["short"]["usage"]["completion_tokens"] == 3
 
@@ -199,9 +225,9 @@ def test_openai_client_gets_transformers_greedy_text_and_logprobs_streamed_stopp
     # bad requests: OpenAI's error objects and statuses
     errors = got["errors"]
     assert errors["model"][0] == 404 and "model" in errors["model"][1]["message"]
-    assert {k: errors[k][0] for k in ("top_p", "n", "echo", "prompt")} == dict.fromkeys(("top_p", "n", "echo",
-                                                                                           "prompt"), 400)
-    assert errors["top_p"][1]["param"] == "top_p" and "--max-batch-size" in errors["n"][1]["message"]
+    refused = ("top_p", "n", "echo", "prompt", "temperature", "max_tokens", "tools")
+    assert {k: (errors[k][0], errors[k][1]["param"]) for k in refused} == {k: (400, k) for k in refused}
+    assert "--max-batch-size" in errors["n"][1]["message"] and "context length" in errors["max_tokens"][1]["message"]
 
 
 @pytest.mark.slow
@@ -220,6 +246,11 @@ def test_serve_script_starts_as_users_start_it_and_a_signal_ends_it(served):
                                                           "temperature": 0}).encode())
         answer = json.load(urllib.request.urlopen(request, timeout=120))
         assert answer["choices"][0]["text"] == _text(tok, _greedy(hf, tok, tok(TEXTS[0])["input_ids"], 4))[0]
+        for body in (b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "messages": 3', b'[1, 2]'):
+            bad = urllib.request.Request(url + "/completions", data=body, headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as refused:  # JSON's NaN (Python reads it), broken JSON
+                urllib.request.urlopen(bad, timeout=120)
+            assert refused.value.code == 400 and json.load(refused.value)["error"]["type"] == "invalid_request_error"
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -237,3 +268,49 @@ def test_bad_server_flags_are_one_message_exit_2(flags, message, served, capsys)
     code = main((["--load-hf", str(path)] if "--load" not in message else []) + flags)
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+
+
+class _Chars:
+    """A tokenizer of one character per id (0: the end) or, from 1000, one byte per id, whose unfinished character
+    decodes to one U+FFFD per byte (SentencePiece's byte fallback: Llama 2, Mistral, Gemma)."""
+
+    eos_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=False):
+        data = b"".join(bytes([i - 1000]) if i >= 1000 else chr(i).encode() for i in ids if i)
+        good = data.decode(errors="ignore")
+        try:
+            return data.decode()
+        except UnicodeDecodeError:
+            return good + "\ufffd" * (len(data) - len(good.encode()))
+
+
+@pytest.mark.parametrize("text,stops,limit", [
+    ("Observation: x", ["Observation:"], 50),  # the stop string at the start: nothing of it is sent
+    ("ab STOP cd", ["STOP"], 50), ("plain text", [], 4), ("hi\N{GRINNING FACE}!", [], 50),
+    ("\N{GRINNING FACE}\N{GRINNING FACE} ok", ["ok"], 50)])
+def test_streamed_deltas_add_up_to_the_answer_and_never_send_a_stop_string(text, stops, limit):
+    """hybrid.serving's streaming on its own: step by step as the decoder calls it, then the finish."""
+    from types import SimpleNamespace
+    from hybrid.model.generate import SamplingOptions
+    from hybrid.serving import Job, Server, _holds_stop, _Streams
+    tokenizer = _Chars()
+    server = Server(SimpleNamespace(), SimpleNamespace(), None, tokenizer, SamplingOptions(eos=(0,)), "m", "cpu")
+    ids = [t for ch in text for t in ([ord(ch)] if ord(ch) < 1000 else [1000 + b for b in ch.encode()])] + [0]
+    job = Job(False, [[1]], server.options, [limit], stops, [0], 0, False, True, [1])
+    streams, out, sent = _Streams(server, [job], [0]), [], []
+    for t in ids:
+        streams.step([t])
+        out.append(t)
+        while not job.chunks.empty():
+            sent.append(job.chunks.get_nowait()["choices"][0]["text"])
+        if t == 0 or len(out) >= limit or (stops and _holds_stop(tokenizer, out, stops)):
+            break
+    job.result = [server.finish(job, out, [0.0] * len(out), None, bool(stops) and _holds_stop(tokenizer, out, stops))]
+    _Streams.finish(server, job)
+    while (chunk := job.chunks.get_nowait()) is not None:
+        sent.append(chunk["choices"][0]["text"])
+    answer = job.result[0][4]
+    want = text[:text.find(stops[0])] if stops else text[:limit]
+    assert answer == want and "".join(sent) == answer and all("\ufffd" not in d for d in sent)
+    assert not any(s[:2] in "".join(sent) for s in stops)

@@ -176,7 +176,7 @@ def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optio
     eos = torch.as_tensor(list(options.eos) or [-1], device=device)
     out_tokens = torch.zeros(b, options.max_new_tokens, dtype=torch.long, device=device)
     out_logps = torch.zeros(b, options.max_new_tokens, dtype=torch.float32, device=device)
-    n_top = options.top_logprobs
+    n_top = min(options.top_logprobs, model.config.vocab_size)
     out_top = torch.zeros(b, options.max_new_tokens, 2, n_top, dtype=torch.float64, device=device) if n_top else None
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     lengths = torch.full((b,), options.max_new_tokens, dtype=torch.long, device=device)
@@ -195,8 +195,8 @@ def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optio
                 parts = [tokens.double()[None], logps.double()[None]]
                 if n_top:  # the same distribution the chosen token's log-probability is read from
                     top = torch.log_softmax(logits / options.temperature if options.temperature > 0 else logits,
-                                            dim=-1).topk(min(n_top, logits.size(-1)), dim=-1)
-                    parts += [_widen(top.indices.double().t(), n_top), _widen(top.values.double().t(), n_top)]
+                                            dim=-1).topk(n_top, dim=-1)
+                    parts += [top.indices.double().t(), top.values.double().t()]
                 chosen = torch.cat(parts)
             chosen = pipe.share(chosen)
             tokens, logps = chosen[0].long(), chosen[1].float()
@@ -228,11 +228,6 @@ def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optio
     return Generated([tokens[r][:counts[r]] for r in range(b)], [logps[r][:counts[r]] for r in range(b)],
                      {"rows": b, "steps": steps, "prefill_s": prefill_s, "decode_s": elapsed - prefill_s,
                       "new_tokens": int(sum(counts)), "cache_bytes": cache.bytes()}, routes, top)
-
-
-def _widen(rows: torch.Tensor, n: int) -> torch.Tensor:
-    """[k, b] -> [n, b]: a vocabulary smaller than n repeats its last row (never read past the vocabulary)."""
-    return rows if rows.size(0) == n else torch.cat([rows, rows[-1:].expand(n - rows.size(0), -1)])
 
 
 def _all_done(finished: torch.Tensor, sync) -> bool:
