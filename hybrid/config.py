@@ -486,7 +486,8 @@ GRPO_DEFAULTS = {"reward_function": None, "reward_weights": None, "grpo_group_si
                  "grpo_sapo_temperature_neg": 1.05, "grpo_vespo_k_pos": 2.0, "grpo_vespo_lambda_pos": 3.0,
                  "grpo_vespo_k_neg": 3.0, "grpo_vespo_lambda_neg": 2.0, "grpo_rollout_correction": None,
                  "grpo_rollout_correction_clip_min": None, "grpo_rollout_correction_clip_max": 3.0,
-                 "grpo_off_policy_mask_threshold": None, "grpo_mask_truncated_completions": False}
+                 "grpo_off_policy_mask_threshold": None, "grpo_mask_truncated_completions": False,
+                 "grpo_top_entropy_quantile": 1.0}
 
 
 def _grpo_flags(args) -> None:
@@ -567,6 +568,9 @@ def _grpo_objective_flags(args) -> None:
         raise ConfigError(f"--grpo-loss-type vespo with --grpo-rollout-correction {correction}: VESPO folds the "
                           f"correction into its sequence weight per token; give token_truncate or token_mask (TRL's "
                           f"rule).")
+    if not 0.0 < args.grpo_top_entropy_quantile <= 1.0:
+        raise ConfigError(f"--grpo-top-entropy-quantile {args.grpo_top_entropy_quantile}: give a share in (0, 1] (1.0: "
+                          f"every token).")
     if args.grpo_off_policy_mask_threshold is not None and args.grpo_off_policy_mask_threshold < 0:
         raise ConfigError(f"--grpo-off-policy-mask-threshold {args.grpo_off_policy_mask_threshold}: a KL bound, >= 0.")
     if loss == "cispo" and args.grpo_epsilon_high is None:
@@ -597,7 +601,8 @@ def grpo_options(args, global_batch: int, dp: int) -> GRPOOptions:
                        args.grpo_sapo_temperature_neg, args.grpo_vespo_k_pos, args.grpo_vespo_lambda_pos,
                        args.grpo_vespo_k_neg, args.grpo_vespo_lambda_neg, args.grpo_rollout_correction,
                        args.grpo_rollout_correction_clip_min, args.grpo_rollout_correction_clip_max,
-                       args.grpo_off_policy_mask_threshold, args.grpo_mask_truncated_completions)
+                       args.grpo_off_policy_mask_threshold, args.grpo_mask_truncated_completions,
+                       args.grpo_top_entropy_quantile)
 
 
 def _streaming_flags(args) -> None:

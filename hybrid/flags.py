@@ -615,6 +615,9 @@ def _add_data_args(p):
     g.add_argument("--grpo-off-policy-mask-threshold", type=float, default=None,
                    help="--grpo: drop a negative-advantage sequence whose mean KL(sampler || trainer) exceeds this "
                         "(DeepSeek-V3.2's off-policy sequence masking)")
+    g.add_argument("--grpo-top-entropy-quantile", type=float, default=1.0,
+                   help="--grpo: train the policy term on this share of each micro-batch's highest-entropy completion "
+                        "tokens, over the data-parallel ranks (TRL's top_entropy_quantile; 1.0: every token)")
     g.add_argument("--grpo-mask-truncated-completions", action="store_true",
                    help="--grpo: completions that reach --max-new-tokens without an end token train on nothing")
     g.add_argument("--grpo-scale-rewards", default="group", choices=["group", "batch", "none"],

@@ -166,6 +166,7 @@ OBJECTIVES = [  # our GRPOOptions fields (TRL's the same by name), fresh: a batc
                  marks=SLOW),
     pytest.param({"loss_type": "dapo", "importance_sampling_level": "sequence", "beta": 0.04}, False,
                  id="dapo_sequence_kl", marks=SLOW),
+    pytest.param({"loss_type": "grpo", "top_entropy_quantile": 0.4, "beta": 0.04}, False, id="grpo_top_entropy_kl"),
 ]
 
 
@@ -191,6 +192,7 @@ def test_every_trl_objective_and_correction_equals_trls_compute_loss(fields, fre
     trainer.loss_type, trainer.beta = o.loss_type, o.beta
     trainer.importance_sampling_level = o.importance_sampling_level
     trainer.off_policy_mask_threshold = o.off_policy_mask_threshold
+    trainer.top_entropy_quantile = o.top_entropy_quantile
     trainer.args.delta = o.delta
     trainer.use_vllm = trainer.vllm_importance_sampling_correction = o.rollout_correction is not None
     rows, completions = _completions()
@@ -224,6 +226,10 @@ def test_every_trl_objective_and_correction_equals_trls_compute_loss(fields, fre
     if o.off_policy_mask_threshold is not None:  # some sequences dropped, some kept
         kept = trainer.get_off_policy_mask(advantages[:, None], current, sampled, cmask, o.off_policy_mask_threshold)
         assert 0 < kept.sum() < len(kept)
+    if o.top_entropy_quantile < 1.0:  # the mask keeps some tokens of the batch and drops others
+        _, entropies, _ = trainer._get_per_token_logps_and_entropies(hf, ids, mask, NEW, compute_entropy=True)
+        kept = trainer.get_high_entropy_mask(entropies, cmask, 1 - o.top_entropy_quantile)
+        assert 0 < kept.sum() < cmask.sum()
     want = trainer._compute_loss(hf, inputs)
     want.backward()
 
@@ -375,6 +381,7 @@ def test_bad_grpo_flags_are_one_message(tmp_path, capsys):
                              "2", "--grpo-rollout-correction-clip-max", "1.5"], "give 0 <= min < max"),
                            (["--grpo", "--grpo-delta", "0.9"], "must exceed 1"),
                            (["--grpo-mask-truncated-completions"], "set GRPO: add --grpo"),
+                           (["--grpo", "--grpo-top-entropy-quantile", "0"], "--grpo-top-entropy-quantile 0.0"),
                            (["--moe-routing-replay"], "--moe-routing-replay set GRPO: add --grpo"),
                            (["--grpo", "--moe-routing-replay"], "the model has no MoE layers"),
                            (["--grpo", "--moe-routing-replay", "R2"], "with --grpo-iterations 1 there are none")]:
@@ -661,3 +668,43 @@ def test_grpo_ends_completions_at_every_eos_of_the_generation_config(policy, tmp
                         "--micro-batch-size", 2, "--seq-length", 64, "--max-new-tokens", 6, "--train-iters", 2,
                         "--lr", 1e-4, "--log-interval", 1])
     assert [r["completion_length"] for r in records] == [1.0, 1.0], records
+
+
+def _entropies_on_ranks(logits: torch.Tensor, mask: torch.Tensor, vocab: int, threshold: float):
+    """Rank r: the entropies of its TP half of the (padded) vocabulary, and the high-entropy mask of its half of
+    the rows with the quantile over both ranks (as over two data-parallel ranks)."""
+    import torch.distributed as dist
+    from hybrid.model.grpo import high_entropy_mask
+    from hybrid.parallel.cross_entropy import vocab_parallel_entropy
+    from hybrid.parallel.groups import Axis
+    rank, half = dist.get_rank(), logits.size(-1) // 2
+    entropies = vocab_parallel_entropy(logits[..., rank * half:(rank + 1) * half], dist.group.WORLD, vocab)
+    rows = logits.size(0) // 2
+    mine = slice(rank * rows, (rank + 1) * rows)
+    keep = high_entropy_mask(entropies[mine], mask[mine], threshold, Axis(2, rank, dist.group.WORLD))
+    return entropies, keep
+
+
+def test_top_entropy_quantile_entropies_and_mask_equal_trls_over_tp_and_data_parallel_ranks():
+    """--grpo-top-entropy-quantile's parts at 2 ranks: the entropy from TP-split logits (the vocabulary's padding
+    left out) equals TRL's entropy_from_logits on the whole vocabulary, and the mask with the quantile over both
+    ranks' tokens equals TRL's get_high_entropy_mask on the whole batch (its gather being over its processes)."""
+    from types import SimpleNamespace
+    from checks.rank_pool import run_on_ranks
+    from trl import GRPOTrainer
+    from trl.trainer.utils import entropy_from_logits
+    vocab, padded = 37, 40
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 9, padded, generator=g) * torch.linspace(0.2, 4.0, 6)[:, None, None]
+    logits[..., vocab:] = 50.0  # padding columns: never part of the softmax
+    mask = torch.rand(6, 9, generator=g) > 0.3
+    want = entropy_from_logits(logits[..., :vocab])
+    single = SimpleNamespace(accelerator=SimpleNamespace(pad_across_processes=lambda t, dim, pad_index: t,
+                                                         gather=lambda t: t))
+    for threshold in (0.6, 0.25):
+        ranks = run_on_ranks(_entropies_on_ranks, 2, logits, mask, vocab, threshold)
+        for entropies, _ in ranks:
+            torch.testing.assert_close(entropies, want, rtol=1e-5, atol=1e-5)
+        trl_mask = GRPOTrainer.get_high_entropy_mask(single, want, mask, threshold)
+        ours = torch.cat([keep for _, keep in ranks])
+        assert torch.equal(ours, trl_mask) and 0 < ours.sum() < mask.sum()

@@ -56,6 +56,7 @@ class GRPOOptions:
     correction_clip_max: Optional[float] = 3.0  # vllm_importance_sampling_clip_max
     off_policy_mask_threshold: Optional[float] = None  # off_policy_mask_threshold (DeepSeek-V3.2's sequence mask)
     mask_truncated_completions: bool = False  # mask_truncated_completions
+    top_entropy_quantile: float = 1.0  # top_entropy_quantile: the policy loss on this share of highest-entropy tokens
 
     @property
     def clip_high(self) -> float:
@@ -87,7 +88,8 @@ def nanstd(values: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
 
 def policy_loss(logps, old, reference, advantage, mask, options: GRPOOptions, scale: Optional[torch.Tensor],
-                fresh: Optional[torch.Tensor] = None, sampled: Optional[torch.Tensor] = None):
+                fresh: Optional[torch.Tensor] = None, sampled: Optional[torch.Tensor] = None,
+                entropy_mask: Optional[torch.Tensor] = None):
     """The micro-batch's loss (TRL's _compute_loss) and its statistics.
 
     logps, old, reference [b, s] (reference None when beta is 0), advantage [b], mask [b, s] bool. `old`: the
@@ -95,7 +97,8 @@ def policy_loss(logps, old, reference, advantage, mask, options: GRPOOptions, sc
     (TRL's sampling_per_token_logps: the rollout correction, the off-policy mask and the mismatch read them; default
     `old`). `scale`: the runtime's factor for a mean over the global batch's items
     (hybrid.model.objectives.GroupPolicy.count); None takes the micro-batch's own mean. `fresh` [b] bool: the rows the
-    sampler made with the trainer's current weights, where the mismatch is measured (default all rows)."""
+    sampler made with the trainer's current weights, where the mismatch is measured (default all rows). `entropy_mask`
+    [b, s] bool: --grpo-top-entropy-quantile's tokens (high_entropy_mask), the only ones the policy term trains."""
     o = options
     sampled = old if sampled is None else sampled
     mask_f = mask.float()
@@ -124,6 +127,8 @@ def policy_loss(logps, old, reference, advantage, mask, options: GRPOOptions, sc
         clipped = ((ratio < 1 - o.epsilon) & (a < 0)) | ((ratio > 1 + o.clip_high) & (a > 0))
     if o.off_policy_mask_threshold is not None:
         per_token = per_token * off_policy_mask(a, logps, sampled, mask_f, o.off_policy_mask_threshold)
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask
     if correction is not None and o.loss_type != "vespo":  # (VESPO's weights hold it already)
         per_token = per_token * correction
     kl = None
@@ -161,6 +166,29 @@ def policy_loss(logps, old, reference, advantage, mask, options: GRPOOptions, sc
                              is_sum, is_count,
                              ((logps - sampled).abs() * measured).amax(), is_low, is_high])
     return loss, stats
+
+
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: float, axis=None) -> torch.Tensor:
+    """TRL's get_high_entropy_mask: the tokens whose entropy is at least the `threshold` quantile (torch.quantile's
+    linear rule) of every valid token's entropy in this micro-batch over the ranks of `axis` (the data-parallel
+    ranks: TRL gathers over its processes). Each rank's values travel padded to its micro-batch's size (no host
+    read of the counts); the quantile is computed on the sorted values as torch.quantile computes it."""
+    pad = -1e9  # TRL's sentinel: entropies are >= 0
+    local = torch.where(mask, entropies.float(), torch.full((), pad, device=entropies.device)).flatten()
+    if axis is not None and axis.size > 1:
+        parts = [torch.empty_like(local) for _ in range(axis.size)]
+        dist.all_gather(parts, local, group=axis.group)
+        local = torch.cat(parts)
+    values = local.sort().values
+    valid = (values != pad).sum()
+    first = values.numel() - valid  # the sentinels sort first
+    ranks = torch.full((), threshold, dtype=values.dtype, device=values.device) * \
+        (valid - 1).clamp(min=0).to(values.dtype)
+    below, above = ranks.long(), ranks.ceil().long()
+    value = torch.lerp(values[(first + below).clamp(max=values.numel() - 1)],
+                       values[(first + above).clamp(max=values.numel() - 1)], ranks - below.to(values.dtype))
+    keep = ((entropies * mask.float()) >= value) & mask
+    return keep & (valid > 0)
 
 
 def rollout_correction(old, sampled, mask_f, o: GRPOOptions) -> Optional[torch.Tensor]:

@@ -20,7 +20,8 @@ from hybrid.model import grpo, preference
 from hybrid.model.loss import LMLoss, token_logps
 from hybrid.model.mtp import shifted
 from hybrid.model.preference import DPOOptions, PreferenceStats
-from hybrid.parallel.cross_entropy import IGNORE_INDEX
+from hybrid.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_entropy
+from hybrid.parallel.groups import as_groups
 
 
 class Objective:
@@ -226,8 +227,14 @@ class GroupPolicy(WithStatistics):
         # as TRL takes them), on later passes the rollout's (--grpo-iterations); `old` is the sampler's
         trainer = values[:, grpo.Value.TRAINER] if o.iterations > 1 else old
         trainer = torch.where(fresh[:, None], logps.detach(), trainer)
+        keep = None
+        if o.top_entropy_quantile < 1.0:  # TRL's: entropies of softmax(logits / temperature), over the whole vocabulary
+            entropies = vocab_parallel_entropy(logits.float() / o.temperature if o.temperature != 1.0 else logits,
+                                               as_groups(self.groups).tp_group, self.vocab_size).t()
+            keep = grpo.high_entropy_mask(entropies, mask, 1.0 - o.top_entropy_quantile,
+                                          as_groups(self.groups).dp)
         loss, stats = grpo.policy_loss(logps, trainer, reference if o.beta else None, advantage, mask, o,
-                                       scale if self.per_item else None, fresh, sampled=old)
+                                       scale if self.per_item else None, fresh, sampled=old, entropy_mask=keep)
         self.stats.add(stats)
         return loss
 

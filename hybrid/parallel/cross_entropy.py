@@ -118,3 +118,25 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     if C.group_size(group) == 1 and (vocab_size is None or logits.size(-1) == vocab_size):
         return _CrossEntropy.apply(logits, target, ignore_index)
     return _VocabParallelCrossEntropy.apply(logits, target, group, ignore_index, vocab_size)
+
+
+@torch.no_grad()
+def vocab_parallel_entropy(logits: torch.Tensor, group, vocab_size: Optional[int] = None) -> torch.Tensor:
+    """Each position's entropy of softmax(logits) (fp32, logits' shape without the vocabulary) from TP-split logits
+    `[..., V/tp]`, the padding columns at or beyond `vocab_size` left out: one MAX and one SUM all-reduce of
+    per-position scalars, as the cross-entropy (TRL's entropy_from_logits on the whole vocabulary)."""
+    work = logits.float()
+    part = work.size(-1)
+    start = C.group_rank(group) * part
+    if vocab_size is not None and start + part > vocab_size:
+        padded = torch.arange(start, start + part, device=work.device) >= vocab_size
+        work = work.masked_fill(padded, float("-inf"))
+    top = work.amax(-1)
+    if C.group_size(group) > 1:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    shifted = work - top[..., None]
+    weights = shifted.exp()
+    sums = torch.stack([weights.sum(-1), (weights * shifted.masked_fill(weights == 0, 0.0)).sum(-1)])
+    if C.group_size(group) > 1:
+        dist.all_reduce(sums, group=group)
+    return sums[0].log() - sums[1] / sums[0]
