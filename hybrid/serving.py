@@ -435,8 +435,10 @@ class Server:
             return len(tokens) >= limits[r]
 
         streams = _Streams(self, jobs, local) if jobs and dist_rank() == 0 and spec["stream"] else None
+        needed = any(stops) or len(set(spec["limits"])) > 1  # else the decode's own limit ends every row, no host check
         out = generate(self.model, groups, [rows[k] for k in local], options, keys=[spec["keys"][k] for k in local],
-                       device=self.device, stop=stop, sync=groups.ep if groups.ep.size > 1 else None,
+                       device=self.device, stop=stop if needed else None,
+                       sync=groups.ep if groups.ep.size > 1 else None,
                        on_step=streams.step if streams else None)
         local_rows = [] if idle else [(k, t[:limits[r]], lp[:limits[r]], (out.top[r][:limits[r]] if out.top else None),
                                        bool(hits.get(r))) for r, (k, t, lp) in
