@@ -568,9 +568,9 @@ def _grpo_objective_flags(args) -> None:
         raise ConfigError(f"--grpo-loss-type vespo with --grpo-rollout-correction {correction}: VESPO folds the "
                           f"correction into its sequence weight per token; give token_truncate or token_mask (TRL's "
                           f"rule).")
-    if not 0.0 < args.grpo_top_entropy_quantile <= 1.0:
-        raise ConfigError(f"--grpo-top-entropy-quantile {args.grpo_top_entropy_quantile}: give a share in (0, 1] (1.0: "
-                          f"every token).")
+    if not 0.0 <= args.grpo_top_entropy_quantile <= 1.0:
+        raise ConfigError(f"--grpo-top-entropy-quantile {args.grpo_top_entropy_quantile}: give a share in [0, 1] (1.0: "
+                          f"every token; 0.0: the highest-entropy tokens only, as TRL's).")
     if args.grpo_off_policy_mask_threshold is not None and args.grpo_off_policy_mask_threshold < 0:
         raise ConfigError(f"--grpo-off-policy-mask-threshold {args.grpo_off_policy_mask_threshold}: a KL bound, >= 0.")
     if loss == "cispo" and args.grpo_epsilon_high is None:

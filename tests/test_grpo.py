@@ -187,9 +187,9 @@ def test_every_trl_objective_and_correction_equals_trls_compute_loss(fields, fre
     hf = copy.deepcopy(hf).train()
     trainer = trl_trainer
     trainer.model.train()  # (TRL files its statistics under the model's mode)
-    o = GRPOOptions(G, 0.2, 0.28, max_new_tokens=NEW, temperature=0.8, iterations=2,
-                    **{"loss_type": "dapo", **fields})
-    trainer.loss_type, trainer.beta = o.loss_type, o.beta
+    o = GRPOOptions(G, 0.2, 0.28, max_new_tokens=NEW, iterations=2, **{"loss_type": "dapo", "temperature": 0.8,
+                                                                        **fields})
+    trainer.loss_type, trainer.beta, trainer.temperature = o.loss_type, o.beta, o.temperature
     trainer.importance_sampling_level = o.importance_sampling_level
     trainer.off_policy_mask_threshold = o.off_policy_mask_threshold
     trainer.top_entropy_quantile = o.top_entropy_quantile
@@ -381,7 +381,7 @@ def test_bad_grpo_flags_are_one_message(tmp_path, capsys):
                              "2", "--grpo-rollout-correction-clip-max", "1.5"], "give 0 <= min < max"),
                            (["--grpo", "--grpo-delta", "0.9"], "must exceed 1"),
                            (["--grpo-mask-truncated-completions"], "set GRPO: add --grpo"),
-                           (["--grpo", "--grpo-top-entropy-quantile", "0"], "--grpo-top-entropy-quantile 0.0"),
+                           (["--grpo", "--grpo-top-entropy-quantile", "1.5"], "--grpo-top-entropy-quantile 1.5"),
                            (["--moe-routing-replay"], "--moe-routing-replay set GRPO: add --grpo"),
                            (["--grpo", "--moe-routing-replay"], "the model has no MoE layers"),
                            (["--grpo", "--moe-routing-replay", "R2"], "with --grpo-iterations 1 there are none")]:

@@ -185,8 +185,10 @@ def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: fl
     ranks = torch.full((), threshold, dtype=values.dtype, device=values.device) * \
         (valid - 1).clamp(min=0).to(values.dtype)
     below, above = ranks.long(), ranks.ceil().long()
-    value = torch.lerp(values[(first + below).clamp(max=values.numel() - 1)],
-                       values[(first + above).clamp(max=values.numel() - 1)], ranks - below.to(values.dtype))
+    last = values.numel() - 1  # (gather, not indexing by a 0-d tensor: that reads the index on the host)
+    low = values.gather(0, (first + below).clamp(max=last).view(1))[0]
+    high = values.gather(0, (first + above).clamp(max=last).view(1))[0]
+    value = torch.lerp(low, high, ranks - below.to(values.dtype))
     keep = ((entropies * mask.float()) >= value) & mask
     return keep & (valid > 0)
 

@@ -221,18 +221,19 @@ class GroupPolicy(WithStatistics):
         advantage, old = values[:, grpo.Value.ADVANTAGE, 0], values[:, grpo.Value.OLD]
         reference, fresh = values[:, grpo.Value.REFERENCE], values[:, grpo.Value.FRESH, 0] > 0
         o = self.options
-        logps = token_logps(logits, labels, self.groups, self.vocab_size, o.temperature)
         mask = labels != IGNORE_INDEX
+        keep = None
+        if o.top_entropy_quantile < 1.0:  # before token_logps: its cross-entropy overwrites fp32 logits in place
+            # TRL's entropies of softmax(logits / temperature) over the whole vocabulary; the quantile over the
+            # data-parallel ranks (GRPO refuses a sequence split: capability rule grpo-sequence-split)
+            entropies = vocab_parallel_entropy(logits, as_groups(self.groups).tp_group, self.vocab_size,
+                                               o.temperature).t()
+            keep = grpo.high_entropy_mask(entropies, mask, 1.0 - o.top_entropy_quantile, as_groups(self.groups).dp)
+        logps = token_logps(logits, labels, self.groups, self.vocab_size, o.temperature)
         # the trainer's log-probabilities when the batch was generated: on its first pass its own (detached, ratio 1,
         # as TRL takes them), on later passes the rollout's (--grpo-iterations); `old` is the sampler's
         trainer = values[:, grpo.Value.TRAINER] if o.iterations > 1 else old
         trainer = torch.where(fresh[:, None], logps.detach(), trainer)
-        keep = None
-        if o.top_entropy_quantile < 1.0:  # TRL's: entropies of softmax(logits / temperature), over the whole vocabulary
-            entropies = vocab_parallel_entropy(logits.float() / o.temperature if o.temperature != 1.0 else logits,
-                                               as_groups(self.groups).tp_group, self.vocab_size).t()
-            keep = grpo.high_entropy_mask(entropies, mask, 1.0 - o.top_entropy_quantile,
-                                          as_groups(self.groups).dp)
         loss, stats = grpo.policy_loss(logps, trainer, reference if o.beta else None, advantage, mask, o,
                                        scale if self.per_item else None, fresh, sampled=old, entropy_mask=keep)
         self.stats.add(stats)

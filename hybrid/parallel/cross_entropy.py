@@ -121,22 +121,34 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
 
 @torch.no_grad()
-def vocab_parallel_entropy(logits: torch.Tensor, group, vocab_size: Optional[int] = None) -> torch.Tensor:
-    """Each position's entropy of softmax(logits) (fp32, logits' shape without the vocabulary) from TP-split logits
-    `[..., V/tp]`, the padding columns at or beyond `vocab_size` left out: one MAX and one SUM all-reduce of
-    per-position scalars, as the cross-entropy (TRL's entropy_from_logits on the whole vocabulary)."""
-    work = logits.float()
-    part = work.size(-1)
+def vocab_parallel_entropy(logits: torch.Tensor, group, vocab_size: Optional[int] = None, temperature: float = 1.0,
+                           chunk: int = 1024) -> torch.Tensor:
+    """Each position's entropy of softmax(logits / temperature) (fp32, logits' shape without the vocabulary) from
+    TP-split logits `[..., V/tp]`, the padding columns at or beyond `vocab_size` left out (TRL's entropy_from_logits
+    on the whole vocabulary). Positions go `chunk` at a time (a few fp32 copies of a chunk, never of the whole
+    logits); the ranks exchange one MAX all-reduce of the positions' maxima and one SUM all-reduce of two sums each.
+    `logits` is only read."""
+    shape, part = logits.shape[:-1], logits.size(-1)
+    rows = logits.reshape(-1, part)
     start = C.group_rank(group) * part
+    padded = None
     if vocab_size is not None and start + part > vocab_size:
-        padded = torch.arange(start, start + part, device=work.device) >= vocab_size
-        work = work.masked_fill(padded, float("-inf"))
-    top = work.amax(-1)
+        padded = torch.arange(start, start + part, device=logits.device) >= vocab_size
+
+    def scaled(k):  # a chunk of rows in fp32, divided by the temperature, padding at -inf
+        work = rows[k:k + chunk].float()
+        work = work / temperature if temperature != 1.0 else work.clone()
+        return work.masked_fill_(padded, float("-inf")) if padded is not None else work
+
+    top = torch.cat([scaled(k).amax(-1) for k in range(0, rows.size(0), chunk)])
     if C.group_size(group) > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    shifted = work - top[..., None]
-    weights = shifted.exp()
-    sums = torch.stack([weights.sum(-1), (weights * shifted.masked_fill(weights == 0, 0.0)).sum(-1)])
+    sums = torch.empty(2, rows.size(0), dtype=torch.float32, device=logits.device)
+    for k in range(0, rows.size(0), chunk):
+        shifted = scaled(k).sub_(top[k:k + chunk, None])
+        weights = shifted.exp()
+        sums[0, k:k + chunk] = weights.sum(-1)
+        sums[1, k:k + chunk] = (weights * shifted.masked_fill_(weights == 0, 0.0)).sum(-1)
     if C.group_size(group) > 1:
         dist.all_reduce(sums, group=group)
-    return sums[0].log() - sums[1] / sums[0]
+    return (sums[0].log() - sums[1] / sums[0]).reshape(shape)
