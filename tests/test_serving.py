@@ -145,10 +145,11 @@ def _text(tok, ids: list) -> tuple:
     return tok.decode(ids, skip_special_tokens=True), "length"
 
 
+@pytest.mark.slow  # (about 18 s for the first layout, 8 s each after: the quick tier keeps its 5 minutes)
 @pytest.mark.parametrize("layout", [
     ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-    pytest.param([], marks=pytest.mark.slow),  # DP 2: rows split over the ranks, gathered on rank 0
-    pytest.param(["--pipeline-model-parallel-size", "2"], marks=pytest.mark.slow)], ids=["tp2_sp", "dp2", "pp2"])
+    [],  # DP 2: rows split over the ranks, gathered on rank 0
+    ["--pipeline-model-parallel-size", "2"]], ids=["tp2_sp", "dp2", "pp2"])
 def test_openai_client_gets_transformers_greedy_text_and_logprobs_streamed_stopped_and_batched(layout, served):
     from hybrid.model.generate import SamplingOptions, generate
     from tests.test_generation import one_rank_model
