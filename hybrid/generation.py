@@ -64,7 +64,15 @@ def stop_rule(tokenizer, stops: list):
     transformers' `stop_strings` match <|im_end|>, <|eot_id|> or <end_of_turn> too)."""
     if not stops:
         return None
-    return lambda row, tokens: any(s in tokenizer.decode(tokens, skip_special_tokens=False) for s in stops)
+    return lambda row, tokens: holds_stop(tokenizer, tokens, stops)
+
+
+def holds_stop(tokenizer, ids: list, stops: list) -> bool:
+    """The completion's text (special tokens kept) holds a stop string: only its last tokens are decoded (a stop
+    string of L characters lies within the last 4 L + 4 tokens, a character being at most 4 byte tokens)."""
+    tail = ids[-(4 * max(len(s) for s in stops) + 4):]
+    text = tokenizer.decode(tail, skip_special_tokens=False)
+    return any(s in text for s in stops)
 
 
 def run(args) -> dict:

@@ -48,6 +48,7 @@ from hybrid.distributed import log
 from hybrid.errors import ConfigError
 from hybrid.evaluation import add_source_flags, layout_dims, loaded_model, open_checkpoint, rank_device, script_main
 from hybrid.flags import FlagParser
+from hybrid.generation import holds_stop
 from hybrid.model.generate import SamplingOptions, generate
 from hybrid.parallel.groups import build_groups
 
@@ -429,7 +430,7 @@ class Server:
         hits: dict = {}
 
         def stop(r, tokens):  # the same on every rank of the decode: each reads the same tokens
-            if stops[r] and _holds_stop(self.tokenizer, tokens, stops[r]):  # before the limit: a stop in the
+            if stops[r] and holds_stop(self.tokenizer, tokens, stops[r]):  # before the limit: a stop in the
                 hits[r] = True                                               # last token is still a stop
                 return True
             return len(tokens) >= limits[r]
@@ -532,7 +533,7 @@ class _Streams:
         sent, ids = job.sent[j]
         ids = ids + [token]
         job.sent[j] = (sent, ids)
-        if token in self.eos or (job.stops and _holds_stop(tokenizer, ids, job.stops)) or len(ids) >= job.limits[j]:
+        if token in self.eos or (job.stops and holds_stop(tokenizer, ids, job.stops)) or len(ids) >= job.limits[j]:
             self.ended.add((job.id, j))  # its last text goes with finish_reason
             return
         text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -569,14 +570,6 @@ def _usage(job: Job) -> dict:
     prompt = sum(job.prompt_tokens)
     completion = sum(len(row[0]) for row in job.result)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _holds_stop(tokenizer, ids: list, stops: list) -> bool:
-    """The completion's text (special tokens kept) holds a stop string: only its last tokens are decoded (a stop
-    string of L characters lies within the last 4 L + 4 tokens, a character being at most 4 byte tokens)."""
-    tail = ids[-(4 * max(len(s) for s in stops) + 4):]
-    text = tokenizer.decode(tail, skip_special_tokens=False)
-    return any(s in text for s in stops)
 
 
 def _plain(message: dict) -> dict:

@@ -294,7 +294,8 @@ def test_streamed_deltas_add_up_to_the_answer_and_never_send_a_stop_string(text,
     """hybrid.serving's streaming on its own: step by step as the decoder calls it, then the finish."""
     from types import SimpleNamespace
     from hybrid.model.generate import SamplingOptions
-    from hybrid.serving import Job, Server, _holds_stop, _Streams
+    from hybrid.generation import holds_stop
+    from hybrid.serving import Job, Server, _Streams
     tokenizer = _Chars()
     server = Server(SimpleNamespace(), SimpleNamespace(), None, tokenizer, SamplingOptions(eos=(0,)), "m", "cpu")
     ids = [t for ch in text for t in ([ord(ch)] if ord(ch) < 1000 else [1000 + b for b in ch.encode()])] + [0]
@@ -305,9 +306,9 @@ def test_streamed_deltas_add_up_to_the_answer_and_never_send_a_stop_string(text,
         out.append(t)
         while not job.chunks.empty():
             sent.append(job.chunks.get_nowait()["choices"][0]["text"])
-        if t == 0 or len(out) >= limit or (stops and _holds_stop(tokenizer, out, stops)):
+        if t == 0 or len(out) >= limit or (stops and holds_stop(tokenizer, out, stops)):
             break
-    job.result = [server.finish(job, out, [0.0] * len(out), None, bool(stops) and _holds_stop(tokenizer, out, stops))]
+    job.result = [server.finish(job, out, [0.0] * len(out), None, bool(stops) and holds_stop(tokenizer, out, stops))]
     _Streams.finish(server, job)
     while (chunk := job.chunks.get_nowait()) is not None:
         sent.append(chunk["choices"][0]["text"])
