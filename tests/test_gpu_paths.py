@@ -33,6 +33,7 @@ def test_without_a_gpu_every_check_is_one_skip_line(tmp_path):
     assert "checks/gpu_paths.py" in open(os.path.join(ROOT, "benchmarks", "gpu_check.sh")).read()
 
 
+@pytest.mark.slow  # 30 s on 2 cores: the full suite
 def test_checks_with_cpu_twins_pass_on_cpu(monkeypatch):
     monkeypatch.setattr(gpu_paths, "DEVICE", torch.device("cpu"))
     for check in (gpu_paths.precision, gpu_paths.grouped_gemm_bf16, gpu_paths.moe_host_syncs):

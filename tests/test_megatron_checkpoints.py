@@ -76,8 +76,10 @@ def _as_megatron_wrote_it(path):
 
 
 def _convert(*flags) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "conversion/checkpoint_util.py", "--no-progress-bar", *map(str, flags)],
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    """conversion/checkpoint_util.py's own main on a warm rank (its exit status and output as a launch gives them;
+    an interpreter start-up per call was about 3.5 s, 35 calls in this module)."""
+    return run("python", 1, [*map(str, flags), "--no-progress-bar"], script="conversion/checkpoint_util.py",
+               check=False, timeout=300)
 
 
 def _hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
