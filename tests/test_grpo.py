@@ -34,13 +34,15 @@ def _completions(seed: int = 5):
     return rows, completions
 
 
-def _trl_trainer(hf, path, tmp, loss_type, beta, temperature):
+def _trl_trainer(hf, path, tmp, loss_type, beta, temperature, **config):
+    """TRL's GRPOTrainer on `hf` (TRL 1.16 builds the temperature into the model's fused LM head here: a trainer's
+    temperature is its construction's)."""
     import datasets
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
     args = GRPOConfig(output_dir=str(tmp), report_to=[], use_cpu=True, bf16=False, fp16=False, num_generations=G,
                       per_device_train_batch_size=2 * G, max_completion_length=NEW, loss_type=loss_type, beta=beta,
-                      epsilon=0.2, epsilon_high=0.28, temperature=temperature)
+                      epsilon=0.2, epsilon_high=0.28, temperature=temperature, **config)
     hf.config._name_or_path = str(path)  # where TRL loads its reference model from (beta > 0)
     trainer = GRPOTrainer(model=hf, reward_funcs=lambda prompts, completions, **_: [0.0] * len(prompts), args=args,
                           train_dataset=datasets.Dataset.from_list([{"prompt": "x"}] * 8),
@@ -93,10 +95,14 @@ def _objective_against_trl(path, hf, rows, completions, advantages, options, fre
     return loss, objective
 
 
-@pytest.mark.parametrize("loss_type,beta,fresh", [("dapo", 0.0, False), ("grpo", 0.0, False), ("dapo", 0.04, False),
-                                                  ("grpo", 0.04, False), ("dr_grpo", 0.0, False), ("dapo", 0.04, True),
-                                                  pytest.param("bnpo", 0.0, False, marks=pytest.mark.slow)])
-def test_loss_and_gradients_equal_trls_compute_loss(loss_type, beta, fresh, policy, tmp_path):
+@pytest.mark.parametrize("loss_type,beta,fresh,temperature,config", [
+    ("dapo", 0.0, False, 0.8, {}), ("grpo", 0.0, False, 0.8, {}), ("dapo", 0.04, False, 0.8, {}),
+    ("grpo", 0.04, False, 0.8, {}), ("dr_grpo", 0.0, False, 0.8, {}), ("dapo", 0.04, True, 0.8, {}),
+    pytest.param("bnpo", 0.0, False, 0.8, {}, marks=pytest.mark.slow),
+    # temperature 1 in fp32: the cross-entropy overwrites the logits, the entropies are read before it
+    pytest.param("grpo", 0.04, False, 1.0, {"top_entropy_quantile": 0.4}, marks=pytest.mark.slow,
+                 id="grpo-kl-t1-top_entropy")])
+def test_loss_and_gradients_equal_trls_compute_loss(loss_type, beta, fresh, temperature, config, policy, tmp_path):
     """Fixed completions, advantages, old log-probabilities (the policy's own, perturbed so that ratios leave the
     clip range on both sides: a later pass of --grpo-iterations) and reference log-probabilities: the GRPO objective
     as the runtime runs it (target, loss, the runtime's item scale) against TRL 1.16's GRPOTrainer._compute_loss on
@@ -108,19 +114,22 @@ def test_loss_and_gradients_equal_trls_compute_loss(loss_type, beta, fresh, poli
     hf = copy.deepcopy(hf).train()
     rows, completions = _completions()
     advantages = torch.tensor([1.5, -0.5, 0.25, -1.25, 0.75, -0.75, 2.0, -2.0])
-    trainer = _trl_trainer(hf, path, tmp_path, loss_type, beta, 0.8)
+    trainer = _trl_trainer(hf, path, tmp_path, loss_type, beta, temperature, **config)
     inputs = _trl_inputs(rows, completions, advantages)
     with torch.no_grad():
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-        current, _, _ = trainer._get_per_token_logps_and_entropies(hf, ids, mask, NEW)
+        current, entropies, _ = trainer._get_per_token_logps_and_entropies(hf, ids, mask, NEW, compute_entropy=True)
+    if "top_entropy_quantile" in config:  # the mask keeps some of the batch's tokens and drops others
+        kept = trainer.get_high_entropy_mask(entropies, inputs["completion_mask"], 1 - config["top_entropy_quantile"])
+        assert 0 < kept.sum() < inputs["completion_mask"].sum()
     noise = torch.randn(current.shape, generator=torch.Generator().manual_seed(2))
     inputs["old_per_token_logps"] = current + 0.3 * noise
     inputs["ref_per_token_logps"] = current - 0.2 * noise.abs()
     want = trainer._compute_loss(hf, {k: v for k, v in inputs.items() if not (fresh and k == "old_per_token_logps")})
     want.backward()
 
-    options = GRPOOptions(G, 0.2, 0.28, beta, loss_type, max_new_tokens=NEW, temperature=0.8)
+    options = GRPOOptions(G, 0.2, 0.28, beta, loss_type, max_new_tokens=NEW, temperature=temperature, **config)
     loss, objective = _objective_against_trl(
         path, hf, rows, completions, advantages, options, fresh, inputs["old_per_token_logps"],
         {Value.REFERENCE: inputs["ref_per_token_logps"]})
@@ -535,10 +544,8 @@ def test_readme_grpo_command_learns_the_embedded_task_and_draws_the_reward(tmp_p
     """The README's --grpo command (its flags on one rank, 12 of its 30 iterations; the launcher itself is the main
     command's test): the reward on the embedded task rises from near 0 (the LR schedule is 12 iterations long
     here), reward.png is written and the export samples."""
-    import os
     import shlex
     from checks.docs import page_with
-    from checks.launch_helpers import ROOT
     readme = page_with("grpo-command")
     command = shlex.split(readme.split("<!-- grpo-command -->")[1].split("```bash")[1].split("```")[0].strip())
     assert command[:2] == ["deepspeed", "launch/train.py"] and "--grpo" in command, command
