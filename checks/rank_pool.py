@@ -39,12 +39,12 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             continue
         if task is None:
             break
-        fn, args, kwargs = task
+        number, fn, args, kwargs = task
         groups_before = set(_process_groups())
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            results.put((number, rank, True, fn(*args, **kwargs)))
         except BaseException:  # report everything, including assertion failures
-            results.put((rank, False, traceback.format_exc()))
+            results.put((number, rank, False, traceback.format_exc()))
         # Each task's topology/engine creates process groups whose gloo threads keep polling;
         # destroy them so idle pool ranks do not slow down everything that runs later (and collect the
         # task's objects first: a group's threads end only when its last reference goes).
@@ -68,6 +68,7 @@ class RankPool:
     def __init__(self, world_size: int):
         ctx = mp.get_context("spawn")
         self.world_size = world_size
+        self.tasks_sent = 0  # each result names its task: one left by a task its test gave up on is dropped
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
@@ -83,16 +84,18 @@ class RankPool:
         """`fn` on every rank. Once a rank raised (or returned a value `failed` calls a failure), the others get
         15 s more: a rank that failed alone leaves its peers waiting in a collective. `partial`: ranks that gave
         no result then are None in the list (the pool is killed), instead of an AssertionError."""
+        self.tasks_sent += 1
         for q in self.tasks:
-            q.put((fn, args, kwargs))
+            q.put((self.tasks_sent, fn, args, kwargs))
         outputs: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + timeout
         while len(outputs) < self.world_size:
             if any(not ok or (failed is not None and failed(value)) for ok, value in outputs.values()):
                 deadline = min(deadline, time.monotonic() + 15)  # the others are likely stuck
             try:
-                rank, ok, value = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
-                outputs[rank] = (ok, value)
+                number, rank, ok, value = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
+                if number == self.tasks_sent:
+                    outputs[rank] = (ok, value)
             except queue.Empty:
                 if time.monotonic() >= deadline or not all(p.is_alive() for p in self.procs):
                     break

@@ -114,10 +114,11 @@ def compare_grads(full: dict, ref: dict, vocab: int, atol: float):
         assert_close(got, want, atol, f"grad {name}")
 
 
-def runtime_iteration(model, groups, pipeline, micro_batches: list, zero_stage: int = 0):
+def runtime_iteration(model, groups, pipeline, micro_batches: list, zero_stage: int = 0, keep: bool = False):
     """One training iteration of the runtime (hybrid.training.runtime) over `micro_batches` [(ids, labels)] with
     a DeepSpeed engine around `model` (lr 0, no clipping): (the DP-mean loss, {id(param): the gradient DeepSpeed
-    applied}, the runtime)."""
+    applied}, the runtime). The engine is released after it (release_engine: pool ranks serve later modules) unless
+    `keep`: then the caller releases it when done with the runtime."""
     import deepspeed
     from hybrid.ds_config import pipeline_accumulation
     from hybrid.model.objectives import LanguageModeling, mtp_loss_scale
@@ -136,6 +137,9 @@ def runtime_iteration(model, groups, pipeline, micro_batches: list, zero_stage: 
     runtime = Runtime(engine, groups, objective, len(micro_batches),
                       len(micro_batches), pipeline, micro, micro_batches[0][0].size(1), full_backward=zero_stage >= 2)
     loss = runtime.reduce(runtime.train(iter(micro_batches)).reshape(1)).item()
+    if not keep:
+        from hybrid.training.deepspeed_fixes import release_engine
+        release_engine(engine)
     return loss, optimizer.recorded, runtime
 
 
@@ -161,9 +165,11 @@ def scheduled_run(cfg: dict, tp: int, pp: int, data, schedule: str, virtual: int
     ids, labels = data
     micro = ids.size(0) // micro_batches
     chunks = [(ids[i:i + micro], labels[i:i + micro]) for i in range(0, ids.size(0), micro)]
-    loss, recorded, runtime = runtime_iteration(model, topo, pipeline, chunks, zero_stage)
+    loss, recorded, runtime = runtime_iteration(model, topo, pipeline, chunks, zero_stage, keep=True)
     grads = {n: recorded[id(p)] for n, p in params.items()}
     result = _result(topo, loss, None, params, grads)
     # the same batch through the runtime's evaluation (forward only; lr 0 left the weights as they were)
     result["eval_loss"] = runtime.reduce(runtime.evaluate(iter(chunks)).reshape(1)).item()
+    from hybrid.training.deepspeed_fixes import release_engine
+    release_engine(runtime.engine)
     return result

@@ -28,6 +28,23 @@ def _attention_inputs(seq=64, heads=4, groups=2, dim=8, seed=0):
     return q, k, v, grad, ids
 
 
+def restoring_ring_settings(fn):
+    """A rank function that sets the ring's MATH_TILE_BYTES / BAND_ROWS, with both restored after it (the pool's ranks
+    serve later modules)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        from hybrid.parallel import ring_attention as ring
+        saved = ring.MATH_TILE_BYTES, ring.BAND_ROWS
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            ring.MATH_TILE_BYTES, ring.BAND_ROWS = saved
+    return wrapped
+
+
+@restoring_ring_settings
 def _ring_on_rank(documents: bool, math: bool, window=None, band: int = 256):
     import torch.distributed as dist
     from hybrid.model.sequence import documents_of
@@ -218,6 +235,7 @@ def test_the_log_says_which_kernel_the_ring_runs():
 P_DROP, SEED = 0.3, 1234567
 
 
+@restoring_ring_settings
 def _ring_with_dropout_on_rank(documents: bool, math_tiles: bool):
     import torch.distributed as dist
     from hybrid.model.sequence import documents_of

@@ -167,20 +167,23 @@ def test_gradients_are_not_copied_through_an_allreduce_of_one_rank():
 
 
 def _engines_and_gloo_threads_after_a_run(data: str, zero_config: str, pp: int = 2) -> tuple:
-    """On a pool rank: one training by launch/train.py's entry, then the DeepSpeed engines still alive and this
-    process's gloo threads (the pool destroys the run's groups after the task: what stays is what a run leaked)."""
+    """On a pool rank: one training by launch/train.py's entry, then the DeepSpeed engines it left alive and this
+    process's gloo threads (the pool destroys the run's groups after the task: what stays is what a run leaked).
+    Engines counted before and after the run: the rank may hold some from an earlier module's helpers."""
     import gc
 
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     from hybrid.training.run import run_training
     from tests.test_training import TINY
+    gc.collect()
+    before = sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects())
     assert run_training([str(f) for f in TINY] + ["--data-path", data, "--train-iters", "2", "--deepspeed",
                                                   zero_config, "--pipeline-model-parallel-size", str(pp)]) == 0
     gc.collect()
     threads = sum(open(f"/proc/self/task/{t}/comm").read().startswith(("pt_gloo", "gloo"))
                   for t in os.listdir("/proc/self/task"))
-    return sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects()), threads
+    return sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects()) - before, threads
 
 
 @pytest.mark.slow

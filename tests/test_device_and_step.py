@@ -196,8 +196,10 @@ def _count_host_syncs(iterations, extra=()):
     finally:
         for name, method in originals.items():
             setattr(torch.Tensor, name, method)
-    clipped_norm = engine.get_global_grad_norm()
-    return during, syncs[len(during):], values, float(clipped_norm)
+    clipped_norm = float(engine.get_global_grad_norm())
+    from hybrid.training.deepspeed_fixes import release_engine  # (the pool's ranks serve later modules)
+    release_engine(engine)
+    return during, syncs[len(during):], values, clipped_norm
 
 
 @pytest.mark.parametrize("extra", [[], ["--calculate-per-token-loss"]], ids=["micro_batch_mean", "per_token"])

@@ -61,6 +61,8 @@ def _deepspeed_state_bytes(stage: int, ds_path: str, extra: tuple = ()) -> dict:
         master = _bytes(opt.fp32_partitioned_groups_flat)
         assert {t.data_ptr() for t in flat}.isdisjoint(t.data_ptr() for t in opt.fp32_partitioned_groups_flat)
     groups = [[p.numel() if stage < 3 else p.ds_numel for p in g["params"]] for g in param_groups_of(engine)]
+    from hybrid.training.deepspeed_fixes import release_engine  # (the pool's ranks serve later modules)
+    release_engine(engine)
     return dict(params=params, grads=grads, optimizer=states + master, groups=groups)
 
 

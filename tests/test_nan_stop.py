@@ -76,6 +76,8 @@ def _step_with_a_nan_gradient(extra):
         changed.append((any(not torch.equal(a, b) for a, b in zip(before, after)),
                         any(not torch.equal(a, b) for a, b in zip(moments, moments_after)),
                         all(bool(torch.isfinite(a).all()) for a in after)))
+    from hybrid.training.deepspeed_fixes import release_engine  # (the pool's ranks serve later modules)
+    release_engine(engine)
     return changed
 
 

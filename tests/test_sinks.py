@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.model_harness import assemble_grads, compare_grads
+from tests.test_context_parallel import restoring_ring_settings
 from checks.rank_pool import run_on_ranks
 
 
@@ -111,6 +112,7 @@ def test_sink_attention_with_dropout_equals_transformers_eager_dropped_by_the_sa
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
 
 
+@restoring_ring_settings
 def _ring_with_sinks_dropout_and_window(window: int):
     import torch.distributed as dist
     from hybrid.parallel import ring_attention as ring

@@ -119,6 +119,24 @@ def test_universal_checkpoint_resumes_at_another_layout_with_the_uninterrupted_l
     assert [r["lr"] for r in records] == pytest.approx([r["lr"] for r in straight], rel=1e-12)  # schedule continues
 
 
+@pytest.mark.slow
+def test_a_dense_model_resumes_from_a_universal_checkpoint_in_a_process_that_trained_an_moe_model(data, baseline,
+                                                                                                 universal_sources,
+                                                                                                 tmp_path):
+    """DeepSpeed keeps expert groups in module-level registries that outlive their run; its universal-checkpoint load
+    asks the largest registered one for its rank. A process that trained an MoE model (an RL loop, a notebook, a pool
+    rank) and then resumed a dense model from a universal checkpoint ended "Group ... is not registered" (the MoE
+    run's groups destroyed since): each model now registers only its own (deepspeed_fixes.register_moe_layers)."""
+    run("python", 1, TINY + ["--data-path", data, "--train-iters", 1, "--swiglu", "--disable-bias-linear",
+                             "--num-experts", 2, "--moe-ffn-hidden-size", 16, "--deepspeed", "ds_configs/zero1.json"])
+    ckpt, source_log = universal_sources(*CASES["pp2_to_pp1_untied"][0])
+    log = tmp_path / "log.jsonl"
+    log.write_text(source_log)
+    run("python", 1, TINY + ["--data-path", data, "--load", ckpt, "--universal-checkpoint", "--log-json", log,
+                             "--deepspeed", "ds_configs/zero1.json", *UNTIED])  # (the MoE run's rank)
+    assert_same_losses([r["lm_loss"] for r in read_log(log)], [r["lm_loss"] for r in baseline(True)])
+
+
 def _run_config(flags, world):
     from hybrid.config import build_run_config
     from hybrid.flags import build_parser

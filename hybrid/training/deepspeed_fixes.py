@@ -656,7 +656,18 @@ def register_moe_layers(model, layout, zero_stage: int = 0) -> int:
     the number of MoE layers. Call before deepspeed.initialize. With ZeRO-3 (DeepSpeed 0.19 refuses its
     MoE layers there; EP 1 only) the experts stay ordinary parameters, partitioned over DP, each registered
     as an external parameter of its layer (`deepspeed.zero.register_external_parameter`) since the layer
-    reads their weights in its own forward."""
+    reads their weights in its own forward.
+
+    Every model's call (a dense one's too) first empties DeepSpeed's expert registries: they are module-level and
+    outlive the run that filled them, and DeepSpeed 0.19.8's universal-checkpoint load asks the largest registered
+    expert group for its rank (`base_optimizer._get_universal_checkpoint_ep_info`, which catches RuntimeError but
+    not the ValueError of a destroyed group): a dense model resumed from a universal checkpoint in a process that
+    had trained an MoE model ended "Group ... is not registered"."""
+    # this model's groups only: DeepSpeed saves by the largest EP size registered, so the groups of an earlier
+    # model in this process (destroyed since) must not stay behind
+    for registry in (ds_groups._EXPERT_PARALLEL_GROUP, ds_groups._EXPERT_PARALLEL_GROUP_RANKS,
+                     ds_groups._EXPERT_DATA_PARALLEL_GROUP, ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        registry.clear()
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     if not layers:
         return 0
@@ -671,11 +682,6 @@ def register_moe_layers(model, layout, zero_stage: int = 0) -> int:
         raise RuntimeError("the model has MoE layers but its groups were built without expert groups "
                            "(hybrid.parallel.groups.build_groups(..., experts=True))")
     name = layers[0].expert_group_name
-    # this model's groups only: DeepSpeed saves by the largest EP size registered, so the groups of an earlier
-    # model in this process (destroyed since) must not stay behind
-    for registry in (ds_groups._EXPERT_PARALLEL_GROUP, ds_groups._EXPERT_PARALLEL_GROUP_RANKS,
-                     ds_groups._EXPERT_DATA_PARALLEL_GROUP, ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
-        registry.clear()
     ds_groups._EXPERT_PARALLEL_GROUP[name] = layout.ep.group
     ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(layout.ep.ranks)
     ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = layout.edp.group

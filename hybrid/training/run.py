@@ -123,12 +123,12 @@ def _train(run: RunConfig, args, tokenizer) -> None:
     else:
         datasets = build_datasets(run.data, run.training, tokenizer.vocab_size, tokenizer)
     engine, _ = build_engine(run, groups)
-    if run.training.dpo:  # the reference model, or its values read or scored with the windows; then the start
-        reference, (iteration, consumed) = reference_logps.prepare(run, groups, engine, datasets)
-    else:  # --grpo-beta > 0: the KL's frozen starting model
-        reference = build_reference(run, groups, engine) if run.training.grpo and run.training.grpo.beta else None
-        iteration, consumed = resume.start(engine, run, groups)
-    try:
+    try:  # (a refused resume or reference included)
+        if run.training.dpo:  # the reference model, or its values read or scored with the windows; then the start
+            reference, (iteration, consumed) = reference_logps.prepare(run, groups, engine, datasets)
+        else:  # --grpo-beta > 0: the KL's frozen starting model
+            reference = build_reference(run, groups, engine) if run.training.grpo and run.training.grpo.beta else None
+            iteration, consumed = resume.start(engine, run, groups)
         Trainer(run, groups, engine, datasets, getattr(tokenizer, "eod", None), reference,
                 prompts).train(iteration, consumed)
         memory.report(dist.get_rank(), groups.pp.rank)
