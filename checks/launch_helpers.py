@@ -54,7 +54,7 @@ def run(launcher: str, nproc: int, flags: list[str], script: str = "launch/train
         check: bool = True, launch: bool = False) -> subprocess.CompletedProcess:
     """`script flags` on `nproc` ranks -> its exit status and output.
 
-    The entry runs on warm gloo ranks of the pool (checks/rank_pool.py: imports done once per module, the
+    The entry runs on warm gloo ranks of the pool (checks/rank_pool.py: imports done once per pool, the
     script's own `main(argv)` called on every rank, its output captured), which is what a launcher would run
     minus the process start; the tests that are about launching itself (the launchers, restarts, signals,
     process memory) pass `launch=True`, as do the `deepspeed` and `accelerate` launchers."""
