@@ -8,7 +8,7 @@ overlap, and the longest sequence that fits a memory budget; JSON (and a PNG wit
    keeps for backward, counted once by storage (the activation memory a rank holds at the end of the
    forward), and the resident-memory peak of the step above what was resident before (activations,
    the ring's buffers, every temporary; CPU allocator noise included); the estimator's ring buffers
-   (hybrid.memory.sequence_split_buffer_bytes) beside. Ratios are against CP 1 at the same length.
+   (hybrid.memory.activations.sequence_split_buffer_bytes) beside. Ratios are against CP 1 at the same length.
 2. Overlap: one attention layer's ring (forward + backward) at CP 2 against its compute alone (the same
    block kernels run back to back in one process, no communication): 1.0 means the K/V transfers
    are fully hidden behind compute.
@@ -189,7 +189,7 @@ def main() -> None:
     parser.add_argument("--output", default=None, help="also write the JSON here")
     args = parser.parse_args()
 
-    from hybrid.memory import ActivationSettings, sequence_split_buffer_bytes
+    from hybrid.memory.activations import ActivationSettings, sequence_split_buffer_bytes
     from hybrid.model.config import ModelConfig
     activations = []
     for seq in args.seq:

@@ -35,19 +35,36 @@ sys.path.insert(0, ROOT)
 GiB = 1024 ** 3
 
 
+# the three shapes: half the parameters in vocabulary tables (Pythia-160M's), most in the layers, an MoE model
+SHAPES = {
+    "vocab_heavy": dict(num_layers=12, hidden_size=768, ffn_hidden_size=None, vocab_size=50256, seq_length=128),
+    "layer_heavy": dict(num_layers=8, hidden_size=1024, ffn_hidden_size=4096, vocab_size=32000, seq_length=64),
+    "moe": dict(num_layers=8, hidden_size=512, ffn_hidden_size=1024, vocab_size=32000, seq_length=64, num_experts=8),
+}
+
+
 def _flags(a, zero: int, bucket: int, config_dir: str, bf16: bool, lora: int = 0) -> list:
+    """launch/train.py's flags for one measured run: the shipped ds_configs/zero{1,2,3}.json with --shipped-configs,
+    else a config with every bucket --bucket elements."""
     config = os.path.join(config_dir, f"zero{zero}.json")
     adapters = ["--lora-rank", lora, "--lora-alpha", 2 * lora, "--lora-target-modules", "all-linear"] if lora else []
-    with open(config, "w") as f:
-        json.dump({"zero_optimization": {"stage": zero, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                                         "stage3_prefetch_bucket_size": bucket, "sub_group_size": bucket,
-                                         "overlap_comm": False, "contiguous_gradients": True},
-                   "gradient_clipping": 1.0, "steps_per_print": 10**9}, f)
+    if a.shipped_configs:
+        config = os.path.join(ROOT, "ds_configs", f"zero{zero}.json")
+    else:
+        with open(config, "w") as f:
+            json.dump({"zero_optimization": {"stage": zero, "reduce_bucket_size": bucket,
+                                             "allgather_bucket_size": bucket, "stage3_prefetch_bucket_size": bucket,
+                                             "sub_group_size": bucket, "overlap_comm": False,
+                                             "contiguous_gradients": True},
+                       "gradient_clipping": 1.0, "steps_per_print": 10**9}, f)
+    ffn = ["--ffn-hidden-size", a.ffn_hidden_size] if a.ffn_hidden_size else []
+    experts = ["--num-experts", a.num_experts, "--moe-router-topk", 2] if a.num_experts else []
     return [str(x) for x in [
         "--num-layers", a.num_layers, "--hidden-size", a.hidden_size, "--num-attention-heads", a.hidden_size // 64,
+        *ffn, *experts,
         "--seq-length", a.seq_length, "--max-position-embeddings", a.seq_length, "--micro-batch-size", 1,
         "--global-batch-size", 4, "--train-iters", 2, "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", 50256, "--untie-embeddings-and-output-weights", "--lr", 1e-4, "--log-interval", 1,
+        "--vocab-size", a.vocab_size, "--untie-embeddings-and-output-weights", "--lr", 1e-4, "--log-interval", 1,
         "--eval-iters", 0, "--no-progress-bar",
         "--num-workers", 0, "--pipeline-model-parallel-size", 2, "--deepspeed", config,
         *(["--bf16"] if bf16 else []), *adapters]]
@@ -59,7 +76,7 @@ def estimated(flags: list) -> list:
     from hybrid.dry_run import plan_from_run
     from hybrid.flags import build_parser
     from hybrid.memory import estimate
-    run = build_run_config(build_parser().parse_args(flags), 4, 50257)
+    run = build_run_config(build_parser().parse_args(flags), 4, int(flags[flags.index("--vocab-size") + 1]) + 1)
     plan = dataclasses.replace(plan_from_run(run), device_type="cpu")  # measured on CPU ranks (gloo)
     return [row["total"] for row in estimate(plan)]
 
@@ -83,13 +100,44 @@ def measured(flags: list, report: str) -> list:
     return [peaks[stage] for stage in sorted(peaks)]
 
 
+def _shape_rows(a, tmp: str) -> dict:
+    """ZeRO-1, -2 and -3 of one shape in each precision asked: measured and estimated, stage by stage."""
+    rows = {}
+    for precision in (["bf16", "fp32"] if a.precision == "both" else [a.precision]):
+        rows[precision] = {}
+        for zero in (1, 2, 3):
+            flags = _flags(a, zero, a.bucket, tmp, precision == "bf16")
+            report = os.path.join(tmp, f"{a.shape}_{precision}_zero{zero}.jsonl")
+            got, want = measured(flags, report), estimated(flags)
+            row = {"stages": [{"measured_gib": m / GiB, "estimated_gib": w / GiB, "estimate_over_measured": w / m}
+                              for m, w in zip(got, want)],
+                   "largest_rank": {"measured_gib": max(got) / GiB, "estimated_gib": max(want) / GiB,
+                                    "estimate_over_measured": max(want) / max(got)}}
+            rows[precision][f"zero{zero}"] = row
+            print(json.dumps({a.shape: {precision: {f"zero{zero}": row}}}), file=sys.stderr, flush=True)
+        largest = {zero: rows[precision][zero]["largest_rank"]["measured_gib"] for zero in rows[precision]}
+        rows[precision]["zero3_below_zero1_gib"] = largest["zero1"] - largest["zero3"]
+        rows[precision]["zero3_below_zero1_gb"] = (largest["zero1"] - largest["zero3"]) * GiB / 1e9
+    from hybrid.memory import parameter_inventory
+    from hybrid.model.config import ModelConfig
+    model = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.hidden_size // 64,
+                        ffn_hidden_size=a.ffn_hidden_size, vocab_size=a.vocab_size + 1, num_experts=a.num_experts,
+                        max_position_embeddings=a.seq_length, untie_embeddings_and_output_weights=True)
+    return {"parameters": sum(n for n, _ in parameter_inventory(model, 1).values()), **rows,
+            "shape": {k: getattr(a, k) for k in ("num_layers", "hidden_size", "ffn_hidden_size", "vocab_size",
+                                                 "seq_length", "num_experts")}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num-layers", type=int, default=12)
-    p.add_argument("--hidden-size", type=int, default=768)
-    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--shape", choices=[*SHAPES, "all"], default="all",
+                   help="vocab_heavy (Pythia-160M's shape), layer_heavy, moe, or all three")
+    for flag in ("num-layers", "hidden-size", "ffn-hidden-size", "vocab-size", "seq-length", "num-experts"):
+        p.add_argument(f"--{flag}", type=int, default=None, help="instead of the shape's")
     p.add_argument("--bucket", type=int, default=5_000_000,
                    help="ZeRO's reduce / gather / prefetch buckets and ZeRO-3's optimizer sub-group (elements)")
+    p.add_argument("--shipped-configs", action="store_true",
+                   help="ds_configs/zero{1,2,3}.json as shipped instead of --bucket-sized buckets")
     p.add_argument("--precision", choices=["both", "bf16", "fp32"], default="both")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="compare LoRA of this rank (all-linear) with full fine-tuning instead (fp32, ZeRO-1 and -3)")
@@ -97,31 +145,17 @@ def main() -> None:
     a = p.parse_args()
     a.out = a.out or os.path.join(ROOT, "benchmarks", "results",
                                   "memory_lora_cpu.json" if a.lora_rank else "memory_cpu.json")
-    if a.lora_rank:
-        return _lora(a)
-    rows = {}
+    given = {k: v for k, v in vars(a).items() if k in SHAPES["moe"] and v is not None}
+    shapes = list(SHAPES) if a.shape == "all" else [a.shape]
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for precision in (["bf16", "fp32"] if a.precision == "both" else [a.precision]):
-            rows[precision] = {}
-            for zero in (1, 2, 3):
-                flags = _flags(a, zero, a.bucket, tmp, precision == "bf16")
-                report = os.path.join(tmp, f"{precision}_zero{zero}.jsonl")
-                got, want = measured(flags, report), estimated(flags)
-                row = {"stages": [{"measured_gib": m / GiB, "estimated_gib": w / GiB, "estimate_over_measured": w / m}
-                                  for m, w in zip(got, want)],
-                       "largest_rank": {"measured_gib": max(got) / GiB, "estimated_gib": max(want) / GiB,
-                                        "estimate_over_measured": max(want) / max(got)}}
-                rows[precision][f"zero{zero}"] = row
-                print(json.dumps({precision: {f"zero{zero}": row}}), file=sys.stderr, flush=True)
-            largest = {zero: rows[precision][zero]["largest_rank"]["measured_gib"] for zero in rows[precision]}
-            rows[precision]["zero3_below_zero1_gib"] = largest["zero1"] - largest["zero3"]
-            rows[precision]["zero3_below_zero1_gb"] = (largest["zero1"] - largest["zero3"]) * GiB / 1e9
-    from hybrid.memory import parameter_inventory
-    from hybrid.model.config import ModelConfig
-    params = sum(n for n, _ in parameter_inventory(ModelConfig(
-        num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.hidden_size // 64, vocab_size=50257,
-        max_position_embeddings=a.seq_length, untie_embeddings_and_output_weights=True), 1).values())
-    result = {"benchmark": "memory_pp2_dp2_cpu", "parameters": params, **rows, "config": vars(a)}
+        for name in shapes:
+            vars(a).update(dict(dict(num_experts=None, **SHAPES[name]), **given), shape=name)
+            if a.lora_rank:
+                return _lora(a)
+            results[name] = _shape_rows(a, tmp)
+    result = {"benchmark": "memory_pp2_dp2_cpu", "shapes": results,
+              "config": {k: v for k, v in vars(a).items() if k not in SHAPES["moe"]}}
     text = json.dumps(result, indent=2)
     print(text)
     with open(a.out, "w") as f:

@@ -18,6 +18,7 @@ Modules (by floor, the ground first; tests/test_structure.py keeps the floors):
   memory           the --dry-run memory estimator
   architecture     the model from the flags or a --load-hf config
   ds_config        the DeepSpeed JSON merged with the flags
+  objective_flags  --sft, --dpo and --grpo's flags checked; --grpo's options
   config           flags -> RunConfig
   dry_run          --dry-run's report
   evaluation       launch/evaluate.py

@@ -35,3 +35,32 @@ def test_a_failed_export_is_one_line_and_exit_status_3_and_the_checkpoint_stays(
     lines = [line for line in (out.out + out.err).splitlines() if "WARNING" in line]
     assert len(lines) == 1 and "export or sample after training failed" in lines[0], out
     assert os.path.exists(save / "latest")
+
+
+def test_an_older_export_is_replaced_only_by_a_complete_one_and_nothing_is_left_beside_it(tmp_path, monkeypatch):
+    """export_hf writes beside the export and renames when the conversion returns: a conversion that fails midway
+    leaves the older export whole and no partial directory."""
+    from hybrid.training import demo
+    export = tmp_path / "hf"
+    export.mkdir()
+    (export / "config.json").write_text("older")
+
+    def fails_midway(args):
+        (tmp_path / "seen").write_text(args.save_dir)
+        with open(os.path.join(args.save_dir, "config.json"), "w") as f:
+            f.write("newer")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(demo, "convert", fails_midway)
+    with pytest.raises(OSError):
+        demo.export_hf(str(tmp_path / "ckpt"), str(export))
+    assert (export / "config.json").read_text() == "older"
+    assert sorted(os.listdir(tmp_path)) == ["hf", "seen"] and (tmp_path / "seen").read_text() != str(export)
+
+    def writes(args):
+        with open(os.path.join(args.save_dir, "config.json"), "w") as f:
+            f.write("newer")
+
+    monkeypatch.setattr(demo, "convert", writes)
+    demo.export_hf(str(tmp_path / "ckpt"), str(export))
+    assert (export / "config.json").read_text() == "newer" and sorted(os.listdir(tmp_path)) == ["hf", "seen"]

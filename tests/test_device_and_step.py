@@ -351,13 +351,13 @@ def test_cpu_ranks_share_the_cores_unless_omp_num_threads_is_set(monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_the_loop_calls_its_converters_around_each_iteration_in_order_and_says_whether_it_stepped():
-    """MoE, FP8 and profiling act through hybrid.training.converters: before an iteration in the list's order, after
+def test_the_loop_calls_its_features_around_each_iteration_in_order_and_says_whether_it_stepped():
+    """MoE, FP8 and profiling act through hybrid.training.features: before an iteration in the list's order, after
     it in reverse (the profiler innermost), told whether DeepSpeed took the step; a run without the features has
     none."""
     from types import SimpleNamespace
 
-    from hybrid.training.converters import loop_converters
+    from hybrid.training.features import loop_features
     calls, skip = [], [0]
 
     class Recorder:
@@ -379,7 +379,7 @@ def test_the_loop_calls_its_converters_around_each_iteration_in_order_and_says_w
     trainer = Trainer.__new__(Trainer)
     trainer.engine, trainer.step = engine, SimpleNamespace(train=train, micro_batches=4)
     trainer.health, trainer.skipped = SimpleNamespace(norm_finite=lambda: True), 0
-    trainer.converters = [Recorder("first"), Recorder("second")]
+    trainer.features = [Recorder("first"), Recorder("second")]
     trainer._iteration(None, 5)
     assert calls == [("first", "before", 5, 4), ("second", "before", 5, 4), ("train",),
                      ("second", "after", 5, True), ("first", "after", 5, True)]
@@ -389,4 +389,4 @@ def test_the_loop_calls_its_converters_around_each_iteration_in_order_and_says_w
     assert calls[-2:] == [("second", "after", 6, False), ("first", "after", 6, False)] and trainer.skipped == 1
     plain = SimpleNamespace(model=SimpleNamespace(num_experts=None, fp8_recipe=None, dsa_indexer_loss_coeff=0.0),
                             logging=SimpleNamespace(profile=None))
-    assert loop_converters(plain, None, torch.nn.Linear(1, 1), torch.device("cpu")) == []
+    assert loop_features(plain, None, torch.nn.Linear(1, 1), torch.device("cpu")) == []

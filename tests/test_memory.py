@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hybrid import memory
+from hybrid.memory import activations
 from hybrid.config import build_run_config
 from hybrid.flags import build_parser
 from hybrid.model.config import ModelConfig
@@ -214,11 +215,12 @@ def _measured_layer_bytes(config: ModelConfig, groups, seq: int, batch: int, dty
 
 def _estimated_layer_bytes(config: ModelConfig, tp: int, seq: int, batch: int, precision="fp32", cp=1,
                           ulysses=1) -> int:
-    kernel = "flash" if cp > 1 else memory.attention_kernel_for("cpu", precision, config.attention_dropout, config)
-    act = memory.ActivationSettings(batch, seq, tp, config.sequence_parallel, precision, config.recompute_granularity,
-                                    kernel, mask_bytes=memory._BYTES[precision],  # CPU keeps masks in that dtype
-                                    cp=cp, ulysses=ulysses)
-    return memory.layer_activation_bytes(config, act)
+    kernel = "flash" if cp > 1 else activations.attention_kernel_for("cpu", precision, config.attention_dropout, config)
+    act = activations.ActivationSettings(batch, seq, tp, config.sequence_parallel, precision,
+                                         config.recompute_granularity, kernel,
+                                         mask_bytes=activations.BYTES[precision],  # CPU keeps masks in that dtype
+                                         cp=cp, ulysses=ulysses)
+    return activations.layer_activation_bytes(config, act)
 
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
@@ -297,16 +299,16 @@ def test_megatron_accounting_reproduces_korthikanti_table2(tp, sp, recompute):
     for s, b, h, a in ((2048, 1, 12288, 96), (1024, 4, 2048, 16)):
         config = ModelConfig(num_layers=1, hidden_size=h, num_attention_heads=a, vocab_size=1000,
                              max_position_embeddings=s, sequence_parallel=sp)
-        act = memory.ActivationSettings(b, s, tp, sp, "bf16", recompute, "math", mask_bytes=1)
-        assert memory.layer_activation_bytes(config, act, style="megatron") == pytest.approx(
-            memory.korthikanti_layer_bytes(s, b, h, a, tp, sp, recompute), rel=1e-12)
+        act = activations.ActivationSettings(b, s, tp, sp, "bf16", recompute, "math", mask_bytes=1)
+        assert activations.layer_activation_bytes(config, act, style="megatron") == pytest.approx(
+            activations.korthikanti_layer_bytes(s, b, h, a, tp, sp, recompute), rel=1e-12)
 
 
 def test_korthikanti_gpt3_figure():
     # the paper's section 4: GPT-3 175B, no parallelism, sbh(34 + 5as/h) = 34 + 80 per sbh
     s, b, h, a = 2048, 1, 12288, 96
-    assert memory.korthikanti_layer_bytes(s, b, h, a) / (s * b * h) == pytest.approx(34 + 5 * 96 * 2048 / 12288)
-    assert memory.korthikanti_layer_bytes(s, b, h, a, 8, True, "selective") / (s * b * h) == pytest.approx(34 / 8)
+    assert activations.korthikanti_layer_bytes(s, b, h, a) / (s * b * h) == pytest.approx(34 + 5 * 96 * 2048 / 12288)
+    assert activations.korthikanti_layer_bytes(s, b, h, a, 8, True, "selective") / (s * b * h) == pytest.approx(34 / 8)
 
 
 def _real_stage_parameters(config_kwargs: dict, tp: int, pp: int, partition: str) -> dict:
@@ -452,7 +454,7 @@ def test_in_flight_micro_batches_equal_the_measured_peak_of_every_schedule():
             continue
         name = "1f1b" if r["schedule"] == "torch-1f1b" else r["schedule"]
         p, m, v = r["pp"], r["micro_batches"], r["virtual_stages"]
-        estimated = [memory.in_flight_micro_batches(rank, p, m, name, v) for rank in range(p)]
+        estimated = [activations.in_flight_micro_batches(rank, p, m, name, v) for rank in range(p)]
         if name in ("1f1b", "interleaved-1f1b"):
             assert estimated == r["peak_activations_per_rank"], r
         else:
@@ -537,7 +539,7 @@ def test_dry_run_bad_flag_is_one_message():
 def test_moe_layer_activation_bytes_within_10pct_of_saved_tensors(moe):
     config = dataclasses.replace(_model_config("llama", 0.0, None), num_experts=4, moe_ffn_hidden_size=96, **moe)
     measured = _measured_layer_bytes(config, None, seq=64, batch=2)
-    estimated = sum(memory.layer_activation_bytes(config, memory.ActivationSettings(
+    estimated = sum(activations.layer_activation_bytes(config, activations.ActivationSettings(
         2, 64, precision="fp32", attention_kernel="flash", mask_bytes=4), layer=i) for i in range(2)) / 2
     assert abs(estimated - measured) <= 0.10 * measured, (estimated, measured)
 

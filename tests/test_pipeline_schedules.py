@@ -172,7 +172,7 @@ def test_bubble_benchmark_measures_each_ranks_activations_as_planned(tmp_path):
     import os
     import subprocess
     import sys
-    from hybrid import memory
+    from hybrid.memory import activations
     out = tmp_path / "records.jsonl"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "pipeline_bubble.py"), "--pp", "2",
                            "--micro-batches", "4", "--layer-ms", "2", "--steps", "1", "--json-out", str(out),
@@ -184,7 +184,7 @@ def test_bubble_benchmark_measures_each_ranks_activations_as_planned(tmp_path):
     for r in records:
         assert r["peak_activations"] == r["planned_activations"], r
         name = "1f1b" if r["schedule"] == "torch-1f1b" else r["schedule"]
-        estimated = [memory.in_flight_micro_batches(rank, 2, 4, name, r["virtual_stages"]) for rank in range(2)]
+        estimated = [activations.in_flight_micro_batches(rank, 2, 4, name, r["virtual_stages"]) for rank in range(2)]
         assert max(estimated) == r["peak_activations"], r
         assert 0.0 <= r["idle_fraction"] < 1.0 and r["busy_over_expected"] >= 1.0, r
     assert (tmp_path / "chart.png").stat().st_size > 10_000

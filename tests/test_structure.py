@@ -22,7 +22,8 @@ FLOORS = [
     # 4: conversion to and from other formats and layouts; the memory estimate
     ("hybrid.conversion", "hybrid.memory"),
     # 5: a run's configuration, and where it starts (decided before the config is built; no DeepSpeed, no model)
-    ("hybrid.architecture", "hybrid.ds_config", "hybrid.config", "hybrid.dry_run", "hybrid.training.start"),
+    ("hybrid.architecture", "hybrid.ds_config", "hybrid.objective_flags", "hybrid.config", "hybrid.dry_run",
+     "hybrid.training.start"),
     # 6: what runs a model: evaluation and training (neither imports the other)
     ("hybrid.evaluation", "hybrid.generation", "hybrid.serving", "hybrid.training"),
     # 7: entry points
@@ -190,14 +191,32 @@ def test_the_line_check_finds_a_long_line(tmp_path):
     assert _long_lines([str(path)]) == [f"{os.path.relpath(str(path), ROOT)}:2: {MAX_LINE + 6} characters"]
 
 
-def test_the_engine_and_the_loop_call_converters_and_name_no_feature():
-    """MoE, FP8 and profiling reach the engine and the training loop only through hybrid.training.converters."""
+MAX_MODULE_LINES = 800  # a module past this holds more than one job: split it along its jobs
+
+
+def _long_modules(paths) -> list:
+    counts = {path: len(open(path, encoding="utf-8").read().splitlines()) for path in paths}
+    return [f"{os.path.relpath(path, ROOT)}: {n} lines" for path, n in counts.items() if n > MAX_MODULE_LINES]
+
+
+def test_no_module_of_the_library_is_over_800_lines():
+    assert _long_modules(list(_modules().values())) == []
+
+
+def test_the_module_length_check_finds_a_long_module(tmp_path):
+    path = tmp_path / "big.py"
+    path.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert _long_modules([str(path)]) == [f"{os.path.relpath(str(path), ROOT)}: {MAX_MODULE_LINES + 1} lines"]
+
+
+def test_the_engine_and_the_loop_call_features_and_name_none_of_them():
+    """MoE, FP8 and profiling reach the engine and the training loop only through hybrid.training.features."""
     for module in ("engine", "loop"):
         text = open(os.path.join(ROOT, "hybrid", "training", f"{module}.py"), encoding="utf-8").read()
         named = [name for name in ("moe_hooks", "MoEStepHooks", "keep_fp32_buffers", "from hybrid.parallel import fp8",
                                    "StepProfiler", "end_iteration", "keep_fp32_histories") if name in text]
         assert named == [], (module, named)
-        assert "converters" in text, module
+        assert "features" in text, module
 
 
 def _named_modules(doc: str) -> set:

@@ -44,6 +44,13 @@ def write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_latest(directory: str, tag: str) -> None:
+    """Point `directory`'s `latest` at `tag`, and Megatron-LM's latest_checkpointed_iteration.txt at its iteration
+    (what Megatron's tools read); each replaced atomically."""
+    write_atomic(os.path.join(directory, LATEST), tag)
+    write_atomic(os.path.join(directory, MEGATRON_LATEST), str(iteration_of(tag)))
+
+
 @contextlib.contextmanager
 def atomic_directory(target: str, replace: bool = False, flag: str = "--save-dir"):
     """Yield a new temporary directory beside `target`; when the block completes it is renamed to

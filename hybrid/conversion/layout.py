@@ -19,8 +19,8 @@ import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from hybrid.checkpoint.client_state import ClientState, SavedLayout, model_summary
-from hybrid.checkpoint.files import (LATEST, MEGATRON_LATEST, atomic_directory, first_model_file, layer_file, load_file,
-                                     model_file, read_tag, tag_for)
+from hybrid.checkpoint.files import (LATEST, atomic_directory, first_model_file, layer_file, load_file, model_file,
+                                     read_tag, tag_for, write_latest)
 from hybrid.checkpoint.manifest import verify_manifest, write_manifest
 from hybrid.checkpoint.tp_layout import full_numels, join_vocab_blocks, tp_layout
 from hybrid.conversion.ds_universal import read_fp32_state
@@ -335,10 +335,7 @@ def write_hybrid(state: dict, config: ModelConfig, tp: int, pp: int, save_dir: s
         else:
             _write_pipeline(state, config, tp, pp, ckpt, common, progress)
         write_manifest(ckpt)
-        with open(os.path.join(tmp, LATEST), "w") as f:
-            f.write(tag)
-        with open(os.path.join(tmp, MEGATRON_LATEST), "w") as f:
-            f.write(str(iteration))
+        write_latest(tmp, tag)
     return tag
 
 

@@ -14,7 +14,7 @@ Modules:
   reference_logps  DPO's reference log-probabilities, computed once
   muon             --optimizer muon
   lr_schedules     Megatron-LM's learning-rate schedule
-  converters       MoE, FP8 and profiling as one list of converters
+  features         MoE, FP8 and profiling: their moments in a run, as one list
   moe_hooks        what each iteration does for the MoE layers (and DSA indexers trained by their loss)
   health           the NaN and loss-scale stops
   saving           checkpoints written during a run

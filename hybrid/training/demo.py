@@ -5,27 +5,21 @@ the embedded corpus does both by default (see hybrid.config's demo defaults)."""
 from __future__ import annotations
 
 import os
-import shutil
 
 import torch
 import torch.distributed as dist
 
+from hybrid.checkpoint.files import atomic_directory
 from hybrid.conversion.checkpoint_util import build_parser, convert
 from hybrid.training.logging import log
 
 
 def export_hf(save_dir: str, export_dir: str) -> None:
     """The latest checkpoint in `save_dir` -> a HuggingFace directory, replacing an older export only
-    once the new one is complete."""
-    fresh, old = export_dir.rstrip("/") + ".new", export_dir.rstrip("/") + ".old"
-    for leftover in (fresh, old):
-        shutil.rmtree(leftover, ignore_errors=True)
-    convert(build_parser().parse_args(["--load-dir", save_dir, "--save-dir", fresh, "--hf-convert",
-                                       "--no-progress-bar"]))
-    if os.path.exists(export_dir):
-        os.replace(export_dir, old)
-    os.replace(fresh, export_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    once the new one is complete (hybrid.checkpoint.files.atomic_directory)."""
+    with atomic_directory(export_dir, replace=True, flag="--export-hf") as fresh:
+        convert(build_parser().parse_args(["--load-dir", save_dir, "--save-dir", fresh, "--hf-convert",
+                                           "--no-progress-bar"]))
     log(f"exported {save_dir} to HuggingFace format in {export_dir} "
         f"(AutoModelForCausalLM.from_pretrained({export_dir!r}))")
 

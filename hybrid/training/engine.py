@@ -20,7 +20,7 @@ from hybrid.model import lora
 from hybrid.model.attention import backend_notes
 from hybrid.model.mla import MultiLatentAttention
 from hybrid.model.naming import canonical_buffers, canonical_parameters, weight_decayed
-from hybrid.training import converters
+from hybrid.training import features
 from hybrid.training.deepspeed_fixes import (install_fp32_clipping, keep_host_activations_when_offloading,
                                              prepare_pipeline_engine, register_moe_layers, skip_non_finite_steps,
                                              release_input_embedding_after_its_gradient, step_on_gradient_partitions,
@@ -97,7 +97,7 @@ def build_engine(run: RunConfig, groups):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.training.precision, torch.float32)
     for note in backend_notes(run.model, run.parallel.context_parallel, get_accelerator().device_name(), dtype):
         log(note)
-    converters.before_build(run, torch.device(get_accelerator().current_device_name()))  # MoE, FP8, profiling
+    features.before_build(run, torch.device(get_accelerator().current_device_name()))  # MoE, FP8, profiling
     model = build_model(run, groups)
     register_moe_layers(model, groups, run.zero_stage)  # DeepSpeed's MoE handling (before initialize)
     freeze(model, run)
@@ -126,7 +126,7 @@ def build_engine(run: RunConfig, groups):
         raise
     if isinstance(client, ShardedMuonWithAdamW):
         client.attach(zero_partitions(engine.optimizer))
-    converters.after_engine(run, engine.module)  # what DeepSpeed's cast took to bf16/fp16 back in fp32
+    features.after_engine(run, engine.module)  # what DeepSpeed's cast took to bf16/fp16 back in fp32
     log(f"optimizer: {describe_optimizer(engine)}")
     if run.zero_stage == 0:
         skip_one_rank_gradient_allreduce(engine)

@@ -15,7 +15,7 @@ from hybrid.config import RunConfig, config_summary
 from hybrid.data.batches import Collator, micro_batches
 from hybrid.errors import ConfigError
 from hybrid.model.objectives import objective_for
-from hybrid.training.converters import loop_converters
+from hybrid.training.features import loop_features
 from hybrid.training.engine import units_per_step
 from hybrid.training.health import HealthCheck
 from hybrid.training.logging import MetricsLogger, Timer, log
@@ -43,7 +43,7 @@ class Trainer:
         # what the run trains for (LM, SFT, DPO), handed to the one runtime of every layout and schedule
         self.objective = objective_for(run.training, run.model, groups, None if run.training.grpo else reference)
         self.step = build_runtime(run, groups, engine, self.objective)
-        self.converters = loop_converters(run, groups, engine.module, self.device)  # MoE, FP8, profiling
+        self.features = loop_features(run, groups, engine.module, self.device)  # MoE, FP8, profiling
         self.peak_tflops = run.logging.peak_tflops or device_peak_tflops(
             self.device, run.training.precision, run.model.fp8_recipe is not None)
         self.saver = CheckpointSaver(engine, run, groups, self.device)
@@ -105,9 +105,9 @@ class Trainer:
         values = self.health.checked_losses(pending)
         self.health.check_loss_scale(self.skipped)
         per_iteration = seconds() / len(pending)
-        extra = {}  # the converters' (this rank's MoE layers, per micro-batch)
-        for converter in self.converters:
-            extra.update(converter.metrics())
+        extra = {}  # the features' (this rank's MoE layers, per micro-batch)
+        for feature in self.features:
+            extra.update(feature.metrics())
         # the objective's own (--dpo: rewards, margin and accuracy over the interval's pairs, every DP rank's)
         extra.update(self.objective.metrics(self.groups, self.device))
         stall = self.saver.take_stall()
@@ -133,12 +133,12 @@ class Trainer:
         """One training iteration; its (loss, lr, gradient norm finite, iteration number), on the device."""
         lr = self.engine.get_lr()[0]
         skipped_before = getattr(self.engine, "skipped_steps", 0)
-        for converter in self.converters:
-            converter.before_iteration(iteration, self.step.micro_batches)
+        for feature in self.features:
+            feature.before_iteration(iteration, self.step.micro_batches)
         record = (self.step.train(batches), lr, self.health.norm_finite(), iteration + 1)
         skipped = getattr(self.engine, "skipped_steps", 0) - skipped_before  # a host int DeepSpeed keeps
-        for converter in reversed(self.converters):
-            converter.after_iteration(iteration, stepped=not skipped)
+        for feature in reversed(self.features):
+            feature.after_iteration(iteration, stepped=not skipped)
         self.skipped += skipped
         return record
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.checkpoint.client_state import ClientState
-from hybrid.checkpoint.files import LATEST, MEGATRON_LATEST, iteration_of, tag_for, write_atomic
+from hybrid.checkpoint.files import tag_for, write_latest
 from hybrid.checkpoint.manifest import write_manifest
 from hybrid.checkpoint.tp_layout import join_vocab_blocks, tp_layout, universal_checkpoint_info
 from hybrid.config import RunConfig, checkpoint_summary
@@ -80,8 +80,7 @@ def finalize(engine, save_dir: str, tag: str) -> None:
         dist.barrier()  # every rank's files are written before the manifest and the pointer
     if not dist.is_initialized() or dist.get_rank() == 0:
         write_manifest(os.path.join(save_dir, tag))  # what complete means for this checkpoint
-        write_atomic(os.path.join(save_dir, LATEST), tag)
-        write_atomic(os.path.join(save_dir, MEGATRON_LATEST), str(iteration_of(tag)))
+        write_latest(save_dir, tag)
     if dist.is_initialized():
         dist.barrier()
     log(f"saved checkpoint {tag} to {save_dir}")

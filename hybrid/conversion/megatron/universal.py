@@ -22,7 +22,8 @@ import torch
 from deepspeed.checkpoint import constants as c
 
 from hybrid.checkpoint.client_state import ClientState, SavedLayout, model_summary
-from hybrid.checkpoint.files import LATEST_UNIVERSAL, UNIVERSAL_SUFFIX, atomic_directory, model_file, tag_for
+from hybrid.checkpoint.files import (LATEST_UNIVERSAL, UNIVERSAL_SUFFIX, atomic_directory, model_file, tag_for,
+                                     write_atomic)
 from hybrid.conversion.ds_universal import UNIVERSAL_INFO, alias_model_files, normalize
 from hybrid.conversion.megatron.args import megatron_run_args
 from hybrid.conversion.megatron.lm import MegatronCheckpoint
@@ -66,8 +67,7 @@ def write_universal(source: MegatronCheckpoint, config: ModelConfig, save_dir: s
         with open(os.path.join(directory, UNIVERSAL_INFO), "w") as f:
             json.dump({"source": source.directory, "megatron_format": source.format, "iteration": source.iteration,
                        "tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1}, f)
-        with open(os.path.join(tmp, LATEST_UNIVERSAL), "w") as f:
-            f.write(tag)
+        write_atomic(os.path.join(tmp, LATEST_UNIVERSAL), tag)
     log(f"wrote the weights and Adam state of {written} parameters (step {optimizer.step}) of {source.directory} as "
         f"DeepSpeed's universal checkpoint {os.path.join(save_dir, tag)}")
     return tag

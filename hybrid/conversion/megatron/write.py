@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from hybrid.checkpoint.client_state import ClientState
-from hybrid.checkpoint.files import MEGATRON_LATEST, atomic_directory, tag_for
+from hybrid.checkpoint.files import MEGATRON_LATEST, atomic_directory, tag_for, write_atomic
 from hybrid.checkpoint.tp_layout import tp_layout
 from hybrid.conversion.families.mla_rope import deepseek_rope_rows
 from hybrid.conversion.families.options import gemma4_options
@@ -149,8 +149,7 @@ def write_megatron(state: dict, config: ModelConfig, tp: int, pp: int, save_dir:
             _write_dist(state, config, tp, directory, common)
         else:
             _write_legacy(state, config, tp, pp, ep, directory, common, spelling or "transformer_engine")
-        with open(os.path.join(tmp, MEGATRON_LATEST), "w") as f:
-            f.write(str(iteration))
+        write_atomic(os.path.join(tmp, MEGATRON_LATEST), str(iteration))
     return tag
 
 

@@ -1,8 +1,10 @@
-"""The features that act on a run beside the model's forward, as one list of converters (torchtitan's
-ModelConverter): mixture of experts (the routers' fp32 buffers, the auxiliary losses' backward factor, the
-score-bias update, the logged balance), FP8 (the GPU's FP8 units, fp32 amax histories, delayed scaling's
-histories after each step) and profiling (--profile, --record-memory-history). The engine and the training loop
-call every enabled converter at its moments and name none of the features."""
+"""The features that act on a run beside the model's forward, as one list: mixture of experts (the routers' fp32
+buffers, the auxiliary losses' backward factor, the score-bias update, the logged balance), FP8 (the GPU's FP8 units,
+fp32 amax histories, delayed scaling's histories after each step) and profiling (--profile,
+--record-memory-history). Each is a set of moments (before the model is built, after the engine, before and after
+each iteration), not a model rewrite as torchtitan's ModelConverter: the FP8 linears are built by the model itself
+(hybrid.parallel.fp8). The engine and the training loop call every enabled feature at its moments and name none of
+them."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from hybrid.training.moe_hooks import MoEStepHooks, keep_fp32_buffers, routing_s
 from hybrid.training.profiling import StepProfiler
 
 
-class Converter:
+class Feature:
     """A feature's moments in a run; each does nothing unless the feature says otherwise. The class methods run
     while the engine is built, an instance for the training loop (one per run)."""
 
@@ -43,7 +45,7 @@ class Converter:
         return {}
 
 
-class MoEConverter(Converter):
+class MoEFeature(Feature):
     """The routers' auxiliary losses (and DSA's indexer loss) scaled as the LM loss is, the score biases updated after
     each step, the losses and balance logged (hybrid.training.moe_hooks)."""
 
@@ -74,7 +76,7 @@ class MoEConverter(Converter):
         return routing_shares({}, self.routing) if self.routing is not None else {}
 
 
-class Fp8Converter(Converter):
+class Fp8Feature(Feature):
     """FP8 GEMMs (hybrid.parallel.fp8): a GPU with FP8 units, amax histories kept in fp32, and with delayed scaling
     each iteration's amaxes entered after its step."""
 
@@ -98,7 +100,7 @@ class Fp8Converter(Converter):
             fp8.end_iteration(self.module, self.data_group, stepped=stepped)
 
 
-class ProfilerConverter(Converter):
+class ProfilerFeature(Feature):
     """--profile's torch.profiler trace of the chosen iterations, --record-memory-history's CUDA snapshot
     (hybrid.training.profiling)."""
 
@@ -118,21 +120,21 @@ class ProfilerConverter(Converter):
 
 # the loop calls them in this order before an iteration and in reverse after it: the profiler innermost, the
 # score-bias update before delayed scaling's histories
-CONVERTERS = (Fp8Converter, MoEConverter, ProfilerConverter)
+FEATURES = (Fp8Feature, MoEFeature, ProfilerFeature)
 
 
 def before_build(run: RunConfig, device: torch.device) -> None:
-    for converter in CONVERTERS:
-        if converter.enabled(run):
-            converter.before_build(run, device)
+    for feature in FEATURES:
+        if feature.enabled(run):
+            feature.before_build(run, device)
 
 
 def after_engine(run: RunConfig, module: nn.Module) -> None:
-    for converter in CONVERTERS:
-        if converter.enabled(run):
-            converter.after_engine(run, module)
+    for feature in FEATURES:
+        if feature.enabled(run):
+            feature.after_engine(run, module)
 
 
-def loop_converters(run: RunConfig, groups, module: nn.Module, device: torch.device) -> list:
-    """The training loop's converters of this run, in CONVERTERS' order."""
-    return [converter(run, groups, module, device) for converter in CONVERTERS if converter.enabled(run)]
+def loop_features(run: RunConfig, groups, module: nn.Module, device: torch.device) -> list:
+    """The training loop's features of this run, in FEATURES' order."""
+    return [feature(run, groups, module, device) for feature in FEATURES if feature.enabled(run)]
