@@ -24,6 +24,21 @@ from hybrid.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_entropy
 from hybrid.parallel.groups import as_groups
 
 
+@torch.no_grad()
+def reference_logps(reference, ids: torch.Tensor, labels: torch.Tensor, groups, vocab_size: int,
+                    temperature: float = 1.0, separator: Optional[int] = None) -> torch.Tensor:
+    """The frozen reference model's log-probabilities of `labels`, one forward without gradients (`reference`: the
+    model beside the engine, or the engine's own with its adapters off under LoRA; called as `reference(ids,
+    stage=0)`): per token [b, s_local] under softmax(logits / temperature) (GRPO's KL), or with `separator` summed
+    per packed document [b, s] (DPO's pairs). The one place a reference model is run beside the engine; the
+    --dpo-reference-logps table holds the same document sums, scored once before the first iteration
+    (hybrid.training.reference_logps, through DocumentScores)."""
+    logits = reference(ids, stage=0)
+    if separator is None:
+        return token_logps(logits, labels, groups, vocab_size, temperature)
+    return preference.document_logps(logits, labels, ids, groups, vocab_size, separator)[0]
+
+
 class Objective:
     """The interface (see the module docstring). `per_item`: the iteration's loss is a mean over the items
     `count` counts (tokens, pairs) of the whole global batch, not over micro-batches."""
@@ -152,13 +167,8 @@ class PreferencePairs(WithStatistics):
         self.stats = PreferenceStats()
 
     def target(self, ids, labels, extra=()):
-        if extra:
-            reference = extra[0]
-        else:
-            with torch.no_grad():  # the frozen model's loss logits of the same micro-batch
-                logits = self.reference(ids, stage=0)
-                reference = preference.document_logps(logits, labels, ids, self.groups, self.vocab_size,
-                                                      self.options.separator)[0]
+        reference = extra[0] if extra else reference_logps(self.reference, ids, labels, self.groups, self.vocab_size,
+                                                           separator=self.options.separator)
         return pair_target(ids, labels, reference)
 
     def loss(self, logits, target, scale):

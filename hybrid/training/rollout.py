@@ -35,6 +35,7 @@ from hybrid.model.generate import SamplingOptions, generate
 from hybrid.model.grpo import GRPOOptions, Value, advantages, completion_rows, nanstd
 from hybrid.model.forward_only import forward_only
 from hybrid.model.loss import token_logps
+from hybrid.model.objectives import reference_logps
 from hybrid.parallel.cross_entropy import IGNORE_INDEX
 from hybrid.training import deepspeed_fixes
 from hybrid.training.logging import log
@@ -323,11 +324,10 @@ class Rollout:
             labels[truncated] = IGNORE_INDEX
         ids, labels, values = ids.to(self.device), labels.to(self.device), values.to(self.device)
         if self.reference is not None:  # the KL's reference log-probabilities, tempered as the policy's
-            with torch.no_grad():
-                for k in range(0, n, self.micro):
-                    logits = self.reference(ids[k:k + self.micro], stage=0)
-                    values[k:k + self.micro, Value.REFERENCE] = token_logps(
-                        logits, labels[k:k + self.micro], self.groups, self.vocab_size, self.options.temperature)
+            for k in range(0, n, self.micro):
+                values[k:k + self.micro, Value.REFERENCE] = reference_logps(
+                    self.reference, ids[k:k + self.micro], labels[k:k + self.micro], self.groups, self.vocab_size,
+                    self.options.temperature)
         return ids, labels, values
 
 
