@@ -1,17 +1,19 @@
 """The largest rank's peak memory at PP 2 x DP 2 under ZeRO-1, -2 and -3 (the one runtime), measured and as
-`--dry-run` estimates it, stage by stage, in bf16 and fp32, for a GPT-2-small-sized model with an untied head (162M
-parameters), as JSON.
+`--dry-run` estimates it, stage by stage, in bf16 and fp32, at three shapes with an untied head (SHAPES:
+vocab_heavy, Pythia-160M's shape with half of each stage's parameters in its vocabulary table; layer_heavy, most
+in the layers; moe, 8 experts), as JSON.
 
-    python benchmarks/bench_memory.py [--num-layers 12 --hidden-size 768 --seq-length 128]
+    python benchmarks/bench_memory.py --shipped-configs --precision fp32   (benchmarks/results/memory_cpu.json)
+    python benchmarks/bench_memory.py --shape layer_heavy [--num-layers 12 --hidden-size 768 ...]
 
 Each ZeRO stage is one launch/train.py run on 4 CPU ranks (--mock-data, 2 iterations): each rank resets its
 peak resident set (Linux's /proc/self/clear_refs) after the imports and process groups and reads it after
 training (hybrid.training.run's --memory-report hook, HYBRID_MEMORY_REPORT), so the figure is what the model,
 its gradients, ZeRO's buffers, the optimizer and the activations took; the estimate is hybrid.memory's for the
-same flags. ZeRO's buckets and ZeRO-3's optimizer sub-group (`sub_group_size`: the step's fp32 copy of the
-gradient partitions is made one sub-group at a time) are --bucket elements; under ZeRO-3 the untied vocabulary
-tables are row blocks (hybrid.model.config.ModelConfig.zero3_vocab_block_rows). Writes
-benchmarks/results/memory_cpu.json (--out).
+same flags. With --shipped-configs the runs take ds_configs/zero{1,2,3}.json as users get them; otherwise ZeRO's
+buckets and ZeRO-3's optimizer sub-group (`sub_group_size`: the step's fp32 copy of the gradient partitions is
+made one sub-group at a time) are --bucket elements. Under ZeRO-3 the untied vocabulary tables are row blocks
+(hybrid.model.config.ModelConfig.zero3_vocab_block_rows). Writes benchmarks/results/memory_cpu.json (--out).
 
     python benchmarks/bench_memory.py --lora-rank 16
 
@@ -35,6 +37,7 @@ sys.path.insert(0, ROOT)
 GiB = 1024 ** 3
 
 
+OLD_ZERO3_BUCKETS = 50_000_000  # ds_configs/zero3*.json's reduce and prefetch buckets before "auto"
 # the three shapes: half the parameters in vocabulary tables (Pythia-160M's), most in the layers, an MoE model
 SHAPES = {
     "vocab_heavy": dict(num_layers=12, hidden_size=768, ffn_hidden_size=None, vocab_size=50256, seq_length=128),
@@ -43,13 +46,20 @@ SHAPES = {
 }
 
 
-def _flags(a, zero: int, bucket: int, config_dir: str, bf16: bool, lora: int = 0) -> list:
+def _flags(a, zero: int, bucket: int, config_dir: str, bf16: bool, lora: int = 0, buckets: int = 0) -> list:
     """launch/train.py's flags for one measured run: the shipped ds_configs/zero{1,2,3}.json with --shipped-configs,
     else a config with every bucket --bucket elements."""
     config = os.path.join(config_dir, f"zero{zero}.json")
     adapters = ["--lora-rank", lora, "--lora-alpha", 2 * lora, "--lora-target-modules", "all-linear"] if lora else []
-    if a.shipped_configs:
+    if a.shipped_configs and not buckets:
         config = os.path.join(ROOT, "ds_configs", f"zero{zero}.json")
+    elif a.shipped_configs:  # the shipped config with other reduce and prefetch buckets
+        with open(os.path.join(ROOT, "ds_configs", f"zero{zero}.json")) as f:
+            shipped = json.load(f)
+        shipped["zero_optimization"].update(reduce_bucket_size=buckets, stage3_prefetch_bucket_size=buckets)
+        config = os.path.join(config_dir, f"zero{zero}_buckets_{buckets}.json")
+        with open(config, "w") as f:
+            json.dump(shipped, f)
     else:
         with open(config, "w") as f:
             json.dump({"zero_optimization": {"stage": zero, "reduce_bucket_size": bucket,
@@ -115,7 +125,15 @@ def _shape_rows(a, tmp: str) -> dict:
                                     "estimate_over_measured": max(want) / max(got)}}
             rows[precision][f"zero{zero}"] = row
             print(json.dumps({a.shape: {precision: {f"zero{zero}": row}}}), file=sys.stderr, flush=True)
-        largest = {zero: rows[precision][zero]["largest_rank"]["measured_gib"] for zero in rows[precision]}
+        if a.shipped_configs and a.shape == "layer_heavy":  # ZeRO-3 with the 5e7-element buckets shipped before
+            flags = _flags(a, 3, a.bucket, tmp, precision == "bf16", buckets=OLD_ZERO3_BUCKETS)
+            got, want = measured(flags, os.path.join(tmp, f"{a.shape}_{precision}_zero3_old.jsonl")), estimated(flags)
+            rows[precision]["zero3_buckets_5e7"] = {
+                "measured_gib": max(got) / GiB, "estimated_gib": max(want) / GiB,
+                "estimate_over_measured": max(want) / max(got), "stages_measured_gib": [m / GiB for m in got]}
+            print(json.dumps({a.shape: {precision: {"zero3_buckets_5e7": rows[precision]["zero3_buckets_5e7"]}}}),
+                  file=sys.stderr, flush=True)
+        largest = {zero: rows[precision][zero]["largest_rank"]["measured_gib"] for zero in ("zero1", "zero2", "zero3")}
         rows[precision]["zero3_below_zero1_gib"] = largest["zero1"] - largest["zero3"]
         rows[precision]["zero3_below_zero1_gb"] = (largest["zero1"] - largest["zero3"]) * GiB / 1e9
     from hybrid.memory import parameter_inventory
@@ -150,12 +168,17 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in shapes:
-            vars(a).update(dict(dict(num_experts=None, **SHAPES[name]), **given), shape=name)
+            vars(a).update({"num_experts": None, **SHAPES[name], **given}, shape=name)
             if a.lora_rank:
                 return _lora(a)
             results[name] = _shape_rows(a, tmp)
-    result = {"benchmark": "memory_pp2_dp2_cpu", "shapes": results,
-              "config": {k: v for k, v in vars(a).items() if k not in SHAPES["moe"]}}
+    config = {k: v for k, v in vars(a).items() if k not in SHAPES["moe"] and k not in ("shape", "out")}
+    if os.path.isfile(a.out):  # the shapes measured now replace theirs; the others are kept
+        with open(a.out) as f:
+            earlier = json.load(f)
+        if earlier.get("config") == config and "shapes" in earlier:
+            results = {**earlier["shapes"], **results}
+    result = {"benchmark": "memory_pp2_dp2_cpu", "shapes": results, "config": config}
     text = json.dumps(result, indent=2)
     print(text)
     with open(a.out, "w") as f:

@@ -289,11 +289,10 @@ def _run(argv: list, world: int, timeout: float) -> list:
 
 def _rewind(save: str, to: str) -> None:
     """The checkpoint directory as it was at iteration 2 (`to`: a copy)."""
+    from hybrid.checkpoint.files import tag_for, write_latest  # (after ROOT is on the path: run as a script too)
     shutil.copytree(save, to)
-    shutil.rmtree(os.path.join(to, "iter_0000004"), ignore_errors=True)
-    for pointer, value in (("latest", "iter_0000002"), ("latest_checkpointed_iteration.txt", "2")):
-        with open(os.path.join(to, pointer), "w") as f:
-            f.write(value)
+    shutil.rmtree(os.path.join(to, tag_for(4)), ignore_errors=True)
+    write_latest(to, tag_for(2))
 
 
 def evaluate_combination(names: tuple, data: str, work: str, baselines: dict, timeout: float = 300) -> dict:

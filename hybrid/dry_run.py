@@ -34,7 +34,8 @@ def plan_from_run(run: RunConfig) -> MemoryPlan:
                             prefetch_bucket_size=int(zero.get("stage3_prefetch_bucket_size", 50_000_000)),
                             overlap_comm=bool(zero.get("overlap_comm", run.zero_stage == 3)),
                             contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
-                            sub_group_size=int(zero.get("sub_group_size", 1_000_000_000)))
+                            sub_group_size=int(zero.get("sub_group_size", 1_000_000_000)),
+                            reduce_scatter=bool(zero.get("reduce_scatter", True)))
     return MemoryPlan(model=run.model_form, tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=p.data_parallel,
                       micro_batch=t.micro_batch_size, seq_length=t.seq_length, num_micro_batches=t.grad_acc_steps,
                       zero=settings, recompute=run.model.recompute_granularity, partition=run.pipeline.partition,

@@ -234,4 +234,4 @@ def default_bucket_warning(ds: dict, stage: int, precision: str, ds_path: Option
     return (f"WARNING: {ds_path or 'the DeepSpeed config'} sets no zero_optimization.reduce_bucket_size, so ZeRO-3 "
             f"takes DeepSpeed's default of {DEFAULT_REDUCE_BUCKET:.0e} elements, a {size / 1e9:.0f} GB {precision} "
             f"bucket on every rank; set it (\"auto\" is the hidden size squared, as transformers resolves it; "
-            f"ds_configs/zero3.json sets 5e7)")
+            f"ds_configs/zero3.json sets \"auto\")")

@@ -149,3 +149,14 @@ def test_the_data_plan_compares_each_setting_and_each_files_size(tmp_path):
     assert batch == "--global-batch-size 8 (this run: 4)"
     older = {"training": {"seq_length": 32, "global_batch_size": 4}, "data": now["data"]}  # no seed, no files
     assert plan_changes(older, now) == ([], "")
+
+
+def test_the_pointers_name_iterations_past_ten_million(tmp_path):
+    """Tags have at least 7 digits (Megatron's iter_0000100) and 8 from iteration 10,000,000: `latest` names the tag
+    and Megatron's latest_checkpointed_iteration.txt its number (it said "None" past 9,999,999)."""
+    from hybrid.checkpoint.files import LATEST, MEGATRON_LATEST, iteration_of, tag_for, write_latest
+    for iteration in (100, 12_345_678):
+        write_latest(str(tmp_path), tag_for(iteration))
+        assert (tmp_path / LATEST).read_text() == tag_for(iteration) and iteration_of(tag_for(iteration)) == iteration
+        assert (tmp_path / MEGATRON_LATEST).read_text() == str(iteration)
+    assert iteration_of("iter_123") is None and iteration_of("release") is None

@@ -64,3 +64,25 @@ def test_an_older_export_is_replaced_only_by_a_complete_one_and_nothing_is_left_
     monkeypatch.setattr(demo, "convert", writes)
     demo.export_hf(str(tmp_path / "ckpt"), str(export))
     assert (export / "config.json").read_text() == "newer" and sorted(os.listdir(tmp_path)) == ["hf", "seen"]
+
+
+def test_a_replaced_directory_is_moved_aside_whole_and_comes_back_when_the_rename_fails(tmp_path, monkeypatch):
+    """atomic_directory(replace=True): the older directory is renamed aside before the new one takes its name, and
+    renamed back if that fails, so no moment leaves a part of either."""
+    from hybrid.checkpoint import files
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "a").write_text("older")
+    real = os.replace
+
+    def fails_for_the_new_one(src, dst):
+        if os.path.basename(src).startswith(".tmp-"):
+            raise OSError("rename failed")
+        return real(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", fails_for_the_new_one)
+    with pytest.raises(OSError):
+        with files.atomic_directory(str(target), replace=True) as tmp:
+            with open(os.path.join(tmp, "a"), "w") as f:
+                f.write("newer")
+    assert (target / "a").read_text() == "older" and sorted(os.listdir(tmp_path)) == ["out"]

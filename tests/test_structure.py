@@ -216,7 +216,8 @@ def test_the_engine_and_the_loop_call_features_and_name_none_of_them():
         named = [name for name in ("moe_hooks", "MoEStepHooks", "keep_fp32_buffers", "from hybrid.parallel import fp8",
                                    "StepProfiler", "end_iteration", "keep_fp32_histories") if name in text]
         assert named == [], (module, named)
-        assert "features" in text, module
+        called = {"engine": ("features.before_build(", "features.after_engine("), "loop": ("loop_features(",)}[module]
+        assert all(call in text for call in called), module
 
 
 def _named_modules(doc: str) -> set:

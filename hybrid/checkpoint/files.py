@@ -30,7 +30,7 @@ def tag_for(iteration: int) -> str:
 
 def iteration_of(tag: str) -> Optional[int]:
     """The iteration an iter_NNNNNNN tag names (None for other names)."""
-    match = re.fullmatch(r"iter_(\d{7})", tag or "")
+    match = re.fullmatch(r"iter_(\d{7,})", tag or "")  # (tag_for writes 8 digits from iteration 10,000,000)
     return int(match.group(1)) if match else None
 
 
@@ -54,7 +54,8 @@ def write_latest(directory: str, tag: str) -> None:
 @contextlib.contextmanager
 def atomic_directory(target: str, replace: bool = False, flag: str = "--save-dir"):
     """Yield a new temporary directory beside `target`; when the block completes it is renamed to
-    `target`, so readers see a complete directory or none (on any error it is removed). An existing
+    `target`, so readers see a complete directory or none (on any error it is removed); a `target` replaced is
+    moved aside whole first and removed once the new one is in place, so no crash leaves a part of either. An existing
     `target` must be empty unless `replace`; `flag` names it in that error."""
     parent = os.path.dirname(os.path.abspath(target))
     os.makedirs(parent, exist_ok=True)
@@ -63,9 +64,19 @@ def atomic_directory(target: str, replace: bool = False, flag: str = "--save-dir
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
     try:
         yield tmp
-        if os.path.isdir(target):
-            shutil.rmtree(target)  # empty, or replaced on purpose
-        os.replace(tmp, target)
+        aside = None
+        if os.path.isdir(target):  # empty, or replaced on purpose: moved aside whole, removed once the new one is in
+            aside = tempfile.mkdtemp(prefix=".old-", dir=parent)
+            os.replace(target, os.path.join(aside, "old"))
+        try:
+            os.replace(tmp, target)
+        except BaseException:
+            if aside is not None:  # the old one back where it was
+                os.replace(os.path.join(aside, "old"), target)
+                os.rmdir(aside)
+            raise
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -166,6 +166,7 @@ class ZeroSettings:
     overlap_comm: bool = False  # zero_optimization.overlap_comm (ZeRO-1/2: two reduce buckets)
     contiguous_gradients: bool = True  # zero_optimization.contiguous_gradients (ZeRO-1/2: a reduce bucket)
     sub_group_size: int = 1_000_000_000  # zero_optimization.sub_group_size (ZeRO-3: the step's unit, elements)
+    reduce_scatter: bool = True  # zero_optimization.reduce_scatter (ZeRO-3: a full bucket reduced from a flat copy)
 
 
 def model_state_bytes(groups: list[list[int]], zero: ZeroSettings) -> dict:
@@ -220,8 +221,9 @@ def zero_buffer_bytes(params: dict, zero: ZeroSettings, pp: int, collective_copi
     none without contiguous gradients) and the largest parameter's whole gradient until its reduction; ZeRO-3's
     reduce bucket (allocated whole at start, alive throughout) and, at the largest parameter's backward, that
     parameter gathered (on the accelerator, offloaded parameters too) and its whole gradient, then that gradient
-    and the reduce-scatter's output partition, plus at PP = 1 the parameters its trace prefetches (a pipeline's
-    stages run without a trace: hybrid.training.deepspeed_fixes.prepare_pipeline_engine). `collective_copies`:
+    and the reduce-scatter's output partition, or a full bucket's reduction (its flat copy and partitions), plus at
+    PP = 1 the parameters its trace prefetches (a pipeline's stages run without a trace:
+    hybrid.training.deepspeed_fixes.prepare_pipeline_engine). `collective_copies`:
     gloo's (CPU's) reduce-scatter copies its whole input first (NCCL does not), one more gradient. `frozen`:
     parameters without gradients (LoRA's base), which ZeRO-3 gathers and prefetches too; `params` then the
     trainable ones."""
@@ -243,7 +245,11 @@ def zero_buffer_bytes(params: dict, zero: ZeroSettings, pp: int, collective_copi
     for share, dp in shares:
         big = max(n for n, _ in share.values())
         reduced = math.ceil(big / dp) + (big if collective_copies else 0)
-        working = max(working, 2 * big, big + reduced)
+        # a full bucket's reduction: reduce_scatter_coalesced (zero_optimization.reduce_scatter, the default) joins
+        # its gradients into one flat copy, which gloo copies again (its partitions are views of that copy); without
+        # reduce_scatter the bucket is all-reduced where it lies
+        flush = min(zero.reduce_bucket_size, sum(n for n, _ in share.values())) if zero.reduce_scatter else 0
+        working = max(working, 2 * big, big + reduced, flush * (2 if collective_copies else 1))
     return (_zero3_bucket(zero) + prefetched + working) * e
 
 

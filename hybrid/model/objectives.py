@@ -30,9 +30,9 @@ def reference_logps(reference, ids: torch.Tensor, labels: torch.Tensor, groups, 
     """The frozen reference model's log-probabilities of `labels`, one forward without gradients (`reference`: the
     model beside the engine, or the engine's own with its adapters off under LoRA; called as `reference(ids,
     stage=0)`): per token [b, s_local] under softmax(logits / temperature) (GRPO's KL), or with `separator` summed
-    per packed document [b, s] (DPO's pairs). The one place a reference model is run beside the engine; the
-    --dpo-reference-logps table holds the same document sums, scored once before the first iteration
-    (hybrid.training.reference_logps, through DocumentScores)."""
+    per packed document [b, s] (DPO's pairs), for the objectives that score it as they train (DPO's and GRPO's);
+    the --dpo-reference-logps table holds the same document sums, scored once before the first iteration by the
+    pipeline's forward-only schedule (hybrid.training.reference_logps, through DocumentScores)."""
     logits = reference(ids, stage=0)
     if separator is None:
         return token_logps(logits, labels, groups, vocab_size, temperature)
