@@ -46,27 +46,24 @@ SHAPES = {
 }
 
 
-def _flags(a, zero: int, bucket: int, config_dir: str, bf16: bool, lora: int = 0, buckets: int = 0) -> list:
+def _flags(a, zero: int, bucket: int, config_dir: str, bf16: bool, lora: int = 0, shipped_buckets: int = 0) -> list:
     """launch/train.py's flags for one measured run: the shipped ds_configs/zero{1,2,3}.json with --shipped-configs,
     else a config with every bucket --bucket elements."""
-    config = os.path.join(config_dir, f"zero{zero}.json")
     adapters = ["--lora-rank", lora, "--lora-alpha", 2 * lora, "--lora-target-modules", "all-linear"] if lora else []
-    if a.shipped_configs and not buckets:
-        config = os.path.join(ROOT, "ds_configs", f"zero{zero}.json")
-    elif a.shipped_configs:  # the shipped config with other reduce and prefetch buckets
+    if a.shipped_configs:  # as shipped; `shipped_buckets`: with those reduce and prefetch buckets instead
         with open(os.path.join(ROOT, "ds_configs", f"zero{zero}.json")) as f:
-            shipped = json.load(f)
-        shipped["zero_optimization"].update(reduce_bucket_size=buckets, stage3_prefetch_bucket_size=buckets)
-        config = os.path.join(config_dir, f"zero{zero}_buckets_{buckets}.json")
-        with open(config, "w") as f:
-            json.dump(shipped, f)
+            ds = json.load(f)
+        if shipped_buckets:
+            ds["zero_optimization"].update(reduce_bucket_size=shipped_buckets,
+                                           stage3_prefetch_bucket_size=shipped_buckets)
     else:
-        with open(config, "w") as f:
-            json.dump({"zero_optimization": {"stage": zero, "reduce_bucket_size": bucket,
-                                             "allgather_bucket_size": bucket, "stage3_prefetch_bucket_size": bucket,
-                                             "sub_group_size": bucket, "overlap_comm": False,
-                                             "contiguous_gradients": True},
-                       "gradient_clipping": 1.0, "steps_per_print": 10**9}, f)
+        ds = {"zero_optimization": {"stage": zero, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                                    "stage3_prefetch_bucket_size": bucket, "sub_group_size": bucket,
+                                    "overlap_comm": False, "contiguous_gradients": True},
+              "gradient_clipping": 1.0, "steps_per_print": 10**9}
+    config = os.path.join(config_dir, f"zero{zero}_{shipped_buckets}.json")
+    with open(config, "w") as f:
+        json.dump(ds, f)
     ffn = ["--ffn-hidden-size", a.ffn_hidden_size] if a.ffn_hidden_size else []
     experts = ["--num-experts", a.num_experts, "--moe-router-topk", 2] if a.num_experts else []
     return [str(x) for x in [
@@ -126,7 +123,7 @@ def _shape_rows(a, tmp: str) -> dict:
             rows[precision][f"zero{zero}"] = row
             print(json.dumps({a.shape: {precision: {f"zero{zero}": row}}}), file=sys.stderr, flush=True)
         if a.shipped_configs and a.shape == "layer_heavy":  # ZeRO-3 with the 5e7-element buckets shipped before
-            flags = _flags(a, 3, a.bucket, tmp, precision == "bf16", buckets=OLD_ZERO3_BUCKETS)
+            flags = _flags(a, 3, a.bucket, tmp, precision == "bf16", shipped_buckets=OLD_ZERO3_BUCKETS)
             got, want = measured(flags, os.path.join(tmp, f"{a.shape}_{precision}_zero3_old.jsonl")), estimated(flags)
             rows[precision]["zero3_buckets_5e7"] = {
                 "measured_gib": max(got) / GiB, "estimated_gib": max(want) / GiB,
