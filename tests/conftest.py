@@ -49,6 +49,19 @@ def data(tmp_path_factory):
     return copy_default_corpus(str(tmp_path_factory.mktemp("data")))
 
 
+@pytest.fixture
+def launcher_default_port():
+    """A command run as the docs write it (`deepspeed --num_gpus 2 launch/train.py ...`) listens on the launcher's
+    default port, 29500: such tests take this lock, so two pytest-xdist workers never run two of them at once
+    (every other launch in the suite asks the OS for a free port)."""
+    import fcntl
+    import tempfile
+    with open(os.path.join(tempfile.gettempdir(), "hybrid-tests-port-29500.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+        fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 # a test over this (setup + call + teardown) is named at the end of the run: a report, not a failure
 SLOW_TEST_SECONDS = 90
 _SECONDS: dict = {}
@@ -80,7 +93,10 @@ SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"
 def pytest_sessionfinish(session, exitstatus):
     """DeepSpeed's CPU all-reduce (its shm_comm op) leaves two /dev/shm buffers of about 69 MB behind every
     multi-rank run, never unlinked; those this session made are removed (a day of runs filled a 24 GB machine's
-    memory with them, and a run was killed for memory)."""
+    memory with them, and a run was killed for memory). Under pytest-xdist only the controller removes them, after
+    every worker has ended: a worker ending first would unlink the buffers of a run another worker is still in."""
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker
+        return
     for path in glob.glob(SHM_BUFFERS):
         try:
             if os.path.getmtime(path) >= _SESSION_START:

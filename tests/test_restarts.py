@@ -122,8 +122,10 @@ def test_async_save_writes_the_synchronous_checkpoints_bit_for_bit_and_trains_th
     assert _losses(log) == losses
     assert (tmp_path / "ckpt" / "latest").read_text() == "iter_0000012"
     assert proc.stdout.count("saved checkpoint iter_") == 3
-    stalls = [r["checkpoint_stall_s"] for r in read_log(log) if "checkpoint_stall_s" in r]
-    assert len(stalls) >= 3 and all(s > 0 for s in stalls)
+    # the saves at iterations 4 and 8 are in the next records; a background write's completion joins whichever record
+    # follows it (a busy machine may complete iteration 4's only at the save of iteration 8, in that save's stall)
+    stalls = {r["iteration"]: r["checkpoint_stall_s"] for r in read_log(log) if "checkpoint_stall_s" in r}
+    assert {5, 9} <= set(stalls) and all(s > 0 for s in stalls.values()), stalls
     for tag in ("iter_0000004", "iter_0000008", "iter_0000012"):
         files = sorted(f.name for f in (sync_dir / tag).glob("*.pt"))
         assert files == sorted(f.name for f in (tmp_path / "ckpt" / tag).glob("*.pt")) and len(files) == 3

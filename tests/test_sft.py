@@ -257,7 +257,7 @@ def test_weighted_paths_blend_and_split_gives_validation_windows(tmp_path):
 
 
 @pytest.mark.slow
-def test_readme_fine_tuning_blocks_run_as_written(tmp_path):
+def test_readme_fine_tuning_blocks_run_as_written(tmp_path, launcher_default_port):
     import os
     import subprocess
     from checks.docs import page_with

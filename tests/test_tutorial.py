@@ -34,7 +34,7 @@ def _iteration(checkpoint_dir) -> str:
 
 
 @pytest.mark.slow
-def test_readme_tutorial_runs_block_by_block(tmp_path):
+def test_readme_tutorial_runs_block_by_block(tmp_path, launcher_default_port):
     for name in ("launch", "conversion", "ds_configs", "hybrid"):
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
     blocks = _blocks()
