@@ -65,6 +65,8 @@ FIXES = {
 RELIED_ON = [
     ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload._remove_module_hooks",
      "self.fwd_pre_hook.remove()"),
+    ("deepspeed.runtime.zero.partition_parameters",
+     "InsertPostInitMethodToModuleSubClasses._enable_mem_efficient_linear", ".linear_bk = torch.nn.functional.linear"),
     ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.release_and_reset_all",
      "param.ds_active_sub_modules.clear()"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.__init__", "self.parameter_offload = "),
@@ -742,19 +744,15 @@ def zero_partitions(zero_optimizer) -> list:
 @contextlib.contextmanager
 def zero3_gathered_while_generating(engine, log=None):
     """A generation (hybrid.model.generate, --grpo's rollouts) with this rank's ZeRO-3 parameters gathered once and
-    kept, not fetched by ZeRO-3's module hooks layer by layer at every decoding step (a step is a forward of every
-    layer: DeepSpeed 0.19.8 all-gathers and releases each layer's parameters every step, 0.26x ZeRO-1's decode speed
-    in benchmarks/bench_generate.py). DeepSpeed has no API to keep a ZeRO-3 module gathered across forwards
-    (`GatheredParameters` gathers, but the hooks release each layer again after its forward; its hybrid engine
-    does it for its own inference kernels only; TRL's unwrap_model_for_generation, its ds3_gather_for_generation,
-    does as here, and DeepSpeed issue 5498 asks for it), so for the block: the module hooks removed
-    (`DeepSpeedZeRoOffload._remove_module_hooks`, as deepspeed.compile removes them), every parameter gathered by
-    `GatheredParameters` (partitioned again on exit), then the hooks set up again as DeepSpeed sets them, with the
-    same module numbers (`ds_id` from the engine's first) and its top module on `FWD_MODULE_STACK` once (see
-    release_engine). The whole stage is then resident: where the accelerator's free memory cannot hold it (CUDA's
-    mem_get_info, with a quarter to spare, on every rank: one decision for all) the block runs with the hooks as
-    before, said through `log`. Yields
-    whether the parameters are gathered (the ranks need not then decode in step); a no-op below ZeRO-3."""
+    kept, not fetched by ZeRO-3's module hooks layer by layer at every decoding step (DeepSpeed 0.19.8 all-gathers
+    and releases each layer's parameters every step: 0.26x ZeRO-1's decode speed in benchmarks/bench_generate.py).
+    DeepSpeed has no API for it (its hybrid engine does it for its own kernels only; TRL's ds3_gather_for_generation
+    does as here; DeepSpeed issue 5498 asks for it), so for the block: the module hooks removed (as deepspeed.compile
+    removes them), every parameter gathered (partitioned again on exit), then the hooks set up again as DeepSpeed
+    sets them, with the same module numbers (`ds_id` from the engine's first) and its top module on
+    `FWD_MODULE_STACK` once (see release_engine). Where the accelerator's free memory cannot hold the stage (CUDA's
+    mem_get_info, a quarter to spare, one decision for every rank) the block runs with the hooks, said through
+    `log`. Yields whether the parameters are gathered (ranks then need not decode in step); below ZeRO-3 a no-op."""
     offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
     params = [p for p in engine.module.parameters() if hasattr(p, "ds_id")]
     if offload is None or not params:
@@ -773,15 +771,22 @@ def zero3_gathered_while_generating(engine, log=None):
                 f"generation fetches them layer by layer at every step (slower)")
         yield False
         return
-    from deepspeed.runtime.zero import parameter_offload  # (as in release_engine: only ZeRO-3 reaches here)
+    from deepspeed.runtime.zero import parameter_offload, partition_parameters  # (only ZeRO-3 reaches here)
     first = engine.module.ds_id
     resets = offload.fwd_pre_hook.id in engine.module._forward_pre_hooks  # (not at PP > 1: prepare_pipeline_engine)
     offload.get_param_coordinator().release_and_reset_all(engine.module)  # nothing held or in flight (TRL's too)
     offload._remove_module_hooks()
-    try:
+    # torch's F.linear for the block, not ZeRO-3's zero3_linear_wrap (set for good; for backward; a third of decoding)
+    linear = getattr(partition_parameters.InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    patched, torch.nn.functional.linear = torch.nn.functional.linear, linear or torch.nn.functional.linear
+    try:  # one flat all-gather (ZeRO-3's prefetch path), not one per parameter; partitioned on exit as before
+        fetch = [p for p in params if p.ds_status.name == "NOT_AVAILABLE"]
+        if fetch:
+            fetch[0].all_gather_coalesced(fetch).wait()
         with deepspeed.zero.GatheredParameters(params):
             yield True
     finally:
+        torch.nn.functional.linear = patched
         offload.forward_hooks.clear()
         offload.backward_hooks.clear()
         counter = parameter_offload.DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0]
