@@ -157,7 +157,7 @@ def test_reset_flags_reach_training(tmp_path):
     from checks.launch_helpers import read_log, run
     flags = ["--num-layers", 2, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 64,
              "--micro-batch-size", 2, "--global-batch-size", 4, "--train-iters", 2, "--log-interval", 1,
-             "--no-progress-bar", "--eval-iters", 0, "--hidden-dropout", 0, "--attention-dropout", 0]
+             "--no-progress-bar", "--eval-iters", 0, "--hidden-dropout", 0, "--attention-dropout", 0, "--no-demo"]
     losses = {}
     for name, extra in (("plain", []), ("documents", ["--reset-attention-mask", "--reset-position-ids",
                                                       "--eod-mask-loss"])):

@@ -673,7 +673,7 @@ def test_grpo_ends_completions_at_every_eos_of_the_generation_config(policy, tmp
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(8192))}))
     records = one_rank(["--grpo", "--load-hf", path, "--grpo-group-size", 2, "--global-batch-size", 4,
                         "--micro-batch-size", 2, "--seq-length", 64, "--max-new-tokens", 6, "--train-iters", 2,
-                        "--lr", 1e-4, "--log-interval", 1])
+                        "--lr", 1e-4, "--log-interval", 1, "--no-demo"])
     assert [r["completion_length"] for r in records] == [1.0, 1.0], records
 
 

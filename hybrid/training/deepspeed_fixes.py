@@ -103,8 +103,7 @@ RELIED_ON = [
     ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.release_sub_module",
      "self.__active_backward_submodules.pop(submodule.ds_id, None)"),
     ("deepspeed.runtime.zero.partitioned_param_coordinator",
-     "PartitionedParameterCoordinator.release_backward_leftovers",
-     "while self.__active_backward_submodules:"),
+     "PartitionedParameterCoordinator.release_backward_leftovers", "while self.__active_backward_submodules:"),
     ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.__init__",
      "self.__active_backward_submodules: Dict[int, Module] = {}"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.create_reduce_and_remove_grad_hooks",
@@ -121,8 +120,7 @@ RELIED_ON = [
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.__init__", "self.param_names = param_names"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.__init__", "self.param_names = param_names"),
     ("deepspeed.runtime.zero.stage3",
-     "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
-     "param_groups"),
+     "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3", "param_groups"),
     ("deepspeed.runtime.zero.stage3",
      "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
      "self.load_hp_checkpoint_state(os.path.join(checkpoint_dir, param_name)"),
@@ -736,23 +734,18 @@ def zero_partitions(zero_optimizer) -> list:
         for p in zero_optimizer.fp16_groups[s]:
             params.append(Partitioned(p, tuple(p.ds_shape), offset, p.partition_numel(), contiguous=False))
             offset += p.partition_numel()
-        partitions.append(FlatPartition(flat, group, dist.get_world_size(group), dist.get_rank(group), params,
-                                        device))
+        partitions.append(FlatPartition(flat, group, dist.get_world_size(group), dist.get_rank(group), params, device))
     return partitions
 
 
 @contextlib.contextmanager
 def zero3_gathered_while_generating(engine, log=None):
-    """A generation (hybrid.model.generate, --grpo's rollouts) with this rank's ZeRO-3 parameters gathered once and
-    kept, not fetched by ZeRO-3's module hooks layer by layer at every decoding step (DeepSpeed 0.19.8 all-gathers
-    and releases each layer's parameters every step: 0.26x ZeRO-1's decode speed in benchmarks/bench_generate.py).
-    DeepSpeed has no API for it (its hybrid engine does it for its own kernels only; TRL's ds3_gather_for_generation
-    does as here; DeepSpeed issue 5498 asks for it), so for the block: the module hooks removed (as deepspeed.compile
-    removes them), every parameter gathered (partitioned again on exit), then the hooks set up again as DeepSpeed
-    sets them, with the same module numbers (`ds_id` from the engine's first) and its top module on
-    `FWD_MODULE_STACK` once (see release_engine). Where the accelerator's free memory cannot hold the stage (CUDA's
-    mem_get_info, a quarter to spare, one decision for every rank) the block runs with the hooks, said through
-    `log`. Yields whether the parameters are gathered (ranks then need not decode in step); below ZeRO-3 a no-op."""
+    """A generation (hybrid.model.generate, --grpo's rollouts) with this rank's ZeRO-3 parameters gathered once, not
+    by ZeRO-3's hooks layer by layer at every step (DeepSpeed 0.19.8: 0.26x ZeRO-1's decode speed). No API does it
+    (TRL's ds3_gather_for_generation does as here; DeepSpeed issue 5498): for the block the module hooks are removed
+    and the parameters gathered (partitioned on exit), then the hooks set up again with the same module numbers and
+    the top module on `FWD_MODULE_STACK` once (see release_engine). Where CUDA's free memory cannot hold the stage
+    with a quarter to spare (one decision for all ranks) the hooks stay, said through `log`. Yields whether gathered."""
     offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
     params = [p for p in engine.module.parameters() if hasattr(p, "ds_id")]
     if offload is None or not params:
@@ -779,10 +772,17 @@ def zero3_gathered_while_generating(engine, log=None):
     # torch's F.linear for the block, not ZeRO-3's zero3_linear_wrap (set for good; for backward; a third of decoding)
     linear = getattr(partition_parameters.InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
     patched, torch.nn.functional.linear = torch.nn.functional.linear, linear or torch.nn.functional.linear
-    try:  # one flat all-gather (ZeRO-3's prefetch path), not one per parameter; partitioned on exit as before
-        fetch = [p for p in params if p.ds_status.name == "NOT_AVAILABLE"]
-        if fetch:
-            fetch[0].all_gather_coalesced(fetch).wait()
+    try:  # flat all-gathers (ZeRO-3's prefetch path), split as its coordinator splits them (hpZ's secondary
+        chunks, sizes = {}, {}  # partitions, quantized ones), an eighth of the stage at most (within the spare)
+        for p in (p for p in params if p.ds_status.name == "NOT_AVAILABLE"):
+            kind = (getattr(p, "ds_secondary_tensor", None) is not None, hasattr(p.ds_tensor, "ds_quant_scale"))
+            if sizes.get(kind, need) + p.ds_numel * p.element_size() > need / 8:
+                chunks.setdefault(kind, []).append([])
+                sizes[kind] = 0
+            chunks[kind][-1].append(p)
+            sizes[kind] += p.ds_numel * p.element_size()
+        for chunk in (chunk for kind in chunks.values() for chunk in kind):
+            chunk[0].all_gather_coalesced(chunk).wait()
         with deepspeed.zero.GatheredParameters(params):
             yield True
     finally:
