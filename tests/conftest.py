@@ -57,9 +57,8 @@ def launcher_default_port():
     import fcntl
     import tempfile
     with open(os.path.join(tempfile.gettempdir(), "hybrid-tests-port-29500.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         yield
-        fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 # a test over this (setup + call + teardown) is named at the end of the run: a report, not a failure
