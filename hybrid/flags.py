@@ -624,7 +624,20 @@ def _add_data_args(p):
                    help="--grpo: divide advantages by the group's (or batch's) reward std; none: Dr. GRPO")
     g.add_argument("--grpo-iterations", type=int, default=1,
                    help="--grpo: optimizer steps on each generation batch (TRL's num_iterations)")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="--grpo: the completion limit")
+    g.add_argument("--max-new-tokens", type=int, default=64,
+                   help="--grpo: the completion limit (every turn's tokens and the environment's replies together)")
+    g.add_argument("--grpo-reasoning-gym", nargs="+", default=None, metavar="TASK",
+                   help="--grpo: prompts and reward from reasoning_gym's tasks (basic_arithmetic, chain_sum, ...; "
+                        "pip install reasoning-gym), its own scorer the reward unless --reward-function is given")
+    g.add_argument("--grpo-reasoning-gym-size", type=int, default=1000,
+                   help="--grpo-reasoning-gym: entries per task (seeded by --seed)")
+    g.add_argument("--grpo-environment", default=None, metavar="FILE.py:NAME",
+                   help="--grpo: multi-turn rollouts: a class (or factory) with Gym's step(text) (and reset(**columns),"
+                        " get_reward()), one instance per completion; its replies are masked from the loss")
+    g.add_argument("--grpo-max-turns", type=int, default=4,
+                   help="--grpo-environment: the model's turns per episode at most")
+    g.add_argument("--grpo-max-tokens-per-turn", type=int, default=None,
+                   help="--grpo-environment: a turn's tokens at most (default: the completion's remaining budget)")
     g.add_argument("--temperature", type=float, default=1.0, help="--grpo: the sampling temperature (> 0)")
     g.add_argument("--top-p", type=float, default=1.0, help="--grpo: nucleus sampling (transformers' top_p)")
     g.add_argument("--top-k", type=int, default=0, help="--grpo: top-k sampling (0: off)")

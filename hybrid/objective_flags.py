@@ -3,6 +3,7 @@ them) and --grpo's options made for the layout. hybrid.config calls them while i
 
 from __future__ import annotations
 
+from hybrid.data import gym_tasks
 from hybrid.data.arithmetic import DEFAULT_REWARDS
 from hybrid.distributed import log
 from hybrid.errors import ConfigError
@@ -41,7 +42,8 @@ GRPO_DEFAULTS = {"reward_function": None, "reward_weights": None, "grpo_group_si
                  "grpo_vespo_k_neg": 3.0, "grpo_vespo_lambda_neg": 2.0, "grpo_rollout_correction": None,
                  "grpo_rollout_correction_clip_min": None, "grpo_rollout_correction_clip_max": 3.0,
                  "grpo_off_policy_mask_threshold": None, "grpo_mask_truncated_completions": False,
-                 "grpo_top_entropy_quantile": 1.0}
+                 "grpo_top_entropy_quantile": 1.0, "grpo_environment": None, "grpo_max_turns": 4,
+                 "grpo_max_tokens_per_turn": None, "grpo_reasoning_gym": None, "grpo_reasoning_gym_size": 1000}
 
 
 def grpo_flags(args) -> None:
@@ -81,8 +83,16 @@ def grpo_flags(args) -> None:
                           "generator's routing).")
     if args.grpo_beta > 0 and not args.load_hf:
         raise ConfigError("--grpo-beta > 0 needs --load-hf DIR: the KL is to that starting model, kept frozen.")
+    _environment_flags(args)
+    if args.grpo_reasoning_gym and (args.data_path or args.grpo_reasoning_gym_size < 1):
+        raise ConfigError("--grpo-reasoning-gym makes the prompts: drop --data-path (one prompt source), and give "
+                          "--grpo-reasoning-gym-size 1 or more.")
     functions = args.reward_function
-    if functions is None:
+    if functions is None and args.grpo_reasoning_gym:
+        functions = [gym_tasks.REWARD]  # reasoning_gym's own scorer
+    elif functions is None and args.grpo_environment:
+        functions = []  # the environment's rewards alone
+    elif functions is None:
         if args.data_path:
             raise ConfigError("--grpo with --data-path needs --reward-function FILE.py:NAME (TRL's signature: "
                               "prompts, completions, completion_ids, **columns -> list of floats).")
@@ -101,6 +111,22 @@ def grpo_flags(args) -> None:
     if args.seq_length is not None and args.max_new_tokens > args.seq_length:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} exceeds --seq-length {args.seq_length}: a prompt "
                           f"and its completion share one training window.")
+
+
+def _environment_flags(args) -> None:
+    """--grpo-environment's turns and budget."""
+    if not args.grpo_environment:
+        if args.grpo_max_turns != 4 or args.grpo_max_tokens_per_turn is not None:
+            raise ConfigError("--grpo-max-turns / --grpo-max-tokens-per-turn shape multi-turn rollouts: add "
+                              "--grpo-environment FILE.py:NAME.")
+        return
+    per_turn = args.grpo_max_tokens_per_turn
+    if args.grpo_max_turns < 1 or (per_turn is not None and per_turn < 1):
+        raise ConfigError(f"--grpo-max-turns {args.grpo_max_turns} / --grpo-max-tokens-per-turn {per_turn}: give at "
+                          f"least 1.")
+    if args.moe_routing_replay:
+        raise ConfigError("--moe-routing-replay with --grpo-environment: the replay records one generation per row, "
+                          "and an episode is several; drop one of them.")
 
 
 def _grpo_objective_flags(args) -> None:
@@ -156,7 +182,9 @@ def grpo_options(args, global_batch: int, dp: int) -> GRPOOptions:
                        args.grpo_vespo_k_neg, args.grpo_vespo_lambda_neg, args.grpo_rollout_correction,
                        args.grpo_rollout_correction_clip_min, args.grpo_rollout_correction_clip_max,
                        args.grpo_off_policy_mask_threshold, args.grpo_mask_truncated_completions,
-                       args.grpo_top_entropy_quantile)
+                       args.grpo_top_entropy_quantile, args.grpo_environment, args.grpo_max_turns,
+                       args.grpo_max_tokens_per_turn, tuple(args.grpo_reasoning_gym or ()),
+                       args.grpo_reasoning_gym_size)
 
 
 def _streaming_flags(args) -> None:

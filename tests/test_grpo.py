@@ -393,7 +393,13 @@ def test_bad_grpo_flags_are_one_message(tmp_path, capsys):
                            (["--grpo", "--grpo-top-entropy-quantile", "1.5"], "--grpo-top-entropy-quantile 1.5"),
                            (["--moe-routing-replay"], "--moe-routing-replay set GRPO: add --grpo"),
                            (["--grpo", "--moe-routing-replay"], "the model has no MoE layers"),
-                           (["--grpo", "--moe-routing-replay", "R2"], "with --grpo-iterations 1 there are none")]:
+                           (["--grpo", "--moe-routing-replay", "R2"], "with --grpo-iterations 1 there are none"),
+                           (["--grpo", "--grpo-max-turns", "2"], "add --grpo-environment"),
+                           (["--grpo", "--grpo-environment", "e.py:E", "--grpo-max-tokens-per-turn", "0"],
+                            "give at least 1"),
+                           (["--grpo-environment", "e.py:E"], "--grpo-environment set GRPO: add --grpo"),
+                           (["--grpo", "--grpo-reasoning-gym", "chain_sum", "--data-path", "p.jsonl", "--vocab-file",
+                             VOCAB, "--merge-file", MERGES], "one prompt source")]:
         assert main(flags + ["--no-demo", "--save", str(tmp_path / "s")]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (flags, err)

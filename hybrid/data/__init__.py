@@ -11,4 +11,5 @@ Modules:
   chat         chat data for --sft and --dpo
   prompts      prompts for generation and --grpo
   arithmetic   the embedded --grpo task
+  gym_tasks    reasoning_gym's tasks as --grpo's prompts and reward
 """

@@ -57,6 +57,11 @@ class GRPOOptions:
     off_policy_mask_threshold: Optional[float] = None  # off_policy_mask_threshold (DeepSeek-V3.2's sequence mask)
     mask_truncated_completions: bool = False  # mask_truncated_completions
     top_entropy_quantile: float = 1.0  # top_entropy_quantile: the policy loss on this share of highest-entropy tokens
+    environment: Optional[str] = None  # environment_factory: "FILE.py:NAME" (hybrid.training.environments)
+    max_turns: int = 4  # max_tool_calling_iterations + 1: the model's turns per episode
+    max_tokens_per_turn: Optional[int] = None  # a turn's tokens at most (None: the completion's remaining budget)
+    reasoning_gym: tuple = ()  # the prompt source: reasoning_gym's tasks by name (hybrid.data.gym_tasks)
+    reasoning_gym_size: int = 1000  # entries per task
 
     @property
     def clip_high(self) -> float:
@@ -243,7 +248,8 @@ class PolicyStats:
     pending: list = field(default_factory=list)
     # per generation batch on this DP rank: completions, reward sum, reward square sum, completion tokens,
     # generation seconds, generated tokens, completions with a reward, the KV cache's bytes, the generation's peak
-    # accelerator bytes (CUDA; 0 elsewhere) (fp64)
+    # accelerator bytes (CUDA; 0 elsewhere), the model's turns, the environment's replies, episodes of an environment
+    # (fp64)
     rollouts: list = field(default_factory=list)
 
     def add(self, stats: torch.Tensor) -> None:
@@ -260,9 +266,9 @@ class PolicyStats:
         # policy_loss's statistics: 6 sums, then 3 maxima (the mismatch, the correction's -min and max)
         stacked = torch.stack(self.pending) if self.pending else \
             torch.tensor([[0.0] * 7 + [-math.inf] * 2], device=device)
-        rollouts = torch.stack(self.rollouts) if self.rollouts else torch.zeros(1, 9, device=device,
+        rollouts = torch.stack(self.rollouts) if self.rollouts else torch.zeros(1, 12, device=device,
                                                                                 dtype=torch.float64)
-        rolled, generations = rollouts[:, :8].sum(0), len(self.rollouts)
+        rolled, generations = torch.cat([rollouts[:, :8], rollouts[:, 9:]], 1).sum(0), len(self.rollouts)
         self.pending, self.rollouts = [], []
         sums = torch.cat([stacked[:, :6].sum(0).double(), rolled])
         worst = torch.cat([stacked[:, 6:].amax(0).double(), rollouts[:, 8].amax().reshape(1)])
@@ -272,8 +278,8 @@ class PolicyStats:
         if dp is not None and dp.size > 1:
             dist.all_reduce(sums, group=dp.group)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=dp.group)
-        tokens, clipped, kl, fresh, is_sum, is_count, rows, reward, square, length, seconds, new, scored, cache = \
-            sums.tolist()
+        tokens, clipped, kl, fresh, is_sum, is_count, rows, reward, square, length, seconds, new, scored, cache, \
+            turns, replies, episodes = sums.tolist()
         out = {"clip_fraction": clipped / max(tokens, 1.0), "kl": kl / max(tokens, 1.0)}
         mismatch, is_low, is_high, peak = worst.tolist()
         if fresh:  # measured on the first pass over a generation batch only (--grpo-iterations)
@@ -289,6 +295,8 @@ class PolicyStats:
                        completion_length=length / rows, generate_tokens_per_s=new / max(seconds / ranks, 1e-9),
                        generate_s=seconds / ranks / max(generations, 1),
                        kv_cache_mib=cache / ranks / max(generations, 1) / 2 ** 20)
+        if episodes:  # --grpo-environment: the model's turns and the environment's replies per episode
+            out.update(turns_per_episode=turns / episodes, replies_per_episode=replies / episodes)
         return out
 
 

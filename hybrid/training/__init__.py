@@ -11,6 +11,7 @@ Modules:
   pipeline_stages  PP > 1: a rank's virtual stages as torch.distributed.pipelining stages
   reduction        losses combined over micro-batches and data-parallel ranks
   rollout          --grpo's rollouts on the engine's own model
+  environments     --grpo-environment: multi-turn episodes (Gym's reset / step)
   reference_logps  DPO's reference log-probabilities, computed once
   muon             --optimizer muon
   lr_schedules     Megatron-LM's learning-rate schedule

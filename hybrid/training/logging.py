@@ -42,7 +42,9 @@ _EXTRA_PARTS = {"load_balancing_loss": ("load balancing loss", ".6E"), "z_loss":
                 "is_ratio_mean": ("IS ratio mean", ".4f"),
                 "is_ratio_min": ("IS ratio min", ".4f"), "is_ratio_max": ("IS ratio max", ".4f"),
                 "generate_tokens_per_s": ("generated tokens/s", ".1f"), "generate_s": ("generation s", ".2f"),
-                "kv_cache_mib": ("KV cache MiB", ".1f"), "generate_peak_gib": ("generation peak GiB", ".2f")}
+                "kv_cache_mib": ("KV cache MiB", ".1f"), "turns_per_episode": ("turns", ".2f"),
+                "replies_per_episode": ("environment replies", ".2f"),
+                "generate_peak_gib": ("generation peak GiB", ".2f")}
 
 
 def _extra_part(m: dict) -> str:

@@ -16,19 +16,15 @@ deterministic functions of their arguments (as TRL's are called on each process 
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import numbers
-import os
 import random
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from hybrid.data import arithmetic, prompts
+from hybrid.data import arithmetic, gym_tasks, prompts
 from hybrid.data.tokenizer import end_ids
 from hybrid.errors import ConfigError
 from hybrid.model.generate import SamplingOptions, generate
@@ -38,33 +34,8 @@ from hybrid.model.loss import token_logps
 from hybrid.model.objectives import reference_logps
 from hybrid.parallel.cross_entropy import IGNORE_INDEX
 from hybrid.training import deepspeed_fixes
+from hybrid.training.environments import Environment, load_user_code, share_in_group
 from hybrid.training.logging import log
-
-
-def load_reward(spec: str):
-    """`FILE.py:NAME` or `package.module:NAME` -> the function (the user's own code, run as they asked)."""
-    where, _, name = spec.rpartition(":")
-    if not where or not name:
-        raise ConfigError(f"--reward-function {spec}: expected FILE.py:NAME or package.module:NAME.")
-    try:
-        if where.endswith(".py"):
-            if not os.path.isfile(where):
-                raise ConfigError(f"--reward-function {spec}: no file {where}.")
-            name_of_module = f"hybrid_reward_{os.path.splitext(os.path.basename(where))[0]}"
-            module_spec = importlib.util.spec_from_file_location(name_of_module, where)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[name_of_module] = module  # as an import registers it (dataclasses and pickling look there)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except ConfigError:
-        raise
-    except Exception as e:  # the user's module failed to import: one message naming it
-        raise ConfigError(f"--reward-function {spec}: importing {where} failed: {type(e).__name__}: {e}") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ConfigError(f"--reward-function {spec}: {where} has no function {name}.")
-    return fn
 
 
 class Rewards:
@@ -73,30 +44,36 @@ class Rewards:
 
     def __init__(self, specs, weights):
         self.specs = list(specs)
-        self.functions = [load_reward(spec) for spec in self.specs]
+        self.functions = [load_user_code(spec, "--reward-function") for spec in self.specs]
         self.weights = torch.tensor(list(weights) or [1.0] * len(self.specs), dtype=torch.float64)
 
-    def __call__(self, prompts: list, completions: list, completion_ids: list) -> tuple:
+    def __call__(self, prompts: list, completions: list, completion_ids: list, column=None, environments=None):
         """Per completion, the weighted sum of the functions' values (a function's None is left out, as TRL's
-        nansum) [n] fp64, and each function's values [functions, n]."""
+        nansum) [n] fp64, and each function's values [functions, n]. --grpo-environment: its rewards `column`
+        [n] (NaN: none) join with weight 1, and the functions receive `environments=` (the instances, TRL's)."""
         table = torch.empty(len(self.functions), len(prompts), dtype=torch.float64)
+        extra = {} if environments is None else {"environments": environments}
         for k, (spec, fn) in enumerate(zip(self.specs, self.functions)):
-            table[k] = self._values(spec, fn, prompts, completions, completion_ids)
-        return (table * self.weights[:, None]).nansum(0), table
+            table[k] = self._values(spec, fn, prompts, completions, completion_ids, extra)
+        weights = self.weights
+        if column is not None:
+            table, weights = torch.cat([table, column[None]]), torch.cat([weights, weights.new_ones(1)])
+        return (table * weights[:, None]).nansum(0), table
 
     @staticmethod
-    def _call(fn, prompts, completions, completion_ids):
-        columns = {key: [p.columns.get(key) for p in prompts] for p in prompts for key in p.columns}
-        return fn(prompts=[p.prompt for p in prompts], completions=completions, completion_ids=completion_ids,
-                  **columns)
+    def _call(fn, prompts, completions, completion_ids, extra, rows=slice(None)):
+        columns = {key: [p.columns.get(key) for p in prompts[rows]] for p in prompts for key in p.columns}
+        columns.update({key: value[rows] for key, value in extra.items()})
+        return fn(prompts=[p.prompt for p in prompts[rows]], completions=completions[rows],
+                  completion_ids=completion_ids[rows], **columns)
 
-    def _values(self, spec, fn, prompts, completions, completion_ids) -> torch.Tensor:
+    def _values(self, spec, fn, prompts, completions, completion_ids, extra) -> torch.Tensor:
         try:
-            values = self._call(fn, prompts, completions, completion_ids)
+            values = self._call(fn, prompts, completions, completion_ids, extra)
         except Exception as batch_error:  # find the row it fails on, to name it
             for k in range(len(prompts)):
                 try:
-                    self._call(fn, prompts[k:k + 1], completions[k:k + 1], completion_ids[k:k + 1])
+                    self._call(fn, prompts, completions, completion_ids, extra, slice(k, k + 1))
                 except Exception as e:
                     raise ConfigError(f"--reward-function {spec} raised {type(e).__name__}: {e} (on "
                                       f"{prompts[k].where}, completion {completions[k]!r:.80})") from None
@@ -155,6 +132,9 @@ class Rollout:
         self.rewards = Rewards(self.options.reward_functions, self.options.reward_weights)
         # every end of turn the model's generation config lists, and the tokenizer's EOS (as TRL stops)
         self.eos = end_ids(tokenizer, run.checkpoint.load_hf, run.args.get("tokenizer_model"))
+        o = self.options
+        self.environment = None if not o.environment else Environment(
+            o.environment, tokenizer, self.eos, self.conversational, o.max_turns, o.max_tokens_per_turn)
         self.iteration = consumed // self.global_batch  # the optimizer steps taken (no batch ramp-up with --grpo)
         if self.iteration % self.options.iterations:
             log(f"--grpo: resuming at iteration {self.iteration}, inside a generation batch (--grpo-iterations "
@@ -209,29 +189,62 @@ class Rollout:
         if peak:  # the generation's own peak (the run's peak after it is then the training's since this point)
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
+        keys = list(range(first_key, first_key + len(prompts)))
         with deepspeed_fixes.zero3_gathered_while_generating(self.engine, log) as gathered:
-            out = generate(self.model, self.groups, [p.ids for p in prompts], options,
-                           keys=range(first_key, first_key + len(prompts)), device=self.device,
-                           sync=self.sync(gathered), record_routes=True)
+            if self.environment is None:
+                out = generate(self.model, self.groups, [p.ids for p in prompts], options, keys=keys,
+                               device=self.device, sync=self.sync(gathered), record_routes=True)
+            else:
+                out = self._episodes(prompts, keys, options, self.sync(gathered))
         seconds = time.perf_counter() - start
         peak_bytes = torch.cuda.max_memory_allocated(self.device) if peak else 0
-        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
-        completions = [[{"role": "assistant", "content": text}] for text in texts] if self.conversational else texts
-        total = self._scored(prompts, completions, out.tokens)
+        if self.environment is None:
+            texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
+            completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
+            total, masks, turns = self._scored(prompts, completions, out.tokens), None, (len(prompts), 0, 0)
+            new_tokens, cache_bytes = out.stats["new_tokens"], out.stats["cache_bytes"]
+        else:  # the prompts with reset's text; the environment's reward column and instances for the rewards
+            prompts, masks, turns = out.prompts, out.masks, (out.turns, out.replies, len(prompts))
+            total = self._scored(prompts, out.completions, out.tokens, out.error, out.rewards, out.instances)
+            new_tokens, cache_bytes, seconds = out.new_tokens, out.cache_bytes, out.seconds
         adv = advantages(total, g, self.options.scale_rewards, self._batch_std(total)).float().nan_to_num(0.0)
-        lengths = torch.tensor([len(t) for t in out.tokens], dtype=torch.float64)
+        lengths = torch.tensor([len(t) if masks is None else sum(m) for t, m in zip(out.tokens, masks or out.tokens)],
+                               dtype=torch.float64)  # the model's tokens (TRL counts tool_mask's ones)
         finite = total[~torch.isnan(total)]
         self.stats.add_rollout(torch.tensor([len(prompts), float(finite.sum()), float((finite ** 2).sum()),
-                                             float(lengths.sum()), seconds, float(out.stats["new_tokens"]),
-                                             float(len(finite)), float(out.stats["cache_bytes"]), float(peak_bytes)],
+                                             float(lengths.sum()), seconds, float(new_tokens), float(len(finite)),
+                                             float(cache_bytes), float(peak_bytes), *turns],
                                             dtype=torch.float64, device=self.device))
-        ids, labels, values = self._rows(prompts, out.tokens, out.logprobs, adv)
-        routes = self._routes(prompts, out)
+        ids, labels, values = self._rows(prompts, out.tokens, out.logprobs, adv, masks)
+        routes = None if self.environment is not None else self._routes(prompts, out)
         if self.options.iterations > 1:
             if routes is not None and self.model.config.moe_routing_replay == "R2":  # the trainer's routing, recorded
                 routes = routes.new_full(routes.shape, -1)
             self._trainer_logps(ids, labels, values, routes)
         return ids, labels, values, routes
+
+    def _episodes(self, prompts: list, keys: list, options: SamplingOptions, sync):
+        """--grpo-environment's multi-turn episodes (hybrid.training.environments) of this rank's rows."""
+        g = self.groups
+
+        def turn(rows: list, row_keys: list, limits: list):
+            if not rows:  # no episode left here
+                generate(self.model, g, [[options.pad]], options, keys=[0], device=self.device, sync=sync,
+                         stop=lambda r, tokens: True)
+                return None
+            return generate(self.model, g, rows, options, keys=row_keys, device=self.device, sync=sync,
+                            stop=lambda r, tokens: len(tokens) >= limits[r])
+
+        def agree(active: int) -> int:
+            if sync is None:
+                return active
+            count = torch.tensor([active], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=sync.group)  # one small read per turn
+            return int(count.item())
+
+        return self.environment.episodes(prompts, keys, options.max_new_tokens,
+                                         lambda length: self.seq_length + 1 - length, turn,
+                                         g.tp.rank == 0 and g.pp.rank == 0, share_in_group(g, self.device), agree)
 
     def _trainer_logps(self, ids, labels, values, routes) -> None:
         """--grpo-iterations > 1: the trainer's log-probabilities of the batch's labels with the weights that
@@ -257,16 +270,18 @@ class Rollout:
             return self.groups.dp_cp
         return self.groups.ep if self.groups.ep.size > 1 else None
 
-    def _scored(self, prompts: list, completions: list, completion_ids: list) -> torch.Tensor:
+    def _scored(self, prompts: list, completions: list, completion_ids: list, error: str = "", column=None,
+                environments=None) -> torch.Tensor:
         """The weighted rewards [n] fp64 (host): computed once per model-parallel group (its TP 0 / first-stage
         rank, so a reward that calls out or draws is called once and every rank trains on the same values) and
-        broadcast over TP and PP; a failing function stops every rank with its one message."""
+        broadcast over TP and PP; a failing function (or `error`: the environment's) stops every rank with its
+        one message. `column`, `environments`: --grpo-environment's rewards and instances (Rewards)."""
         g, n = self.groups, len(prompts)
         scorer = g.tp.rank == 0 and g.pp.rank == 0
-        total, error = None, ""
-        if scorer:
+        total = None
+        if scorer and not error:
             try:
-                total, _ = self.rewards(prompts, completions, completion_ids)
+                total, _ = self.rewards(prompts, completions, completion_ids, column, environments)
             except ConfigError as e:
                 error = str(e)
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -310,13 +325,17 @@ class Rollout:
             routes[r, :fed] = out.routes[r, pad:pad + fed]
         return routes
 
-    def _rows(self, prompts: list, tokens: list, logprobs: list, adv: torch.Tensor):
+    def _rows(self, prompts: list, tokens: list, logprobs: list, adv: torch.Tensor, masks=None):
         """Training rows: ids = prompt + completion (right-padded), labels = the completion's tokens at their
-        positions, values [n, 5, s] (hybrid.model.grpo.Value): the advantage, the sampler's log-probabilities, the
-        reference's (zeros without --grpo-beta)."""
+        positions (not the environment's: `masks` 0), values [n, 5, s] (hybrid.model.grpo.Value): the advantage,
+        the sampler's log-probabilities, the reference's (zeros without --grpo-beta)."""
         n = len(prompts)
         ids, labels, values = completion_rows([p.ids for p in prompts], tokens, logprobs, adv, self.seq_length,
                                               self.eos[0] if self.eos else 0)
+        for r, mask in enumerate(masks or ()):  # the environment's replies: context, not trained (TRL's tool_mask)
+            first = len(prompts[r].ids) - 1
+            replies = torch.tensor(mask) == 0
+            labels[r, first:first + len(mask)][replies] = IGNORE_INDEX
         if self.options.mask_truncated_completions:  # rows that ran to --max-new-tokens train on nothing (TRL's)
             pad = getattr(self.tokenizer, "pad_token_id", None)
             ends = set(self.eos) | ({pad} if pad is not None else set())
@@ -332,12 +351,15 @@ class Rollout:
 
 
 def grpo_prompts(run, tokenizer) -> list:
-    """The run's prompts: --data-path's file (hybrid.data.prompts), or the embedded arithmetic task."""
+    """The run's prompts: --grpo-reasoning-gym's tasks, --data-path's file (hybrid.data.prompts), or the embedded
+    arithmetic task."""
     hf = tokenizer.to_transformers() if hasattr(tokenizer, "to_transformers") else None
     if hf is None:
         raise ConfigError("--grpo decodes completions for its rewards with a HuggingFace tokenizer: use --load-hf DIR, "
                           "--tokenizer-type HFTokenizer --tokenizer-model DIR, or the default GPT-2 BPE files.")
-    paths = run.data.data_path or []
+    paths, o = run.data.data_path or [], run.training.grpo
+    if o.reasoning_gym:
+        return gym_tasks.prompts(hf, list(o.reasoning_gym), o.reasoning_gym_size, run.training.seed), hf
     if not paths:
         return arithmetic.prompts(hf, seed=run.training.seed), hf
     if len(paths) != 1:
