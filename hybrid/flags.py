@@ -626,6 +626,12 @@ def _add_data_args(p):
                    help="--grpo: optimizer steps on each generation batch (TRL's num_iterations)")
     g.add_argument("--max-new-tokens", type=int, default=64,
                    help="--grpo: the completion limit (every turn's tokens and the environment's replies together)")
+    g.add_argument("--grpo-dynamic-sampling", action="store_true",
+                   help="--grpo: DAPO's dynamic sampling: groups whose rewards all agree are dropped and more prompts "
+                        "sampled until the batch is full (verl's filter_groups)")
+    g.add_argument("--grpo-dynamic-sampling-max-rounds", type=int, default=8,
+                   help="--grpo-dynamic-sampling: sampling rounds per batch at most (then topped up with dropped "
+                        "groups)")
     g.add_argument("--grpo-reasoning-gym", nargs="+", default=None, metavar="TASK",
                    help="--grpo: prompts and reward from reasoning_gym's tasks (basic_arithmetic, chain_sum, ...; "
                         "pip install reasoning-gym), its own scorer the reward unless --reward-function is given")

@@ -43,7 +43,8 @@ GRPO_DEFAULTS = {"reward_function": None, "reward_weights": None, "grpo_group_si
                  "grpo_rollout_correction_clip_min": None, "grpo_rollout_correction_clip_max": 3.0,
                  "grpo_off_policy_mask_threshold": None, "grpo_mask_truncated_completions": False,
                  "grpo_top_entropy_quantile": 1.0, "grpo_environment": None, "grpo_max_turns": 4,
-                 "grpo_max_tokens_per_turn": None, "grpo_reasoning_gym": None, "grpo_reasoning_gym_size": 1000}
+                 "grpo_max_tokens_per_turn": None, "grpo_reasoning_gym": None, "grpo_reasoning_gym_size": 1000,
+                 "grpo_dynamic_sampling": False, "grpo_dynamic_sampling_max_rounds": 8}
 
 
 def grpo_flags(args) -> None:
@@ -84,6 +85,10 @@ def grpo_flags(args) -> None:
     if args.grpo_beta > 0 and not args.load_hf:
         raise ConfigError("--grpo-beta > 0 needs --load-hf DIR: the KL is to that starting model, kept frozen.")
     _environment_flags(args)
+    if args.grpo_dynamic_sampling_max_rounds < 1 or (args.grpo_dynamic_sampling_max_rounds != 8 and
+                                                     not args.grpo_dynamic_sampling):
+        raise ConfigError(f"--grpo-dynamic-sampling-max-rounds {args.grpo_dynamic_sampling_max_rounds}: give 1 or "
+                          f"more, with --grpo-dynamic-sampling.")
     if args.grpo_reasoning_gym and (args.data_path or args.grpo_reasoning_gym_size < 1):
         raise ConfigError("--grpo-reasoning-gym makes the prompts: drop --data-path (one prompt source), and give "
                           "--grpo-reasoning-gym-size 1 or more.")
@@ -184,7 +189,8 @@ def grpo_options(args, global_batch: int, dp: int) -> GRPOOptions:
                        args.grpo_off_policy_mask_threshold, args.grpo_mask_truncated_completions,
                        args.grpo_top_entropy_quantile, args.grpo_environment, args.grpo_max_turns,
                        args.grpo_max_tokens_per_turn, tuple(args.grpo_reasoning_gym or ()),
-                       args.grpo_reasoning_gym_size)
+                       args.grpo_reasoning_gym_size, args.grpo_dynamic_sampling,
+                       args.grpo_dynamic_sampling_max_rounds)
 
 
 def _streaming_flags(args) -> None:

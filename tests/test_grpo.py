@@ -398,6 +398,7 @@ def test_bad_grpo_flags_are_one_message(tmp_path, capsys):
                            (["--grpo", "--grpo-environment", "e.py:E", "--grpo-max-tokens-per-turn", "0"],
                             "give at least 1"),
                            (["--grpo-environment", "e.py:E"], "--grpo-environment set GRPO: add --grpo"),
+                           (["--grpo", "--grpo-dynamic-sampling-max-rounds", "3"], "with --grpo-dynamic-sampling"),
                            (["--grpo", "--grpo-reasoning-gym", "chain_sum", "--data-path", "p.jsonl", "--vocab-file",
                              VOCAB, "--merge-file", MERGES], "one prompt source")]:
         assert main(flags + ["--no-demo", "--save", str(tmp_path / "s")]) == 2
@@ -581,6 +582,39 @@ def test_grpo_iterations_reuse_a_generation_batch_against_the_samplers_log_proba
     assert records[1]["clip_fraction"] > 0 and records[0]["clip_fraction"] == 0
     for r in records:
         assert 1 - 1e-5 <= r["is_ratio_min"] <= r["is_ratio_max"] <= 1 + 1e-5, r
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_refills_groups_without_signal_at_tp2_as_at_one_rank(tmp_path):
+    """--grpo-dynamic-sampling (DAPO's): without it a model from scratch trains on groups whose rewards all agree
+    (TRL's frac_reward_zero_std > 0); with it every batch that filled within the rounds holds none, more groups
+    were sampled than trained (groups_dropped), and TP 2 + SP draws the same refills, rewards and losses as one rank
+    (the refill prompts and keys depend on the seed, generation, data-parallel rank and round only)."""
+    from checks.launch_helpers import one_rank
+    flags = TASK + ["--train-iters", 4]
+    plain = one_rank(flags + ["--exit-interval", 2])
+    assert max(r["frac_reward_zero_std"] for r in plain) > 0, plain
+    want = one_rank(flags + ["--grpo-dynamic-sampling", "--grpo-dynamic-sampling-max-rounds", 6])
+    log = tmp_path / "tp2.jsonl"
+    run("torchrun", 2, flags + ["--grpo-dynamic-sampling", "--grpo-dynamic-sampling-max-rounds", 6,
+                                "--tensor-model-parallel-size", 2, "--sequence-parallel", "--log-json", log])
+    got = read_log(log)
+    assert len(got) == len(want) == 4
+    assert any(r["sampling_rounds"] > 1 and r["groups_dropped"] > 0 for r in want), want
+    for x, y in zip(want, got):
+        assert (x["sampling_rounds"], x["groups_dropped"]) == (y["sampling_rounds"], y["groups_dropped"]), (x, y)
+        assert x["sampling_rounds"] == 6 or x["frac_reward_zero_std"] == 0.0, x
+        assert x["reward_mean"] == pytest.approx(y["reward_mean"], abs=1e-9), (x, y)
+        assert abs(x["lm_loss"] - y["lm_loss"]) <= 1e-5 + 1e-4 * abs(x["lm_loss"]), (x, y)
+        assert y["logprob_mismatch"] <= 1e-5
+
+
+def test_a_group_has_signal_when_its_scored_rewards_differ():
+    from hybrid.training.rollout import _has_signal
+    nan = float("nan")
+    for rewards, want in [([0.0, 0.0, 0.0], False), ([0.0, 1.0, 0.0], True), ([nan, nan], False),
+                          ([1.0, nan, nan], False), ([1.0, nan, 0.5], True), ([0.25, 0.25, nan], False)]:
+        assert _has_signal(torch.tensor(rewards, dtype=torch.float64)) is want, rewards
 
 
 def test_masked_truncated_completions_count_as_trl_counts_them():

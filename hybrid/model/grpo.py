@@ -62,6 +62,8 @@ class GRPOOptions:
     max_tokens_per_turn: Optional[int] = None  # a turn's tokens at most (None: the completion's remaining budget)
     reasoning_gym: tuple = ()  # the prompt source: reasoning_gym's tasks by name (hybrid.data.gym_tasks)
     reasoning_gym_size: int = 1000  # entries per task
+    dynamic_sampling: bool = False  # DAPO's dynamic sampling (verl's filter_groups): groups without signal refilled
+    dynamic_sampling_rounds: int = 8  # sampling rounds per batch at most (verl's max_num_gen_batches)
 
     @property
     def clip_high(self) -> float:
@@ -248,8 +250,8 @@ class PolicyStats:
     pending: list = field(default_factory=list)
     # per generation batch on this DP rank: completions, reward sum, reward square sum, completion tokens,
     # generation seconds, generated tokens, completions with a reward, the KV cache's bytes, the generation's peak
-    # accelerator bytes (CUDA; 0 elsewhere), the model's turns, the environment's replies, episodes of an environment
-    # (fp64)
+    # accelerator bytes (CUDA; 0 elsewhere), the model's turns, the environment's replies, episodes of an environment,
+    # groups whose rewards all agree, groups, sampling rounds, groups sampled (--grpo-dynamic-sampling; else 0) (fp64)
     rollouts: list = field(default_factory=list)
 
     def add(self, stats: torch.Tensor) -> None:
@@ -266,7 +268,7 @@ class PolicyStats:
         # policy_loss's statistics: 6 sums, then 3 maxima (the mismatch, the correction's -min and max)
         stacked = torch.stack(self.pending) if self.pending else \
             torch.tensor([[0.0] * 7 + [-math.inf] * 2], device=device)
-        rollouts = torch.stack(self.rollouts) if self.rollouts else torch.zeros(1, 12, device=device,
+        rollouts = torch.stack(self.rollouts) if self.rollouts else torch.zeros(1, 16, device=device,
                                                                                 dtype=torch.float64)
         rolled, generations = torch.cat([rollouts[:, :8], rollouts[:, 9:]], 1).sum(0), len(self.rollouts)
         self.pending, self.rollouts = [], []
@@ -279,7 +281,7 @@ class PolicyStats:
             dist.all_reduce(sums, group=dp.group)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=dp.group)
         tokens, clipped, kl, fresh, is_sum, is_count, rows, reward, square, length, seconds, new, scored, cache, \
-            turns, replies, episodes = sums.tolist()
+            turns, replies, episodes, flat, groups, rounds, sampled = sums.tolist()
         out = {"clip_fraction": clipped / max(tokens, 1.0), "kl": kl / max(tokens, 1.0)}
         mismatch, is_low, is_high, peak = worst.tolist()
         if fresh:  # measured on the first pass over a generation batch only (--grpo-iterations)
@@ -295,6 +297,11 @@ class PolicyStats:
                        completion_length=length / rows, generate_tokens_per_s=new / max(seconds / ranks, 1e-9),
                        generate_s=seconds / ranks / max(generations, 1),
                        kv_cache_mib=cache / ranks / max(generations, 1) / 2 ** 20)
+        if groups:  # TRL's frac_reward_zero_std: the trained groups whose rewards all agree
+            out["frac_reward_zero_std"] = flat / groups
+        if sampled:  # --grpo-dynamic-sampling: rounds per batch, the share of sampled groups left out
+            out.update(sampling_rounds=rounds / max(generations, 1) / (dp.size if dp is not None else 1),
+                       groups_dropped=1.0 - groups / sampled)
         if episodes:  # --grpo-environment: the model's turns and the environment's replies per episode
             out.update(turns_per_episode=turns / episodes, replies_per_episode=replies / episodes)
         return out

@@ -44,6 +44,8 @@ _EXTRA_PARTS = {"load_balancing_loss": ("load balancing loss", ".6E"), "z_loss":
                 "generate_tokens_per_s": ("generated tokens/s", ".1f"), "generate_s": ("generation s", ".2f"),
                 "kv_cache_mib": ("KV cache MiB", ".1f"), "turns_per_episode": ("turns", ".2f"),
                 "replies_per_episode": ("environment replies", ".2f"),
+                "frac_reward_zero_std": ("groups without signal", ".3f"), "sampling_rounds": ("sampling rounds", ".2f"),
+                "groups_dropped": ("groups dropped", ".3f"),
                 "generate_peak_gib": ("generation peak GiB", ".2f")}
 
 

@@ -20,6 +20,8 @@ import math
 import numbers
 import random
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -97,6 +99,45 @@ class Rewards:
                 raise ConfigError(f"--reward-function {spec} returned {value!r} for {prompts[k].where}: give a finite "
                                   f"number (or None where the reward does not apply).")
         return out
+
+
+ROUND_KEY_STRIDE = 1 << 48  # --grpo-dynamic-sampling: round r's completion keys start r x 2^48 on
+
+
+def _has_signal(rewards: torch.Tensor) -> bool:
+    """A group whose scored rewards differ (an advantage to learn from)."""
+    finite = rewards[~torch.isnan(rewards)]
+    return finite.numel() > 1 and bool(finite.max() > finite.min())
+
+
+@dataclass
+class Sampled:
+    """Rows sampled and scored: their prompts, completions' ids, the sampler's log-probabilities, the model's-token
+    masks (--grpo-environment; else None), rewards [n] fp64, the generator's routing at the training rows' positions
+    (None without MoE), generation seconds, new tokens, the KV cache's bytes, (turns, replies, episodes)."""
+
+    prompts: list
+    tokens: list
+    logprobs: list
+    masks: Optional[list]
+    total: torch.Tensor
+    routes: Optional[torch.Tensor]
+    seconds: float
+    new_tokens: int
+    cache_bytes: int
+    turns: tuple
+
+    @staticmethod
+    def joined(groups: list, g: int, batches: list) -> "Sampled":
+        """The (batch, first row) groups of G rows, as one batch; the generation's sums over every batch sampled."""
+        rows = [(b, k + j) for b, k in groups for j in range(g)]
+        masks = None if rows[0][0].masks is None else [b.masks[r] for b, r in rows]
+        routes = None if rows[0][0].routes is None else torch.stack([b.routes[r] for b, r in rows])
+        return Sampled([b.prompts[r] for b, r in rows], [b.tokens[r] for b, r in rows],
+                       [b.logprobs[r] for b, r in rows], masks, torch.stack([b.total[r] for b, r in rows]), routes,
+                       sum(b.seconds for b in batches), sum(b.new_tokens for b in batches),
+                       max(b.cache_bytes for b in batches),
+                       tuple(sum(b.turns[i] for b in batches) for i in range(3)))
 
 
 def usable_prompts(prompts: list, seq_length: int, max_new_tokens: int) -> list:
@@ -178,9 +219,6 @@ class Rollout:
 
     def _generate(self, generation: int):
         g = self.options.group_size
-        chosen = self._prompt_indices(generation)
-        prompts = [self.prompts[i] for i in chosen for _ in range(g)]
-        first_key = generation * self.global_batch + self.groups.dp.rank * len(prompts)
         options = SamplingOptions(self.options.max_new_tokens, self.options.temperature, self.options.top_p,
                                   self.options.top_k, self.seed, self.eos, self.eos[0] if self.eos else 0)
         if self.before_generate is not None:
@@ -188,40 +226,76 @@ class Rollout:
         peak = self.device.type == "cuda"
         if peak:  # the generation's own peak (the run's peak after it is then the training's since this point)
             torch.cuda.reset_peak_memory_stats(self.device)
-        start = time.perf_counter()
-        keys = list(range(first_key, first_key + len(prompts)))
         with deepspeed_fixes.zero3_gathered_while_generating(self.engine, log) as gathered:
-            if self.environment is None:
-                out = generate(self.model, self.groups, [p.ids for p in prompts], options, keys=keys,
-                               device=self.device, sync=self.sync(gathered), record_routes=True)
-            else:
-                out = self._episodes(prompts, keys, options, self.sync(gathered))
-        seconds = time.perf_counter() - start
+            batch = self._sample(self._prompt_indices(generation), generation, 0, options, self.sync(gathered))
+            rounds, generated = 1, 0
+            if self.options.dynamic_sampling:
+                batch, rounds, generated = self._refilled(batch, generation, options, self.sync(gathered))
         peak_bytes = torch.cuda.max_memory_allocated(self.device) if peak else 0
-        if self.environment is None:
-            texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
-            completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
-            total, masks, turns = self._scored(prompts, completions, out.tokens), None, (len(prompts), 0, 0)
-            new_tokens, cache_bytes = out.stats["new_tokens"], out.stats["cache_bytes"]
-        else:  # the prompts with reset's text; the environment's reward column and instances for the rewards
-            prompts, masks, turns = out.prompts, out.masks, (out.turns, out.replies, len(prompts))
-            total = self._scored(prompts, out.completions, out.tokens, out.error, out.rewards, out.instances)
-            new_tokens, cache_bytes, seconds = out.new_tokens, out.cache_bytes, out.seconds
+        prompts, total, masks = batch.prompts, batch.total, batch.masks
         adv = advantages(total, g, self.options.scale_rewards, self._batch_std(total)).float().nan_to_num(0.0)
-        lengths = torch.tensor([len(t) if masks is None else sum(m) for t, m in zip(out.tokens, masks or out.tokens)],
-                               dtype=torch.float64)  # the model's tokens (TRL counts tool_mask's ones)
+        lengths = torch.tensor([len(t) if masks is None else sum(m) for t, m in
+                                zip(batch.tokens, masks or batch.tokens)], dtype=torch.float64)  # TRL's tool_mask
         finite = total[~torch.isnan(total)]
+        flat = sum(1 - _has_signal(total[k:k + g]) for k in range(0, len(prompts), g))
         self.stats.add_rollout(torch.tensor([len(prompts), float(finite.sum()), float((finite ** 2).sum()),
-                                             float(lengths.sum()), seconds, float(new_tokens), float(len(finite)),
-                                             float(cache_bytes), float(peak_bytes), *turns],
+                                             float(lengths.sum()), batch.seconds, float(batch.new_tokens),
+                                             float(len(finite)), float(batch.cache_bytes), float(peak_bytes),
+                                             *batch.turns, flat, len(prompts) // g, rounds, generated],
                                             dtype=torch.float64, device=self.device))
-        ids, labels, values = self._rows(prompts, out.tokens, out.logprobs, adv, masks)
-        routes = None if self.environment is not None else self._routes(prompts, out)
+        ids, labels, values = self._rows(prompts, batch.tokens, batch.logprobs, adv, masks)
+        routes = batch.routes
         if self.options.iterations > 1:
             if routes is not None and self.model.config.moe_routing_replay == "R2":  # the trainer's routing, recorded
                 routes = routes.new_full(routes.shape, -1)
             self._trainer_logps(ids, labels, values, routes)
         return ids, labels, values, routes
+
+    def _sample(self, chosen: list, generation: int, round_: int, options: SamplingOptions, sync) -> "Sampled":
+        """G completions of each chosen prompt (one turn, or --grpo-environment's episodes), scored. Completion k of
+        round r (--grpo-dynamic-sampling's refills) draws from the generator keyed k + r x 2^48."""
+        g = self.options.group_size
+        prompts = [self.prompts[i] for i in chosen for _ in range(g)]
+        first_key = generation * self.global_batch + self.groups.dp.rank * len(prompts) + round_ * ROUND_KEY_STRIDE
+        keys = list(range(first_key, first_key + len(prompts)))
+        start = time.perf_counter()
+        if self.environment is not None:  # the prompts with reset's text; the environment's rewards and instances
+            out = self._episodes(prompts, keys, options, sync)
+            total = self._scored(out.prompts, out.completions, out.tokens, out.error, out.rewards, out.instances)
+            return Sampled(out.prompts, out.tokens, out.logprobs, out.masks, total, None, out.seconds,
+                           out.new_tokens, out.cache_bytes, (out.turns, out.replies, len(prompts)))
+        out = generate(self.model, self.groups, [p.ids for p in prompts], options, keys=keys, device=self.device,
+                       sync=sync, record_routes=True)
+        seconds = time.perf_counter() - start
+        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
+        return Sampled(prompts, out.tokens, out.logprobs, None, self._scored(prompts, completions, out.tokens),
+                       self._routes(prompts, out), seconds, out.stats["new_tokens"], out.stats["cache_bytes"],
+                       (len(prompts), 0, 0))
+
+    def _refilled(self, batch: "Sampled", generation: int, options: SamplingOptions, sync) -> tuple:
+        """--grpo-dynamic-sampling (DAPO's; verl's filter_groups): groups whose rewards all agree carry no
+        advantage and are dropped; refill rounds sample G completions of further prompts (a draw keyed by the
+        seed, the generation, the data-parallel rank and the round: a resumed run draws the same) until every
+        data-parallel rank holds its groups (the ranks agree on the rounds: their collectives stay in step), at
+        most --grpo-dynamic-sampling-max-rounds; short of that the batch is topped up with dropped groups (no
+        signal, as without the filter). -> the batch, its rounds, the groups generated."""
+        g, quota = self.options.group_size, len(batch.prompts) // self.options.group_size
+        kept, dropped, rounds, batches = [], [], 1, [batch]
+        while True:
+            for k in range(0, len(batch.prompts), g):
+                (kept if _has_signal(batch.total[k:k + g]) else dropped).append((batch, k))
+            need = torch.tensor([max(quota - len(kept), 0)], device=self.device)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(need, op=dist.ReduceOp.MAX)  # one small read per round
+            if not int(need.item()) or rounds == self.options.dynamic_sampling_rounds:
+                break
+            rng = random.Random(((self.seed * 1_000_003 + generation) * 7_919 + self.groups.dp.rank) * 104_729
+                                + rounds)
+            batch = self._sample(rng.choices(range(len(self.prompts)), k=quota), generation, rounds, options, sync)
+            batches.append(batch)
+            rounds += 1
+        return Sampled.joined((kept + dropped)[:quota], g, batches), rounds, rounds * quota
 
     def _episodes(self, prompts: list, keys: list, options: SamplingOptions, sync):
         """--grpo-environment's multi-turn episodes (hybrid.training.environments) of this rank's rows."""
