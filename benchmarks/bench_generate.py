@@ -7,6 +7,10 @@ static cache on the same model in the same process, at TP 2, and inside --grpo a
   generate call (prefill included) for both, their ratio, and whether the tokens agree;
 - TP 2: the same completions on 2 ranks (torchrun, one thread per rank; the one-rank run also at one thread, in
   the same worker script), tokens/s and the ratio to one rank;
+- groups: --grpo's batches, `--batch` / 8 prompts of 64 to 128 tokens x 8 sampled completions that end at an end
+  token (about one in 64 draws): the shared prefill (a group's prompt once) with ended rows leaving the batch
+  against every row prefilled and kept to the end (generate's compact=False), interleaved, and whether each row's
+  tokens agree;
 - --grpo: the generation tokens/s each iteration logs (generate_tokens_per_s) at DP 2 ZeRO-1 and ZeRO-3: ZeRO-3
   decodes with the parameters fetched by its hooks layer by layer, every step (the switch costs no copy of
   the weights; this is its price).
@@ -67,6 +71,37 @@ def ours(path: str, batch: list, new: int, groups=None, repeats: int = 3, device
             pass
     out.stats["switch_s"] = (time.perf_counter() - switch) / 100
     return out.tokens, statistics.median(times), out.stats
+
+
+def groups_case(path: str, batch_size: int, new: int) -> dict:
+    """The groups case (module docstring): tokens/s with and without compaction, the ratio, rows equal."""
+    import torch
+    from hybrid.conversion.hf import hf_parts, read_hf_config
+    from hybrid.evaluation import loaded_model, rank_device
+    from hybrid.model.generate import SamplingOptions, generate
+    from hybrid.parallel.groups import ParallelGroups
+    config = read_hf_config(path, "--load-hf")
+    model = loaded_model(config, ParallelGroups.single(), lambda wanted: hf_parts(path, config, wanted), rank_device())
+    g = torch.Generator().manual_seed(2)
+    distinct = [torch.randint(1, 8192, (int(n),), generator=g).tolist()
+                for n in torch.randint(64, 129, (max(1, batch_size // 8),), generator=g)]
+    batch = [p for p in distinct for _ in range(8)]
+    options = SamplingOptions(max_new_tokens=new, temperature=1.0, seed=1, eos=tuple(range(1, 8192, 64)))
+    keys = list(range(len(batch)))
+    times = {True: [], False: []}
+    outs = {}
+    for _ in range(5):
+        for compact in (True, False):
+            start = time.perf_counter()
+            outs[compact] = generate(model, None, batch, options, keys=keys, compact=compact)
+            times[compact].append(time.perf_counter() - start)
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    tokens = outs[True].stats["new_tokens"]
+    return {"prompts": len(distinct), "completions": len(batch), "new_tokens": tokens,
+            "mean_completion_length": tokens / len(batch), "compact_tokens_per_s": tokens / on,
+            "baseline_tokens_per_s": tokens / off, "ratio": off / on,
+            "rows_equal": f"{sum(x == y for x, y in zip(outs[True].tokens, outs[False].tokens))}/{len(batch)}",
+            "rows_at_end": outs[True].stats["rows_at_end"]}
 
 
 def transformers_generate(model, batch: list, new: int, repeats: int = 3):
@@ -153,6 +188,7 @@ def main() -> None:
                            total / hf_seconds, "ratio": hf_seconds / seconds, "rows_equal": f"{same}/{a.batch}",
                            "prefill_s": stats["prefill_s"], "kv_cache_mib": stats["cache_bytes"] / 2 ** 20,
                            "train_to_generate_switch_s": stats["switch_s"], "switch_bytes_copied": 0}}
+    result["groups"] = groups_case(path, max(a.batch, 32), a.new)
     one_thread, two = os.path.join(tmp, "tp1.json"), os.path.join(tmp, "tp2.json")
     torchrun(1, ["--batch", str(a.batch), "--new", str(a.new), "--tp-worker", path, one_thread])
     torchrun(2, ["--batch", str(a.batch), "--new", str(a.new), "--tp-worker", path, two])

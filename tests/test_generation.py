@@ -100,6 +100,32 @@ def test_a_row_stops_at_its_eos_and_the_batch_when_every_row_has(hf_models):
     assert everyone.stats["steps"] == 1 and [len(t) for t in everyone.tokens] == [1] * len(batch)
 
 
+@pytest.mark.parametrize("family", ["llama3", "deepseek_v3", "qwen3_5", "glm_moe_dsa"])
+def test_a_groups_prompt_is_prefilled_once_and_ended_rows_leave_the_batch(family, hf_models):
+    """Rows with one prompt (a --grpo group) share one prefill and rows that end leave the batch: every row's
+    sampled tokens equal its generation alone (its own key), its log-probabilities within 1e-5, transformers'
+    forward's too; the prompts' step ran over the distinct prompts and rows left (dense, MLA's latents, Gated
+    DeltaNet's state and conv tail, DSA's indexer keys)."""
+    from hybrid.model.generate import SamplingOptions, generate
+    path, hf = hf_models[family]
+    model = one_rank_model(path)
+    distinct = prompts(seed=5)[:3]
+    batch = [distinct[0]] * 3 + [distinct[1]] * 3 + [distinct[2]] * 2
+    keys = list(range(20, 28))
+    options = SamplingOptions(max_new_tokens=NEW, temperature=1.0, seed=3)
+    free = generate(model, None, batch, options, keys=keys)
+    eos = tuple({free.tokens[r][k] for r, k in ((0, 1), (3, 2), (4, 5))})  # rows end at different steps
+    options = SamplingOptions(max_new_tokens=NEW, temperature=1.0, seed=3, eos=eos)
+    out = generate(model, None, batch, options, keys=keys)
+    assert out.stats["prefilled"] == 3 and out.stats["rows_at_end"] < len(batch), out.stats
+    for r, (prompt, key) in enumerate(zip(batch, keys)):
+        alone = generate(model, None, [prompt], options, keys=[key])
+        assert out.tokens[r] == alone.tokens[0], r
+        assert torch.allclose(torch.tensor(out.logprobs[r]), torch.tensor(alone.logprobs[0]), atol=1e-5, rtol=0)
+        reference = hf_logprobs(hf, prompt, out.tokens[r])
+        assert (reference - torch.tensor(out.logprobs[r])).abs().max().item() <= 1e-5, r
+
+
 def test_seeded_sampling_is_per_row_uses_transformers_warpers_and_reports_the_tempered_logprob(hf_models):
     from hybrid.model.generate import SamplingOptions, generate
     path, hf = hf_models["qwen2"]

@@ -149,26 +149,38 @@ class _Pipeline:
 
 def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optional[Sequence[int]] = None,
              device=None, stop: Optional[Callable[[int, list], bool]] = None, sync=None,
-             record_routes: bool = False, on_step: Optional[Callable[[list], None]] = None) -> Generated:
+             record_routes: bool = False, on_step: Optional[Callable[[list], None]] = None,
+             compact: bool = True) -> Generated:
     """Complete every prompt (token id lists) with `model` (a RankModel at this rank's layout). `keys`: each
     row's global index for its sampling generator (default 0 ..); `stop(row, tokens)`: a host-side check after
     each step (stop strings) that ends a row early; `sync`: an Axis whose ranks must run every step together
     (expert parallelism: their experts meet in each step), so decoding ends when all of theirs have ended;
     `record_routes`: keep the MoE layers' routing of every token (Generated.routes; --grpo's routing replay);
-    `on_step(tokens)`: each step's chosen ids (a host list, one per row; a streaming server's deltas)."""
+    `on_step(tokens)`: each step's chosen ids (a host list, one per row; a streaming server's deltas; a row that
+    has left the batch gets the padding id).
+
+    Rows with the same prompt (a --grpo group's G completions) are prefilled once: the prompt's step runs over
+    the distinct prompts and its cache and logits are copied to their rows. Rows that have ended leave the batch
+    once they are a quarter of it (their cache rows dropped), so the longest row does not keep every slot busy.
+    `compact` False: neither (every row prefilled, every row kept to the end; bench_generate's baseline)."""
     groups = model.groups if groups is None else groups
     device = device or next(model.parameters()).device
     b, width = len(prompts), max(len(p) for p in prompts)
     slots = width + options.max_new_tokens
-    valid = torch.zeros(b, slots, dtype=torch.bool, device=device)
-    ids = torch.full((b, width), options.pad, dtype=torch.long, device=device)
-    for r, prompt in enumerate(prompts):
+    firsts: dict = {}
+    index = [firsts.setdefault(tuple(p) if compact else r, len(firsts)) for r, p in enumerate(prompts)]
+    distinct = [list(p) for p in firsts] if compact else [list(p) for p in prompts]  # row -> its distinct prompt
+    u = len(distinct)
+    valid = torch.zeros(u, slots, dtype=torch.bool, device=device)
+    ids = torch.full((u, width), options.pad, dtype=torch.long, device=device)
+    for r, prompt in enumerate(distinct):
         ids[r, width - len(prompt):] = torch.as_tensor(prompt, dtype=torch.long, device=device)
         valid[r, width - len(prompt):] = True
     valid[:, width:] = True
-    positions = (valid[:, :width].long().cumsum(1) - 1).clamp(min=0)  # [b, width]
-    next_position = valid[:, :width].sum(1)  # [b]: each row's first completion position
-    cache = KVCache(b, slots, valid)
+    positions = (valid[:, :width].long().cumsum(1) - 1).clamp(min=0)  # [u, width]
+    expand = torch.as_tensor(index, device=device)
+    next_position = valid[:, :width].sum(1)[expand]  # [b]: each row's first completion position
+    cache = KVCache(u, slots, valid)
     dtype = next(model.parameters()).dtype
     pipe = _Pipeline(model, groups, dtype)
     gens = row_generators(keys if keys is not None else range(b), options.seed, device) \
@@ -180,16 +192,23 @@ def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optio
     out_top = torch.zeros(b, options.max_new_tokens, 2, n_top, dtype=torch.float64, device=device) if n_top else None
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     lengths = torch.full((b,), options.max_new_tokens, dtype=torch.long, device=device)
-    routes = None
+    routes = out_routes = None
     if record_routes and getattr(model, "moe_slots", 0):
-        routes = torch.full((b, slots, model.moe_slots, model.config.moe_router_topk), -1,
+        routes = torch.full((u, slots, model.moe_slots, model.config.moe_router_topk), -1,
                             dtype=torch.int16 if model.config.num_experts < 2 ** 15 else torch.int32, device=device)
-    start_time, steps, prefill_s = time.perf_counter(), 0, 0.0
+    rows = torch.arange(b, device=device)  # the batch's rows (they leave it as they end)
+    start_time, steps, prefill_s, cache_bytes = time.perf_counter(), 0, 0.0, 0
     with decoding(model):
         layout, start, new = DecodeLayout(positions=positions.t(), cache=cache, start=0, routes=routes), 0, ids
         for step in range(options.max_new_tokens):
             logits = pipe.logits(new, layout, model.config.hidden_size)
-            chosen = torch.zeros(2 + 2 * n_top, b, dtype=torch.float64, device=device)
+            if step == 0:  # the distinct prompts' step, copied to their rows
+                logits = None if logits is None else logits[expand]
+                cache.select(expand)
+                cache_bytes = cache.bytes()  # the largest it gets
+                if routes is not None:
+                    routes = out_routes = routes[expand]
+            chosen = torch.zeros(2 + 2 * n_top, rows.numel(), dtype=torch.float64, device=device)
             if logits is not None:
                 tokens, logps = choose(logits, options, gens)
                 parts = [tokens.double()[None], logps.double()[None]]
@@ -200,14 +219,15 @@ def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optio
                 chosen = torch.cat(parts)
             chosen = pipe.share(chosen)
             tokens, logps = chosen[0].long(), chosen[1].float()
-            out_tokens[:, step], out_logps[:, step] = tokens, logps
+            out_tokens[rows, step], out_logps[rows, step] = tokens, logps
             if n_top:
-                out_top[:, step] = chosen[2:].reshape(2, n_top, b).permute(2, 0, 1)
+                out_top[rows, step] = chosen[2:].reshape(2, n_top, -1).permute(2, 0, 1)
             if on_step is not None:
-                on_step(tokens.tolist())
-            ends = (~finished) & torch.isin(tokens, eos)
-            lengths = torch.where(ends, step + 1, lengths)
-            finished |= ends
+                full = torch.full((b,), options.pad, dtype=torch.long, device=device)
+                on_step(full.index_copy_(0, rows, tokens).tolist())
+            ends = (~finished[rows]) & torch.isin(tokens, eos)
+            lengths[rows] = torch.where(ends, step + 1, lengths[rows])
+            finished[rows] |= ends
             steps = step + 1
             if step == 0:
                 prefill_s = time.perf_counter() - start_time
@@ -216,8 +236,13 @@ def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optio
             if _all_done(finished, sync):  # one host read per step, as transformers' own loop
                 break
             start += new.size(1)
-            layout = DecodeLayout(positions=(next_position + step)[None, :], cache=cache, start=start, routes=routes)
             new = tokens[:, None]
+            if compact and step + 1 < options.max_new_tokens:
+                rows, new, gens, routes = _leave(rows, finished, new, gens, cache, routes, out_routes)
+            layout = DecodeLayout(positions=(next_position[rows] + step)[None, :], cache=cache, start=start,
+                                  routes=routes)
+    if routes is not None and routes is not out_routes:
+        out_routes[rows] = routes
     counts = lengths.clamp(max=steps).tolist()
     tokens, logps = out_tokens.tolist(), out_logps.tolist()
     elapsed = time.perf_counter() - start_time
@@ -227,7 +252,26 @@ def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optio
         top = [[list(zip(map(int, host[r][t][0]), host[r][t][1])) for t in range(counts[r])] for r in range(b)]
     return Generated([tokens[r][:counts[r]] for r in range(b)], [logps[r][:counts[r]] for r in range(b)],
                      {"rows": b, "steps": steps, "prefill_s": prefill_s, "decode_s": elapsed - prefill_s,
-                      "new_tokens": int(sum(counts)), "cache_bytes": cache.bytes()}, routes, top)
+                      "new_tokens": int(sum(counts)), "cache_bytes": cache_bytes, "prefilled": u,
+                      "rows_at_end": rows.numel()}, out_routes, top)
+
+
+def _leave(rows, finished, new, gens, cache, routes, out_routes):
+    """The rows that have ended leave the batch once they are a quarter of it (at least one row stays: a rank
+    whose rows all ended keeps its decoding group's steps company): their cache rows, generators and routes go
+    (the routes they recorded kept in `out_routes`). One host read (the step's own)."""
+    done = finished[rows]
+    gone = int(done.sum())  # (finished was read by _all_done this step already)
+    if gone == 0 or gone * 4 < rows.numel() or gone == rows.numel():
+        return rows, new, gens, routes
+    keep = (~done).nonzero()[:, 0]
+    if routes is not None:
+        if routes is not out_routes:  # (the first leave's routes are out_routes itself, every row)
+            out_routes[rows] = routes
+        routes = routes[keep]
+    cache.select(keep)
+    gens = None if gens is None else [gens[k] for k in keep.tolist()]
+    return rows[keep], new[keep], gens, routes
 
 
 def _all_done(finished: torch.Tensor, sync) -> bool:

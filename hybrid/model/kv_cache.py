@@ -63,6 +63,18 @@ class KVCache:
         self.index_keys[layer][start:start + s] = k
         return self.index_keys[layer][:start + s]
 
+    def select(self, index: torch.Tensor) -> None:
+        """Keep rows `index` [n] of every tensor, in that order (a row twice: copied; generate's shared prefill and
+        its ended rows leaving the batch)."""
+        for rows_first in (self.keys, self.values, self.linear_states):
+            for layer, t in rows_first.items():
+                rows_first[layer] = t.index_select(0, index)
+        for rows_second in (self.index_keys, self.conv_tails):
+            for layer, t in rows_second.items():
+                rows_second[layer] = t.index_select(1, index)
+        self.valid = self.valid.index_select(0, index)
+        self.rows = index.numel()
+
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size()
                    for t in (*self.keys.values(), *self.values.values(), *self.index_keys.values(),
