@@ -310,7 +310,8 @@ DEMO_DIR = os.path.join("runs", "default")
 def _demo_defaults(args) -> None:
     """The main job (no data flags: the embedded corpus) ends with something to show: a checkpoint
     in runs/default, its HuggingFace export and a sample generated from it (--no-demo: none)."""
-    no_data = not (args.data_path or args.train_data_path or args.mock_data)
+    no_data = not (args.data_path or args.train_data_path or args.mock_data
+                   or getattr(args, "grpo_reasoning_gym", None))  # (reasoning_gym's tasks are data)
     if not no_data or args.no_demo:
         return
     if args.grpo:  # the embedded arithmetic task: the reward's curve over a short run

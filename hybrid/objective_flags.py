@@ -89,6 +89,8 @@ def grpo_flags(args) -> None:
                                                      not args.grpo_dynamic_sampling):
         raise ConfigError(f"--grpo-dynamic-sampling-max-rounds {args.grpo_dynamic_sampling_max_rounds}: give 1 or "
                           f"more, with --grpo-dynamic-sampling.")
+    if args.grpo_reasoning_gym_size != 1000 and not args.grpo_reasoning_gym:
+        raise ConfigError("--grpo-reasoning-gym-size sizes reasoning_gym's tasks: add --grpo-reasoning-gym TASK.")
     if args.grpo_reasoning_gym and (args.data_path or args.grpo_reasoning_gym_size < 1):
         raise ConfigError("--grpo-reasoning-gym makes the prompts: drop --data-path (one prompt source), and give "
                           "--grpo-reasoning-gym-size 1 or more.")

@@ -20,7 +20,8 @@ class Calculator:
     again; the task's answer ends the episode with reward 1 (each turn's digit share before it); an odd answer's
     episode ends after two turns (so one data-parallel rank's episodes can end while the other's go on)."""
 
-    def reset(self, answer, **columns):
+    def reset(self, prompt, answer, **columns):
+        assert prompt.startswith("Question: ") and prompt.endswith("Answer:"), prompt  # the row, as TRL's example
         self.answer, self.turns = answer, 0
 
     def step(self, action):
@@ -37,6 +38,11 @@ class Calculator:
 class Broken(Calculator):
     def step(self, action):
         raise KeyError("the tool is down")
+
+
+class Silent(Calculator):
+    def step(self, action):
+        return "go on"
 '''
 
 BASE = ["--grpo", "--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4, "--seq-length", 48,
@@ -128,7 +134,8 @@ def test_step_answers_are_read_as_gym_and_trl_give_them_and_bad_ones_are_one_mes
 def test_a_failing_environment_is_one_message_naming_it(calculator, capsys):
     from hybrid.training.run import main
     for spec, message in [(f"{calculator}:Broken", "step raised KeyError: 'the tool is down'"),
-                          (f"{calculator}:Missing", "has no class Missing")]:
+                          (f"{calculator}:Missing", "has no class Missing"),
+                          (f"{calculator}:Silent", "no episode got a reward")]:
         flags = [str(f) for f in TASK] + ["--grpo-environment", spec, "--train-iters", "1"]
         assert main(flags) == 2
         err = capsys.readouterr().err

@@ -116,14 +116,42 @@ def test_a_groups_prompt_is_prefilled_once_and_ended_rows_leave_the_batch(family
     free = generate(model, None, batch, options, keys=keys)
     eos = tuple({free.tokens[r][k] for r, k in ((0, 1), (3, 2), (4, 5))})  # rows end at different steps
     options = SamplingOptions(max_new_tokens=NEW, temperature=1.0, seed=3, eos=eos)
-    out = generate(model, None, batch, options, keys=keys)
+    out = generate(model, None, batch, options, keys=keys, record_routes=True)
     assert out.stats["prefilled"] == 3 and out.stats["rows_at_end"] < len(batch), out.stats
+    assert (out.routes is not None) == (family in ("deepseek_v3", "glm_moe_dsa"))
+    width = max(len(p) for p in batch)
     for r, (prompt, key) in enumerate(zip(batch, keys)):
-        alone = generate(model, None, [prompt], options, keys=[key])
+        alone = generate(model, None, [prompt], options, keys=[key], record_routes=True)
         assert out.tokens[r] == alone.tokens[0], r
+        if out.routes is not None:  # every fed token's experts, as alone (the rows that left kept theirs)
+            fed = len(prompt) + len(alone.tokens[0]) - 1
+            assert torch.equal(out.routes[r, width - len(prompt):width - len(prompt) + fed], alone.routes[0, :fed])
         assert torch.allclose(torch.tensor(out.logprobs[r]), torch.tensor(alone.logprobs[0]), atol=1e-5, rtol=0)
         reference = hf_logprobs(hf, prompt, out.tokens[r])
         assert (reference - torch.tensor(out.logprobs[r])).abs().max().item() <= 1e-5, r
+
+
+def test_rows_that_ended_and_stay_never_run_past_learned_position_tables():
+    """A row that ended early but stays in the batch (fewer than a quarter ended) while a row with a shorter prompt
+    and a longer limit decodes on: fed at position 0, not past the learned table (max_position_embeddings 48; a
+    30-token row that stops after 2 tokens would reach position 60); every row equals its generation alone."""
+    from hybrid.model.build import build_model
+    from hybrid.model.config import ModelConfig
+    from hybrid.model.generate import SamplingOptions, generate
+    from hybrid.pipeline_plan import PipelineSchedule
+    from hybrid.parallel.groups import ParallelGroups
+    torch.manual_seed(0)
+    config = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                         max_position_embeddings=48, position_embedding_type="learned_absolute")
+    model = build_model(config, ParallelGroups.single(), PipelineSchedule()).eval()
+    batch = prompts(seed=9, lengths=(30, 6, 6, 6, 6), vocab=64)
+    limits = [2, 26, 26, 26, 26]
+    options = SamplingOptions(max_new_tokens=32)
+    out = generate(model, None, batch, options, stop=lambda r, tokens: len(tokens) >= limits[r])
+    assert [len(t) for t in out.tokens] == limits
+    for r, prompt in enumerate(batch):
+        alone = generate(model, None, [prompt], SamplingOptions(max_new_tokens=limits[r]))
+        assert out.tokens[r] == alone.tokens[0], r
 
 
 def test_seeded_sampling_is_per_row_uses_transformers_warpers_and_reports_the_tempered_logprob(hf_models):

@@ -399,6 +399,7 @@ def test_bad_grpo_flags_are_one_message(tmp_path, capsys):
                             "give at least 1"),
                            (["--grpo-environment", "e.py:E"], "--grpo-environment set GRPO: add --grpo"),
                            (["--grpo", "--grpo-dynamic-sampling-max-rounds", "3"], "with --grpo-dynamic-sampling"),
+                           (["--grpo", "--grpo-reasoning-gym-size", "8"], "add --grpo-reasoning-gym TASK"),
                            (["--grpo", "--grpo-reasoning-gym", "chain_sum", "--data-path", "p.jsonl", "--vocab-file",
                              VOCAB, "--merge-file", MERGES], "one prompt source")]:
         assert main(flags + ["--no-demo", "--save", str(tmp_path / "s")]) == 2

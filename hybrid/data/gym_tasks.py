@@ -12,6 +12,7 @@ for the k-th name. A prompt is the entry's question: with a chat template, reaso
 from __future__ import annotations
 
 import difflib
+import functools
 
 from hybrid.data.prompts import Prompt, encode_prompt
 from hybrid.errors import ConfigError
@@ -63,6 +64,10 @@ def answer_of(completion) -> str:
 
 def score(prompts, completions, entry, **_) -> list:
     """reasoning_gym's score of each completion's answer for its entry (0 .. 1)."""
-    rg = _library()
-    return [float(rg.get_score_answer_fn(e["metadata"]["source_dataset"])(answer_of(c), e))
-            for c, e in zip(completions, entry)]
+    return [float(_scorer(e["metadata"]["source_dataset"])(answer_of(c), e)) for c, e in zip(completions, entry)]
+
+
+@functools.lru_cache(maxsize=None)
+def _scorer(name: str):
+    """reasoning_gym's scorer of a task (it builds the task's dataset: once per task)."""
+    return _library().get_score_answer_fn(name)

@@ -203,11 +203,11 @@ def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optio
         for step in range(options.max_new_tokens):
             logits = pipe.logits(new, layout, model.config.hidden_size)
             if step == 0:  # the distinct prompts' step, copied to their rows
-                logits = None if logits is None else logits[expand]
-                cache.select(expand)
-                cache_bytes = cache.bytes()  # the largest it gets
-                if routes is not None:
-                    routes = out_routes = routes[expand]
+                if u < b:
+                    logits = None if logits is None else logits[expand]
+                    cache.select(expand)
+                    routes = None if routes is None else routes[expand]
+                cache_bytes, out_routes = cache.bytes(), routes  # (the cache's largest)
             chosen = torch.zeros(2 + 2 * n_top, rows.numel(), dtype=torch.float64, device=device)
             if logits is not None:
                 tokens, logps = choose(logits, options, gens)
@@ -233,16 +233,19 @@ def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optio
                 prefill_s = time.perf_counter() - start_time
             if stop is not None:
                 finished |= _stopped(stop, out_tokens[:, :step + 1], finished, lengths, step)
-            if _all_done(finished, sync):  # one host read per step, as transformers' own loop
+            done, gone = _step_state(finished, rows, sync)  # one host read per step, as transformers' own loop
+            if done:
                 break
             start += new.size(1)
             new = tokens[:, None]
             if compact and step + 1 < options.max_new_tokens:
-                rows, new, gens, routes = _leave(rows, finished, new, gens, cache, routes, out_routes)
-            layout = DecodeLayout(positions=(next_position[rows] + step)[None, :], cache=cache, start=start,
-                                  routes=routes)
-    if routes is not None and routes is not out_routes:
-        out_routes[rows] = routes
+                rows, new, gens, routes = _leave(rows, finished, gone, new, gens, cache, routes, out_routes)
+            # a row that has ended and stays is fed at position 0: its own would run on past the model's table
+            # (learned positions) while another row still decodes; its outputs are never read
+            positions = torch.where(finished[rows], 0, next_position[rows] + step)
+            layout = DecodeLayout(positions=positions[None, :], cache=cache, start=start, routes=routes)
+        if routes is not None and routes is not out_routes:  # (inside: inference tensors)
+            out_routes[rows] = routes
     counts = lengths.clamp(max=steps).tolist()
     tokens, logps = out_tokens.tolist(), out_logps.tolist()
     elapsed = time.perf_counter() - start_time
@@ -256,15 +259,13 @@ def generate(model, groups, prompts: list, options: SamplingOptions, keys: Optio
                       "rows_at_end": rows.numel()}, out_routes, top)
 
 
-def _leave(rows, finished, new, gens, cache, routes, out_routes):
-    """The rows that have ended leave the batch once they are a quarter of it (at least one row stays: a rank
-    whose rows all ended keeps its decoding group's steps company): their cache rows, generators and routes go
-    (the routes they recorded kept in `out_routes`). One host read (the step's own)."""
-    done = finished[rows]
-    gone = int(done.sum())  # (finished was read by _all_done this step already)
+def _leave(rows, finished, gone: int, new, gens, cache, routes, out_routes):
+    """The rows that have ended (`gone` of the batch) leave it once they are a quarter of it, unless every row has
+    ended (a rank whose rows all ended keeps its decoding group's steps company with them as they are): their
+    cache rows, generators and routes go (the routes they recorded kept in `out_routes`)."""
     if gone == 0 or gone * 4 < rows.numel() or gone == rows.numel():
         return rows, new, gens, routes
-    keep = (~done).nonzero()[:, 0]
+    keep = (~finished[rows]).nonzero()[:, 0]
     if routes is not None:
         if routes is not out_routes:  # (the first leave's routes are out_routes itself, every row)
             out_routes[rows] = routes
@@ -274,12 +275,14 @@ def _leave(rows, finished, new, gens, cache, routes, out_routes):
     return rows[keep], new[keep], gens, routes
 
 
-def _all_done(finished: torch.Tensor, sync) -> bool:
-    if sync is None:
-        return bool(finished.all())
+def _step_state(finished: torch.Tensor, rows: torch.Tensor, sync) -> tuple[bool, int]:
+    """(whether decoding is over: every row here, with `sync` every rank's, has ended; how many of the batch's
+    rows have ended), in one host read."""
     running = (~finished).any().to(torch.int32).reshape(1)
-    dist.all_reduce(running, op=dist.ReduceOp.MAX, group=sync.group)
-    return not bool(running)
+    if sync is not None:
+        dist.all_reduce(running, op=dist.ReduceOp.MAX, group=sync.group)
+    state = torch.cat([running, finished[rows].sum().to(torch.int32).reshape(1)]).tolist()
+    return not state[0], state[1]
 
 
 def _stopped(stop, tokens: torch.Tensor, finished, lengths, step: int) -> torch.Tensor:

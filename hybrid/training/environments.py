@@ -5,9 +5,9 @@ replies reach the group's other ranks, which generate the same turns).
 The environment is a class (or any factory) `FILE.py:NAME` or `package.module:NAME`; each completion gets its own
 instance (TRL's environment_factory: interactions stay isolated). Its methods:
 
-- `reset(**columns)` (optional): the prompt row's other columns as keywords (OpenEnv's and TRL's resets take
-  keywords); it may return text, appended to the prompt before the first turn (to the last message of a
-  conversational prompt, as TRL appends it).
+- `reset(**row)` (optional): the prompt row's fields as keywords, `prompt` and the other columns (TRL calls it
+  with the dataset's example; OpenEnv's reset takes keywords); it may return text, appended to the prompt before
+  the first turn (to the last message of a conversational prompt, as TRL appends it).
 - `step(action)`: the model's turn as text -> the environment's answer: a string (its reply; the episode goes on),
   None (the episode ends), a mapping or object with `observation` (text or None), `reward` (a number or None),
   `done` and optionally `role` ("user", the default, or "tool" with the tool's `name`; in a conversation the reply
@@ -29,6 +29,7 @@ keyed k + t x 2^32, so a one-turn episode samples what a run without an environm
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import math
@@ -57,11 +58,19 @@ def load_user_code(spec: str, flag: str):
         if where.endswith(".py"):
             if not os.path.isfile(where):
                 raise ConfigError(f"{flag} {spec}: no file {where}.")
-            name_of_module = f"hybrid_reward_{os.path.splitext(os.path.basename(where))[0]}"
-            module_spec = importlib.util.spec_from_file_location(name_of_module, where)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[name_of_module] = module  # as an import registers it (dataclasses and pickling look there)
-            module_spec.loader.exec_module(module)
+            path = os.path.realpath(where)  # one module per file: a class it defines is one class for every flag
+            stem = "".join(c if c.isalnum() else "_" for c in os.path.splitext(os.path.basename(path))[0])
+            name_of_module = f"hybrid_user_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:10]}"
+            module = sys.modules.get(name_of_module)
+            if module is None:
+                module_spec = importlib.util.spec_from_file_location(name_of_module, path)
+                module = importlib.util.module_from_spec(module_spec)
+                sys.modules[name_of_module] = module  # as an import registers it (dataclasses and pickling look there)
+                try:
+                    module_spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[name_of_module]
+                    raise
         else:
             module = importlib.import_module(where)
     except ConfigError:
@@ -154,7 +163,7 @@ class Environment:
             env = self.factory()
             if not callable(getattr(env, "step", None)):
                 raise ConfigError(f"--grpo-environment {self.spec}: the instance has no step(action) method.")
-            text = env.reset(**p.columns) if callable(getattr(env, "reset", None)) else None
+            text = env.reset(prompt=p.prompt, **p.columns) if callable(getattr(env, "reset", None)) else None
             if text is not None and not isinstance(text, str):
                 raise ConfigError(f"--grpo-environment {self.spec}: reset returned {type(text).__name__}; return "
                                   f"text (appended to the prompt) or None.")
@@ -300,8 +309,9 @@ class Environment:
                 ids = self.reply_ids(reply, bool(tokens) and tokens[-1] in self.eos)
                 if len(ids) >= left[r]:
                     ids = None  # it leaves no room for the next turn
-                elif self.conversational:
-                    out.completions[r].append({"role": reply.role, "content": reply.text})
+                elif self.conversational:  # (TRL's tool messages name their tool)
+                    out.completions[r].append({"role": reply.role, "content": reply.text} if reply.role == "user"
+                                              else {"role": "tool", "name": reply.name, "content": reply.text})
             replies.append(ids)
         return replies
 

@@ -261,6 +261,10 @@ class Rollout:
         start = time.perf_counter()
         if self.environment is not None:  # the prompts with reset's text; the environment's rewards and instances
             out = self._episodes(prompts, keys, options, sync)
+            if not out.error and out.rewards is not None and not self.rewards.functions and out.rewards.isnan().all():
+                out.error = (f"--grpo-environment {self.environment.spec}: no episode got a reward (its steps' "
+                             f"rewards and get_reward were all None) and no --reward-function is given: give one "
+                             f"of them (TRL's rule: a reward source is required).")
             total = self._scored(out.prompts, out.completions, out.tokens, out.error, out.rewards, out.instances)
             return Sampled(out.prompts, out.tokens, out.logprobs, out.masks, total, None, out.seconds,
                            out.new_tokens, out.cache_bytes, (out.turns, out.replies, len(prompts)))
