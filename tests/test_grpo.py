@@ -465,6 +465,9 @@ def test_grpo_layouts_equal_one_rank(model, layout, tmp_path):
     assert len(got) == len(want) == 6
     for x, y in zip(want, got):
         assert x["reward_mean"] == pytest.approx(y["reward_mean"], abs=1e-9), (x, y)
+        for name in ("digits", "exact_answer"):  # each function's own mean (TRL's rewards/NAME/mean), weights 1
+            assert x[f"rewards/{name}/mean"] == pytest.approx(y[f"rewards/{name}/mean"], abs=1e-9), (name, x, y)
+        assert y["rewards/digits/mean"] + y["rewards/exact_answer/mean"] == pytest.approx(y["reward_mean"], abs=1e-9)
         assert abs(x["lm_loss"] - y["lm_loss"]) <= 1e-5 + 1e-4 * abs(x["lm_loss"]), (x, y)
         assert y["logprob_mismatch"] <= 1e-5
 

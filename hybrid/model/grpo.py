@@ -253,12 +253,17 @@ class PolicyStats:
     # accelerator bytes (CUDA; 0 elsewhere), the model's turns, the environment's replies, episodes of an environment,
     # groups whose rewards all agree, groups, sampling rounds, groups sampled (--grpo-dynamic-sampling; else 0) (fp64)
     rollouts: list = field(default_factory=list)
+    columns: list = field(default_factory=list)  # the reward columns' names (functions', then the environment's)
+    column_sums: list = field(default_factory=list)  # per generation batch: [3, columns] sums, squares, counts
 
     def add(self, stats: torch.Tensor) -> None:
         self.pending.append(stats.detach())
 
     def add_rollout(self, values: torch.Tensor) -> None:
         self.rollouts.append(values)
+
+    def add_columns(self, sums: torch.Tensor) -> None:
+        self.column_sums.append(sums)
 
     def metrics(self, dp=None, pp=None, device=None) -> dict:
         """The interval's statistics over every DP rank (one host read)."""
@@ -271,7 +276,8 @@ class PolicyStats:
         rollouts = torch.stack(self.rollouts) if self.rollouts else torch.zeros(1, 16, device=device,
                                                                                 dtype=torch.float64)
         rolled, generations = torch.cat([rollouts[:, :8], rollouts[:, 9:]], 1).sum(0), len(self.rollouts)
-        self.pending, self.rollouts = [], []
+        columns = torch.stack(self.column_sums).sum(0) if self.column_sums else None
+        self.pending, self.rollouts, self.column_sums = [], [], []
         sums = torch.cat([stacked[:, :6].sum(0).double(), rolled])
         worst = torch.cat([stacked[:, 6:].amax(0).double(), rollouts[:, 8].amax().reshape(1)])
         if pp is not None and pp.size > 1:  # the loss's statistics live on the last stage
@@ -280,6 +286,8 @@ class PolicyStats:
         if dp is not None and dp.size > 1:
             dist.all_reduce(sums, group=dp.group)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=dp.group)
+            if columns is not None:
+                dist.all_reduce(columns, group=dp.group)
         tokens, clipped, kl, fresh, is_sum, is_count, rows, reward, square, length, seconds, new, scored, cache, \
             turns, replies, episodes, flat, groups, rounds, sampled = sums.tolist()
         out = {"clip_fraction": clipped / max(tokens, 1.0), "kl": kl / max(tokens, 1.0)}
@@ -297,6 +305,11 @@ class PolicyStats:
                        completion_length=length / rows, generate_tokens_per_s=new / max(seconds / ranks, 1e-9),
                        generate_s=seconds / ranks / max(generations, 1),
                        kv_cache_mib=cache / ranks / max(generations, 1) / 2 ** 20)
+        for name, (total, square, count) in zip(self.columns, columns.t().tolist() if columns is not None else []):
+            if count:  # TRL's rewards/NAME/mean and std (over the scored completions; population std)
+                mean = total / count
+                out[f"rewards/{name}/mean"] = mean
+                out[f"rewards/{name}/std"] = math.sqrt(max(square / count - mean * mean, 0.0))
         if groups:  # TRL's frac_reward_zero_std: the trained groups whose rewards all agree
             out["frac_reward_zero_std"] = flat / groups
         if sampled:  # --grpo-dynamic-sampling: rounds per batch, the share of sampled groups left out

@@ -49,7 +49,7 @@ class Trainer:
         self.saver = CheckpointSaver(engine, run, groups, self.device)
         self.health = HealthCheck(run, engine, self.step, self.saver)
         self.skipped = 0
-        self.rewards: list = []  # --grpo: (iteration, mean, std) at each log line
+        self.rewards: list = []  # --grpo: (iteration, mean, std, {column: mean}) at each log line
         self.consumed_valid = 0
         self.current_batch = None if run.training.rampup else run.training.global_batch_size
         self.start_time = time.time()
@@ -119,7 +119,9 @@ class Trainer:
                                   pending[-1][1], per_iteration, batch, counters, extra, self.peak_tflops)
         logger.iteration(record, write_line=True)
         if "reward_mean" in record:  # --grpo: the reward's curve (hybrid.training.plots)
-            self.rewards.append((iteration, record["reward_mean"], record.get("reward_std", 0.0)))
+            columns = {key[len("rewards/"):-len("/mean")]: value for key, value in record.items()
+                       if key.startswith("rewards/") and key.endswith("/mean")}
+            self.rewards.append((iteration, record["reward_mean"], record.get("reward_std", 0.0), columns))
         self.saver.finish(blocking=False)  # --async-save: a checkpoint whose writes are done is completed here
 
     def _save(self, pending, iteration: int, consumed: int) -> None:

@@ -48,6 +48,10 @@ class Rewards:
         self.specs = list(specs)
         self.functions = [load_user_code(spec, "--reward-function") for spec in self.specs]
         self.weights = torch.tensor(list(weights) or [1.0] * len(self.specs), dtype=torch.float64)
+        self.names = []  # each function's name in the log (rewards/NAME/mean: TRL's), a repeated name numbered
+        for spec in self.specs:
+            name = spec.rpartition(":")[2]
+            self.names.append(name if name not in self.names else f"{name}_{len(self.names)}")
 
     def __call__(self, prompts: list, completions: list, completion_ids: list, column=None, environments=None):
         """Per completion, the weighted sum of the functions' values (a function's None is left out, as TRL's
@@ -126,6 +130,7 @@ class Sampled:
     new_tokens: int
     cache_bytes: int
     turns: tuple
+    table: Optional[torch.Tensor] = None  # each reward column's values [columns, n] (the scoring rank's; else None)
 
     @staticmethod
     def joined(groups: list, g: int, batches: list) -> "Sampled":
@@ -137,7 +142,8 @@ class Sampled:
                        [b.logprobs[r] for b, r in rows], masks, torch.stack([b.total[r] for b, r in rows]), routes,
                        sum(b.seconds for b in batches), sum(b.new_tokens for b in batches),
                        max(b.cache_bytes for b in batches),
-                       tuple(sum(b.turns[i] for b in batches) for i in range(3)))
+                       tuple(sum(b.turns[i] for b in batches) for i in range(3)),
+                       None if rows[0][0].table is None else torch.stack([b.table[:, r] for b, r in rows], 1))
 
 
 def usable_prompts(prompts: list, seq_length: int, max_new_tokens: int) -> list:
@@ -176,6 +182,7 @@ class Rollout:
         o = self.options
         self.environment = None if not o.environment else Environment(
             o.environment, tokenizer, self.eos, self.conversational, o.max_turns, o.max_tokens_per_turn)
+        self.stats.columns = self.rewards.names + (["environment"] if self.environment is not None else [])
         self.iteration = consumed // self.global_batch  # the optimizer steps taken (no batch ramp-up with --grpo)
         if self.iteration % self.options.iterations:
             log(f"--grpo: resuming at iteration {self.iteration}, inside a generation batch (--grpo-iterations "
@@ -243,6 +250,7 @@ class Rollout:
                                              float(len(finite)), float(batch.cache_bytes), float(peak_bytes),
                                              *batch.turns, flat, len(prompts) // g, rounds, generated],
                                             dtype=torch.float64, device=self.device))
+        self.stats.add_columns(self._column_sums(batch.table))
         ids, labels, values = self._rows(prompts, batch.tokens, batch.logprobs, adv, masks)
         routes = batch.routes
         if self.options.iterations > 1:
@@ -265,17 +273,18 @@ class Rollout:
                 out.error = (f"--grpo-environment {self.environment.spec}: no episode got a reward (its steps' "
                              f"rewards and get_reward were all None) and no --reward-function is given: give one "
                              f"of them (TRL's rule: a reward source is required).")
-            total = self._scored(out.prompts, out.completions, out.tokens, out.error, out.rewards, out.instances)
+            total, table = self._scored(out.prompts, out.completions, out.tokens, out.error, out.rewards,
+                                        out.instances)
             return Sampled(out.prompts, out.tokens, out.logprobs, out.masks, total, None, out.seconds,
-                           out.new_tokens, out.cache_bytes, (out.turns, out.replies, len(prompts)))
+                           out.new_tokens, out.cache_bytes, (out.turns, out.replies, len(prompts)), table)
         out = generate(self.model, self.groups, [p.ids for p in prompts], options, keys=keys, device=self.device,
                        sync=sync, record_routes=True)
         seconds = time.perf_counter() - start
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
         completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
-        return Sampled(prompts, out.tokens, out.logprobs, None, self._scored(prompts, completions, out.tokens),
-                       self._routes(prompts, out), seconds, out.stats["new_tokens"], out.stats["cache_bytes"],
-                       (len(prompts), 0, 0))
+        total, table = self._scored(prompts, completions, out.tokens)
+        return Sampled(prompts, out.tokens, out.logprobs, None, total, self._routes(prompts, out), seconds,
+                       out.stats["new_tokens"], out.stats["cache_bytes"], (len(prompts), 0, 0), table)
 
     def _refilled(self, batch: "Sampled", generation: int, options: SamplingOptions, sync) -> tuple:
         """--grpo-dynamic-sampling (DAPO's; verl's filter_groups): groups whose rewards all agree carry no
@@ -300,6 +309,16 @@ class Rollout:
             batches.append(batch)
             rounds += 1
         return Sampled.joined((kept + dropped)[:quota], g, batches), rounds, rounds * quota
+
+    def _column_sums(self, table) -> torch.Tensor:
+        """Each reward column's sum, square sum and count of scored values [3, columns] fp64 on the device (TRL's
+        rewards/NAME/mean and std); zeros on the ranks that do not score (their data-parallel sums are the
+        scoring ranks')."""
+        if table is None:
+            return torch.zeros(3, len(self.stats.columns), dtype=torch.float64, device=self.device)
+        scored = ~torch.isnan(table)
+        values = table.nan_to_num(0.0)
+        return torch.stack([values.sum(1), (values ** 2).sum(1), scored.sum(1).double()]).to(self.device)
 
     def _episodes(self, prompts: list, keys: list, options: SamplingOptions, sync):
         """--grpo-environment's multi-turn episodes (hybrid.training.environments) of this rank's rows."""
@@ -353,13 +372,14 @@ class Rollout:
         """The weighted rewards [n] fp64 (host): computed once per model-parallel group (its TP 0 / first-stage
         rank, so a reward that calls out or draws is called once and every rank trains on the same values) and
         broadcast over TP and PP; a failing function (or `error`: the environment's) stops every rank with its
-        one message. `column`, `environments`: --grpo-environment's rewards and instances (Rewards)."""
+        one message. `column`, `environments`: --grpo-environment's rewards and instances (Rewards). -> (the
+        rewards, each reward column's values [columns, n] on the scoring rank, None elsewhere)."""
         g, n = self.groups, len(prompts)
         scorer = g.tp.rank == 0 and g.pp.rank == 0
-        total = None
+        total = table = None
         if scorer and not error:
             try:
-                total, _ = self.rewards(prompts, completions, completion_ids, column, environments)
+                total, table = self.rewards(prompts, completions, completion_ids, column, environments)
             except ConfigError as e:
                 error = str(e)
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -375,7 +395,7 @@ class Rollout:
         for axis in (g.tp, g.pp):
             if axis.size > 1:
                 dist.broadcast(values, group=axis.group, group_src=0)
-        return values.cpu()
+        return values.cpu(), table
 
     def _batch_std(self, total: torch.Tensor):
         """--grpo-scale-rewards batch: the std of the whole generation batch (every data-parallel rank's rewards,
