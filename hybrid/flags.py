@@ -635,8 +635,8 @@ def _add_data_args(p):
     g.add_argument("--grpo-reasoning-gym", nargs="+", default=None, metavar="TASK",
                    help="--grpo: prompts and reward from reasoning_gym's tasks (basic_arithmetic, chain_sum, ...; "
                         "pip install reasoning-gym), its own scorer the reward unless --reward-function is given")
-    g.add_argument("--grpo-reasoning-gym-size", type=int, default=1000,
-                   help="--grpo-reasoning-gym: entries per task (seeded by --seed)")
+    g.add_argument("--grpo-reasoning-gym-size", type=int, default=None,
+                   help="--grpo-reasoning-gym: entries per task (seeded by --seed; default 1000)")
     g.add_argument("--grpo-environment", default=None, metavar="FILE.py:NAME",
                    help="--grpo: multi-turn rollouts: a class (or factory) with Gym's step(text) (and reset(**columns),"
                         " get_reward()), one instance per completion; its replies are masked from the loss")

@@ -43,7 +43,7 @@ GRPO_DEFAULTS = {"reward_function": None, "reward_weights": None, "grpo_group_si
                  "grpo_rollout_correction_clip_min": None, "grpo_rollout_correction_clip_max": 3.0,
                  "grpo_off_policy_mask_threshold": None, "grpo_mask_truncated_completions": False,
                  "grpo_top_entropy_quantile": 1.0, "grpo_environment": None, "grpo_max_turns": 4,
-                 "grpo_max_tokens_per_turn": None, "grpo_reasoning_gym": None, "grpo_reasoning_gym_size": 1000,
+                 "grpo_max_tokens_per_turn": None, "grpo_reasoning_gym": None, "grpo_reasoning_gym_size": None,
                  "grpo_dynamic_sampling": False, "grpo_dynamic_sampling_max_rounds": 8}
 
 
@@ -89,8 +89,10 @@ def grpo_flags(args) -> None:
                                                      not args.grpo_dynamic_sampling):
         raise ConfigError(f"--grpo-dynamic-sampling-max-rounds {args.grpo_dynamic_sampling_max_rounds}: give 1 or "
                           f"more, with --grpo-dynamic-sampling.")
-    if args.grpo_reasoning_gym_size != 1000 and not args.grpo_reasoning_gym:
+    if args.grpo_reasoning_gym_size is not None and not args.grpo_reasoning_gym:
         raise ConfigError("--grpo-reasoning-gym-size sizes reasoning_gym's tasks: add --grpo-reasoning-gym TASK.")
+    if args.grpo_reasoning_gym_size is None:
+        args.grpo_reasoning_gym_size = 1000
     if args.grpo_reasoning_gym and (args.data_path or args.grpo_reasoning_gym_size < 1):
         raise ConfigError("--grpo-reasoning-gym makes the prompts: drop --data-path (one prompt source), and give "
                           "--grpo-reasoning-gym-size 1 or more.")

@@ -135,7 +135,7 @@ def test_a_failing_environment_is_one_message_naming_it(calculator, capsys):
     from hybrid.training.run import main
     for spec, message in [(f"{calculator}:Broken", "step raised KeyError: 'the tool is down'"),
                           (f"{calculator}:Missing", "has no class Missing"),
-                          (f"{calculator}:Silent", "no episode got a reward")]:
+                          (f"{calculator}:Silent", "no episode of the batch got a reward")]:
         flags = [str(f) for f in TASK] + ["--grpo-environment", spec, "--train-iters", "1"]
         assert main(flags) == 2
         err = capsys.readouterr().err

@@ -759,3 +759,9 @@ def test_top_entropy_quantile_entropies_and_mask_equal_trls_over_tp_and_data_par
         trl_mask = GRPOTrainer.get_high_entropy_mask(single, want, mask, threshold)
         ours = torch.cat([keep for _, keep in ranks])
         assert torch.equal(ours, trl_mask) and 0 < ours.sum() < mask.sum()
+
+
+def test_reward_columns_are_named_once_each():
+    from hybrid.training.rollout import unique_names
+    assert unique_names(["f", "x", "f_3", "f", "f"]) == ["f", "x", "f_3", "f_2", "f_4"]
+    assert unique_names(["digits", "environment", "environment"]) == ["digits", "environment", "environment_2"]

@@ -278,7 +278,9 @@ class PolicyStats:
         rolled, generations = torch.cat([rollouts[:, :8], rollouts[:, 9:]], 1).sum(0), len(self.rollouts)
         columns = torch.stack(self.column_sums).sum(0) if self.column_sums else None
         self.pending, self.rollouts, self.column_sums = [], [], []
-        sums = torch.cat([stacked[:, :6].sum(0).double(), rolled])
+        columns = columns.flatten() if columns is not None else \
+            torch.zeros(3 * len(self.columns), device=device, dtype=torch.float64)
+        sums = torch.cat([stacked[:, :6].sum(0).double(), rolled, columns])
         worst = torch.cat([stacked[:, 6:].amax(0).double(), rollouts[:, 8].amax().reshape(1)])
         if pp is not None and pp.size > 1:  # the loss's statistics live on the last stage
             dist.all_reduce(sums[:6], group=pp.group)
@@ -286,10 +288,9 @@ class PolicyStats:
         if dp is not None and dp.size > 1:
             dist.all_reduce(sums, group=dp.group)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=dp.group)
-            if columns is not None:
-                dist.all_reduce(columns, group=dp.group)
+        host = sums.tolist()
         tokens, clipped, kl, fresh, is_sum, is_count, rows, reward, square, length, seconds, new, scored, cache, \
-            turns, replies, episodes, flat, groups, rounds, sampled = sums.tolist()
+            turns, replies, episodes, flat, groups, rounds, sampled = host[:21]
         out = {"clip_fraction": clipped / max(tokens, 1.0), "kl": kl / max(tokens, 1.0)}
         mismatch, is_low, is_high, peak = worst.tolist()
         if fresh:  # measured on the first pass over a generation batch only (--grpo-iterations)
@@ -305,11 +306,14 @@ class PolicyStats:
                        completion_length=length / rows, generate_tokens_per_s=new / max(seconds / ranks, 1e-9),
                        generate_s=seconds / ranks / max(generations, 1),
                        kv_cache_mib=cache / ranks / max(generations, 1) / 2 ** 20)
-        for name, (total, square, count) in zip(self.columns, columns.t().tolist() if columns is not None else []):
-            if count:  # TRL's rewards/NAME/mean and std (over the scored completions; population std)
+        k = len(self.columns)
+        columns = zip(self.columns, host[21:21 + k], host[21 + k:21 + 2 * k], host[21 + 2 * k:])
+        for name, total, square, count in columns:
+            if count:  # TRL's rewards/NAME/mean and std (nanstd: over the scored completions, Bessel-corrected)
                 mean = total / count
                 out[f"rewards/{name}/mean"] = mean
-                out[f"rewards/{name}/std"] = math.sqrt(max(square / count - mean * mean, 0.0))
+                if count > 1:
+                    out[f"rewards/{name}/std"] = math.sqrt(max(square / count - mean * mean, 0.0) * count / (count - 1))
         if groups:  # TRL's frac_reward_zero_std: the trained groups whose rewards all agree
             out["frac_reward_zero_std"] = flat / groups
         if sampled:  # --grpo-dynamic-sampling: rounds per batch, the share of sampled groups left out

@@ -69,7 +69,7 @@ def load_user_code(spec: str, flag: str):
                 try:
                     module_spec.loader.exec_module(module)
                 except BaseException:
-                    del sys.modules[name_of_module]
+                    sys.modules.pop(name_of_module, None)
                     raise
         else:
             module = importlib.import_module(where)
@@ -233,7 +233,9 @@ class Environment:
             except ConfigError as e:
                 error = str(e)
             except Exception as e:  # the user's code: one message naming it
-                error = f"--grpo-environment {self.spec}: creating or resetting it raised {type(e).__name__}: {e}"
+                hint = " (reset receives the row's fields, prompt and the other columns, as keywords: give it " \
+                       "**kwargs)" if isinstance(e, TypeError) else ""
+                error = f"--grpo-environment {self.spec}: creating or resetting it raised {type(e).__name__}: {e}{hint}"
         ids, error = share(([p.ids for p in prompts], error))
         prompts = [p if p.ids == row else Prompt(p.prompt, row, p.columns, p.where) for p, row in zip(prompts, ids)]
         left = [min(budget, room(len(p.ids))) for p in prompts]

@@ -48,10 +48,7 @@ class Rewards:
         self.specs = list(specs)
         self.functions = [load_user_code(spec, "--reward-function") for spec in self.specs]
         self.weights = torch.tensor(list(weights) or [1.0] * len(self.specs), dtype=torch.float64)
-        self.names = []  # each function's name in the log (rewards/NAME/mean: TRL's), a repeated name numbered
-        for spec in self.specs:
-            name = spec.rpartition(":")[2]
-            self.names.append(name if name not in self.names else f"{name}_{len(self.names)}")
+        self.names = unique_names([spec.rpartition(":")[2] for spec in self.specs])  # rewards/NAME/mean (TRL's)
 
     def __call__(self, prompts: list, completions: list, completion_ids: list, column=None, environments=None):
         """Per completion, the weighted sum of the functions' values (a function's None is left out, as TRL's
@@ -103,6 +100,18 @@ class Rewards:
                 raise ConfigError(f"--reward-function {spec} returned {value!r} for {prompts[k].where}: give a finite "
                                   f"number (or None where the reward does not apply).")
         return out
+
+
+def unique_names(names: list) -> list:
+    """The names, a repeated one numbered (_2, _3, ...) until no two are the same."""
+    out = []
+    for name in names:
+        candidate, k = name, 1
+        while candidate in out or (candidate != name and candidate in names):
+            k += 1
+            candidate = f"{name}_{k}"
+        out.append(candidate)
+    return out
 
 
 ROUND_KEY_STRIDE = 1 << 48  # --grpo-dynamic-sampling: round r's completion keys start r x 2^48 on
@@ -182,7 +191,7 @@ class Rollout:
         o = self.options
         self.environment = None if not o.environment else Environment(
             o.environment, tokenizer, self.eos, self.conversational, o.max_turns, o.max_tokens_per_turn)
-        self.stats.columns = self.rewards.names + (["environment"] if self.environment is not None else [])
+        self.stats.columns = unique_names(self.rewards.names + (["environment"] if self.environment else []))
         self.iteration = consumed // self.global_batch  # the optimizer steps taken (no batch ramp-up with --grpo)
         if self.iteration % self.options.iterations:
             log(f"--grpo: resuming at iteration {self.iteration}, inside a generation batch (--grpo-iterations "
@@ -269,10 +278,6 @@ class Rollout:
         start = time.perf_counter()
         if self.environment is not None:  # the prompts with reset's text; the environment's rewards and instances
             out = self._episodes(prompts, keys, options, sync)
-            if not out.error and out.rewards is not None and not self.rewards.functions and out.rewards.isnan().all():
-                out.error = (f"--grpo-environment {self.environment.spec}: no episode got a reward (its steps' "
-                             f"rewards and get_reward were all None) and no --reward-function is given: give one "
-                             f"of them (TRL's rule: a reward source is required).")
             total, table = self._scored(out.prompts, out.completions, out.tokens, out.error, out.rewards,
                                         out.instances)
             return Sampled(out.prompts, out.tokens, out.logprobs, out.masks, total, None, out.seconds,
@@ -382,15 +387,22 @@ class Rollout:
                 total, table = self.rewards(prompts, completions, completion_ids, column, environments)
             except ConfigError as e:
                 error = str(e)
+        # --grpo-environment alone: some episode of the batch (on any rank) must have got a reward
+        rewarded = 1.0 if column is not None and not column.isnan().all() else 0.0
         if dist.is_initialized() and dist.get_world_size() > 1:
-            failed = torch.tensor([1.0 if error else 0.0], device=self.device)
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # one small read per generation batch
-            if bool(failed.item()):
+            flags = torch.tensor([1.0 if error else 0.0, rewarded], device=self.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # one small read per generation batch
+            failed, rewarded = flags.tolist()
+            if failed:
                 messages = [None] * dist.get_world_size()
                 dist.all_gather_object(messages, error)
                 raise ConfigError(next(m for m in messages if m))
         elif error:
             raise ConfigError(error)
+        if self.environment is not None and not self.rewards.functions and not rewarded:
+            raise ConfigError(f"--grpo-environment {self.environment.spec}: no episode of the batch got a reward (its "
+                              f"steps' rewards and get_reward were all None) and no --reward-function is given: give "
+                              f"one of them (TRL's rule: a reward source is required).")
         values = total.to(self.device) if scorer else torch.empty(n, dtype=torch.float64, device=self.device)
         for axis in (g.tp, g.pp):
             if axis.size > 1:
