@@ -28,7 +28,12 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     import torch.distributed as dist
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    except BaseException:  # e.g. the port taken between its choice and rank 0's listen (EADDRINUSE): RankPool retries
+        results.put((READY, rank, False, traceback.format_exc()))
+        return
+    results.put((READY, rank, True, None))
     parent = os.getppid()
     while True:
         try:
@@ -57,6 +62,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     dist.destroy_process_group()
 
 
+READY = -1  # the task number of a rank's start-up report
+
+
 def _process_groups():
     import torch.distributed.distributed_c10d as c10d
     return [g for g in c10d._world.pg_map if g is not c10d.GroupMember.WORLD]
@@ -65,19 +73,43 @@ def _process_groups():
 class RankPool:
     """`world_size` worker processes joined in one gloo process group."""
 
-    def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+    def __init__(self, world_size: int, attempts: int = 3, start_timeout: float = 300.0):
         self.world_size = world_size
         self.tasks_sent = 0  # each result names its task: one left by a task its test gave up on is dropped
+        for attempt in range(attempts):  # a free port can be taken by another process (the other xdist worker's
+            error = self._start(start_timeout)  # runs) before rank 0 listens on it: start again on another
+            if error is None:
+                return
+            self.close(force=True)
+        raise AssertionError(f"a pool of {world_size} ranks did not start in {attempts} attempts:\n{error}")
+
+    def _start(self, timeout: float) -> Optional[str]:
+        """The ranks started and joined in one process group (None), or why not (they are then left to close)."""
+        ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
-        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.tasks = [ctx.Queue() for _ in range(self.world_size)]
         port = free_port()
         # not daemons: a run on a rank starts processes of its own (data-loader workers, the chat stream), which
         # multiprocessing forbids a daemon; a rank ends when the test process does (_worker watches its parent)
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results),
-                                  daemon=False) for r in range(world_size)]
+        self.procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self.tasks[r], self.results),
+                                  daemon=False) for r in range(self.world_size)]
         for p in self.procs:
             p.start()
+        ready, deadline = set(), time.monotonic() + timeout
+        while len(ready) < self.world_size:
+            try:  # (short waits: a rank that died is seen within a second)
+                number, rank, ok, value = self.results.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    return f"ranks {sorted(set(range(self.world_size)) - ready)} did not join within {timeout:.0f}s"
+                if not all(p.is_alive() for p in self.procs):
+                    return "a rank died while starting"
+                continue
+            if number == READY and not ok:
+                return f"rank {rank} could not join (port {port}):\n{value}"
+            if number == READY:
+                ready.add(rank)
+        return None
 
     def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float,
             failed: Optional[Callable[[Any], bool]] = None, partial: bool = False) -> list[Any]:
@@ -92,8 +124,8 @@ class RankPool:
         while len(outputs) < self.world_size:
             if any(not ok or (failed is not None and failed(value)) for ok, value in outputs.values()):
                 deadline = min(deadline, time.monotonic() + 15)  # the others are likely stuck
-            try:
-                number, rank, ok, value = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
+            try:  # (at most 2 s at a time: a rank that died is seen then, not at the deadline)
+                number, rank, ok, value = self.results.get(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
                 if number == self.tasks_sent:
                     outputs[rank] = (ok, value)
             except queue.Empty:
