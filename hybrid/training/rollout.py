@@ -250,8 +250,8 @@ class Rollout:
         peak_bytes = torch.cuda.max_memory_allocated(self.device) if peak else 0
         prompts, total, masks = batch.prompts, batch.total, batch.masks
         adv = advantages(total, g, self.options.scale_rewards, self._batch_std(total)).float().nan_to_num(0.0)
-        lengths = torch.tensor([len(t) if masks is None else sum(m) for t, m in
-                                zip(batch.tokens, masks or batch.tokens)], dtype=torch.float64)  # TRL's tool_mask
+        lengths = torch.tensor([len(t) for t in batch.tokens] if masks is None else [sum(m) for m in masks],
+                               dtype=torch.float64)  # the model's tokens (an environment's: TRL's tool_mask ones)
         finite = total[~torch.isnan(total)]
         flat = sum(1 - _has_signal(total[k:k + g]) for k in range(0, len(prompts), g))
         self.stats.add_rollout(torch.tensor([len(prompts), float(finite.sum()), float((finite ** 2).sum()),
