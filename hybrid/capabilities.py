@@ -254,12 +254,6 @@ RULES = [
          lambda s: f"--dpo at --pipeline-model-parallel-size {s.pp} takes the reference log-probabilities from a "
                    f"file: add --dpo-reference-logps FILE (the pipeline scores every window with the starting "
                    f"weights once before the first iteration and writes FILE; later runs read it)."),
-    Rule("grpo-sequence-split", "--grpo with --context-parallel-size or --ds-sequence-parallel-size",
-         "decoding runs one new position per step, which cannot be split over sequence ranks, and a completion's "
-         "rows are short; not built",
-         lambda s: s.grpo and (s.cp > 1 or s.ulysses > 1),
-         lambda s: "--grpo with a sequence split (--context-parallel-size / --ds-sequence-parallel-size) is not built: "
-                   "decoding advances one position at a time; use TP, PP, EP or DP for the layout."),
     Rule("grpo-kl-pipeline", "--grpo --grpo-beta > 0 with --pipeline-model-parallel-size > 1",
          "the KL's frozen reference model stands beside the engine whole (PP = 1); a pipeline would need it split "
          "into stages and its own pass through them (not built)",

@@ -670,7 +670,7 @@ def build_run_config(args: argparse.Namespace, world_size: int, tokenizer_vocab_
         training.dpo = DPOOptions(args.dpo_beta, args.dpo_label_smoothing, args.dpo_loss_type, model.eod_token,
                                   args.dpo_reference_logps)
     if args.grpo:
-        training.grpo = grpo_options(args, training.global_batch_size, dims.data_parallel)
+        training.grpo = grpo_options(args, training.global_batch_size, dims.data_parallel, dims.sequence_split)
     if args.export_hf and not args.save:
         raise ConfigError("--export-hf needs --save (the checkpoint it exports).")
     checkpoint = _checkpoint(args, ds)

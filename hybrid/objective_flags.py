@@ -176,13 +176,18 @@ def _grpo_objective_flags(args) -> None:
             f"sequence by its length; GSPO's setup is --grpo-loss-type grpo (TRL warns the same)")
 
 
-def grpo_options(args, global_batch: int, dp: int) -> GRPOOptions:
-    """--grpo's options; the global batch (completions) in whole prompt groups on every data-parallel rank."""
+def grpo_options(args, global_batch: int, dp: int, split: int = 1) -> GRPOOptions:
+    """--grpo's options; the global batch (completions) in whole prompt groups on every data-parallel rank, at least
+    one completion for each rank of a sequence split to sample."""
     g = args.grpo_group_size
     if global_batch % (g * dp):
         raise ConfigError(f"--global-batch-size {global_batch}: --grpo counts completions, in whole groups of "
                           f"--grpo-group-size {g} on each of the {dp} data-parallel ranks: give a multiple of "
                           f"{g * dp}.")
+    if global_batch // dp < split:
+        raise ConfigError(f"--global-batch-size {global_batch}: each of the {split} ranks of the sequence split "
+                          f"samples a share of its data-parallel rank's {global_batch // dp} completions: give at "
+                          f"least {split * dp}.")
     return GRPOOptions(g, args.grpo_epsilon, args.grpo_epsilon_high, args.grpo_beta, args.grpo_loss_type,
                        args.grpo_scale_rewards, args.grpo_iterations, args.max_new_tokens, args.temperature,
                        args.top_p, args.top_k, tuple(args.reward_function), tuple(args.reward_weights or ()),

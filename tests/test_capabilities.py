@@ -55,7 +55,6 @@ EXAMPLES = {
     "fp8-fp16": None,  # --fp16 is refused first on this CPU (fp16-cpu); a GPU's Setup below
     "cpu-offloading-recompute": (["--cpu-offloading", "--recompute-granularity", "selective"], 1),
     "dpo-pipeline-reference": None,  # --dpo needs pair data and --load-hf: tests/test_sft.py checks the refusal
-    "grpo-sequence-split": (["--grpo", "--context-parallel-size", 2, "--global-batch-size", 16], 2),
     "grpo-kl-pipeline": (PP2 + ["--grpo", "--grpo-beta", 0.1, "--load-hf", "hf-dir", "--global-batch-size", 16], 2),
     "grpo-moe-capacity": (["--grpo", "--num-experts", 4, "--disable-bias-linear", "--moe-expert-capacity-factor", 1.0,
                            "--global-batch-size", 16], 1),

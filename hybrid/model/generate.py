@@ -60,12 +60,17 @@ class Generated:
 
 @contextlib.contextmanager
 def decoding(model):
-    """The model in decoding form for the block: eval mode, inference mode, no sequence parallelism."""
+    """The model in decoding form for the block: eval mode, inference mode, no sequence parallelism, and FP8's
+    input amaxes each rank's own (hybrid.parallel.fp8.Fp8Gemm.token_group: a decoding step's tokens are never split
+    over a sequence split's ranks, which decode rows of their own under --grpo)."""
     switched = [(m, name) for m in model.modules() for name in ("sequence_parallel", "reduce_scatter_embeddings")
                 if getattr(m, name, False) is True]
+    token_groups = [(m, m.token_group) for m in model.modules() if hasattr(m, "token_group")]
     config, was_sp, was_training = model.config, model.config.sequence_parallel, model.training
     for m, name in switched:
         setattr(m, name, False)
+    for m, _ in token_groups:
+        m.token_group = C.SINGLE_RANK
     config.sequence_parallel = False
     model.eval()
     # inference mode where nothing made here outlives it (tokens leave as host lists); ZeRO-3's hooks gather and
@@ -78,6 +83,8 @@ def decoding(model):
     finally:
         for m, name in switched:
             setattr(m, name, True)
+        for m, group in token_groups:
+            m.token_group = group
         config.sequence_parallel = was_sp
         model.train(was_training)
 

@@ -8,7 +8,8 @@ from typing import Optional
 
 import torch
 
-from hybrid.model.sequence import local_index
+from hybrid.model.sequence import local_index, sequence_order
+from hybrid.parallel import collectives as C
 from hybrid.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 from hybrid.parallel.groups import as_groups
 
@@ -59,3 +60,33 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, groups, vocab_size: 
         logits = logits.float() / temperature
     per_token = vocab_parallel_cross_entropy(logits, labels.t(), groups.tp_group, vocab_size=vocab_size)
     return torch.where(labels != IGNORE_INDEX, -per_token.t().float(), torch.zeros((), device=logits.device))
+
+
+class _WholeSequence(torch.autograd.Function):
+    """Every sequence rank's part [b, s_local] -> the whole rows [b, s]; backward: this rank's part of the gradient
+    times `grad_scale`."""
+
+    @staticmethod
+    def forward(ctx, part, group, order, mine, grad_scale):
+        ctx.mine, ctx.grad_scale = mine, grad_scale
+        gathered = C.all_gather_along_dim(part.contiguous(), 1, group)  # [b, s] in the ranks' order
+        return torch.empty_like(gathered).index_copy_(1, order, gathered)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(1, ctx.mine) * ctx.grad_scale, None, None, None, None
+
+
+def whole_sequence(part: torch.Tensor, groups, grad_scale: float = 1.0) -> torch.Tensor:
+    """Per-token values of this rank's part of the sequences [b, s_local] (token_logps' under a sequence split) ->
+    the whole sequences' [b, s] on every rank of the sequence axis (CP's or Ulysses'); unchanged without a split.
+    For losses whose rows need every token at once (GRPO's per-row sums, sequence ratios and group statistics):
+    every sequence rank then computes the whole rows' loss, and the gradient flows back through its own tokens only,
+    times `grad_scale` (the sequence split, so that DeepSpeed's mean over DP x CP gives the unsplit gradient)."""
+    groups = as_groups(groups)
+    if groups.sequence_split == 1:
+        return part
+    length = part.size(1) * groups.sequence_split
+    order = sequence_order(length, groups, part.device)
+    return _WholeSequence.apply(part, groups.sequence.group, order, local_index(length, groups, part.device),
+                                float(grad_scale))

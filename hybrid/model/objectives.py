@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from hybrid.model import grpo, preference
-from hybrid.model.loss import LMLoss, token_logps
+from hybrid.model.loss import LMLoss, token_logps, whole_sequence
 from hybrid.model.mtp import shifted
 from hybrid.model.preference import DPOOptions, PreferenceStats
 from hybrid.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_entropy
@@ -232,14 +232,20 @@ class GroupPolicy(WithStatistics):
         reference, fresh = values[:, grpo.Value.REFERENCE], values[:, grpo.Value.FRESH, 0] > 0
         o = self.options
         mask = labels != IGNORE_INDEX
+        groups = as_groups(self.groups)
+        split = groups.sequence_split
         keep = None
         if o.top_entropy_quantile < 1.0:  # before token_logps: its cross-entropy overwrites fp32 logits in place
-            # TRL's entropies of softmax(logits / temperature) over the whole vocabulary; the quantile over the
-            # data-parallel ranks (GRPO refuses a sequence split: capability rule grpo-sequence-split)
-            entropies = vocab_parallel_entropy(logits, as_groups(self.groups).tp_group, self.vocab_size,
-                                               o.temperature).t()
-            keep = grpo.high_entropy_mask(entropies, mask, 1.0 - o.top_entropy_quantile, as_groups(self.groups).dp)
+            # TRL's entropies of softmax(logits / temperature) over the whole vocabulary, of the whole rows; the
+            # quantile over the data-parallel ranks
+            entropies = vocab_parallel_entropy(logits, groups.tp_group, self.vocab_size, o.temperature).t()
+            keep = grpo.high_entropy_mask(whole_sequence(entropies.detach(), groups), mask,
+                                          1.0 - o.top_entropy_quantile, groups.dp)
         logps = token_logps(logits, labels, self.groups, self.vocab_size, o.temperature)
+        if split > 1:  # a sequence split (CP, Ulysses): the rows' loss needs all their tokens (per-row sums, GSPO's
+            # sequence ratio): every sequence rank computes the whole rows' loss (its items counted by each: the
+            # sequence factor 1), its gradient through its own tokens x the split (DeepSpeed's mean over DP x CP)
+            logps = whole_sequence(logps, groups, grad_scale=split)
         # the trainer's log-probabilities when the batch was generated: on its first pass its own (detached, ratio 1,
         # as TRL takes them), on later passes the rollout's (--grpo-iterations); `old` is the sampler's
         trainer = values[:, grpo.Value.TRAINER] if o.iterations > 1 else old

@@ -88,6 +88,15 @@ def local_index(seq_len: int, groups, device=None) -> Optional[torch.Tensor]:
     return torch.arange(groups.ulysses.rank * part, (groups.ulysses.rank + 1) * part, device=device)
 
 
+def sequence_order(seq_len: int, groups, device=None) -> torch.Tensor:
+    """The positions of a full sequence of `seq_len` in the order the sequence ranks' parts concatenate (rank 0's
+    part, then rank 1's, ...; local_index of each): where each column of the parts gathered in rank order belongs."""
+    if groups.cp.size > 1:
+        size = groups.cp.size
+        return torch.cat([ring_attention.local_index(seq_len, size, r, device) for r in range(size)])
+    return torch.arange(seq_len, device=device)
+
+
 def stage_layout(local_len: int, groups, device) -> Optional[SequenceLayout]:
     """The layout a pipeline stage without the ids derives (no documents: refused with PP): its part of
     the sequence, from the local length, and the positions of that part."""

@@ -9,9 +9,12 @@ the prompt set, and completion k of the run draws from its own generator keyed b
 consumed samples restored) therefore generates exactly what the uninterrupted run generated.
 
 Each data-parallel rank generates its own whole groups (B / (G x DP) prompts, G completions each), so the group
-statistics of the advantages need no communication. Every rank of a model-parallel group holds the same
-completions (the tokens are shared by the decoding loop) and computes the same rewards: reward functions must be
-deterministic functions of their arguments (as TRL's are called on each process for its own rows).
+statistics of the advantages need no communication. Under a sequence split (CP, Ulysses) the split's ranks share
+their data-parallel rank's rows for sampling (each a contiguous share, with the same keys), then every one of them
+holds all of them, and the rows train split over the sequence (hybrid.model.loss.whole_sequence). Every rank of a
+model-parallel group holds the same completions (the tokens are shared by the decoding loop) and computes the same
+rewards: reward functions must be deterministic functions of their arguments (as TRL's are called on each process
+for its own rows).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import math
 import numbers
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -32,7 +35,7 @@ from hybrid.errors import ConfigError
 from hybrid.model.generate import SamplingOptions, generate
 from hybrid.model.grpo import GRPOOptions, Value, advantages, completion_rows, nanstd
 from hybrid.model.forward_only import forward_only
-from hybrid.model.loss import token_logps
+from hybrid.model.loss import token_logps, whole_sequence
 from hybrid.model.objectives import reference_logps
 from hybrid.parallel.cross_entropy import IGNORE_INDEX
 from hybrid.training import deepspeed_fixes
@@ -140,6 +143,23 @@ class Sampled:
     cache_bytes: int
     turns: tuple
     table: Optional[torch.Tensor] = None  # each reward column's values [columns, n] (the scoring rank's; else None)
+
+    @staticmethod
+    def gathered(part: "Sampled", axis) -> "Sampled":
+        """Every rank of `axis`'s rows in rank order (the sequence split's ranks each sample a share of the rows,
+        then all train on all of them); seconds and the cache's bytes are the slowest rank's and the largest."""
+        mine = replace(part, routes=None if part.routes is None else part.routes.cpu())
+        parts = [None] * axis.size
+        dist.all_gather_object(parts, mine, group=axis.group)  # host lists and CPU tensors: once per generation batch
+        def cat(name):
+            values = [getattr(p, name) for p in parts]
+            return None if values[0] is None else [v for value in values for v in value]
+        routes = None if part.routes is None else torch.cat([p.routes for p in parts]).to(part.routes.device)
+        return Sampled(cat("prompts"), cat("tokens"), cat("logprobs"), cat("masks"),
+                       torch.cat([p.total for p in parts]), routes, max(p.seconds for p in parts),
+                       sum(p.new_tokens for p in parts), max(p.cache_bytes for p in parts),
+                       tuple(sum(p.turns[i] for p in parts) for i in range(3)),
+                       None if part.table is None else torch.cat([p.table for p in parts], 1))
 
     @staticmethod
     def joined(groups: list, g: int, batches: list) -> "Sampled":
@@ -275,6 +295,13 @@ class Rollout:
         prompts = [self.prompts[i] for i in chosen for _ in range(g)]
         first_key = generation * self.global_batch + self.groups.dp.rank * len(prompts) + round_ * ROUND_KEY_STRIDE
         keys = list(range(first_key, first_key + len(prompts)))
+        axis = self.groups.sequence
+        if axis.size > 1:  # a sequence split: its ranks sample as data-parallel ranks, each a share of the rows
+            share = slice(len(prompts) * axis.rank // axis.size, len(prompts) * (axis.rank + 1) // axis.size)
+            return Sampled.gathered(self._sample_rows(prompts[share], keys[share], options, sync), axis)
+        return self._sample_rows(prompts, keys, options, sync)
+
+    def _sample_rows(self, prompts: list, keys: list, options: SamplingOptions, sync) -> "Sampled":
         start = time.perf_counter()
         if self.environment is not None:  # the prompts with reset's text; the environment's rewards and instances
             out = self._episodes(prompts, keys, options, sync)
@@ -358,8 +385,9 @@ class Rollout:
         record = self.model.config.moe_routing_replay == "R2"
         inputs = [{} if routes is None else {"routes": routes[k:k + micro], "record_routes": record} for k in starts]
         outputs = forward_only(self.model, self.groups, self.device, [ids[k:k + micro] for k in starts],
-                               lambda mb, logits: token_logps(logits, labels[starts[mb]:starts[mb] + micro],
-                                                              self.groups, self.vocab_size, self.options.temperature),
+                               lambda mb, logits: whole_sequence(token_logps(
+                                   logits, labels[starts[mb]:starts[mb] + micro], self.groups, self.vocab_size,
+                                   self.options.temperature), self.groups),
                                call=self.engine, inputs=inputs)
         for k, logps in zip(starts, outputs):
             values[k:k + micro, Value.TRAINER] = logps
@@ -454,9 +482,9 @@ class Rollout:
         ids, labels, values = ids.to(self.device), labels.to(self.device), values.to(self.device)
         if self.reference is not None:  # the KL's reference log-probabilities, tempered as the policy's
             for k in range(0, n, self.micro):
-                values[k:k + self.micro, Value.REFERENCE] = reference_logps(
+                values[k:k + self.micro, Value.REFERENCE] = whole_sequence(reference_logps(
                     self.reference, ids[k:k + self.micro], labels[k:k + self.micro], self.groups, self.vocab_size,
-                    self.options.temperature)
+                    self.options.temperature), self.groups)
         return ids, labels, values
 
 
