@@ -4,7 +4,8 @@ logits and per-token loss on a fixed batch.
 
     python -m tests.megatron_reference OUT --family llama|qwen2|qwen3|gpt2|qwen2_moe|mixtral|glm4_moe --tp 2 [--ep 1]
         [--iteration 7]
-    python -m tests.megatron_reference OUT --family F --tp 2 --check WRITTEN_DIR torch  (megatron-core loads it)
+    python -m tests.megatron_reference OUT --family F --tp 2 --check WRITTEN_DIR torch [--check ...]  (megatron-core
+        loads each)
 
 writes, under OUT:
   torch_dist/  `--ckpt-format torch_dist` (megatron-core's dist_checkpointing.save of the model's
@@ -413,9 +414,10 @@ def _load_into(model, directory: str, fmt: str, rank: int, ep: int = 1, te_names
         model.load_state_dict(state, strict=True)
 
 
-def _check(rank: int, world: int, out: str, family: str, reference: str, written: str, fmt: str, port: int,
+def _check(rank: int, world: int, out: str, family: str, reference: str, checks: list, port: int,
            ep: int = 1) -> None:
-    """Every tensor of `written` (loaded by megatron-core) against the reference checkpoint's."""
+    """Every tensor of each `checks` (written, format) checkpoint (loaded by megatron-core) against the reference
+    checkpoint's: OUT/check_FORMAT.pt each (one process group and one reference model for all of them)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     _cpu_stand_ins()
@@ -424,21 +426,24 @@ def _check(rank: int, world: int, out: str, family: str, reference: str, written
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                  expert_tensor_parallel_size=_etp(family, tp))
     torch.manual_seed(99)  # other initial weights: a tensor the load missed shows
-    source, target = build_model(family, tp, ep), build_model(family, tp, ep)
+    source = build_model(family, tp, ep)
     # the reference in the legacy format: megatron-core caches a torch_dist checkpoint's metadata per process
     _load_into(source, os.path.join(reference, "torch"), "torch", rank, ep)
-    _load_into(target, written, fmt, rank, ep, te_names=True)  # (hybrid writes what Megatron-LM's default, TE, has)
-    a, b = source.state_dict(), target.state_dict()
-    diffs = {k: (a[k] - b[k]).abs().max().item() for k in a if torch.is_tensor(a[k])}
-    if fmt == "torch_dist":  # and what the local spec's model reads there (its own names where they differ)
-        local = build_model(family, tp, ep)
-        _load_into(local, written, fmt, rank, ep)
-        c = local.state_dict()
-        diffs.update({f"local:{k}": (a[k] - c[k]).abs().max().item() for k in a if torch.is_tensor(a[k])})
-    gathered = [None] * world
-    dist.all_gather_object(gathered, diffs)
-    if rank == 0:
-        torch.save({"diffs": gathered, "keys": sorted(diffs)}, os.path.join(out, f"check_{fmt}.pt"))
+    a = source.state_dict()
+    for written, fmt in checks:  # (one torch_dist checkpoint a call: megatron-core's metadata cache, above)
+        target = build_model(family, tp, ep)
+        _load_into(target, written, fmt, rank, ep, te_names=True)  # (hybrid writes Megatron-LM's default, TE's, names)
+        b = target.state_dict()
+        diffs = {k: (a[k] - b[k]).abs().max().item() for k in a if torch.is_tensor(a[k])}
+        if fmt == "torch_dist":  # and what the local spec's model reads there (its own names where they differ)
+            local = build_model(family, tp, ep)
+            _load_into(local, written, fmt, rank, ep)
+            c = local.state_dict()
+            diffs.update({f"local:{k}": (a[k] - c[k]).abs().max().item() for k in a if torch.is_tensor(a[k])})
+        gathered = [None] * world
+        dist.all_gather_object(gathered, diffs)
+        if rank == 0:
+            torch.save({"diffs": gathered, "keys": sorted(diffs)}, os.path.join(out, f"check_{fmt}.pt"))
     dist.destroy_process_group()
 
 
@@ -553,8 +558,9 @@ def _train_rank(rank: int, world: int, out: str, family: str, prefix: str, port:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
-    p.add_argument("--check", nargs=2, metavar=("WRITTEN_DIR", "FORMAT"), default=None,
-                   help="load WRITTEN_DIR (torch_dist | torch) with megatron-core and compare it with OUT's checkpoint")
+    p.add_argument("--check", nargs=2, metavar=("WRITTEN_DIR", "FORMAT"), action="append", default=None,
+                   help="load WRITTEN_DIR (torch_dist | torch) with megatron-core and compare it with OUT's checkpoint "
+                        "(repeated: each, in one launch; at most one torch_dist)")
     p.add_argument("--family", default="llama", choices=sorted(FAMILIES))
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--ep", type=int, default=1)
@@ -570,7 +576,7 @@ def main(argv=None) -> None:
         mp.spawn(_train_rank, args=(a.tp, a.out, a.family, a.train, a.port), nprocs=a.tp)
         return
     if a.check:
-        mp.spawn(_check, args=(a.tp * a.ep, a.out, a.family, a.out, a.check[0], a.check[1], a.port, a.ep),
+        mp.spawn(_check, args=(a.tp * a.ep, a.out, a.family, a.out, a.check, a.port, a.ep),
                  nprocs=a.tp * a.ep)
         return
     mp.spawn(_rank, args=(a.tp * a.ep, a.out, a.family, a.iteration, a.port, a.ep), nprocs=a.tp * a.ep)

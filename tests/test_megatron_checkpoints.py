@@ -267,12 +267,18 @@ def test_contradicting_flags_are_one_message(llama, tmp_path):
 def _check_in_megatron_core(reference: str, family: str, written: str, fmt: str, tmp_path, *extra) -> dict:
     """megatron-core's own loader reads `written`: {"keys": its model's tensors, "diffs": per rank, each
     tensor's largest difference from the reference checkpoint's}."""
+    return _checks_in_megatron_core(reference, family, [(written, fmt)], tmp_path, *extra)[fmt]
+
+
+def _checks_in_megatron_core(reference: str, family: str, checks: list, tmp_path, *extra) -> dict:
+    """Each (written, format) of `checks` (formats apart) read by megatron-core's own loader in one launch: format ->
+    _check_in_megatron_core's record."""
     out = str(tmp_path / "check")
     os.makedirs(out)
     for name in ("torch", "reference.pt"):  # the source, as the check reads it
         os.symlink(os.path.join(reference, name), os.path.join(out, name))
-    _reference(out, family, "--check", written, fmt, *extra)
-    return torch.load(os.path.join(out, f"check_{fmt}.pt"), weights_only=False)
+    _reference(out, family, *[arg for written, fmt in checks for arg in ("--check", written, fmt)], *extra)
+    return {fmt: torch.load(os.path.join(out, f"check_{fmt}.pt"), weights_only=False) for _, fmt in checks}
 
 
 @pytest.mark.parametrize("fmt,spelling", [pytest.param("torch", "transformer_engine", marks=SLOW),
@@ -745,12 +751,14 @@ def test_a_deepseek_v3_style_model_with_mla_and_mtp_exports_with_megatron_core_l
     for fmt in ("torch_dist", "torch"):
         read_back(os.path.join(out, fmt), str(tmp_path / f"hf_{fmt}"))
     assert json.load(open(tmp_path / "hf_torch" / "config.json"))["architectures"] == ["DeepseekV3ForCausalLM"]
+    written = []
     for fmt, tp in (("torch", 2), ("torch_dist", 1)):
         proc = _convert("--loader", "megatron", "--saver", "megatron", "--load-dir", os.path.join(out, "torch_dist"),
                         "--save-dir", tmp_path / f"back_{fmt}", "--target-tensor-parallel-size", tp, "--ckpt-format",
                         fmt)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        check = _check_in_megatron_core(out, "deepseek_v3", str(tmp_path / f"back_{fmt}"), fmt, tmp_path / fmt)
+        written.append((str(tmp_path / f"back_{fmt}"), fmt))
+    for fmt, check in _checks_in_megatron_core(out, "deepseek_v3", written, tmp_path).items():
         assert any(key.endswith("linear_kv_down_proj.weight") for key in check["keys"])
         assert any(key.startswith("mtp.layers.1.transformer_layer.mlp.experts") for key in check["keys"])
         assert all(diff == 0.0 for rank in check["diffs"] for diff in rank.values()), check["diffs"]
@@ -783,12 +791,14 @@ def test_a_gpt_oss_style_model_exports_with_megatron_core_logits_and_round_trips
     hf_config = json.load(open(tmp_path / "hf_torch" / "config.json"))
     assert hf_config["architectures"] == ["GptOssForCausalLM"]
     assert hf_config["layer_types"] == ["sliding_attention", "full_attention"] and hf_config["sliding_window"] == 4
+    written = []
     for fmt, tp in (("torch", 2), ("torch_dist", 1)):
         proc = _convert("--loader", "megatron", "--saver", "megatron", "--load-dir", os.path.join(out, "torch_dist"),
                         "--save-dir", tmp_path / f"back_{fmt}", "--target-tensor-parallel-size", tp, "--ckpt-format",
                         fmt)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        check = _check_in_megatron_core(out, "gpt_oss", str(tmp_path / f"back_{fmt}"), fmt, tmp_path / fmt)
+        written.append((str(tmp_path / f"back_{fmt}"), fmt))
+    for fmt, check in _checks_in_megatron_core(out, "gpt_oss", written, tmp_path).items():
         for part in ("core_attention.softmax_offset", "router.bias", "local_experts.3.linear_fc2.bias"):
             assert any(key.endswith(part) for key in check["keys"]), part
         assert all(diff == 0.0 for rank in check["diffs"] for diff in rank.values()), check["diffs"]

@@ -257,7 +257,7 @@ def test_weighted_paths_blend_and_split_gives_validation_windows(tmp_path):
 
 
 @pytest.mark.slow
-def test_readme_fine_tuning_blocks_run_as_written(tmp_path, launcher_default_port):
+def test_readme_fine_tuning_blocks_run_as_written(tmp_path, deepspeed_on_a_free_port):
     import os
     import subprocess
     from checks.docs import page_with
@@ -268,7 +268,8 @@ def test_readme_fine_tuning_blocks_run_as_written(tmp_path, launcher_default_por
     for name in ("launch", "conversion", "ds_configs", "hybrid"):
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
     (tmp_path / "tutorial").mkdir()
-    environment = dict(env(), PATH=os.path.abspath(BIN) + os.pathsep + os.environ.get("PATH", ""),
+    environment = dict(env(), PATH=os.pathsep.join([deepspeed_on_a_free_port, os.path.abspath(BIN),
+                                                    os.environ.get("PATH", "")]),
                        HYBRID_CACHE=str(tmp_path / "cache"))
     outputs = []
     for block in blocks:

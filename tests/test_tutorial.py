@@ -19,9 +19,9 @@ def _blocks() -> list[str]:
     return [part.split("```bash", 1)[1].split("```", 1)[0] for part in readme.split("<!-- tutorial -->")[1:]]
 
 
-def _run(block: str, cwd) -> str:
+def _run(block: str, cwd, shim: str) -> str:
     environment = env()
-    environment["PATH"] = BIN + os.pathsep + environment.get("PATH", "")
+    environment["PATH"] = os.pathsep.join([shim, BIN, environment.get("PATH", "")])
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=cwd, env=environment,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (f"{block}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
@@ -34,7 +34,7 @@ def _iteration(checkpoint_dir) -> str:
 
 
 @pytest.mark.slow
-def test_readme_tutorial_runs_block_by_block(tmp_path, launcher_default_port):
+def test_readme_tutorial_runs_block_by_block(tmp_path, deepspeed_on_a_free_port):
     for name in ("launch", "conversion", "ds_configs", "hybrid"):
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
     blocks = _blocks()
@@ -43,28 +43,28 @@ def test_readme_tutorial_runs_block_by_block(tmp_path, launcher_default_port):
     preprocess, train, resume, convert, finetune, from_hf = blocks
     tutorial = tmp_path / "tutorial"
 
-    _run(preprocess, tmp_path)
+    _run(preprocess, tmp_path, deepspeed_on_a_free_port)
     assert (tutorial / "corpus_text_document.bin").stat().st_size > 100_000
     assert (tutorial / "corpus_text_document.idx").exists()
 
-    out = _run(train, tmp_path)
+    out = _run(train, tmp_path, deepspeed_on_a_free_port)
     assert "TP=2" in out and _iteration(tutorial / "ckpt") == "iter_0000020"
     assert glob.glob(str(tutorial / "tensorboard" / "**" / "events.out.tfevents.*"), recursive=True)
     assert glob.glob(str(tutorial / "wandb" / "offline-run-*"))
 
-    out = _run(resume, tmp_path)
+    out = _run(resume, tmp_path, deepspeed_on_a_free_port)
     assert "loaded checkpoint tutorial/ckpt/iter_0000020 at iteration 20" in out
     assert _iteration(tutorial / "ckpt") == "iter_0000040"
 
-    out = _run(convert, tmp_path)
+    out = _run(convert, tmp_path, deepspeed_on_a_free_port)
     assert (tutorial / "hf" / "config.json").exists()
     sample = [ast.literal_eval(line[len("sample: "):]) for line in out.splitlines() if line.startswith("sample: ")]
     assert sample and sample[0].startswith("The Python") and len(sample[0]) > len("The Python"), out[-2000:]
 
-    out = _run(finetune, tmp_path)
+    out = _run(finetune, tmp_path, deepspeed_on_a_free_port)
     assert "for fine-tuning" in out and _iteration(tutorial / "finetuned") == "iter_0000010"
 
-    out = _run(from_hf, tmp_path)
+    out = _run(from_hf, tmp_path, deepspeed_on_a_free_port)
     assert "loaded the qwen3 weights of tutorial/qwen3 (--load-hf)" in out and "TP=2" in out
     assert _iteration(tutorial / "qwen3-cpt") == "iter_0000010"
     assert "Qwen3ForCausalLM" in [line.strip() for line in out.splitlines()], out[-2000:]
