@@ -17,8 +17,8 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True, scope="module")
 def _close_large_rank_pools_after_each_module():
-    """The pools of more than 2 ranks, and any rank grown large, are stopped after each module; the 1- and 2-rank
-    pools serve the next module (checks/rank_pool.py close_large_pools)."""
+    """The 8-rank pool, and any rank grown large, are stopped after each module; the 1-, 2- and 4-rank pools serve
+    the next module (checks/rank_pool.py close_large_pools)."""
     yield
     from checks.rank_pool import close_large_pools
     close_large_pools()
