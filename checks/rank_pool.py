@@ -219,21 +219,23 @@ def close_pools() -> None:
 
 KEPT_WORLD_SIZES = (1, 2, 4)  # the pools most modules use: kept warm for the next module (4: 15 modules use it)
 KEPT_RANK_BYTES = 3 << 30  # a rank grown past this (imports, allocator arenas) is started afresh instead
+KEPT_POOL_BYTES = 5 << 30  # and a pool whose ranks hold more than this together (unique pages: psutil's uss)
 
 
 def close_large_pools() -> None:
     """A test module's teardown: stop the pools of other sizes than KEPT_WORLD_SIZES (the 8-rank one: idle, it holds
-    memory later tests need) and any whose rank has grown past KEPT_RANK_BYTES; the 1-, 2- and 4-rank pools stay for
-    the next module (an idle 4-rank pool holds about 1.5 GB). Starting a pool and importing the entry points on it
-    took about 6 s on 2 cores, once per module and world size: 3-4 minutes of a full suite. Each task's process groups are destroyed after it and each engine released
-    (hybrid.training.deepspeed_fixes.release_engine), so an idle pool holds only its world group."""
+    memory later tests need), any whose rank has grown past KEPT_RANK_BYTES and any past KEPT_POOL_BYTES in all; the
+    1-, 2- and 4-rank pools stay for the next module. Starting a pool and importing the entry points on it took about
+    6 s on 2 cores, once per module and world size: 3-4 minutes of a full suite. Each task's process groups are
+    destroyed after it and each engine released (hybrid.training.deepspeed_fixes.release_engine), so an idle pool
+    holds only its world group."""
     import psutil
     for world_size, pool in list(_POOLS.items()):
         try:
-            largest = max(psutil.Process(p.pid).memory_info().rss for p in pool.procs)
+            sizes = [psutil.Process(p.pid).memory_full_info().uss for p in pool.procs]
         except psutil.Error:  # a rank gone: the next call starts the pool again
-            largest = KEPT_RANK_BYTES
-        if world_size not in KEPT_WORLD_SIZES or largest >= KEPT_RANK_BYTES:
+            sizes = [KEPT_RANK_BYTES]
+        if world_size not in KEPT_WORLD_SIZES or max(sizes) >= KEPT_RANK_BYTES or sum(sizes) >= KEPT_POOL_BYTES:
             pool.close()
 
 

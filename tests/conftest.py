@@ -54,16 +54,17 @@ def deepspeed_on_a_free_port(tmp_path):
     """A directory to put first on PATH for a command run as the docs write it (`deepspeed --num_gpus 2
     launch/train.py ...`): its `deepspeed` is the environment's own launcher given a free --master_port (else every
     such run listens on the launcher's default, 29500, and two pytest-xdist workers' runs would meet there)."""
+    import shlex
     import shutil
     import stat
     real = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed")
+    assert real, "no deepspeed launcher beside the interpreter or on PATH"
     shim = tmp_path / "deepspeed-on-a-free-port"
     shim.mkdir()
     script = shim / "deepspeed"
-    script.write_text(f"#!/bin/bash\n"
-                      f"port=$({sys.executable} -c 'import socket; s = socket.socket(); s.bind((\"127.0.0.1\", 0)); "
-                      f"print(s.getsockname()[1])')\n"
-                      f"exec {real} --master_port \"$port\" \"$@\"\n")
+    free = "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
+    script.write_text(f"#!/bin/bash\nport=$({shlex.quote(sys.executable)} -c {shlex.quote(free)})\n"
+                      f"exec {shlex.quote(real)} --master_port \"$port\" \"$@\"\n")
     script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return str(shim)
 
@@ -81,7 +82,7 @@ def pytest_collection_modifyitems(session, config, items):
     """Modules in LONGEST_FIRST's order, then the rest as collected; the tests of a module keep their order (with
     --no-loadscope-reorder in pyproject.toml's addopts, pytest-xdist schedules the files in this order)."""
     def weight(item):
-        return -LONGEST_FIRST.get(os.path.splitext(os.path.basename(str(item.fspath)))[0], 0)
+        return -LONGEST_FIRST.get(item.path.stem, 0)
     items[:] = sorted(items, key=weight)  # (a stable sort)
 
 

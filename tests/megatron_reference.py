@@ -430,7 +430,7 @@ def _check(rank: int, world: int, out: str, family: str, reference: str, checks:
     # the reference in the legacy format: megatron-core caches a torch_dist checkpoint's metadata per process
     _load_into(source, os.path.join(reference, "torch"), "torch", rank, ep)
     a = source.state_dict()
-    for written, fmt in checks:  # (one torch_dist checkpoint a call: megatron-core's metadata cache, above)
+    for written, fmt in checks:  # (one per format: each writes OUT/check_FORMAT.pt)
         target = build_model(family, tp, ep)
         _load_into(target, written, fmt, rank, ep, te_names=True)  # (hybrid writes Megatron-LM's default, TE's, names)
         b = target.state_dict()
@@ -576,6 +576,7 @@ def main(argv=None) -> None:
         mp.spawn(_train_rank, args=(a.tp, a.out, a.family, a.train, a.port), nprocs=a.tp)
         return
     if a.check:
+        assert len({fmt for _, fmt in a.check}) == len(a.check), f"--check: one checkpoint per format, got {a.check}"
         mp.spawn(_check, args=(a.tp * a.ep, a.out, a.family, a.out, a.check, a.port, a.ep),
                  nprocs=a.tp * a.ep)
         return
