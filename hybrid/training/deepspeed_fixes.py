@@ -73,6 +73,7 @@ RELIED_ON = [
     ("deepspeed.runtime.engine", "DeepSpeedEngine.destroy", "optimizer.destroy()"),
     ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload._register_deepspeed_module",
      "def _register_deepspeed_module(self, module, count=[0]):"),
+    ("deepspeed.runtime.zero.partition_parameters", "Init._convert_to_deepspeed_param", "Init.param_id += 1"),
     ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.__init__",
      "self.__n_available_params"),
     ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload.setup_zero_stage3_hooks",
@@ -174,13 +175,13 @@ def release_engine(engine) -> None:
     3. ZeRO-3's parameter coordinator caches `__params_to_release` with `functools.lru_cache` on the class, which
        keeps every coordinator and module it was called with (emptied: another live engine recomputes its
        entries on their next use);
-    4. ZeRO-3 numbers modules (`ds_id`) from a counter kept in a mutable default argument of
-       `_register_deepspeed_module`, so the next engine's numbers depend on every engine the process built: two
-       pipeline ranks, whose stages have different module counts, then number the same later model differently,
-       and ZeRO-3's trace check across ranks fails ("Detected a disagreement on list contents"). Reset to 0."""
+    4. ZeRO-3 numbers modules and parameters (`ds_id`) from counters kept in a mutable default argument of
+       `_register_deepspeed_module` and in `Init.param_id`, so the next engine's numbers depend on every engine the
+       process built: two pipeline ranks, whose stages differ, then number the same later model differently, and
+       ZeRO-3's trace check fails ("Detected a disagreement on list contents"; a kept 4-rank pool). Reset to 0."""
     engine.destroy()
-    # (imported here: only ZeRO-3 engines put anything in either)
-    from deepspeed.runtime.zero import parameter_offload, partitioned_param_coordinator
+    # (imported here: only ZeRO-3 engines put anything in these)
+    from deepspeed.runtime.zero import parameter_offload, partition_parameters, partitioned_param_coordinator
     mine = {id(m) for m in engine.module.modules()}
     parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in mine]
     cached = vars(partitioned_param_coordinator.PartitionedParameterCoordinator)[
@@ -189,6 +190,7 @@ def release_engine(engine) -> None:
         cached = next(cell.cell_contents for cell in cached.__closure__ if callable(cell.cell_contents))
     cached.cache_clear()
     parameter_offload.DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0][0] = 0
+    partition_parameters.Init.param_id = 0
 
 
 # --- pipeline schedules on the plain engine (hybrid.training.runtime) ------------------------------
@@ -222,8 +224,7 @@ def prepare_pipeline_engine(engine, mpu) -> None:
 
 
 def loss_scale(engine) -> float:
-    """fp16: DeepSpeed 0.19.8's current loss scale (`loss_scale` of its ZeRO optimizers and of FP16_Optimizer);
-    1.0 otherwise."""
+    """fp16: DeepSpeed 0.19.8's current loss scale (`loss_scale` of its ZeRO optimizers and FP16_Optimizer); else 1."""
     if not engine.fp16_enabled():
         return 1.0
     return float(engine.optimizer.loss_scale)
@@ -233,8 +234,7 @@ def scaled_for_backward(engine, loss):
     """A pipeline's loss as DeepSpeed 0.19.8's fp16 loss scaling wants it for a backward that torch's schedule
     runs: `engine.scale(loss)` with a ZeRO optimizer (DeepSpeed's API for backward passes it does not run itself),
     the fp32 loss times FP16_Optimizer's loss scale without ZeRO (what its own `backward` multiplies by);
-    unchanged in bf16 and fp32. The step unscales the gradients and skips it on overflow, as after
-    engine.backward."""
+    unchanged in bf16 and fp32. The step unscales the gradients and skips it on overflow, as after engine.backward."""
     if not engine.fp16_enabled():
         return loss
     if isinstance(engine.optimizer, ZeROOptimizer):
