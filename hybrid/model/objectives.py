@@ -233,7 +233,6 @@ class GroupPolicy(WithStatistics):
         o = self.options
         mask = labels != IGNORE_INDEX
         groups = as_groups(self.groups)
-        split = groups.sequence_split
         keep = None
         if o.top_entropy_quantile < 1.0:  # before token_logps: its cross-entropy overwrites fp32 logits in place
             # TRL's entropies of softmax(logits / temperature) over the whole vocabulary, of the whole rows; the
@@ -242,10 +241,10 @@ class GroupPolicy(WithStatistics):
             keep = grpo.high_entropy_mask(whole_sequence(entropies.detach(), groups), mask,
                                           1.0 - o.top_entropy_quantile, groups.dp)
         logps = token_logps(logits, labels, self.groups, self.vocab_size, o.temperature)
-        if split > 1:  # a sequence split (CP, Ulysses): the rows' loss needs all their tokens (per-row sums, GSPO's
-            # sequence ratio): every sequence rank computes the whole rows' loss (its items counted by each: the
-            # sequence factor 1), its gradient through its own tokens x the split (DeepSpeed's mean over DP x CP)
-            logps = whole_sequence(logps, groups, grad_scale=split)
+        # under a sequence split (CP, Ulysses) the rows' loss needs all their tokens (per-row sums, GSPO's sequence
+        # ratio): every sequence rank computes the whole rows' loss (its items counted by each: the sequence factor
+        # 1), its gradient through its own tokens x the split (DeepSpeed's mean over DP x CP); else unchanged
+        logps = whole_sequence(logps, groups, grad_scale=groups.sequence_split)
         # the trainer's log-probabilities when the batch was generated: on its first pass its own (detached, ratio 1,
         # as TRL takes them), on later passes the rollout's (--grpo-iterations); `old` is the sampler's
         trainer = values[:, grpo.Value.TRAINER] if o.iterations > 1 else old
