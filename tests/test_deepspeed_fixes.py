@@ -12,12 +12,12 @@ import textwrap
 import pytest
 
 from hybrid import torch_fixes
-from hybrid.training import deepspeed_fixes
+from hybrid.training import deepspeed_fixes, deepspeed_internals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("module, path, text", deepspeed_fixes.RELIED_ON + torch_fixes.RELIED_ON,
+@pytest.mark.parametrize("module, path, text", deepspeed_internals.RELIED_ON + torch_fixes.RELIED_ON,
                          ids=lambda x: str(x)[:60])
 def test_relied_on_deepspeed_internal_is_there(module, path, text):
     target = importlib.import_module(module)
@@ -107,7 +107,7 @@ def test_the_fixes_and_the_relied_on_internals_are_the_listed_ones_and_the_archi
     kinds = {"workaround", "speed", "memory", "adapter", "accessor"}
     assert all(kind in kinds and versions.endswith("0.19.8") for kind, versions, _ in deepspeed_fixes.FIXES.values())
     page = open(os.path.join(ROOT, "docs", "architecture.md")).read()
-    assert f"**{len(FIXES)} fixes**" in page and f"**{len(deepspeed_fixes.RELIED_ON)} internals**" in page
+    assert f"**{len(FIXES)} fixes**" in page and f"**{len(deepspeed_internals.RELIED_ON)} internals**" in page
 
 
 def test_no_private_attribute_of_deepspeed_or_torch_outside_the_fixes_module():
@@ -393,6 +393,67 @@ def test_zero3_releases_the_input_embedding_before_reducing_its_gradient():
             assert len(mine["gathered_at_reduce"]) == (18 if blocked else 6) and all(deepspeeds["gathered_at_reduce"])
             assert not any(mine["gathered_at_reduce"])
             assert all(torch.equal(a, b) for a, b in zip(mine["weights"], deepspeeds["weights"]))
+
+
+def _zero3_forwards_then_backwards(fixed: bool) -> dict:
+    """On a pool rank: three ZeRO-3 iterations as a pipeline's first stage runs them (two micro-batches' forwards,
+    then their two backwards: GPipe, or 1F1B's warmup and cooldown), each backward after start_backward (`fixed`)
+    or after DeepSpeed's own per-backward reset alone; the most parameters gathered at once while ZeRO takes each
+    backward's gradients, and the weights after the steps."""
+    import deepspeed
+    import torch
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from hybrid.parallel.groups import build_groups
+    from hybrid.training.deepspeed_fixes import release_engine, start_backward
+    groups = build_groups()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh()) for _ in range(4)))
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 2000}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      config=config, mpu=groups.mpu)
+    seen = []  # the parameters gathered each time ZeRO takes a gradient
+    reduce = engine.optimizer.reduce_ready_partitions_and_remove_grads
+
+    def watch(param, *args, **kwargs):
+        seen.append(sum(p.ds_status == ZeroParamStatus.AVAILABLE for p in engine.module.parameters()))
+        return reduce(param, *args, **kwargs)
+    engine.optimizer.reduce_ready_partitions_and_remove_grads = watch
+    generator = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    gathered = []  # the most gathered at once in each backward
+    for _ in range(3):
+        losses = [engine(torch.randn(2, 32, generator=generator)).square().mean() for _ in range(2)]
+        for loss in losses:
+            if fixed:
+                start_backward(engine)
+            else:
+                ZeROOptimizer.clear_backward_seen_flag(engine.optimizer)
+            seen.clear()
+            loss.backward()
+            gathered.append(max(seen))
+        engine.step()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        weights = [p.detach().clone() for p in engine.module.parameters()]
+    release_engine(engine)
+    return dict(gathered=gathered, weights=weights)
+
+
+def test_zero3_releases_each_module_in_every_backward_after_several_forwards():
+    """start_backward: DeepSpeed sets a module's count of pending input gradients anew at each forward, so after
+    two micro-batches' forwards only the first backward released the modules' gathered weights; the second held
+    every module it reached gathered through its gradients' reduction (a layer-heavy pipeline stage: 0.13 GiB more
+    at PP 2 x DP 2, benchmarks/bench_memory.py). With the fix each backward holds one module's weights at a time,
+    and the steps are bitwise DeepSpeed's."""
+    import torch
+
+    from checks.rank_pool import run_on_ranks
+    ours, theirs = (run_on_ranks(_zero3_forwards_then_backwards, 2, fixed) for fixed in (True, False))
+    for mine, deepspeeds in zip(ours, theirs):
+        assert mine["gathered"] == [2] * 6, mine["gathered"]  # one module's weight and bias at a time
+        assert deepspeeds["gathered"] == [2, 8] * 3, deepspeeds["gathered"]  # the first module reached last
+        assert all(torch.equal(a, b) for a, b in zip(mine["weights"], deepspeeds["weights"]))
 
 
 def _zero3_generation_block(gather: bool):

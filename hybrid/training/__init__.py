@@ -5,6 +5,7 @@ Modules:
   run              launch/train.py's entry
   engine           model, optimizer and schedule handed to deepspeed.initialize
   deepspeed_fixes  the only places hybrid touches DeepSpeed internals
+  deepspeed_internals  the internals those fixes rely on, by name (checked by tests/test_deepspeed_fixes.py)
   resume           the start's four loaders and their one epilogue
   loop             the training loop
   runtime          the one runtime of every layout and schedule

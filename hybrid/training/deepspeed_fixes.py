@@ -1,8 +1,8 @@
 """The only places hybrid touches DeepSpeed internals or replaces a method of a DeepSpeed object, each
 with the DeepSpeed version it was written against (0.19.8) and the reason, each covered by
-tests/test_deepspeed_fixes.py, which fails loudly if DeepSpeed changes what is relied on. `RELIED_ON`
-lists those internals; the test checks each still exists. (torch's process-wide defaults are
-hybrid.torch_fixes'; the safe torch.load is hybrid.safe_loading's.)"""
+tests/test_deepspeed_fixes.py, which fails loudly if DeepSpeed changes what is relied on.
+hybrid.training.deepspeed_internals.RELIED_ON lists those internals; the test checks each still exists.
+(torch's process-wide defaults are hybrid.torch_fixes'; the safe torch.load is hybrid.safe_loading's.)"""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ FIXES = {
     "prepare_pipeline_engine": ("workaround", "0.16.6-0.19.8", f"{GITHUB}/issues/1839 (TP vs model-parallel rank)"),
     "loss_scale": ("accessor", "0.19.8", None),
     "scaled_for_backward": ("adapter", "0.18.6-0.19.8", f"{GITHUB}/pull/7665 (engine.scale)"),
-    "start_backward": ("workaround", "0.18.5-0.19.8", f"{GITHUB}/pull/7780 (the reset in forward)"),
+    "start_backward": ("workaround", "0.3.12-0.19.8", f"{GITHUB}/pull/7780 (the reset in forward)"),
     "begin_accumulation": ("workaround", "0.12.0-0.19.8", None),
     "step_on_gradient_partitions": ("memory", "0.12.0-0.19.8", None),
     "release_input_embedding_after_its_gradient": ("memory", "0.19.3-0.19.8", None),
@@ -60,106 +60,6 @@ FIXES = {
     "zero_partitions": ("accessor", "0.19.8", None),
     "zero3_gathered_while_generating": ("speed", "0.16.4-0.19.8", f"{GITHUB}/issues/5498 (TRL's way, asked upstream)"),
 }
-
-# (module, attribute path, a text its source must contain) of every DeepSpeed internal used below
-RELIED_ON = [
-    ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload._remove_module_hooks",
-     "self.fwd_pre_hook.remove()"),
-    ("deepspeed.runtime.zero.partition_parameters",
-     "InsertPostInitMethodToModuleSubClasses._enable_mem_efficient_linear", ".linear_bk = torch.nn.functional.linear"),
-    ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.release_and_reset_all",
-     "param.ds_active_sub_modules.clear()"),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.__init__", "self.parameter_offload = "),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine.destroy", "optimizer.destroy()"),
-    ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload._register_deepspeed_module",
-     "def _register_deepspeed_module(self, module, count=[0]):"),
-    ("deepspeed.runtime.zero.partition_parameters", "Init._convert_to_deepspeed_param", "Init.param_id += 1"),
-    ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.__init__",
-     "self.__n_available_params"),
-    ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload.setup_zero_stage3_hooks",
-     "FWD_MODULE_STACK.append(self.module)"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine.__init__", "self._support_torch_style_backward = True"),
-    ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload.setup_zero_stage3_hooks",
-     "self.fwd_pre_hook = self.module.register_forward_pre_hook(_start_of_forward_hook)"),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct",
-     "is_model_parallel_parameter(p) or (self.model_parallel_rank == 0)"),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.__init__",
-     "self.model_parallel_rank = mpu.get_model_parallel_rank()"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine._backward_post_hook",
-     "needs_scaler and not self._manual_backward_expected"),
-    ("deepspeed.runtime.fp16.fused_optimizer", "FP16_Optimizer.backward",
-     "scaled_loss = (loss.float()) * self.loss_scale_config.cur_scale"),
-    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.setup_buckets",
-     "if not self.ready_for_gradients:"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine._flush_coalesced_reduction_zero12", "optimizer.setup_buckets()"),
-    ("deepspeed.runtime.base_optimizer", "ZeROOptimizer.clear_backward_seen_flag",
-     "self._backward_hook_state.reset_for_new_step()"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine.forward", "self.optimizer.clear_backward_seen_flag()"),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.partition_grads",
-     "if self.micro_step_id == 0:  # don't accumulate"),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._setup_for_real_optimizer",
-     "self.grad_partitions_flat_buffer: Tensor = torch.zeros("),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._prepare_fp32_grad_for_sub_group",
-     "single_grad_partition = self.flatten(self.averaged_gradients[sub_group_id])"),
-    ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.release_sub_module",
-     "self.__active_backward_submodules.pop(submodule.ds_id, None)"),
-    ("deepspeed.runtime.zero.partitioned_param_coordinator",
-     "PartitionedParameterCoordinator.release_backward_leftovers", "while self.__active_backward_submodules:"),
-    ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.__init__",
-     "self.__active_backward_submodules: Dict[int, Module] = {}"),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.create_reduce_and_remove_grad_hooks",
-     "self.reduce_ready_partitions_and_remove_grads(param)"),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._prepare_sub_group",
-     "self._prepare_fp32_grad_for_sub_group(sub_group_id)"),
-    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu",
-     "if self.micro_step_id > 0:"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine._take_model_step", "self.clip_fp32_gradients()"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine.get_global_grad_norm", "self._global_grad_norm"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine.allreduce_no_retain",
-     "self.allreduce_and_copy(small_bucket, dp_group, dp_world_size)"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine.allreduce_bucket", "tensor_to_allreduce.mul_(1. / dp_world_size)"),
-    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.__init__", "self.param_names = param_names"),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.__init__", "self.param_names = param_names"),
-    ("deepspeed.runtime.zero.stage3",
-     "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3", "param_groups"),
-    ("deepspeed.runtime.zero.stage3",
-     "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
-     "self.load_hp_checkpoint_state(os.path.join(checkpoint_dir, param_name)"),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state",
-     "loaded_checkpoint_state.narrow(0, rank * partitioned_numel, partitioned_numel)"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine.save_checkpoint", "self.checkpoint_engine.commit(commit_info)"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine._save_checkpoint", "self.checkpoint_engine.save("),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine._configure_checkpointing",
-     "create_checkpoint_engine(config_params=self._config"),
-    ("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "TorchCheckpointEngine.save",
-     "torch.save(state_dict, path"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine._configure_distributed_model", "if isinstance(module, MoE):"),
-    ("deepspeed.utils.groups", "_get_expert_parallel_group", "_EXPERT_PARALLEL_GROUP[group_name]"),
-    ("deepspeed.utils.groups", "_get_expert_data_parallel_group", "_EXPERT_DATA_PARALLEL_GROUP[group_name]"),
-    ("deepspeed.utils.groups", "_get_max_expert_size", "for key in _EXPERT_PARALLEL_GROUP.keys():"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine._load_zero_checkpoint",
-     "self.optimizer.load_state_dict(state_dict_list=zero_sd_list"),
-    ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer._load_legacy_checkpoint", "state_dict_list[dp_rank]"),
-    ("deepspeed.ops.adam.cpu_adam", "DeepSpeedCPUAdam.step", "self.ds_opt_adam.adam_update(self.opt_id, state['step']"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine._save_moe_checkpoint",
-     "moe_str_prefix = '.deepspeed_moe.experts.deepspeed_experts.'"),
-    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._load_global_state",
-     "self.clip_grad = checkpoint_clip_grad"),
-    ("deepspeed.runtime.activation_checkpointing.checkpointing", "get_cpu_activations_for_backward",
-     "arg.data = torch.empty([], device=arg.device).data"),
-    ("deepspeed.runtime.activation_checkpointing.checkpointing", "CheckpointFunction.forward",
-     "new_args = get_cpu_activations_for_backward(args, inputs)"),
-    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.__init__",
-     "param_group['params'] = [self.single_partition_of_fp32_groups[i]]"),
-    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.__init__",
-     "self.round_robin_bit16_offsets.append(param_offsets)"),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._create_fp16_partitions_with_defragmentation",
-     "self.sub_group_process_groups.append(sub_group_process_group)"),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._optimizer_step",
-     "self.optimizer.param_groups[param_group_id]['params'] = [fp32_param]"),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._partitioned_params_swap_out",
-     "offset += partitioned_param.ds_numel"),
-]
 
 
 # --- an engine's end --------------------------------------------------------------------------------
@@ -247,8 +147,20 @@ def start_backward(engine) -> None:
     (`BackwardHookStateManager.reset_for_new_step`, from `ZeROOptimizer.clear_backward_seen_flag`) only in
     `engine.forward`, so the second of two backwards without a forward between them (a pipeline's cooldown)
     queues no epilogue: its gradients would never be reduced. This runs that reset (the base class's part
-    only: ZeRO-1/2's override also drops the fp32 `grad_accum` of the iteration, which the step still needs)."""
+    only: ZeRO-1/2's override also drops the fp32 `grad_accum` of the iteration, which the step still needs).
+    ZeRO-3 releases a module's gathered parameters when its count of pending input gradients
+    (`ds_grads_remaining`) reaches 0 in backward, and sets the count anew at each forward: after a schedule's
+    forwards of several micro-batches, only the first backward released, and a cooldown's later backwards held
+    every module of the stage gathered through the gradients' reduction (a layer-heavy stage 0: 0.13 GiB more).
+    The count of each module's last forward is kept here and restored where a backward finds it spent."""
     optimizer = engine.optimizer
+    if engine.zero_optimization_stage() == 3:
+        for module in engine.module.modules():
+            remaining = getattr(module, "ds_grads_remaining", 0)
+            if remaining > 0:  # a forward since the last backward set it
+                module.hybrid_grads_per_forward = remaining
+            else:
+                module.ds_grads_remaining = getattr(module, "hybrid_grads_per_forward", 0)
     if isinstance(optimizer, ZeROOptimizer):
         ZeROOptimizer.clear_backward_seen_flag(optimizer)
         if engine.fp16_enabled():
