@@ -44,7 +44,10 @@ def plan_from_run(run: RunConfig) -> MemoryPlan:
                       cpu_offloading=run.cpu_offloading,
                       # (with LoRA the reference is the model itself, its adapters off: no second model)
                       reference_model=bool(t.dpo and not t.dpo.reference_logps and not run.model.lora_rank),
-                      muon=run.optimizer.muon is not None)
+                      muon=run.optimizer.muon is not None,
+                      # --grpo: a rank's rollout decodes its share of the global batch (hybrid.training.rollout)
+                      decode_rows=t.global_batch_size // p.data_parallel // p.sequence_split if t.grpo else 0,
+                      decode_slots=t.seq_length + 1 if t.grpo else 0)
 
 
 def peak_gib(plan: MemoryPlan) -> float:
@@ -159,7 +162,8 @@ def report(run: RunConfig, gpu_memory_gb: Optional[float]) -> str:
              "activations: per micro-batch in flight x layers on the stage; parameters, gradients and optimizer "
              "states as DeepSpeed allocates them; buffers: ZeRO's working memory in backward (buckets, gradients "
              "waiting whole, a gathered parameter); step: the optimizer step's transients; total: the states plus "
-             "the larger of buffers + activations and step; not included: CUDA context, allocator fragmentation."]
+             "the largest of buffers + activations, step and (--grpo) decoding; not included: CUDA context, "
+             "allocator fragmentation."]
     advice = None
     if gpu_memory_gb:
         advice = advise(plan, gpu_memory_gb)

@@ -56,6 +56,7 @@ def one_rank_model(path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_equals_transformers_and_the_logprobs_equal_its_forward(family, hf_models):
+    from hybrid.memory import decoding_cache_bytes
     from hybrid.model.generate import SamplingOptions, generate
     path, hf = hf_models[family]
     model = one_rank_model(path)
@@ -65,7 +66,10 @@ def test_greedy_equals_transformers_and_the_logprobs_equal_its_forward(family, h
         assert tokens == hf_greedy(hf, prompt), family
         mismatch = (hf_logprobs(hf, prompt, tokens) - torch.tensor(logps)).abs().max().item()
         assert mismatch <= 1e-5, (family, mismatch)
-    assert out.stats["new_tokens"] == NEW * len(batch) and out.stats["cache_bytes"] > 0
+    # the cache is what --dry-run counts for a --grpo run's rollouts (hybrid.memory.decoding_cache_bytes)
+    slots = max(PROMPT_LENGTHS) + NEW
+    counted = decoding_cache_bytes(model.config, 1, len(batch), slots, range(model.config.num_layers), 4)
+    assert out.stats["new_tokens"] == NEW * len(batch) and out.stats["cache_bytes"] == counted > 0
 
 
 def test_mla_decoding_caches_latents_and_rope_keys_not_each_heads_keys_and_values(hf_models):
@@ -178,6 +182,7 @@ def _generate_on_rank(path: str, tp: int, pp: int, ep: int, sp: bool, batch: lis
     import dataclasses
     from hybrid.conversion.hf import hf_parts, read_hf_config
     from hybrid.evaluation import loaded_model
+    from hybrid.memory import decoding_cache_bytes
     from hybrid.model.generate import SamplingOptions, generate
     from hybrid.parallel.dims import ParallelDims
     from hybrid.parallel.groups import build_groups
@@ -189,7 +194,10 @@ def _generate_on_rank(path: str, tp: int, pp: int, ep: int, sp: bool, batch: lis
     keys = list(range(len(batch))) if ep == 1 else list(range(groups.dp.rank, len(batch), 2))
     out = generate(model, groups, mine, SamplingOptions(**options), keys=keys,
                    sync=groups.ep if ep > 1 else None)
-    return keys, out.tokens, out.logprobs, model.config.sequence_parallel
+    # the cache this rank decoded with, and the dry run's count of it for this rank's layers (hybrid.memory)
+    slots = max(len(p) for p in mine) + options["max_new_tokens"]
+    counted = decoding_cache_bytes(model.config, tp, len(mine), slots, [int(i) for i in model.layers], 4)
+    return keys, out.tokens, out.logprobs, model.config.sequence_parallel, (out.stats["cache_bytes"], counted)
 
 
 @pytest.mark.slow
@@ -206,9 +214,10 @@ def test_greedy_at_tp2_sp_pp2_ep2_equals_transformers_and_sampling_equals_one_ra
     path, hf = hf_models[family]
     batch = prompts(lengths=(5, 11, 2, 7, 9, 3))
     ranks = run_on_ranks(_generate_on_rank, 2, str(path), tp, pp, ep, sp, batch, {"max_new_tokens": NEW})
-    rows = {k: (t, lp) for keys, tokens, logps, _ in ranks for k, t, lp in zip(keys, tokens, logps)}
+    rows = {k: (t, lp) for keys, tokens, logps, *_ in ranks for k, t, lp in zip(keys, tokens, logps)}
     assert sorted(rows) == list(range(len(batch)))
     assert all(r[3] == sp for r in ranks)  # sequence parallelism is back on after decoding
+    assert all(r[4][0] == r[4][1] > 0 for r in ranks), [r[4] for r in ranks]  # --dry-run's cache: this rank's
     for k, prompt in enumerate(batch):
         tokens, logps = rows[k]
         assert tokens == hf_greedy(hf, prompt), (family, k)
@@ -216,7 +225,7 @@ def test_greedy_at_tp2_sp_pp2_ep2_equals_transformers_and_sampling_equals_one_ra
         assert mismatch <= 1e-5, (family, mismatch)
     sampling = {"max_new_tokens": NEW, "temperature": 1.0, "top_p": 0.95, "seed": 3}
     ranks = run_on_ranks(_generate_on_rank, 2, str(path), tp, pp, ep, sp, batch, sampling)
-    sharded = {k: t for keys, tokens, _, _ in ranks for k, t in zip(keys, tokens)}
+    sharded = {k: t for keys, tokens, *_ in ranks for k, t in zip(keys, tokens)}
     single = generate(one_rank_model(path), None, batch, SamplingOptions(**sampling), keys=range(len(batch)))
     assert [sharded[k] for k in range(len(batch))] == single.tokens
 
@@ -224,6 +233,7 @@ def test_greedy_at_tp2_sp_pp2_ep2_equals_transformers_and_sampling_equals_one_ra
 def _ranks_stop_together(path: str, eos_on_first: bool):
     from hybrid.conversion.hf import hf_parts, read_hf_config
     from hybrid.evaluation import loaded_model
+    from hybrid.memory import decoding_cache_bytes
     from hybrid.model.generate import SamplingOptions, generate
     from hybrid.parallel.dims import ParallelDims
     from hybrid.parallel.groups import build_groups

@@ -487,6 +487,25 @@ BIG = ["--dry-run", "--no-demo", "--num-layers", "24", "--hidden-size", "2048", 
        "--dry-run-world-size", "16", "--deepspeed", "ds_configs/zero1.json"]
 
 
+def test_dry_run_counts_a_grpo_runs_decoding_cache_and_zero3s_gathered_stage():
+    """--grpo: a rank's rollout decodes its share of the global batch (global batch / DP rows) in up to --seq-length
+    + 1 slots; the dry run counts that cache (hybrid.memory.decoding_cache_bytes; tests/test_generation.py checks it
+    equal to the real cache's bytes for every family, and at TP 2, PP 2 and EP 2) as a third moment beside the
+    backward and the step, with the stage's parameters gathered whole under ZeRO-3."""
+    flags = [*BIG[:-2], "--num-query-groups", "4", "--tensor-model-parallel-size", "2", "--grpo", "--grpo-group-size",
+             "8", "--max-new-tokens", "512"]
+    for zero in (1, 3):
+        result = _train(*flags, "--deepspeed", f"ds_configs/zero{zero}.json")
+        assert result.returncode == 0, result.stderr
+        assert "--grpo rollouts:" in result.stdout and "the cache of 32 rows x 2049 slots" in result.stdout
+        s = json.loads(result.stdout.strip().splitlines()[-1])["dry_run"]["stages"][0]
+        # rows (256 / DP 8) x slots x layers x (keys, values) x KV heads per TP rank x head size x bf16
+        cache = 32 * 2049 * 24 * 2 * (4 // 2) * 128 * 2
+        assert s["decoding"] == cache + (2 * s["parameters"] - s["params"] if zero == 3 else 0)
+        assert s["total"] == s["params"] + s["grads"] + s["optimizer"] + max(s["buffers"] + s["activations"],
+                                                                             s["step"], s["decoding"])
+
+
 @pytest.mark.slow
 def test_dry_run_prints_table_and_json_and_advice_that_fits():
     result = _train(*BIG, "--gpu-memory-gb", "16")
@@ -574,10 +593,12 @@ def test_dry_run_counts_zero3_under_a_pipeline_stage_by_stage():
                 # gathered with its gradient and a full bucket's reduction (its flat copy)
                 assert row["buffers"] == 4 * (plan.zero.reduce_bucket_size + max(2 * largest, bucket))
                 assert row["step"] == 4 * plan.zero.reduce_bucket_size + 8 * math.ceil(largest / 2)
-            else:  # the whole gradients until the step, and the reduce bucket
-                assert row["buffers"] == 4 * (bucket + numel)
+            else:  # the whole gradients until the step (less their partitions, made from them at the end of
+                # backward), and the reduce bucket, which lives through the gradient norm
+                assert row["buffers"] == 4 * (bucket + numel) - (row["grads"] - 4 * stage["replica"]) > 0
                 decayed = sum(n for n, d in stage["params"].values() if d)
-                assert row["step"] == max(8 * min(largest, math.ceil(decayed / 2)), 4 * math.ceil(decayed / 2))
+                assert row["step"] == max(4 * bucket + 8 * min(largest, math.ceil(decayed / 2)),
+                                          4 * math.ceil(decayed / 2))
     assert stages[1]["replica"] > 0 and stages[0]["replica"] == 0  # the tied table's copy: the last stage's
     for zero1, zero3 in zip(rows[1], rows[3]):
         # (beside DeepSpeed's default ZeRO-3 reduce bucket, 5e8 elements allocated whole: 2 GB here in fp32)

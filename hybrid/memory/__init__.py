@@ -217,10 +217,12 @@ def zero_buffer_bytes(params: dict, zero: ZeroSettings, pp: int, collective_copi
                       frozen: Optional[dict] = None) -> int:
     """ZeRO's working memory on one rank during backward, beside the partitioned states (DeepSpeed 0.19 allocates
     its buckets whole), for this rank's parameters (1/EP of the experts): ZeRO-1's whole gradients, which wait in
-    `.grad` until the step reduces them, and its reduce bucket; ZeRO-2's reduce bucket (two with overlap_comm;
-    none without contiguous gradients) and the largest parameter's whole gradient until its reduction; ZeRO-3's
+    `.grad` until the step reduces them (less their partitions, made from them), and its reduce bucket; ZeRO-2's
+    reduce bucket (two with overlap_comm; none without contiguous gradients) and the largest parameter's whole
+    gradient until its reduction; ZeRO-3's
     reduce bucket (allocated whole at start, alive throughout) and, at the largest parameter's backward, that
-    parameter gathered (on the accelerator, offloaded parameters too) and its whole gradient, then that gradient
+    parameter gathered (an MoE layer's experts all together; on the accelerator, offloaded parameters too) and its
+    whole gradient, then that gradient
     and the reduce-scatter's output partition, or a full bucket's reduction (its flat copy and partitions), plus at
     PP = 1 the parameters its trace prefetches (a pipeline's stages run without a trace:
     hybrid.training.deepspeed_fixes.prepare_pipeline_engine). `collective_copies`:
@@ -233,10 +235,14 @@ def zero_buffer_bytes(params: dict, zero: ZeroSettings, pp: int, collective_copi
     shares = _zero_shares(params, zero, ep)
     sizes = [n for share, _ in shares for n, _ in share.values()]
     total, largest = sum(sizes), max(sizes, default=0)
-    if zero.stage in (1, 2):
-        buckets = (2 if zero.overlap_comm else 1) if zero.contiguous_gradients else 0
-        waiting = total if zero.stage == 1 else largest
-        return (buckets * min(zero.reduce_bucket_size, total) + waiting) * e
+    if zero.stage == 1:  # the gradient partitions (counted with the model states) are made from the whole
+        # gradients at the end of backward, which are then freed: the whole ones beyond the partitions
+        partitions = sum(math.ceil(sum(n for n, d in share.values() if d == decayed) / (2 * dp)) * 2
+                         for share, dp in shares for decayed in (True, False))
+        return ((_zero12_buckets(zero) * min(zero.reduce_bucket_size, total) + total) * e
+                - partitions * (4 if zero.fp32_grad_accumulation else e))
+    if zero.stage == 2:
+        return (_zero12_buckets(zero) * min(zero.reduce_bucket_size, total) + largest) * e
     frozen_sizes = [n for n, _ in (frozen or {}).values()]
     prefetched = min(zero.prefetch_bucket_size, total + sum(frozen_sizes)) if pp == 1 else 0
     # the module is released before its gradient is reduced (the input embedding too:
@@ -245,12 +251,24 @@ def zero_buffer_bytes(params: dict, zero: ZeroSettings, pp: int, collective_copi
     for share, dp in shares:
         big = max(n for n, _ in share.values())
         reduced = math.ceil(big / dp) + (big if collective_copies else 0)
+        # an MoE layer gathers all its experts at once (they are external parameters of the layer:
+        # hybrid.training.deepspeed_fixes.register_moe_layers) and holds them through their gradients' reductions
+        layers = {}
+        for name, (n, _) in share.items():
+            if is_expert(name):
+                layers[name.split(EXPERTS)[0]] = layers.get(name.split(EXPERTS)[0], 0) + n
+        held = max(big, max(layers.values(), default=0))
         # a full bucket's reduction: reduce_scatter_coalesced (zero_optimization.reduce_scatter, the default) joins
         # its gradients into one flat copy, which gloo copies again (its partitions are views of that copy); without
         # reduce_scatter the bucket is all-reduced where it lies
         flush = min(zero.reduce_bucket_size, sum(n for n, _ in share.values())) if zero.reduce_scatter else 0
-        working = max(working, 2 * big, big + reduced, flush * (2 if collective_copies else 1))
+        working = max(working, held + big, held + reduced, flush * (2 if collective_copies else 1))
     return (_zero3_bucket(zero) + prefetched + working) * e
+
+
+def _zero12_buckets(zero: ZeroSettings) -> int:
+    """ZeRO-1/2's reduce buckets: two with overlap_comm, none without contiguous gradients."""
+    return (2 if zero.overlap_comm else 1) if zero.contiguous_gradients else 0
 
 
 def _zero3_bucket(zero: ZeroSettings) -> int:
@@ -261,7 +279,8 @@ def _zero3_bucket(zero: ZeroSettings) -> int:
 def zero_step_bytes(params: dict, zero: ZeroSettings, ep: int = 1) -> int:
     """The optimizer step's transient on one rank (DeepSpeed 0.19), beside the partitioned states, when the
     activations are gone, the larger of two moments: the gradient norm, which takes each gradient partition in
-    fp64 one at a time (`get_grad_norm_direct`: 8 bytes per element of the largest piece this rank holds), and
+    fp64 one at a time (`get_grad_norm_direct`: 8 bytes per element of the largest piece this rank holds; under
+    ZeRO-1 beside its reduce bucket, which DeepSpeed 0.19.8 frees after the norm), and
     the update: ZeRO-1/2 step each parameter group (decayed, not; the experts' apart) with its gradient partition
     flattened and then copied to fp32 (`single_grad_partition`; one fp32 copy where the gradients are fp32), both
     alive at once; ZeRO-3 steps each sub-group (`sub_group_size`) on the fp32 copy of its gradient partitions,
@@ -276,7 +295,10 @@ def zero_step_bytes(params: dict, zero: ZeroSettings, ep: int = 1) -> int:
         largest = max(n for n, _ in share.values())
         if zero.stage in (1, 2):
             groups = [math.ceil(sum(n for n, d in share.values() if d == decayed) / dp) for decayed in (True, False)]
-            peak = max(peak, 8 * min(largest, max(groups)), max((4 if fp32_grads else e + 4) * g for g in groups))
+            # ZeRO-1's reduce bucket is freed only after the norm (measured: benchmarks/bench_memory.py)
+            bucket = _zero12_buckets(zero) * min(zero.reduce_bucket_size, sum(n for n, _ in share.values())) * e
+            peak = max(peak, 8 * min(largest, max(groups)) + (bucket if zero.stage == 1 else 0),
+                       max((4 if fp32_grads else e + 4) * g for g in groups))
         else:
             partition = sum(math.ceil(n / dp) for n, _ in share.values())
             update = 0 if fp32_grads else 4 * min(zero.sub_group_size, partition)
@@ -310,6 +332,35 @@ class MemoryPlan:
     cpu_offloading: bool = False  # --cpu-offloading: full recompute's checkpointed layer inputs in host memory
     reference_model: bool = False  # --dpo without --dpo-reference-logps: a frozen copy of the weights on every rank
     muon: bool = False  # --optimizer muon (hybrid.training.muon: ZeRO-0's whole matrices, or ZeRO's partitions)
+    decode_rows: int = 0  # --grpo: the rows a rank's rollout decodes at once (0: no decoding)
+    decode_slots: int = 0  # and their slots: prompt and completion tokens (at most --seq-length + 1)
+
+
+def decoding_cache_bytes(config: ModelConfig, tp: int, rows: int, slots: int, layers, dtype_bytes: int) -> int:
+    """The decoding cache (hybrid.model.kv_cache.KVCache) of `rows` rows of `slots` slots on a rank holding layers
+    `layers` (0-based) at TP `tp`, preallocated whole: an attention layer's keys and values [rows, KV heads / tp,
+    slots, head size] (MLA: its latent and rope key, one head each; a layer reading another's: none) and DSA's
+    indexer keys [slots, rows, head size] where a layer chooses its own, in the model's dtype; a Gated DeltaNet
+    layer's state [rows, value heads / tp, dk, dv] in fp32 and its conv's last K - 1 inputs [K - 1, rows, (2 x key
+    + value) channels / tp]."""
+    total = 0
+    for i in layers:
+        c = config.layer_config(i)
+        if config.linear_attention(i):
+            nk, nv = c.linear_num_key_heads // tp, c.linear_num_value_heads // tp
+            dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+            total += rows * (4 * nv * dk * dv + dtype_bytes * (c.linear_conv_kernel_dim - 1) * (2 * nk * dk + nv * dv))
+            continue
+        if config.kv_source(i) is not None:
+            continue
+        if c.multi_latent_attention:
+            per_slot = c.kv_lora_rank + c.qk_pos_emb_head_dim
+        else:
+            per_slot = (c.num_query_groups or c.num_attention_heads) // tp * (c.head_dim + c.value_head_dim)
+        if c.dsa_indexer_topk and config.dsa_source(i) is None:
+            per_slot += c.dsa_indexer_head_dim
+        total += dtype_bytes * rows * slots * per_slot
+    return total
 
 
 def frozen_indexer(name: str, config: ModelConfig) -> bool:
@@ -482,9 +533,15 @@ def estimate(plan: MemoryPlan) -> list[dict]:
                    fp8=fp8_bytes(config, info["layers"], act), host_activations=host_activations,
                    reference=reference, **states)
         row["buffers"], row["step"] = buffers, step
-        # the larger of two moments: the backward (ZeRO's buffers beside the activations) and the step
+        # --grpo's rollouts: the decoding cache, beside the stage's parameters gathered whole under ZeRO-3
+        # (hybrid.training.deepspeed_fixes.zero3_gathered_while_generating)
+        row["decoding"] = 0 if not plan.decode_rows else (
+            decoding_cache_bytes(config, plan.tp, plan.decode_rows, plan.decode_slots, info["layers"],
+                                 _BYTES[precision])
+            + (max(0, parameters * _BYTES[precision] - row["params"]) if plan.zero.stage == 3 else 0))
+        # the largest of three moments: the backward (ZeRO's buffers beside the activations), the step, decoding
         row["total"] = (row["params"] + row["grads"] + row["optimizer"] + row["reference"]
-                        + max(row["buffers"] + row["activations"] + row["fp8"], row["step"]))
+                        + max(row["buffers"] + row["activations"] + row["fp8"], row["step"], row["decoding"]))
         rows.append(row)
     return rows
 
@@ -509,6 +566,10 @@ def format_table(rows: list[dict], plan: MemoryPlan) -> str:
         lines.append(f"FP8 ({c.fp8_recipe}, {c.fp8_format}): {max(r['fp8'] for r in rows) / GiB:.3f} GiB per rank in "
                      f"the totals: the FP8 copies of the largest GEMM's operands while it runs"
                      f"{' and the amax histories' if c.fp8_recipe == 'delayed' else ''}")
+    if any(r["decoding"] for r in rows):
+        lines.append(f"--grpo rollouts: {max(r['decoding'] for r in rows) / GiB:.3f} GiB per rank while decoding, "
+                     f"in the totals: the cache of {plan.decode_rows} rows x {plan.decode_slots} slots"
+                     f"{' and the stage gathered whole (ZeRO-3)' if plan.zero.stage == 3 else ''}")
     if any(r["reference"] for r in rows):
         lines.append(f"--dpo reference model: {max(r['reference'] for r in rows) / GiB:.3f} GiB per rank in the totals "
                      f"(its frozen weights; --dpo-reference-logps scores the windows once and frees it)")
