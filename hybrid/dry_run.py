@@ -42,12 +42,17 @@ def plan_from_run(run: RunConfig) -> MemoryPlan:
                       schedule=run.pipeline.schedule, virtual=run.pipeline.virtual_stages, cp=p.context_parallel,
                       ulysses=p.ulysses, ep=p.expert_parallel, torch_compile=t.torch_compile,
                       cpu_offloading=run.cpu_offloading,
-                      # (with LoRA the reference is the model itself, its adapters off: no second model)
-                      reference_model=bool(t.dpo and not t.dpo.reference_logps and not run.model.lora_rank),
+                      # --dpo's and --grpo-beta's frozen reference (with LoRA the reference is the model itself,
+                      # its adapters off: no second model)
+                      reference_model=bool(((t.dpo and not t.dpo.reference_logps) or (t.grpo and t.grpo.beta))
+                                           and not run.model.lora_rank),
                       muon=run.optimizer.muon is not None,
-                      # --grpo: a rank's rollout decodes its share of the global batch (hybrid.training.rollout)
-                      decode_rows=t.global_batch_size // p.data_parallel // p.sequence_split if t.grpo else 0,
-                      decode_slots=t.seq_length + 1 if t.grpo else 0)
+                      # --grpo: a rank's rollout decodes its share of the global batch, the sequence ranks each a
+                      # contiguous part (hybrid.training.rollout), in prompt + completion slots: at most
+                      # --seq-length + 1; an environment's later turns take the whole --max-new-tokens again
+                      decode_rows=-(-(t.global_batch_size // p.data_parallel) // p.sequence_split) if t.grpo else 0,
+                      decode_slots=0 if not t.grpo else t.seq_length + (t.grpo.max_new_tokens if t.grpo.environment
+                                                                         else 1))
 
 
 def peak_gib(plan: MemoryPlan) -> float:

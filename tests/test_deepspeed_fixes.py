@@ -443,7 +443,7 @@ def _zero3_forwards_then_backwards(fixed: bool) -> dict:
 def test_zero3_releases_each_module_in_every_backward_after_several_forwards():
     """start_backward: DeepSpeed sets a module's count of pending input gradients anew at each forward, so after
     two micro-batches' forwards only the first backward released the modules' gathered weights; the second held
-    every module it reached gathered through its gradients' reduction (a layer-heavy pipeline stage: 0.13 GiB more
+    every module it reached gathered through its gradients' reduction (a layer-heavy pipeline stage: 0.14 GiB more
     at PP 2 x DP 2, benchmarks/bench_memory.py). With the fix each backward holds one module's weights at a time,
     and the steps are bitwise DeepSpeed's."""
     import torch

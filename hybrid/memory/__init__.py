@@ -235,14 +235,15 @@ def zero_buffer_bytes(params: dict, zero: ZeroSettings, pp: int, collective_copi
     shares = _zero_shares(params, zero, ep)
     sizes = [n for share, _ in shares for n, _ in share.values()]
     total, largest = sum(sizes), max(sizes, default=0)
-    if zero.stage == 1:  # the gradient partitions (counted with the model states) are made from the whole
-        # gradients at the end of backward, which are then freed: the whole ones beyond the partitions
-        partitions = sum(math.ceil(sum(n for n, d in share.values() if d == decayed) / (2 * dp)) * 2
-                         for share, dp in shares for decayed in (True, False))
-        return ((_zero12_buckets(zero) * min(zero.reduce_bucket_size, total) + total) * e
-                - partitions * (4 if zero.fp32_grad_accumulation else e))
-    if zero.stage == 2:
-        return (_zero12_buckets(zero) * min(zero.reduce_bucket_size, total) + largest) * e
+    if zero.stage in (1, 2):
+        waiting = total if zero.stage == 1 else largest
+        partitions = 0
+        if zero.stage == 1 and not zero.fp32_grad_accumulation:  # its gradient partitions (counted with the model
+            # states) are made from the whole gradients at the end of backward, which are then freed: the whole
+            # ones beyond the partitions (with fp32 accumulation in bf16 DeepSpeed runs its BF16_Optimizer instead)
+            partitions = sum(math.ceil(sum(n for n, d in share.values() if d == decayed) / (2 * dp)) * 2
+                             for share, dp in shares for decayed in (True, False)) * e
+        return (_zero12_buckets(zero) * min(zero.reduce_bucket_size, total) + waiting) * e - partitions
     frozen_sizes = [n for n, _ in (frozen or {}).values()]
     prefetched = min(zero.prefetch_bucket_size, total + sum(frozen_sizes)) if pp == 1 else 0
     # the module is released before its gradient is reduced (the input embedding too:
@@ -330,10 +331,10 @@ class MemoryPlan:
     ep: int = 1  # --expert-model-parallel-size: this rank holds 1/EP of each layer's experts
     torch_compile: bool = False  # --torch-compile (no memory of its own; the advisor's proposals must allow it)
     cpu_offloading: bool = False  # --cpu-offloading: full recompute's checkpointed layer inputs in host memory
-    reference_model: bool = False  # --dpo without --dpo-reference-logps: a frozen copy of the weights on every rank
+    reference_model: bool = False  # --dpo without --dpo-reference-logps, --grpo-beta: frozen weights on every rank
     muon: bool = False  # --optimizer muon (hybrid.training.muon: ZeRO-0's whole matrices, or ZeRO's partitions)
     decode_rows: int = 0  # --grpo: the rows a rank's rollout decodes at once (0: no decoding)
-    decode_slots: int = 0  # and their slots: prompt and completion tokens (at most --seq-length + 1)
+    decode_slots: int = 0  # and their slots: prompt and completion tokens
 
 
 def decoding_cache_bytes(config: ModelConfig, tp: int, rows: int, slots: int, layers, dtype_bytes: int) -> int:
@@ -361,6 +362,15 @@ def decoding_cache_bytes(config: ModelConfig, tp: int, rows: int, slots: int, la
             per_slot += c.dsa_indexer_head_dim
         total += dtype_bytes * rows * slots * per_slot
     return total
+
+
+def _zero3_gathered_stage(params: dict, plan: MemoryPlan) -> int:
+    """ZeRO-3 while a --grpo rollout decodes: the stage's parameters gathered whole beside their partitions (the
+    persistent ones are whole already), and the reduce bucket, allocated whole at start."""
+    e = _BYTES[plan.zero.precision]
+    whole = sum(n // (plan.ep if is_expert(name) else 1) for name, (n, _) in params.items()
+                if n >= plan.zero.persistence_threshold)
+    return (whole + _zero3_bucket(plan.zero)) * e
 
 
 def frozen_indexer(name: str, config: ModelConfig) -> bool:
@@ -538,7 +548,7 @@ def estimate(plan: MemoryPlan) -> list[dict]:
         row["decoding"] = 0 if not plan.decode_rows else (
             decoding_cache_bytes(config, plan.tp, plan.decode_rows, plan.decode_slots, info["layers"],
                                  _BYTES[precision])
-            + (max(0, parameters * _BYTES[precision] - row["params"]) if plan.zero.stage == 3 else 0))
+            + (_zero3_gathered_stage(info["params"], plan) if plan.zero.stage == 3 else 0))
         # the largest of three moments: the backward (ZeRO's buffers beside the activations), the step, decoding
         row["total"] = (row["params"] + row["grads"] + row["optimizer"] + row["reference"]
                         + max(row["buffers"] + row["activations"] + row["fp8"], row["step"], row["decoding"]))
@@ -571,8 +581,8 @@ def format_table(rows: list[dict], plan: MemoryPlan) -> str:
                      f"in the totals: the cache of {plan.decode_rows} rows x {plan.decode_slots} slots"
                      f"{' and the stage gathered whole (ZeRO-3)' if plan.zero.stage == 3 else ''}")
     if any(r["reference"] for r in rows):
-        lines.append(f"--dpo reference model: {max(r['reference'] for r in rows) / GiB:.3f} GiB per rank in the totals "
-                     f"(its frozen weights; --dpo-reference-logps scores the windows once and frees it)")
+        lines.append(f"reference model (--dpo, --grpo-beta): {max(r['reference'] for r in rows) / GiB:.3f} GiB per rank "
+                     f"in the totals (its frozen weights; --dpo-reference-logps scores the windows once and frees it)")
     if any(r["host_activations"] for r in rows):
         lines.append(f"host memory for the offloaded activations (--cpu-offloading: the checkpointed layer inputs): "
                      f"{max(r['host_activations'] for r in rows) / GiB:.3f} GiB per rank")

@@ -151,7 +151,7 @@ def start_backward(engine) -> None:
     ZeRO-3 releases a module's gathered parameters when its count of pending input gradients
     (`ds_grads_remaining`) reaches 0 in backward, and sets the count anew at each forward: after a schedule's
     forwards of several micro-batches, only the first backward released, and a cooldown's later backwards held
-    every module of the stage gathered through the gradients' reduction (a layer-heavy stage 0: 0.13 GiB more).
+    every module of the stage gathered through the gradients' reduction (a layer-heavy stage 0: 0.14 GiB more).
     The count of each module's last forward is kept here and restored where a backward finds it spent."""
     optimizer = engine.optimizer
     if engine.zero_optimization_stage() == 3:

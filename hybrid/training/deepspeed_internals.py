@@ -8,7 +8,7 @@ RELIED_ON = [
     ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload._remove_module_hooks",
      "self.fwd_pre_hook.remove()"),
     ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload._register_deepspeed_module",
-     "module.ds_grads_remaining = 0"),
+     "module.ds_grads_remaining = 0\n\n            return apply_to_tensors_only(module.post_bwd_fn.apply,"),
     ("deepspeed.runtime.zero.partition_parameters",
      "InsertPostInitMethodToModuleSubClasses._enable_mem_efficient_linear", ".linear_bk = torch.nn.functional.linear"),
     ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator.release_and_reset_all",
