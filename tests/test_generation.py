@@ -233,7 +233,6 @@ def test_greedy_at_tp2_sp_pp2_ep2_equals_transformers_and_sampling_equals_one_ra
 def _ranks_stop_together(path: str, eos_on_first: bool):
     from hybrid.conversion.hf import hf_parts, read_hf_config
     from hybrid.evaluation import loaded_model
-    from hybrid.memory import decoding_cache_bytes
     from hybrid.model.generate import SamplingOptions, generate
     from hybrid.parallel.dims import ParallelDims
     from hybrid.parallel.groups import build_groups
