@@ -196,7 +196,7 @@ def _generate_on_rank(path: str, tp: int, pp: int, ep: int, sp: bool, batch: lis
                    sync=groups.ep if ep > 1 else None)
     # the cache this rank decoded with, and the dry run's count of it for this rank's layers (hybrid.memory)
     slots = max(len(p) for p in mine) + options["max_new_tokens"]
-    counted = decoding_cache_bytes(model.config, tp, len(mine), slots, [int(i) for i in model.layers], 4)
+    counted = decoding_cache_bytes(model.config, tp, len(mine), slots, [int(i) for i in model.layers.keys()], 4)
     return keys, out.tokens, out.logprobs, model.config.sequence_parallel, (out.stats["cache_bytes"], counted)
 
 
