@@ -440,6 +440,7 @@ def _zero3_forwards_then_backwards(fixed: bool) -> dict:
     return dict(gathered=gathered, weights=weights)
 
 
+@pytest.mark.slow
 def test_zero3_releases_each_module_in_every_backward_after_several_forwards():
     """start_backward: DeepSpeed sets a module's count of pending input gradients anew at each forward, so after
     two micro-batches' forwards only the first backward released the modules' gathered weights; the second held

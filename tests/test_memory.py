@@ -487,6 +487,7 @@ BIG = ["--dry-run", "--no-demo", "--num-layers", "24", "--hidden-size", "2048", 
        "--dry-run-world-size", "16", "--deepspeed", "ds_configs/zero1.json"]
 
 
+@pytest.mark.slow
 def test_dry_run_counts_a_grpo_runs_decoding_cache_and_zero3s_gathered_stage():
     """--grpo: a rank's rollout decodes its share of the global batch (global batch / DP rows) in up to --seq-length
     + 1 slots; the dry run counts that cache (hybrid.memory.decoding_cache_bytes; tests/test_generation.py checks it

@@ -581,8 +581,11 @@ def format_table(rows: list[dict], plan: MemoryPlan) -> str:
                      f"in the totals: the cache of {plan.decode_rows} rows x {plan.decode_slots} slots"
                      f"{' and the stage gathered whole (ZeRO-3)' if plan.zero.stage == 3 else ''}")
     if any(r["reference"] for r in rows):
-        lines.append(f"reference model (--dpo, --grpo-beta): {max(r['reference'] for r in rows) / GiB:.3f} GiB per rank "
-                     f"in the totals (its frozen weights; --dpo-reference-logps scores the windows once and frees it)")
+        grpo = plan.decode_rows > 0  # (--grpo-beta's reference; else --dpo's)
+        size = max(r["reference"] for r in rows) / GiB
+        why = "" if grpo else "; --dpo-reference-logps scores the windows once and frees it"
+        lines.append(f"{'--grpo-beta' if grpo else '--dpo'} reference model: {size:.3f} GiB per rank in the totals "
+                     f"(its frozen weights{why})")
     if any(r["host_activations"] for r in rows):
         lines.append(f"host memory for the offloaded activations (--cpu-offloading: the checkpointed layer inputs): "
                      f"{max(r['host_activations'] for r in rows) / GiB:.3f} GiB per rank")
